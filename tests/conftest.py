@@ -1,0 +1,21 @@
+"Pytest configuration: `slow` tests run with --run-slow, `gpu` tests only where CUDA is available."
+import os
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(pytest.mark.skip(reason="slow: run with `make test-all` (--run-slow)"))
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="gpu: needs a CUDA device"))
