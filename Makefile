@@ -78,7 +78,7 @@ export: $(STAMP)
 
 clean-nbs: $(STAMP)
 	$(BIN)/nbdev-clean
-	$(BIN)/nbdev-clean --fname reproduce --clear_all
+	$(BIN)/nbdev-clean --fname reproduce --clear-all
 
 sync: $(STAMP)
 	$(BIN)/jupytext --sync $(NOTEBOOKS)
