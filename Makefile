@@ -76,9 +76,11 @@ lab: $(STAMP)
 export: $(STAMP)
 	$(BIN)/nbdev-export
 
+# Cleaning drops jupytext's cell metadata, so the text twins are re-synced afterwards.
 clean-nbs: $(STAMP)
 	$(BIN)/nbdev-clean
 	$(BIN)/nbdev-clean --fname reproduce --clear-all
+	$(BIN)/jupytext --quiet --sync $(NOTEBOOKS)
 
 sync: $(STAMP)
 	$(BIN)/jupytext --sync $(NOTEBOOKS)

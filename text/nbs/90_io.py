@@ -25,6 +25,7 @@ from pathlib import Path
 import matplotlib
 import pandas as pd
 
+
 # %%
 #| export
 def _umask() -> int:
@@ -47,6 +48,7 @@ def atomic_path(path: str | os.PathLike):
     finally:
         tmp.unlink(missing_ok=True)
 
+
 # %%
 #| export
 def write_text(path: str | os.PathLike, text: str) -> Path:
@@ -62,6 +64,7 @@ def write_csv(path: str | os.PathLike, df: pd.DataFrame) -> Path:
     "Write `df` (without its index) as CSV to `path` atomically."
     with atomic_path(path) as tmp: df.to_csv(tmp, index=False)
     return Path(path)
+
 
 # %% [markdown]
 # A check that an interrupted write leaves the old content in place and no temporary file:
@@ -83,6 +86,7 @@ with _tf.TemporaryDirectory() as d:
     test_eq(p.stat().st_mode & 0o777, 0o666 & ~_umask())
     write_json(Path(d)/"sub"/"r.json", {"b": 1, "a": [1, 2]})
     test_eq(json.loads((Path(d)/"sub"/"r.json").read_text()), {"a": [1, 2], "b": 1})
+
 
 # %% [markdown]
 # ## Figures
@@ -109,6 +113,7 @@ def save_figure(fig, path: str | os.PathLike, data: pd.DataFrame | dict | None =
     elif isinstance(data, dict): write_json(path.with_suffix(".json"), data)
     elif data is not None: raise TypeError(f"data must be a DataFrame, a dict or None, got {type(data).__name__}")
     return path
+
 
 # %%
 import matplotlib.pyplot as plt

@@ -66,6 +66,7 @@ class Stage:
     inputs: list[Path] = field(default_factory=list)
     description: str = ""
 
+
 # %%
 #| export
 def find_pipeline(start: str | os.PathLike | None = None) -> Path:
@@ -97,6 +98,7 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
                             description=s.get("description", "")))
     return stages
 
+
 # %% [markdown]
 # ## Staleness
 #
@@ -127,6 +129,7 @@ def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str
     if newest_input > oldest_output: return "inputs newer than outputs"
     return None
 
+
 # %% [markdown]
 # ## Running one stage
 #
@@ -154,6 +157,7 @@ class StageFailed(RuntimeError):
         self.stage, self.notebook = stage, notebook
         where = f"; executed notebook: {notebook}" if notebook else ""
         super().__init__(f"stage {stage!r} failed: {reason}{where}")
+
 
 # %%
 #| export
@@ -187,6 +191,7 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     write_json(out_dir/".stamps"/f"{stage.name}.json", {"fingerprint": fingerprint(params), "params": params})
     return time.time() - start
 
+
 # %% [markdown]
 # ## The summary
 #
@@ -213,6 +218,7 @@ def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[st
         frag = out_dir/f"{s.name}.md"
         if frag.exists(): lines += ["", f"## {s.name}", "", frag.read_text().strip()]
     return write_text(out_dir/"summary.md", "\n".join(lines) + "\n")
+
 
 # %% [markdown]
 # ## The runner
@@ -250,6 +256,7 @@ def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = Fa
         write_summary(root, profile, stages, status)
     return status
 
+
 # %%
 #| export
 def main(argv: list[str] | None = None) -> int:
@@ -270,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for name, st in status.items(): print(f"{name}: {st}")
     return 0
+
 
 # %% [markdown]
 # `python -m sparsekv.reproduce` runs `main`; the guard is exported but not evaluated here
@@ -308,6 +316,7 @@ def _toy_project(d):
         "    outputs: ['figures/{profile}/a.txt']\n"
         "  b:\n    notebook: reproduce/b.ipynb\n    params: {quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n    outputs: []\n")
     return d/"reproduce"/"pipeline.yaml"
+
 
 # %%
 with tempfile.TemporaryDirectory() as d:

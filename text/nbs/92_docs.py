@@ -60,6 +60,7 @@ def project_root(start: str | os.PathLike | None = None) -> Path:
         if p.is_file() and "[tool.nbdev]" in p.read_text(): return d
     raise FileNotFoundError(f"no pyproject.toml with [tool.nbdev] at or above {here}")
 
+
 # %% [markdown]
 # ## 1. Executing notebooks, with a cache
 
@@ -89,6 +90,7 @@ def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
     write_text(stamp, key)
     return dest
 
+
 # %%
 #| export
 def reproduce_notebooks(root: Path) -> dict[Path, Path]:
@@ -100,6 +102,7 @@ def reproduce_notebooks(root: Path) -> dict[Path, Path]:
         runs = [root/"reproduce"/"runs"/p/f"{name}.ipynb" for p in PROFILE_PREFERENCE]
         res[src] = next((r for r in runs if r.exists()), src)
     return res
+
 
 # %% [markdown]
 # ## 2. nbdev's processing, translated for MyST-NB
@@ -154,6 +157,7 @@ def myst_cells(nb):
     nb.metadata["language_info"] = {"name": "python", "pygments_lexer": "ipython3"}
     return nb
 
+
 # %%
 #| export
 def process_notebook(src: Path, dest: Path, root: Path) -> Path:
@@ -175,6 +179,7 @@ def process_notebook(src: Path, dest: Path, root: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, dest)
     return dest
+
 
 # %% [markdown]
 # ## 3. Sphinx
@@ -205,6 +210,7 @@ def toctree(caption: str, pages: list[str]) -> str:
 
 def page_name(rel: Path) -> str:
     return rel.with_suffix("").as_posix()
+
 
 # %%
 #| export
@@ -240,6 +246,7 @@ def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | 
     subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", str(site), str(dest)], check=True)
     return dest
 
+
 # %% [markdown]
 # ## The README
 #
@@ -266,6 +273,7 @@ def write_readme(root: str | os.PathLike | None = None) -> Path:
     root = project_root(root)
     return write_text(root/"README.md", readme_text(root))
 
+
 # %%
 #| export
 def main(argv: list[str] | None = None) -> int:
@@ -281,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     out = build_docs(dest=a.dest, mathjax=a.mathjax, execute=not a.no_execute, only=a.only)
     print(f"built {len(list(out.rglob('*.html')))} pages into {out}")
     return 0
+
 
 # %%
 #| export

@@ -42,6 +42,7 @@ from sparsekv.io import save_figure, use_style, write_text
 use_style()
 torch.manual_seed(seed)
 
+
 # %%
 def frac_keys_for_mass(p: torch.Tensor, mass: float = 0.9) -> torch.Tensor:
     "Per row of probabilities `p`, the fraction of entries needed to reach `mass` (largest first)."
