@@ -1,0 +1,956 @@
+# %% [markdown]
+# # Evaluation metrics and the evaluation grid
+#
+# > Metrics shared by every method (agreement and KL to the dense teacher, perplexity, attention-mass recall, output error, retention recall, pass@k) and a resumable grid runner.
+
+# %%
+#| default_exp eval
+
+# %% [markdown]
+# Every method in this project is judged against the **dense teacher**: the same model with
+# full attention. Some metrics compare final predictions (next-token agreement, KL,
+# perplexity, task accuracy, pass@k); others look inside one attention layer and do not
+# depend on how hard a task is (how much attention probability the kept keys carry, how
+# far the attention output moves, how many of the oracle's keys a policy keeps).
+#
+# Conventions shared by the functions below:
+#
+# - logits are `[..., V]` (usually `[B, S, V]`) and are converted to at least float32
+#   before any softmax; a `mask` of valid positions is a boolean tensor of shape
+#   `logits.shape[:-1]`;
+# - attention tensors follow the project layout: `q [B, Hq, Sq, D]`, `k, v [B, Hkv, Sk, D]`,
+#   query head `h*G + g` reads KV head `h`;
+# - per-query metrics are returned unreduced (`[B, Hq, Sq]`), so a caller can average per
+#   head, per layer or per position; `per_head_mean` is the reduction used in the reports;
+# - every function has a brute-force `*_reference` beside it (loops, Python sets, explicit
+#   enumeration) that the checks and the tests compare against.
+
+# %%
+#| export
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from sparsekv.io import write_csv
+
+# %%
+from fastcore.test import test_eq, test_fail, test_close
+from torch.testing import assert_close
+
+
+# %% [markdown]
+# ## Input checks
+#
+# Small helpers shared by the metrics: each raises a `TypeError`/`ValueError` that names the
+# argument and what is accepted.
+
+# %%
+#| export
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    "`x` in float32, or float64 if it already is."
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+def _check_float(x, name: str, min_dim: int = 1) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {type(x).__name__}"
+                        + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+    if x.dim() < min_dim: raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(x.shape)}")
+    if x.numel() == 0: raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
+    return x
+
+def _check_pair(student, teacher, names=("student_logits", "teacher_logits"), min_dim: int = 2):
+    _check_float(student, names[0], min_dim), _check_float(teacher, names[1], min_dim)
+    if student.shape != teacher.shape:
+        raise ValueError(f"{names[0]} {tuple(student.shape)} and {names[1]} {tuple(teacher.shape)} must have the same shape")
+
+def _check_positions(mask, shape, name: str = "mask"):
+    "Validate an optional boolean mask of valid positions of the given shape."
+    if mask is None: return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a boolean tensor of shape {tuple(shape)} or None, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    if mask.shape != shape: raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(mask.shape)}")
+    if not mask.any(): raise ValueError(f"{name} selects no position")
+    return mask
+
+def _masked_mean(x: torch.Tensor, mask) -> torch.Tensor:
+    "Mean of `x` over the positions where `mask` is True (all positions when `mask` is None)."
+    return x.mean() if mask is None else x[mask].mean()
+
+def _check_int(x, name: str, lo: int, hi: int | None = None) -> int:
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < lo or (hi is not None and x > hi):
+        raise ValueError(f"{name} must be in [{lo}, {'inf' if hi is None else hi}], got {x}")
+    return int(x)
+
+
+# %% [markdown]
+# Logits of long sequences are large (`[8192, 49152]` is 1.6 GB in float32), and a softmax
+# makes several copies. The per-position metrics therefore run over blocks of rows of the
+# flattened leading dimensions, which bounds the float32 temporaries to `_ROWS × V`.
+
+# %%
+#| export
+_ROWS = 512
+
+def _rowwise(fn: Callable, *xs: torch.Tensor) -> torch.Tensor:
+    "Apply `fn` to blocks of `_ROWS` rows of `xs` (leading dims of `xs[0]` flattened); one value per row, shaped like those dims."
+    lead = xs[0].shape[:-1]
+    flat = [x.reshape(-1, *x.shape[len(lead):]) for x in xs]
+    out = [fn(*(f[i:i + _ROWS] for f in flat)) for i in range(0, flat[0].shape[0], _ROWS)]
+    return torch.cat(out).reshape(lead)
+
+
+# %% [markdown]
+# ## Next-token agreement with the teacher
+#
+# At each position the student and the teacher predict a next-token distribution from
+# their logits $z^S, z^T \in \mathbb{R}^V$. **Top-1 agreement** is the fraction of valid
+# positions where $\arg\max_v z^S_v = \arg\max_v z^T_v$ (ties resolved to the lowest token
+# id by `torch.argmax`, the same rule on both sides).
+
+# %%
+#| export
+def top1_agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    "Fraction of valid positions where the student's and the teacher's most likely next tokens agree."
+    _check_pair(student_logits, teacher_logits)
+    mask = _check_positions(mask, teacher_logits.shape[:-1])
+    same = student_logits.argmax(-1) == teacher_logits.argmax(-1)
+    return _masked_mean(same.float(), mask)
+
+def top1_agreement_reference(student_logits, teacher_logits, mask=None) -> float:
+    "Brute-force `top1_agreement`: a Python loop over positions."
+    s, t = student_logits.reshape(-1, student_logits.shape[-1]).tolist(), teacher_logits.reshape(-1, teacher_logits.shape[-1]).tolist()
+    m = [True] * len(s) if mask is None else mask.reshape(-1).tolist()
+    hits = [s_.index(max(s_)) == t_.index(max(t_)) for s_, t_, ok in zip(s, t, m) if ok]
+    return sum(hits) / len(hits)
+
+
+# %%
+torch.manual_seed(0)
+t = torch.randn(3, 7, 5)
+s = t + 0.8 * torch.randn(3, 7, 5)
+m = torch.rand(3, 7) > 0.3
+test_close(top1_agreement(s, t).item(), top1_agreement_reference(s, t), eps=1e-6)
+test_close(top1_agreement(s, t, m).item(), top1_agreement_reference(s, t, m), eps=1e-6)
+test_eq(top1_agreement(t, t).item(), 1.0)
+test_fail(lambda: top1_agreement(s, t[:, :6]), contains="same shape")
+test_fail(lambda: top1_agreement(s, t, m[:, :6]), contains="mask must have shape")
+test_fail(lambda: top1_agreement(s, t, torch.zeros(3, 7, dtype=torch.bool)), contains="selects no position")
+
+
+# %% [markdown]
+# ## KL divergence to the teacher
+#
+# With $\log p_v = z_v - \operatorname{LSE}(z)$, $\operatorname{LSE}(z) = \log\sum_u e^{z_u}$
+# (`log_softmax`, computed in float32), the forward KL from the teacher to the student at
+# one position is
+#
+# $$\mathrm{KL}(p^T \,\|\, p^S) = \sum_{v=1}^{V} p^T_v \left(\log p^T_v - \log p^S_v\right),$$
+#
+# where a term with $p^T_v = 0$ counts as $0$. `kl_to_teacher` averages it over the valid
+# positions. Gradients flow to the student logits, so the same function is a
+# distillation loss.
+#
+# ### Restricted to the teacher's top-$k$ logits
+#
+# KVpop's distillation loss (App. F: "KL Top-$k$ 256", temperature 1, forward KL) evaluates
+# the KL only on the teacher's $k$ largest logits. We define it as the KL between the two
+# distributions **renormalized on that set**. Let $\mathcal{T}$ be the indices of the
+# teacher's top-$k$ logits at the position (chosen by `torch.topk`; exact ties at the
+# boundary are rare in practice and resolved by `torch.topk`), and
+#
+# $$\tilde p^T_i = \frac{e^{z^T_i}}{\sum_{j\in\mathcal T} e^{z^T_j}}, \qquad
+#   \tilde p^S_i = \frac{e^{z^S_i}}{\sum_{j\in\mathcal T} e^{z^S_j}}, \qquad i \in \mathcal T,$$
+#
+# $$\mathrm{KL}_{\mathcal T} = \sum_{i\in\mathcal T} \tilde p^T_i\left(\log\tilde p^T_i - \log\tilde p^S_i\right).$$
+#
+# Both are proper distributions on $\mathcal T$, so $\mathrm{KL}_{\mathcal T} \ge 0$, with
+# equality iff the student's logits on $\mathcal T$ equal the teacher's up to one constant;
+# at $k = V$ it is the full KL. The teacher's mass outside $\mathcal T$ is dropped, and the
+# student is not penalized for mass it puts outside $\mathcal T$.
+#
+# The variant `renormalize_student=False` keeps the student's *full* log-probabilities
+# $\log p^S_i$ on $\mathcal T$. Since $\log p^S_i = \log\tilde p^S_i + \log m^S_{\mathcal T}$
+# with $m^S_{\mathcal T} = \sum_{j\in\mathcal T} p^S_j$ the student's mass on $\mathcal T$,
+#
+# $$\sum_{i\in\mathcal T}\tilde p^T_i\left(\log\tilde p^T_i - \log p^S_i\right)
+#   = \mathrm{KL}_{\mathcal T} - \log m^S_{\mathcal T} \;\ge\; \mathrm{KL}_{\mathcal T},$$
+#
+# i.e. it adds a penalty for the student's mass outside the teacher's top-$k$.
+
+# %%
+#| export
+def _kl_from_log_probs(lt: torch.Tensor, ls: torch.Tensor) -> torch.Tensor:
+    "Row sums of p_t (log p_t - log p_s), with 0 where p_t = 0."
+    pt = lt.exp()
+    return torch.where(pt > 0, pt * (lt - ls), 0.0).sum(-1)
+
+def _kl_rows(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return _kl_from_log_probs(F.log_softmax(_f32(t), -1), F.log_softmax(_f32(s), -1))
+
+def _topk_kl_rows(s: torch.Tensor, t: torch.Tensor, k: int, renormalize_student: bool) -> torch.Tensor:
+    s, t = _f32(s), _f32(t)
+    zt, idx = t.topk(k, dim=-1)
+    zs = s.gather(-1, idx)
+    ls = F.log_softmax(zs, -1) if renormalize_student else zs - s.logsumexp(-1, keepdim=True)
+    return _kl_from_log_probs(F.log_softmax(zt, -1), ls)
+
+def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: int | None = None,
+             renormalize_student: bool = True) -> torch.Tensor:
+    "Per-position KL(teacher || student) from logits `[..., V]`, on all tokens or on the teacher's `top_k` (renormalized)."
+    _check_pair(student_logits, teacher_logits)
+    if top_k is None: return _rowwise(_kl_rows, student_logits, teacher_logits)
+    k = _check_int(top_k, "top_k", 1, teacher_logits.shape[-1])
+    return _rowwise(lambda s, t: _topk_kl_rows(s, t, k, renormalize_student), student_logits, teacher_logits)
+
+def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
+                  top_k: int | None = None, renormalize_student: bool = True) -> torch.Tensor:
+    "Mean over valid positions of KL(teacher || student) (see `token_kl`)."
+    mask = _check_positions(mask, teacher_logits.shape[:-1])
+    return _masked_mean(token_kl(student_logits, teacher_logits, top_k, renormalize_student), mask)
+
+
+# %% [markdown]
+# The brute-force reference works one position at a time in float64 with explicit
+# exponentials, and picks the top-$k$ set with Python's `sorted`:
+
+# %%
+#| export
+def token_kl_reference(student_logits, teacher_logits, top_k=None, renormalize_student=True) -> torch.Tensor:
+    "Brute-force `token_kl`: per position, explicit float64 softmaxes over the (top-k) token set."
+    V = teacher_logits.shape[-1]
+    s2, t2 = student_logits.double().reshape(-1, V), teacher_logits.double().reshape(-1, V)
+    out = []
+    for s, t in zip(s2, t2):
+        idx = sorted(range(V), key=lambda i: -t[i].item())[:top_k or V]
+        pt = t[idx].exp() / t[idx].exp().sum()
+        ps = s[idx].exp() / (s[idx] if renormalize_student else s).exp().sum()
+        out.append(sum(p * (p.log() - q.log()) for p, q in zip(pt, ps) if p > 0))
+    return torch.stack(out).reshape(teacher_logits.shape[:-1])
+
+
+# %% [markdown]
+# Checks: both variants against the reference; $k = V$ gives the full KL; the identity
+# $\mathrm{KL}_{\mathcal T}$ minus $\log m^S_{\mathcal T}$; invariance to adding a constant
+# to the student's logits; zero for a student equal to the teacher on $\mathcal T$ up to a
+# shift; gradients reach the student.
+
+# %%
+torch.manual_seed(1)
+V = 11
+t = 2 * torch.randn(2, 5, V)
+s = t + torch.randn(2, 5, V)
+assert_close(token_kl(s, t), token_kl_reference(s, t).float(), rtol=1e-5, atol=1e-6)
+for k in (1, 3, V):
+    for renorm in (True, False):
+        assert_close(token_kl(s, t, top_k=k, renormalize_student=renorm),
+                     token_kl_reference(s, t, top_k=k, renormalize_student=renorm).float(), rtol=1e-5, atol=1e-6)
+assert_close(token_kl(s, t, top_k=V), token_kl(s, t))
+idx = t.topk(4, -1).indices
+m_s = F.softmax(s, -1).gather(-1, idx).sum(-1)
+assert_close(token_kl(s, t, top_k=4, renormalize_student=False), token_kl(s, t, top_k=4) - m_s.log())
+assert_close(token_kl(s + 3.0, t), token_kl(s, t))
+s_on_T = torch.full_like(t, -5.0).scatter(-1, idx, t.gather(-1, idx) + 1.5)  # equal to the teacher on T up to +1.5
+assert_close(token_kl(s_on_T, t, top_k=4), torch.zeros(2, 5), atol=1e-6, rtol=0)
+assert (token_kl(s, t) >= 0).all() and (token_kl(s, t, top_k=3) >= 0).all()
+m = torch.tensor([[True, False, True, True, False], [False, False, True, False, False]])
+test_close(kl_to_teacher(s, t, m).item(), token_kl_reference(s, t)[m].mean().item(), eps=1e-5)
+s_req = s.clone().requires_grad_()
+kl_to_teacher(s_req, t, top_k=4).backward()
+assert s_req.grad.abs().sum() > 0 and torch.isfinite(s_req.grad).all()
+test_fail(lambda: token_kl(s, t, top_k=V + 1), contains="top_k must be in [1, 11]")
+test_fail(lambda: token_kl(s, t.long()), contains="teacher_logits must be a floating-point tensor")
+
+# %% [markdown]
+# A teacher that gives some tokens probability exactly zero (logit $-\infty$) contributes
+# nothing there, and low-precision logits are promoted to float32:
+
+# %%
+t_inf = t.clone(); t_inf[..., 0] = -float("inf")
+assert torch.isfinite(token_kl(s, t_inf)).all()
+assert_close(token_kl(s, t_inf), token_kl_reference(s, t_inf).float(), rtol=1e-5, atol=1e-6)
+assert_close(token_kl(s.bfloat16(), t.bfloat16()), token_kl(s.bfloat16().float(), t.bfloat16().float()))
+test_eq(token_kl(s.bfloat16(), t.bfloat16()).dtype, torch.float32)
+
+
+# %% [markdown]
+# ## Perplexity and token accuracy
+#
+# With `labels` the input ids (the Hugging Face convention), the logits at position $t$
+# predict the label at $t+1$: `shift=True` pairs `logits[..., :-1, :]` with
+# `labels[..., 1:]`. Positions whose label is `ignore_index` (-100) are not scored. With
+# $\mathcal V$ the scored positions,
+#
+# $$\mathrm{NLL}_t = -\log p_\theta(y_{t+1}\mid x_{\le t}) = \operatorname{LSE}(z_t) - z_{t, y_{t+1}},
+#   \qquad \mathrm{PPL} = \exp\Big(\frac{1}{|\mathcal V|}\sum_{t\in\mathcal V}\mathrm{NLL}_t\Big),$$
+#
+# and token accuracy is the fraction of $t \in \mathcal V$ with $\arg\max_v z_{t,v} = y_{t+1}$.
+# To aggregate perplexity over several batches, sum `token_nll`'s values and count its
+# valid positions, then exponentiate the ratio (a mean of per-batch perplexities is not the
+# perplexity of the union).
+
+# %%
+#| export
+def _shifted(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, shift: bool):
+    "Validate `logits [..., S, V]`, `labels [..., S]`; return the aligned pair and the mask of scored positions."
+    _check_float(logits, "logits", 2)
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {getattr(labels, 'dtype', type(labels).__name__)}")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}")
+    V = logits.shape[-1]
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
+    if bad.any(): raise ValueError(f"labels must be in [0, {V}) or ignore_index={ignore_index}, got {labels[bad][0].item()}")
+    if shift:
+        if logits.shape[-2] < 2: raise ValueError(f"shift=True needs at least 2 positions, got logits of shape {tuple(logits.shape)}")
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    return logits, labels, labels != ignore_index
+
+def token_nll(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    "Per-position negative log-likelihood of the (next-token) labels, 0 where not scored, and the mask of scored positions."
+    logits, labels, valid = _shifted(logits, labels, ignore_index, shift)
+    nll = _rowwise(lambda z, y: F.cross_entropy(_f32(z), y, ignore_index=ignore_index, reduction="none"), logits, labels)
+    return nll, valid
+
+def perplexity(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, shift: bool = True) -> torch.Tensor:
+    "exp of the mean next-token negative log-likelihood over the scored positions."
+    nll, valid = token_nll(logits, labels, ignore_index, shift)
+    if not valid.any(): raise ValueError(f"labels has no position to score (all equal ignore_index={ignore_index})")
+    return (nll.sum() / valid.sum()).exp()
+
+def token_accuracy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, shift: bool = True) -> torch.Tensor:
+    "Fraction of scored positions where the most likely (next) token equals the label."
+    logits, labels, valid = _shifted(logits, labels, ignore_index, shift)
+    if not valid.any(): raise ValueError(f"labels has no position to score (all equal ignore_index={ignore_index})")
+    return (logits.argmax(-1) == labels)[valid].float().mean()
+
+def perplexity_reference(logits, labels, ignore_index=-100, shift=True) -> float:
+    "Brute-force `perplexity`: a Python loop over positions with explicit float64 softmaxes."
+    z2, y2 = logits.double(), labels
+    if shift: z2, y2 = z2[..., :-1, :], y2[..., 1:]
+    nlls = [-(z[y].exp() / z.exp().sum()).log().item()
+            for z, y in zip(z2.reshape(-1, z2.shape[-1]), y2.reshape(-1).tolist()) if y != ignore_index]
+    return math.exp(sum(nlls) / len(nlls))
+
+
+# %%
+torch.manual_seed(2)
+z = 3 * torch.randn(2, 9, 13)
+y = torch.randint(0, 13, (2, 9))
+y[0, 3] = y[1, 0] = y[1, 7] = -100
+test_close(perplexity(z, y).log().item(), math.log(perplexity_reference(z, y)), eps=1e-5)
+test_close(perplexity(z, y, shift=False).log().item(), math.log(perplexity_reference(z, y, shift=False)), eps=1e-5)
+# independent check with torch's own mean cross-entropy on explicitly shifted tensors
+test_close(perplexity(z, y).log().item(), F.cross_entropy(z[:, :-1].reshape(-1, 13), y[:, 1:].reshape(-1)).item(), eps=1e-5)
+nll, valid = token_nll(z, y)
+test_eq(valid, y[:, 1:] != -100)
+test_eq(nll[~valid], torch.zeros(int((~valid).sum())))
+pred, lab = z[:, :-1].argmax(-1), y[:, 1:]
+acc_ref = sum(int(p == l) for p, l in zip(pred.flatten().tolist(), lab.flatten().tolist()) if l != -100) / int((lab != -100).sum())
+test_close(token_accuracy(z, y).item(), acc_ref, eps=1e-6)
+# a model that puts all its mass on the right next token: perplexity 1, accuracy 1
+perfect = F.one_hot(y.roll(-1, 1).clamp_min(0), 13).float() * 100
+test_close(perplexity(perfect, y).item(), 1.0, eps=1e-5)
+test_eq(token_accuracy(perfect, y).item(), 1.0)
+# uniform logits: perplexity = V
+test_close(perplexity(torch.zeros(2, 9, 13), y).item(), 13.0, eps=1e-4)
+test_fail(lambda: perplexity(z, torch.full_like(y, -100)), contains="no position to score")
+test_fail(lambda: perplexity(z, y.clamp_min(0) + 13), contains="labels must be in [0, 13)")
+test_fail(lambda: perplexity(z, y[:, :8]), contains="labels must have shape")
+test_fail(lambda: perplexity(z, y.float()), contains="labels must be an integer tensor")
+
+
+# %% [markdown]
+# ## Attention-mass recall
+#
+# Inside one attention layer, query $i$ of query head $h G + g$ scores the keys of KV head
+# $h$: $s_{ij} = q_i \cdot k_j / \sqrt{D}$ (or a given `scale`). Dense attention spreads
+# probability over the allowed keys $\mathcal A_i$ (by default causal, with the queries
+# aligned to the last $S_q$ keys: $j \le i + S_k - S_q$; or any boolean `mask`, True =
+# attend, as in `sparsekv.attention.attention_reference`):
+#
+# $$a_{ij} = \frac{e^{s_{ij}}}{\sum_{l\in\mathcal A_i} e^{s_{il}}}
+#          = \exp\!\big(s_{ij} - \operatorname{LSE}_{\mathcal A_i}(s_i)\big), \qquad j\in\mathcal A_i .$$
+#
+# A sparse method keeps a set $\mathcal K_i$ of keys (per KV head, possibly per query). The
+# **attention-mass recall** is the dense probability that falls on kept keys. Summing the
+# line above over $j \in \mathcal K_i\cap\mathcal A_i$,
+#
+# $$m_i = \sum_{j\in\mathcal K_i\cap\mathcal A_i} a_{ij}
+#       = \frac{\sum_{j\in\mathcal K_i\cap\mathcal A_i} e^{s_{ij}}}{\sum_{l\in\mathcal A_i} e^{s_{il}}}
+#       = \exp\!\big(\operatorname{LSE}_{\mathcal K_i\cap\mathcal A_i}(s_i) - \operatorname{LSE}_{\mathcal A_i}(s_i)\big) \in [0, 1].$$
+#
+# Two log-sum-exps (each computed stably with its own maximum) replace the normalized
+# probabilities. Kept keys outside $\mathcal A_i$ (in a query's future) carry no dense
+# mass and do not count. A row with no allowed key has no dense distribution: its recall
+# is NaN, and `per_head_mean` skips it.
+#
+# `keep` is given either as a boolean mask (True = kept) broadcastable to `[B, Hq, Sq, Sk]`
+# (a KV-head mask `[B, Hkv, Sq|1, Sk]` is expanded to the group), or as integer indices of
+# kept keys, `[B, H, n]` (one set for all queries) or `[B, H, Sq, n]` (a set per query), with
+# `H` either `Hkv` (shared by the group) or `Hq`. Scores are formed for `chunk` queries at a
+# time, never more than `[B, Hq, chunk, Sk]`.
+
+# %%
+#| export
+def _check_qk(q, k, v=None) -> int:
+    "Validate the attention layout; return the group size G = Hq / Hkv."
+    _check_float(q, "q", 4), _check_float(k, "k", 4)
+    if q.dim() != 4 or k.dim() != 4: raise ValueError(f"q and k must be 4-D [B, H, S, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    (B, Hq, _, D), (Bk, Hkv, _, Dk) = q.shape, k.shape
+    if (B, D) != (Bk, Dk): raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and head dim")
+    if Hq % Hkv: raise ValueError(f"the query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
+    if v is not None:
+        _check_float(v, "v", 4)
+        if v.shape[:3] != k.shape[:3]: raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)} in batch, heads and length")
+    return Hq // Hkv
+
+def _broadcast_mask(m: torch.Tensor, name: str, B: int, Hq: int, G: int, Sq: int, Sk: int) -> torch.Tensor:
+    "A boolean mask made broadcastable to [B, Hq, Sq, Sk], expanding a KV-head dim to its query heads."
+    if m.dim() != 4: raise ValueError(f"{name} must be a 4-D boolean mask broadcastable to [B, Hq, Sq, Sk] = {[B, Hq, Sq, Sk]}, got shape {tuple(m.shape)}")
+    if G > 1 and m.shape[1] == Hq // G: m = m.repeat_interleave(G, dim=1)
+    try:
+        ok = torch.broadcast_shapes(m.shape, (B, Hq, Sq, Sk)) == (B, Hq, Sq, Sk)
+    except RuntimeError:
+        ok = False
+    if not ok: raise ValueError(f"{name} of shape {tuple(m.shape)} is not broadcastable to [B, Hq, Sq, Sk] = {[B, Hq, Sq, Sk]}")
+    return m
+
+def _keep_mask(keep, B: int, Hq: int, G: int, Sq: int, Sk: int) -> torch.Tensor:
+    "The kept keys as a boolean mask broadcastable to [B, Hq, Sq, Sk], from a mask or from indices."
+    if not isinstance(keep, torch.Tensor): raise TypeError(f"keep must be a boolean mask or an integer index tensor, got {type(keep).__name__}")
+    if keep.dtype == torch.bool: return _broadcast_mask(keep, "keep", B, Hq, G, Sq, Sk)
+    if keep.is_floating_point() or keep.is_complex(): raise TypeError(f"keep must be a boolean mask or an integer index tensor, got {keep.dtype}")
+    Hkv = Hq // G
+    if keep.dim() not in (3, 4) or keep.shape[0] != B or keep.shape[1] not in (Hkv, Hq) or (keep.dim() == 4 and keep.shape[2] != Sq):
+        raise ValueError(f"keep indices must have shape [B, H, n] or [B, H, Sq, n] with B={B}, H in {{{Hkv}, {Hq}}}, Sq={Sq}; got {tuple(keep.shape)}")
+    if keep.numel() and (keep.min() < 0 or keep.max() >= Sk): raise ValueError(f"keep indices must be in [0, {Sk}), got [{keep.min().item()}, {keep.max().item()}]")
+    idx = keep if keep.dim() == 4 else keep[:, :, None]
+    m = torch.zeros(*idx.shape[:3], Sk, dtype=torch.bool, device=keep.device).scatter_(-1, idx.long(), True)
+    return m.repeat_interleave(G, dim=1) if m.shape[1] != Hq else m
+
+def _allowed_mask(mask, B: int, Hq: int, G: int, Sq: int, Sk: int, device) -> torch.Tensor:
+    "Keys dense attention may use: causal aligned to the last Sq keys when `mask` is None."
+    if mask is None:
+        i, j = torch.arange(Sq, device=device)[:, None], torch.arange(Sk, device=device)
+        return (j <= i + (Sk - Sq))[None, None]
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a boolean tensor (True = attend) or None, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    return _broadcast_mask(mask, "mask", B, Hq, G, Sq, Sk)
+
+def _query_rows(m: torch.Tensor, sl: slice) -> torch.Tensor:
+    return m[:, :, sl] if m.shape[2] > 1 else m
+
+def _score_blocks(q, k, scale, chunk: int):
+    "Yield (query slice, scores [B, Hq, c, Sk] in float32+) for blocks of `chunk` queries, without repeating k per group."
+    B, Hq, Sq, D = q.shape
+    Hkv, G = k.shape[1], q.shape[1] // k.shape[1]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    kf = _f32(k)
+    for i in range(0, Sq, chunk):
+        qi = _f32(q[:, :, i:i + chunk]).to(kf.dtype)
+        c = qi.shape[2]
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qi.reshape(B, Hkv, G, c, D), kf) * scale
+        yield slice(i, i + c), s.reshape(B, Hq, c, -1)
+
+def _masked_lse(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m, s, -math.inf).logsumexp(-1)
+
+def _mass(lse_kept: torch.Tensor, lse_all: torch.Tensor) -> torch.Tensor:
+    "exp(lse_kept - lse_all), NaN where no key is allowed."
+    return torch.where(torch.isfinite(lse_all), (lse_kept - lse_all).exp(), math.nan)
+
+
+# %%
+#| export
+def _prepare(q, k, v, keep, mask, scale, chunk):
+    G = _check_qk(q, k, v)
+    _check_int(chunk, "chunk", 1)
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    B, Hq, Sq, _ = q.shape
+    Sk = k.shape[2]
+    return (_keep_mask(keep, B, Hq, G, Sq, Sk).to(q.device), _allowed_mask(mask, B, Hq, G, Sq, Sk, q.device).to(q.device))
+
+def attention_mass_recall(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor | None = None,
+                          scale: float | None = None, chunk: int = 512) -> torch.Tensor:
+    "Fraction of each query's dense attention probability that falls on the kept keys, `[B, Hq, Sq]` (NaN where no key is allowed)."
+    kept, allowed = _prepare(q, k, None, keep, mask, scale, chunk)
+    out = []
+    for sl, s in _score_blocks(q, k, scale, chunk):
+        a = _query_rows(allowed, sl)
+        out.append(_mass(_masked_lse(s, a & _query_rows(kept, sl)), _masked_lse(s, a)))
+    return torch.cat(out, dim=2)
+
+
+# %% [markdown]
+# The reference loops over batch, query head and query, builds each probability row with an
+# explicit softmax in float64 (`exp` divided by its sum, no LSE), and sums it over the kept
+# keys. It takes full boolean masks `[B, Hq, Sq, Sk]`.
+
+# %%
+#| export
+def attention_fidelity_reference(q, k, v, keep, allowed, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    "Brute-force attention-mass recall and relative output error of the kept keys, per (batch, query head, query); full masks `[B, Hq, Sq, Sk]`."
+    B, Hq, Sq, D = q.shape
+    G = Hq // k.shape[1]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    mass, err = torch.full((B, Hq, Sq), math.nan, dtype=torch.float64), torch.full((B, Hq, Sq), math.nan, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            kh, vh = k[b, h // G].double(), v[b, h // G].double()
+            for i in range(Sq):
+                a, kk = allowed[b, h, i], allowed[b, h, i] & keep[b, h, i]
+                if not a.any(): continue
+                w = (kh[a] @ q[b, h, i].double() * scale).exp()
+                p = w / w.sum()
+                mass[b, h, i] = p[kk[a]].sum()
+                o_dense = p @ vh[a]
+                if kk.any():
+                    wk = (kh[kk] @ q[b, h, i].double() * scale).exp()
+                    o_kept = (wk / wk.sum()) @ vh[kk]
+                else:
+                    o_kept = torch.zeros(v.shape[-1], dtype=torch.float64)
+                n = o_dense.norm()
+                if n > 0: err[b, h, i] = (o_kept - o_dense).norm() / n
+    return mass, err
+
+
+# %%
+def _rand_qkv(B=2, Hkv=2, G=3, Sq=5, Sk=9, D=4, Dv=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hkv * G, Sq, D, generator=g), torch.randn(B, Hkv, Sk, D, generator=g),
+            torch.randn(B, Hkv, Sk, Dv or D, generator=g))
+
+q, k, v = _rand_qkv()
+B, Hq, Sq, D = q.shape; Hkv, Sk = k.shape[1], k.shape[2]
+causal = (torch.arange(Sk) <= torch.arange(Sq)[:, None] + (Sk - Sq)).expand(B, Hq, Sq, Sk)
+keep = torch.rand(B, Hq, Sq, Sk, generator=torch.Generator().manual_seed(1)) > 0.5
+mass_ref, _ = attention_fidelity_reference(q, k, v, keep, causal)
+assert_close(attention_mass_recall(q, k, keep), mass_ref.float())
+assert_close(attention_mass_recall(q, k, keep, chunk=2), mass_ref.float())  # chunking over queries changes nothing
+assert_close(attention_mass_recall(q, k, keep, scale=0.3), attention_fidelity_reference(q, k, v, keep, causal, scale=0.3)[0].float())
+# keeping every key recalls all the mass; keeping none, nothing
+assert_close(attention_mass_recall(q, k, torch.ones(1, 1, 1, Sk, dtype=torch.bool)), torch.ones(B, Hq, Sq))
+assert_close(attention_mass_recall(q, k, torch.zeros(1, 1, 1, Sk, dtype=torch.bool)), torch.zeros(B, Hq, Sq))
+
+# %% [markdown]
+# Kept indices per KV head give the same result as the equivalent mask built by hand, with
+# every query head of the group using its KV head's set; per-query index sets likewise:
+
+# %%
+n = 4
+idx = torch.stack([torch.stack([torch.randperm(Sk, generator=torch.Generator().manual_seed(10 * b + h))[:n] for h in range(Hkv)]) for b in range(B)])
+hand = torch.zeros(B, Hq, Sq, Sk, dtype=torch.bool)
+for b in range(B):
+    for h in range(Hq):
+        for j in idx[b, h // (Hq // Hkv)].tolist(): hand[b, h, :, j] = True
+assert_close(attention_mass_recall(q, k, idx), attention_mass_recall(q, k, hand))
+assert_close(attention_mass_recall(q, k, hand[:, ::Hq // Hkv]), attention_mass_recall(q, k, hand))  # KV-head mask
+idx_q = torch.randint(0, Sk, (B, Hq, Sq, n), generator=torch.Generator().manual_seed(3))
+hand_q = torch.zeros(B, Hq, Sq, Sk, dtype=torch.bool).scatter(-1, idx_q, True)
+assert_close(attention_mass_recall(q, k, idx_q), attention_mass_recall(q, k, hand_q))
+
+# %% [markdown]
+# A custom dense mask, including a fully masked query row (recall NaN there), and the
+# boundary cases of the input checks:
+
+# %%
+dense_mask = torch.rand(B, 1, Sq, Sk, generator=torch.Generator().manual_seed(4)) > 0.3
+dense_mask[0, 0, 2] = False
+got = attention_mass_recall(q, k, keep, mask=dense_mask)
+ref = attention_fidelity_reference(q, k, v, keep, dense_mask.expand(B, Hq, Sq, Sk))[0].float()
+assert got[0, :, 2].isnan().all()
+assert_close(got, ref, equal_nan=True)
+test_fail(lambda: attention_mass_recall(q, k[:, :, :, :3], keep), contains="must agree in batch and head dim")
+test_fail(lambda: attention_mass_recall(q[:, :5], k, keep), contains="must be a multiple of the KV heads")
+test_fail(lambda: attention_mass_recall(q, k, keep[:, :, :, :4]), contains="not broadcastable")
+test_fail(lambda: attention_mass_recall(q, k, idx + Sk), contains="keep indices must be in [0, 9)")
+test_fail(lambda: attention_mass_recall(q, k, idx[:, :1]), contains="keep indices must have shape")
+test_fail(lambda: attention_mass_recall(q, k, keep.float()), contains="keep must be a boolean mask")
+test_fail(lambda: attention_mass_recall(q, k, keep, chunk=0), contains="chunk must be in [1, inf]")
+
+
+# %% [markdown]
+# ## Relative attention-output error
+#
+# The output of query $i$ is $o_i = \sum_j a_{ij} v_j \in \mathbb{R}^{D_v}$. We measure a
+# sparse output against the dense one by the relative Euclidean error over the head
+# dimension, per batch element, query head and query:
+#
+# $$e_i = \frac{\lVert o^{\mathrm{sparse}}_i - o^{\mathrm{dense}}_i\rVert_2}{\lVert o^{\mathrm{dense}}_i\rVert_2}.$$
+#
+# It is undefined (NaN) where the dense output is the zero vector (e.g. a fully masked
+# row). Reports average $e_i$ over batch and queries for each head (`per_head_mean`, which
+# skips NaN), then over heads. A mean of per-query ratios weighs every query equally,
+# unlike a ratio of Frobenius norms, which is dominated by queries with large outputs.
+#
+# `relative_output_error` takes the two outputs, however the sparse one was computed.
+# When the sparse method is exact attention over a kept set, `attention_fidelity` computes
+# both the mass recall and the output error from `q, k, v` and `keep` in one pass. It uses
+# the decomposition of the dense output into the kept part and the rest: with
+# $\mathcal R_i = \mathcal A_i \setminus \mathcal K_i$ and $o^{\mathcal S}_i$ the attention
+# output renormalized on a set $\mathcal S$,
+#
+# $$o^{\mathrm{dense}}_i = m_i\, o^{\mathcal K}_i + (1-m_i)\, o^{\mathcal R}_i
+#   \quad\Longrightarrow\quad
+#   o^{\mathcal K}_i - o^{\mathrm{dense}}_i = (1-m_i)\big(o^{\mathcal K}_i - o^{\mathcal R}_i\big),$$
+#
+# so the output error is the missing mass times how far the dropped keys' values are from
+# the kept keys' values: a high recall bounds the error, but the error can also be small at
+# low recall when the dropped values resemble the kept ones (OVAL's observation, §1). If no
+# allowed key is kept, the sparse output is $0$ and the error is $1$.
+
+# %%
+#| export
+def relative_output_error(o_sparse: torch.Tensor, o_dense: torch.Tensor) -> torch.Tensor:
+    "Per-row relative error ||o_sparse - o_dense||_2 / ||o_dense||_2 over the last dim (NaN where o_dense = 0)."
+    _check_pair(o_sparse, o_dense, ("o_sparse", "o_dense"), 1)
+    a, b = _f32(o_sparse), _f32(o_dense)
+    b = b.to(torch.promote_types(a.dtype, b.dtype))
+    den = b.norm(dim=-1)
+    return torch.where(den > 0, (a - b).norm(dim=-1) / den, math.nan)
+
+def per_head_mean(x: torch.Tensor, head_dim: int = 1) -> torch.Tensor:
+    "Mean of a per-query metric over every dim but `head_dim` (default `[B, H, S]` -> `[H]`), skipping NaN."
+    _check_float(x, "x", 1)
+    return x.movedim(head_dim, 0).reshape(x.shape[head_dim], -1).nanmean(-1)
+
+def _attend(s: torch.Tensor, m: torch.Tensor, lse: torch.Tensor, v: torch.Tensor, G: int) -> torch.Tensor:
+    "Attention output over the keys in `m` given their LSE; 0 for rows with no key."
+    p = torch.where(m, (s - lse.nan_to_num(neginf=0.0)[..., None]).exp(), 0.0)
+    B, Hq, c, Sk = p.shape
+    return torch.einsum("bhgqk,bhkd->bhgqd", p.reshape(B, Hq // G, G, c, Sk), v).reshape(B, Hq, c, -1)
+
+def attention_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor | None = None,
+                       scale: float | None = None, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    "Attention-mass recall and relative output error of exact attention over the kept keys vs dense, each `[B, Hq, Sq]`."
+    kept, allowed = _prepare(q, k, v, keep, mask, scale, chunk)
+    G = q.shape[1] // k.shape[1]
+    vf = _f32(v).to(torch.promote_types(_f32(q).dtype, _f32(k).dtype))
+    mass, err = [], []
+    for sl, s in _score_blocks(q, k, scale, chunk):
+        a = _query_rows(allowed, sl)
+        kk = a & _query_rows(kept, sl)
+        lse_all, lse_kept = _masked_lse(s, a), _masked_lse(s, kk)
+        mass.append(_mass(lse_kept, lse_all))
+        err.append(relative_output_error(_attend(s, kk, lse_kept, vf, G), _attend(s, a, lse_all, vf, G)))
+    return torch.cat(mass, dim=2), torch.cat(err, dim=2)
+
+
+# %% [markdown]
+# Checks: `relative_output_error` against a loop; `attention_fidelity` against the
+# reference (with a value dim different from the key dim); the decomposition above; the
+# error is 0 when every key is kept and 1 when none is; agreement with
+# `sparsekv.attention.attention_reference`.
+
+# %%
+a_, b_ = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
+b_[0, 1, 2] = 0
+loop = torch.tensor([[[((x - y).norm() / y.norm()).item() if y.norm() > 0 else math.nan for x, y in zip(xr, yr)]
+                      for xr, yr in zip(xh, yh)] for xh, yh in zip(a_, b_)])
+assert_close(relative_output_error(a_, b_), loop, equal_nan=True)
+e = relative_output_error(a_, b_)
+assert_close(per_head_mean(e), torch.tensor([[e[:, h].flatten()[~e[:, h].flatten().isnan()].mean().item() for h in range(3)]]).squeeze(0))
+
+q, k, v = _rand_qkv(Dv=6, seed=5)
+mass, err = attention_fidelity(q, k, v, keep)
+mass_ref, err_ref = attention_fidelity_reference(q, k, v, keep, causal)
+assert_close(mass, mass_ref.float())
+assert_close(err, err_ref.float(), equal_nan=True)
+assert_close(attention_fidelity(q, k, v, keep, chunk=3)[1], err)
+assert_close(attention_fidelity(q, k, v, idx)[0], attention_mass_recall(q, k, idx))
+
+# the decomposition o_dense = m o_K + (1 - m) o_R, on one row in float64
+b, h, i = 1, 4, 3
+kv = h // (Hq // Hkv)
+A, K = causal[b, h, i], causal[b, h, i] & keep[b, h, i]
+R = A & ~K
+sc = k[b, kv].double() @ q[b, h, i].double() / math.sqrt(D)
+def _out(S): w = sc[S].exp(); return (w / w.sum()) @ v[b, kv].double()[S]
+m_ = sc[K].exp().sum() / sc[A].exp().sum()
+assert_close(_out(A), m_ * _out(K) + (1 - m_) * _out(R))
+test_close(err[b, h, i].item(), ((1 - m_) * (_out(K) - _out(R)).norm() / _out(A).norm()).item(), eps=1e-5)
+
+all_keys, no_keys = torch.ones(1, 1, 1, Sk, dtype=torch.bool), torch.zeros(1, 1, 1, Sk, dtype=torch.bool)
+assert_close(attention_fidelity(q, k, v, all_keys)[1], torch.zeros(B, Hq, Sq), atol=1e-6, rtol=0)
+assert_close(attention_fidelity(q, k, v, no_keys)[1], torch.ones(B, Hq, Sq))
+test_fail(lambda: attention_fidelity(q, k, v[:, :, :4], keep), contains="must match k")
+test_fail(lambda: relative_output_error(a_, b_[..., :4]), contains="same shape")
+
+# %%
+from sparsekv.attention import attention_reference
+
+# %%
+o_dense, _ = attention_reference(q, k, v)
+o_kept, _ = attention_reference(q, k, v, mask=causal & keep)
+assert_close(relative_output_error(o_kept, o_dense), err, equal_nan=True, atol=1e-5, rtol=1e-4)
+
+
+# %% [markdown]
+# ## Retention recall against an oracle
+#
+# For a cache policy that keeps a set $\mathcal K$ of tokens per head under a budget, and
+# an oracle that would keep the top-$k$ tokens $\mathcal O_k$ by some score (KVpop's
+# Figure 7 uses the dense teacher's retention target), the **retention recall** of a head
+# is
+#
+# $$r = \frac{\lvert \mathcal K \cap \mathcal O_k \rvert}{\lvert \mathcal O_k\rvert} = \frac{\lvert \mathcal K \cap \mathcal O_k \rvert}{k}.$$
+#
+# $\mathcal O_k$ must not depend on how a sort breaks ties, so `oracle_topk` ranks by
+# descending score and, among equal scores, by ascending position (a stable descending
+# sort). Positions that may not be chosen (sinks, the protected window, padding) get the
+# score $-\infty$; asking for more oracle positions than there are finite scores is an
+# error. NaN scores are rejected.
+
+# %%
+#| export
+def oracle_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    "Indices `[..., k]` of the `k` highest `scores` along the last dim, equal scores ordered by lower position first."
+    _check_float(scores, "scores", 1)
+    k = _check_int(k, "k", 1, scores.shape[-1])
+    if scores.isnan().any(): raise ValueError("scores must not contain NaN")
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    if (scores.gather(-1, order) == -math.inf).any():
+        raise ValueError(f"k={k} exceeds the number of eligible (finite-score) positions in some row of scores")
+    return order
+
+def retention_recall(kept: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+    "Fraction of the oracle's top-`k` positions (by `scores [..., S]`) that `kept` retains, per row `[...]`."
+    _check_float(scores, "scores", 1)
+    S = scores.shape[-1]
+    if not isinstance(kept, torch.Tensor) or kept.is_floating_point():
+        raise TypeError(f"kept must be a boolean mask [..., S] or integer indices [..., n], got {getattr(kept, 'dtype', type(kept).__name__)}")
+    if kept.dtype == torch.bool:
+        if kept.shape != scores.shape: raise ValueError(f"kept mask must have the shape of scores {tuple(scores.shape)}, got {tuple(kept.shape)}")
+        mask = kept
+    else:
+        if kept.shape[:-1] != scores.shape[:-1]:
+            raise ValueError(f"kept indices must have shape [..., n] with ... = {tuple(scores.shape[:-1])}, got {tuple(kept.shape)}")
+        if kept.numel() and (kept.min() < 0 or kept.max() >= S): raise ValueError(f"kept indices must be in [0, {S}), got [{kept.min().item()}, {kept.max().item()}]")
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, kept.long(), True)  # duplicates count once
+    return mask.gather(-1, oracle_topk(scores, k)).float().mean(-1)
+
+def retention_recall_reference(kept_sets: list[set], scores: list[list[float]], k: int) -> list[float]:
+    "Brute-force `retention_recall` for rows given as Python sets of kept positions and lists of scores."
+    out = []
+    for kept, row in zip(kept_sets, scores):
+        oracle = sorted(range(len(row)), key=lambda j: (-row[j], j))[:k]
+        out.append(len(set(kept) & set(oracle)) / k)
+    return out
+
+
+# %%
+g = torch.Generator().manual_seed(6)
+sc = torch.randint(0, 4, (3, 2, 12), generator=g).float()  # few distinct values: many ties
+sc[0, 0, :3] = -math.inf
+kept_idx = torch.stack([torch.stack([torch.randperm(12, generator=g)[:5] for _ in range(2)]) for _ in range(3)])
+for kk in (1, 5, 9):
+    got = retention_recall(kept_idx, sc, kk)
+    ref = retention_recall_reference([set(r) for r in kept_idx.reshape(-1, 5).tolist()], sc.reshape(-1, 12).tolist(), kk)
+    assert_close(got.flatten(), torch.tensor(ref))
+kept_mask = torch.zeros(3, 2, 12, dtype=torch.bool).scatter(-1, kept_idx, True)
+assert_close(retention_recall(kept_mask, sc, 5), retention_recall(kept_idx, sc, 5))
+assert_close(retention_recall(torch.cat([kept_idx, kept_idx], -1), sc, 5), retention_recall(kept_idx, sc, 5))  # duplicates count once
+# ties go to the lower position, whatever the row's order in memory
+test_eq(oracle_topk(torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0]), 2).tolist(), [1, 2])
+test_eq(retention_recall(oracle_topk(sc[1:], 4), sc[1:], 4), torch.ones(2, 2))
+test_fail(lambda: retention_recall(kept_idx, sc, 10), contains="exceeds the number of eligible")
+test_fail(lambda: retention_recall(kept_idx, sc, 13), contains="k must be in [1, 12]")
+test_fail(lambda: oracle_topk(torch.tensor([1.0, math.nan]), 1), contains="NaN")
+test_fail(lambda: retention_recall(kept_idx[:2], sc, 3), contains="kept indices must have shape")
+test_fail(lambda: retention_recall(kept_idx + 12, sc, 3), contains="kept indices must be in [0, 12)")
+
+
+# %% [markdown]
+# ## pass@k and avg@k
+#
+# For reasoning tasks a problem gets $n$ sampled answers, $c$ of them correct. **pass@k** is
+# the probability that at least one of $k$ answers drawn without replacement from the $n$
+# is correct; the unbiased estimator (Chen et al., 2021, *Evaluating Large Language Models
+# Trained on Code*) is one minus the chance that all $k$ are wrong:
+#
+# $$\text{pass@}k = 1 - \frac{\binom{n-c}{k}}{\binom{n}{k}}.$$
+#
+# The binomials overflow for large $n$; the ratio is a short product of factors in
+# $(0, 1]$. Writing out the factorials,
+#
+# $$\frac{\binom{n-c}{k}}{\binom{n}{k}} = \frac{(n-c)!\,(n-k)!}{n!\,(n-c-k)!}
+#   = \frac{\prod_{i=n-c+1}^{n}(i-k)}{\prod_{i=n-c+1}^{n} i} = \prod_{i=n-c+1}^{n}\Big(1 - \frac{k}{i}\Big),$$
+#
+# valid when $n - c \ge k$; when $n - c < k$ every draw of $k$ contains a correct answer and
+# pass@k $= 1$. **avg@k** (OVAL §4) is the mean correctness over all $k$ samples of a
+# problem, i.e. $c/n$ with $n = k$. Both are averaged over problems; `correct` is a
+# boolean array `[problems, n]`.
+
+# %%
+#| export
+def pass_at_k_estimate(n: int, c: int, k: int) -> float:
+    "Unbiased pass@k of one problem with `c` correct answers among `n` samples: 1 - C(n-c, k) / C(n, k)."
+    n = _check_int(n, "n", 1)
+    c, k = _check_int(c, "c", 0, n), _check_int(k, "k", 1, n)
+    if n - c < k: return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+def _correct_matrix(correct) -> np.ndarray:
+    if isinstance(correct, torch.Tensor): correct = correct.detach().cpu().numpy()
+    a = np.asarray(correct)
+    if a.ndim != 2 or a.size == 0: raise ValueError(f"correct must be a non-empty 2-D array [problems, n], got shape {a.shape}")
+    if a.dtype != bool and not (np.issubdtype(a.dtype, np.integer) and np.isin(a, (0, 1)).all()):
+        raise TypeError(f"correct must hold booleans (or 0/1 integers), got dtype {a.dtype}")
+    return a.astype(bool)
+
+def pass_at_k(correct, k: int) -> float:
+    "Mean over problems of the unbiased pass@k, from a boolean array `correct [problems, n]`."
+    a = _correct_matrix(correct)
+    return float(np.mean([pass_at_k_estimate(a.shape[1], int(row.sum()), k) for row in a]))
+
+def avg_at_k(correct) -> float:
+    "Mean correctness over all samples and problems of a boolean array `correct [problems, k]` (avg@k)."
+    return float(_correct_matrix(correct).mean())
+
+def pass_at_k_reference(correct_row, k: int) -> float:
+    "Brute-force pass@k of one problem: the fraction of all k-subsets of its samples that contain a correct one."
+    subsets = list(itertools.combinations(list(correct_row), k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+# %% [markdown]
+# The reference enumerates every $k$-subset of the $n$ samples, for every $n \le 8$ and
+# every $c$ and $k$:
+
+# %%
+for n_ in range(1, 9):
+    for c_ in range(n_ + 1):
+        for k_ in range(1, n_ + 1):
+            test_close(pass_at_k_estimate(n_, c_, k_), pass_at_k_reference([True] * c_ + [False] * (n_ - c_), k_), eps=1e-12)
+corr = np.random.default_rng(0).random((6, 8)) < 0.3
+test_close(pass_at_k(corr, 3), np.mean([pass_at_k_reference(r, 3) for r in corr]), eps=1e-12)
+test_close(pass_at_k(corr, 1), avg_at_k(corr), eps=1e-12)  # pass@1 is the mean accuracy
+test_eq(avg_at_k(torch.tensor([[1, 0, 1, 1]])), 0.75)
+test_close(pass_at_k_estimate(10_000, 3, 5_000), 1 - math.comb(9_997, 5_000) / math.comb(10_000, 5_000), eps=1e-12)  # large n: no overflow
+test_fail(lambda: pass_at_k(corr, 9), contains="k must be in [1, 8]")
+test_fail(lambda: pass_at_k_estimate(4, 5, 1), contains="c must be in [0, 4]")
+test_fail(lambda: pass_at_k(np.array([0.5, 1.0])[None], 1), contains="correct must hold booleans")
+test_fail(lambda: pass_at_k([True, False], 1), contains="2-D array")
+
+# %% [markdown]
+# ## The evaluation grid
+#
+# Experiments sweep (policy × budget × task × ...). `run_grid(cells, fn, path)` takes the
+# cells as dicts of scalars (`{"method": "quoka", "budget": 1024, "task": "niah"}`), calls
+# `fn(cell)` for each, which returns a dict of metrics, and keeps one **tidy** CSV at `path`:
+# one row per cell, with the cell's keys, its metrics and `wall_s` (seconds spent in
+# `fn`). After every cell the whole CSV is rewritten atomically (`sparsekv.io.write_csv`),
+# so an interrupted run (an exception, a killed process) keeps every finished cell, and a
+# rerun **resumes**: a cell is skipped when a row of the CSV has the same values in every
+# key column of the grid (a key a cell lacks matches an empty field). Rows of the CSV
+# that belong to no cell of this grid are kept as they are. A tqdm bar shows progress,
+# starting at the number of cells already done.
+#
+# Matching compares text, so values are written in a canonical form and old rows are read
+# back as text: `None` is empty, booleans `True`/`False`, integers as digits, floats by
+# `repr` (which round-trips exactly), one-element tensors and NumPy scalars as their Python
+# value. An integer key `1` and a float key `1.0` are different cells. Metric names may not
+# repeat a cell key or `wall_s`. The function returns the whole CSV read with pandas' type
+# inference.
+
+# %%
+#| export
+WALL_TIME = "wall_s"
+
+def _cell_text(value, name: str) -> str:
+    "The CSV text of a cell key or metric value, in a canonical form that round-trips exactly."
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1: raise TypeError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if value is None: return ""
+    if isinstance(value, (bool, np.bool_)): return str(bool(value))
+    if isinstance(value, numbers.Integral): return str(int(value))
+    if isinstance(value, numbers.Real): return repr(float(value))
+    if isinstance(value, str): return value
+    raise TypeError(f"{name} must be a str, int, float, bool, None or a one-element tensor, got {type(value).__name__}")
+
+def _grid_cells(cells) -> tuple[list[dict], list[str]]:
+    "Validate the cells; return them as dicts and the key columns in first-seen order."
+    cells = list(cells)
+    if not cells: raise ValueError("cells is empty: pass at least one dict of cell keys")
+    for c in cells:
+        if not isinstance(c, Mapping): raise TypeError(f"each cell must be a dict of keys to scalars, got {type(c).__name__}")
+        for key in c:
+            if not isinstance(key, str) or key == WALL_TIME: raise ValueError(f"cell keys must be strings other than {WALL_TIME!r}, got {key!r}")
+    return [dict(c) for c in cells], list(dict.fromkeys(key for c in cells for key in c))
+
+def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str | os.PathLike, desc: str | None = None) -> pd.DataFrame:
+    "Compute `fn(cell)` for every cell not yet in the CSV at `path`, adding one row per cell (keys, metrics, `wall_s`) atomically after each; return the CSV."
+    cells, keys = _grid_cells(cells)
+    texts = [tuple(_cell_text(c.get(key), f"cell[{key!r}]") for key in keys) for c in cells]
+    if len(set(texts)) != len(texts):
+        dup = next(c for c, t in zip(cells, texts) if texts.count(t) > 1)
+        raise ValueError(f"cells contains the same cell twice: {dup}")
+    path = Path(path)
+    rows = pd.read_csv(path, dtype=str, keep_default_na=False).to_dict("records") if path.exists() else []
+    columns = list(rows[0]) if rows else []
+    done = {tuple(r.get(key, "") for key in keys) for r in rows}
+    todo = [(c, t) for c, t in zip(cells, texts) if t not in done]
+    with tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell") as bar:
+        for cell, text in todo:
+            bar.set_postfix_str(", ".join(f"{key}={val}" for key, val in cell.items()))
+            t0 = time.perf_counter()
+            metrics = fn(cell)
+            wall = time.perf_counter() - t0
+            if not isinstance(metrics, Mapping): raise TypeError(f"fn must return a dict of metrics, got {type(metrics).__name__} for cell {cell}")
+            clash = [m for m in metrics if m in keys or m == WALL_TIME or not isinstance(m, str)]
+            if clash: raise ValueError(f"fn returned metric names that are not strings or repeat a cell key or {WALL_TIME!r}: {clash}")
+            row = {**dict(zip(keys, text)), **{m: _cell_text(x, f"metric {m!r}") for m, x in metrics.items()}, WALL_TIME: repr(wall)}
+            rows.append(row)
+            columns = list(dict.fromkeys([*columns, *row]))
+            write_csv(path, pd.DataFrame(rows, columns=columns))
+            bar.update()
+    return pd.read_csv(path)
+
+
+# %% [markdown]
+# A grid interrupted by an exception at its third cell keeps the two finished cells; the
+# rerun computes only the missing ones, and a third run computes nothing:
+
+# %%
+import tempfile
+
+calls = []
+def _fn(cell, fail_at=None):
+    calls.append(dict(cell))
+    if len(calls) == fail_at: raise RuntimeError("interrupted")
+    return {"acc": cell["budget"] / 1000, "kl": torch.tensor(0.5 * cell["budget"])}
+
+grid = [{"method": m, "budget": b, "task": "niah"} for m in ("dense", "quoka") for b in (256, 512)]
+with tempfile.TemporaryDirectory() as d:
+    p = Path(d) / "grid.csv"
+    test_fail(lambda: run_grid(grid, lambda c: _fn(c, fail_at=3), p, desc="grid"), contains="interrupted")
+    test_eq(len(pd.read_csv(p)), 2)
+    calls.clear()
+    df = run_grid(grid, _fn, p, desc="grid")
+    test_eq(calls, grid[2:])
+    test_eq(list(df.columns), ["method", "budget", "task", "acc", "kl", "wall_s"])
+    test_eq(df[["method", "budget"]].values.tolist(), [[c["method"], c["budget"]] for c in grid])
+    test_close(df["kl"].tolist(), [0.5 * c["budget"] for c in grid])
+    calls.clear()
+    run_grid(grid, _fn, p)
+    test_eq(calls, [])
+    test_eq(sorted(x.name for x in Path(d).iterdir()), ["grid.csv"])
+    test_fail(lambda: run_grid(grid + grid[:1], _fn, p), contains="same cell twice")
+    test_fail(lambda: run_grid([{"budget": 1}], lambda c: {"budget": 2}, Path(d) / "x.csv"), contains="repeat a cell key")
+    test_fail(lambda: run_grid([], _fn, p), contains="cells is empty")
