@@ -1,0 +1,587 @@
+# %% [markdown]
+# # QuoKA: query-oriented KV selection
+#
+# > Algorithm 1 of QuoKA reconstructed from §3.1–3.4: keep the chunk queries least similar to the mean query, score every cached key by its cosine with them, take the max over queries and the mean over the query heads of a KV group (computed by pre-aggregation), keep the top B_SA keys per KV head.
+
+# %%
+#| default_exp quoka
+
+# %%
+#| export
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sparsekv.attention import check_qkv
+
+# %%
+#| hide
+from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
+
+
+# %% [markdown]
+# Under **chunked prefill** a prompt of length $L$ is processed in blocks $X_1, X_2, \dots$
+# of $B_{CP}$ tokens. When block $X_i$ arrives, the cache holds the $T = (i-1) B_{CP}$ keys
+# and values of the earlier blocks; each query of the block attends to those $T$ keys and,
+# causally, to the keys of its own block. Dense attention costs $O(B_{CP} \cdot T)$ per
+# block, hence $O(L^2)$ in total. QuoKA (§3) keeps only $B_{SA}$ of the $T$ earlier keys per
+# KV head, chosen from the block's queries, and hands the reduced set to an ordinary dense
+# kernel; the cost per block becomes $O(B_{CP} \cdot B_{SA})$ plus the selection.
+#
+# This notebook builds the selection for one block and one layer (Algorithm 1). The
+# chunked-prefill loop around it (Algorithm 2) lives in the transformers integration; it
+# calls `quoka_select` with the block's post-RoPE queries and the cached keys and appends
+# the block's own keys to the returned indices.
+#
+# **What our copy of the paper lacks.** The text we have keeps §3.1, §3.3 and §3.4 as
+# prose but drops Algorithm 1, Algorithm 2, the theorem announced at the end of §3.1 and
+# all formulas of §3.2. Everything below is reconstructed from the prose. Where the prose
+# does not decide a detail, the choice is marked **Interpretation** and the alternative is
+# named; each such choice is a parameter or is argued from a sentence of the paper.
+#
+# ## Notation
+#
+# One batch element, one KV head $h$ with its $G$ query heads $hG + g$, $g = 0,\dots,G-1$
+# (the package's GQA layout). The block's queries of head $g$ are $q_{g,1}, \dots,
+# q_{g,S} \in \mathbb{R}^D$ ($S = B_{CP}$, post-RoPE), the cached keys $k_1, \dots, k_T$.
+# Unit vectors carry a hat: $\hat x = x / \lVert x \rVert$. Tensors are `q_chunk [B,Hq,S,D]`
+# and `k_cache [B,Hkv,T,D]`.
+#
+# ## Budgets
+#
+# $B_{SA}$ is either a fixed number of keys (Table 1 uses $B_{SA} = 1024$) or a fraction of
+# the cache (Table 2 keeps 25% of it, "$B_{SA}$ growing with the KV cache"). If the cache
+# is no larger than the budget, every key is kept (there is nothing to select). A fraction
+# $f$ keeps $\mathrm{round}(f\,T)$ keys, halves rounded up, at least one. The product is
+# taken exactly on the decimal the user wrote (`Fraction(repr(f))`): in binary floating
+# point $0.29 \cdot 100 = 28.999999999999996$ and $0.7 \cdot 175 = 122.49999999999999$,
+# which would round the wrong way.
+
+# %%
+#| export
+def resolve_budget(budget: int | float, T: int) -> int:
+    "Keys kept out of `T` cached keys: min(B_SA, T) for an int `budget`, round(budget*T) (halves up, at least 1, at most T) for a float fraction in (0, 1]."
+    if isinstance(T, bool) or not isinstance(T, int) or T < 0: raise ValueError(f"T must be an int >= 0, got {T!r}")
+    accepted = "an int >= 1 (B_SA, a number of keys) or a float in (0, 1] (a fraction of the cache)"
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)): raise TypeError(f"budget must be {accepted}, got {budget!r}")
+    if isinstance(budget, int):
+        if budget < 1: raise ValueError(f"budget must be {accepted}, got {budget!r}")
+        return min(budget, T)
+    if not 0.0 < budget <= 1.0: raise ValueError(f"budget must be {accepted}, got {budget!r}")
+    return min(T, max(1, math.floor(Fraction(repr(budget)) * T + Fraction(1, 2))))  # exact decimal product, halves up
+
+
+# %%
+for T in (0, 1, 7, 100, 1000):
+    for b in (1, 7, 64, 1024):
+        test_eq(resolve_budget(b, T), min(b, T))
+    test_eq(resolve_budget(1.0, T), T)
+    test_eq(resolve_budget(0.25, T), 0 if T == 0 else max(1, round(T / 4 + 1e-9)))   # exact quarter, halves up
+test_eq(resolve_budget(0.29, 100), 29)     # 0.29 * 100 = 28.999999999999996 in float64
+test_eq(resolve_budget(0.7, 175), 123)     # 0.7 * 175 = 122.49999999999999 in float64; 122.5 rounds up
+test_eq(resolve_budget(0.1, 30), 3)        # 0.1 * 30 = 3.0000000000000004
+test_eq(resolve_budget(0.01, 10), 1)       # at least one key
+test_fail(lambda: resolve_budget(0, 10), contains="budget must be")
+test_fail(lambda: resolve_budget(1.5, 10), contains="budget must be")
+test_fail(lambda: resolve_budget(True, 10), contains="budget must be")
+test_fail(lambda: resolve_budget("25%", 10), contains="budget must be")
+test_fail(lambda: resolve_budget(4, -1), contains="T must be")
+
+
+# %% [markdown]
+# ## Top-$n$ with a deterministic tie rule
+#
+# Both the query subselection (keep $N_Q$ of $S$ queries) and the key selection (keep
+# $B_{SA}$ of $T$ keys) take the $n$ largest of a row of scores. `torch.topk` does not
+# promise which of several equal scores it returns, and equal scores are not rare here
+# (identical tokens give identical keys, hence identical cosines). **Tie rule of this
+# package: among equal scores the lower index wins**, and the chosen indices are returned
+# **sorted ascending** (the order of the cache, which keeps the later gather contiguous in
+# runs and makes results comparable).
+#
+# The rule is implemented without a sort: with $v$ the $n$-th largest score of a row, every
+# entry $> v$ is kept, and of the entries $= v$ the first $n - \#\{> v\}$ in index order (a
+# cumulative count). NaN scores have no order; they are refused.
+
+# %%
+#| export
+def top_mask(scores: Tensor, n: int) -> Tensor:
+    "Boolean mask of the `n` largest entries of each row (last dim), exactly n per row; among equal scores the lower index wins."
+    T = scores.shape[-1]
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= T: raise ValueError(f"n must be an int in [0, {T}], got {n!r}")
+    if scores.is_floating_point() and scores.isnan().any(): raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
+    if n == 0: return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    kth = scores.topk(n, dim=-1).values[..., -1:]  # the n-th largest score of each row, whichever tied entry topk returned
+    above, tied = scores > kth, scores == kth
+    room = n - above.sum(-1, keepdim=True)  # slots left for the entries tied with the n-th score
+    return above | (tied & (tied.cumsum(-1) <= room))
+
+
+def top_budget_indices(scores: Tensor, n: int) -> Tensor:
+    "Indices [..., n] of the `n` largest scores of each row (last dim), sorted ascending; among equal scores the lower index wins."
+    return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)  # nonzero lists each row's entries in index order
+
+
+def top_budget_indices_reference(scores: Tensor, n: int) -> Tensor:
+    "`top_budget_indices` by sorting each row in Python on the key (-score, index), keeping the first n, ascending."
+    rows = scores.reshape(math.prod(scores.shape[:-1]), scores.shape[-1]).tolist()
+    picked = [sorted(sorted(range(len(r)), key=lambda j: (-r[j], j))[:n]) for r in rows]
+    return torch.tensor(picked, dtype=torch.long).reshape(*scores.shape[:-1], n)
+
+
+def all_key_indices(B: int, Hkv: int, T: int, device=None) -> Tensor:
+    "Indices [B,Hkv,T] of every cached key: the selection when the cache fits the budget."
+    return torch.arange(T, device=device).expand(B, Hkv, T).contiguous()
+
+
+# %% [markdown]
+# Check against the sort on random rows, on rows made of a few repeated values (many ties,
+# some at the cut), with $\pm\infty$, and $n \in \{0, 1, T\}$:
+
+# %%
+g = torch.Generator().manual_seed(0)
+for shape in [(3, 17), (2, 4, 9), (1, 1, 1)]:
+    rand = torch.randn(shape, generator=g)
+    few = torch.randint(0, 3, shape, generator=g).double()       # values in {0, 1, 2}: ties everywhere
+    inf = rand.clone()
+    inf[..., ::3] = -math.inf
+    inf[..., 0] = math.inf
+    for s in (rand, few, inf):
+        for n in sorted({0, 1, shape[-1] // 2, shape[-1]}):
+            got = top_budget_indices(s, n)
+            test_eq(got, top_budget_indices_reference(s, n))
+            test_eq(top_mask(s, n).sum(-1), torch.full(shape[:-1], n))
+test_eq(top_budget_indices(torch.zeros(2, 6), 3), torch.tensor([[0, 1, 2], [0, 1, 2]]))   # all tied: the first n
+test_fail(lambda: top_mask(torch.tensor([1.0, math.nan]), 1), contains="NaN")
+test_fail(lambda: top_mask(torch.zeros(4), 5), contains="n must be")
+
+# %% [markdown]
+# ## Step 1: query subselection (§3.1)
+#
+# §3.1 observes that queries with a **low cosine similarity to the mean query** attend
+# broadly to many keys, while queries near the mean concentrate on a small shared set (the
+# paper's Figure 2(a)). The near-mean queries therefore add little beyond what one of them
+# already says, and QuoKA keeps only the most dissimilar ones. Per query head, with the
+# mean query of the block
+#
+# $$M_{Q,g} = \frac1S \sum_{i=1}^{S} q_{g,i},$$
+#
+# each query is ranked by its dissimilarity
+#
+# $$d_{g,i} = -\cos(M_{Q,g}, q_{g,i}) = -\hat M_{Q,g} \cdot \hat q_{g,i},$$
+#
+# and the $N_Q$ queries with the largest $d_{g,i}$ are kept ("rank each query $q$ by
+# $-\mathrm{CosSim}(M_Q, q)$ and retain the top $N_Q$"). If $N_Q \ge S$ every query is kept.
+#
+# **Interpretation (which queries a KV group keeps).** The paper ranks "each query" without
+# saying whether the ranking is per query head or shared by the heads of a KV group. The
+# aggregation of step 3 averages the normalized queries *of a group at the same
+# position* (see below), which only makes sense if the heads of a group keep the same
+# positions. The default, `query_select="group"`, therefore ranks positions once per KV
+# head by the group-averaged dissimilarity
+#
+# $$\bar d_{h,i} = \frac1G \sum_{g} d_{g,i}$$
+#
+# and keeps the same $N_Q$ positions $I_h$ for all $G$ heads. The variant
+# `query_select="head"` lets each query head keep its own top $N_Q$ positions $I_g$; then
+# the $r$-th kept query of each head (in chunk order) is paired with the $r$-th of the
+# others in step 3. Both coincide when $G = 1$ or $N_Q \ge S$. Kept positions are listed in
+# ascending order; ties in dissimilarity go to the earlier position.
+
+# %%
+#| export
+QUERY_SELECT = ("group", "head")
+QUERY_AGGS = ("max", "mean")
+EPS = 1e-12  # norms are clamped to at least EPS, as in F.normalize: a zero vector has cosine 0 with everything
+
+
+def accumulation_dtype(x: Tensor) -> torch.dtype:
+    "float32 for half/bfloat16/float32 inputs, float64 for float64: the dtype scores are computed in."
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def query_dissimilarity(q_chunk: Tensor) -> Tensor:
+    "d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S]."
+    q = q_chunk.to(accumulation_dtype(q_chunk))
+    m = q.mean(2, keepdim=True)  # M_Q per query head
+    return -(F.normalize(q, dim=-1, eps=EPS) * F.normalize(m, dim=-1, eps=EPS)).sum(-1)
+
+
+def select_queries(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group") -> Tensor:
+    "Chunk positions [B,Hq,n] (n = min(n_q, S), ascending) of the queries each query head keeps (§3.1); 'group' gives a KV group's heads the same positions."
+    B, Hq, S, _ = q_chunk.shape
+    if n_q >= S: return torch.arange(S, device=q_chunk.device).expand(B, Hq, S)  # keep every query
+    d = query_dissimilarity(q_chunk)
+    if query_select == "head": return top_budget_indices(d, n_q)
+    pos = top_budget_indices(d.view(B, Hq // G, G, S).mean(2), n_q)  # one ranking per KV head, by the group-mean dissimilarity
+    return pos.repeat_interleave(G, dim=1)  # query head hG+g reads KV head h's positions
+
+
+# %% [markdown]
+# Check against loops over heads and positions (cosines as Python dot products of unit
+# vectors, rankings by sorting): the dissimilarities, the kept positions in both modes, and
+# that a query planted far from the others (the negated mean direction) is always kept:
+
+# %%
+def _unit(x): return x / max(x.norm().item(), EPS)
+
+g = torch.Generator().manual_seed(1)
+B, Hkv, G, S, D = 2, 2, 3, 11, 8
+q = torch.randn(B, Hkv * G, S, D, generator=g, dtype=torch.float64) + 1.5   # a shared offset: a clear mean direction
+q[:, :, 4] = -q[:, :, 4]                                                      # position 4 points away from the mean
+d = query_dissimilarity(q)
+for b in range(B):
+    for hq in range(Hkv * G):
+        m = _unit(q[b, hq].mean(0))
+        for i in range(S): assert abs(d[b, hq, i].item() + float(_unit(q[b, hq, i]) @ m)) < 1e-12
+for n_q in (1, 4, S, S + 3):
+    pos_head, pos_group = select_queries(q, n_q, G, "head"), select_queries(q, n_q, G, "group")
+    n = min(n_q, S)
+    for b in range(B):
+        for h in range(Hkv):
+            avg = [sum(d[b, h * G + g, i].item() for g in range(G)) / G for i in range(S)]
+            want_group = sorted(sorted(range(S), key=lambda i: (-avg[i], i))[:n])
+            for g_ in range(G):
+                hq = h * G + g_
+                test_eq(pos_group[b, hq].tolist(), want_group)
+                row = d[b, hq].tolist()
+                test_eq(pos_head[b, hq].tolist(), sorted(sorted(range(S), key=lambda i: (-row[i], i))[:n]))
+                assert 4 in pos_head[b, hq].tolist() and 4 in pos_group[b, hq].tolist()
+
+
+# %% [markdown]
+# ## Step 2: cosine scoring (§3.2)
+#
+# §3.2's formulas are missing from our copy; its title ("Scoring via Cosine Similarity"),
+# the method overview ("compute cosine similarity between queries and keys to estimate
+# their relevance"), §3.3 ("if we normalize $K$ and $Q$ prior to computing the score") and
+# §5 ("then selects keys via cosine similarity") fix it to
+#
+# $$c_{g,i,j} = \cos(q_{g,i}, k_j) = \hat q_{g,i} \cdot \hat k_j, \qquad i \in I_g,\; j = 1,\dots,T .$$
+#
+# Unlike the attention logit $q \cdot k / \sqrt D$ it is blind to the norms, so a query of
+# large norm cannot dominate the ranking of keys, and a key's score is bounded in $[-1, 1]$.
+# No softmax is taken: the selection only needs a ranking, and the softmax would destroy
+# the linearity that step 3 relies on.
+#
+# ## Step 3: aggregation over queries and over the heads of a group (§3.3)
+#
+# One KV head serves $G$ query heads and $|I| = \min(N_Q, S)$ kept queries each, but keeps
+# one set of keys, so the $G \cdot |I|$ scores of a key must be reduced to one number. §3.3:
+#
+# * **over queries, the maximum**: "averaging can obscure rare but important query–key
+#   interactions, so QuoKA instead takes the maximum" (the heavy tail of Figure 3);
+# * **over the query heads of a group, the mean**: "we simply average scores across KV
+#   groups ... head-level importance is correlated";
+# * and "if we normalize $K$ and $Q$ prior to computing the score, we can achieve the same
+#   average by **pre-aggregation**: averaging normalized queries across KV groups due to the
+#   linearity of the mean and the outer product $QK^\top$".
+#
+# **Which order.** Max over queries and mean over heads do not commute. Let $c_{g,i}$ be the
+# scores of one key ($i$ indexes the kept queries of head $g$). The two orders are
+#
+# $$\sigma = \max_i \frac1G \sum_g c_{g,i} \qquad\text{and}\qquad \tau = \frac1G \sum_g \max_i c_{g,i},$$
+#
+# and in general $\sigma \le \tau$ (each $c_{g,i} \le \max_{i'} c_{g,i'}$, so every average
+# inside the max of $\sigma$ is at most $\tau$), with equality only when one query index
+# maximizes every head's score. Only $\sigma$ can be computed by pre-aggregation: $\tau$ takes
+# a max per head *before* averaging, a non-linear step that needs every head's scores, so
+# no average of queries reproduces it. Since §3.3 states that pre-aggregation gives "the same
+# average", **QuoKA's order is $\sigma$: the mean over the heads of a group at each query
+# position, then the max over the positions.** (The conclusion's $\bar Q K^\top$, a single
+# product with an averaged query matrix, says the same.) This is what `quoka_scores`
+# exports.
+#
+# **The pre-aggregation identity.** Fix a KV head $h$ and a kept position $i$ (the same $i$
+# for all heads of the group, `query_select="group"`). Define the pre-aggregated query
+#
+# $$\bar q_{h,i} = \frac1G \sum_{g=0}^{G-1} \hat q_{g,i} .$$
+#
+# Then, for every key $j$, by linearity of the dot product in its first argument,
+#
+# $$\frac1G \sum_g c_{g,i,j} = \frac1G \sum_g \hat q_{g,i} \cdot \hat k_j = \Big(\frac1G \sum_g \hat q_{g,i}\Big) \cdot \hat k_j = \bar q_{h,i} \cdot \hat k_j .$$
+#
+# The identity is exact for each position $i$ (up to floating-point rounding); the max over
+# $i$ is then taken of identical numbers, so
+#
+# $$\sigma_{h,j} = \max_{i \in I_h} \bar q_{h,i} \cdot \hat k_j = \max_{\text{rows}} \big(\bar Q_h \hat K^\top\big)_{:, j}, \qquad \bar Q_h \in \mathbb{R}^{|I_h| \times D} .$$
+#
+# Two remarks make the conditions precise:
+#
+# 1. **Normalize first, then average.** The average is over *cosines*. $\cos(q_{g,i}, k) =
+#    \hat q_{g,i} \cdot \hat k$ is linear in $\hat q_{g,i}$, not in $q_{g,i}$; averaging the
+#    raw queries and then taking one cosine, $\cos(\frac1G \sum_g q_{g,i}, k)$, weights each
+#    head by its query norm and renormalizes the sum, which is a different number. This is
+#    the "if we normalize ... prior to computing the score" of §3.3. (Equally, a softmax
+#    score is not linear in $q$; pre-aggregation would not apply to it.)
+# 2. **The pairing.** The identity only uses linearity, so it holds for any pairing of one
+#    query per head: with `query_select="head"` row $r$ of $\bar Q_h$ averages the $r$-th kept
+#    query of each head, and $\max_r \bar q_{h,r} \cdot \hat k_j$ equals the head-by-head
+#    $\max_r \frac1G \sum_g \hat q_{g, i_g(r)} \cdot \hat k_j$ exactly. What changes is the
+#    meaning: in "group" mode a row is one token position seen by all heads of the group.
+#
+# **Cost.** Head by head, the scores take $G \cdot |I| \cdot T \cdot D$ multiply-adds;
+# pre-aggregated, $|I| \cdot T \cdot D$ plus $G \cdot |I| \cdot D$ for the averages, a factor
+# $G$ less (§3.3: "lowers computation and memory cost by a factor of the number of KV
+# groups").
+#
+# **Normalizing the keys after the max.** $\hat k_j = k_j / \lVert k_j \rVert$ and $\lVert k_j
+# \rVert > 0$, so $\max_i \bar q_{h,i} \cdot \hat k_j = (\max_i \bar q_{h,i} \cdot k_j) /
+# \lVert k_j \rVert$: a positive factor per key commutes with a max (and a mean) over
+# queries. The implementation multiplies $\bar Q_h$ with the raw keys and divides the $T$
+# aggregated scores by the key norms, instead of writing a normalized copy of all $T$ keys.
+# (A zero key has norm clamped to $10^{-12}$ and score $0$, as with `F.normalize`.)
+#
+# **Interpretation (query aggregation as a parameter).** The max over queries is QuoKA's
+# choice; `query_agg="mean"` replaces it by the mean, the alternative the paper ablates
+# (Appendix I), for the same experiment here. The identity above is unaffected (a mean of
+# means is linear too).
+
+# %%
+#| export
+def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
+    "Q̄ [B,Hkv,n,D]: row r is the mean over a group's G heads of their r-th kept query (positions `pos` [B,Hq,n]), each normalized first (§3.3)."
+    B, Hq, _, D = q_chunk.shape
+    q = q_chunk.to(accumulation_dtype(q_chunk)).gather(2, pos[..., None].expand(-1, -1, -1, D))
+    q = F.normalize(q, dim=-1, eps=EPS)  # normalize, then average: the mean of cosines is linear in the unit queries
+    return q.view(B, Hq // G, G, pos.shape[-1], D).mean(2)
+
+
+def _check_quoka_options(n_q: int, query_select: str, query_agg: str):
+    if isinstance(n_q, bool) or not isinstance(n_q, int) or n_q < 1: raise ValueError(f"n_q (N_Q) must be an int >= 1, got {n_q!r}")
+    if query_select not in QUERY_SELECT: raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
+    if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
+
+
+def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
+    "Validate a chunk's queries q_chunk [B,Hq,S,D] and the earlier keys k_cache [B,Hkv,T,D] (T = 0 allowed); return G = Hq // Hkv."
+    if isinstance(k_cache, Tensor) and k_cache.dim() == 4 and k_cache.shape[2] == 0:
+        k_cache = k_cache.new_zeros(*k_cache.shape[:2], 1, k_cache.shape[3])  # an empty cache is valid; its other dims are still checked
+    try: return check_qkv(q_chunk, k_cache)
+    except (TypeError, ValueError) as e: raise type(e)(f"q_chunk (as q) / k_cache (as k): {e}") from None
+
+
+def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max") -> Tensor:
+    "QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂ (§3.1–3.3, Alg. 1)."
+    _check_quoka_options(n_q, query_select, query_agg)
+    G = check_chunk(q_chunk, k_cache)
+    qbar = preaggregated_queries(q_chunk, select_queries(q_chunk, n_q, G, query_select), G)
+    k = k_cache.to(qbar.dtype)
+    s = qbar @ k.transpose(-1, -2)  # [B,Hkv,n,T]: group-mean cosines, times |k_j|
+    s = s.amax(2) if query_agg == "max" else s.mean(2)
+    return s / k.norm(dim=-1).clamp_min(EPS)  # a positive factor per key commutes with max/mean over queries
+
+
+# %% [markdown]
+# Check the pre-aggregation identity against the head-by-head computation: all $G \cdot |I|$
+# cosines formed one head at a time (explicit unit vectors, no pre-aggregation), averaged over
+# heads at each row, then maxed. Exact up to rounding, for both pairings and $G = 1, 3, 4$.
+# Then that the other order $\tau$ (max per head, then mean) is a different number, never
+# below $\sigma$; and that averaging raw queries before normalizing is different as well.
+
+# %%
+g = torch.Generator().manual_seed(2)
+for G in (1, 3, 4):
+    B, Hkv, S, T, D, n_q = 2, 2, 12, 30, 16, 5
+    q = torch.randn(B, Hkv * G, S, D, generator=g, dtype=torch.float64) * torch.rand(B, Hkv * G, S, 1, generator=g, dtype=torch.float64) * 3
+    k = torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) * 2
+    for mode in QUERY_SELECT:
+        pos = select_queries(q, n_q, G, mode)                                 # [B,Hq,n]
+        qk = torch.stack([torch.stack([torch.stack([
+            torch.stack([_unit(k[b, hq // G, j]) @ _unit(q[b, hq, pos[b, hq, r]]) for j in range(T)])
+            for r in range(n_q)]) for hq in range(Hkv * G)]) for b in range(B)])   # c[b, hq, r, j], head by head
+        c = qk.view(B, Hkv, G, n_q, T)
+        sigma = c.mean(2).amax(2)                                             # mean over heads per row, then max over rows
+        assert_close(quoka_scores(q, k, n_q, mode), sigma, rtol=0, atol=1e-12)
+        assert_close(quoka_scores(q, k, n_q, mode, "mean"), c.mean(2).mean(2), rtol=0, atol=1e-12)
+        tau = c.amax(3).mean(2)                                               # max per head, then mean over heads
+        assert (tau >= sigma - 1e-12).all()
+        if G > 1: assert (tau - sigma).abs().max() > 1e-3                     # the orders differ
+        else: assert_close(tau, sigma)                                        # ... unless there is one head
+        qbar_raw = q.gather(2, pos[..., None].expand(-1, -1, -1, D)).view(B, Hkv, G, n_q, D).mean(2)
+        raw_first = (F.normalize(qbar_raw, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)).amax(2)
+        if G > 1: assert (raw_first - sigma).abs().max() > 1e-3               # average-then-normalize is another score
+
+
+# %% [markdown]
+# ## Algorithm 1, reconstructed
+#
+# For one layer and one chunk, per batch element and KV head $h$ (the paper's Algorithm 1
+# is missing from our copy; this is the procedure §3.1–3.4 describe, with the
+# interpretations above):
+#
+# 1. $n \leftarrow$ `resolve_budget`$(B_{SA}, T)$. If $n = T$, return all keys $0, \dots, T-1$.
+# 2. For each query head $g$ of the group: $M_{Q,g} \leftarrow$ mean of the chunk's queries;
+#    $d_{g,i} \leftarrow -\hat M_{Q,g} \cdot \hat q_{g,i}$.
+# 3. Keep $\min(N_Q, S)$ positions: by $\frac1G \sum_g d_{g,i}$ (group) or per head (head).
+# 4. $\bar Q_h \leftarrow$ rows $\frac1G \sum_g \hat q_{g,i}$ over the kept positions.
+# 5. $\sigma_{h,j} \leftarrow \max_{\text{rows}} (\bar Q_h K_h^\top)_{:,j} / \lVert k_{h,j} \rVert$ for all $T$ keys.
+# 6. Return the $n$ keys of largest $\sigma_{h,j}$, ties to the lower index, ascending.
+#
+# The chunk's own keys are not scored: every query attends to its block causally anyway,
+# so the caller appends them (the integration's `add_chunk_keys`). No causal mask is needed
+# on the cached keys, which all precede every query of the chunk.
+
+# %%
+#| export
+def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
+                 query_select: str = "group", query_agg: str = "max") -> Tensor:
+    """Alg. 1: indices [B,Hkv,min(B_SA,T)] (int64, ascending, ties to the lower index) of the cached keys
+    k_cache [B,Hkv,T,D] that the chunk q_chunk [B,Hq,S,D] (post-RoPE) attends to; all keys if T <= B_SA.
+    `budget`: B_SA as an int, or a float fraction of T; `n_q`: N_Q queries kept per chunk."""
+    _check_quoka_options(n_q, query_select, query_agg)
+    check_chunk(q_chunk, k_cache)
+    B, Hkv, T, _ = k_cache.shape
+    n = resolve_budget(budget, T)
+    if n == T: return all_key_indices(B, Hkv, T, k_cache.device)  # T <= B_SA: nothing to select
+    return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg), n)
+
+
+# %% [markdown]
+# ## The brute-force reference
+#
+# `quoka_select_reference` follows the procedure above with explicit loops over batch,
+# KV head, query head and kept query, in float64, and without pre-aggregation: every
+# head's cosines are formed separately from unit vectors and averaged afterwards.
+# Rankings (queries and keys) come from Python's `sorted` on the key (-score, index). It
+# shares no code with the fast path except input validation and `resolve_budget`.
+
+# %%
+#| export
+def _ranked(values: list, n: int) -> list:
+    "The n indices of the largest values, ties to the lower index, in ascending order."
+    return sorted(sorted(range(len(values)), key=lambda i: (-values[i], i))[:n])
+
+
+def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group",
+                           query_agg: str = "max") -> Tensor:
+    "`quoka_scores` by explicit loops over batch, KV head, query head and kept query in float64, head by head (no pre-aggregation)."
+    _check_quoka_options(n_q, query_select, query_agg)
+    G = check_chunk(q_chunk, k_cache)
+    q, k = q_chunk.double(), k_cache.double()
+    B, Hq, S, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    n = min(n_q, S)
+    unit = lambda x: x / max(x.norm().item(), EPS)
+    out = torch.zeros(B, Hkv, T, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hkv):
+            heads = [h * G + g for g in range(G)]
+            dis = {}
+            for hq in heads:
+                m = unit(q[b, hq].mean(0))
+                dis[hq] = [-float(unit(q[b, hq, i]) @ m) for i in range(S)]
+            if query_select == "group":
+                avg = [sum(dis[hq][i] for hq in heads) / G for i in range(S)]
+                kept = {hq: _ranked(avg, n) for hq in heads}
+            else:
+                kept = {hq: _ranked(dis[hq], n) for hq in heads}
+            khat = torch.stack([unit(k[b, h, j]) for j in range(T)]) if T else k.new_zeros(0, D)
+            rows = []
+            for r in range(n):
+                per_head = [khat @ unit(q[b, hq, kept[hq][r]]) for hq in heads]  # cosines of all keys with head hq's r-th kept query
+                rows.append(sum(per_head) / G)
+            rows = torch.stack(rows)
+            out[b, h] = rows.amax(0) if query_agg == "max" else rows.mean(0)
+    return out
+
+
+def quoka_select_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
+                           query_select: str = "group", query_agg: str = "max") -> Tensor:
+    "`quoka_select` from `quoka_scores_reference` and a Python sort of every row."
+    n = resolve_budget(budget, k_cache.shape[2])
+    return top_budget_indices_reference(quoka_scores_reference(q_chunk, k_cache, n_q, query_select, query_agg), n)
+
+
+# %% [markdown]
+# Check `quoka_select` against the reference: GQA $G = 1, 3, 4$, both query modes, a budget
+# below, equal to and above the cache, a fractional budget, $N_Q \ge S$ (all queries kept), a
+# single query; float64 (indices must agree exactly) and float32 (scores within float32
+# rounding). The output is int64, ascending and duplicate-free.
+
+# %%
+def _qk(G, S, T, B=2, Hkv=2, D=16, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hkv * G, S, D, generator=g, dtype=dtype) + 0.5,
+            torch.randn(B, Hkv, T, D, generator=g, dtype=dtype))
+
+for G in (1, 3, 4):
+    for S, T, n_q, budget in [(16, 40, 4, 10), (16, 40, 16, 10), (16, 40, 30, 0.25), (1, 40, 4, 7), (8, 9, 2, 9), (8, 5, 2, 9)]:
+        q, k = _qk(G, S, T, seed=G * 100 + S + T)
+        for mode in QUERY_SELECT:
+            idx = quoka_select(q, k, n_q, budget, mode)
+            test_eq(idx, quoka_select_reference(q, k, n_q, budget, mode))
+            test_eq(idx.shape, (2, 2, resolve_budget(budget, T)))
+            test_eq(idx.dtype, torch.long)
+            assert (idx[..., 1:] > idx[..., :-1]).all()
+            assert_close(quoka_scores(q.float(), k.float(), n_q, mode), quoka_scores_reference(q, k, n_q, mode).float(), rtol=1e-5, atol=1e-5)
+test_eq(quoka_select(*_qk(3, 8, 6), 4, 6), torch.arange(6).expand(2, 2, 6))        # T == B_SA: every key
+test_eq(quoka_select(*_qk(3, 8, 0), 4, 6).shape, (2, 2, 0))                         # empty cache (first chunk)
+test_eq(quoka_select_reference(*_qk(3, 8, 0), 4, 6).shape, (2, 2, 0))
+
+# %% [markdown]
+# Ties: one-hot queries and keys make every quantity exact, and many keys repeat, so equal
+# scores straddle the budget's cut. The earlier key must win, in both implementations:
+
+# %%
+g = torch.Generator().manual_seed(3)
+D = 6
+for G in (1, 2, 4):
+    q = F.one_hot(torch.randint(0, D, (1, 2 * G, 10), generator=g), D).double()
+    k = F.one_hot(torch.randint(0, 3, (1, 2, 25), generator=g), D).double()   # only 3 distinct keys among 25
+    for mode in QUERY_SELECT:
+        for budget in (1, 4, 12):
+            test_eq(quoka_select(q, k, 3, budget, mode), quoka_select_reference(q, k, 3, budget, mode))
+test_eq(quoka_select(torch.ones(1, 1, 4, 3), torch.ones(1, 1, 9, 3), 2, 5), torch.arange(5).view(1, 1, 5))  # all tied: the first B_SA
+
+
+# %% [markdown]
+# ## Generation mode (§4.4)
+#
+# At decode "the model computes attention for a single query and no query subselection is
+# applied"; the scoring and the group mean are unchanged. With one query the mean query is
+# the query itself, so this is Algorithm 1 with $S = N_Q = 1$: the score of key $j$ is
+# $\big(\frac1G \sum_g \hat q_g\big) \cdot \hat k_j$. `quoka_decode_select` is that case with
+# a check that one query was passed.
+
+# %%
+#| export
+def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024) -> Tensor:
+    "Generation mode (§4.4): indices [B,Hkv,min(B_SA,T)] for one new query per head q [B,Hq,1,D]; no query subselection, the same scoring."
+    if isinstance(q, Tensor) and q.dim() == 4 and q.shape[2] != 1:
+        raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got shape {tuple(q.shape)}; use quoka_select for a chunk")
+    return quoka_select(q, k_cache, 1, budget)
+
+
+# %%
+for G in (1, 3):
+    q, k = _qk(G, 1, 50, seed=7)
+    qbar = F.normalize(q, dim=-1).view(2, 2, G, 1, 16).mean(2)                       # mean of the unit queries of a group
+    want = top_budget_indices_reference((qbar @ F.normalize(k, dim=-1).transpose(-1, -2))[:, :, 0], 12)
+    test_eq(quoka_decode_select(q, k, 12), want)
+    test_eq(quoka_decode_select(q, k, 12), quoka_select_reference(q, k, 16, 12))
+test_fail(lambda: quoka_decode_select(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 9, 4)), contains="one query per head")
+
+# %% [markdown]
+# ## Bad input
+#
+# Mismatched heads, dtypes or head dims, a non-integer $N_Q$, an unknown mode, a bad budget
+# and NaN inputs are refused with a message naming the argument:
+
+# %%
+q, k = _qk(3, 8, 20)
+test_fail(lambda: quoka_select(q[:, :5], k, 4, 8), contains="multiple of the KV heads")
+test_fail(lambda: quoka_select(q, k.float(), 4, 8), contains="k_cache")
+test_fail(lambda: quoka_select(q, k[..., :8], 4, 8), contains="head dim")
+test_fail(lambda: quoka_select(q, k, 0, 8), contains="n_q")
+test_fail(lambda: quoka_select(q, k, 4.0, 8), contains="n_q")
+test_fail(lambda: quoka_select(q, k, 4, 8, "token"), contains="query_select")
+test_fail(lambda: quoka_select(q, k, 4, 8, query_agg="sum"), contains="query_agg")
+test_fail(lambda: quoka_select(q, k, 4, -1), contains="budget")
+test_fail(lambda: quoka_select(q, k.masked_fill(k > 2, math.nan), 4, 8), contains="NaN")

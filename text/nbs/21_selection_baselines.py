@@ -1,0 +1,647 @@
+# %% [markdown]
+# # Selection baselines for chunked prefill
+#
+# > The KV-selection methods QuoKA is compared with (§4), each choosing B_SA cached keys per KV head for a chunk of queries: mean of scores, SampleAttention, SparQ, Loki and LessIsMore, with brute-force references.
+
+# %%
+#| default_exp baselines.selection
+
+# %%
+#| export
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sparsekv.attention import softmax_scale
+from sparsekv.quoka import (accumulation_dtype, all_key_indices, check_chunk, resolve_budget, top_budget_indices,
+                            top_budget_indices_reference, top_mask)
+
+# %%
+#| hide
+from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
+
+
+# %% [markdown]
+# QuoKA's experiments (§4) compare it with query-dependent selection methods that were
+# designed for **generation**, where one new query picks the keys it needs. Under chunked
+# prefill a chunk of $S = B_{CP}$ queries must agree on one set of $B_{SA}$ keys per KV head,
+# so each method needs a rule to combine its per-query scores; §2.4 and §5 note that "naïvely
+# averaging such proxies across multiple queries in a prefill chunk often degrades
+# accuracy". This notebook writes each baseline from its paper's description and from the
+# QuoKA paper's summary of it, in the same shape as `quoka_select`:
+#
+# `method_select(q_chunk [B,Hq,S,D], k_cache [B,Hkv,T,D], budget, ...) -> indices [B,Hkv,min(B_SA,T)]`
+#
+# int64, ascending, ties to the lower index, every key when $T \le B_{SA}$; `budget` is
+# $B_{SA}$ or a fraction of $T$ (`resolve_budget`). As for QuoKA, the chunk's own keys are not
+# scored (the caller appends them) and the cached keys all precede the chunk, so no causal
+# mask is needed. Each method comes with a brute-force reference (explicit loops over batch,
+# KV head, query head and query, in float64) that it is checked against.
+#
+# | method | paper | what it scores a key with | how the chunk's queries are combined |
+# |---|---|---|---|
+# | mean of scores | (the naive extension, §2.4) | exact attention probability | mean over all queries and heads |
+# | SampleAttention | Zhu et al. 2024 | exact attention probability | sum over a uniform sample of queries |
+# | SparQ | Ribar et al. 2024 | logit from the query's top-$r$ channels | mean of softmax over queries and heads |
+# | Loki | Singhania et al. 2024 | logit in the top-$r$ PCA subspace of the keys | mean of softmax over queries and heads |
+# | LessIsMore | Yang et al. 2025b | exact attention probability, at a few layers only | per-head rankings merged across all heads, plus a recent window |
+#
+# Notation: $p_{g,i,j} = \mathrm{softmax}_j(c\, q_{g,i} \cdot k_j)$ is the attention probability
+# of query $i$ of head $g$ on cached key $j$, normalized over the $T$ cached keys, with
+# $c = 1/\sqrt D$ unless `scale` is given.
+
+# %%
+#| export
+def grouped_products(q: Tensor, k: Tensor) -> Tensor:
+    "Dot products [B,Hkv,G,S,T] of every query q [B,Hq,S,D] with every key k [B,Hkv,T,D] of its KV head (no copy of the keys)."
+    B, Hq, S, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    acc = accumulation_dtype(q)
+    s = q.to(acc).reshape(B, Hkv, Hq // Hkv * S, D) @ k.to(acc).transpose(-1, -2)  # head hG+g is row block g of KV head h
+    return s.view(B, Hkv, Hq // Hkv, S, T)
+
+
+def _reference_scores(q_chunk: Tensor, k_cache: Tensor, per_query, positions=None, reduce: str = "mean") -> Tensor:
+    "Mean (or sum) over the G query heads of each KV head and over the chunk positions of per_query(q [D], K [T,D], b, h) -> [T], by loops in float64."
+    G = check_chunk(q_chunk, k_cache)
+    q, k = q_chunk.double(), k_cache.double()
+    B, _, S, _ = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    positions = list(range(S)) if positions is None else list(positions)
+    out = torch.zeros(B, Hkv, T, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hkv):
+            for g in range(G):
+                for i in positions: out[b, h] += per_query(q[b, h * G + g, i], k[b, h], b, h)
+            if reduce == "mean": out[b, h] /= G * len(positions)
+    return out
+
+
+# %% [markdown]
+# ## The naive extension: mean of scores over the chunk
+#
+# The direct way to use a single-query rule for a chunk: score each key by the attention it
+# gets, averaged over all $S$ queries of the chunk and the $G$ heads of its group,
+#
+# $$\mu_{h,j} = \frac{1}{G S} \sum_{g} \sum_{i=1}^{S} p_{g,i,j},$$
+#
+# and keep the top $B_{SA}$. **Decision: probabilities, not raw logits.** The mean of
+# probabilities is the average attention mass the chunk actually puts on key $j$ (over the
+# cached keys), the quantity a selection wants to preserve, and each query contributes a
+# distribution summing to one, so no single query dominates through its norm. The mean of raw
+# logits, `scores="logits"`, is kept as an option: by linearity it equals scoring with the
+# mean query, $\frac1{GS} \sum_{g,i} q_{g,i} \cdot k_j = \bar q \cdot k_j$, which is exactly the
+# direction QuoKA argues carries the least information (§3.1). This baseline computes all
+# $G S T$ logits: it is the accuracy reference for "averaging", not a fast method.
+
+# %%
+#| export
+MEAN_SCORES = ("softmax", "logits")
+
+def mean_score_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, scores: str = "softmax",
+                      scale: float | None = None) -> Tensor:
+    "Keys [B,Hkv,min(B_SA,T)] of largest attention probability (or logit) averaged over all chunk queries and the heads of a group."
+    if scores not in MEAN_SCORES: raise ValueError(f"scores must be one of {MEAN_SCORES}, got {scores!r}")
+    check_chunk(q_chunk, k_cache)
+    B, Hkv, T, D = k_cache.shape
+    c, n = softmax_scale(scale, D), resolve_budget(budget, T)
+    if n == T: return all_key_indices(B, Hkv, T, k_cache.device)
+    s = c * grouped_products(q_chunk, k_cache)
+    if scores == "softmax": s = s.softmax(-1)
+    return top_budget_indices(s.mean((2, 3)), n)
+
+
+def mean_score_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, scores: str = "softmax",
+                                scale: float | None = None) -> Tensor:
+    "`mean_score_select` by loops over batch, KV head, query head and query in float64."
+    c = softmax_scale(scale, q_chunk.shape[-1])
+    def per_query(q, K, b, h):
+        logits = c * (K @ q)
+        return torch.softmax(logits, 0) if scores == "softmax" else logits
+    return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query), resolve_budget(budget, k_cache.shape[2]))
+
+
+# %%
+def _qk(G, S, T, B=2, Hkv=2, D=16, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hkv * G, S, D, generator=g, dtype=dtype) + 0.3,
+            torch.randn(B, Hkv, T, D, generator=g, dtype=dtype))
+
+CASES = [(12, 40, 10), (12, 40, 0.25), (1, 40, 7), (8, 9, 9), (8, 5, 9), (8, 0, 4)]   # (S, T, budget)
+
+def _check_indices(idx, B, Hkv, n):
+    test_eq(idx.shape, (B, Hkv, n))
+    test_eq(idx.dtype, torch.long)
+    assert (idx[..., 1:] > idx[..., :-1]).all()
+
+for G in (1, 3, 4):
+    for S, T, budget in CASES:
+        q, k = _qk(G, S, T, seed=G * 100 + S + T)
+        for scores in MEAN_SCORES:
+            idx = mean_score_select(q, k, budget, scores)
+            test_eq(idx, mean_score_select_reference(q, k, budget, scores))
+            _check_indices(idx, 2, 2, resolve_budget(budget, T))
+q, k = _qk(3, 12, 40)
+qbar = q.view(2, 2, 3 * 12, 16).mean(2, keepdim=True)      # the mean query of each group
+test_eq(mean_score_select(q, k, 10, "logits"), top_budget_indices_reference((qbar @ k.transpose(-1, -2))[:, :, 0], 10))
+test_fail(lambda: mean_score_select(q, k, 10, "probs"), contains="scores must be")
+
+
+# %% [markdown]
+# ## SampleAttention (Zhu et al. 2024)
+#
+# Q. Zhu, J. Duan, C. Chen, S. Liu, X. Li, G. Feng, X. Lv, H. Cao, X. Chuanfu, X. Zhang et al.,
+# *SampleAttention: Near-lossless acceleration of long context LLM inference with adaptive
+# structured sparse attention*, arXiv:2406.15486 (2024).
+#
+# SampleAttention targets prefill. Its query-guided key selection computes the attention
+# scores of a **sample of query rows** only, sums them column-wise (per key), and keeps the
+# keys that cover a target share of the accumulated attention; it adds a local window. QuoKA
+# describes it as "uniformly samples queries to compute $S$" and runs it with 16 sampled
+# queries per chunk (§4). Here, per KV head,
+#
+# $$\alpha_{h,j} = \sum_{g} \sum_{i \in R} p_{g,i,j}, \qquad R \subset \{1,\dots,S\},\ |R| = \min(N_Q, S) \text{ drawn uniformly without replacement},$$
+#
+# and the top $B_{SA}$ keys are kept. **Interpretations:** (1) the adaptive budget (the
+# cumulative-attention threshold) is replaced by the fixed $B_{SA}$, so all methods are
+# compared at equal budgets as in QuoKA's tables; (2) one sample $R$ is shared by all heads
+# (rows of the attention matrix are token positions); (3) no local window among the cached
+# keys, since the chunk's own keys are always attended. The sample is seeded: an int `seed`
+# draws the same positions for every chunk of the same length; a `torch.Generator` advances
+# from chunk to chunk.
+
+# %%
+#| export
+def sample_query_positions(S: int, n_q: int, seed: int | torch.Generator = 0) -> Tensor:
+    "min(n_q, S) chunk positions drawn uniformly without replacement (all S if n_q >= S), ascending, int64 on the CPU."
+    if isinstance(n_q, bool) or not isinstance(n_q, int) or n_q < 1: raise ValueError(f"n_q must be an int >= 1, got {n_q!r}")
+    if isinstance(seed, torch.Generator): gen = seed
+    elif isinstance(seed, int) and not isinstance(seed, bool): gen = torch.Generator().manual_seed(seed)
+    else: raise TypeError(f"seed must be an int or a CPU torch.Generator, got {type(seed).__name__}")
+    if n_q >= S: return torch.arange(S)
+    return torch.randperm(S, generator=gen)[:n_q].sort().values
+
+
+def sample_attention_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, n_q: int = 16,
+                            seed: int | torch.Generator = 0, scale: float | None = None) -> Tensor:
+    "SampleAttention (Zhu et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention probability summed over n_q uniformly sampled queries and the heads of a group."
+    check_chunk(q_chunk, k_cache)
+    B, Hkv, T, D = k_cache.shape
+    c, n = softmax_scale(scale, D), resolve_budget(budget, T)
+    pos = sample_query_positions(q_chunk.shape[2], n_q, seed)  # drawn even when every key is kept, so a Generator advances per chunk
+    if n == T: return all_key_indices(B, Hkv, T, k_cache.device)
+    p = (c * grouped_products(q_chunk[:, :, pos.to(q_chunk.device)], k_cache)).softmax(-1)
+    return top_budget_indices(p.sum((2, 3)), n)
+
+
+def sample_attention_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, n_q: int = 16,
+                                      seed: int | torch.Generator = 0, scale: float | None = None) -> Tensor:
+    "`sample_attention_select` by loops in float64 over the same sampled positions."
+    c = softmax_scale(scale, q_chunk.shape[-1])
+    pos = sample_query_positions(q_chunk.shape[2], n_q, seed).tolist()
+    scores = _reference_scores(q_chunk, k_cache, lambda q, K, b, h: torch.softmax(c * (K @ q), 0), pos, reduce="sum")
+    return top_budget_indices_reference(scores, resolve_budget(budget, k_cache.shape[2]))
+
+
+# %% [markdown]
+# Check: against the reference; with $N_Q \ge S$ it is the mean of scores (a sum is a
+# multiple of the mean); the sample is reproducible from an int seed, advances with a
+# generator, and is uniform (each of 10 positions is drawn with frequency $4/10$ when 4 are
+# sampled, within a few standard deviations over 4000 draws).
+
+# %%
+for G in (1, 3, 4):
+    for S, T, budget in CASES:
+        q, k = _qk(G, S, T, seed=G * 100 + S + T + 1)
+        for n_q in (4, 16):
+            idx = sample_attention_select(q, k, budget, n_q, seed=5)
+            test_eq(idx, sample_attention_select_reference(q, k, budget, n_q, seed=5))
+            _check_indices(idx, 2, 2, resolve_budget(budget, T))
+        test_eq(sample_attention_select(q, k, budget, n_q=S), mean_score_select(q, k, budget))
+test_eq(sample_query_positions(10, 4, 3), sample_query_positions(10, 4, 3))
+gen = torch.Generator().manual_seed(0)
+draws = torch.stack([sample_query_positions(10, 4, gen) for _ in range(4000)])
+assert len({tuple(d) for d in draws[:20].tolist()}) > 1                       # the generator advances
+freq = F.one_hot(draws, 10).sum((0, 1)).double() / 4000
+assert (freq - 0.4).abs().max() < 4 * math.sqrt(0.4 * 0.6 / 4000)
+test_eq(sample_query_positions(5, 9), torch.arange(5))
+test_fail(lambda: sample_query_positions(10, 4, "0"), contains="seed must be")
+
+
+# %% [markdown]
+# ## SparQ (Ribar et al. 2024)
+#
+# L. Ribar, I. Chelombiev, L. Hudlass-Galley, C. Blake, C. Luschi, D. Orr, *SparQ Attention:
+# Bandwidth-efficient LLM inference*, ICML 2024, pp. 42558–42583.
+#
+# SparQ approximates a query's attention from the $r$ channels where the query is largest in
+# magnitude, which reads only $r$ of the $D$ columns of $K$. For one query $q$:
+#
+# 1. $i_1 \leftarrow$ the $r$ channels of largest $|q_c|$;
+# 2. $\hat s \leftarrow \mathrm{softmax}\Big(q_{[i_1]} \cdot K_{[:, i_1]}^\top \big/ \sqrt{D \cdot \lVert q_{[i_1]} \rVert_1 / \lVert q \rVert_1}\Big)$;
+#    the temperature is corrected for the share of $q$'s $L_1$ mass that the kept channels carry;
+# 3. the keys of largest $\hat s$ are attended exactly (SparQ also mixes in the mean value
+#    vector with the weight the unselected keys had; that changes the output, not the
+#    selection, and is not part of a selection baseline).
+#
+# For a chunk, QuoKA's baseline is step 1–2 per query and "mean over queries": the
+# approximate probabilities $\hat s_{g,i,j}$ are averaged over the chunk's queries and the
+# heads of a group, and the top $B_{SA}$ kept. $r$ defaults to $D/2$ (QuoKA runs SparQ at 64 of
+# 128 dimensions). Ties among channel magnitudes go to the lower channel. Dropping the
+# unselected channels is written as zeroing them, which gives the same products; it does not
+# save the reads a kernel would (a latency benchmark must gather the channels instead).
+# With `scale` given, $1/\sqrt D$ above is replaced by `scale`.
+
+# %%
+#| export
+def _check_rank(r: int | None, D: int, name: str = "r") -> int:
+    "r, or D // 2 when None; an int in [1, D]."
+    if r is None: return max(1, D // 2)
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= D: raise ValueError(f"{name} must be an int in [1, D={D}] or None (D // 2), got {r!r}")
+    return r
+
+
+def sparq_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
+                 scale: float | None = None) -> Tensor:
+    "SparQ (Ribar et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest approximate attention from each query's top-r channels, averaged over queries and heads."
+    check_chunk(q_chunk, k_cache)
+    B, Hkv, T, D = k_cache.shape
+    c, n, r = softmax_scale(scale, D), resolve_budget(budget, T), _check_rank(r, D)
+    if n == T: return all_key_indices(B, Hkv, T, k_cache.device)
+    q = q_chunk.to(accumulation_dtype(q_chunk))
+    mag = q.abs()
+    keep = top_mask(mag, r)  # i_1 per query: its r largest channels
+    total = mag.sum(-1)
+    share = torch.where(total > 0, (mag * keep).sum(-1) / total.clamp_min(torch.finfo(q.dtype).tiny), 1.0)  # ||q[i1]||_1 / ||q||_1
+    temp = (c / share.sqrt()).view(B, Hkv, -1, q.shape[2], 1)  # per-query softmax scale
+    p = (temp * grouped_products(q * keep, k_cache)).softmax(-1)
+    return top_budget_indices(p.mean((2, 3)), n)
+
+
+def sparq_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
+                           scale: float | None = None) -> Tensor:
+    "`sparq_select` by loops in float64: per query, its top-r channels by a Python sort, the scores from those columns of K."
+    D = q_chunk.shape[-1]
+    c, r = softmax_scale(scale, D), _check_rank(r, D)
+    def per_query(q, K, b, h):
+        mag = q.abs().tolist()
+        ch = sorted(range(D), key=lambda i: (-mag[i], i))[:r]
+        share = sum(mag[i] for i in ch) / sum(mag) if sum(mag) > 0 else 1.0
+        return torch.softmax(K[:, ch] @ q[ch] * (c / math.sqrt(share)), 0)
+    return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query), resolve_budget(budget, k_cache.shape[2]))
+
+
+# %% [markdown]
+# Check: against the reference (heavy-tailed queries, where channel selection matters, and
+# queries with tied magnitudes); with $r = D$ nothing is dropped and SparQ is the mean of
+# scores; $r = 1$ is accepted, $r > D$ refused.
+
+# %%
+for G in (1, 3, 4):
+    for S, T, budget in CASES:
+        q, k = _qk(G, S, T, seed=G * 100 + S + T + 2)
+        q = q * torch.rand(q.shape, generator=torch.Generator().manual_seed(G)).pow(3) * 4   # heavy-tailed channels
+        for r in (1, 5, None):
+            idx = sparq_select(q, k, budget, r)
+            test_eq(idx, sparq_select_reference(q, k, budget, r))
+            _check_indices(idx, 2, 2, resolve_budget(budget, T))
+        test_eq(sparq_select(q, k, budget, r=16), mean_score_select(q, k, budget))
+q, k = _qk(3, 8, 30, seed=9)
+q = q.sign()                                                                      # every magnitude tied
+test_eq(sparq_select(q, k, 10, 6), sparq_select_reference(q, k, 10, 6))
+test_fail(lambda: sparq_select(q, k, 10, r=17), contains="r must be")
+
+
+# %% [markdown]
+# ## Loki (Singhania et al. 2024)
+#
+# P. Singhania, S. Singh, S. He, S. Feizi, A. Bhatele, *Loki: Low-rank keys for efficient
+# sparse attention*, NeurIPS 2024, pp. 16692–16723.
+#
+# Loki observes that keys live close to a low-dimensional subspace. Offline, it computes
+# per layer and head the principal directions of keys from a calibration set (an orthonormal
+# $P \in \mathbb{R}^{D \times D}$, columns by decreasing variance); at inference it scores
+# keys with the first $r$ coordinates of the rotated query and keys,
+#
+# $$\tilde s_{i,j} = (q_i P_{:, :r}) \cdot (k_j P_{:, :r}),$$
+#
+# keeps the top keys and attends to them exactly (exact because $P$ is orthogonal). QuoKA
+# describes it as "down-projects keys and queries before computing $S$", at 64 of 128
+# dimensions. For a chunk, as for SparQ: mean over queries and heads of
+# $\mathrm{softmax}_j(c\,\tilde s_{g,i,j})$.
+#
+# **Interpretations.** (1) The basis comes from a calibration set when `basis` is given
+# (`loki_basis` of calibration keys, `[Hkv,D,D]`), otherwise from the cache itself, per batch
+# element and KV head, recomputed at every call (costly: a $D \times D$ eigenproblem per head
+# and chunk; fine for an accuracy baseline). (2) The basis is that of the **uncentered**
+# second moment $K^\top K$ by default: the top-$r$ eigenvectors of $K^\top K$ minimize the mean
+# squared error $\lVert k - P_r P_r^\top k \rVert^2$ of the raw keys, which is what enters the
+# dot products; `center=True` uses the covariance (classical PCA) instead. (3) Keys are
+# post-RoPE (what the attention function receives); Loki studies both pre- and post-rotary
+# PCA.
+
+# %%
+#| export
+def loki_basis(keys: Tensor, center: bool = False) -> Tensor:
+    "Principal directions of keys [B,Hkv,S,D] pooled over batch and positions, per KV head: [Hkv,D,D], columns by decreasing eigenvalue."
+    if not isinstance(keys, Tensor) or keys.dim() != 4 or not keys.is_floating_point():
+        raise TypeError(f"keys must be a floating-point tensor [B,Hkv,S,D], got {getattr(keys, 'shape', type(keys).__name__)}")
+    B, Hkv, S, D = keys.shape
+    x = keys.to(accumulation_dtype(keys)).transpose(0, 1).reshape(Hkv, B * S, D)
+    if not x.isfinite().all(): raise ValueError("keys contain NaN or inf: no principal directions")
+    if center: x = x - x.mean(1, keepdim=True)
+    return torch.linalg.eigh(x.transpose(-1, -2) @ x).eigenvectors.flip(-1)  # eigh sorts ascending
+
+
+def _check_basis(basis: Tensor, B: int, Hkv: int, D: int, r: int):
+    "Validate a Loki basis: [Hkv,D,R] or [B (or 1),Hkv,D,R] with R >= r."
+    if not isinstance(basis, Tensor) or not basis.is_floating_point() or basis.dim() not in (3, 4) or basis.shape[-3:-1] != (Hkv, D) \
+            or basis.shape[-1] < r or (basis.dim() == 4 and basis.shape[0] not in (1, B)):
+        raise ValueError(f"basis must be a floating-point [Hkv={Hkv}, D={D}, R] or [B={B}, Hkv, D, R] with R >= r={r}, "
+                         f"got {getattr(basis, 'shape', type(basis).__name__)}")
+
+
+def _loki_projection(k_cache: Tensor, r: int, basis: Tensor | None, center: bool) -> Tensor:
+    "The first r basis columns, [B or 1, Hkv, D, r]: from `basis` [Hkv,D,R] / [B,Hkv,D,R], or the cache's own PCA."
+    if basis is None: return torch.stack([loki_basis(k_cache[b:b + 1], center) for b in range(k_cache.shape[0])])[..., :r]
+    basis = basis if basis.dim() == 4 else basis[None]
+    return basis[..., :r].to(accumulation_dtype(k_cache))
+
+
+def loki_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
+                basis: Tensor | None = None, center: bool = False, scale: float | None = None) -> Tensor:
+    "Loki (Singhania et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention approximated in the top-r principal subspace of the keys, averaged over queries and heads."
+    check_chunk(q_chunk, k_cache)
+    B, Hkv, T, D = k_cache.shape
+    c, n, r = softmax_scale(scale, D), resolve_budget(budget, T), _check_rank(r, D)
+    if basis is not None: _check_basis(basis, B, Hkv, D, r)
+    if n == T: return all_key_indices(B, Hkv, T, k_cache.device)
+    P = _loki_projection(k_cache, r, basis, center).to(k_cache.device)
+    acc = accumulation_dtype(q_chunk)
+    G, S = q_chunk.shape[1] // Hkv, q_chunk.shape[2]
+    qp = q_chunk.to(acc).reshape(B, Hkv, G * S, D) @ P  # [B,Hkv,G*S,r] down-projected queries
+    kp = k_cache.to(acc) @ P  # [B,Hkv,T,r] down-projected keys
+    p = (c * (qp @ kp.transpose(-1, -2))).softmax(-1)
+    return top_budget_indices(p.mean(2), n)
+
+
+def loki_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
+                          basis: Tensor | None = None, center: bool = False, scale: float | None = None) -> Tensor:
+    "`loki_select` by loops in float64, the subspace from an SVD of each head's keys (or `basis`), scores as q^T P_r P_r^T k."
+    B, Hkv, T, D = k_cache.shape
+    c, r = softmax_scale(scale, D), _check_rank(r, D)
+    proj = {}
+    for b in range(B):
+        for h in range(Hkv):
+            if basis is None:
+                x = k_cache[b, h].double()
+                if center: x = x - x.mean(0)
+                Pr = torch.linalg.svd(x, full_matrices=True).Vh[:r].T  # right singular vectors = eigenvectors of x^T x
+            else:
+                Pr = (basis[h] if basis.dim() == 3 else basis[b if basis.shape[0] > 1 else 0, h])[:, :r].double()
+            proj[b, h] = Pr @ Pr.T  # projector onto the top-r subspace: basis signs and order within it do not matter
+    per_query = lambda q, K, b, h: torch.softmax(c * (K @ (proj[b, h] @ q)), 0)
+    return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query), resolve_budget(budget, T))
+
+
+# %% [markdown]
+# Check: `loki_basis` is orthonormal and ordered, and its top-$r$ subspace is the best rank-$r$
+# fit of the keys (its error equals the sum of the discarded eigenvalues, below that of a
+# random subspace); `loki_select` against the reference with the basis from the cache
+# (uncentered and centered) and from a calibration set; with $r = D$ it is the mean of scores.
+# Keys are drawn with a decaying spectrum so the leading subspace is well separated.
+
+# %%
+def _keys_lowrank(B, Hkv, T, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) * torch.logspace(0, -1.5, D, dtype=torch.float64) + 0.2
+
+k = _keys_lowrank(3, 2, 50, 16, 0)
+P = loki_basis(k)
+test_eq(P.shape, (2, 16, 16))
+assert_close(P.transpose(-1, -2) @ P, torch.eye(16, dtype=torch.float64).expand(2, 16, 16))
+x = k.transpose(0, 1).reshape(2, 150, 16)
+ev = torch.linalg.eigvalsh(x.transpose(-1, -2) @ x).flip(-1)
+var = ((x @ P) ** 2).sum(1)                                                         # energy along each column
+assert_close(var, ev)                                                               # columns in decreasing eigenvalue order
+for rr in (2, 8):
+    err = ((x - x @ P[..., :rr] @ P[..., :rr].transpose(-1, -2)) ** 2).sum((1, 2))
+    assert_close(err, ev[:, rr:].sum(-1))
+    Q = torch.linalg.qr(torch.randn(2, 16, rr, dtype=torch.float64)).Q
+    assert (((x - x @ Q @ Q.transpose(-1, -2)) ** 2).sum((1, 2)) > err).all()
+
+for G in (1, 3, 4):
+    for S, T, budget in CASES:
+        q, _ = _qk(G, S, T, seed=G * 100 + S + T + 3)
+        k = _keys_lowrank(2, 2, T, 16, G + T)
+        for r in (4, None):
+            for center in (False, True):
+                if center and T <= 16: continue                                    # the covariance of <= D keys is singular: its top-r subspace is not unique
+                idx = loki_select(q, k, budget, r, center=center)
+                test_eq(idx, loki_select_reference(q, k, budget, r, center=center))
+                _check_indices(idx, 2, 2, resolve_budget(budget, T))
+        calib = loki_basis(_keys_lowrank(4, 2, 64, 16, 99))
+        test_eq(loki_select(q, k, budget, 4, basis=calib), loki_select_reference(q, k, budget, 4, basis=calib))
+        test_eq(loki_select(q, k, budget, r=16), mean_score_select(q, k, budget))
+q, k = _qk(3, 8, 30, seed=13)
+test_fail(lambda: loki_select(q, k, 10, 4, basis=calib[..., :3]), contains="basis must be")
+test_fail(lambda: loki_select(q, k, 10, 4, basis=calib[:1]), contains="basis must be")
+
+
+# %% [markdown]
+# ## LessIsMore (Yang et al. 2025b)
+#
+# L. Yang, Z. Zhang, A. Jain, S. Cao, B. Yuan, Y. Chen, Z. Jia, R. Netravali, *Less is more:
+# training-free sparse attention with global locality for efficient reasoning*,
+# arXiv:2508.07101 (2025). It builds on TidalDecode (Yang et al. 2024b, arXiv:2410.05076).
+#
+# TidalDecode observed that the keys a query needs are largely the same across layers: a few
+# **selection layers** attend densely and pick the keys, and the sparse layers after them
+# reuse the pick until the next selection layer (the first layers, before the first
+# selection layer, attend densely). LessIsMore adds two rules to the selection: the pick is
+# **one set of keys for all heads** (each head's top keys, merged across heads), and a fixed
+# share $\rho$ of the budget is a **window of the most recent keys**. QuoKA describes it as
+# "computes $S$ only at specified layers". With $n = \min(B_{SA}, T)$:
+#
+# 1. $n_{\mathrm{mid}} = \lfloor n (1 - \rho) \rfloor$, $n_{\mathrm{rec}} = n - n_{\mathrm{mid}}$: the last $n_{\mathrm{rec}}$ cached keys are kept;
+# 2. for each query head $g$ (of **all** $H_q$ heads), rank the other keys by its score
+#    $\frac1S \sum_i p_{g,i,j}$ and keep its top $n_{\mathrm{mid}}$, in rank order;
+# 3. merge the heads' lists rank by rank (rank 0 of head 0, 1, ..., then rank 1 of each head,
+#    ...), drop repeats, keep the first $n_{\mathrm{mid}}$ keys: the union of the heads'
+#    top sets, truncated by rank ("flatten and union the selected indices for all heads,
+#    keeping the first $k$", LessIsMore's Figure 1). Head 0 alone lists $n_{\mathrm{mid}}$
+#    distinct keys, so the merge always fills $n_{\mathrm{mid}}$;
+# 4. the same $n$ keys are used by every KV head.
+#
+# **Interpretations.** (1) For a chunk, a head's per-query probabilities (over all $T$ cached
+# keys, the attention the selection layer actually computes) are averaged over the chunk's
+# queries, the naive extension, since LessIsMore scores one decoding query. (2) $\rho = 0.25$
+# by default (LessIsMore's default recent ratio) and no sink tokens (its code has an option
+# for them, off by default). (3) Selection layers default to `(2,)`; the reference code also
+# re-selects at one "correction" layer in the middle of the network (layer 9 in its Qwen3
+# script), e.g. `selection_layers=(2, 9)`.
+#
+# `lessismore_select` is the per-layer rule; `LessIsMoreSelector` keeps the selection of the
+# last selection layer so the integration can reuse it in the following layers.
+
+# %%
+#| export
+def lessismore_split(n: int, recent_ratio: float) -> tuple[int, int]:
+    "(n_mid, n_recent): n_mid = floor(n * (1 - recent_ratio)) keys chosen by score, the other n_recent the most recent."
+    if isinstance(recent_ratio, bool) or not isinstance(recent_ratio, (int, float)) or not 0 <= recent_ratio <= 1:
+        raise ValueError(f"recent_ratio must be a number in [0, 1], got {recent_ratio!r}")
+    n_mid = int(n * (1 - recent_ratio))
+    return n_mid, n - n_mid
+
+
+def lessismore_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, recent_ratio: float = 0.25,
+                      scale: float | None = None) -> Tensor:
+    "LessIsMore (Yang et al. 2025b): one key set for all heads, [B,Hkv,min(B_SA,T)]: the heads' top keys merged rank by rank, plus the most recent keys."
+    check_chunk(q_chunk, k_cache)
+    B, Hkv, T, D = k_cache.shape
+    c, n = softmax_scale(scale, D), resolve_budget(budget, T)
+    n_mid, n_rec = lessismore_split(n, recent_ratio)
+    if n == T: return all_key_indices(B, Hkv, T, k_cache.device)
+    t_mid = T - n_rec  # keys before the recent window compete for the n_mid slots
+    p = (c * grouped_products(q_chunk, k_cache)).softmax(-1).mean(3)  # [B,Hkv,G,T]: each head's mean probability over the chunk
+    p = p.reshape(B, -1, T)[..., :t_mid]  # [B,Hq,t_mid], heads in the package order h*G+g
+    if p.isnan().any(): raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
+    ranked = p.sort(dim=-1, descending=True, stable=True).indices[..., :n_mid]  # stable: equal scores keep the lower index first
+    merged = ranked.transpose(1, 2).reshape(B, -1)  # rank-major: rank 0 of every head, then rank 1, ...
+    order = torch.arange(merged.shape[1], device=merged.device).expand(B, -1)
+    first = torch.full((B, t_mid), merged.shape[1], dtype=torch.long, device=merged.device)
+    first = first.scatter_reduce(1, merged, order, "amin")  # where each key first appears in the merged list
+    mid = first.argsort(dim=-1, stable=True)[:, :n_mid]  # the first n_mid distinct keys of the merge
+    recent = torch.arange(t_mid, T, device=k_cache.device).expand(B, n_rec)
+    idx = torch.cat([mid, recent], -1).sort(-1).values
+    return idx[:, None].expand(B, Hkv, n).contiguous()
+
+
+def lessismore_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, recent_ratio: float = 0.25,
+                                scale: float | None = None) -> Tensor:
+    "`lessismore_select` by loops in float64: Python rankings per head, a rank-by-rank merge with a dict, the recent window."
+    G = check_chunk(q_chunk, k_cache)
+    q, k = q_chunk.double(), k_cache.double()
+    B, Hq, S, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    c, n = softmax_scale(scale, D), resolve_budget(budget, T)
+    n_mid, n_rec = lessismore_split(n, recent_ratio)
+    t_mid = T - n_rec
+    out = []
+    for b in range(B):
+        rankings = []
+        for hq in range(Hq):
+            score = sum(torch.softmax(c * (k[b, hq // G] @ q[b, hq, i]), 0) for i in range(S)) / S
+            row = score[:t_mid].tolist()
+            rankings.append(sorted(range(t_mid), key=lambda j: (-row[j], j))[:n_mid])
+        merged = list(dict.fromkeys(rankings[hq][r] for r in range(n_mid) for hq in range(Hq)))[:n_mid]
+        out.append(sorted(merged + list(range(t_mid, T))))
+    return torch.tensor(out, dtype=torch.long).view(B, 1, n).expand(B, Hkv, n).contiguous()
+
+
+# %% [markdown]
+# Check against the reference, with scores that make the heads disagree (so the merge order
+# matters) and with repeated keys (ties); with one head and no window it is the mean of
+# scores; the recent window is always kept, and all KV heads share one set.
+
+# %%
+for G in (1, 3, 4):
+    for S, T, budget in CASES:
+        q, k = _qk(G, S, T, seed=G * 100 + S + T + 4)
+        for ratio in (0.0, 0.25, 0.5, 1.0):
+            idx = lessismore_select(q, k, budget, ratio)
+            test_eq(idx, lessismore_select_reference(q, k, budget, ratio))
+            n = resolve_budget(budget, T)
+            _check_indices(idx, 2, 2, n)
+            test_eq(idx[:, 0:1].expand_as(idx), idx)                                       # one set for all KV heads
+            n_rec = lessismore_split(n, ratio)[1]
+            assert set(range(T - n_rec, T)) <= set(idx[0, 0].tolist())                     # the recent window
+q, k = _qk(3, 6, 30, seed=11)
+k[:, :, 10:20] = k[:, :, :1]                                                                # ten copies of key 0: ties
+test_eq(lessismore_select(q, k, 12), lessismore_select_reference(q, k, 12))
+q, k = _qk(1, 9, 40, B=2, Hkv=1, seed=12)
+test_eq(lessismore_select(q, k, 10, 0.0), mean_score_select(q, k, 10))
+test_fail(lambda: lessismore_select(q, k, 10, 1.5), contains="recent_ratio")
+
+
+# %% [markdown]
+# ### Reusing the selection across layers
+#
+# `LessIsMoreSelector.select(layer_idx, q_chunk, k_cache)` is called by every layer of a
+# forward pass (a chunk, or a decode step), in layer order. It returns `None` where the
+# layer attends densely (the integration's `SelectionPolicy` treats `None` as dense): layers
+# below the first selection layer, and the selection layers themselves, which store their
+# pick. The layers after a selection layer get the stored indices. A stored pick belongs to
+# one forward pass: if its cache length or batch shape does not match, or the selection
+# layer just below was skipped, the call fails instead of reusing a stale pick.
+
+# %%
+#| export
+class LessIsMoreSelector:
+    "LessIsMore across the layers of a forward pass: dense below the first selection layer and at selection layers (which pick the keys); later layers reuse the last pick."
+
+    def __init__(self, budget: int | float = 1024, selection_layers=(2,), recent_ratio: float = 0.25, scale: float | None = None):
+        resolve_budget(budget, 0)  # validates the budget
+        layers = tuple(selection_layers)
+        if not layers or any(isinstance(l, bool) or not isinstance(l, int) or l < 0 for l in layers) or list(layers) != sorted(set(layers)):
+            raise ValueError(f"selection_layers must be a non-empty increasing sequence of layer indices >= 0, got {selection_layers!r}")
+        lessismore_split(0, recent_ratio)  # validates the ratio
+        self.budget, self.selection_layers, self.recent_ratio, self.scale = budget, layers, recent_ratio, scale
+        self.reset()
+
+    def reset(self):
+        "Forget the stored selection."
+        self.selection, self.selected_at = None, None
+
+    def select(self, layer_idx: int, q_chunk: Tensor, k_cache: Tensor) -> Tensor | None:
+        "Key indices [B,Hkv,n] for layer `layer_idx`, or None where the layer attends densely."
+        if layer_idx < self.selection_layers[0]: return None
+        if layer_idx in self.selection_layers:
+            self.selection = lessismore_select(q_chunk, k_cache, self.budget, self.recent_ratio, self.scale)
+            self.selected_at, self.shape = layer_idx, tuple(k_cache.shape[:3])
+            return None
+        check_chunk(q_chunk, k_cache)
+        below = max(l for l in self.selection_layers if l < layer_idx)
+        if self.selection is None or self.selected_at != below or self.shape != tuple(k_cache.shape[:3]):
+            raise RuntimeError(f"layer {layer_idx} reuses the pick of selection layer {below} of this forward pass, but the stored pick is "
+                               f"{'missing' if self.selection is None else f'from layer {self.selected_at} for keys {self.shape}'}; "
+                               f"call select for every layer in order (keys now {tuple(k_cache.shape[:3])})")
+        return self.selection
+
+
+# %%
+q, k = _qk(3, 8, 40)
+sel = LessIsMoreSelector(10, selection_layers=(2, 5))
+got = [sel.select(layer, q, k) for layer in range(8)]
+test_eq([x is None for x in got], [True, True, True, False, False, True, False, False])   # dense: 0, 1 and the selection layers
+want = lessismore_select(q, k, 10)
+for layer in (3, 4, 6, 7): test_eq(got[layer], want)
+q2, k2 = _qk(3, 8, 48, seed=1)                                                              # the next chunk: 8 more keys
+test_fail(lambda: sel.select(3, q2, k2), contains="stored pick")                           # layer 2 of this chunk was skipped
+test_eq(sel.select(2, q2, k2), None)
+test_eq(sel.select(3, q2, k2), lessismore_select(q2, k2, 10))
+sel.reset()
+test_fail(lambda: sel.select(3, q2, k2), contains="missing")
+test_fail(lambda: LessIsMoreSelector(10, selection_layers=(5, 2)), contains="selection_layers")
+test_fail(lambda: LessIsMoreSelector(0), contains="budget")
+
+# %% [markdown]
+# ## Bad input
+#
+# All baselines validate like `quoka_select`: shapes, dtypes and heads through `check_chunk`,
+# the budget through `resolve_budget`, the scale through `softmax_scale`, NaN scores in the
+# selection:
+
+# %%
+q, k = _qk(3, 8, 20)
+for select in (mean_score_select, sample_attention_select, sparq_select, loki_select, lessismore_select):
+    test_fail(lambda: select(q[:, :5], k, 8), contains="multiple of the KV heads")
+    test_fail(lambda: select(q, k.float(), 8), contains="k_cache")
+    test_fail(lambda: select(q, k, 0), contains="budget")
+    test_fail(lambda: select(q, k, 8, scale="big"), contains="scale")
+    test_fail(lambda: select(q, k.masked_fill(k > 2, math.nan), 8), contains="NaN")
