@@ -50,6 +50,9 @@ reproduce: $(STAMP)
 	$(BIN)/nbdev-export
 	$(BIN)/python -m sparsekv.reproduce --profile $(PROFILE) $(ARGS)
 
+# Two test workers on two cores: one torch thread each, or they oversubscribe the CPU many times over.
+test test-all: export OMP_NUM_THREADS = 1
+
 test: $(STAMP) $(MATHJAX)
 	$(BIN)/nbdev-export
 	$(BIN)/nbdev-test --n-workers 2
