@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .io import atomic_path
+from .io import atomic_path, cache_dir
 
 # %% auto #0
 __all__ = ['BIBLE_MODULE', 'SPLITS', 'REASONING_TASKS', 'DEPTH_TOLERANCE', 'SYNTHETIC_TASKS', 'bible_source_path',
@@ -96,10 +96,8 @@ def prose_clauses() -> tuple[np.ndarray, np.ndarray]:
 
 # %% ../nbs/02_data.ipynb #a033db6f
 def data_cache_dir() -> Path:
-    "Folder for cached token streams: `$SPARSEKV_CACHE/data`, else `data` in the user cache folder `sparsekv`."
-    if env := os.environ.get("SPARSEKV_CACHE"): return Path(env).expanduser()/"data"
-    import platformdirs
-    return Path(platformdirs.user_cache_dir("sparsekv"))/"data"
+    "Folder for cached token streams: `data` in the sparsekv cache folder."
+    return cache_dir()/"data"
 
 def _check_tokenizer(tokenizer):
     if not (callable(tokenizer) and hasattr(tokenizer, "decode")):

@@ -17,7 +17,7 @@ import matplotlib
 import pandas as pd
 
 # %% auto #0
-__all__ = ['atomic_path', 'write_text', 'write_json', 'write_csv', 'use_style', 'save_figure']
+__all__ = ['atomic_path', 'write_text', 'write_json', 'write_csv', 'cache_dir', 'use_style', 'save_figure']
 
 # %% ../nbs/90_io.ipynb #0ba45dad
 def _umask() -> int:
@@ -54,6 +54,13 @@ def write_csv(path: str | os.PathLike, df: pd.DataFrame) -> Path:
     "Write `df` (without its index) as CSV to `path` atomically."
     with atomic_path(path) as tmp: df.to_csv(tmp, index=False)
     return Path(path)
+
+# %% ../nbs/90_io.ipynb #f1cc749e
+def cache_dir() -> Path:
+    "The sparsekv cache folder: `$SPARSEKV_CACHE`, else the user cache folder."
+    import platformdirs
+    if env := os.environ.get("SPARSEKV_CACHE"): return Path(env).expanduser()
+    return Path(platformdirs.user_cache_dir("sparsekv"))
 
 # %% ../nbs/90_io.ipynb #2146f4eb
 def use_style():

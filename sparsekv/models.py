@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,22 +22,14 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from .io import cache_dir
+
 # %% auto #0
 __all__ = ['SMOLLM2_GGUF', 'SMOLLM2_NAME', 'CONVERSION_VERSION', 'GGUF_LLAMA_NAMES', 'TINY_SPECIAL_TOKENS', 'CHATML_TEMPLATE',
-           'TINY_CONFIGS', 'CONFIG_ALIASES', 'HUB_KWARGS', 'cache_dir', 'atomic_folder', 'quiet_transformers',
-           'smollm2_gguf_path', 'tokenizer_from_gguf', 'unpermute_rope_rows', 'smollm2_folder', 'convert_gguf_to_hf',
-           'ensure_smollm2', 'hf_name_of_gguf_tensor', 'byte_to_unicode', 'byte_tokenizer', 'tiny_config', 'tiny_model',
-           'load_model', 'ModelInfo', 'model_info']
-
-# %% ../nbs/01_models.ipynb #09ed9d74
-def cache_dir() -> Path:
-    "The sparsekv cache folder: `$SPARSEKV_CACHE`, else the user cache folder."
-    if env := os.environ.get("SPARSEKV_CACHE"): return Path(env).expanduser()
-    try:
-        import platformdirs
-        return Path(platformdirs.user_cache_dir("sparsekv"))
-    except ImportError:
-        return Path.home()/".cache"/"sparsekv"
+           'TINY_CONFIGS', 'CONFIG_ALIASES', 'HUB_KWARGS', 'atomic_folder', 'quiet_transformers', 'smollm2_gguf_path',
+           'tokenizer_from_gguf', 'unpermute_rope_rows', 'smollm2_folder', 'convert_gguf_to_hf', 'ensure_smollm2',
+           'hf_name_of_gguf_tensor', 'byte_to_unicode', 'byte_tokenizer', 'tiny_config', 'tiny_model', 'load_model',
+           'ModelInfo', 'model_info']
 
 # %% ../nbs/01_models.ipynb #6f7bfe1c
 @contextlib.contextmanager

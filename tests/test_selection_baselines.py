@@ -10,7 +10,7 @@ from sparsekv.baselines.selection import (MEAN_SCORES, LessIsMoreSelector, lessi
                                           mean_score_select_reference, sample_attention_select,
                                           sample_attention_select_reference, sample_query_positions, sparq_select,
                                           sparq_select_reference)
-from sparsekv.quoka import resolve_budget, top_budget_indices_reference
+from sparsekv.quoka import resolve_budget
 
 # (S, T, budget): T > budget, T < budget, T == budget, a single query, a fraction, an empty cache
 CASES = [(12, 45, 10), (12, 7, 10), (12, 10, 10), (1, 45, 6), (12, 45, 0.3), (12, 0, 10)]

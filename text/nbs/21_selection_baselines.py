@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from sparsekv.attention import softmax_scale
@@ -227,7 +226,7 @@ test_eq(sample_query_positions(10, 4, 3), sample_query_positions(10, 4, 3))
 gen = torch.Generator().manual_seed(0)
 draws = torch.stack([sample_query_positions(10, 4, gen) for _ in range(4000)])
 assert len({tuple(d) for d in draws[:20].tolist()}) > 1                       # the generator advances
-freq = F.one_hot(draws, 10).sum((0, 1)).double() / 4000
+freq = torch.nn.functional.one_hot(draws, 10).sum((0, 1)).double() / 4000
 assert (freq - 0.4).abs().max() < 4 * math.sqrt(0.4 * 0.6 / 4000)
 test_eq(sample_query_positions(5, 9), torch.arange(5))
 test_fail(lambda: sample_query_positions(10, 4, "0"), contains="seed must be")

@@ -67,6 +67,18 @@ def write_csv(path: str | os.PathLike, df: pd.DataFrame) -> Path:
 
 
 # %% [markdown]
+# Converted models and tokenized corpora are cached in one folder, `$SPARSEKV_CACHE` when
+# set, else the user cache folder (`~/.cache/sparsekv` on Linux).
+
+# %%
+#| export
+def cache_dir() -> Path:
+    "The sparsekv cache folder: `$SPARSEKV_CACHE`, else the user cache folder."
+    import platformdirs
+    if env := os.environ.get("SPARSEKV_CACHE"): return Path(env).expanduser()
+    return Path(platformdirs.user_cache_dir("sparsekv"))
+
+# %% [markdown]
 # A check that an interrupted write leaves the old content in place and no temporary file:
 
 # %%
