@@ -1,0 +1,280 @@
+# %% [markdown]
+# # The fixed-budget sparse mask
+#
+# > KVpop's attention mask (Eq. 26): sinks, the protected window and the running top-k of eligible tokens, as a dense boolean mask for the CPU/autograd path and as a FlexAttention mask_mod evaluated on the fly.
+
+# %%
+#| default_exp kvpop.mask
+
+# %%
+#| export
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from sparsekv.attention import BACKENDS, check_qkv, flex_attention_lse, masked_attention, repeat_kv
+from sparsekv.kvpop.cutoff import check_int, check_budget, check_priority
+
+# %%
+#| hide
+import math
+
+from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
+
+from sparsekv.attention import attention_reference
+from sparsekv.kvpop.cutoff import effective_score, static_priority, topk_cutoff
+
+
+# %% [markdown]
+# At query $q$, KVpop attends to three sets of keys (App. C.1): the $s$ sinks $t < s$, the
+# $w$ most recent tokens $q - t < w$, and the $k$ best tokens of the eligible set
+# $\mathcal{E}(q) = \{t \mid s \le t \le q - w\}$ (Eq. 4). With the static ranks and the
+# cutoffs $\tau_q$ of `sparsekv.kvpop.cutoff` (the $k$-th smallest rank in
+# $\mathcal{E}(q)$, or $S$ when fewer than $k$ are eligible), the third set is
+# $\{t \in \mathcal{E}(q) : \mathrm{rank}(t) \le \tau_q\}$, and the mask is (Eq. 26, with
+# causality written out)
+#
+# $$M_{q,t} = [t \le q] \land \Big([t < s] \lor [q - t < w] \lor \big([s \le t \le q - w] \land [\mathrm{rank}(t) \le \tau_q]\big)\Big).$$
+#
+# ## How many keys a row keeps
+#
+# For $t \le q$ the three conditions cover everything: a token that is neither a sink
+# ($t \ge s$) nor in the window ($t \le q - w$) is eligible. So the causal row $[0, q]$ is
+# the union of sinks, window and $\mathcal{E}(q)$, and $\mathcal{E}(q)$ is disjoint from the
+# other two. Of the eligible tokens exactly $\min(k, |\mathcal{E}(q)|)$ are kept (ranks are
+# distinct, so exactly the $k$ smallest pass $\mathrm{rank} \le \tau_q$). With
+# $|\mathcal{E}(q)| = \max(0, q - w - s + 1)$:
+#
+# - if $\mathcal{E}(q)$ is empty ($q < s + w$), the row keeps all of $[0, q]$: $q + 1 \le s + w$ keys;
+# - otherwise sinks and window are disjoint (the window starts after $q - w \ge s$) and the row keeps $s + w + \min(k, |\mathcal{E}(q)|) \le q + 1$ keys.
+#
+# Both cases read
+#
+# $$\sum_t M_{q,t} = \min\big(q + 1,\; s + w + \min(k, |\mathcal{E}(q)|)\big),$$
+#
+# which is the budget $B = s + w + k$ (Eq. 1) as soon as $|\mathcal{E}(q)| \ge k$, i.e.
+# from $q = s + w + k - 1$ on.
+#
+# ## Eviction is permanent
+#
+# $\tau_q$ never increases: it is the $k$-th smallest element of a set that gains one
+# element per step and loses none. A token $t$ evicted at $q$ (eligible, with
+# $\mathrm{rank}(t) > \tau_q$) stays eligible at every $q' > q$ and has
+# $\mathrm{rank}(t) > \tau_q \ge \tau_{q'}$: it stays evicted. So the mask is what a
+# bounded KV cache can actually serve during decoding: once dropped, a key is gone. (This
+# holds because the ranking is static; App. B.3 and `sparsekv.kvpop.cutoff`.)
+
+# %%
+#| export
+def check_rank_cutoff(rank: Tensor, cutoff: Tensor) -> tuple[int, int, int]:
+    "Validate rank and cutoff: int64 [B,H,S] tensors of one shape on one device; return (B, H, S)."
+    for name, x in (("rank", rank), ("cutoff", cutoff)):
+        if not isinstance(x, Tensor) or x.dtype != torch.int64 or x.dim() != 3:
+            raise TypeError(f"{name} must be an int64 tensor [B, H, S] (from topk_cutoff), got "
+                            f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}")
+    if rank.shape != cutoff.shape: raise ValueError(f"rank and cutoff must have one shape, got {tuple(rank.shape)} and {tuple(cutoff.shape)}")
+    if rank.device != cutoff.device: raise ValueError(f"rank and cutoff must be on one device, got {rank.device} and {cutoff.device}")
+    return tuple(rank.shape)
+
+def _check_mask_args(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int) -> tuple[int, int, int]:
+    check_int("sink", sink, 0)
+    check_int("window", window, 1)
+    check_int("groups", groups, 1)
+    return check_rank_cutoff(rank, cutoff)
+
+def kvpop_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1) -> Tensor:
+    """Dense KVpop mask (Eq. 26), bool [B, H*groups, S, S], True = attend: causal and (sink, or in the window,
+    or eligible with rank[t] <= cutoff[q]). Query head h*groups+g uses KV head h."""
+    _check_mask_args(rank, cutoff, sink, window, groups)
+    S = rank.shape[-1]
+    q = torch.arange(S, device=rank.device)[:, None]
+    t = torch.arange(S, device=rank.device)
+    fixed = (t < sink) | (q - t < window)  # sinks and the protected window
+    eligible = (t >= sink) & (t <= q - window)  # E(q), Eq. (4)
+    top = rank[..., None, :] <= cutoff[..., :, None]  # [B, H, S, S]: rank(t) <= tau_q
+    mask = (t <= q) & (fixed | (eligible & top))
+    return repeat_kv(mask, groups)
+
+def kvpop_mask_reference(priority: Tensor, k: int, sink: int, window: int) -> Tensor:
+    "The KVpop mask [B,H,S,S] from the definition, with loops: for each q, sort E(q) by priority (ties: earlier first), keep the top k."
+    priority = check_priority(priority)
+    k, sink, window = check_budget(k, sink, window)
+    B, H, S = priority.shape
+    rows = []
+    for b, h in itertools.product(range(B), range(H)):
+        p = priority[b, h].tolist()
+        for q in range(S):
+            top = set(sorted(range(sink, q - window + 1), key=lambda t: (-p[t], t))[:k])
+            rows.append([t <= q and (t < sink or q - t < window or t in top) for t in range(S)])
+    return torch.tensor(rows, dtype=torch.bool, device=priority.device).reshape(B, H, S, S)
+
+
+# %% [markdown]
+# Check the dense mask built from `topk_cutoff` against the loops, then the row counts and
+# the permanence of eviction, on sizes from $1$ to $300$ (including sequences shorter than
+# the budget), with and without ties in the priorities.
+
+# %%
+def _row_counts(S, k, sink, window):
+    "min(q + 1, s + w + min(k, |E(q)|)) for q = 0..S-1, with |E(q)| counted directly."
+    return torch.tensor([min(q + 1, sink + window + min(k, len(range(sink, q - window + 1)))) for q in range(S)])
+
+def _evictions_permanent(mask, sink, window):
+    "True if every eligible key, once dropped at some query, is dropped at all later queries."
+    S = mask.shape[-1]
+    for t in range(sink, S):
+        kept = mask[..., t + window:, t]  # the queries at which t is eligible
+        dropped = torch.cumsum(~kept, -1) > 0  # dropped at this query or at an earlier one
+        if (kept & dropped).any(): return False
+    return True
+
+torch.manual_seed(0)
+for S, k, sink, window in ((1, 1, 0, 1), (2, 1, 1, 1), (5, 3, 2, 4), (9, 2, 0, 1), (30, 4, 2, 3), (64, 8, 4, 16),
+                           (120, 200, 1, 2), (300, 24, 4, 32)):
+    for p in (torch.randn(1, 2, S), torch.randint(0, 3, (1, 2, S)).float()):
+        rank, cutoff = topk_cutoff(p, k, sink, window)
+        mask = kvpop_mask(rank, cutoff, sink, window)
+        test_eq(mask, kvpop_mask_reference(p, k, sink, window))
+        test_eq(mask.sum(-1), _row_counts(S, k, sink, window).expand(1, 2, S))
+        assert _evictions_permanent(mask, sink, window)
+
+# %% [markdown]
+# The permanence check can fail: a mask whose top-$k$ is recomputed at every $q$ from the
+# exact effective scores with a decay step $n > 1$ (Eq. 18) is not a running top-$k$. Take
+# $n = 2$, $\log\gamma = -1$, $k = 1$, and two tokens one position apart with raw scores
+# $r_0 = 1$, $r_1 = 0.5$: their effective scores differ by
+# $0.5 - (\lfloor q/2 \rfloor - \lfloor (q-1)/2 \rfloor) = 0.5 - [q \text{ even}]$, so the
+# slot alternates between them and token $0$ is dropped at $q = 2$ and back at $q = 3$.
+# The static (bucketed) ranking keeps token $0$ throughout.
+
+# %%
+r = torch.tensor([[[1.0, 0.5, -5.0, -5.0, -5.0, -5.0]]])
+S, k, sink, window, n = 6, 1, 0, 1, 2
+rows = []
+for q in range(S):
+    eff = effective_score(r, -1.0, q, n)[0, 0].tolist()
+    top = set(sorted(range(sink, q - window + 1), key=lambda t: (-eff[t], t))[:k])
+    rows.append([t <= q and (q - t < window or t in top) for t in range(S)])
+exact_n2 = torch.tensor(rows)[None, None]
+assert not _evictions_permanent(exact_n2, sink, window)
+test_eq(exact_n2[0, 0, 2:4, 0].tolist(), [False, True])
+rank, cutoff = topk_cutoff(static_priority(r, -1.0, n), k, sink, window)
+assert _evictions_permanent(kvpop_mask(rank, cutoff, sink, window), sink, window)
+
+
+# %% [markdown]
+# ## FlexAttention: the mask evaluated on the fly (App. C.3)
+#
+# FlexAttention asks a `mask_mod(b, h, q_idx, kv_idx)` whether query `q_idx` of head `h`
+# may see key `kv_idx`; the kernel evaluates it per block of scores and never stores an
+# $S \times S$ mask. Ours reads the captured `rank` and `cutoff` ($O(S)$ per head) and
+# tests Eq. (26). With grouped-query attention FlexAttention passes the *query* head $h$;
+# its KV head is $\lfloor h / G \rfloor$. `kvpop_block_mask` builds the `BlockMask` (which
+# blocks can be skipped entirely) from the same `mask_mod`.
+
+# %%
+#| export
+def kvpop_mask_mod(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1):
+    "FlexAttention mask_mod of `kvpop_mask` over captured rank/cutoff [B,Hkv,S]; query head h reads KV head h // groups."
+    _check_mask_args(rank, cutoff, sink, window, groups)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        kv_head = h // groups
+        top = rank[b, kv_head, kv_idx] <= cutoff[b, kv_head, q_idx]
+        eligible = (kv_idx >= sink) & (kv_idx + window <= q_idx)
+        return (kv_idx <= q_idx) & ((kv_idx < sink) | (q_idx - kv_idx < window) | (eligible & top))
+
+    return mask_mod
+
+def kvpop_block_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1) -> BlockMask:
+    "FlexAttention BlockMask of the KVpop mask for B x (Hkv*groups) query heads over S x S positions."
+    B, H, S = _check_mask_args(rank, cutoff, sink, window, groups)
+    return create_block_mask(kvpop_mask_mod(rank, cutoff, sink, window, groups), B, H * groups, S, S, device=rank.device)
+
+
+# %% [markdown]
+# Check: the `mask_mod`, evaluated on the full grid of indices (broadcast tensors), equals
+# the dense mask for $G = 1, 3, 4$.
+
+# %%
+def _eval_mask_mod(mask_mod, B, Hq, S):
+    "A mask_mod evaluated on every (b, h, q, kv), [B, Hq, S, S]."
+    b, h, q, kv = (torch.arange(n).reshape([-1 if i == j else 1 for j in range(4)]) for i, n in enumerate((B, Hq, S, S)))
+    return mask_mod(b, h, q, kv).expand(B, Hq, S, S)
+
+torch.manual_seed(1)
+for G, (S, k, sink, window) in itertools.product((1, 3, 4), ((1, 1, 0, 1), (13, 2, 1, 3), (77, 6, 2, 9))):
+    p = torch.randint(0, 4, (2, 2, S)).float()
+    rank, cutoff = topk_cutoff(p, k, sink, window)
+    dense = kvpop_mask(rank, cutoff, sink, window, groups=G)
+    test_eq(dense.shape, (2, 2 * G, S, S))
+    test_eq(_eval_mask_mod(kvpop_mask_mod(rank, cutoff, sink, window, G), 2, 2 * G, S), dense)
+    for h in range(2 * G): test_eq(dense[:, h], kvpop_mask(rank, cutoff, sink, window)[:, h // G])  # query head h <- KV head h // G
+
+
+# %% [markdown]
+# ## Sparse attention and its log-sum-exp (Eq. 9)
+#
+# `kvpop_attention` runs attention under the KVpop mask and returns `(out, lse)` like the
+# core backends of `sparsekv.attention`: on CUDA through FlexAttention with the on-the-fly
+# block mask, elsewhere (and whenever gradients are needed on CPU) through
+# `masked_attention` with the dense mask. The LSE it returns is the *sparse* normalizer
+#
+# $$\widetilde{\mathrm{LSE}}_d = \log \sum_{t'=0}^{d} M_{d,t'} \exp \ell(d, t'),$$
+#
+# which KVpop's target reuses in place of the dense one (Eq. 9, `sparsekv.kvpop.target`).
+
+# %%
+#| export
+def kvpop_attention(q: Tensor, k: Tensor, v: Tensor, rank: Tensor, cutoff: Tensor, sink: int, window: int,
+                    scale: float | None = None, backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """Attention under the KVpop mask: (out [B,Hq,S,Dv], sparse lse [B,Hq,S], Eq. 9). q [B,Hq,S,D], k/v [B,Hkv,S,D],
+    rank/cutoff [B,Hkv,S]. backend 'auto': FlexAttention with the on-the-fly mask on CUDA, the dense mask elsewhere."""
+    if backend not in BACKENDS: raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    G = check_qkv(q, k, v)
+    B, Hkv, S = _check_mask_args(rank, cutoff, sink, window, 1)
+    if q.shape[2] != S or k.shape[2] != S or (B, Hkv) != tuple(k.shape[:2]):
+        raise ValueError(f"rank/cutoff {tuple(rank.shape)} must be [B, Hkv, S] of k {tuple(k.shape)}, with q {tuple(q.shape)} over the same S")
+    if rank.device != q.device: raise ValueError(f"rank and cutoff must be on {q.device} (with q, k, v), got {rank.device}")
+    if backend == "flex" or (backend == "auto" and q.is_cuda):
+        return flex_attention_lse(q, k, v, kvpop_block_mask(rank, cutoff, sink, window, G), scale=scale, enable_gqa=G > 1)
+    return masked_attention(q, k, v, kvpop_mask(rank, cutoff, sink, window, G), scale=scale, backend=backend)
+
+
+# %% [markdown]
+# Check, for $G = 1, 3, 4$: the dense-mask path and the FlexAttention path equal the
+# reference attention under the same mask, and the LSE equals Eq. (9) summed with loops
+# over the kept keys in float64.
+
+# %%
+def _sparse_lse_loops(q, k, mask, G):
+    "Eq. (9) with explicit loops: log of the sum over kept keys of exp(<q_d, k_t> / sqrt(D)), float64."
+    B, Hq, S, D = q.shape
+    lse = torch.empty(B, Hq, S, dtype=torch.float64)
+    for b, h, d in itertools.product(range(B), range(Hq), range(S)):
+        logits = [float(q[b, h, d].double() @ k[b, h // G, t].double()) / math.sqrt(D) for t in range(S) if mask[b, h, d, t]]
+        m = max(logits)
+        lse[b, h, d] = m + math.log(sum(math.exp(x - m) for x in logits))
+    return lse
+
+torch.manual_seed(2)
+B, Hkv, S, D, k, sink, window = 1, 2, 40, 8, 5, 2, 4
+for G in (1, 3, 4):
+    q, kk, v = torch.randn(B, Hkv * G, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    rank, cutoff = topk_cutoff(torch.randint(0, 5, (B, Hkv, S)).float(), k, sink, window)
+    mask = kvpop_mask(rank, cutoff, sink, window, G)
+    want_out, want_lse = attention_reference(q, kk, v, mask)
+    assert_close(want_lse.double(), _sparse_lse_loops(q, kk, mask, G), rtol=1e-5, atol=1e-5)
+    for backend in ("auto", "sdpa", "flex"):
+        out, lse = kvpop_attention(q, kk, v, rank, cutoff, sink, window, backend=backend)
+        assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+        assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+test_fail(lambda: kvpop_attention(q, kk, v, rank[..., :-1], cutoff[..., :-1], sink, window), contains="must be [B, Hkv, S]")
+test_fail(lambda: kvpop_mask(rank.int(), cutoff, sink, window), contains="int64 tensor")
+test_fail(lambda: kvpop_mask(rank, cutoff, sink, 0), contains="window must be an int >= 1")
+test_fail(lambda: kvpop_mask(rank, cutoff, sink, window, groups=0), contains="groups must be an int >= 1")
