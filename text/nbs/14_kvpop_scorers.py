@@ -1,0 +1,716 @@
+# %% [markdown]
+# # KVpop: online importance scorers
+#
+# > Headwise stateless scorers (linear, two-layer SiLU MLP) and the stateful mLSTM scorer with
+# > Hedgehog features and delayed readout (§3.3, Eq. 10–11, 35–42), in parallel and recurrent form.
+
+# %%
+#| default_exp kvpop.scorers
+
+# %%
+#| export
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# %%
+#| hide
+from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
+
+
+# %% [markdown]
+# A KVpop scorer assigns every cached token of every KV head a raw importance score
+# $\hat r_{h,t}$; the learned decay and the static priority $\hat r_{h,t} - t\log\gamma_h$ are
+# applied afterwards (`sparsekv.kvpop.cutoff`), so the scorers here only produce raw scores
+# `r [B, Hkv, S]`.
+#
+# ## Headwise inputs (Eq. 35)
+#
+# The input of KV head $h$ at token $t$ is built from cached quantities only,
+#
+# $$\boldsymbol{x}_{h,t} = [\boldsymbol{k}_{h,t}; \boldsymbol{v}_{h,t}] \in \mathbb{R}^{2d} \qquad \text{(Eq. (35))},$$
+#
+# with post-RoPE keys and values. The scorer is trained only by the retention loss, never
+# through the backbone (§3.3), so the input is *detached*: no gradient reaches $k$ or $v$.
+
+# %%
+#| export
+def check_kv(k: Tensor, v: Tensor, num_kv_heads: int | None = None, head_dim: int | None = None) -> None:
+    "Validate keys/values: floating-point tensors of the same shape [..., Hkv, d] (optionally matching the scorer)."
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() < 2:
+            raise TypeError(f"{name} must be a floating-point tensor [B, Hkv, S, d] or [B, Hkv, d], "
+                            f"got {getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
+    if k.shape != v.shape: raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    heads_dim = -3 if k.dim() >= 4 else -2
+    if num_kv_heads is not None and k.shape[heads_dim] != num_kv_heads:
+        raise ValueError(f"k/v have {k.shape[heads_dim]} KV heads, the scorer was built for num_kv_heads={num_kv_heads}")
+    if head_dim is not None and k.shape[-1] != head_dim:
+        raise ValueError(f"k/v have head dim {k.shape[-1]}, the scorer was built for head_dim={head_dim}")
+
+def scorer_input(k: Tensor, v: Tensor) -> Tensor:
+    "Detached headwise scorer input x = [k; v] along the last dim (Eq. 35)."
+    check_kv(k, v)
+    return torch.cat([k.detach(), v.detach()], dim=-1)
+
+def check_positive_int(name: str, value) -> int:
+    "Validate an int argument `name` >= 1 (bools rejected); return it."
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+# %%
+k, v = torch.randn(2, 3, 5, 4, requires_grad=True), torch.randn(2, 3, 5, 4)
+x = scorer_input(k, v)
+test_eq(x.shape, (2, 3, 5, 8)); assert not x.requires_grad
+assert_close(x[..., :4], k.detach()); assert_close(x[..., 4:], v)
+test_fail(lambda: scorer_input(k, v[..., :3]), contains="same shape")
+test_fail(lambda: scorer_input(k.long(), v), contains="floating-point")
+
+
+# %% [markdown]
+# ## Headwise projections
+#
+# Every KV head has its own weights: a headwise linear map is a stack of $H$ matrices
+# $W^{(h)} \in \mathbb{R}^{d_\mathrm{in} \times d_\mathrm{out}}$, applied as one batched einsum
+# $y_{b,h,s,:} = x_{b,h,s,:} W^{(h)} + b^{(h)}$ instead of a loop over heads. Grouped-query
+# attention does not enter: the scorer sees KV heads only, so query heads sharing a KV head
+# share its score.
+
+# %%
+#| export
+class HeadwiseLinear(nn.Module):
+    "Separate linear map per KV head: y[..., h, s, :] = x[..., h, s, :] @ weight[h] + bias[h], one einsum for all heads."
+    def __init__(self, num_heads: int, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        self.weight = nn.Parameter(torch.zeros(num_heads, check_positive_int("in_features", in_features),
+                                               check_positive_int("out_features", out_features)))
+        self.bias = nn.Parameter(torch.zeros(num_heads, out_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        "x [..., H, S, in] -> [..., H, S, out]."
+        if x.dim() < 3 or x.shape[-3] != self.num_heads or x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"x must be [..., H={self.num_heads}, S, {self.weight.shape[1]}], got shape {tuple(x.shape)}")
+        y = torch.einsum("...hsi,hio->...hso", x, self.weight)
+        return y if self.bias is None else y + self.bias[:, None, :]
+
+    def extra_repr(self) -> str:
+        H, i, o = self.weight.shape
+        return f"num_heads={H}, in_features={i}, out_features={o}, bias={self.bias is not None}"
+
+def headwise_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    "`HeadwiseLinear` by a loop over heads with `F.linear` (x [B,H,S,in])."
+    out = [F.linear(x[:, h], weight[h].T, None if bias is None else bias[h]) for h in range(weight.shape[0])]
+    return torch.stack(out, dim=1)
+
+
+# %%
+lin = HeadwiseLinear(3, 8, 5)
+with torch.no_grad(): lin.weight.normal_(); lin.bias.normal_()
+x = torch.randn(2, 3, 7, 8)
+assert_close(lin(x), headwise_linear_reference(x, lin.weight, lin.bias))
+test_fail(lambda: lin(x[:, :, 4]), contains="must be")
+test_fail(lambda: HeadwiseLinear(0, 8, 5), contains="num_heads")
+
+
+# %% [markdown]
+# ## Stateless scorers (Eq. 36)
+#
+# A stateless scorer maps each token independently, $\hat r_{h,t} = f^{(h)}_\theta(\boldsymbol{x}_{h,t})$
+# (Eq. (36)): a headwise linear layer $\hat r = \boldsymbol{w}_h^\top \boldsymbol{x} + b_h$, or a
+# headwise two-layer MLP with SiLU,
+#
+# $$\hat r_{h,t} = \boldsymbol{a}_h^\top \operatorname{SiLU}\big(W_1^{(h)\top}\boldsymbol{x}_{h,t} + \boldsymbol{c}_h\big) + b_h .$$
+#
+# The last layer starts at zero (App. E.5): every token gets the same score at step 0, a
+# neutral ranking that the decay alone orders by recency.
+
+# %%
+#| export
+class LinearScorer(nn.Module):
+    "Headwise linear scorer r[b,h,t] = w_h . [k;v] + b_h (Eq. 36), zero-initialized (neutral ranking)."
+    def __init__(self, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_kv_heads, self.head_dim = check_positive_int("num_kv_heads", num_kv_heads), check_positive_int("head_dim", head_dim)
+        self.out = HeadwiseLinear(num_kv_heads, 2 * head_dim, 1)
+
+    def forward(self, k: Tensor, v: Tensor) -> Tensor:
+        "Raw scores r [B,Hkv,S] from keys and values [B,Hkv,S,d] (inputs detached)."
+        check_kv(k, v, self.num_kv_heads, self.head_dim)
+        x = scorer_input(k, v).to(self.out.weight.dtype)
+        return self.out(x)[..., 0].float()
+
+class MLPScorer(nn.Module):
+    "Headwise two-layer SiLU MLP scorer on [k; v] (Eq. 36); the output layer starts at zero (neutral ranking)."
+    def __init__(self, num_kv_heads: int, head_dim: int, hidden: int | None = None):
+        super().__init__()
+        self.num_kv_heads, self.head_dim = check_positive_int("num_kv_heads", num_kv_heads), check_positive_int("head_dim", head_dim)
+        hidden = head_dim if hidden is None else check_positive_int("hidden", hidden)
+        self.hidden = HeadwiseLinear(num_kv_heads, 2 * head_dim, hidden)
+        self.out = HeadwiseLinear(num_kv_heads, hidden, 1)
+        with torch.no_grad(): self.hidden.weight.normal_(0.0, (2 * head_dim) ** -0.5)
+
+    def forward(self, k: Tensor, v: Tensor) -> Tensor:
+        "Raw scores r [B,Hkv,S] from keys and values [B,Hkv,S,d] (inputs detached)."
+        check_kv(k, v, self.num_kv_heads, self.head_dim)
+        x = scorer_input(k, v).to(self.out.weight.dtype)
+        return self.out(F.silu(self.hidden(x)))[..., 0].float()
+
+def mlp_scorer_reference(scorer: MLPScorer, k: Tensor, v: Tensor) -> Tensor:
+    "`MLPScorer` token by token and head by head with explicit matrix products."
+    B, H, S, _ = k.shape
+    r = torch.empty(B, H, S)
+    W1, c, a, b = scorer.hidden.weight, scorer.hidden.bias, scorer.out.weight[..., 0], scorer.out.bias[:, 0]
+    for h in range(H):
+        for t in range(S):
+            x = torch.cat([k[:, h, t], v[:, h, t]], -1)
+            r[:, h, t] = F.silu(x @ W1[h] + c[h]) @ a[h] + b[h]
+    return r
+
+
+# %%
+torch.manual_seed(0)
+mlp = MLPScorer(3, 4, hidden=6)
+k, v = torch.randn(2, 3, 9, 4), torch.randn(2, 3, 9, 4)
+assert (mlp(k, v) == 0).all()  # zero-initialized output layer: neutral ranking
+with torch.no_grad(): mlp.out.weight.normal_(); mlp.out.bias.normal_()
+assert_close(mlp(k, v), mlp_scorer_reference(mlp, k, v))
+lin = LinearScorer(3, 4)
+with torch.no_grad(): lin.out.weight.normal_(); lin.out.bias.normal_()
+assert_close(lin(k, v), torch.einsum("bhsi,hi->bhs", torch.cat([k, v], -1), lin.out.weight[..., 0]) + lin.out.bias)
+test_fail(lambda: mlp(k[:, :2], v[:, :2]), contains="num_kv_heads=3")
+
+
+# %% [markdown]
+# ## mLSTM scorer: features and gates (Eq. 37, 40, App. A)
+#
+# Each KV head projects $\boldsymbol{x}_{h,t}$ with small headwise matrices
+# $W_{q/k/v}^{(h)} \in \mathbb{R}^{2d\times d/2}$ and applies the Hedgehog feature map to the
+# query and key projections (Eq. (37), App. A):
+#
+# $$\tilde{\boldsymbol{q}}_{h,t} = \phi(W_q^{(h)\top}\boldsymbol{x}_{h,t}),\quad
+# \tilde{\boldsymbol{k}}_{h,t} = \phi(W_k^{(h)\top}\boldsymbol{x}_{h,t}),\quad
+# \tilde{\boldsymbol{v}}_{h,t} = W_v^{(h)\top}\boldsymbol{x}_{h,t},\qquad
+# \phi(\boldsymbol{y}) = [\operatorname{softmax}(\boldsymbol{y}); \operatorname{softmax}(-\boldsymbol{y})] \in \mathbb{R}^{d}.$$
+#
+# Softmax is computed in its stabilized form $e^{y_j - \max y}/\sum_l e^{y_l - \max y}$, so the
+# features are positive and each half sums to one. The scalar gates come from headwise
+# projections of the same input, $\alpha^{(i)}, \alpha^{(f)}$, optionally soft-capped,
+# $\alpha \mapsto c \tanh(\alpha / c)$, and enter as $i = \exp(\alpha^{(i)})$,
+# $f = \sigma(\alpha^{(f)})$ (Eq. (40)); there is no output gate. Everything below works with
+# $\log i = \alpha^{(i)}$ and $\log f = \log\sigma(\alpha^{(f)})$.
+
+# %%
+#| export
+def hedgehog(y: Tensor) -> Tensor:
+    "Hedgehog feature map [softmax(y); softmax(-y)] over the last dim (App. A): d/2 -> d positive features."
+    return torch.cat([torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)], dim=-1)
+
+def soft_cap(x: Tensor, cap: float | None) -> Tensor:
+    "Soft-capping cap * tanh(x / cap) of gate pre-activations; identity for cap=None."
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
+# %%
+y = torch.randn(4, 6, dtype=torch.float64) * 30  # large inputs: the stabilized softmax must not overflow
+phi = hedgehog(y)
+e_pos, e_neg = torch.exp(y - y.max(-1, keepdim=True).values), torch.exp(-y - (-y).max(-1, keepdim=True).values)
+assert_close(phi, torch.cat([e_pos / e_pos.sum(-1, keepdim=True), e_neg / e_neg.sum(-1, keepdim=True)], -1))
+assert (phi >= 0).all() and torch.isfinite(phi).all()
+assert_close(phi.sum(-1), torch.full((4,), 2.0, dtype=torch.float64))
+assert_close(soft_cap(torch.tensor([0.1, 100.0]), 15.0), torch.tensor([15 * math.tanh(0.1 / 15), 15 * math.tanh(100 / 15)]))
+
+# %% [markdown]
+# ## The recurrence, unstabilized (Eq. 38–39) and stabilized
+#
+# The state of head $h$ after token $t$ is a matrix memory and a normalizer (Eq. (38)–(39)),
+#
+# $$\boldsymbol{C}_t = f_t \boldsymbol{C}_{t-1} + i_t\, \tilde{\boldsymbol{k}}_t \tilde{\boldsymbol{v}}_t^\top,\qquad
+# \boldsymbol{z}_t = f_t \boldsymbol{z}_{t-1} + i_t\, \tilde{\boldsymbol{k}}_t,\qquad \boldsymbol{C}_{-1} = 0,\ \boldsymbol{z}_{-1} = 0 .$$
+#
+# $i_t = e^{\alpha^{(i)}_t}$ overflows for large pre-activations, so the stabilized mLSTM carries
+# a log-scale $m_t$ and stores $\bar{\boldsymbol{C}}_t = e^{-m_t}\boldsymbol{C}_t$,
+# $\bar{\boldsymbol{z}}_t = e^{-m_t}\boldsymbol{z}_t$. Substituting into the update,
+#
+# $$\bar{\boldsymbol{C}}_t = e^{\log f_t + m_{t-1} - m_t}\,\bar{\boldsymbol{C}}_{t-1} + e^{\log i_t - m_t}\,\tilde{\boldsymbol{k}}_t\tilde{\boldsymbol{v}}_t^\top,
+# \qquad m_t = \max(\log f_t + m_{t-1},\ \log i_t),\qquad m_{-1} = -\infty,$$
+#
+# and the same for $\bar{\boldsymbol{z}}_t$: both factors are $\le 1$, so nothing overflows. With
+# $m_{-1} = -\infty$ the max-state unrolls to $m_t = \max_{s \le t}\big(\log i_s + \sum_{r=s+1}^{t}\log f_r\big)$,
+# the largest log-weight of any token in the state; the parallel form below uses this
+# row maximum, so both forms carry the same $m_t$.
+#
+# **Readout.** Eq. (10)/(41) reads $\boldsymbol{h} = \tilde{\boldsymbol{q}}^\top\boldsymbol{C}/\tilde{\boldsymbol{q}}^\top\boldsymbol{z}$.
+# The factor $e^{-m_t}$ cancels in this ratio, so
+# $\boldsymbol{h} = \tilde{\boldsymbol{q}}^\top\bar{\boldsymbol{C}}_t / (\tilde{\boldsymbol{q}}^\top\bar{\boldsymbol{z}}_t + \epsilon)$.
+# Hedgehog features are positive, so the denominator is positive: at least one token in the
+# state has weight $e^{0} = 1$ after stabilization. The xLSTM implementation instead bounds the
+# denominator below, $\max(|\tilde{\boldsymbol{q}}^\top\boldsymbol{z}|, 1)$, i.e.
+# $\max(|\tilde{\boldsymbol{q}}^\top\bar{\boldsymbol{z}}|, e^{-m_t})$ in stabilized terms, with the query scaled by
+# $d^{-1/2}$; we offer it as `normalizer="mlstm"` (used below to compare with `mlstm_kernels`),
+# and use the paper's ratio (`normalizer="ratio"`) by default: with the $d^{-1/2}$-scaled
+# positive features $\tilde{\boldsymbol{q}}^\top\boldsymbol{z}$ is typically below one, and the
+# lower bound would then replace the normalized readout by an unnormalized sum.
+
+# %%
+#| export
+NORMALIZERS = ("ratio", "mlstm")
+
+class MLSTMState(NamedTuple):
+    "Stabilized mLSTM state per head: C = e^-m C_raw [B,H,dk,dv], n = e^-m z_raw [B,H,dk], m [B,H] (float32)."
+    C: Tensor
+    n: Tensor
+    m: Tensor
+
+def mlstm_init_state(B: int, H: int, dk: int, dv: int, device=None, dtype=torch.float32) -> MLSTMState:
+    "Empty state: C = 0, n = 0, m = -inf (no token yet)."
+    return MLSTMState(torch.zeros(B, H, dk, dv, device=device, dtype=dtype), torch.zeros(B, H, dk, device=device, dtype=dtype),
+                      torch.full((B, H), -math.inf, device=device, dtype=dtype))
+
+def mlstm_step(state: MLSTMState, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor) -> MLSTMState:
+    "One stabilized mLSTM update with key feature k [B,H,dk], value v [B,H,dv], log-gates [B,H] (Eq. 38-39)."
+    m = torch.maximum(log_f + state.m, log_i)
+    decay, write = torch.exp(log_f + state.m - m), torch.exp(log_i - m)
+    C = decay[..., None, None] * state.C + write[..., None, None] * (k[..., :, None] * v[..., None, :])
+    n = decay[..., None] * state.n + write[..., None] * k
+    return MLSTMState(C, n, m)
+
+def check_normalizer(normalizer: str) -> str:
+    "Validate the readout normalizer name."
+    if normalizer not in NORMALIZERS: raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
+    return normalizer
+
+def mlstm_readout(state: MLSTMState, q: Tensor, normalizer: str = "ratio", eps: float = 1e-6) -> Tensor:
+    "Hidden readout h = q C / (q z) from a stabilized state, query features q [B,H,dk] or [B,H,n,dk] (Eq. 41): [B,H,(n,)dv]."
+    one = q.dim() == 3
+    q = (q[:, :, None] if one else q) * q.shape[-1] ** -0.5
+    num, qn = q @ state.C, q @ state.n[..., None]  # [B,H,n,dv], [B,H,n,1]
+    den = qn.abs() if check_normalizer(normalizer) == "ratio" else torch.maximum(qn.abs(), torch.exp(-state.m)[..., None, None])
+    h = num / (den + eps)
+    return h[:, :, 0] if one else h
+
+def mlstm_unstabilized_reference(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
+                                 normalizer: str = "ratio") -> Tensor:
+    "Delayed readouts h[u] = q_u C_t / (q_u z_t), t = min(u+delay, S-1), with raw exp gates and explicit loops (no eps)."
+    B, H, S, dk = q.shape
+    C, z = torch.zeros(B, H, dk, v.shape[-1], dtype=q.dtype), torch.zeros(B, H, dk, dtype=q.dtype)
+    states = []
+    for t in range(S):
+        f, i = torch.exp(log_f[..., t]), torch.exp(log_i[..., t])
+        C = f[..., None, None] * C + i[..., None, None] * torch.einsum("bhk,bhv->bhkv", k[:, :, t], v[:, :, t])
+        z = f[..., None] * z + i[..., None] * k[:, :, t]
+        states.append((C, z))
+    h = torch.empty(B, H, S, v.shape[-1], dtype=q.dtype)
+    for u in range(S):
+        C, z = states[min(u + delay, S - 1)]
+        qu = q[:, :, u] * dk ** -0.5
+        qz = (qu * z).sum(-1, keepdim=True).abs()
+        den = qz if normalizer == "ratio" else torch.clamp(qz, min=1.0)
+        h[:, :, u] = torch.einsum("bhk,bhkv->bhv", qu, C) / den
+    return h
+
+
+# %% [markdown]
+# Check: in float64 on small inputs (pre-activations small enough that $e^{\alpha}$ is exact),
+# stepping the stabilized state and reading it out equals the unstabilized recurrence, for
+# both normalizers; the state itself equals $e^{-m_t}$ times the raw state.
+
+# %%
+torch.manual_seed(0)
+B, H, S, dk, dv = 2, 3, 12, 6, 3
+q, kf = hedgehog(torch.randn(B, H, S, dk // 2, dtype=torch.float64)), hedgehog(torch.randn(B, H, S, dk // 2, dtype=torch.float64))
+vf = torch.randn(B, H, S, dv, dtype=torch.float64)
+log_i, log_f = torch.randn(B, H, S, dtype=torch.float64), F.logsigmoid(torch.randn(B, H, S, dtype=torch.float64) + 2)
+for normalizer in NORMALIZERS:
+    st = mlstm_init_state(B, H, dk, dv, dtype=torch.float64)
+    h = []
+    for t in range(S):
+        st = mlstm_step(st, kf[:, :, t], vf[:, :, t], log_i[..., t], log_f[..., t])
+        h.append(mlstm_readout(st, q[:, :, t], normalizer, eps=0.0))
+    assert_close(torch.stack(h, 2), mlstm_unstabilized_reference(q, kf, vf, log_i, log_f, 0, normalizer))
+raw_C = sum(torch.exp(log_i[..., s] + log_f[..., s + 1:].sum(-1))[..., None, None] * kf[:, :, s, :, None] * vf[:, :, s, None, :]
+            for s in range(S))
+assert_close(st.C * torch.exp(st.m)[..., None, None], raw_C)
+
+# %% [markdown]
+# Check against an independent implementation: `mlstm_kernels`' pure-PyTorch recurrent step
+# (`mlstm_kernels.torch.recurrent.native_step`) carries the same stabilized state
+# $(\bar{\boldsymbol{C}}, \bar{\boldsymbol{n}}, m)$; it takes the forget gate as a pre-activation
+# and its readout is the `"mlstm"` normalizer. Started from $m = -\infty$ it must match ours
+# step by step, in float32 and with large input-gate pre-activations where $e^{\alpha}$ alone
+# would overflow.
+
+# %%
+#| hide
+from mlstm_kernels.torch.recurrent.native_step import mlstm_recurrent_step__native_fw
+
+# %%
+torch.manual_seed(1)
+B, H, S, dk, dv = 2, 3, 20, 8, 4
+q, kf = hedgehog(torch.randn(B, H, S, dk // 2)), hedgehog(torch.randn(B, H, S, dk // 2))
+vf, i_pre, f_pre = torch.randn(B, H, S, dv), 60 * torch.randn(B, H, S), 3 * torch.randn(B, H, S)
+ours, theirs = mlstm_init_state(B, H, dk, dv), mlstm_init_state(B, H, dk, dv)
+theirs = (theirs.C, theirs.n, theirs.m[..., None])
+for t in range(S):
+    ours = mlstm_step(ours, kf[:, :, t], vf[:, :, t], i_pre[..., t], F.logsigmoid(f_pre[..., t]))
+    h_theirs, theirs = mlstm_recurrent_step__native_fw(*theirs, q[:, :, t], kf[:, :, t], vf[:, :, t],
+                                                       i_pre[..., t, None], f_pre[..., t, None])
+    assert_close(mlstm_readout(ours, q[:, :, t], "mlstm"), h_theirs)
+    for a, b in zip(ours, (theirs[0], theirs[1], theirs[2][..., 0])): assert_close(a, b)
+assert torch.isfinite(ours.C).all()
+
+
+# %% [markdown]
+# ## Delayed readout (Eq. 41) and its parallel form
+#
+# A token $u$ needs a score only when it leaves the protected window of $w$ tokens, at query
+# $q = u + w$. By then the state has absorbed the $w$ tokens after $u$, and the delayed
+# readout uses the query feature of $u$ with the state after token $u + w$ (Eq. (41)):
+#
+# $$\boldsymbol{h}_{u\mid u+w} = \frac{\tilde{\boldsymbol{q}}_u^\top\boldsymbol{C}_{u+w}}{\tilde{\boldsymbol{q}}_u^\top\boldsymbol{z}_{u+w}},
+# \qquad \hat r_u = \boldsymbol{a}_h^\top\operatorname{SiLU}(\operatorname{Norm}(\boldsymbol{h}_{u\mid u+w})) + b_h \quad \text{(Eq. (42))}.$$
+#
+# `delay = 0` is the immediate readout (the ablation of Figure 5). In a sequence of length $S$
+# the last $w$ tokens have no state $u + w$ yet; they read the last state $t(u) = \min(u+w, S-1)$.
+# During training these scores never matter (a token $u > S-1-w$ is inside the window for every
+# query $\le S-1$); at decode time the bounded cache scores them again when they leave the window.
+#
+# **Parallel form.** Unrolling Eq. (38), with $F_t = \sum_{r \le t}\log f_r$,
+#
+# $$\boldsymbol{C}_t = \sum_{s \le t} e^{F_t - F_s + \log i_s}\,\tilde{\boldsymbol{k}}_s\tilde{\boldsymbol{v}}_s^\top,
+# \qquad \tilde{\boldsymbol{q}}_u^\top\boldsymbol{C}_{t(u)} = \sum_{s \le t(u)} e^{D_{us}}\,(\tilde{\boldsymbol{q}}_u^\top\tilde{\boldsymbol{k}}_s)\,\tilde{\boldsymbol{v}}_s^\top,
+# \qquad D_{us} = F_{t(u)} - F_s + \log i_s ,$$
+#
+# and the same with $\tilde{\boldsymbol{v}}_s \to 1$ for the normalizer. Row $u$ is stabilized by
+# its maximum $m_{t(u)} = \max_{s \le t(u)} D_{us}$ (the recurrent max-state), giving
+# $\boldsymbol{h}_u = \sum_s e^{D_{us} - m}\,S_{us}\tilde{\boldsymbol{v}}_s / (|\sum_s e^{D_{us}-m} S_{us}| + \epsilon)$
+# with $S_{us} = \tilde{\boldsymbol{q}}_u^\top\tilde{\boldsymbol{k}}_s/\sqrt{d}$: a masked $S\times S$ product,
+# quadratic in $S$ (fine for a few thousand tokens), with the mask shifted by the delay.
+
+# %%
+#| export
+def check_delay(delay) -> int:
+    "Validate the readout delay (an int >= 0)."
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0: raise ValueError(f"delay must be an int >= 0, got {delay!r}")
+    return delay
+
+def readout_positions(S: int, delay: int, device=None) -> Tensor:
+    "Index of the state each token reads: t(u) = min(u + delay, S - 1) (Eq. 41; the last tokens read the last state)."
+    return torch.clamp(torch.arange(S, device=device) + check_delay(delay), max=S - 1)
+
+def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
+                   normalizer: str = "ratio", eps: float = 1e-6) -> Tensor:
+    "Delayed mLSTM readouts h[u] from state t(u) = min(u+delay, S-1), masked quadratic form stabilized per row, [B,H,S,dv]."
+    S, dk = q.shape[-2], q.shape[-1]
+    t_of_u = readout_positions(S, delay, q.device)
+    cum_f = torch.cumsum(log_f, dim=-1)
+    log_D = cum_f[..., t_of_u, None] - cum_f[..., None, :] + log_i[..., None, :]  # [B,H,S(u),S(s)]
+    log_D = log_D.masked_fill(torch.arange(S, device=q.device) > t_of_u[:, None], -math.inf)
+    m = log_D.amax(-1, keepdim=True)  # = recurrent max-state m_{t(u)}
+    W = torch.exp(log_D - m) * (q @ k.transpose(-1, -2)) * dk ** -0.5
+    qn = W.sum(-1, keepdim=True)
+    den = qn.abs() if check_normalizer(normalizer) == "ratio" else torch.maximum(qn.abs(), torch.exp(-m))
+    return (W @ v) / (den + eps)
+
+def mlstm_recurrent(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
+                    normalizer: str = "ratio", eps: float = 1e-6) -> Tensor:
+    "`mlstm_parallel` by stepping the state token by token and reading token u = t - delay after step t (decode order)."
+    B, H, S, dk = q.shape
+    state = mlstm_init_state(B, H, dk, v.shape[-1], q.device, q.dtype)
+    h = torch.empty(B, H, S, v.shape[-1], device=q.device, dtype=q.dtype)
+    for t in range(S):
+        state = mlstm_step(state, k[:, :, t], v[:, :, t], log_i[..., t], log_f[..., t])
+        if t >= delay: h[:, :, t - delay] = mlstm_readout(state, q[:, :, t - delay], normalizer, eps)
+    for u in range(max(S - delay, 0), S):  # tokens still inside the window read the last state
+        h[:, :, u] = mlstm_readout(state, q[:, :, u], normalizer, eps)
+    return h
+
+
+# %% [markdown]
+# Checks: parallel = recurrent = the unstabilized float64 reference, for several delays
+# (including a delay longer than the sequence), and the immediate readout matches
+# `mlstm_kernels`' parallel native forward (`mlstm_kernels.torch.parallel.native.fw`), which uses
+# the `"mlstm"` normalizer.
+
+# %%
+#| hide
+from mlstm_kernels.torch.parallel.native.fw import mlstm_parallel_fw
+
+# %%
+torch.manual_seed(2)
+B, H, S, dk, dv = 2, 3, 15, 6, 3
+q, kf = hedgehog(torch.randn(B, H, S, dk // 2, dtype=torch.float64)), hedgehog(torch.randn(B, H, S, dk // 2, dtype=torch.float64))
+vf = torch.randn(B, H, S, dv, dtype=torch.float64)
+log_i, log_f = torch.randn(B, H, S, dtype=torch.float64), F.logsigmoid(torch.randn(B, H, S, dtype=torch.float64) + 2)
+test_eq(readout_positions(5, 2).tolist(), [2, 3, 4, 4, 4])
+for delay in (0, 1, 4, 14, 20):
+    for normalizer in NORMALIZERS:
+        ref = mlstm_unstabilized_reference(q, kf, vf, log_i, log_f, delay, normalizer)
+        assert_close(mlstm_parallel(q, kf, vf, log_i, log_f, delay, normalizer, eps=0.0), ref)
+        assert_close(mlstm_recurrent(q, kf, vf, log_i, log_f, delay, normalizer, eps=0.0), ref)
+
+torch.manual_seed(3)
+q, kf = hedgehog(torch.randn(B, H, 64, 8)), hedgehog(torch.randn(B, H, 64, 8))
+vf, i_pre, f_pre = torch.randn(B, H, 64, 5), 30 * torch.randn(B, H, 64), 3 * torch.randn(B, H, 64)
+h_theirs, _, _ = mlstm_parallel_fw(q, kf, vf, i_pre, f_pre)
+assert_close(mlstm_parallel(q, kf, vf, i_pre, F.logsigmoid(f_pre), 0, "mlstm"), h_theirs)
+
+
+# %% [markdown]
+# ## Chunkwise form for long sequences
+#
+# The quadratic form needs $S \times S$ matrices per head: 1 GiB per head in float32 at
+# $S = 16384$. Two observations give a form with memory linear in $S$.
+#
+# *Delay is a shift of the query.* The readout after step $t$ uses the query of token
+# $t - w$, so the delayed readouts are the immediate readouts of the shifted query sequence
+# $\tilde{\boldsymbol{q}}'_t = \tilde{\boldsymbol{q}}_{t-w}$ (zero for $t < w$), moved back by $w$:
+# $\boldsymbol{h}_{u \mid u+w} = \boldsymbol{h}'_{u+w}$; the last $w$ tokens read the final state.
+#
+# *Chunkwise immediate readout.* Split the sequence into chunks of $L$ tokens and let
+# $b_t = \sum_{r \in \text{chunk},\, r \le t}\log f_r$ be the cumulative log-forget-gate inside
+# token $t$'s chunk. With $(\bar{\boldsymbol{C}}^-, \bar{\boldsymbol{n}}^-, m^-)$ the stabilized state
+# entering the chunk, unrolling Eq. (38) inside the chunk gives
+#
+# $$\boldsymbol{C}_t = e^{b_t + m^-}\bar{\boldsymbol{C}}^- + \sum_{s \le t,\ s \in \text{chunk}} e^{b_t - b_s + \log i_s}\,\tilde{\boldsymbol{k}}_s\tilde{\boldsymbol{v}}_s^\top,$$
+#
+# so with $m_t = \max(b_t + m^-, \max_s (b_t - b_s + \log i_s))$ the readout of row $t$ is an
+# intra-chunk $L \times L$ masked product plus the inter-chunk term
+# $e^{b_t + m^- - m_t}\,\tilde{\boldsymbol{q}}_t^\top\bar{\boldsymbol{C}}^-$ (same for the normalizer).
+# The states at chunk boundaries follow from the same formula at $t$ = the chunk's last token:
+# a loop over $S/L$ chunks. Sequences are padded to a multiple of $L$ with tokens that neither
+# write ($\log i = -\infty$) nor decay ($\log f = 0$), which leaves the state unchanged.
+
+# %%
+#| export
+def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, normalizer: str = "ratio",
+                              eps: float = 1e-6, chunk_size: int = 256) -> tuple[Tensor, MLSTMState]:
+    "Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state."
+    B, H, S, dk = q.shape
+    dv, L = v.shape[-1], check_positive_int("chunk_size", chunk_size)
+    N, pad = -(-S // L), -S % L
+    q, k, v = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, N, L, -1) for t in (q, k, v))
+    log_i = F.pad(log_i, (0, pad), value=-math.inf).reshape(B, H, N, L)  # padding writes nothing ...
+    b = torch.cumsum(F.pad(log_f, (0, pad)).reshape(B, H, N, L), dim=-1)  # ... and does not decay
+    g = b[..., -1:] - b + log_i  # log-weight of token s in its chunk's end state
+    state, entering = mlstm_init_state(B, H, dk, dv, q.device, q.dtype), []
+    for j in range(N):
+        entering.append(state)
+        m = torch.maximum(b[:, :, j, -1] + state.m, g[:, :, j].amax(-1))
+        decay, write = torch.exp(b[:, :, j, -1] + state.m - m), torch.exp(g[:, :, j] - m[..., None])  # [B,H], [B,H,L]
+        kw = k[:, :, j] * write[..., None]
+        state = MLSTMState(decay[..., None, None] * state.C + kw.transpose(-1, -2) @ v[:, :, j],
+                           decay[..., None] * state.n + kw.sum(-2), m)
+    C_in, n_in, m_in = (torch.stack(t, dim=2) for t in zip(*entering))  # [B,H,N,dk,dv], [B,H,N,dk], [B,H,N]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    log_D = (b[..., :, None] - b[..., None, :] + log_i[..., None, :]).masked_fill(~causal, -math.inf)
+    log_prev = b + m_in[..., None]  # log-scale of the entering state at row t
+    m = torch.maximum(log_prev, log_D.amax(-1))
+    qs = q * dk ** -0.5
+    W = torch.exp(log_D - m[..., None]) * (qs @ k.transpose(-1, -2))
+    prev = torch.exp(log_prev - m)[..., None]
+    num = W @ v + prev * (qs @ C_in)
+    qn = W.sum(-1, keepdim=True) + prev * (qs @ n_in[..., None])
+    den = qn.abs() if check_normalizer(normalizer) == "ratio" else torch.maximum(qn.abs(), torch.exp(-m)[..., None])
+    return (num / (den + eps)).reshape(B, H, N * L, dv)[:, :, :S], state
+
+def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
+                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 256) -> Tensor:
+    "`mlstm_parallel` with memory linear in S: immediate chunkwise readout of the query shifted by `delay`, [B,H,S,dv]."
+    S, w = q.shape[-2], min(check_delay(delay), q.shape[-2])
+    q_read = torch.cat([torch.zeros_like(q[:, :, :w]), q[:, :, :S - w]], dim=2)  # step t reads token t - w
+    h, final = mlstm_chunkwise_immediate(q_read, k, v, log_i, log_f, normalizer, eps, chunk_size)
+    return torch.cat([h[:, :, w:], mlstm_readout(final, q[:, :, S - w:], normalizer, eps)], dim=2)
+
+
+# %% [markdown]
+# Check: the chunkwise form equals the quadratic form for chunk sizes that do and do not
+# divide $S$, a single chunk, chunks of one token, and delays shorter and longer than a chunk
+# or the sequence; the final state equals the recurrent one.
+
+# %%
+torch.manual_seed(5)
+B, H, S, dk, dv = 2, 3, 45, 8, 4
+q, kf = hedgehog(torch.randn(B, H, S, dk // 2)), hedgehog(torch.randn(B, H, S, dk // 2))
+vf, log_i, log_f = torch.randn(B, H, S, dv), 20 * torch.randn(B, H, S), F.logsigmoid(2 * torch.randn(B, H, S) + 2)
+for chunk_size in (1, 7, 16, 45, 64):
+    for delay in (0, 3, 20, 44, 60):
+        for normalizer in NORMALIZERS:
+            assert_close(mlstm_chunkwise(q, kf, vf, log_i, log_f, delay, normalizer, chunk_size=chunk_size),
+                         mlstm_parallel(q, kf, vf, log_i, log_f, delay, normalizer), rtol=1e-4, atol=1e-5)
+_, final = mlstm_chunkwise_immediate(q, kf, vf, log_i, log_f, chunk_size=7)
+state = mlstm_init_state(B, H, dk, dv)
+for t in range(S): state = mlstm_step(state, kf[:, :, t], vf[:, :, t], log_i[..., t], log_f[..., t])
+for a, b in zip(final, state): assert_close(a, b)
+
+
+# %% [markdown]
+# ## The scorer module (Eq. 37, 40–42) and its initialization (App. E.5)
+#
+# `MLSTMScorer` wires it together per KV head: projections $2d \to d/2$, Hedgehog features
+# ($d/2 \to d$) for query and key, a $d/2$-dimensional value, two gate pre-activations from a
+# headwise $2d \to 2$ map (soft-capped), the delayed readout, an optional parameter-free
+# layer norm over $\boldsymbol{h}$, and the score head $\boldsymbol{a}_h^\top\operatorname{SiLU}(\cdot) + b_h$.
+# The mLSTM core runs in float32 at least; scores are float32 (ranking is done in float32, App. F).
+# `forward` uses the chunkwise form (`chunk_size` tokens per chunk; a sequence no longer than
+# one chunk is exactly the quadratic form).
+#
+# Initialization (App. E.5): $W_q$ and $W_k$ start from the key pathway and $W_v$ from the
+# value pathway as identity-style maps (the first $d/2$ coordinates of $\boldsymbol{k}$ resp.
+# $\boldsymbol{v}$) plus small noise; the score head is zero, so all scores are equal at step 0
+# (neutral ranking); the gate weights are zero and the forget-gate bias is spread over
+# $[3, 6]$ across heads ($\sigma(3) \approx 0.95$ to $\sigma(6) \approx 0.998$: memories of
+# roughly 20 to 400 tokens), the input-gate bias is 0 (with the ratio readout only differences
+# of input-gate pre-activations matter).
+#
+# For decoding, `init_state`, `step(state, k_t, v_t)`, `query_feature(k_u, v_u)` and
+# `readout(state, q_feature)` give the recurrent form: the cache steps the state with every
+# new token and scores token $u = t - w$ with the state after $t$.
+
+# %%
+#| export
+class MLSTMScorer(nn.Module):
+    "Headwise mLSTM scorer with Hedgehog features and delayed readout (Eq. 37-42); parallel `forward`, recurrent `step`/`readout`."
+    def __init__(self, num_kv_heads: int, head_dim: int, *, delay: int, soft_cap: float | None = 15.0, norm: bool = False,
+                 normalizer: str = "ratio", eps: float = 1e-6, forget_bias: tuple[float, float] = (3.0, 6.0),
+                 input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 256):
+        super().__init__()
+        self.num_kv_heads, self.head_dim = check_positive_int("num_kv_heads", num_kv_heads), check_positive_int("head_dim", head_dim)
+        if head_dim % 2: raise ValueError(f"head_dim must be even (Hedgehog halves the projection), got {head_dim}")
+        if soft_cap is not None and not soft_cap > 0: raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap!r}")
+        self.delay, self.soft_cap, self.norm = check_delay(delay), soft_cap, bool(norm)
+        self.normalizer, self.eps = check_normalizer(normalizer), float(eps)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        half = head_dim // 2
+        self.q_proj, self.k_proj, self.v_proj = (HeadwiseLinear(num_kv_heads, 2 * head_dim, half, bias=False) for _ in range(3))
+        self.gates = HeadwiseLinear(num_kv_heads, 2 * head_dim, 2)  # columns: input, forget pre-activation
+        self.score = HeadwiseLinear(num_kv_heads, half, 1)  # a_h, b_h of Eq. (42)
+        with torch.no_grad():
+            eye = torch.eye(head_dim, half)  # picks the first d/2 coordinates
+            for proj, offset in ((self.q_proj, 0), (self.k_proj, 0), (self.v_proj, head_dim)):
+                proj.weight.normal_(0.0, init_std)
+                proj.weight[:, offset:offset + head_dim] += eye
+            self.gates.bias[:, 0] = input_bias
+            self.gates.bias[:, 1] = torch.linspace(*forget_bias, num_kv_heads) if num_kv_heads > 1 else forget_bias[0]
+
+    def features(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        "(q~, k~, v~, log i, log f) for keys/values [B,H,S,d] or one token [B,H,d]; float32 at least."
+        x = self._input(k, v)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        q, kf = hedgehog(self.q_proj(x).to(acc)), hedgehog(self.k_proj(x).to(acc))
+        pre = soft_cap(self.gates(x).to(acc), self.soft_cap)
+        out = q, kf, self.v_proj(x).to(acc), pre[..., 0], F.logsigmoid(pre[..., 1])
+        return out if k.dim() == 4 else tuple(t.squeeze(2) for t in out)
+
+    def _input(self, k: Tensor, v: Tensor) -> Tensor:
+        "Detached [k; v] as [B,H,S,2d] in the parameter dtype (one token [B,H,d] gets S = 1)."
+        check_kv(k, v, self.num_kv_heads, self.head_dim)
+        if k.dim() not in (3, 4): raise ValueError(f"k must be [B, Hkv, S, d] or [B, Hkv, d], got shape {tuple(k.shape)}")
+        x = scorer_input(k, v).to(self.q_proj.weight.dtype)
+        return x if k.dim() == 4 else x[:, :, None]
+
+    def score_head(self, h: Tensor) -> Tensor:
+        "Raw score a_h . SiLU(Norm(h)) + b_h (Eq. 42) of readouts h [B,H,S,d/2] or [B,H,d/2]."
+        if self.norm: h = F.layer_norm(h, h.shape[-1:])
+        one = h.dim() == 3  # [B,H,d/2]: a single token
+        r = self.score(F.silu(h[:, :, None] if one else h).to(self.score.weight.dtype))[..., 0].float()
+        return r[:, :, 0] if one else r
+
+    def forward(self, k: Tensor, v: Tensor) -> Tensor:
+        "Raw scores r [B,Hkv,S] with the delayed readout, chunkwise-parallel form (training and prefill)."
+        if k.dim() != 4: raise ValueError(f"k must be [B, Hkv, S, d] for the parallel form, got shape {tuple(k.shape)}")
+        return self.score_head(mlstm_chunkwise(*self.features(k, v), self.delay, self.normalizer, self.eps, self.chunk_size))
+
+    def init_state(self, batch_size: int, device=None) -> MLSTMState:
+        "Empty recurrent state for `batch_size` sequences."
+        half = self.head_dim // 2
+        return mlstm_init_state(batch_size, self.num_kv_heads, self.head_dim, half, device,
+                                torch.promote_types(self.q_proj.weight.dtype, torch.float32))
+
+    def step(self, state: MLSTMState, k: Tensor, v: Tensor) -> MLSTMState:
+        "Absorb one token, keys/values [B,Hkv,d], into the state (decode)."
+        _, kf, vf, log_i, log_f = self.features(k, v)
+        return mlstm_step(state, kf, vf, log_i, log_f)
+
+    def query_feature(self, k: Tensor, v: Tensor) -> Tensor:
+        "Read query feature q~ of tokens with keys/values [B,Hkv,(S,)d]."
+        q = hedgehog(self.q_proj(x := self._input(k, v)).to(torch.promote_types(x.dtype, torch.float32)))
+        return q if k.dim() == 4 else q[:, :, 0]
+
+    def readout(self, state: MLSTMState, q_feature: Tensor) -> Tensor:
+        "Raw score [B,Hkv] of the token with read feature q_feature [B,Hkv,d] from the current state (Eq. 41-42)."
+        return self.score_head(mlstm_readout(state, q_feature, self.normalizer, self.eps))
+
+    def recurrent(self, k: Tensor, v: Tensor) -> Tensor:
+        "`forward` in decode order: step token t, then score token t - delay; the last `delay` tokens read the final state."
+        B, H, S, _ = k.shape
+        state, q = self.init_state(B, k.device), self.query_feature(k, v)
+        r = torch.empty(B, H, S, device=k.device)
+        for t in range(S):
+            state = self.step(state, k[:, :, t], v[:, :, t])
+            if t >= self.delay: r[:, :, t - self.delay] = self.readout(state, q[:, :, t - self.delay])
+        for u in range(max(S - self.delay, 0), S): r[:, :, u] = self.readout(state, q[:, :, u])
+        return r
+
+    def extra_repr(self) -> str:
+        return (f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, delay={self.delay}, soft_cap={self.soft_cap}, "
+                f"norm={self.norm}, normalizer={self.normalizer!r}")
+
+
+# %% [markdown]
+# Checks: at initialization every score is equal (zero score head); with a random score head
+# the parallel and recurrent forms agree for delayed and immediate readout, and the scores
+# read the right states (the delayed score of token $u$ equals the immediate score that token
+# $u$'s query feature would get at position $u + w$).
+
+# %%
+torch.manual_seed(4)
+B, H, S, d, w = 2, 3, 40, 8, 5
+k, v = torch.randn(B, H, S, d), torch.randn(B, H, S, d)
+sc = MLSTMScorer(H, d, delay=w)
+assert (sc(k, v) == 0).all()  # zero score head: neutral ranking
+with torch.no_grad(): sc.score.weight.normal_(); sc.score.bias.normal_(); sc.gates.weight.normal_(0, 0.1)
+assert_close(sc(k, v), sc.recurrent(k, v))
+sc.chunk_size = 6
+assert_close(sc(k, v), sc.score_head(mlstm_parallel(*sc.features(k, v), w)))
+sc0 = MLSTMScorer(H, d, delay=0); sc0.load_state_dict(sc.state_dict())
+assert_close(sc0(k, v), sc0.recurrent(k, v))
+# the delayed score of token u reads u's query feature from the state after token u + w
+u = 7
+q_u = sc.query_feature(k[:, :, u], v[:, :, u])
+state = sc.init_state(B)
+for t in range(u + w + 1): state = sc.step(state, k[:, :, t], v[:, :, t])
+assert_close(sc(k, v)[:, :, u], sc.readout(state, q_u))
+assert not torch.allclose(sc(k, v), sc0(k, v))
+
+
+# %% [markdown]
+# ## Parameter counts
+#
+# Per KV head the mLSTM scorer has three $2d \times d/2$ projections, a $2d \to 2$ gate map with
+# bias and a $d/2 \to 1$ score head: $3d^2 + 2(2d+1) + d/2 + 1$ parameters. The counts per
+# layer for the two model shapes of the project (SmolLM2-135M: 3 KV heads of $d = 64$;
+# Qwen3-4B: 8 KV heads of $d = 128$):
+
+# %%
+#| export
+def count_parameters(module: nn.Module) -> int:
+    "Number of scalar parameters of `module`."
+    return sum(p.numel() for p in module.parameters())
+
+
+# %%
+for name, H, d in (("SmolLM2-135M", 3, 64), ("Qwen3-4B", 8, 128)):
+    n_mlstm = count_parameters(MLSTMScorer(H, d, delay=256))
+    test_eq(n_mlstm, H * (3 * d * d + 2 * (2 * d + 1) + d // 2 + 1))
+    n_mlp, n_lin = count_parameters(MLPScorer(H, d)), count_parameters(LinearScorer(H, d))
+    test_eq(n_mlp, H * (2 * d * d + d + d + 1)); test_eq(n_lin, H * (2 * d + 1))
+    print(f"{name}: per layer mLSTM {n_mlstm:,}  MLP(hidden=d) {n_mlp:,}  linear {n_lin:,}")
