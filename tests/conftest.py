@@ -6,6 +6,17 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    "Two test workers share two cores; tiny tensors gain nothing from intra-op threads, which then spin (10x slower)."
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
 

@@ -16,15 +16,6 @@ MODELS = {"llama": ("tiny-llama", {}), "qwen3": ("tiny-qwen3", {}), "llama-g1": 
 ATOL = dict(atol=1e-5, rtol=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    "Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine threads spin (10x slower)."
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request):
     name, overrides = MODELS[request.param]

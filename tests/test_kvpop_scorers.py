@@ -12,15 +12,6 @@ from sparsekv.kvpop.scorers import (LinearScorer, MLPScorer, MLSTMScorer, count_
                                     mlstm_init_state)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    "Tiny tensors in Python loops: one intra-op thread avoids oversubscription on a loaded 2-core machine."
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_kv(B, H, S, d, seed, dtype=torch.float32, scale=1.0):
     "Random keys/values [B,H,S,d]."
     g = torch.Generator().manual_seed(seed)
