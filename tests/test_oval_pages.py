@@ -1,0 +1,243 @@
+"OVAL page retrieval (`sparsekv.oval.pages`): every page score against its loop definition, the bounds, the rank m-1 limit, avgSM/max aggregation, page selection and storage."
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from sparsekv.hf import AttentionContext, patch
+from sparsekv.models import load_model
+from sparsekv.oval.basis import output_metric
+from sparsekv.oval.pages import (GQA_POLICIES, METHODS, PageRetrievalPolicy, aggregate_gqa, always_kept, build_summaries,
+                                 retrieval_quality, score_pages, score_pages_reference, select_pages, select_pages_reference,
+                                 split_pages, storage_table, summary_scalars)
+
+F64 = torch.float64
+
+
+def cache(B=2, Hkv=2, T=45, d=8, seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    K = (torch.randn(B, Hkv, T, d, generator=g, dtype=F64) * torch.logspace(0, -1, d, dtype=F64) + torch.randn(d, generator=g, dtype=F64))
+    V = torch.randn(B, Hkv, T, d, generator=g, dtype=F64)
+    A = torch.randn(Hkv, d, d, generator=g, dtype=F64)
+    return K.to(dtype), V.to(dtype), (A.mT @ A / d).to(dtype)
+
+
+def queries(B=2, Hq=4, d=8, seed=1, S=None):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, Hq, d, generator=g, dtype=F64) if S is None else torch.randn(B, Hq, S, d, generator=g, dtype=F64)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("seed,page_size,T,Hq", [(0, 8, 45, 4), (1, 5, 20, 2), (2, 4, 4, 6), (3, 1, 7, 2)])
+def test_score_matches_loop(method, seed, page_size, T, Hq):
+    K, V, G = cache(T=T, seed=seed)
+    q = queries(Hq=Hq, seed=seed + 10)
+    s = build_summaries(method, K, V, page_size, rank=3, eta=0.75, G=G)
+    assert s.n_pages == T // page_size
+    assert_close(score_pages(method, s, q), score_pages_reference(method, K, q, s))
+
+
+@pytest.mark.parametrize("method", ["quest", "arkvale"])
+@pytest.mark.parametrize("seed", range(3))
+def test_bounds_hold_for_every_key(method, seed):
+    K, V, _ = cache(seed=seed, T=48, d=16)
+    q = queries(d=16, seed=seed) * 3
+    sc = score_pages(method, build_summaries(method, K, V, 8), q)
+    logits = torch.einsum("bhgd,bhpmd->bhgpm", q.reshape(2, 2, 2, 16), split_pages(K, 8)).reshape(2, 4, 6, 8) / 4
+    assert (sc.unsqueeze(-1) >= logits - 1e-12).all()
+    # a single-token page makes both bounds tight
+    one = score_pages(method, build_summaries(method, K, V, 1), q)
+    assert_close(one, score_pages("oracle", build_summaries("oracle", K, V, 1), q))
+
+
+@pytest.mark.parametrize("method", ["keypca", "oval"])
+@pytest.mark.parametrize("page_size", [4, 8, 16])
+def test_full_rank_basis_equals_oracle(method, page_size):
+    K, V, G = cache(T=3 * page_size + 1, d=16)
+    q = queries(d=16, S=3)
+    exact = score_pages("oracle", build_summaries("oracle", K, V, page_size), q)
+    assert_close(score_pages(method, build_summaries(method, K, V, page_size, rank=page_size - 1, eta=0.5, G=G), q), exact)
+    # a rank above the cap gives the same summary
+    assert_close(score_pages(method, build_summaries(method, K, V, page_size, rank=64, eta=0.5, G=G), q), exact)
+
+
+def test_keypca_ignores_values_and_oval_uses_them():
+    K, V, G = cache(T=32, d=8)
+    q = queries()
+    a = score_pages("keypca", build_summaries("keypca", K, V, 8, rank=2), q)
+    assert_close(a, score_pages("keypca", build_summaries("keypca", K, None, 8, rank=2), q))
+    assert_close(a, score_pages("keypca", build_summaries("keypca", K, 5 * V.flip(2), 8, rank=2), q))
+    assert_close(a, score_pages("oval", build_summaries("oval", K, V, 8, rank=2, eta=0.0, G=G), q))
+    b = score_pages("oval", build_summaries("oval", K, V, 8, rank=2, eta=1.0, G=G), q)
+    assert not torch.allclose(a, b)
+
+
+def test_float32_cache_keeps_dtype():
+    K, V, G = cache(dtype=torch.float32)
+    for m in METHODS:
+        s = build_summaries(m, K, V, 8, rank=3, G=G)
+        assert all(t.dtype == torch.float32 for t in s.tensors.values())
+        assert_close(score_pages(m, s, queries().float()).double(), score_pages_reference(m, K, queries().float(), s), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", GQA_POLICIES)
+def test_aggregate_matches_loop(policy):
+    sc = queries(B=2, Hq=6, d=5, S=3)
+    agg = aggregate_gqa(sc, 3, policy)
+    assert agg.shape == (2, 3, 3, 5)
+    for b in range(2):
+        for h in range(3):
+            for s in range(3):
+                pis = [[math.exp(x) for x in sc[b, 2 * h + g, s].tolist()] for g in range(2)]
+                pis = [[x / sum(p) for x in p] for p in pis]
+                ref = [(a + c) / 2 if policy == "avgSM" else max(a, c) for a, c in zip(*pis)]
+                assert_close(agg[b, h, s], torch.tensor(ref, dtype=F64))
+    assert_close(aggregate_gqa(sc, 6, policy), sc.softmax(-1))        # one query head per KV head
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_select_matches_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    m = int(torch.randint(1, 9, (1,), generator=g))
+    T = int(torch.randint(1, 120, (1,), generator=g))
+    budget = int(torch.randint(1, 130, (1,), generator=g))
+    sink, recent = (int(x) for x in torch.randint(0, 40, (2,), generator=g))
+    w = torch.rand(2, 3, T // m, generator=g, dtype=F64).round(decimals=1)         # with ties
+    idx = select_pages(w, budget, m, sink, recent, T)
+    assert idx.tolist() == select_pages_reference(w, budget, m, sink, recent, T)
+    sink_end, recent_start = always_kept(T, m, sink, recent)
+    assert idx.shape[-1] <= max(budget, sink_end + T - recent_start)
+    assert (idx.diff(dim=-1) > 0).all()                                                  # sorted, no repeats
+
+
+def test_select_keeps_the_heaviest_pages():
+    w = torch.zeros(1, 1, 10, dtype=F64)
+    w[0, 0, 3], w[0, 0, 6] = 2.0, 1.0
+    idx = select_pages(w, 4 * 4 + 2, 4, 4, 4, 42)     # sink page 0, recent page 9 + 2 partial, 2 pages: 3 and 6
+    assert idx[0, 0].tolist() == [0, 1, 2, 3, *range(12, 16), *range(24, 28), *range(36, 42)]
+
+
+@pytest.mark.parametrize("bad", [
+    lambda w: select_pages(w, 10, 4, 0, 0, 44),
+    lambda w: select_pages(w, 0, 4, 0, 0, 40),
+    lambda w: select_pages(w, 10, 4, -1, 0, 40),
+    lambda w: select_pages(w.long(), 10, 4, 0, 0, 40),
+    lambda w: select_pages(w * math.nan, 10, 4, 0, 0, 40),
+])
+def test_select_rejects_bad_input(bad):
+    with pytest.raises((ValueError, TypeError)):
+        bad(torch.rand(1, 2, 10, dtype=F64))
+
+
+def test_bad_inputs():
+    K, V, G = cache()
+    with pytest.raises(ValueError, match="method"): build_summaries("pca", K, V, 8)
+    with pytest.raises(ValueError, match="page_size"): build_summaries("quest", K, V, 0)
+    with pytest.raises(ValueError, match="V is required"): build_summaries("oval", K, None, 8)
+    with pytest.raises(ValueError, match="G must be"): build_summaries("oval", K, V, 8, G=G[0])
+    with pytest.raises(ValueError, match="K must be"): build_summaries("quest", K[0], V, 8)
+    s = build_summaries("quest", K, V, 8)
+    with pytest.raises(ValueError, match="built for"): score_pages("arkvale", s, queries())
+    with pytest.raises(ValueError, match="multiple"): score_pages("quest", s, queries(Hq=3))
+    with pytest.raises(ValueError, match="policy"): aggregate_gqa(queries(), 2, "mean")
+
+
+def test_storage():
+    K, V, G = cache(T=64, d=16)
+    for m in METHODS:
+        s = build_summaries(m, K, V, 8, rank=5, G=G)
+        assert sum(t[0, 0].numel() for t in s.tensors.values()) == s.n_pages * summary_scalars(m, 8, 16, rank=5)
+    tab = storage_table(32, 64, 8, torch.bfloat16).set_index("method")
+    assert (tab["bytes"] == 2 * tab["scalars"]).all()
+    assert tab.loc["oracle", "vs_keys"] == 1.0
+    assert summary_scalars("oval", 2, 64, rank=8) == 64 + 64 + 2          # rank capped at m - 1
+
+
+def test_oracle_selection_maximizes_mass():
+    g = torch.Generator().manual_seed(0)
+    K, V = torch.randn(1, 3, 200, 8, generator=g, dtype=F64) * 2, torch.randn(1, 3, 200, 8, generator=g, dtype=F64)
+    q = torch.randn(1, 3, 3, 8, generator=g, dtype=F64)
+    best, _ = retrieval_quality("oracle", q, K, V, 8, 48, 8, 8)
+    for m in METHODS:
+        mass, err = retrieval_quality(m, q, K, V, 8, 48, 8, 8, rank=3)
+        assert (mass <= best + 1e-9).all()
+        assert torch.isfinite(err).all()
+    # a budget covering the cache is exact
+    mass, err = retrieval_quality("quest", q, K, V, 8, 200, 8, 8)
+    assert_close(mass, torch.ones_like(mass))
+    assert_close(err, torch.zeros_like(err))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama")[0]
+
+
+def _ctx(T, attn, layer=1):
+    return AttentionContext(layer_idx=layer, kind="decode", query_positions=torch.tensor([T - 1]),
+                            key_positions=torch.arange(T).expand(1, 2, T), mask=None, scale=0.25, module=attn)
+
+
+@pytest.mark.parametrize("method,policy", [("quest", "avgSM"), ("keypca", "max"), ("oval", "avgSM"), ("oracle", "max")])
+def test_decode_policy_matches_reference(tiny, method, policy):
+    attn = tiny.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(2)
+    pol = PageRetrievalPolicy(method, token_budget=20, page_size=4, sink=2, recent=5, rank=2, eta=0.75, policy=policy)
+    k, v = torch.randn(1, 2, 60, 16, generator=g), torch.randn(1, 2, 60, 16, generator=g)
+    G = output_metric(attn.o_proj.weight.detach(), 4, 2, 16) if method == "oval" else None
+    for T in (21, 24, 25, 33, 60, 28, 30):                                  # 28 after 60: a new sequence
+        if T == 28: k, v = torch.randn(1, 2, 60, 16, generator=g), torch.randn(1, 2, 60, 16, generator=g)
+        q = torch.randn(1, 4, 1, 16, generator=g)
+        out = pol(q, k[:, :, :T], v[:, :, :T], _ctx(T, attn))
+        fresh = build_summaries(method, k[:, :, :T], v[:, :, :T], 4, rank=2, eta=0.75, G=G)
+        for n, x in fresh.tensors.items(): assert_close(pol.summaries[1].tensors[n], x)
+        idx = select_pages(aggregate_gqa(score_pages(method, fresh, q[:, :, 0], scale=0.25), 2, policy), 20, 4, 2, 5, T)
+        keep = torch.zeros(1, 4, 1, T, dtype=torch.bool)
+        for h in range(4): keep[0, h, 0, idx[0, h // 2]] = True
+        kr, vr = k[:, :, :T].repeat_interleave(2, 1), v[:, :, :T].repeat_interleave(2, 1)
+        assert_close(out, torch.where(keep, q @ kr.mT * 0.25, -math.inf).softmax(-1) @ vr)
+    # prefill, dense layers and a cache within the budget go dense
+    assert pol.select(q, k[:, :, :20], v[:, :, :20], _ctx(20, attn)) is None
+    assert pol.select(q, k, v, _ctx(60, attn, layer=0)) is None
+
+
+def test_decode_policy_generation(tiny):
+    ids = torch.randint(3, 250, (1, 37), generator=torch.Generator().manual_seed(4))
+    gen = lambda: tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        plain = gen()
+        for m in METHODS:
+            with patch(tiny, PageRetrievalPolicy(m, token_budget=8, page_size=4, sink=0, recent=64, rank=2)):   # keeps everything
+                assert torch.equal(gen(), plain)
+            with patch(tiny, PageRetrievalPolicy(m, token_budget=16, page_size=4, sink=4, recent=4, rank=2)):
+                assert gen().shape == plain.shape
+    with pytest.raises(ValueError, match="method"): PageRetrievalPolicy("pq", 16)
+    with pytest.raises(ValueError, match="policy"): PageRetrievalPolicy("quest", 16, policy="min")
+
+
+@pytest.mark.parametrize("method,tau", [("keypca", 0.0), ("oracle", 0.1), ("oval", -0.1)])
+def test_speculative_selection_matches_reference(tiny, method, tau):
+    attn = tiny.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    qs = [torch.randn(1, 4, 1, 16, generator=g) for _ in range(8)]
+    G = output_metric(attn.o_proj.weight.detach(), 4, 2, 16) if method == "oval" else None
+    pol = PageRetrievalPolicy(method, 16, 4, 4, 4, rank=2, spec_steps=3, tau=tau)
+    n_fix = 0
+    for j, q in enumerate(qs):
+        T = 30 + j
+        idx = pol.select(q, k[:, :, :T], v[:, :, :T], _ctx(T, attn))
+        summ = build_summaries(method, k[:, :, :T], v[:, :, :T], 4, rank=2, G=G)
+        w_now = aggregate_gqa(score_pages(method, summ, q[:, :, 0], 0.25), 2)
+        if j >= 3:
+            past = qs[j - 3][:, :, 0]
+            w = aggregate_gqa(score_pages(method, summ, past, 0.25), 2)
+            for h in range(2):
+                cos = [float(torch.dot(past[0, 2 * h + i], q[0, 2 * h + i, 0]) / past[0, 2 * h + i].norm() / q[0, 2 * h + i, 0].norm()) for i in range(2)]
+                if sum(cos) / 2 < tau: w[0, h], n_fix = w_now[0, h], n_fix + 1
+        else: w = w_now
+        assert torch.equal(idx, select_pages(w, 16, 4, 4, 4, T))
+    assert (pol.corrected, pol.speculated) == (n_fix, 10)
+    with pytest.raises(ValueError, match="tau"): PageRetrievalPolicy(method, 16, tau=math.nan)
+    with pytest.raises(ValueError, match="spec_steps"): PageRetrievalPolicy(method, 16, spec_steps=-1)
