@@ -1,0 +1,235 @@
+"Tests of sparsekv.quoka_policy: QuoKA's chunked prefill (Alg. 2) and generation mode, and the baselines under the same loop."
+import copy
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from sparsekv.attention import attention_reference, causal_mask
+from sparsekv.baselines.selection import (LessIsMoreSelector, lessismore_select, loki_select, mean_score_select,
+                                          sample_attention_select, sparq_select)
+from sparsekv.hf import DensePolicy, chunked_prefill, heads_mask, patch
+from sparsekv.models import load_model
+from sparsekv.quoka import quoka_scores_reference, quoka_select, quoka_select_reference, resolve_budget
+from sparsekv.quoka_policy import (BaselinePolicy, LessIsMorePolicy, QuokaPolicy, anchor_mask, anchored_top_indices,
+                                   anchored_top_indices_reference, last_chunk_logits)
+
+MODELS = {"llama": ("tiny-llama", {}), "qwen3": ("tiny-qwen3", {}), "llama-g1": ("tiny-llama", dict(num_kv_heads=4)),
+          "llama-g4": ("tiny-llama", dict(num_kv_heads=1))}
+ATOL = dict(atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    name, overrides = MODELS[request.param]
+    return load_model(name, **overrides)[0]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("tiny-llama")[0]
+
+
+def _ids(B, S, seed, vocab=259):
+    return torch.randint(3, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def _recording(base):
+    "A subclass of policy class `base` keeping each call's (q, k, v, ctx, selected earlier keys or None, output)."
+    class Rec(base):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.calls = []
+
+        def attend(self, q, k, v, ctx):
+            idx, out = self.select(q, k, v, ctx), super().attend(q, k, v, ctx)
+            self.calls.append((q, k, v, ctx, None if idx is None else idx[..., :-q.shape[2]], out))
+            return out
+    return Rec
+
+
+def _brute_force(q, k, v, ctx, earlier):
+    "attention_reference under an explicit mask: the earlier keys `earlier` for every query, the own keys causally."
+    B, Hkv, Sk, _ = k.shape
+    Sq, T = q.shape[2], ctx.past_len
+    m = torch.zeros(B, Hkv, Sq, Sk, dtype=torch.bool)
+    m[..., :T] = torch.zeros(B, Hkv, T, dtype=torch.bool).scatter(2, earlier, True)[:, :, None]
+    m[..., T:] = causal_mask(Sq, Sq)
+    return attention_reference(q, k, v, heads_mask(m, q.shape[1]), ctx.scale)[0]
+
+
+def _dense_last(model, ids, chunk):
+    return chunked_prefill(model, ids, chunk)[1]
+
+
+# --- QuoKA prefill ---------------------------------------------------------------------------
+
+def test_full_budget_equals_dense(model):
+    ids = _ids(2, 23, 0)
+    dense = _dense_last(model, ids, 5)
+    for policy in [QuokaPolicy(4, 23), QuokaPolicy(4, 1.0), QuokaPolicy(4, 100, "head", "mean", sinks=2, recent=2)]:
+        assert_close(chunked_prefill(model, ids, 5, policy)[1], dense, **ATOL)
+
+
+@pytest.mark.parametrize("options", [dict(n_q=3, budget=6), dict(n_q=2, budget=7, query_select="head", query_agg="mean"),
+                                     dict(n_q=16, budget=6)])
+def test_small_budget_matches_brute_force(model, options):
+    "Every call: the selection is the reference Alg. 1 and the output the reference attention over it; the last logits differ from dense."
+    ids = _ids(2, 21, 1)
+    rec = _recording(QuokaPolicy)(**options)
+    _, last = chunked_prefill(model, ids, 5, rec)
+    n, checked = options["budget"], 0
+    sel = dict(n_q=options["n_q"], query_select=options.get("query_select", "group"), query_agg=options.get("query_agg", "max"))
+    for q, k, v, ctx, idx, out in rec.calls:
+        T = ctx.past_len
+        assert (idx is None) == (T <= n)
+        if idx is None: continue
+        assert idx.shape == (2, k.shape[1], n)
+        ref = quoka_select_reference(q, k[:, :, :T], budget=n, **sel)
+        assert torch.equal(idx, ref)
+        assert torch.equal(idx, quoka_select(q, k[:, :, :T], budget=n, **sel))
+        assert_close(out, _brute_force(q, k, v, ctx, ref), **ATOL)
+        checked += 1
+    assert checked == 3 * model.config.num_hidden_layers  # chunks 2-4 (T = 10, 15, 20) select
+    assert (last - _dense_last(model, ids, 5)).abs().max() > 1e-4
+
+
+def test_fraction_budget(llama):
+    rec = _recording(QuokaPolicy)(n_q=3, budget=0.25)
+    chunked_prefill(llama, _ids(1, 26, 2), 5, rec)
+    for q, k, v, ctx, idx, out in rec.calls:
+        n = resolve_budget(0.25, ctx.past_len)
+        assert (idx is None) == (n == ctx.past_len)
+        if idx is not None: assert idx.shape[-1] == n
+
+
+def test_anchors_count_against_the_budget(llama):
+    ids = _ids(1, 26, 3)
+    rec = _recording(QuokaPolicy)(n_q=3, budget=6, sinks=2, recent=3)
+    chunked_prefill(llama, ids, 5, rec)
+    selecting = [c for c in rec.calls if c[4] is not None]
+    assert selecting
+    for q, k, v, ctx, idx, out in selecting:
+        T = ctx.past_len
+        assert idx.shape[-1] == 6
+        kept = set(range(2)) | set(range(T - 3, T))
+        assert all(kept <= set(row) for row in idx.reshape(-1, 6).tolist())
+        scores = quoka_scores_reference(q, k[:, :, :T], 3)
+        assert idx.reshape(-1, 6).tolist() == anchored_top_indices_reference(scores, 6, 2, 3)
+        assert_close(out, _brute_force(q, k, v, ctx, idx), **ATOL)
+
+
+def test_anchored_top_indices_reference():
+    g = torch.Generator().manual_seed(4)
+    for _ in range(30):
+        T = int(torch.randint(1, 12, (1,), generator=g))
+        n, s, r = (int(torch.randint(0, m + 1, (1,), generator=g)) for m in (T, 4, 4))
+        scores = torch.randint(0, 3, (2, 2, T), generator=g).float()
+        assert anchored_top_indices(scores, n, s, r).reshape(4, n).tolist() == anchored_top_indices_reference(scores, n, s, r)
+        assert int(anchor_mask(T, n, s, r).sum()) == min(n, min(s, n) + min(r, T - min(s, n)))
+
+
+# --- generation ------------------------------------------------------------------------------
+
+def _generate(model, prompt, cache, policy, n=4):
+    with torch.no_grad(), patch(model, policy):
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+
+
+def test_generate_after_quoka_prefill_uses_decode_rule(model):
+    prompt = _ids(1, 19, 5)
+    rec = _recording(QuokaPolicy)(n_q=3, budget=5)
+    cache, _ = chunked_prefill(model, prompt[:, :-1], 6, rec)
+    out = _generate(model, prompt, cache, rec)
+    assert out.shape == (1, 23)
+    decode = [c for c in rec.calls if c[3].kind == "decode"]
+    assert len(decode) == 4 * model.config.num_hidden_layers
+    for q, k, v, ctx, idx, o in decode:
+        assert torch.equal(idx, quoka_select_reference(q, k[:, :, :ctx.past_len], 1, 5))
+        assert_close(o, _brute_force(q, k, v, ctx, idx), **ATOL)
+
+
+def test_decode_off_is_dense(llama):
+    prompt = _ids(1, 19, 6)
+    cache, _ = chunked_prefill(llama, prompt[:, :-1], 6, QuokaPolicy(3, 5))
+    rec = _recording(QuokaPolicy)(n_q=3, budget=5, decode=False)
+    off = _generate(llama, prompt, copy.deepcopy(cache), rec)
+    assert all(c[4] is None for c in rec.calls)
+    assert torch.equal(off, _generate(llama, prompt, copy.deepcopy(cache), DensePolicy()))
+    assert len(rec.calls) == 4 * llama.config.num_hidden_layers
+
+
+# --- baselines under the same loop -----------------------------------------------------------
+
+BASELINES = {"mean": (mean_score_select, {}), "mean-logits": (mean_score_select, dict(scores="logits")),
+             "sample": (sample_attention_select, dict(n_q=3)), "sparq": (sparq_select, dict(r=4)), "loki": (loki_select, dict(r=4))}
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_baseline_policies(llama, name):
+    fn, opts = BASELINES[name]
+    ids = _ids(2, 21, 7)
+    dense = _dense_last(llama, ids, 5)
+    assert_close(chunked_prefill(llama, ids, 5, BaselinePolicy(fn, 21, **opts))[1], dense, **ATOL)
+    rec = _recording(BaselinePolicy)(fn, 6, **opts)
+    _, last = chunked_prefill(llama, ids, 5, rec)
+    selecting = [c for c in rec.calls if c[4] is not None]
+    assert len(selecting) == 3 * llama.config.num_hidden_layers
+    for q, k, v, ctx, idx, out in selecting:
+        assert torch.equal(idx, fn(q, k[:, :, :ctx.past_len], 6, scale=ctx.scale, **opts))
+        assert_close(out, _brute_force(q, k, v, ctx, idx), **ATOL)
+    assert (last - dense).abs().max() > 1e-4
+    prompt = ids[:1, :12]
+    cache, _ = chunked_prefill(llama, prompt[:, :-1], 5, rec)
+    assert _generate(llama, prompt, cache, rec, 2).shape == (1, 14)
+
+
+def test_lessismore_policy():
+    model = load_model("tiny-llama", num_layers=3)[0]
+    ids = _ids(1, 21, 8)
+    dense = _dense_last(model, ids, 5)
+    assert_close(chunked_prefill(model, ids, 5, LessIsMorePolicy(LessIsMoreSelector(21, (1,))))[1], dense, **ATOL)
+    rec = _recording(LessIsMorePolicy)(LessIsMoreSelector(8, (1,), recent_ratio=0.25))
+    _, last = chunked_prefill(model, ids, 5, rec)
+    by_chunk = {}
+    for c in rec.calls: by_chunk.setdefault(c[3].chunk_index, {})[c[3].layer_idx] = c
+    for chunk, layers in by_chunk.items():
+        assert layers[0][4] is None and layers[1][4] is None  # below and at the selection layer: dense
+        q, k = layers[1][0], layers[1][1]
+        T = layers[2][3].past_len
+        if T <= 8: assert layers[2][4] is None
+        else: assert torch.equal(layers[2][4], lessismore_select(q, k[:, :, :T], 8, 0.25))  # layer 2 reuses layer 1's pick
+    assert (last - dense).abs().max() > 1e-4
+
+
+# --- last_chunk_logits and input checks ------------------------------------------------------
+
+def test_last_chunk_logits(llama):
+    ids = _ids(2, 17, 9)
+    with torch.no_grad(): full = llama(ids).logits
+    assert_close(last_chunk_logits(llama, ids, 5), full[:, 15:], **ATOL)
+    assert_close(last_chunk_logits(llama, ids, 32), full, **ATOL)
+    assert_close(last_chunk_logits(llama, ids[:, :16], 5), full[:, 15:16], **ATOL)  # a one-token last chunk
+    policy = QuokaPolicy(3, 6)
+    assert_close(last_chunk_logits(llama, ids, 5, policy)[:, -1], chunked_prefill(llama, ids, 5, policy)[1], **ATOL)
+    with pytest.raises(ValueError, match="chunk_size"): last_chunk_logits(llama, ids, 0)
+    with pytest.raises(ValueError, match="input_ids"): last_chunk_logits(llama, ids.float(), 5)
+
+
+def test_bad_arguments():
+    for kw, match in [(dict(n_q=0), "n_q"), (dict(budget=0), "budget"), (dict(budget=1.5), "budget"),
+                      (dict(query_select="x"), "query_select"), (dict(query_agg="x"), "query_agg"),
+                      (dict(sinks=-1), "sinks"), (dict(recent=1.0), "recent")]:
+        with pytest.raises(ValueError, match=match): QuokaPolicy(**kw)
+    with pytest.raises(TypeError, match="budget"): QuokaPolicy(budget="all")
+    with pytest.raises(TypeError, match="decode"): QuokaPolicy(decode=1)
+    with pytest.raises(ValueError, match="kind"): QuokaPolicy().earlier_indices(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 5, 4), "x")
+    with pytest.raises(ValueError, match="one query"):
+        QuokaPolicy(budget=2, sinks=1).earlier_indices(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 5, 4), "decode")
+    with pytest.raises(ValueError, match="one query"):
+        QuokaPolicy(budget=2).earlier_indices(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 5, 4), "decode")
+    with pytest.raises(TypeError, match="select_fn"): BaselinePolicy(None)
+    with pytest.raises(TypeError, match="budget"): BaselinePolicy(lambda q, k: None)
+    with pytest.raises(TypeError, match="decode"): BaselinePolicy(mean_score_select, decode="yes")
+    with pytest.raises(TypeError, match="selector"): LessIsMorePolicy(mean_score_select)
