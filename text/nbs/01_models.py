@@ -654,7 +654,6 @@ with tempfile.TemporaryDirectory() as d:  # a local folder loads like a hub id
     test_eq((m2.dtype, type(m2).__name__, len(t2)), (torch.bfloat16, "Qwen3ForCausalLM", 259))
     torch.testing.assert_close(m2.lm_head.weight, m1.lm_head.weight.bfloat16(), rtol=0, atol=0)
 
-
 # %% [markdown]
 # ## Costs on this machine
 #

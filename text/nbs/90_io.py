@@ -78,6 +78,7 @@ def cache_dir() -> Path:
     if env := os.environ.get("SPARSEKV_CACHE"): return Path(env).expanduser()
     return Path(platformdirs.user_cache_dir("sparsekv"))
 
+
 # %% [markdown]
 # A check that an interrupted write leaves the old content in place and no temporary file:
 

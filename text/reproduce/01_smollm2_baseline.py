@@ -37,6 +37,7 @@ from sparsekv.eval import perplexity
 from sparsekv.io import write_csv, write_text
 from sparsekv.models import convert_gguf_to_hf, load_model, model_info, smollm2_gguf_path
 
+
 # %%
 def seconds(f) -> float:
     "Wall time of one call of `f`."
@@ -51,6 +52,7 @@ load_s = seconds(load_model)
 model, tok = load_model()
 info = model_info(model)
 print(f"conversion {convert_s:.1f} s, later load {load_s:.1f} s; {info}")
+
 
 # %%
 def prefill_seconds(S: int) -> float:
