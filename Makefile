@@ -91,4 +91,5 @@ sync: $(STAMP)
 # Fails when the committed library differs from what the notebooks export.
 check-export: $(STAMP)
 	$(BIN)/nbdev-export
-	git diff --exit-code -- sparsekv
+	git diff --exit-code --stat -- sparsekv nbs/llms.txt || { echo "sparsekv/ is out of step with nbs/: run nbdev-export and commit"; exit 1; }
+	test -z "$$(git status --porcelain -- sparsekv)" || { git status --short -- sparsekv; echo "nbdev-export made files that are not committed"; exit 1; }
