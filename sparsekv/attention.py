@@ -1,6 +1,4 @@
-"""Dense reference attention that returns the log-sum-exp normalizer, the GQA layout,
-masks, a memory-bounded chunked variant, the merge of partial results over key blocks,
-and FlexAttention/SDPA backends that agree with the reference.
+"""Dense reference attention that returns the log-sum-exp normalizer, the GQA layout, masks, a memory-bounded chunked variant, the merge of partial results over key blocks, and FlexAttention/SDPA backends that agree with the reference.
 
 Docs: https://sparsekv.github.io/sparsekv/attention.html.md"""
 

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import yaml
@@ -22,8 +23,8 @@ from .io import write_text
 
 # %% auto #0
 __all__ = ['SKIP_FLAGS', 'PROFILE_PREFERENCE', 'SPHINX_CONF', 'project_root', 'library_digest', 'execute_notebook',
-           'reproduce_notebooks', 'myst_cells', 'process_notebook', 'toctree', 'page_name', 'build_docs', 'readme_text',
-           'write_readme', 'main']
+           'reproduce_notebooks', 'myst_cells', 'needs_context', 'exec_show_docs_in_isolation', 'docs_processors',
+           'process_notebook', 'toctree', 'page_name', 'build_docs', 'readme_text', 'write_readme', 'main']
 
 # %% ../nbs/92_docs.ipynb #3b79e87a
 SKIP_FLAGS = ("notest", "slow", "gpu")
@@ -123,6 +124,32 @@ def myst_cells(nb):
     return nb
 
 # %% ../nbs/92_docs.ipynb #35a27ce8
+import ast
+
+from nbdev.processors import exec_show_docs
+
+_SHOW_DIRECTIVES = {"export", "exports", "exporti", "exec_doc"}
+
+def _is_show_doc(t: ast.stmt) -> bool:
+    return isinstance(t, ast.Expr) and isinstance(t.value, ast.Call) and getattr(t.value.func, "id", None) == "show_doc"
+
+def needs_context(cell) -> bool:
+    "A non-exported code cell doing more than imports or `show_doc`: it only runs after the cells before it."
+    if cell.cell_type != "code" or cell.directives_.keys() & _SHOW_DIRECTIVES: return False
+    trees = cell.parsed_()
+    return bool(trees) and not all(isinstance(t, (ast.Import, ast.ImportFrom)) or _is_show_doc(t) for t in trees)
+
+class exec_show_docs_in_isolation(exec_show_docs):
+    "nbdev's `exec_show_docs`, skipping the cells that need the notebook's earlier state."
+    def __call__(self, cell):
+        if not needs_context(cell): super().__call__(cell)
+
+# %% ../nbs/92_docs.ipynb #9809ba5d
+def docs_processors(procs) -> list:
+    "nbdev's docs processors, keeping exported code visible and executing only what `show_doc` needs."
+    swap = {exec_show_docs: exec_show_docs_in_isolation}
+    return [swap.get(p, p) for p in procs if p.__name__ != "rm_export"]
+
 def process_notebook(src: Path, dest: Path, root: Path) -> Path:
     "Run nbdev's docs processors on notebook `src` and write the MyST-NB-ready page to `dest`."
     import nbformat
@@ -133,8 +160,10 @@ def process_notebook(src: Path, dest: Path, root: Path) -> Path:
     try:
         nb = read_nb(src)
         procs = FilterDefaults()
-        procs.base_procs = lambda: [p for p in FilterDefaults.base_procs(procs) if p.__name__ != "rm_export"]
-        procs(nb)
+        procs.base_procs = lambda: docs_processors(FilterDefaults.base_procs(procs))
+        with warnings.catch_warnings():  # the mixed-cell warning concerns cells we no longer re-run
+            warnings.filterwarnings("ignore", message="Found cells containing imports")
+            procs(nb)
     finally:
         os.chdir(cwd)
     nb = nbformat.reads(nb2str(nb), as_version=4)

@@ -1,6 +1,4 @@
-"""The teacher's keep/drop decision for the newly eligible token, the boundary token it is
-compared against, the boundary-aware pairwise loss (Eq. 5–7) and its optional weights
-(Eq. 22–25).
+"""The teacher's keep/drop decision for the newly eligible token, the boundary token it is compared against, the boundary-aware pairwise loss (Eq. 5–7) and its optional weights (Eq. 22–25).
 
 Docs: https://sparsekv.github.io/sparsekv/kvpop_loss.html.md"""
 

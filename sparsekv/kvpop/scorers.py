@@ -1,5 +1,4 @@
-"""Headwise stateless scorers (linear, two-layer SiLU MLP) and the stateful mLSTM scorer with
-Hedgehog features and delayed readout (§3.3, Eq. 10–11, 35–42), in parallel and recurrent form.
+"""Headwise stateless scorers (linear, two-layer SiLU MLP) and the stateful mLSTM scorer with Hedgehog features and delayed readout (§3.3, Eq. 10–11, 35–42), in parallel and recurrent form.
 
 Docs: https://sparsekv.github.io/sparsekv/kvpop_scorers.html.md"""
 

@@ -1,9 +1,7 @@
 # %% [markdown]
 # # Attention and its log-sum-exp
 #
-# > Dense reference attention that returns the log-sum-exp normalizer, the GQA layout,
-# > masks, a memory-bounded chunked variant, the merge of partial results over key blocks,
-# > and FlexAttention/SDPA backends that agree with the reference.
+# > Dense reference attention that returns the log-sum-exp normalizer, the GQA layout, masks, a memory-bounded chunked variant, the merge of partial results over key blocks, and FlexAttention/SDPA backends that agree with the reference.
 
 # %%
 #| default_exp attention

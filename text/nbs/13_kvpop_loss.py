@@ -1,9 +1,7 @@
 # %% [markdown]
 # # KVpop: teacher boundary and retention loss
 #
-# > The teacher's keep/drop decision for the newly eligible token, the boundary token it is
-# > compared against, the boundary-aware pairwise loss (Eq. 5–7) and its optional weights
-# > (Eq. 22–25).
+# > The teacher's keep/drop decision for the newly eligible token, the boundary token it is compared against, the boundary-aware pairwise loss (Eq. 5–7) and its optional weights (Eq. 22–25).
 
 # %%
 #| default_exp kvpop.loss

@@ -1,8 +1,7 @@
 # %% [markdown]
 # # KVpop: online importance scorers
 #
-# > Headwise stateless scorers (linear, two-layer SiLU MLP) and the stateful mLSTM scorer with
-# > Hedgehog features and delayed readout (§3.3, Eq. 10–11, 35–42), in parallel and recurrent form.
+# > Headwise stateless scorers (linear, two-layer SiLU MLP) and the stateful mLSTM scorer with Hedgehog features and delayed readout (§3.3, Eq. 10–11, 35–42), in parallel and recurrent form.
 
 # %%
 #| default_exp kvpop.scorers

@@ -41,6 +41,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import yaml
@@ -158,8 +159,41 @@ def myst_cells(nb):
     return nb
 
 
+# %% [markdown]
+# nbdev's `exec_show_docs` re-runs every cell that *contains* an import, to define the names
+# `show_doc` documents. A check cell that imports something and then uses variables of earlier
+# cells fails when run alone. The notebooks were already executed in full in step 1, so we
+# re-run only what `show_doc` needs: exported cells, pure import cells and `show_doc` calls.
+
 # %%
 #| export
+import ast
+
+from nbdev.processors import exec_show_docs
+
+_SHOW_DIRECTIVES = {"export", "exports", "exporti", "exec_doc"}
+
+def _is_show_doc(t: ast.stmt) -> bool:
+    return isinstance(t, ast.Expr) and isinstance(t.value, ast.Call) and getattr(t.value.func, "id", None) == "show_doc"
+
+def needs_context(cell) -> bool:
+    "A non-exported code cell doing more than imports or `show_doc`: it only runs after the cells before it."
+    if cell.cell_type != "code" or cell.directives_.keys() & _SHOW_DIRECTIVES: return False
+    trees = cell.parsed_()
+    return bool(trees) and not all(isinstance(t, (ast.Import, ast.ImportFrom)) or _is_show_doc(t) for t in trees)
+
+class exec_show_docs_in_isolation(exec_show_docs):
+    "nbdev's `exec_show_docs`, skipping the cells that need the notebook's earlier state."
+    def __call__(self, cell):
+        if not needs_context(cell): super().__call__(cell)
+
+# %%
+#| export
+def docs_processors(procs) -> list:
+    "nbdev's docs processors, keeping exported code visible and executing only what `show_doc` needs."
+    swap = {exec_show_docs: exec_show_docs_in_isolation}
+    return [swap.get(p, p) for p in procs if p.__name__ != "rm_export"]
+
 def process_notebook(src: Path, dest: Path, root: Path) -> Path:
     "Run nbdev's docs processors on notebook `src` and write the MyST-NB-ready page to `dest`."
     import nbformat
@@ -170,8 +204,10 @@ def process_notebook(src: Path, dest: Path, root: Path) -> Path:
     try:
         nb = read_nb(src)
         procs = FilterDefaults()
-        procs.base_procs = lambda: [p for p in FilterDefaults.base_procs(procs) if p.__name__ != "rm_export"]
-        procs(nb)
+        procs.base_procs = lambda: docs_processors(FilterDefaults.base_procs(procs))
+        with warnings.catch_warnings():  # the mixed-cell warning concerns cells we no longer re-run
+            warnings.filterwarnings("ignore", message="Found cells containing imports")
+            procs(nb)
     finally:
         os.chdir(cwd)
     nb = nbformat.reads(nb2str(nb), as_version=4)
@@ -310,6 +346,17 @@ myst_cells(nb)
 test_eq(nb.cells[0].source, "# T\n\n> D")
 test_eq((nb.cells[1].source, nb.cells[1].metadata.tags), ("show_doc(f)", ["remove-input"]))
 test_eq([c.source for c in nb.cells[2:]], ["y = 2"])
+
+# %%
+from fastcore.nbio import mk_cell, new_nb
+from nbdev.process import NBProcessor
+
+def _cell(src):
+    return NBProcessor(nb=new_nb([mk_cell(src)])).nb.cells[0]
+
+test_eq([needs_context(_cell(s)) for s in ["import torch", "show_doc(f)", "#| export\nimport os\nx = 1",
+                                           "import torch\nassert x == 1", "y = f(x)"]],
+        [False, False, False, True, True])
 
 # %%
 # The committed README is what the index notebook generates.
