@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from .io import atomic_path, write_json, write_text
 
 # %% auto #0
-__all__ = ['PROFILES', 'Stage', 'find_pipeline', 'load_stages', 'run_params', 'fingerprint', 'stale_reason',
+__all__ = ['PROFILES', 'Stage', 'find_pipeline', 'load_stages', 'run_params', 'fingerprint', 'input_hashes', 'stale_reason',
            'tag_parameters_cell', 'StageFailed', 'run_stage', 'write_summary', 'run_pipeline', 'main']
 
 # %% ../nbs/91_reproduce.ipynb #7bdba193
@@ -82,17 +82,19 @@ def fingerprint(params: dict) -> str:
     "A short hash of `params`, stable across runs."
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+def input_hashes(stage: Stage) -> dict[str, str]:
+    "Content hash of each input of `stage`, by path."
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in stage.inputs}
+
 def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str | None:
-    "Why `stage` must run, or None when its outputs are up to date."
-    products = [executed, *stage.outputs]
-    missing = [p for p in products if not p.exists()]
+    "Why `stage` must run, or None when its outputs were made from the current parameters and inputs."
+    missing = [p for p in (executed, *stage.outputs) if not p.exists()]
     if missing: return f"missing {missing[0].name}"
-    if not stamp.exists() or json.loads(stamp.read_text()).get("fingerprint") != fingerprint(params):
-        return "parameters changed"
-    newest_input = max(p.stat().st_mtime for p in stage.inputs)
-    oldest_output = min(p.stat().st_mtime for p in products)
-    if newest_input > oldest_output: return "inputs newer than outputs"
-    return None
+    made = json.loads(stamp.read_text()) if stamp.exists() else {}
+    if made.get("fingerprint") != fingerprint(params): return "parameters changed"
+    old = made.get("inputs", {})
+    changed = [Path(p).name for p, h in input_hashes(stage).items() if old.get(p) != h]
+    return f"input changed: {changed[0]}" if changed else None
 
 # %% ../nbs/91_reproduce.ipynb #106c9ed0
 _re_params = re.compile(r"^\s*#\|\s*parameters\s*$", re.MULTILINE)
@@ -143,7 +145,8 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
         os.replace(partial, failed)
         raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
     os.replace(partial, executed)
-    write_json(out_dir/".stamps"/f"{stage.name}.json", {"fingerprint": fingerprint(params), "params": params})
+    write_json(out_dir/".stamps"/f"{stage.name}.json",
+               {"fingerprint": fingerprint(params), "params": params, "inputs": input_hashes(stage)})
     return time.time() - start
 
 # %% ../nbs/91_reproduce.ipynb #c343f825

@@ -23,8 +23,8 @@
 # (`figures/<profile>/`) and `out_dir` (`reproduce/runs/<profile>/`), as absolute paths;
 # it runs with `reproduce/` as working directory, as it does when opened in JupyterLab.
 #
-# A stage is **skipped** when all its outputs and its executed notebook exist, are newer
-# than its inputs, and were made with the same parameters; `--force` reruns it. Executed
+# A stage is **skipped** when all its outputs and its executed notebook exist and were made
+# from the same parameters and the same content of its inputs; `--force` reruns it. Executed
 # notebooks are written to a temporary file and renamed when the stage succeeds; a failing
 # stage stops the run and its executed notebook is kept as `<stage>.failed.ipynb` for
 # inspection. Each stage may write a Markdown fragment `out_dir/<stage>.md`; the runner
@@ -102,9 +102,12 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
 # %% [markdown]
 # ## Staleness
 #
-# A stage's fingerprint is the hash of its parameters (including the injected paths); it is
-# stored beside the executed notebook. The stage is up to date when the fingerprint matches
-# and the oldest output is newer than the newest input.
+# A stage is up to date when its outputs exist and were made from the current parameters and
+# the current *content* of its inputs. Modification times would not do: `nbdev-export`
+# rewrites every module of the library (so `make reproduce`, which exports first, would
+# rerun everything), and a fresh `git clone` gives every file a new time. So each run stores
+# a stamp beside its executed notebook with the hash of its parameters and of each input
+# file; an edited input or a new parameter makes the stage stale, and the reason names it.
 
 # %%
 #| export
@@ -117,18 +120,19 @@ def fingerprint(params: dict) -> str:
     "A short hash of `params`, stable across runs."
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str | None:
-    "Why `stage` must run, or None when its outputs are up to date."
-    products = [executed, *stage.outputs]
-    missing = [p for p in products if not p.exists()]
-    if missing: return f"missing {missing[0].name}"
-    if not stamp.exists() or json.loads(stamp.read_text()).get("fingerprint") != fingerprint(params):
-        return "parameters changed"
-    newest_input = max(p.stat().st_mtime for p in stage.inputs)
-    oldest_output = min(p.stat().st_mtime for p in products)
-    if newest_input > oldest_output: return "inputs newer than outputs"
-    return None
+def input_hashes(stage: Stage) -> dict[str, str]:
+    "Content hash of each input of `stage`, by path."
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in stage.inputs}
 
+def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str | None:
+    "Why `stage` must run, or None when its outputs were made from the current parameters and inputs."
+    missing = [p for p in (executed, *stage.outputs) if not p.exists()]
+    if missing: return f"missing {missing[0].name}"
+    made = json.loads(stamp.read_text()) if stamp.exists() else {}
+    if made.get("fingerprint") != fingerprint(params): return "parameters changed"
+    old = made.get("inputs", {})
+    changed = [Path(p).name for p, h in input_hashes(stage).items() if old.get(p) != h]
+    return f"input changed: {changed[0]}" if changed else None
 
 # %% [markdown]
 # ## Running one stage
@@ -188,7 +192,8 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
         os.replace(partial, failed)
         raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
     os.replace(partial, executed)
-    write_json(out_dir/".stamps"/f"{stage.name}.json", {"fingerprint": fingerprint(params), "params": params})
+    write_json(out_dir/".stamps"/f"{stage.name}.json",
+               {"fingerprint": fingerprint(params), "params": params, "inputs": input_hashes(stage)})
     return time.time() - start
 
 
@@ -329,9 +334,15 @@ with tempfile.TemporaryDirectory() as d:
     test_eq(set(run_pipeline("quick", pipeline=pipe, progress=False).values()), {"up to date (skipped)"})
     st = run_pipeline("quick", only="a", force=True, pipeline=pipe, progress=False)
     test_eq(list(st), ["a"])
-    # an input newer than the outputs, or new parameters, make a stage stale again
-    earlier = time.time() - 100
-    os.utime(d/"figures"/"quick"/"a.txt", (earlier, earlier))
+    # touching an input changes nothing; editing it, or new parameters, make a stage stale again
+    os.utime(d/"reproduce"/"a.ipynb")
+    test_eq(set(run_pipeline("quick", pipeline=pipe, progress=False).values()), {"up to date (skipped)"})
+    nb = nbformat.read(d/"reproduce"/"a.ipynb", as_version=4)
+    nb.cells.append(new_code_cell("# an edit"))
+    nbformat.write(nb, d/"reproduce"/"a.ipynb")
+    test_eq(stale_reason(load_stages(pipe, "quick")[0], d/"reproduce"/"runs"/"quick"/"a.ipynb",
+                         d/"reproduce"/"runs"/"quick"/".stamps"/"a.json",
+                         run_params(load_stages(pipe, "quick")[0], d, "quick")), "input changed: a.ipynb")
     st = run_pipeline("quick", pipeline=pipe, progress=False)
     assert st["a"].startswith("ran") and st["b"] == "up to date (skipped)", st
     pipe.write_text(pipe.read_text().replace("quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n    outputs: []",
