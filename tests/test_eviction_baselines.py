@@ -4,7 +4,7 @@ import torch
 from torch.testing import assert_close
 from transformers import DynamicCache
 
-from sparsekv.baselines.eviction import (EVICTION_BASELINES, AttentionScorePolicy, attention_probs, eviction_baseline,
+from sparsekv.baselines.eviction import (EVICTION_BASELINES, attention_probs, eviction_baseline,
                                          reduce_heads)
 from sparsekv.hf import EvictingCache, MaskPolicy, chunked_prefill, patch
 from sparsekv.models import load_model

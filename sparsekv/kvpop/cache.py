@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..hf import DensePolicy, EvictingCache, EvictingLayer, MaskPolicy, SinkWindowRule, TopScoreRule, dense_attention
-from .cutoff import LogDecay, check_budget, static_priority, topk_cutoff
+from .cutoff import LogDecay, check_budget, topk_cutoff
 from .mask import kvpop_mask
 from .scorers import MLPScorer, MLSTMScorer
 

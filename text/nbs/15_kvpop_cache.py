@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from sparsekv.hf import DensePolicy, EvictingCache, EvictingLayer, MaskPolicy, SinkWindowRule, TopScoreRule, dense_attention
-from sparsekv.kvpop.cutoff import LogDecay, check_budget, static_priority, topk_cutoff
+from sparsekv.kvpop.cutoff import LogDecay, check_budget, topk_cutoff
 from sparsekv.kvpop.mask import kvpop_mask
 from sparsekv.kvpop.scorers import MLPScorer, MLSTMScorer
 
@@ -84,6 +84,9 @@ class KVpopScorers(nn.Module):
 # %% [markdown]
 # At positions $0..S-1$ `priority` is `static_priority` of the raw scores, for $n = 1$ and for age
 # buckets $n > 1$:
+
+# %%
+from sparsekv.kvpop.cutoff import static_priority
 
 # %%
 torch.manual_seed(0)
