@@ -1,0 +1,209 @@
+# %% [markdown]
+# # QuoKA latency: attention time per chunked-prefill chunk and time to first token
+#
+# > Figure 5 analogue on this CPU: dense SDPA over every earlier key vs QuoKA's selection plus SDPA over B_SA keys, and the baselines, with ratios from one run.
+
+# %% [markdown]
+# One chunk of chunked prefill: $B_{CP} = 128$ queries attend to the $T$ cached keys of earlier
+# chunks and causally to their own 128 keys. We time the attention module's work for that chunk
+# on random (seeded) tensors with the head shapes of SmolLM2-135M (9 query / 3 KV heads,
+# $d = 64$) and Qwen3-4B (32 / 8, $d = 128$), in float32 and bfloat16:
+#
+# - **dense**: `sparsekv.hf.dense_attention` over all $T + 128$ keys (what dense chunked
+#   prefill computes);
+# - **QuoKA**: `quoka_select` ($N_Q = 16$, $B_{SA} = 1024$), append the chunk's own keys,
+#   `attend_selected` (gather, then SDPA over $B_{SA} + 128$ keys), exactly what `QuokaPolicy`
+#   does; the *selection* part (`quoka_select`) is timed inside the same call for the overhead share;
+# - the baselines under the same gather + SDPA: mean-of-scores (softmax scores of all 128
+#   queries), SampleAttention (16 sampled queries), Loki (scores in the top-$d/2$ principal
+#   subspace, basis precomputed outside the timing as the paper does offline), SparQ.
+#
+# Each time is the best of `repeats` calls (`time.perf_counter`), with one thread and with the
+# default thread count; ratios are taken within one run, and a method's selection share is
+# measured inside the same call as its total. Then end-to-end time to first token on
+# SmolLM2: `chunked_prefill` with the dense policy vs `QuokaPolicy`.
+
+# %%
+#| parameters
+profile = "quick"
+fig_dir = "../figures/quick"
+out_dir = "runs/quick"
+contexts = [2048, 4096]  # T, cached keys before the chunk
+chunk_size = 128  # B_CP
+budget = 1024  # B_SA
+n_q = 16  # N_Q
+dtypes = ["float32", "bfloat16"]
+shapes = {"SmolLM2-135M": [9, 3, 64], "Qwen3-4B": [32, 8, 128]}  # query heads, KV heads, head dim
+threads = [1]  # thread counts to time, 0 for the default count
+repeats = 3
+methods = ["dense", "quoka", "mean_scores", "sample_attention", "loki", "sparq"]
+ttft_tokens = 512
+ttft_budget = 128  # B_SA of the end-to-end run (quick: below the context so that QuoKA selects at all)
+ttft_repeats = 2  # alternating dense / QuoKA runs, best of each
+seed = 0
+
+# %%
+import time
+from functools import partial
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+from sparsekv.baselines.selection import loki_basis, loki_select, mean_score_select, sample_attention_select, sparq_select
+from sparsekv.data import token_stream
+from sparsekv.hf import DensePolicy, add_chunk_keys, attend_selected, chunked_prefill, dense_attention
+from sparsekv.io import save_figure, use_style, write_csv, write_text
+from sparsekv.models import load_model
+from sparsekv.quoka import quoka_select
+from sparsekv.quoka_policy import QuokaPolicy
+
+use_style()
+default_threads = torch.get_num_threads()
+thread_counts = sorted({t or default_threads for t in threads})
+print(f"default threads: {default_threads}; timed with {thread_counts}")
+
+
+# %%
+def sparse_chunk_attention(select, q, k, v):
+    "One chunk as the policy computes it (select earlier keys, add the chunk's own, gather + SDPA): (output, selection seconds, total seconds)."
+    T, S = k.shape[2] - q.shape[2], q.shape[2]
+    t0 = time.perf_counter()
+    idx = select(q, k[:, :, :T])
+    t1 = time.perf_counter()
+    out = attend_selected(q, k, v, add_chunk_keys(idx, k.shape[2], S))
+    return out, t1 - t0, time.perf_counter() - t0
+
+
+def dense_chunk_attention(q, k, v):
+    "One chunk of dense chunked prefill (SDPA over all T + S keys): (output, 0, total seconds)."
+    t0 = time.perf_counter()
+    out = dense_attention(q, k, v)
+    return out, 0.0, time.perf_counter() - t0
+
+
+def best_split(f, repeats: int) -> tuple[float, float]:
+    "(selection, total) seconds of the fastest of `repeats` calls of `f` after one warm-up: both parts from the same call."
+    f()
+    return min((f()[1:] for _ in range(repeats)), key=lambda st: st[1])
+
+
+def chunk_tensors(Hq: int, Hkv: int, D: int, T: int, S: int, dtype: torch.dtype, seed: int):
+    "Random q [1,Hq,S,D] and k, v [1,Hkv,T+S,D] (the chunk's own keys last), seeded."
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, Hq, S, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, Hkv, T + S, D, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def selectors(k_cache: torch.Tensor) -> dict:
+    "Each method's selection of earlier keys, q_chunk, k_cache -> [B,Hkv,B_SA] (Loki's basis precomputed here, outside the timing)."
+    basis = loki_basis(k_cache)
+    return {"quoka": partial(quoka_select, n_q=n_q, budget=budget),
+            "mean_scores": partial(mean_score_select, budget=budget),
+            "sample_attention": partial(sample_attention_select, budget=budget, n_q=n_q),
+            "loki": partial(loki_select, budget=budget, basis=basis),
+            "sparq": partial(sparq_select, budget=budget)}
+
+
+# %%
+# a selection of every key reproduces dense attention, so the sparse path computes the same attention as the dense one
+_q, _k, _v = chunk_tensors(6, 2, 16, 200, 32, torch.float64, seed)
+torch.testing.assert_close(sparse_chunk_attention(lambda q, k: quoka_select(q, k, n_q=4, budget=10_000), _q, _k, _v)[0],
+                           dense_chunk_attention(_q, _k, _v)[0])
+
+
+# %%
+def time_config(model_name: str, Hq: int, Hkv: int, D: int, T: int, dtype_name: str, n_threads: int) -> list[dict]:
+    "Rows (one per method) of the best total time of one chunk of this configuration and the selection time within it."
+    torch.set_num_threads(n_threads)
+    q, k, v = chunk_tensors(Hq, Hkv, D, T, chunk_size, getattr(torch, dtype_name), seed)
+    sel = selectors(k[:, :, :T])
+    base = {"model": model_name, "heads": f"{Hq}/{Hkv}x{D}", "T": T, "dtype": dtype_name, "threads": n_threads}
+    rows = []
+    for m in methods:
+        f = partial(dense_chunk_attention, q, k, v) if m == "dense" else partial(sparse_chunk_attention, sel[m], q, k, v)
+        selection_s, total_s = best_split(f, repeats)
+        rows.append({**base, "method": m, "seconds": total_s, "selection_seconds": selection_s})
+    return rows
+
+
+rows = []
+for n_threads in thread_counts:
+    for dtype_name in dtypes:
+        for model_name, (Hq, Hkv, D) in shapes.items():
+            for T in contexts:
+                rows += time_config(model_name, Hq, Hkv, D, T, dtype_name, n_threads)
+torch.set_num_threads(default_threads)
+times = pd.DataFrame(rows)
+times["selection_share"] = times.selection_seconds / times.seconds
+keys = ["model", "heads", "T", "dtype", "threads"]
+dense_s = times[times.method == "dense"].set_index(keys).seconds
+times["speedup_vs_dense"] = dense_s.loc[times.set_index(keys).index].to_numpy() / times.seconds
+write_csv(Path(fig_dir)/"quoka_latency_chunk.csv", times)
+wide = times.pivot_table(index=keys, columns="method", values="seconds")
+share = times[times.method == "quoka"].set_index(keys).selection_share
+ratios = pd.DataFrame({"dense_over_quoka": wide.dense / wide.quoka, "selection_share": share.loc[wide.index],
+                       **{f"dense_over_{m}": wide.dense / wide[m] for m in methods if m not in ("dense", "quoka")}}).reset_index()
+write_csv(Path(fig_dir)/"quoka_latency_ratios.csv", ratios)
+ratios
+
+# %%
+panels = list(times.groupby(["model", "dtype"]))
+fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.4), squeeze=False, sharey=True)
+best_threads = default_threads if default_threads in thread_counts else thread_counts[-1]
+for ax, ((model_name, dtype_name), g) in zip(axes[0], panels):
+    g = g[(g.threads == best_threads) & (g.method != "dense")]
+    for m, gm in g.groupby("method", sort=False):
+        ax.plot(gm["T"], gm.speedup_vs_dense, marker="o", label=m, lw=2.5 if m == "quoka" else 1.2)
+    ax.axhline(1, color="grey", lw=0.8, ls="--")
+    ax.set(xscale="log", yscale="log", xlabel="cached keys T", title=f"{model_name}, {dtype_name}")
+    ax.set_xticks(contexts, [f"{t // 1024}k" for t in contexts])
+axes[0, 0].set_ylabel("attention speed-up over dense")
+axes[0, -1].legend(fontsize=7)
+fig.suptitle(f"One chunk of {chunk_size} queries, B_SA = {budget}, N_Q = {n_q}, {best_threads} thread(s)", fontsize=10)
+fig.tight_layout()
+save_figure(fig, Path(fig_dir)/"quoka_latency_speedup.png", data=times)
+
+# %% [markdown]
+# ## End-to-end time to first token on SmolLM2
+
+# %%
+model, tok = load_model()
+ids = token_stream(tok)[:ttft_tokens][None]
+policies = {"dense": DensePolicy(), "quoka": QuokaPolicy(n_q=n_q, budget=ttft_budget)}
+chunked_prefill(model, ids[:, :2 * chunk_size], chunk_size, policies["quoka"])  # warm-up, so that neither timing pays first-call costs
+ttft = {name: float("inf") for name in policies}
+for _ in range(ttft_repeats):
+    for name, pol in policies.items():
+        t0 = time.perf_counter()
+        _, logits = chunked_prefill(model, ids, chunk_size, pol)
+        ttft[name] = min(ttft[name], time.perf_counter() - t0)
+        print(f"{name}: {time.perf_counter() - t0:.2f} s, first token {tok.decode(logits.argmax(-1))!r}")
+ttft_df = pd.DataFrame([{"tokens": ttft_tokens, "chunk_size": chunk_size, "budget": ttft_budget, "n_q": n_q,
+                         "threads": torch.get_num_threads(), "method": m, "seconds": s} for m, s in ttft.items()])
+write_csv(Path(fig_dir)/"quoka_latency_ttft.csv", ttft_df)
+ttft_df
+
+
+# %%
+def ratio_table(r: pd.DataFrame) -> str:
+    "Markdown table of the dense/method ratios and QuoKA's selection share."
+    cols = ["model", "dtype", "threads", "T", "dense_over_quoka", "selection_share",
+            *[c for c in r.columns if c.startswith("dense_over_") and c != "dense_over_quoka"]]
+    return r[cols].sort_values(["model", "dtype", "threads", "T"]).round(2).to_markdown(index=False)
+
+top = ratios[ratios["T"] == max(contexts)]
+lines = [f"Attention time of one chunked-prefill chunk (B_CP = {chunk_size} queries, T cached keys), dense SDPA over all "
+         f"T + {chunk_size} keys vs selection of B_SA = {budget} keys + SDPA over B_SA + {chunk_size} (QuoKA N_Q = {n_q}); "
+         f"best of {repeats}, random tensors, threads {thread_counts} (default {default_threads}). Ratios dense/method "
+         "(> 1: faster than dense) and QuoKA's selection share of its own time:", "", ratio_table(ratios), "",
+         f"At T = {max(contexts)}: dense/QuoKA from {top.dense_over_quoka.min():.1f}x to {top.dense_over_quoka.max():.1f}x, "
+         f"selection share from {top.selection_share.min():.0%} to {top.selection_share.max():.0%} "
+         "(goals: >= 5x at 32k, share <= 20%).", "",
+         f"End-to-end chunked prefill (best of {ttft_repeats}) of {ttft_tokens} prose tokens on SmolLM2-135M (float32, {torch.get_num_threads()} threads, "
+         f"B_CP = {chunk_size}): dense {ttft['dense']:.2f} s, QuoKA (B_SA = {ttft_budget}, N_Q = {n_q}) {ttft['quoka']:.2f} s, "
+         f"ratio {ttft['dense'] / ttft['quoka']:.2f}x.", ""]
+write_text(Path(out_dir)/"quoka_latency.md", "\n".join(lines))
+print("\n".join(lines))
