@@ -82,7 +82,7 @@ export: $(STAMP)
 # Cleaning drops jupytext's cell metadata, so the text twins are re-synced afterwards.
 clean-nbs: $(STAMP)
 	$(BIN)/nbdev-clean
-	$(BIN)/nbdev-clean --fname reproduce --clear-all
+	for nb in reproduce/*.ipynb; do $(BIN)/nbdev-clean --fname "$$nb" --clear-all; done  # not the executed runs/
 	$(BIN)/jupytext --quiet --sync $(NOTEBOOKS)
 
 sync: $(STAMP)
