@@ -134,6 +134,7 @@ def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str
     changed = [Path(p).name for p, h in input_hashes(stage).items() if old.get(p) != h]
     return f"input changed: {changed[0]}" if changed else None
 
+
 # %% [markdown]
 # ## Running one stage
 #

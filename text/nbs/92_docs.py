@@ -187,6 +187,7 @@ class exec_show_docs_in_isolation(exec_show_docs):
     def __call__(self, cell):
         if not needs_context(cell): super().__call__(cell)
 
+
 # %%
 #| export
 def docs_processors(procs) -> list:
