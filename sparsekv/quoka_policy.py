@@ -13,14 +13,16 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from .attention import attention_reference, causal_mask
 from .baselines.selection import LessIsMoreSelector
-from .hf import AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill, patch
+from .hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
+                         heads_mask, patch)
 from .quoka import (QUERY_AGGS, QUERY_SELECT, all_key_indices, quoka_decode_select, quoka_scores, quoka_select,
                             resolve_budget, top_budget_indices)
 
 # %% auto #0
-__all__ = ['anchor_mask', 'anchored_top_indices', 'anchored_top_indices_reference', 'QuokaPolicy', 'BaselinePolicy',
-           'LessIsMorePolicy', 'last_chunk_logits']
+__all__ = ['anchor_mask', 'anchored_top_indices', 'anchored_top_indices_reference', 'QuokaPolicy', 'selected_attention_reference',
+           'BaselinePolicy', 'LessIsMorePolicy', 'last_chunk_logits']
 
 # %% ../nbs/22_quoka_prefill.ipynb #ce116763
 def _check_count(x, name: str) -> int:
@@ -102,6 +104,16 @@ class QuokaPolicy(SelectionPolicy):
     def __repr__(self):
         return (f"QuokaPolicy(n_q={self.n_q}, budget={self.budget}, query_select={self.query_select!r}, query_agg={self.query_agg!r}, "
                 f"sinks={self.sinks}, recent={self.recent}, decode={self.decode_sparse})")
+
+# %% ../nbs/22_quoka_prefill.ipynb #8c37a4a9
+def selected_attention_reference(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, earlier: Tensor) -> Tensor:
+    "Attention over the earlier keys `earlier` [B,Hkv,n] and the chunk's own keys (causally), by an explicit mask and `attention_reference`."
+    B, Hkv, Sk, _ = k.shape
+    Sq, T = q.shape[2], ctx.past_len
+    m = torch.zeros(B, Hkv, Sq, Sk, dtype=torch.bool)
+    m[..., :T] = torch.zeros(B, Hkv, T, dtype=torch.bool).scatter(2, earlier, True)[:, :, None]
+    m[..., T:] = causal_mask(Sq, Sq)
+    return attention_reference(q, k, v, heads_mask(m, q.shape[1]), ctx.scale)[0]
 
 # %% ../nbs/22_quoka_prefill.ipynb #85a3addb
 class BaselinePolicy(SelectionPolicy):

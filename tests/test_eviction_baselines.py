@@ -4,9 +4,9 @@ import torch
 from torch.testing import assert_close
 from transformers import DynamicCache
 
-from sparsekv.baselines.eviction import (EVICTION_BASELINES, attention_probs, eviction_baseline,
+from sparsekv.baselines.eviction import (EVICTION_BASELINES, attention_probs, eviction_baseline, eviction_reference,
                                          reduce_heads)
-from sparsekv.hf import EvictingCache, MaskPolicy, chunked_prefill, patch
+from sparsekv.hf import EvictingCache, chunked_prefill, patch
 from sparsekv.models import load_model
 
 
@@ -17,52 +17,6 @@ def model():
 
 def ids_of(model, S, seed=0):
     return torch.randint(3, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(seed))
-
-
-class RowsPolicy(MaskPolicy):
-    "Row q of layer l, KV head h sees the positions rows[l][h][q]; records the last row's probabilities per layer."
-    def __init__(self, rows): self.rows, self.probs = rows, {}
-
-    def mask(self, q, k, v, ctx):
-        S, rows = k.shape[2], self.rows[ctx.layer_idx]
-        m = torch.zeros(1, len(rows), S, S, dtype=torch.bool)
-        for h, per_row in enumerate(rows):
-            for r, seen in enumerate(per_row):
-                for t in seen: m[0, h, r, t] = True
-        logits = torch.einsum("jd,jsd->js", q[0, :, -1], k[0].repeat_interleave(q.shape[1] // k.shape[1], 0)) * ctx.scale
-        self.probs[ctx.layer_idx] = [torch.softmax(logits[j].masked_fill(~m[0, j // (q.shape[1] // k.shape[1]), -1], -torch.inf), -1)
-                                     for j in range(q.shape[1])]
-        return m
-
-
-def simulate(model, ids, kind, sink, window, k, heads):
-    "Per-step logits and final kept sets of StreamingLLM/TOVA/H2O by brute force: full forwards with explicit rows, Python top-k."
-    L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
-    Hq, S = model.config.num_attention_heads, ids.shape[1]
-    G = Hq // H
-    rows = [[[] for _ in range(H)] for _ in range(L)]
-    kept = [[set() for _ in range(H)] for _ in range(L)]
-    score = [[{} for _ in range(H)] for _ in range(L)]
-    logits = []
-    for p in range(S):
-        for l in range(L):
-            for h in range(H): rows[l][h].append(kept[l][h] | {p})
-        pol = RowsPolicy(rows)
-        with torch.no_grad(), patch(model, pol): logits.append(model(ids[:, :p + 1]).logits[:, -1])
-        for l in range(L):
-            for h in range(H):
-                group = range(h * G, (h + 1) * G) if heads == "group" else range(Hq)
-                for t in rows[l][h][p]:
-                    a = sum(pol.probs[l][j][t].item() for j in group) / len(group)
-                    score[l][h][t] = a + (score[l][h].get(t, 0.0) if kind == "h2o" else 0.0)
-                if kind == "streaming_llm":
-                    kept[l][h] = {t for t in rows[l][h][p] if t < sink or p + 1 - t < window + k}
-                    continue
-                fixed = {t for t in rows[l][h][p] if t < sink or p + 1 - t < window}
-                best = sorted((t for t in rows[l][h][p] if t not in fixed), key=lambda t: (-score[l][h][t], t))[:k]
-                kept[l][h] = fixed | set(best)
-                score[l][h] = {t: score[l][h][t] for t in kept[l][h]}
-    return torch.stack(logits, 1), kept
 
 
 def decode(model, ids, rule, policy):
@@ -82,7 +36,7 @@ def test_matches_brute_force(model, kind, heads, budget):
     s, w, k = budget
     ids = ids_of(model, 13)
     got, cache, most = decode(model, ids, *eviction_baseline(kind, s, w, k, heads))
-    want, kept = simulate(model, ids, kind, s, w, k, heads)
+    want, kept = eviction_reference(model, ids, kind, s, w, k, heads)
     assert_close(got, want)
     assert most == s + w + k - 1  # between steps: the next query fills the window's last slot
     for l, layer in enumerate(cache.layers):

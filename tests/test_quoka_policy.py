@@ -5,14 +5,14 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from sparsekv.attention import attention_reference, causal_mask
 from sparsekv.baselines.selection import (LessIsMoreSelector, lessismore_select, loki_select, mean_score_select,
                                           sample_attention_select, sparq_select)
-from sparsekv.hf import DensePolicy, chunked_prefill, heads_mask, patch
+from sparsekv.hf import DensePolicy, chunked_prefill, patch
 from sparsekv.models import load_model
 from sparsekv.quoka import quoka_scores_reference, quoka_select, quoka_select_reference, resolve_budget
 from sparsekv.quoka_policy import (BaselinePolicy, LessIsMorePolicy, QuokaPolicy, anchor_mask, anchored_top_indices,
-                                   anchored_top_indices_reference, last_chunk_logits)
+                                   anchored_top_indices_reference, last_chunk_logits,
+                                   selected_attention_reference)
 
 MODELS = {"llama": ("tiny-llama", {}), "qwen3": ("tiny-qwen3", {}), "llama-g1": ("tiny-llama", dict(num_kv_heads=4)),
           "llama-g4": ("tiny-llama", dict(num_kv_heads=1))}
@@ -48,16 +48,6 @@ def _recording(base):
     return Rec
 
 
-def _brute_force(q, k, v, ctx, earlier):
-    "attention_reference under an explicit mask: the earlier keys `earlier` for every query, the own keys causally."
-    B, Hkv, Sk, _ = k.shape
-    Sq, T = q.shape[2], ctx.past_len
-    m = torch.zeros(B, Hkv, Sq, Sk, dtype=torch.bool)
-    m[..., :T] = torch.zeros(B, Hkv, T, dtype=torch.bool).scatter(2, earlier, True)[:, :, None]
-    m[..., T:] = causal_mask(Sq, Sq)
-    return attention_reference(q, k, v, heads_mask(m, q.shape[1]), ctx.scale)[0]
-
-
 def _dense_last(model, ids, chunk):
     return chunked_prefill(model, ids, chunk)[1]
 
@@ -88,7 +78,7 @@ def test_small_budget_matches_brute_force(model, options):
         ref = quoka_select_reference(q, k[:, :, :T], budget=n, **sel)
         assert torch.equal(idx, ref)
         assert torch.equal(idx, quoka_select(q, k[:, :, :T], budget=n, **sel))
-        assert_close(out, _brute_force(q, k, v, ctx, ref), **ATOL)
+        assert_close(out, selected_attention_reference(q, k, v, ctx, ref), **ATOL)
         checked += 1
     assert checked == 3 * model.config.num_hidden_layers  # chunks 2-4 (T = 10, 15, 20) select
     assert (last - _dense_last(model, ids, 5)).abs().max() > 1e-4
@@ -116,7 +106,7 @@ def test_anchors_count_against_the_budget(llama):
         assert all(kept <= set(row) for row in idx.reshape(-1, 6).tolist())
         scores = quoka_scores_reference(q, k[:, :, :T], 3)
         assert idx.reshape(-1, 6).tolist() == anchored_top_indices_reference(scores, 6, 2, 3)
-        assert_close(out, _brute_force(q, k, v, ctx, idx), **ATOL)
+        assert_close(out, selected_attention_reference(q, k, v, ctx, idx), **ATOL)
 
 
 def test_anchored_top_indices_reference():
@@ -147,7 +137,7 @@ def test_generate_after_quoka_prefill_uses_decode_rule(model):
     assert len(decode) == 4 * model.config.num_hidden_layers
     for q, k, v, ctx, idx, o in decode:
         assert torch.equal(idx, quoka_select_reference(q, k[:, :, :ctx.past_len], 1, 5))
-        assert_close(o, _brute_force(q, k, v, ctx, idx), **ATOL)
+        assert_close(o, selected_attention_reference(q, k, v, ctx, idx), **ATOL)
 
 
 def test_decode_off_is_dense(llama):
@@ -178,7 +168,7 @@ def test_baseline_policies(llama, name):
     assert len(selecting) == 3 * llama.config.num_hidden_layers
     for q, k, v, ctx, idx, out in selecting:
         assert torch.equal(idx, fn(q, k[:, :, :ctx.past_len], 6, scale=ctx.scale, **opts))
-        assert_close(out, _brute_force(q, k, v, ctx, idx), **ATOL)
+        assert_close(out, selected_attention_reference(q, k, v, ctx, idx), **ATOL)
     assert (last - dense).abs().max() > 1e-4
     prompt = ids[:1, :12]
     cache, _ = chunked_prefill(llama, prompt[:, :-1], 5, rec)

@@ -11,11 +11,13 @@ import torch
 from torch import Tensor
 
 from ..attention import check_qkv
-from ..hf import DensePolicy, EvictingLayer, EvictionRule, SinkWindowRule, TopScoreRule, heads_mask
+from ..hf import (DensePolicy, EvictingLayer, EvictionRule, MaskPolicy, SinkWindowRule, TopScoreRule, heads_mask,
+                         patch)
 
 # %% auto #0
 __all__ = ['HEAD_REDUCTIONS', 'EVICTION_BASELINES', 'AttentionScoreRule', 'TOVARule', 'H2ORule', 'streaming_llm_rule',
-           'attention_probs', 'reduce_heads', 'AttentionScorePolicy', 'eviction_baseline']
+           'attention_probs', 'reduce_heads', 'AttentionScorePolicy', 'eviction_baseline', 'RowsPolicy',
+           'eviction_reference']
 
 # %% ../../nbs/16_eviction_baselines.ipynb #1a188878
 HEAD_REDUCTIONS = ("group", "all")
@@ -94,3 +96,47 @@ def eviction_baseline(name: str, sink: int, window: int, k: int, heads: str = "g
     if name == "tova": return TOVARule(sink, window, k, heads), AttentionScorePolicy()
     if name == "h2o": return H2ORule(sink, window, k, heads), AttentionScorePolicy()
     raise ValueError(f"name must be one of {EVICTION_BASELINES}, got {name!r}")
+
+# %% ../../nbs/16_eviction_baselines.ipynb #12baf0c2
+class RowsPolicy(MaskPolicy):
+    "Row r of layer l, KV head h sees the positions `rows[l][h][r]`; records the last row's probabilities per layer and query head."
+    def __init__(self, rows): self.rows, self.probs = rows, {}
+
+    def mask(self, q, k, v, ctx):
+        S, rows = k.shape[2], self.rows[ctx.layer_idx]
+        m = torch.tensor([[[t in rows[h][r] for t in range(S)] for r in range(S)] for h in range(len(rows))])[None]
+        G = q.shape[1] // k.shape[1]
+        logits = torch.einsum("jd,jsd->js", q[0, :, -1], k[0].repeat_interleave(G, 0)) * ctx.scale  # explicit, not attention_probs
+        self.probs[ctx.layer_idx] = [torch.softmax(logits[j].masked_fill(~m[0, j // G, -1], -torch.inf), -1)
+                                     for j in range(q.shape[1])]
+        return m
+
+
+def eviction_reference(model, ids, kind: str, sink: int, window: int, k: int, heads: str = "group"):
+    "Brute-force StreamingLLM/TOVA/H2O on a batch of one: per-step logits `[1,S,V]` and the kept positions per layer and KV head."
+    L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
+    Hq, S = model.config.num_attention_heads, ids.shape[1]
+    G = Hq // H
+    rows = [[[] for _ in range(H)] for _ in range(L)]
+    kept = [[set() for _ in range(H)] for _ in range(L)]
+    score = [[{} for _ in range(H)] for _ in range(L)]
+    logits = []
+    for p in range(S):
+        for l in range(L):
+            for h in range(H): rows[l][h].append(kept[l][h] | {p})
+        pol = RowsPolicy(rows)
+        with torch.no_grad(), patch(model, pol): logits.append(model(ids[:, :p + 1]).logits[:, -1])
+        for l in range(L):
+            for h in range(H):
+                group = range(h * G, (h + 1) * G) if heads == "group" else range(Hq)
+                for t in rows[l][h][p]:
+                    a = sum(pol.probs[l][j][t].item() for j in group) / len(group)
+                    score[l][h][t] = a + (score[l][h].get(t, 0.0) if kind == "h2o" else 0.0)
+                if kind == "streaming_llm":
+                    kept[l][h] = {t for t in rows[l][h][p] if t < sink or p + 1 - t < window + k}
+                    continue
+                fixed = {t for t in rows[l][h][p] if t < sink or p + 1 - t < window}
+                best = sorted((t for t in rows[l][h][p] if t not in fixed), key=lambda t: (-score[l][h][t], t))[:k]
+                kept[l][h] = fixed | set(best)
+                score[l][h] = {t: score[l][h][t] for t in kept[l][h]}
+    return torch.stack(logits, 1), kept

@@ -14,14 +14,15 @@ import torch
 from torch import Tensor
 
 from sparsekv.attention import check_qkv
-from sparsekv.hf import DensePolicy, EvictingLayer, EvictionRule, SinkWindowRule, TopScoreRule, heads_mask
+from sparsekv.hf import (DensePolicy, EvictingLayer, EvictionRule, MaskPolicy, SinkWindowRule, TopScoreRule, heads_mask,
+                         patch)
 
 # %%
 #| hide
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
-from sparsekv.hf import EvictingCache, MaskPolicy, patch, chunked_prefill
+from sparsekv.hf import EvictingCache, chunked_prefill
 from sparsekv.models import load_model
 
 # %% [markdown]
@@ -167,20 +168,26 @@ def eviction_baseline(name: str, sink: int, window: int, k: int, heads: str = "g
 # logits and keep the same positions.
 
 # %%
-class _Rows(MaskPolicy):
-    "Row q of layer l, KV head h sees rows[l][h][q]; records the last row's attention probabilities per layer."
+#| export
+class RowsPolicy(MaskPolicy):
+    "Row r of layer l, KV head h sees the positions `rows[l][h][r]`; records the last row's probabilities per layer and query head."
     def __init__(self, rows): self.rows, self.probs = rows, {}
+
     def mask(self, q, k, v, ctx):
         S, rows = k.shape[2], self.rows[ctx.layer_idx]
         m = torch.tensor([[[t in rows[h][r] for t in range(S)] for r in range(S)] for h in range(len(rows))])[None]
-        self.probs[ctx.layer_idx] = attention_probs(q[:, :, -1:], k, m[:, :, -1:], ctx.scale)[0, :, 0]
+        G = q.shape[1] // k.shape[1]
+        logits = torch.einsum("jd,jsd->js", q[0, :, -1], k[0].repeat_interleave(G, 0)) * ctx.scale  # explicit, not attention_probs
+        self.probs[ctx.layer_idx] = [torch.softmax(logits[j].masked_fill(~m[0, j // G, -1], -torch.inf), -1)
+                                     for j in range(q.shape[1])]
         return m
 
 
-def _simulate(model, ids, kind, sink, window, k, heads):
-    "Logits per step and kept sets per layer and head of TOVA/H2O, by brute force (batch of one)."
+def eviction_reference(model, ids, kind: str, sink: int, window: int, k: int, heads: str = "group"):
+    "Brute-force StreamingLLM/TOVA/H2O on a batch of one: per-step logits `[1,S,V]` and the kept positions per layer and KV head."
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
-    G, S = model.config.num_attention_heads // H, ids.shape[1]
+    Hq, S = model.config.num_attention_heads, ids.shape[1]
+    G = Hq // H
     rows = [[[] for _ in range(H)] for _ in range(L)]
     kept = [[set() for _ in range(H)] for _ in range(L)]
     score = [[{} for _ in range(H)] for _ in range(L)]
@@ -188,12 +195,17 @@ def _simulate(model, ids, kind, sink, window, k, heads):
     for p in range(S):
         for l in range(L):
             for h in range(H): rows[l][h].append(kept[l][h] | {p})
-        pol = _Rows(rows)
+        pol = RowsPolicy(rows)
         with torch.no_grad(), patch(model, pol): logits.append(model(ids[:, :p + 1]).logits[:, -1])
         for l in range(L):
             for h in range(H):
-                a = pol.probs[l][h * G:(h + 1) * G].mean(0) if heads == "group" else pol.probs[l].mean(0)
-                for t in rows[l][h][p]: score[l][h][t] = (score[l][h].get(t, 0.0) if kind == "h2o" else 0.0) + a[t].item()
+                group = range(h * G, (h + 1) * G) if heads == "group" else range(Hq)
+                for t in rows[l][h][p]:
+                    a = sum(pol.probs[l][j][t].item() for j in group) / len(group)
+                    score[l][h][t] = a + (score[l][h].get(t, 0.0) if kind == "h2o" else 0.0)
+                if kind == "streaming_llm":
+                    kept[l][h] = {t for t in rows[l][h][p] if t < sink or p + 1 - t < window + k}
+                    continue
                 fixed = {t for t in rows[l][h][p] if t < sink or p + 1 - t < window}
                 best = sorted((t for t in rows[l][h][p] if t not in fixed), key=lambda t: (-score[l][h][t], t))[:k]
                 kept[l][h] = fixed | set(best)
@@ -201,6 +213,7 @@ def _simulate(model, ids, kind, sink, window, k, heads):
     return torch.stack(logits, 1), kept
 
 
+# %%
 def _decode(model, ids, rule, policy):
     "Logits of decoding `ids` token by token with an `EvictingCache(rule)`, and the cache."
     cache, out = EvictingCache(rule), []
@@ -215,7 +228,7 @@ ids = torch.randint(3, model.config.vocab_size, (1, 14), generator=torch.Generat
 for kind, heads in (("tova", "group"), ("h2o", "group"), ("tova", "all")):
     rule, pol = eviction_baseline(kind, 1, 2, 3, heads)
     got, cache = _decode(model, ids, rule, pol)
-    want, kept = _simulate(model, ids, kind, 1, 2, 3, heads)
+    want, kept = eviction_reference(model, ids, kind, 1, 2, 3, heads)
     assert_close(got, want)
     for l, layer in enumerate(cache.layers):
         test_eq(layer.positions.shape[-1], 1 + 1 + 3)  # s + (w - 1) + k between steps

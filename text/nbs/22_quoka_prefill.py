@@ -16,8 +16,10 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from sparsekv.attention import attention_reference, causal_mask
 from sparsekv.baselines.selection import LessIsMoreSelector
-from sparsekv.hf import AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill, patch
+from sparsekv.hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
+                         heads_mask, patch)
 from sparsekv.quoka import (QUERY_AGGS, QUERY_SELECT, all_key_indices, quoka_decode_select, quoka_scores, quoka_select,
                             resolve_budget, top_budget_indices)
 
@@ -26,9 +28,7 @@ from sparsekv.quoka import (QUERY_AGGS, QUERY_SELECT, all_key_indices, quoka_dec
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
-from sparsekv.attention import attention_reference, causal_mask
 from sparsekv.baselines.selection import loki_select, mean_score_select, sample_attention_select, sparq_select
-from sparsekv.hf import heads_mask
 from sparsekv.models import load_model
 from sparsekv.quoka import quoka_select_reference
 
@@ -225,6 +225,18 @@ assert_close(quoka_last, dense_last, atol=1e-5, rtol=0)
 # keys causally) and `attention_reference`.
 
 # %%
+#| export
+def selected_attention_reference(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, earlier: Tensor) -> Tensor:
+    "Attention over the earlier keys `earlier` [B,Hkv,n] and the chunk's own keys (causally), by an explicit mask and `attention_reference`."
+    B, Hkv, Sk, _ = k.shape
+    Sq, T = q.shape[2], ctx.past_len
+    m = torch.zeros(B, Hkv, Sq, Sk, dtype=torch.bool)
+    m[..., :T] = torch.zeros(B, Hkv, T, dtype=torch.bool).scatter(2, earlier, True)[:, :, None]
+    m[..., T:] = causal_mask(Sq, Sq)
+    return attention_reference(q, k, v, heads_mask(m, q.shape[1]), ctx.scale)[0]
+
+
+# %%
 class Recording(QuokaPolicy):
     "QuokaPolicy that keeps every call's q, k, v, context, selected earlier keys (None: dense) and output."
     def __init__(self, *a, **kw):
@@ -237,14 +249,6 @@ class Recording(QuokaPolicy):
         return out
 
 
-def brute_force_output(q, k, v, ctx, earlier):
-    "Attention over the earlier keys `earlier` [B,Hkv,n] and the chunk's own keys (causal) by an explicit mask and attention_reference."
-    B, Hkv, Sk, _ = k.shape
-    Sq, T = q.shape[2], ctx.past_len
-    m = torch.zeros(B, Hkv, Sq, Sk, dtype=torch.bool)
-    m[..., :T] = torch.zeros(B, Hkv, T, dtype=torch.bool).scatter(2, earlier, True)[:, :, None]
-    m[..., T:] = causal_mask(Sq, Sq)
-    return attention_reference(q, k, v, heads_mask(m, q.shape[1]), ctx.scale)[0]
 
 
 rec = Recording(n_q=3, budget=5)
@@ -255,7 +259,7 @@ for q, k, v, ctx, idx, out in rec.calls:
     ref_idx = quoka_select_reference(q, k[:, :, :ctx.past_len], 3, 5)
     test_eq(idx, ref_idx)
     test_eq(idx, quoka_select(q, k[:, :, :ctx.past_len], 3, 5))
-    assert_close(out, brute_force_output(q, k, v, ctx, ref_idx), atol=1e-5, rtol=0)
+    assert_close(out, selected_attention_reference(q, k, v, ctx, ref_idx), atol=1e-5, rtol=0)
 assert (sparse_last - dense_last).abs().max() > 1e-3  # the selection changed the result
 len(rec.calls)
 
@@ -276,7 +280,7 @@ decode_calls = [c for c in rec.calls if c[3].kind == "decode"]
 test_eq(len(decode_calls), 4 * model.config.num_hidden_layers)
 for q, k, v, ctx, idx, o in decode_calls:
     test_eq(idx, quoka_select_reference(q, k[:, :, :ctx.past_len], 1, 5))  # one query: max = mean, nothing subselected
-    assert_close(o, brute_force_output(q, k, v, ctx, idx), atol=1e-5, rtol=0)
+    assert_close(o, selected_attention_reference(q, k, v, ctx, idx), atol=1e-5, rtol=0)
 out.shape
 
 
