@@ -8,9 +8,10 @@ from torch.testing import assert_close
 from sparsekv.hf import AttentionContext, patch
 from sparsekv.models import load_model
 from sparsekv.oval.basis import output_metric
-from sparsekv.oval.pages import (GQA_POLICIES, METHODS, PageRetrievalPolicy, aggregate_gqa, always_kept, build_summaries,
-                                 retrieval_quality, score_pages, score_pages_reference, select_pages, select_pages_reference,
-                                 split_pages, storage_table, summary_scalars)
+from sparsekv.hf import attend_selected, gather_keys
+from sparsekv.oval.pages import (GQA_POLICIES, METHODS, PackedPages, PageRetrievalPolicy, aggregate_gqa, always_kept, build_summaries,
+                                 gather_pages, page_attention, page_tokens, retrieval_quality, score_pages, score_pages_reference,
+                                 select_pages, select_pages_reference, split_pages, storage_table, summary_scalars, top_pages)
 
 F64 = torch.float64
 
@@ -241,3 +242,101 @@ def test_speculative_selection_matches_reference(tiny, method, tau):
     assert (pol.corrected, pol.speculated) == (n_fix, 10)
     with pytest.raises(ValueError, match="tau"): PageRetrievalPolicy(method, 16, tau=math.nan)
     with pytest.raises(ValueError, match="spec_steps"): PageRetrievalPolicy(method, 16, spec_steps=-1)
+
+
+def _packed(method, K, V, G, page_size, chunks, rank=3, eta=0.75):
+    "PackedPages of K, V appended chunk by chunk (page boundaries in `chunks`), as pages complete during decode."
+    pk = PackedPages(method, page_size)
+    for a, b in zip(chunks[:-1], chunks[1:]):
+        pk.append(build_summaries(method, K[:, :, a * page_size:b * page_size], V[:, :, a * page_size:b * page_size], page_size, rank, eta, G))
+    return pk
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("seed,page_size,T,Hq,chunks", [
+    (0, 8, 45, 2, [0, 5]),              # G = 1, partial last page, all pages at once
+    (1, 8, 45, 6, [0, 1, 1, 4, 5]),     # G = 3, appended in uneven chunks (one empty)
+    (2, 5, 5, 6, [0, 1]),               # a single page
+    (3, 1, 7, 2, [0, 3, 7]),            # pages of one token (rank capped at 0)
+    (4, 4, 64, 4, [0, 1, 2, 3, 16]),    # many appends: the buffers grow
+])
+def test_packed_scores_match_score_pages(method, seed, page_size, T, Hq, chunks):
+    K, V, G = cache(T=T, seed=seed)
+    whole = build_summaries(method, K, V, page_size, rank=3, eta=0.75, G=G)
+    pk = _packed(method, K, V, G, page_size, chunks)
+    assert pk.n_pages == whole.n_pages
+    for n, x in whole.tensors.items(): assert_close(pk.tensors[n], x)
+    for q in (queries(Hq=Hq, seed=seed + 10), queries(Hq=Hq, seed=seed + 20, S=3)):
+        assert_close(pk.scores(q), score_pages(method, whole, q))
+        assert_close(pk.scores(q, 0.7), score_pages(method, whole, q, 0.7))
+    assert_close(pk.scores(q[:, :, 0]), score_pages_reference(method, K, q[:, :, 0], whole))
+    assert_close(score_pages(method, pk.summary(), q), score_pages(method, whole, q))
+
+
+def test_packed_float32_and_bad_input():
+    K, V, G = cache(dtype=torch.float32)
+    for m in METHODS:
+        whole = build_summaries(m, K, V, 8, rank=3, G=G)
+        pk = PackedPages(m, 8).append(whole)
+        q = queries().float()
+        assert pk.scores(q).dtype == torch.float32
+        assert_close(pk.scores(q), score_pages(m, whole, q), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no pages"): PackedPages("quest", 8).scores(q)
+    with pytest.raises(ValueError, match="scale"): pk.scores(q, 0.0)
+    with pytest.raises(ValueError, match="multiple"): pk.scores(queries(Hq=3).float())
+    with pytest.raises(ValueError, match="this store holds"): pk.append(build_summaries("oracle", K, V, 4))
+    with pytest.raises(ValueError, match="this store holds"): pk.append(build_summaries("oracle", K[:, :1], V[:, :1], 8))
+    with pytest.raises(TypeError, match="PageSummary"): pk.append(K)
+    with pytest.raises(ValueError, match="method"): PackedPages("pq", 8)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_top_pages_gather_and_attention_match_references(seed):
+    g = torch.Generator().manual_seed(seed)
+    m = int(torch.randint(1, 9, (1,), generator=g))
+    T = int(torch.randint(1, 120, (1,), generator=g))
+    budget = int(torch.randint(1, 150, (1,), generator=g))                 # some budgets >= T: every page and the tail
+    sink, recent = (int(x) for x in torch.randint(0, 40, (2,), generator=g))
+    Hkv, G = 2, int(torch.randint(1, 4, (1,), generator=g))                # G = 1, 2 or 3
+    w = torch.rand(2, Hkv, T // m, generator=g, dtype=F64).round(decimals=1)
+    pages = top_pages(w, budget, m, sink, recent, T)
+    assert page_tokens(pages, m, T).tolist() == select_pages_reference(w, budget, m, sink, recent, T)
+    if budget >= T: assert pages.tolist() == [[list(range(T // m))] * Hkv] * 2
+    k = torch.randn(2, Hkv, T + 5, 8, generator=g, dtype=F64)[:, :, :T]     # a strided slice, as a growing cache
+    v = torch.randn(2, Hkv, T, 8, generator=g, dtype=F64)
+    tok = page_tokens(pages, m, T)
+    assert torch.equal(gather_pages(k, pages, m), gather_keys(k, tok))
+    q = torch.randn(2, Hkv * G, 1, 8, generator=g, dtype=F64)
+    assert_close(page_attention(q, k, v, pages, m, 0.3), attend_selected(q, k, v, tok, scale=0.3))
+    with pytest.raises(ValueError, match="pages must be"): gather_pages(k, pages.int(), m)
+    with pytest.raises(ValueError, match="one decode query"): page_attention(q.expand(-1, -1, 2, -1), k, v, pages, m)
+
+
+def test_policy_summarizes_pages_incrementally(tiny):
+    "During decode each completed page is summarized once: appended to the layer's PackedPages, earlier pages untouched."
+    attn = tiny.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(1, 2, 80, 16, generator=g), torch.randn(1, 2, 80, 16, generator=g)
+    pol = PageRetrievalPolicy("oval", token_budget=16, page_size=4, sink=4, recent=4, rank=2)
+    pol(torch.randn(1, 4, 1, 16, generator=g), k[:, :, :30], v[:, :, :30], _ctx(30, attn))
+    first = pol.summaries[1].tensors["R"][:, :, :7].clone()
+    for T in range(31, 81):
+        pol(torch.randn(1, 4, 1, 16, generator=g), k[:, :, :T], v[:, :, :T], _ctx(T, attn))
+        assert pol.built == T // 4 == pol.summaries[1].n_pages
+    assert torch.equal(pol.summaries[1].tensors["R"][:, :, :7], first)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_policy_before_the_first_page_completes(tiny, method):
+    "A cache over the budget but shorter than a page: no summary yet, every token is in the partial page, attention is dense."
+    attn = tiny.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(8)
+    pol = PageRetrievalPolicy(method, token_budget=8, page_size=32, sink=0, recent=0, rank=2)
+    for T in (20, 21):
+        k, v, q = torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g)
+        out = pol(q, k, v, _ctx(T, attn))
+        assert pol.summaries[1].n_pages == 0
+        assert_close(out, torch.softmax(q @ k.repeat_interleave(2, 1).mT * 0.25, -1) @ v.repeat_interleave(2, 1))
+    if method == "oval":
+        ctx = _ctx(40, None)
+        with pytest.raises(ValueError, match="ctx.module"): pol(q, torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), ctx)

@@ -15,14 +15,15 @@ import torch
 from torch import Tensor
 
 from ..eval import attention_fidelity
-from ..hf import DensePolicy, SelectionPolicy
+from ..hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
 from .basis import output_metric, page_basis, page_lse_exact, page_score
 
 # %% auto #0
 __all__ = ['METHODS', 'GQA_POLICIES', 'split_pages', 'PageSummary', 'quest_summary', 'arkvale_summary', 'basis_summary',
            'build_summaries', 'quest_score', 'arkvale_score', 'score_pages', 'score_pages_reference', 'aggregate_gqa',
-           'always_kept', 'select_pages', 'select_pages_reference', 'summary_scalars', 'storage_table',
-           'retrieval_quality', 'CapturePolicy', 'PageRetrievalPolicy']
+           'always_kept', 'top_pages', 'page_tokens', 'select_pages', 'select_pages_reference', 'summary_scalars',
+           'storage_table', 'retrieval_quality', 'CapturePolicy', 'packed_rows', 'PackedPages', 'gather_pages',
+           'page_attention', 'PageRetrievalPolicy']
 
 # %% ../../nbs/31_page_retrieval.ipynb #1524cb70
 METHODS = ("quest", "arkvale", "keypca", "oval", "oracle")
@@ -191,8 +192,8 @@ def always_kept(T: int, page_size: int, sink: int, recent: int) -> tuple[int, in
     recent_start = max(sink_end, min((T // m) * m, ((T - recent) // m) * m if recent else T))
     return sink_end, recent_start
 
-def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
-    "Token indices [B, Hkv, (S,) n] per KV head: sink and recent pages plus the top-weighted pages that fit in token_budget."
+def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
+    "Complete pages [B, Hkv, (S,) n_p] each KV head keeps, sorted: sink pages, the top-weighted pages within token_budget, recent pages."
     if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point(): raise TypeError("page_scores must be a floating-point tensor")
     m = _check_int(page_size, "page_size", 1)
     T = _check_int(T, "T", 1)
@@ -203,15 +204,23 @@ def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: i
         raise ValueError(f"page_scores must be [B, Hkv, (S,) P] with P = T // page_size = {P}, got {tuple(page_scores.shape)}")
     if page_scores.isnan().any(): raise ValueError("page_scores must not contain NaN")
     lead, dev = page_scores.shape[:-1], page_scores.device
-    if T <= budget: return torch.arange(T, device=dev).expand(*lead, T)
+    if T <= budget: return torch.arange(P, device=dev).expand(*lead, P)
     sink_end, recent_start = always_kept(T, m, sink, recent)
     first, last = sink_end // m, recent_start // m                           # selectable pages [first, last)
     k = max(0, min(last - first, (budget - sink_end - (T - recent_start)) // m))
     top = torch.sort(page_scores[..., first:last], dim=-1, descending=True, stable=True).indices[..., :k] + first
-    pages = torch.sort(top, dim=-1).values
-    chosen = (pages.unsqueeze(-1) * m + torch.arange(m, device=dev)).flatten(-2)
-    sinks, recents = torch.arange(sink_end, device=dev), torch.arange(recent_start, T, device=dev)
-    return torch.cat([sinks.expand(*lead, -1), chosen, recents.expand(*lead, -1)], -1)
+    return torch.cat([torch.arange(first, device=dev).expand(*lead, -1), torch.sort(top, dim=-1).values,
+                      torch.arange(last, P, device=dev).expand(*lead, -1)], -1)
+
+def page_tokens(pages: Tensor, page_size: int, T: int) -> Tensor:
+    "Token indices [..., n_p * m + T % m] of complete pages [..., n_p], followed by the trailing partial page [T - T % m, T)."
+    m = _check_int(page_size, "page_size", 1)
+    tail = torch.arange(T // m * m, _check_int(T, "T", 1), device=pages.device)
+    return torch.cat([(pages.unsqueeze(-1) * m + torch.arange(m, device=pages.device)).flatten(-2), tail.expand(*pages.shape[:-1], -1)], -1)
+
+def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
+    "Token indices [B, Hkv, (S,) n] per KV head: sink and recent pages plus the top-weighted pages that fit in token_budget."
+    return page_tokens(top_pages(page_scores, token_budget, page_size, sink, recent, T), page_size, T)
 
 def select_pages_reference(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> list:
     "Loop reference of select_pages for [B, Hkv, P] scores: a nested list of sorted kept positions."
@@ -265,6 +274,125 @@ class CapturePolicy(DensePolicy):
         return super().attend(q, k, v, ctx)
 
 # %% ../../nbs/31_page_retrieval.ipynb #79e307e9
+def _rows_per_page(method: str, page_size: int, rank: int) -> int:
+    "Rows of the packed matrix per page: 1 (Quest, ArkVale), rank + 1 (basis: B^T and mu), m (oracle)."
+    if method in ("quest", "arkvale"): return 1
+    return page_size if method == "oracle" else rank + 1
+
+def packed_rows(summary: PageSummary) -> tuple[Tensor, Tensor | None]:
+    "A summary's pages as packed rows [B, Hkv, P, rows, f] (see the text) and, for the basis methods, R [B, Hkv, P, m, r]."
+    t = summary.tensors
+    if summary.method == "quest": return torch.cat([t["kmax"], t["kmin"]], -1).unsqueeze(-2), None
+    if summary.method == "arkvale": return torch.cat([t["centre"], t["radius"].unsqueeze(-1)], -1).unsqueeze(-2), None
+    if summary.method == "oracle": return t["K"], None
+    return torch.cat([t["B"].mT, t["mu"].unsqueeze(-2)], -2), t["R"]
+
+def _reserve(buf: Tensor | None, used: int, need: int, dim: int, like: Tensor) -> Tensor:
+    "A buffer with room for `need` entries along dim (capacity doubling), holding buf's first `used` entries."
+    if buf is not None and buf.shape[dim] >= need: return buf
+    shape = list(like.shape)
+    shape[dim] = max(need, 2 * (0 if buf is None else buf.shape[dim]))
+    new = like.new_empty(shape)
+    if used: new.narrow(dim, 0, used).copy_(buf.narrow(dim, 0, used))
+    return new
+
+
+class PackedPages:
+    "A growing cache's page summaries packed for decode: rows appended once per completed page, every page scored by one GEMM per KV head."
+    def __init__(self, method: str, page_size: int):
+        self.method, self.page_size = _check_method(method), _check_int(page_size, "page_size", 1)
+        self.n_pages, self.heads, self.rank = 0, None, None
+        self.W = self.R = None              # W [B*Hkv, capacity * rows, f]; R [capacity, B*Hkv, m, r] (basis methods)
+
+    @property
+    def rows(self) -> int:
+        "Rows of the packed matrix per page."
+        return _rows_per_page(self.method, self.page_size, self.rank)
+
+    def append(self, summary: PageSummary) -> "PackedPages":
+        "Append the pages of `summary` (the pages completed since the last append, same batch and KV heads); returns self."
+        if not isinstance(summary, PageSummary): raise TypeError(f"summary must be a PageSummary, got {type(summary).__name__}")
+        if summary.method != self.method or summary.page_size != self.page_size:
+            raise ValueError(f"summary is {summary.method!r} with page_size {summary.page_size}, this store holds {self.method!r} with {self.page_size}")
+        rows, R = packed_rows(summary)
+        Bsz, Hkv, n, nr, f = rows.shape
+        if self.heads is None: self.heads, self.rank = (Bsz, Hkv), None if R is None else R.shape[-1]
+        elif self.heads != (Bsz, Hkv) or (R is not None and R.shape[-1] != self.rank):
+            raise ValueError(f"summary has batch, KV heads {(Bsz, Hkv)} and rank {None if R is None else R.shape[-1]}; this store holds {self.heads}, rank {self.rank}")
+        wd = torch.promote_types(rows.dtype, torch.float32)
+        P, BH = self.n_pages, Bsz * Hkv
+        rows = rows.to(wd).reshape(BH, n * nr, f)
+        self.W = _reserve(self.W, P * nr, (P + n) * nr, 1, rows)
+        self.W[:, P * nr:(P + n) * nr] = rows
+        if R is not None:
+            R = R.to(wd).reshape(BH, n, *R.shape[-2:]).transpose(0, 1)
+            self.R = _reserve(self.R, P, P + n, 0, R)
+            self.R[P:P + n] = R
+        self.n_pages = P + n
+        return self
+
+    def scores(self, q: Tensor, scale: float | None = None) -> Tensor:
+        "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]), equal to score_pages's up to rounding; scale > 0, default 1/sqrt(d)."
+        if self.heads is None: raise ValueError("no pages appended yet")
+        Bsz, Hkv = self.heads
+        qg, single = _group_queries(q, Hkv)                                  # [B, Hkv, G, S, 1, d]
+        _, _, G, S, _, d = qg.shape
+        if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the store's ({Bsz})")
+        s = 1 / math.sqrt(d) if scale is None else float(scale)
+        if not s > 0: raise ValueError(f"scale must be > 0, got {scale!r}")
+        P, nr, BH, m = self.n_pages, self.rows, Bsz * Hkv, self.page_size
+        x = qg.reshape(BH, G * S, d).to(self.W.dtype) * s
+        if self.method == "quest": x = torch.cat([x.clamp(min=0), x.clamp(max=0)], -1)
+        elif self.method == "arkvale": x = torch.cat([x, x.norm(dim=-1, keepdim=True)], -1)
+        z = torch.bmm(x, self.W[:, :P * nr].mT).view(BH, G * S, P, nr)     # the one GEMM: every page, every query of the group
+        if self.method in ("quest", "arkvale"): out = z[..., 0]
+        elif self.method == "oracle": out = z.logsumexp(-1)
+        else:
+            r = self.rank
+            code = z[..., :r].permute(2, 0, 1, 3).reshape(P * BH, G * S, r)   # c_p per page, [P*BH, GS, r]
+            logits = torch.bmm(code, self.R[:P].view(P * BH, m, r).mT)        # (R_p c_p)_t  [P*BH, GS, m]
+            out = logits.view(P, BH, G * S, m).logsumexp(-1).permute(1, 2, 0) + z[..., r]
+        out = out.reshape(Bsz, Hkv * G, S, P)
+        return out[:, :, 0] if single else out
+
+    @property
+    def tensors(self) -> dict:
+        "The summary tensors in PageSummary's layout [B, Hkv, P, ...] (views of the packed buffers)."
+        Bsz, Hkv = self.heads
+        P, W = self.n_pages, self.W[:, :self.n_pages * self.rows].view(Bsz, Hkv, self.n_pages, self.rows, -1)
+        if self.method == "quest": return {"kmin": W[..., 0, W.shape[-1] // 2:], "kmax": W[..., 0, :W.shape[-1] // 2]}
+        if self.method == "arkvale": return {"centre": W[..., 0, :-1], "radius": W[..., 0, -1]}
+        if self.method == "oracle": return {"K": W}
+        return {"mu": W[..., -1, :], "B": W[..., :-1, :].mT, "R": self.R[:P].view(P, Bsz, Hkv, *self.R.shape[-2:]).permute(1, 2, 0, 3, 4)}
+
+    def summary(self) -> PageSummary:
+        "The packed pages as a PageSummary (views), for score_pages and the references."
+        return PageSummary(self.method, self.page_size, self.n_pages * self.page_size, self.tensors)
+
+# %% ../../nbs/31_page_retrieval.ipynb #de003903
+def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
+    "The complete pages `pages` [B, H, n_p] of x [B, H, T, d] as whole [m, d] blocks, then the trailing partial page: [B, H, n_p*m + T % m, d]."
+    _check_cache(x, "x")
+    m = _check_int(page_size, "page_size", 1)
+    B, H, T, d = x.shape
+    P = T // m
+    if pages.dtype != torch.long or pages.dim() != 3 or pages.shape[:2] != (B, H):
+        raise ValueError(f"pages must be int64 [B, H, n_p] = [{B}, {H}, n_p], got {pages.dtype} {tuple(pages.shape)}")
+    n = pages.shape[-1]
+    out = x.new_empty(B, H, n * m + T - P * m, d)
+    body = x[:, :, :P * m].unflatten(2, (P, m))                               # [B, H, P, m, d] view of the cache
+    for b in range(B):
+        for h in range(H): torch.index_select(body[b, h], 0, pages[b, h], out=out[b, h, :n * m].view(n, m, d))
+    out[:, :, n * m:] = x[:, :, P * m:]
+    return out
+
+def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int, scale: float | None = None, dropout: float = 0.0) -> Tensor:
+    "Decode attention [B, Hq, 1, d] of q over the complete pages `pages` [B, Hkv, n_p] of k, v plus the trailing partial page."
+    if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] != 1: raise ValueError(f"q must be one decode query [B, Hq, 1, d], got {getattr(q, 'shape', type(q).__name__)}")
+    ks, vs = gather_pages(k, pages, page_size), gather_pages(v, pages, page_size)
+    return torch.nn.functional.scaled_dot_product_attention(q, ks, vs, dropout_p=dropout, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+# %% ../../nbs/31_page_retrieval.ipynb #30b6dfd3
 class PageRetrievalPolicy(SelectionPolicy):
     "Decode-time page retrieval: dense prefill; at decode, sink + recent + top pages within token_budget per KV head, from `method`'s summaries."
     def __init__(self, method: str, token_budget: int, page_size: int = 32, sink: int = 32, recent: int = 32, rank: int = 8,
@@ -278,10 +406,12 @@ class PageRetrievalPolicy(SelectionPolicy):
         self.spec_steps, self.tau = _check_int(spec_steps, "spec_steps", 0), float(tau)
         self.summaries, self.metrics, self.history, self.seen = {}, {}, {}, {}
         self.corrected, self.speculated = 0, 0                               # KV-head decisions re-scored / made speculatively
+        self.built = 0                                                       # pages summarized (all heads of a page at once), summed over layers
 
     def metric(self, ctx) -> Tensor | None:
         "The layer's output metric G [Hkv, d, d] from its o_proj (OVAL only)."
-        if self.method != "oval" or ctx.module is None: return None
+        if self.method != "oval": return None
+        if ctx.module is None: raise ValueError("OVAL needs the attention module (ctx.module, with o_proj) for its output metric G")
         if ctx.layer_idx not in self.metrics:
             m = ctx.module
             W = m.o_proj.weight.detach()
@@ -301,24 +431,35 @@ class PageRetrievalPolicy(SelectionPolicy):
         del hist[: -self.spec_steps - 1]
         return hist[0] if self.spec_steps and len(hist) == self.spec_steps + 1 else None
 
-    def summary(self, k: Tensor, v: Tensor, ctx) -> PageSummary:
-        "The layer's summaries of every complete page of k, v [B, Hkv, T, d], extended by the pages completed since the last call."
-        i, m, T = ctx.layer_idx, self.page_size, k.shape[2]
-        old = self.summaries.get(i)
-        done = 0 if old is None else old.n_pages
-        if old is not None and T // m == done: return old
-        new = build_summaries(self.method, k[:, :, done * m:(T // m) * m], v[:, :, done * m:(T // m) * m], m, self.rank, self.eta,
-                              None if self.method != "oval" else self.metric(ctx).to(k.device))
-        t = new.tensors if old is None else {n: torch.cat([old.tensors[n], x], 2) for n, x in new.tensors.items()}
-        self.summaries[i] = PageSummary(self.method, m, T, t)
-        return self.summaries[i]
+    def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
+        "The layer's packed summaries of every complete page of k, v [B, Hkv, T, d]: only the pages completed since the last call are built and appended."
+        i, m, P = ctx.layer_idx, self.page_size, k.shape[2] // self.page_size
+        packed = self.summaries.get(i) or self.summaries.setdefault(i, PackedPages(self.method, m))
+        done = packed.n_pages
+        if P > done or packed.heads is None:
+            packed.append(build_summaries(self.method, k[:, :, done * m:P * m], v[:, :, done * m:P * m], m, self.rank, self.eta,
+                                          None if self.method != "oval" else self.metric(ctx).to(k.device)))
+            self.built += P - done
+        return packed
 
-    def weights(self, summ: PageSummary, q: Tensor, Hkv: int, scale: float) -> Tensor:
+    def weights(self, summ: PackedPages, q: Tensor, Hkv: int, scale: float) -> Tensor:
         "Aggregated page weights [B, Hkv, P] for queries q [B, Hq, d]."
-        return aggregate_gqa(score_pages(self.method, summ, q, scale), Hkv, self.policy)
+        return aggregate_gqa(summ.scores(q, scale), Hkv, self.policy)
 
     def select(self, q, k, v, ctx):
         "Token indices [B, Hkv, n] for a decode query; None (dense) at prefill, in the dense layers and when the cache fits the budget."
+        pages = self.page_ids(q, k, v, ctx)
+        return None if pages is None else page_tokens(pages, self.page_size, k.shape[2])
+
+    def attend(self, q, k, v, ctx):
+        "Decode: page_attention over the kept pages (attend_selected under a mask or with several queries); otherwise dense."
+        pages = self.page_ids(q, k, v, ctx)
+        if pages is None: return dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout)
+        if ctx.mask is None and q.shape[2] == 1: return page_attention(q, k, v, pages, self.page_size, ctx.scale, ctx.dropout)
+        return attend_selected(q, k, v, page_tokens(pages, self.page_size, k.shape[2]), ctx.mask, ctx.scale, ctx.dropout)
+
+    def page_ids(self, q, k, v, ctx):
+        "The complete pages [B, Hkv, n_p] a decode query keeps (see top_pages); None when select would return None."
         if ctx.kind != "decode" or ctx.layer_idx < self.dense_layers: return None
         past = self.track(q, k, ctx)
         T, Hkv = k.shape[2], k.shape[1]
@@ -332,4 +473,4 @@ class PageRetrievalPolicy(SelectionPolicy):
             w = self.weights(summ, past, Hkv, ctx.scale)
             if fix.any(): w = torch.where(fix[..., None], self.weights(summ, now, Hkv, ctx.scale), w)
             self.corrected, self.speculated = self.corrected + int(fix.sum()), self.speculated + fix.numel()
-        return select_pages(w, self.budget, self.page_size, self.sink, self.recent, T)
+        return top_pages(w, self.budget, self.page_size, self.sink, self.recent, T)

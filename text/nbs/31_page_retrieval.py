@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from sparsekv.eval import attention_fidelity
-from sparsekv.hf import DensePolicy, SelectionPolicy
+from sparsekv.hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
 from sparsekv.oval.basis import output_metric, page_basis, page_lse_exact, page_score
 
 # %%
@@ -329,6 +329,9 @@ test_fail(lambda: aggregate_gqa(sc, 4), contains="multiple of num_kv_heads")
 #
 # When the cache fits in the budget every token is kept. All KV heads keep the same number
 # of tokens $n$, so the result is one tensor `[B, Hkv, (S,) n]`, sorted by position.
+# `top_pages` returns the kept complete pages (sink, selected and recent pages, sorted) and
+# `page_tokens` turns them into token indices, appending the trailing partial page; the
+# packed decode path below gathers whole pages from the first.
 
 # %%
 #| export
@@ -339,8 +342,8 @@ def always_kept(T: int, page_size: int, sink: int, recent: int) -> tuple[int, in
     recent_start = max(sink_end, min((T // m) * m, ((T - recent) // m) * m if recent else T))
     return sink_end, recent_start
 
-def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
-    "Token indices [B, Hkv, (S,) n] per KV head: sink and recent pages plus the top-weighted pages that fit in token_budget."
+def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
+    "Complete pages [B, Hkv, (S,) n_p] each KV head keeps, sorted: sink pages, the top-weighted pages within token_budget, recent pages."
     if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point(): raise TypeError("page_scores must be a floating-point tensor")
     m = _check_int(page_size, "page_size", 1)
     T = _check_int(T, "T", 1)
@@ -351,15 +354,23 @@ def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: i
         raise ValueError(f"page_scores must be [B, Hkv, (S,) P] with P = T // page_size = {P}, got {tuple(page_scores.shape)}")
     if page_scores.isnan().any(): raise ValueError("page_scores must not contain NaN")
     lead, dev = page_scores.shape[:-1], page_scores.device
-    if T <= budget: return torch.arange(T, device=dev).expand(*lead, T)
+    if T <= budget: return torch.arange(P, device=dev).expand(*lead, P)
     sink_end, recent_start = always_kept(T, m, sink, recent)
     first, last = sink_end // m, recent_start // m                           # selectable pages [first, last)
     k = max(0, min(last - first, (budget - sink_end - (T - recent_start)) // m))
     top = torch.sort(page_scores[..., first:last], dim=-1, descending=True, stable=True).indices[..., :k] + first
-    pages = torch.sort(top, dim=-1).values
-    chosen = (pages.unsqueeze(-1) * m + torch.arange(m, device=dev)).flatten(-2)
-    sinks, recents = torch.arange(sink_end, device=dev), torch.arange(recent_start, T, device=dev)
-    return torch.cat([sinks.expand(*lead, -1), chosen, recents.expand(*lead, -1)], -1)
+    return torch.cat([torch.arange(first, device=dev).expand(*lead, -1), torch.sort(top, dim=-1).values,
+                      torch.arange(last, P, device=dev).expand(*lead, -1)], -1)
+
+def page_tokens(pages: Tensor, page_size: int, T: int) -> Tensor:
+    "Token indices [..., n_p * m + T % m] of complete pages [..., n_p], followed by the trailing partial page [T - T % m, T)."
+    m = _check_int(page_size, "page_size", 1)
+    tail = torch.arange(T // m * m, _check_int(T, "T", 1), device=pages.device)
+    return torch.cat([(pages.unsqueeze(-1) * m + torch.arange(m, device=pages.device)).flatten(-2), tail.expand(*pages.shape[:-1], -1)], -1)
+
+def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
+    "Token indices [B, Hkv, (S,) n] per KV head: sink and recent pages plus the top-weighted pages that fit in token_budget."
+    return page_tokens(top_pages(page_scores, token_budget, page_size, sink, recent, T), page_size, T)
 
 def select_pages_reference(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> list:
     "Loop reference of select_pages for [B, Hkv, P] scores: a nested list of sorted kept positions."
@@ -525,16 +536,224 @@ smol
 
 
 # %% [markdown]
+# ## A packed layout for decode
+#
+# `score_pages` broadcasts each query against every page's summary tensors: for the basis
+# methods that is $P$ separate small products $B_p^\top q$ and broadcast copies of the
+# queries, and `gather_keys` then gathers the kept keys element by element. Clear for
+# analysis, but too slow per decode step: page retrieval through these two did not beat full
+# attention at 32k tokens on the CPU (`reproduce/31_oval_latency` reports the scoring speed-up
+# of the packed layout over `score_pages`). At decode a page's summary never changes once
+# built, so `PackedPages` lays it out once, when the page completes, as rows of one matrix per
+# KV head, chosen so that **one GEMM scores every page for every query head of the group**.
+# Each method's score is a function of inner products of a query feature $\phi(q)$ with the
+# page's rows $W_p$ (with $s = 1/\sqrt d > 0$ folded into the query):
+#
+# - **Quest**: since $\ell_c \le u_c$, $\max(q_c\ell_c, q_c u_c) = q_c^+ u_c + q_c^- \ell_c$
+#   with $q^+ = \max(q, 0)$, $q^- = \min(q, 0)$, so the score is $\phi(q)\cdot W_p$ with
+#   $\phi(q) = [s q^+;\ s q^-]$ and one row $W_p = [u;\ \ell]$ of $2d$ scalars;
+# - **ArkVale**: $s(q\cdot c + \lVert q\rVert\rho) = [sq;\ \lVert sq\rVert]\cdot[c;\ \rho]$, one row of $d+1$;
+# - **key PCA / OVAL**: $W_p = [B_p^\top;\ \mu_p^\top]$, $r+1$ rows of $d$: $W_p(sq)$ gives the
+#   page's code $c_p = s B_p^\top q$ and its mean term $s\mu_p\cdot q$ at once. The remaining
+#   $R_p c_p$ ($m \times r$ times $r$) is one small product per page, batched over all pages:
+#
+# $$\text{score}_p(q) = \log\sum_{t=1}^m \exp\big((R_p c_p)_t\big) + s\,\mu_p\cdot q,\qquad c_p = s B_p^\top q ;$$
+#
+# - **oracle**: $W_p = K_p$, $m$ rows; the score is the log-sum-exp of $W_p(sq)$.
+#
+# Stacking the rows of all $P$ pages of a KV head, $W = [W_1; \dots; W_P]$, the products of all
+# pages with the $G$ query heads of the group are the single product $\phi(Q)\,W^\top$,
+# `[G, f] x [f, P rows]`. These are the same sums as `score_pages`'s, regrouped, so the scores
+# agree to rounding. `append` writes the rows of newly completed pages into buffers whose
+# capacity doubles when full: earlier pages are never rebuilt, and the copies on growth cost
+# $O(1)$ amortized per page.
+# The packed store keeps its rows in float32 (or float64), the dtype the scores are computed in.
+#
+# The pages that `top_pages` keeps are blocks of $m$ consecutive rows of the cache, so
+# `gather_pages` copies whole `[m, d]` blocks with one `index_select` per KV head (on the
+# cache's `[P, m, d]` view) and appends the trailing partial page; `page_attention` runs SDPA
+# of the decode query over them. The kept keys come in the order of `page_tokens`, and since
+# a decode query is the last position and sees every kept key, the output is exact attention
+# over the selected tokens.
+
+# %%
+#| export
+def _rows_per_page(method: str, page_size: int, rank: int) -> int:
+    "Rows of the packed matrix per page: 1 (Quest, ArkVale), rank + 1 (basis: B^T and mu), m (oracle)."
+    if method in ("quest", "arkvale"): return 1
+    return page_size if method == "oracle" else rank + 1
+
+def packed_rows(summary: PageSummary) -> tuple[Tensor, Tensor | None]:
+    "A summary's pages as packed rows [B, Hkv, P, rows, f] (see the text) and, for the basis methods, R [B, Hkv, P, m, r]."
+    t = summary.tensors
+    if summary.method == "quest": return torch.cat([t["kmax"], t["kmin"]], -1).unsqueeze(-2), None
+    if summary.method == "arkvale": return torch.cat([t["centre"], t["radius"].unsqueeze(-1)], -1).unsqueeze(-2), None
+    if summary.method == "oracle": return t["K"], None
+    return torch.cat([t["B"].mT, t["mu"].unsqueeze(-2)], -2), t["R"]
+
+def _reserve(buf: Tensor | None, used: int, need: int, dim: int, like: Tensor) -> Tensor:
+    "A buffer with room for `need` entries along dim (capacity doubling), holding buf's first `used` entries."
+    if buf is not None and buf.shape[dim] >= need: return buf
+    shape = list(like.shape)
+    shape[dim] = max(need, 2 * (0 if buf is None else buf.shape[dim]))
+    new = like.new_empty(shape)
+    if used: new.narrow(dim, 0, used).copy_(buf.narrow(dim, 0, used))
+    return new
+
+
+class PackedPages:
+    "A growing cache's page summaries packed for decode: rows appended once per completed page, every page scored by one GEMM per KV head."
+    def __init__(self, method: str, page_size: int):
+        self.method, self.page_size = _check_method(method), _check_int(page_size, "page_size", 1)
+        self.n_pages, self.heads, self.rank = 0, None, None
+        self.W = self.R = None              # W [B*Hkv, capacity * rows, f]; R [capacity, B*Hkv, m, r] (basis methods)
+
+    @property
+    def rows(self) -> int:
+        "Rows of the packed matrix per page."
+        return _rows_per_page(self.method, self.page_size, self.rank)
+
+    def append(self, summary: PageSummary) -> "PackedPages":
+        "Append the pages of `summary` (the pages completed since the last append, same batch and KV heads); returns self."
+        if not isinstance(summary, PageSummary): raise TypeError(f"summary must be a PageSummary, got {type(summary).__name__}")
+        if summary.method != self.method or summary.page_size != self.page_size:
+            raise ValueError(f"summary is {summary.method!r} with page_size {summary.page_size}, this store holds {self.method!r} with {self.page_size}")
+        rows, R = packed_rows(summary)
+        Bsz, Hkv, n, nr, f = rows.shape
+        if self.heads is None: self.heads, self.rank = (Bsz, Hkv), None if R is None else R.shape[-1]
+        elif self.heads != (Bsz, Hkv) or (R is not None and R.shape[-1] != self.rank):
+            raise ValueError(f"summary has batch, KV heads {(Bsz, Hkv)} and rank {None if R is None else R.shape[-1]}; this store holds {self.heads}, rank {self.rank}")
+        wd = torch.promote_types(rows.dtype, torch.float32)
+        P, BH = self.n_pages, Bsz * Hkv
+        rows = rows.to(wd).reshape(BH, n * nr, f)
+        self.W = _reserve(self.W, P * nr, (P + n) * nr, 1, rows)
+        self.W[:, P * nr:(P + n) * nr] = rows
+        if R is not None:
+            R = R.to(wd).reshape(BH, n, *R.shape[-2:]).transpose(0, 1)
+            self.R = _reserve(self.R, P, P + n, 0, R)
+            self.R[P:P + n] = R
+        self.n_pages = P + n
+        return self
+
+    def scores(self, q: Tensor, scale: float | None = None) -> Tensor:
+        "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]), equal to score_pages's up to rounding; scale > 0, default 1/sqrt(d)."
+        if self.heads is None: raise ValueError("no pages appended yet")
+        Bsz, Hkv = self.heads
+        qg, single = _group_queries(q, Hkv)                                  # [B, Hkv, G, S, 1, d]
+        _, _, G, S, _, d = qg.shape
+        if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the store's ({Bsz})")
+        s = 1 / math.sqrt(d) if scale is None else float(scale)
+        if not s > 0: raise ValueError(f"scale must be > 0, got {scale!r}")
+        P, nr, BH, m = self.n_pages, self.rows, Bsz * Hkv, self.page_size
+        x = qg.reshape(BH, G * S, d).to(self.W.dtype) * s
+        if self.method == "quest": x = torch.cat([x.clamp(min=0), x.clamp(max=0)], -1)
+        elif self.method == "arkvale": x = torch.cat([x, x.norm(dim=-1, keepdim=True)], -1)
+        z = torch.bmm(x, self.W[:, :P * nr].mT).view(BH, G * S, P, nr)     # the one GEMM: every page, every query of the group
+        if self.method in ("quest", "arkvale"): out = z[..., 0]
+        elif self.method == "oracle": out = z.logsumexp(-1)
+        else:
+            r = self.rank
+            code = z[..., :r].permute(2, 0, 1, 3).reshape(P * BH, G * S, r)   # c_p per page, [P*BH, GS, r]
+            logits = torch.bmm(code, self.R[:P].view(P * BH, m, r).mT)        # (R_p c_p)_t  [P*BH, GS, m]
+            out = logits.view(P, BH, G * S, m).logsumexp(-1).permute(1, 2, 0) + z[..., r]
+        out = out.reshape(Bsz, Hkv * G, S, P)
+        return out[:, :, 0] if single else out
+
+    @property
+    def tensors(self) -> dict:
+        "The summary tensors in PageSummary's layout [B, Hkv, P, ...] (views of the packed buffers)."
+        Bsz, Hkv = self.heads
+        P, W = self.n_pages, self.W[:, :self.n_pages * self.rows].view(Bsz, Hkv, self.n_pages, self.rows, -1)
+        if self.method == "quest": return {"kmin": W[..., 0, W.shape[-1] // 2:], "kmax": W[..., 0, :W.shape[-1] // 2]}
+        if self.method == "arkvale": return {"centre": W[..., 0, :-1], "radius": W[..., 0, -1]}
+        if self.method == "oracle": return {"K": W}
+        return {"mu": W[..., -1, :], "B": W[..., :-1, :].mT, "R": self.R[:P].view(P, Bsz, Hkv, *self.R.shape[-2:]).permute(1, 2, 0, 3, 4)}
+
+    def summary(self) -> PageSummary:
+        "The packed pages as a PageSummary (views), for score_pages and the references."
+        return PageSummary(self.method, self.page_size, self.n_pages * self.page_size, self.tensors)
+
+
+# %% [markdown]
+# Check: on a GQA cache with a trailing partial page, pages appended in uneven chunks (as they
+# complete during decode) give the same tensors as summaries built at once, and the packed scores
+# equal `score_pages`'s and the loop reference's, for one query and for several, in every method.
+
+# %%
+K, V, G = _random_cache(T=4 * 8 + 5)
+q = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+for method in METHODS:
+    whole = build_summaries(method, K, V, 8, rank=3, eta=0.5, G=G)
+    packed = PackedPages(method, 8)
+    for a, b in ((0, 1), (1, 1), (1, 3), (3, 4)):                         # chunks of 1, 0, 2 and 1 pages
+        packed.append(build_summaries(method, K[:, :, a * 8:b * 8], V[:, :, a * 8:b * 8], 8, rank=3, eta=0.5, G=G))
+    test_eq(packed.n_pages, 4)
+    for n, x in whole.tensors.items(): assert_close(packed.tensors[n], x)
+    assert_close(packed.scores(q), score_pages(method, whole, q))
+    assert_close(packed.scores(q), score_pages_reference(method, K, q, whole))
+    assert_close(packed.scores(torch.stack([q, -q], 2), 0.3), score_pages(method, whole, torch.stack([q, -q], 2), 0.3))
+test_fail(lambda: packed.scores(q, scale=-1.0), contains="scale must be > 0")
+test_fail(lambda: packed.append(build_summaries("quest", K, V, 8)), contains="this store holds")
+
+
+# %%
+#| export
+def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
+    "The complete pages `pages` [B, H, n_p] of x [B, H, T, d] as whole [m, d] blocks, then the trailing partial page: [B, H, n_p*m + T % m, d]."
+    _check_cache(x, "x")
+    m = _check_int(page_size, "page_size", 1)
+    B, H, T, d = x.shape
+    P = T // m
+    if pages.dtype != torch.long or pages.dim() != 3 or pages.shape[:2] != (B, H):
+        raise ValueError(f"pages must be int64 [B, H, n_p] = [{B}, {H}, n_p], got {pages.dtype} {tuple(pages.shape)}")
+    n = pages.shape[-1]
+    out = x.new_empty(B, H, n * m + T - P * m, d)
+    body = x[:, :, :P * m].unflatten(2, (P, m))                               # [B, H, P, m, d] view of the cache
+    for b in range(B):
+        for h in range(H): torch.index_select(body[b, h], 0, pages[b, h], out=out[b, h, :n * m].view(n, m, d))
+    out[:, :, n * m:] = x[:, :, P * m:]
+    return out
+
+def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int, scale: float | None = None, dropout: float = 0.0) -> Tensor:
+    "Decode attention [B, Hq, 1, d] of q over the complete pages `pages` [B, Hkv, n_p] of k, v plus the trailing partial page."
+    if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] != 1: raise ValueError(f"q must be one decode query [B, Hq, 1, d], got {getattr(q, 'shape', type(q).__name__)}")
+    ks, vs = gather_pages(k, pages, page_size), gather_pages(v, pages, page_size)
+    return torch.nn.functional.scaled_dot_product_attention(q, ks, vs, dropout_p=dropout, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# %% [markdown]
+# Check: the gathered pages are `gather_keys` at `page_tokens` (also on a strided slice of a
+# longer cache, as a growing cache is), and `page_attention` equals exact attention over those
+# tokens, `attend_selected` (a masked softmax over the gathered keys).
+
+# %%
+from sparsekv.hf import gather_keys
+
+# %%
+K, V, G = _random_cache(T=100)
+w = aggregate_gqa(score_pages("oval", build_summaries("oval", K, V, 8, rank=3, G=G), q), 2)
+for T in (100, 96, 37):
+    k, v = K[:, :, :T], V[:, :, :T]
+    ids = top_pages(w[..., :T // 8], 40, 8, 4, 8, T)
+    test_eq(page_tokens(ids, 8, T), select_pages(w[..., :T // 8], 40, 8, 4, 8, T))
+    test_eq(gather_pages(k, ids, 8), gather_keys(k, page_tokens(ids, 8, T)))
+    qq = q.unsqueeze(2)
+    assert_close(page_attention(qq, k, v, ids, 8, 0.2), attend_selected(qq, k, v, page_tokens(ids, 8, T), scale=0.2))
+
+
+# %% [markdown]
 # ## Decode-time retrieval
 #
 # `PageRetrievalPolicy` plugs the pipeline into `sparsekv.hf` as a `SelectionPolicy`
 # (D.3, D.8): the full cache stays resident; prefill is dense; at each decode step of a
 # layer past the first `dense_layers` (layer 0 stays dense in the paper), the policy
 # summarizes pages that completed since its last call (a page's summary never changes once
-# built, so earlier summaries are kept and only new pages are added), scores them with the
-# current query, aggregates over the group, and attends exactly to the sink, recent and
-# selected pages' original keys. $G$ for OVAL comes from the layer's `o_proj`. A cache that
-# did not grow or whose first key changed (a new sequence) rebuilds the layer's summaries.
+# built, so earlier summaries are kept and only new pages are appended to the layer's
+# `PackedPages`; `built` counts the pages summarized), scores every page with the current
+# query by the packed GEMM, aggregates over the group, and attends exactly to the sink,
+# recent and selected pages' original keys (`page_attention`). $G$ for OVAL comes from the
+# layer's `o_proj`. A cache that did not grow or whose first key changed (a new sequence)
+# rebuilds the layer's summaries.
 #
 # Speculative retrieval with correction (the paper's FreeKV setup, D.3: 2 steps, `corr_group avg`,
 # $\tau=0.8$ or $0.9$): with `spec_steps = n > 0` the pages are ranked with the layer's decode
@@ -560,10 +779,12 @@ class PageRetrievalPolicy(SelectionPolicy):
         self.spec_steps, self.tau = _check_int(spec_steps, "spec_steps", 0), float(tau)
         self.summaries, self.metrics, self.history, self.seen = {}, {}, {}, {}
         self.corrected, self.speculated = 0, 0                               # KV-head decisions re-scored / made speculatively
+        self.built = 0                                                       # pages summarized (all heads of a page at once), summed over layers
 
     def metric(self, ctx) -> Tensor | None:
         "The layer's output metric G [Hkv, d, d] from its o_proj (OVAL only)."
-        if self.method != "oval" or ctx.module is None: return None
+        if self.method != "oval": return None
+        if ctx.module is None: raise ValueError("OVAL needs the attention module (ctx.module, with o_proj) for its output metric G")
         if ctx.layer_idx not in self.metrics:
             m = ctx.module
             W = m.o_proj.weight.detach()
@@ -583,24 +804,35 @@ class PageRetrievalPolicy(SelectionPolicy):
         del hist[: -self.spec_steps - 1]
         return hist[0] if self.spec_steps and len(hist) == self.spec_steps + 1 else None
 
-    def summary(self, k: Tensor, v: Tensor, ctx) -> PageSummary:
-        "The layer's summaries of every complete page of k, v [B, Hkv, T, d], extended by the pages completed since the last call."
-        i, m, T = ctx.layer_idx, self.page_size, k.shape[2]
-        old = self.summaries.get(i)
-        done = 0 if old is None else old.n_pages
-        if old is not None and T // m == done: return old
-        new = build_summaries(self.method, k[:, :, done * m:(T // m) * m], v[:, :, done * m:(T // m) * m], m, self.rank, self.eta,
-                              None if self.method != "oval" else self.metric(ctx).to(k.device))
-        t = new.tensors if old is None else {n: torch.cat([old.tensors[n], x], 2) for n, x in new.tensors.items()}
-        self.summaries[i] = PageSummary(self.method, m, T, t)
-        return self.summaries[i]
+    def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
+        "The layer's packed summaries of every complete page of k, v [B, Hkv, T, d]: only the pages completed since the last call are built and appended."
+        i, m, P = ctx.layer_idx, self.page_size, k.shape[2] // self.page_size
+        packed = self.summaries.get(i) or self.summaries.setdefault(i, PackedPages(self.method, m))
+        done = packed.n_pages
+        if P > done or packed.heads is None:
+            packed.append(build_summaries(self.method, k[:, :, done * m:P * m], v[:, :, done * m:P * m], m, self.rank, self.eta,
+                                          None if self.method != "oval" else self.metric(ctx).to(k.device)))
+            self.built += P - done
+        return packed
 
-    def weights(self, summ: PageSummary, q: Tensor, Hkv: int, scale: float) -> Tensor:
+    def weights(self, summ: PackedPages, q: Tensor, Hkv: int, scale: float) -> Tensor:
         "Aggregated page weights [B, Hkv, P] for queries q [B, Hq, d]."
-        return aggregate_gqa(score_pages(self.method, summ, q, scale), Hkv, self.policy)
+        return aggregate_gqa(summ.scores(q, scale), Hkv, self.policy)
 
     def select(self, q, k, v, ctx):
         "Token indices [B, Hkv, n] for a decode query; None (dense) at prefill, in the dense layers and when the cache fits the budget."
+        pages = self.page_ids(q, k, v, ctx)
+        return None if pages is None else page_tokens(pages, self.page_size, k.shape[2])
+
+    def attend(self, q, k, v, ctx):
+        "Decode: page_attention over the kept pages (attend_selected under a mask or with several queries); otherwise dense."
+        pages = self.page_ids(q, k, v, ctx)
+        if pages is None: return dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout)
+        if ctx.mask is None and q.shape[2] == 1: return page_attention(q, k, v, pages, self.page_size, ctx.scale, ctx.dropout)
+        return attend_selected(q, k, v, page_tokens(pages, self.page_size, k.shape[2]), ctx.mask, ctx.scale, ctx.dropout)
+
+    def page_ids(self, q, k, v, ctx):
+        "The complete pages [B, Hkv, n_p] a decode query keeps (see top_pages); None when select would return None."
         if ctx.kind != "decode" or ctx.layer_idx < self.dense_layers: return None
         past = self.track(q, k, ctx)
         T, Hkv = k.shape[2], k.shape[1]
@@ -614,7 +846,7 @@ class PageRetrievalPolicy(SelectionPolicy):
             w = self.weights(summ, past, Hkv, ctx.scale)
             if fix.any(): w = torch.where(fix[..., None], self.weights(summ, now, Hkv, ctx.scale), w)
             self.corrected, self.speculated = self.corrected + int(fix.sum()), self.speculated + fix.numel()
-        return select_pages(w, self.budget, self.page_size, self.sink, self.recent, T)
+        return top_pages(w, self.budget, self.page_size, self.sink, self.recent, T)
 
 
 # %% [markdown]
