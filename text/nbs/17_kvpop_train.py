@@ -1,0 +1,894 @@
+# %% [markdown]
+# # KVpop: distillation training
+#
+# > One training loop for every trained KV method (Alg. 1, §3.3, §4, App. F): a student attention policy, forward KL to the dense teacher on its top-256 logits, the method's own loss, two AdamW groups, exact checkpoint/resume and FSDP2 under `torchrun`.
+
+# %%
+#| default_exp kvpop.train
+
+# %%
+#| export
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from tqdm.auto import tqdm
+
+from sparsekv.attention import attention_scores, masked_attention, masked_logsumexp
+from sparsekv.data import packed_sequences
+from sparsekv.eval import kl_to_teacher
+from sparsekv.hf import AttentionPolicy, MaskPolicy, SinkWindowCache, dense_attention, heads_mask, patch
+from sparsekv.io import atomic_path, write_csv
+from sparsekv.kvpop.cache import KVpopCache, KVpopScorers
+from sparsekv.kvpop.cutoff import check_budget, topk_cutoff
+from sparsekv.kvpop.loss import retention_loss, retention_recall, sample_boundary_queries
+from sparsekv.kvpop.mask import kvpop_attention, kvpop_mask
+from sparsekv.kvpop.target import future_attention_target
+from sparsekv.models import load_model, model_info
+
+# %%
+#| hide
+import tempfile
+
+from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from sparsekv.attention import attention_reference
+from sparsekv.eval import token_kl, top1_agreement
+from sparsekv.hf import chunked_prefill
+from sparsekv.kvpop.cache import random_scorers
+from sparsekv.kvpop.loss import retention_loss_reference
+from sparsekv.kvpop.mask import kvpop_mask_reference
+
+
+# %% [markdown]
+# ## One training step of KVpop (Alg. 1 / Alg. 3)
+#
+# KVpop retrofits a pretrained model with a fixed per-head KV budget $B = s + w + k$ (Eq. 1) and learns
+# which long-range tokens to keep. One training step on a packed batch of sequences of length $S$ is:
+#
+# 1. **Teacher forward.** The frozen dense model gives logits $z^{T}$ (no gradient). In full fine-tuning
+#    the teacher is a frozen copy of the base model taken before training; when only the scorers train
+#    (the base is frozen) the teacher is the unpatched model itself.
+# 2. **Student forward.** The same model runs with every attention layer replaced by KVpop attention.
+#    In layer $\ell$, from its post-RoPE keys and values:
+#    - the scorer reads $x_{h,t} = [k_{h,t}; v_{h,t}]$ **detached** from the backbone (§3.3) and predicts raw
+#      scores $\hat r_{h,t}$; with the per-head decay $\gamma_h$ they become static priorities
+#      $\hat p_{h,t} = \hat r_{h,t} - \lfloor t/n \rfloor \log\gamma_h$ (Eq. 20), in float32 (App. F);
+#    - the priorities, **detached**, give each token's rank and each query's cutoff $\tau_q$ (Alg. 2), hence the
+#      mask $M$ of Eq. (26): sinks, the window, and the eligible tokens with rank $\le \tau_q$;
+#    - exact attention under $M$ gives the layer output and the sparse log-normalizer $\widetilde{\mathrm{LSE}}_d$ (Eq. 9);
+#    - the target $r^{\mathrm{tgt}}_{h,t}$ (Eq. 3) comes from one transposed pass over the layer's own $q, k$
+#      normalized by $\widetilde{\mathrm{LSE}}$ (Eq. 8–9), without gradient, and receives the same decay:
+#      $p^{\mathrm{tgt}}_{h,t} = r^{\mathrm{tgt}}_{h,t} - \lfloor t/n \rfloor \log\gamma_h$ (Eq. 5).
+# 3. **Losses.** The distillation loss is the forward KL from the teacher to the student on the teacher's
+#    top-256 tokens at temperature 1 (App. F). The retention loss (Eq. 7) compares, at sampled query
+#    positions $q \ge s + w + k$ (Eq. 25), the student priorities of the newly eligible token $q - w$ and of
+#    the teacher's boundary token; it is averaged over layers.
+# 4. **Update.** One backward of the sum, gradient clipping to 1.0, AdamW with two parameter groups.
+#
+# Where the gradients flow:
+#
+# - The **ranking is not differentiable** (a sort and a threshold), and the mask is built from detached
+#   priorities: the KL never reaches the scorers. The scorers learn only from the retention loss.
+# - The scorer inputs are detached, so the retention loss never reaches the backbone: the base model
+#   learns only from the KL, through the attention it computes under the fixed mask (its $q, k, v$ and the
+#   MLPs), i.e. it adapts to the sparsity pattern the scorers chose.
+# - The target is a label: computed under `no_grad` from detached $q, k$ and $\widetilde{\mathrm{LSE}}$.
+#   The decays $\gamma_h$ receive gradient through the student priorities only (the teacher's copy of the
+#   decay term is detached with the target).
+#
+# So in scorer-only training (base frozen) the KL has no gradient path at all; it is then only a metric.
+#
+# ## The student protocol
+#
+# Every trained method (KVpop, StreamingLLM+ and DMS) plugs into the same loop as a `DistillStudent`: an
+# `nn.Module` holding only the method's **new** parameters, with a training-time attention `policy()`, a
+# `method_loss(step)` from what the policy captured during the forward, and an `inference_cache()`.
+
+# %%
+#| export
+class DistillStudent(nn.Module):
+    "A trained KV method: its new parameters (scorers, decays, gates), its training attention and its own loss."
+
+    def policy(self) -> AttentionPolicy:
+        """Training-time attention of the student, used as `with hf.patch(model, student.policy()): model(input_ids)` on
+        whole (packed) sequences without a cache. In train() mode the policy captures what method_loss needs; in eval()
+        mode it only attends (deterministic)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement policy()")
+
+    def method_loss(self, step: int) -> tuple[Tensor, dict[str, float]]:
+        """Called once after each training forward: the method's own loss (already weighted; a zero tensor when none)
+        from what the policy captured during that forward, plus scalar metrics for logging; clears the capture."""
+        return torch.zeros(()), {}
+
+    def inference_cache(self):
+        "A bounded transformers Cache for decoding with this method (e.g. KVpopCache), or None."
+        return None
+
+    def fsdp_units(self) -> list[nn.Module]:
+        "Submodules whose forward the policy calls, each sharded as one FSDP2 unit (see `shard_for_training`); default: the children with parameters."
+        return [m for m in self.children() if any(True for _ in m.parameters())]
+
+
+# %% [markdown]
+# ### KVpop attention with capture
+#
+# `KVpopTrainPolicy` is the student forward of step 2. On CUDA it uses `kvpop_attention` (FlexAttention with the
+# on-the-fly mask, which returns the sparse LSE with the output). On CPU it attends with SDPA under the dense
+# `kvpop_mask` and computes the sparse LSE from the masked scores only when training needs it, outside the
+# autograd graph: the LSE is only an input to the target, a label.
+# In `train()` mode it records per layer the student priorities (with their graph to the scorer and decay
+# parameters) and the decayed target; in `eval()` mode (or under `no_grad`) it only attends, exactly like
+# `KVpopMaskPolicy`.
+#
+# Computing the target inside the forward rather than in `method_loss` keeps only two `[B, Hkv, S]`
+# tensors per layer alive instead of the layer's $q$ and $k$; the computation is the same.
+
+# %%
+#| export
+class KVpopTrainPolicy(AttentionPolicy):
+    "KVpop attention on whole sequences (Eq. 26, exact attention under the mask); in training, records priorities and targets."
+
+    def __init__(self, student: "KVpopStudent"):
+        self.student = student
+
+    def attend(self, q, k, v, ctx):
+        st = self.student
+        if ctx.past_len: raise ValueError("KVpop training attention takes whole sequences: call the model without a cache")
+        capture = st.training and torch.is_grad_enabled()
+        with torch.set_grad_enabled(capture):  # scorer inputs detached: gradients reach only scorers and decays (§3.3)
+            pred = st.scorers.priority(ctx.layer_idx, k.detach(), v.detach(), ctx.key_positions)
+        rank, cutoff = topk_cutoff(pred.detach(), st.k, st.sink, st.window)  # float32 ranking, no gradient
+        if q.is_cuda and ctx.mask is None:  # FlexAttention with the on-the-fly mask: output and LSE in one pass
+            out, lse = kvpop_attention(q, k, v, rank, cutoff, st.sink, st.window, scale=ctx.scale)
+        else:  # dense mask (a model mask, e.g. padding, intersected); on CPU: SDPA, and the LSE only when needed, without graph
+            m = kvpop_mask(rank, cutoff, st.sink, st.window, q.shape[1] // k.shape[1])
+            if ctx.mask is not None: m = m & heads_mask(ctx.mask, q.shape[1])
+            if q.is_cuda: out, lse = masked_attention(q, k, v, m, scale=ctx.scale)
+            else:
+                out = dense_attention(q, k, v, m, ctx.scale, ctx.dropout)
+                with torch.no_grad(): lse = masked_logsumexp(attention_scores(q, k, m, ctx.scale)) if capture else None
+        if capture:
+            with torch.no_grad():  # Eq. (8)-(9) with the sparse LSE, then the shared decay (Eq. 5)
+                r_tgt = future_attention_target(q, k, st.window, lse=lse, agg=st.agg, eps=st.eps, scale=ctx.scale)
+                target = st.scorers.decayed(ctx.layer_idx, r_tgt, ctx.key_positions)
+            st.captured.append((pred, target))
+        return out
+
+
+# %% [markdown]
+# ### `KVpopStudent`
+#
+# The student holds the scorers (`KVpopScorers`, MLP or mLSTM) and the budget. `method_loss` samples
+# `n_boundaries` query positions with `sample_boundary_queries` (Eq. 25; half of them biased toward the end),
+# from a generator seeded by `(seed, step)` so that a resumed run draws the same positions, and averages
+# `retention_loss` (Eq. 7, margin weighting on, App. F) over layers. It also logs the top-$k$ retention recall
+# of the student against the teacher policy at the same positions (Fig. 7).
+
+# %%
+#| export
+def step_generator(seed: int, step: int) -> torch.Generator:
+    "A CPU generator seeded by (seed, step): the same random draws at a step whether the run was resumed or not."
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+class KVpopStudent(DistillStudent):
+    "KVpop (Alg. 1): scorer-ranked sparse attention; retention loss (Eq. 7) on the future-attention target of its own sparse pass."
+
+    def __init__(self, scorers: KVpopScorers, sink: int, window: int, k: int, n_boundaries: int = 64,
+                 late_frac: float = 0.5, tau: float = 1.0, margin: bool = True, omega_min: float = 0.1,
+                 tau_omega: float = 1.0, balance: bool = False, agg: str = "max", eps: float = 1e-6,
+                 weight: float = 1.0, seed: int = 0):
+        super().__init__()
+        if not isinstance(scorers, KVpopScorers): raise TypeError(f"scorers must be a KVpopScorers, got {type(scorers).__name__}")
+        self.k, self.sink, self.window = check_budget(k, sink, window)
+        if isinstance(n_boundaries, bool) or not isinstance(n_boundaries, int) or n_boundaries < 1:
+            raise ValueError(f"n_boundaries must be an int >= 1, got {n_boundaries!r}")
+        if not weight >= 0: raise ValueError(f"weight must be >= 0, got {weight!r}")
+        self.scorers, self.n_boundaries, self.late_frac, self.weight, self.seed = scorers, n_boundaries, late_frac, weight, seed
+        self.loss_options = dict(tau=tau, margin=margin, omega_min=omega_min, tau_omega=tau_omega, balance=balance)
+        self.agg, self.eps = agg, eps
+        self.captured: list[tuple[Tensor, Tensor]] = []
+
+    @classmethod
+    def for_model(cls, model, sink: int, window: int, k: int, scorer: str = "mlp", n: int = 1, gamma_min: float = 0.999,
+                  gamma_max: float = 0.999999, **options) -> "KVpopStudent":
+        "Fresh scorers for `model`'s layers ('mlp', or 'mlstm' with readout delay = window, §3.3) in float32, Table 3 decays."
+        info = model_info(model)
+        args = info.num_layers, info.num_kv_heads, info.head_dim
+        if scorer == "mlp": sc = KVpopScorers.mlp(*args, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
+        elif scorer == "mlstm": sc = KVpopScorers.mlstm(*args, delay=window, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
+        else: raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {scorer!r}")
+        return cls(sc.to(next(model.parameters()).device), sink, window, k, **options)
+
+    def policy(self) -> KVpopTrainPolicy:
+        return KVpopTrainPolicy(self)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        "Each layer's scorer and decay: the policy calls their forward."
+        return [*self.scorers.scorers, *self.scorers.decays]
+
+    def method_loss(self, step: int) -> tuple[Tensor, dict[str, float]]:
+        if not self.captured: raise RuntimeError("method_loss needs a training forward under policy() in train() mode first")
+        captured, self.captured = self.captured, []
+        S = captured[0][0].shape[-1]
+        q = sample_boundary_queries(S, self.n_boundaries, self.sink, self.window, self.k, self.late_frac,
+                                    generator=step_generator(self.seed, step), device=captured[0][0].device)
+        loss = torch.stack([retention_loss(p, t, q, self.sink, self.window, self.k, **self.loss_options)
+                            for p, t in captured]).mean()
+        recall = torch.stack([retention_recall(p.detach(), t, q, self.sink, self.window, self.k).float().mean()
+                              for p, t in captured]).mean()
+        return self.weight * loss, {"retention_loss": loss.item(), "retention_recall": recall.item()}
+
+    def inference_cache(self) -> KVpopCache:
+        return KVpopCache(self.scorers, self.sink, self.window, self.k)
+
+
+# %% [markdown]
+# The policy's attention must be the KVpop mask of the current scorers, with the sparse LSE. We check the
+# output of a patched tiny model layer against `attention_reference` under `kvpop_mask_reference` (the mask
+# from its definition, by loops), and that the captured target is `future_attention_target` with the
+# reference LSE, decayed.
+
+# %%
+model, tok = load_model("tiny-llama", num_layers=2)
+sc = random_scorers(model, seed=1)
+student = KVpopStudent(sc, sink=2, window=4, k=3, n_boundaries=8)
+ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+attn = model.model.layers[0].self_attn
+outputs = []
+hook = attn.register_forward_hook(lambda mod, args, out: outputs.append(out[0].detach()))
+with patch(model, student.policy()):
+    student.train()
+    logits = model(ids).logits
+hook.remove()
+captured = list(student.captured)
+# recompute layer 0 by hand: project q, k, v of its input and attend under the reference mask
+h = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
+B, S = ids.shape
+hd = attn.head_dim
+qh = attn.q_proj(h).view(B, S, -1, hd).transpose(1, 2)
+kh = attn.k_proj(h).view(B, S, -1, hd).transpose(1, 2)
+vh = attn.v_proj(h).view(B, S, -1, hd).transpose(1, 2)
+cos, sin = model.model.rotary_emb(h, torch.arange(S)[None])
+qh, kh = apply_rotary_pos_emb(qh, kh, cos, sin)
+prio = sc.priority(0, kh, vh, torch.arange(S).expand(B, kh.shape[1], S))
+G = qh.shape[1] // kh.shape[1]
+m = kvpop_mask_reference(prio.detach(), 3, 2, 4).repeat_interleave(G, 1)
+out_ref, lse_ref = attention_reference(qh, kh, vh, m, scale=attn.scaling)
+assert_close(outputs[0], attn.o_proj(out_ref.transpose(1, 2).reshape(B, S, -1)), atol=1e-5, rtol=1e-5)
+assert_close(captured[0][0].detach(), prio.detach())
+tgt_ref = sc.decayed(0, future_attention_target(qh, kh, 4, lse=lse_ref, method="dense"), torch.arange(S).expand(B, kh.shape[1], S))
+assert_close(captured[0][1], tgt_ref, atol=1e-5, rtol=1e-5)
+with patch(model, student.policy()):
+    student.eval()
+    logits_eval = model(ids).logits
+test_eq(len(student.captured), len(captured))  # eval mode captures nothing new
+assert_close(logits_eval, logits.detach())  # and attends identically
+
+# %% [markdown]
+# The retention loss averaged over layers equals the loop-based `retention_loss_reference` (Eq. 5–7) per
+# layer on the raw scores, and its gradient reaches the scorers and decays only.
+
+# %%
+student.captured = captured
+loss, metrics = student.method_loss(step=5)
+q = sample_boundary_queries(S, 8, 2, 4, 3, generator=step_generator(0, 5))
+refs = []
+for layer, (p, t) in enumerate(captured):
+    pos = torch.arange(S).expand(B, kh.shape[1], S)
+    lg = sc.decays[layer]()
+    # reference on raw scores: recover them from the priorities (r = p + floor(t/n) log gamma)
+    raw_p = p + pos.float() * lg.view(1, -1, 1)
+    raw_t = t + pos.float() * lg.detach().view(1, -1, 1)
+    refs.append(retention_loss_reference(raw_p, raw_t, lg, q.tolist(), 2, 4, 3))
+assert_close(loss, torch.stack(refs).mean(), atol=1e-5, rtol=1e-5)
+test_eq(student.captured, [])
+loss.backward()
+assert all(p.grad is not None for p in sc.parameters() if p.requires_grad and p.numel())
+assert all(p.grad is None for p in model.parameters())  # the retention loss never reaches the backbone
+sc.zero_grad()
+
+
+# %% [markdown]
+# ### StreamingLLM+ at the same budget
+#
+# StreamingLLM+ trains the base model under a fixed pattern with the same per-head budget $B = s + w + k$:
+# we give it the $s$ sinks and a recent window of $w + k$ tokens (the long-range slots become more window).
+# It has no new parameters and no method loss, so it is trained in full mode.
+
+# %%
+#| export
+class SinkWindowPolicy(MaskPolicy):
+    "Query p attends to the first `sink` tokens and the `window` most recent ones (itself included)."
+
+    def __init__(self, sink: int, window: int):
+        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
+        self.sink, self.window = sink, window
+
+    def mask(self, q, k, v, ctx):
+        t, p = ctx.key_positions[:, :, None, :], ctx.query_positions[None, None, :, None]
+        return (t <= p) & ((t < self.sink) | (p - t < self.window))
+
+
+class SinkWindowStudent(DistillStudent):
+    "StreamingLLM+ (§4): sinks `sink` and a recent window of `window + k`, the KVpop budget s + w + k; no new parameters."
+
+    def __init__(self, sink: int, window: int, k: int):
+        super().__init__()
+        self.k, self.sink, self.window = check_budget(k, sink, window)
+
+    def policy(self) -> SinkWindowPolicy:
+        return SinkWindowPolicy(self.sink, self.window + self.k)
+
+    def inference_cache(self) -> SinkWindowCache:
+        return SinkWindowCache(self.sink, self.window + self.k)
+
+
+# %%
+sw = SinkWindowStudent(2, 4, 3)
+with patch(model, sw.policy()): out = model(ids).logits
+cache = sw.inference_cache()
+with torch.no_grad(), patch(model, sw.policy()):
+    step_logits = [chunked_prefill(model, ids[:, :j + 1], j + 1, cache=SinkWindowCache(2, 7))[1] for j in range(S)]
+assert_close(out[:, -1], step_logits[-1], atol=1e-5, rtol=1e-5)  # the training mask = the bounded cache's view
+test_eq(sum(p.numel() for p in sw.parameters()), 0)
+
+# %% [markdown]
+# ## Configuration and learning-rate schedule (App. F, Table 3)
+#
+# Two AdamW parameter groups, betas $(0.9, 0.95)$, weight decay $10^{-4}$: the base model's existing
+# parameters at a constant $8 \cdot 10^{-5}$, and the new parameters (scorers, decays) with a linear warmup
+# over 100 steps to $10^{-3}$ followed by a cosine decay to $8 \cdot 10^{-5}$ at the last step. For update
+# $i = 0, 1, \dots, T-1$ of $T$ steps with $W$ warmup steps:
+#
+# $$\eta_i = \begin{cases} \eta_{\max} \dfrac{i+1}{W}, & i < W \\[4pt] \eta_{\min} + \dfrac{\eta_{\max} - \eta_{\min}}{2}\left(1 + \cos \dfrac{\pi (i - W)}{\max(1, T - W)}\right), & i \ge W. \end{cases}$$
+#
+# `mode="scorer_only"` freezes the base (the fast CPU path); there the KL is only a metric, and computing it
+# costs a teacher forward and the LM head of both passes for nothing the optimizer sees, so by default it is
+# skipped (`kl_metric=False`): the student forward then stops at the last hidden state of the last position.
+
+# %%
+#| export
+MODES = ("full", "scorer_only")
+
+
+@dataclass
+class DistillConfig:
+    "Hyper-parameters of `distill` (App. F, Table 3)."
+    steps: int = 2000
+    mode: str = "full"                          # "full" (base + new params) or "scorer_only" (base frozen)
+    base_lr: float = 8e-5                       # existing params: constant
+    new_lr: float = 1e-3                        # new params: peak after warmup
+    new_lr_min: float = 8e-5                    # new params: end of the cosine
+    warmup_steps: int = 100
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 1e-4
+    grad_clip: float = 1.0
+    kl_top_k: int = 256
+    kl_temperature: float = 1.0
+    kl_metric: bool = False                     # scorer_only: also compute the (gradient-free) KL as a metric
+    grad_accum: int = 1                         # micro-batches per step (the paper's global batch 128 by accumulation)
+    checkpoint_every: int | None = None
+    bf16: bool = True                           # bf16 autocast on CUDA (ranking and decay stay float32)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES: raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("steps", "warmup_steps", "kl_top_k", "grad_accum"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "warmup_steps" else 1):
+                raise ValueError(f"{name} must be an int >= {0 if name == 'warmup_steps' else 1}, got {v!r}")
+        if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every must be None or an int >= 1, got {self.checkpoint_every!r}")
+        for name in ("base_lr", "new_lr", "new_lr_min", "grad_clip", "kl_temperature"):
+            if not getattr(self, name) > 0: raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.new_lr_min > self.new_lr: raise ValueError(f"new_lr_min ({self.new_lr_min}) must be <= new_lr ({self.new_lr})")
+        self.betas = tuple(self.betas)
+
+
+def new_param_lr(i: int, config: DistillConfig) -> float:
+    "Learning rate of the new parameters at update i (0-based): linear warmup, then cosine from new_lr to new_lr_min (Table 3)."
+    W, T = config.warmup_steps, config.steps
+    if i < W: return config.new_lr * (i + 1) / W
+    frac = min(1.0, (i - W) / max(1, T - W))
+    return config.new_lr_min + 0.5 * (config.new_lr - config.new_lr_min) * (1 + math.cos(math.pi * frac))
+
+
+# %%
+#| export
+def trainable_groups(model: nn.Module, student: DistillStudent, config: DistillConfig) -> list[dict]:
+    "AdamW parameter groups: 'base' (the model, full mode only, constant LR) and 'new' (the student), skipping empty ones."
+    groups = []
+    if config.mode == "full": groups.append(dict(name="base", params=[p for p in model.parameters() if p.requires_grad], lr=config.base_lr))
+    groups.append(dict(name="new", params=[p for p in student.parameters() if p.requires_grad], lr=config.new_lr))
+    groups = [g for g in groups if g["params"]]
+    if not groups: raise ValueError(f"nothing to train: mode={config.mode!r} and {type(student).__name__} has no parameters")
+    return groups
+
+
+def make_optimizer(model: nn.Module, student: DistillStudent, config: DistillConfig):
+    "(AdamW over `trainable_groups`, LambdaLR applying the constant base LR and `new_param_lr`)."
+    groups = trainable_groups(model, student, config)
+    opt = torch.optim.AdamW(groups, betas=config.betas, weight_decay=config.weight_decay)
+    lambdas = [(lambda i: 1.0) if g["name"] == "base" else (lambda i: new_param_lr(i, config) / config.new_lr) for g in groups]
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+
+
+# %% [markdown]
+# Check: the schedule the optimizer applies, stepped as in training, against the formula written out
+# by hand with the paper's numbers (peak $10^{-3}$ after 100 steps, $8\cdot 10^{-5}$ at the end).
+
+# %%
+cfg = DistillConfig(steps=400)
+lin = torch.nn.Linear(2, 2)
+opt, sched = make_optimizer(lin, KVpopStudent(random_scorers(model), 2, 4, 3), cfg)
+seen_lr = []
+for i in range(cfg.steps):
+    seen_lr.append({g["name"]: g["lr"] for g in opt.param_groups})
+    opt.step(); sched.step()
+brute = [1e-3 * (i + 1) / 100 if i < 100 else 8e-5 + (1e-3 - 8e-5) * (1 + math.cos(math.pi * (i - 100) / 300)) / 2 for i in range(400)]
+assert_close(torch.tensor([r["new"] for r in seen_lr]), torch.tensor(brute, dtype=torch.float32), rtol=1e-6, atol=0)
+test_eq({r["base"] for r in seen_lr}, {8e-5})
+test_eq(max(brute), 1e-3)
+assert abs(seen_lr[-1]["new"] - 8e-5) < 1e-7  # the cosine ends at the floor
+test_fail(lambda: DistillConfig(mode="lora"), contains="mode")
+test_fail(lambda: trainable_groups(lin, SinkWindowStudent(2, 4, 3), DistillConfig(mode="scorer_only")), contains="nothing to train")
+
+
+# %% [markdown]
+# ## The distillation loss
+#
+# Forward KL from teacher to student on the teacher's top-256 tokens, both distributions renormalized on that
+# set (`eval.kl_to_teacher`, App. F: "KL reverse: false"), at temperature $T$ (logits divided by $T$, the loss
+# scaled by $T^2$ so that its gradient does not shrink with $T$).
+
+# %%
+#| export
+def distill_kl(student_logits: Tensor, teacher_logits: Tensor, top_k: int = 256, temperature: float = 1.0) -> Tensor:
+    "Mean forward KL(teacher || student) over positions on the teacher's `top_k` tokens at `temperature` (App. F)."
+    T = temperature
+    return kl_to_teacher(student_logits / T, teacher_logits.detach() / T, top_k=min(top_k, teacher_logits.shape[-1])) * T * T
+
+
+# %%
+zs, zt = torch.randn(2, 5, 40), torch.randn(2, 5, 40)
+assert_close(distill_kl(zs, zt, top_k=8), token_kl(zs, zt, top_k=8).mean())
+assert_close(distill_kl(zs, zt, top_k=8, temperature=2.0), 4 * token_kl(zs / 2, zt / 2, top_k=8).mean())
+
+
+# %% [markdown]
+# ## Data, checkpoints and the loop
+#
+# `batches` is any re-iterable sequence of `[B, S]` token batches, `grad_accum` per step; `epoch_batches` makes one from
+# packed sequences (deterministic shuffles per epoch). A checkpoint holds everything a resumed run needs to
+# continue **bit-identically**: model (full mode), student, optimizer, scheduler, the number of batches consumed,
+# RNG states and the history so far. It is written atomically (`io.atomic_path`), so an interrupted write
+# leaves the previous checkpoint. The boundary positions are drawn from generators seeded by the step, so
+# they do not depend on the process' RNG stream.
+#
+# Under `torch.distributed` every rank takes its slice of each global batch; state dicts are gathered to full
+# tensors with `torch.distributed.checkpoint.state_dict` (a no-op for an unsharded model) and rank 0 writes.
+
+# %%
+#| export
+def epoch_batches(sequences: Tensor, batch_size: int, steps: int, seed: int = 0) -> list[Tensor]:
+    "`steps` batches `[batch_size, S]` of `sequences` `[N, S]`, reshuffled every epoch from `seed` (drops the last partial batch)."
+    if not isinstance(sequences, Tensor) or sequences.dim() != 2: raise ValueError("sequences must be a [N, S] tensor of token ids")
+    n = sequences.shape[0]
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= n: raise ValueError(f"batch_size must be an int in [1, {n}], got {batch_size!r}")
+    per_epoch, out, epoch = n // batch_size, [], 0
+    while len(out) < steps:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        out += [sequences[order[i * batch_size:(i + 1) * batch_size]] for i in range(per_epoch)]
+        epoch += 1
+    return out[:steps]
+
+
+def world() -> tuple[int, int]:
+    "(rank, world size): (0, 1) without an initialized process group."
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def rank_slice(batch: Tensor) -> Tensor:
+    "This rank's rows of a global batch (equal contiguous slices)."
+    rank, n = world()
+    if batch.shape[0] % n: raise ValueError(f"the global batch size {batch.shape[0]} must be divisible by the world size {n}")
+    return batch.chunk(n)[rank] if n > 1 else batch
+
+
+# %%
+#| export
+def _state_container(model: nn.Module, student: DistillStudent, config: DistillConfig) -> nn.Module:
+    "One module whose state dict covers what is trained (keys 'model.*' in full mode, 'student.*')."
+    return nn.ModuleDict({"model": model, "student": student} if config.mode == "full" else {"student": student})
+
+
+def rng_state() -> dict:
+    "Python, NumPy, torch CPU (and CUDA) RNG states."
+    st = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
+    if torch.cuda.is_available(): st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    "Restore what `rng_state` returned."
+    random.setstate(st["python"]); np.random.set_state(st["numpy"]); torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available(): torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, step: int, history: list[dict]) -> None:
+    "Write the training state after `step` updates to `path` atomically (every rank calls it; rank 0 writes)."
+    model_sd, opt_sd = get_state_dict(_state_container(model, student, config), opt,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if world()[0] == 0:
+        ckpt = dict(step=step, batches_consumed=step * config.grad_accum, model=model_sd, optimizer=opt_sd, scheduler=sched.state_dict(),
+                    rng=rng_state(), history=history, config=asdict(config))
+        with atomic_path(path) as tmp: torch.save(ckpt, tmp)
+    if world()[1] > 1: dist.barrier()
+
+
+def load_checkpoint(path, model, student, opt, sched, config: DistillConfig) -> tuple[int, list[dict]]:
+    "Restore the state `save_checkpoint` wrote into model, student, optimizer and scheduler; return (step, history)."
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if ckpt["config"]["mode"] != config.mode: raise ValueError(f"checkpoint {path} was trained in mode {ckpt['config']['mode']!r}, not {config.mode!r}")
+    set_state_dict(_state_container(model, student, config), opt, model_state_dict=ckpt["model"],
+                   optim_state_dict=ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+    sched.load_state_dict(ckpt["scheduler"])
+    set_rng_state(ckpt["rng"])
+    return ckpt["step"], ckpt["history"]
+
+
+# %% [markdown]
+# The loop. `distill` returns the history as a DataFrame: one `kind="train"` row per update (`step` = updates
+# done after it) with the total loss, the KL, the method's loss and metrics, the gradient norm before clipping,
+# the learning rates used, the wall time and the process' CPU time (robust on a shared machine); and
+# `kind="eval"` rows from `eval_fn(model, student)` before training and every `eval_every` updates (the model
+# and student in `eval()` mode, under `no_grad`).
+
+# %%
+#| export
+def _all_mean(values: dict[str, float]) -> dict[str, float]:
+    "Average scalar metrics over ranks (identity in one process)."
+    if world()[1] == 1 or not values: return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / world()[1]).tolist()))
+
+
+def _run_eval(eval_fn, model, student, step: int) -> dict:
+    was = model.training, student.training
+    model.eval(); student.eval()
+    with torch.no_grad(): row = dict(step=step, kind="eval", **eval_fn(model, student))
+    model.train(was[0]); student.train(was[1])
+    return row
+
+
+def _micro_step(model, teacher, student, ids, config, step: int, autocast) -> dict[str, float]:
+    "Forward (teacher, then student under its policy) and backward of one micro-batch; its scalar losses and metrics."
+    full = config.mode == "full"
+    need_kl = full or config.kl_metric
+    with autocast:
+        if need_kl:
+            with torch.no_grad(): t_logits = teacher(input_ids=ids).logits
+        with patch(model, student.policy()):
+            out = model(input_ids=ids) if need_kl else model(input_ids=ids, logits_to_keep=1)  # scorer-only: skip the LM head
+        m_loss, metrics = student.method_loss(step)
+        kl = distill_kl(out.logits, t_logits, config.kl_top_k, config.kl_temperature) if need_kl else None
+        loss = m_loss + kl if full else m_loss
+    (loss / config.grad_accum).backward()
+    return dict(loss=loss.item(), method_loss=m_loss.item(), **metrics, **({} if kl is None else {"kl": kl.item()}))
+
+
+def distill(model, student: DistillStudent, batches, config: DistillConfig, checkpoint_dir=None, eval_fn=None,
+            eval_every: int | None = None, teacher=None, progress: bool = True) -> pd.DataFrame:
+    """Train `student` (and in full mode `model`) by distillation from the dense teacher (Alg. 1); resume from
+    `checkpoint_dir/checkpoint.pt` when it exists. `teacher`: default a frozen copy of `model` (full) or `model` itself
+    (scorer_only). `batches`: re-iterable global batches [B, S], `config.grad_accum` per step."""
+    if not isinstance(student, DistillStudent): raise TypeError(f"student must be a DistillStudent, got {type(student).__name__}")
+    if not isinstance(config, DistillConfig): raise TypeError(f"config must be a DistillConfig, got {type(config).__name__}")
+    if eval_every is not None and eval_fn is None: raise ValueError("eval_every needs an eval_fn")
+    full = config.mode == "full"
+    if teacher is None: teacher = copy.deepcopy(model) if full else model
+    teacher.requires_grad_(False)
+    teacher.eval()
+    if not full: model.requires_grad_(False)
+    device = next(model.parameters()).device
+    opt, sched = make_optimizer(model, student, config)
+    trainable = [p for g in opt.param_groups for p in g["params"]]
+    path = Path(checkpoint_dir) / "checkpoint.pt" if checkpoint_dir is not None else None
+    start, history = 0, []
+    if path is not None and path.exists(): start, history = load_checkpoint(path, model, student, opt, sched, config)
+    else: torch.manual_seed(config.seed)
+    if eval_fn is not None and start == 0: history.append(_run_eval(eval_fn, model, student, 0))
+    model.train(full); student.train()
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=config.bf16 and device.type == "cuda")
+    it = itertools.islice(iter(batches), start * config.grad_accum, None)
+    rank = world()[0]
+    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=f"distill {config.mode}",
+               disable=not progress or rank != 0)
+    for i in bar:
+        t0, c0 = time.perf_counter(), time.process_time()
+        lrs = {f"lr_{g['name']}": g["lr"] for g in opt.param_groups}
+        sums: dict[str, float] = {}
+        for _ in range(config.grad_accum):
+            batch = next(it, None)
+            if batch is None: raise ValueError(f"batches ran out during step {i + 1} of {config.steps} (grad_accum={config.grad_accum})")
+            scalars = _micro_step(model, teacher, student, rank_slice(batch).to(device), config, i, autocast)
+            for k, v in scalars.items(): sums[k] = sums.get(k, 0.0) + v / config.grad_accum
+        gnorm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
+        opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
+        row = dict(step=i + 1, kind="train", **_all_mean(sums), grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                   **lrs, seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
+        history.append(row)
+        bar.set_postfix(loss=f"{row['loss']:.4f}")
+        if eval_fn is not None and eval_every and (i + 1) % eval_every == 0: history.append(_run_eval(eval_fn, model, student, i + 1))
+        if path is not None and config.checkpoint_every and ((i + 1) % config.checkpoint_every == 0 or i + 1 == config.steps):
+            save_checkpoint(path, model, student, opt, sched, config, i + 1, history)
+    model.eval(); student.eval()
+    return pd.DataFrame(history)
+
+
+# %% [markdown]
+# ### Held-out agreement with the teacher
+#
+# Fig. 5 of the paper follows the student's token accuracy against the teacher during training. `teacher_eval`
+# stores the dense model's top-$k$ logits on held-out sequences once (before training), and returns an
+# `eval_fn` giving the student's top-1 agreement with the teacher and the top-$k$ KL.
+
+# %%
+#| export
+def teacher_eval(model, sequences: Tensor, top_k: int = 256, batch_size: int = 1):
+    "An `eval_fn(model, student)` -> {'agreement', 'kl'} on `sequences` [N, S] against the current dense `model` (call before training)."
+    device = next(model.parameters()).device
+    chunks = sequences.split(batch_size)
+    with torch.no_grad():
+        teacher = [model(input_ids=c.to(device)).logits.float().topk(top_k, dim=-1) for c in chunks]
+
+    def eval_fn(model, student) -> dict:
+        agree, kl, n = 0.0, 0.0, 0
+        with patch(model, student.policy()):
+            for c, (tv, ti) in zip(chunks, teacher):
+                z = model(input_ids=c.to(device)).logits.float()
+                agree += (z.argmax(-1) == ti[..., 0]).float().sum().item()
+                lt, ls = F.log_softmax(tv, -1), F.log_softmax(z.gather(-1, ti), -1)  # renormalized on the teacher's top-k
+                kl += (lt.exp() * (lt - ls)).sum().item()
+                n += c.numel()
+        return dict(agreement=agree / n, kl=kl / n)
+    return eval_fn
+
+
+# %% [markdown]
+# Check against `eval.top1_agreement` and `eval.token_kl` computed from full logits.
+
+# %%
+ev = teacher_eval(model, ids, top_k=16)
+dense_logits = model(input_ids=ids).logits.detach()
+student.eval()
+with patch(model, student.policy()): sparse_logits = model(input_ids=ids).logits.detach()
+res = ev(model, student)
+assert_close(torch.tensor(res["agreement"]), top1_agreement(sparse_logits, dense_logits).float())
+assert_close(torch.tensor(res["kl"]), token_kl(sparse_logits, dense_logits, top_k=16).mean(), atol=1e-5, rtol=1e-5)
+
+
+# %% [markdown]
+# ## Scorer-only training on a tiny model
+#
+# With the base frozen, a few steps on one fixed batch must lower the retention loss of the scorers: the
+# target is fixed by the frozen model (up to the mask, which the scorers change), the MLP output layer starts
+# at zero (a neutral ranking) and learns. We use a larger learning rate than the paper's so that a handful of
+# steps shows it, and compare the loss of the trained scorers on the same batch and boundary positions
+# (`method_loss(0)` draws the step-0 positions) with the loss before training.
+
+# %%
+def retention_loss_on(model, student, ids, step=0):
+    "Retention loss of `student` on `ids` at the boundary positions of `step` (no update)."
+    student.train()
+    with patch(model, student.policy()): model(input_ids=ids, logits_to_keep=1)
+    loss, _ = student.method_loss(step)
+    return loss.item()
+
+model, tok = load_model("tiny-llama")
+torch.manual_seed(0)
+student = KVpopStudent.for_model(model, sink=2, window=4, k=8, n_boundaries=64)
+fixed = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+before = retention_loss_on(model, student, fixed)
+cfg = DistillConfig(steps=20, mode="scorer_only", new_lr=3e-2, new_lr_min=3e-3, warmup_steps=2)
+hist = distill(model, student, [fixed] * cfg.steps, cfg, progress=False)
+after = retention_loss_on(model, student, fixed)
+train_rows = hist[hist.kind == "train"]
+print(f"retention loss at step 0: {before:.4f}, after {cfg.steps} steps: {after:.4f}")
+print(train_rows[["step", "retention_loss", "retention_recall", "lr_new"]].iloc[::5].to_string(index=False))
+assert after < before - 0.01, (before, after)
+assert not any(p.requires_grad for p in model.parameters())  # scorer-only: the base stayed frozen
+
+
+# %% [markdown]
+# ## Checkpoint and resume
+#
+# An interrupted run resumes from its last checkpoint and continues exactly: we train 6 steps in one go, and
+# 3 steps + a crash (the data iterator fails when asked for batch 4) + a restart from a fresh model and
+# student, and compare the trained parameters and every logged loss bit for bit.
+
+# %%
+def fresh(seed=0):
+    m, _ = load_model("tiny-llama")
+    torch.manual_seed(seed)
+    return m, KVpopStudent.for_model(m, sink=2, window=4, k=8, n_boundaries=16)
+
+seqs = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(2))
+cfg = DistillConfig(steps=6, mode="full", warmup_steps=2, checkpoint_every=3)
+data = epoch_batches(seqs, 2, cfg.steps)
+m1, s1 = fresh()
+straight = distill(m1, s1, data, cfg, progress=False)
+
+def crash_after(batches, n):
+    for i, b in enumerate(batches):
+        if i == n: raise RuntimeError("simulated crash")
+        yield b
+
+class Restartable:
+    "Iterable that crashes after `n` batches the first time it is iterated."
+    def __init__(self, batches, n): self.batches, self.n, self.calls = batches, n, 0
+    def __iter__(self):
+        self.calls += 1
+        return crash_after(self.batches, self.n) if self.calls == 1 else iter(self.batches)
+
+with tempfile.TemporaryDirectory() as d:
+    m2, s2 = fresh()
+    it = Restartable(data, 3)
+    test_fail(lambda: distill(m2, s2, it, cfg, checkpoint_dir=d, progress=False), contains="simulated crash")
+    m2, s2 = fresh()
+    resumed = distill(m2, s2, it, cfg, checkpoint_dir=d, progress=False)
+cols = ["step", "loss", "kl", "retention_loss", "grad_norm", "lr_base", "lr_new"]
+pd.testing.assert_frame_equal(straight[cols], resumed[cols])
+for (n, a), b in zip(itertools.chain(m1.named_parameters(), s1.named_parameters()),
+                     itertools.chain(m2.parameters(), s2.parameters())):
+    assert torch.equal(a, b), n
+print(resumed[cols].to_string(index=False))
+
+
+# %% [markdown]
+# ## Several processes: FSDP2 under `torchrun`
+#
+# On several devices the base model, its frozen teacher and the student are sharded with FSDP2
+# (`torch.distributed.fsdp.fully_shard`): every decoder layer is one unit, then the root. The student's
+# units are the modules its policy calls (`fsdp_units`: each layer's scorer and decay for KVpop), so FSDP
+# gathers their parameters before the call and reduce-scatters their gradients after the backward.
+# Each rank trains on its slice of the global batch; FSDP averages the gradients, so one step is the step
+# of a single process on the whole batch (the retention loss averages over batch rows, except with the
+# head-wise `balance` weights, which normalize over the rank's rows). On CUDA the base model keeps float32
+# master weights and computes in bfloat16 with float32 gradient reductions (App. F); the student stays in
+# float32 (decay and ranking in float32).
+
+# %%
+#| export
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    "The repeated blocks of a transformers model (the classes in its `_no_split_modules`)."
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers: raise ValueError(f"found no decoder layer ({sorted(names)}) in {type(model).__name__}")
+    return layers
+
+
+def shard_model(model: nn.Module, mixed_precision: bool | None = None) -> nn.Module:
+    "FSDP2-shard `model`: each decoder layer, then the root; bf16 compute with fp32 reductions on CUDA (App. F)."
+    if mixed_precision is None: mixed_precision = next(model.parameters()).is_cuda
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if mixed_precision else {}
+    for layer in decoder_layers(model): fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def shard_for_training(model: nn.Module, student: DistillStudent, teacher: nn.Module | None = None) -> None:
+    "FSDP2 for `distill` under an initialized process group: the model, the teacher (if separate) and the student's units."
+    if not dist.is_initialized(): raise RuntimeError("shard_for_training needs torch.distributed initialized (run under torchrun)")
+    shard_model(model)
+    if teacher is not None and teacher is not model: shard_model(teacher)
+    for unit in student.fsdp_units(): fully_shard(unit)
+
+
+def full_state(module: nn.Module) -> dict[str, Tensor]:
+    "The full (gathered) parameters and buffers of a possibly sharded module, on the CPU, on every rank."
+    sd = module.state_dict()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in sd.items()}
+
+
+# %% [markdown]
+# `main` is the command line: `torchrun --nproc_per_node N -m sparsekv.kvpop.train --model ... --steps ...`
+# (or plain `python -m sparsekv.kvpop.train` for one process). It trains on packed prose sequences
+# (`data.packed_sequences`, train split), evaluates agreement with the teacher on held-out ones, and writes the
+# history CSV and the trained student (and model, in full mode) to `--out`. `tests/test_kvpop_train.py` runs two
+# CPU processes with the `gloo` backend and compares them with one process on the same global batches.
+
+# %%
+#| export
+STUDENTS = ("kvpop", "kvpop-mlstm", "sinkwindow")
+
+
+def make_student(name: str, model, sink: int, window: int, k: int, **options) -> DistillStudent:
+    "A fresh student by name: 'kvpop' (MLP scorers), 'kvpop-mlstm' (mLSTM scorers) or 'sinkwindow' (StreamingLLM+)."
+    if name == "kvpop": return KVpopStudent.for_model(model, sink, window, k, scorer="mlp", **options)
+    if name == "kvpop-mlstm": return KVpopStudent.for_model(model, sink, window, k, scorer="mlstm", **options)
+    if name == "sinkwindow": return SinkWindowStudent(sink, window, k)
+    raise ValueError(f"student must be one of {STUDENTS}, got {name!r}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sparsekv.kvpop.train", description="KVpop distillation (torchrun for several processes)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--student", default="kvpop", choices=STUDENTS)
+    p.add_argument("--mode", default="scorer_only", choices=MODES)
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--k", type=int, default=192)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=2, help="global batch (split over ranks)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch-size per step")
+    p.add_argument("--n-train", type=int, default=None, help="training sequences (default: steps * batch size)")
+    p.add_argument("--n-eval", type=int, default=0, help="held-out sequences for the agreement curve (0: none)")
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--new-lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None, help="folder for history.csv, the checkpoint and the trained weights")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> pd.DataFrame:
+    "Command-line training (see `parse_args`); under torchrun (WORLD_SIZE > 1) with FSDP2, nccl on CUDA, gloo on CPU."
+    a = parse_args(argv)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    device = torch.device(a.device)
+    if distributed:
+        if device.type == "cuda": device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        model, tok = load_model(a.model, device=device)
+        n_train = a.n_train or a.steps * a.grad_accum * a.batch_size
+        seqs = packed_sequences(tok, a.seq_len, "train", n=n_train, seed=a.seed)
+        eval_fn = teacher_eval(model, packed_sequences(tok, a.seq_len, "validation", n=a.n_eval)) if a.n_eval else None
+        torch.manual_seed(a.seed)
+        student = make_student(a.student, model, a.sink, a.window, a.k, **({} if a.student == "sinkwindow" else {"seed": a.seed}))
+        config = DistillConfig(steps=a.steps, mode=a.mode, new_lr=a.new_lr, new_lr_min=min(8e-5, a.new_lr), warmup_steps=a.warmup_steps,
+                               grad_accum=a.grad_accum, checkpoint_every=a.checkpoint_every, seed=a.seed)
+        teacher = copy.deepcopy(model) if config.mode == "full" else model
+        if distributed: shard_for_training(model, student, teacher)
+        out = Path(a.out) if a.out else None
+        history = distill(model, student, epoch_batches(seqs, a.batch_size, a.steps * a.grad_accum, a.seed), config,
+                          checkpoint_dir=out if a.checkpoint_every else None, eval_fn=eval_fn, eval_every=a.eval_every, teacher=teacher)
+        weights = dict(student=full_state(student), **({"model": full_state(model)} if config.mode == "full" else {}))
+        if out is not None and world()[0] == 0:
+            write_csv(out / "history.csv", history)
+            with atomic_path(out / "trained.pt") as tmp: torch.save(weights, tmp)
+        return history
+    finally:
+        if distributed: dist.destroy_process_group()
+
+
+# %%
+#| export
+#| eval: false
+if __name__ == "__main__": main()
