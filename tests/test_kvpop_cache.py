@@ -123,3 +123,61 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="one scorer and one LogDecay per layer"): KVpopScorers(list(sc.scorers), [sc.decays[0]])
     with pytest.raises(ValueError, match="layer_idx must lie in"): sc.priority(2, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4),
                                                                                  torch.zeros(1, 2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_visible_equals_stable_sort_reference(recurrent):
+    "KVpopRule.visible (no sort when at most k + 1 entries are eligible) equals the stable-sort reference on random states with ties."
+    from types import SimpleNamespace
+    from sparsekv.kvpop.cache import kvpop_visible_reference
+    gen = torch.Generator().manual_seed(7 + recurrent)
+    for _ in range(200):
+        s, w, k = (int(x) for x in torch.randint(1, 7, (3,), generator=gen))
+        seen = int(torch.randint(s + w, s + w + 4 * k, (1,), generator=gen))
+        n = min(seen, s + w + k + int(torch.randint(0, 3, (1,), generator=gen)))
+        pos = torch.stack([torch.randperm(seen, generator=gen)[:n].sort().values for _ in range(6)]).view(2, 3, n)
+        sco = torch.randint(0, 3, pos.shape, generator=gen).float()
+        rule = KVpopRule(KVpopScorers.mlstm(1, 1, 2, w) if recurrent else KVpopScorers.mlp(1, 1, 2), s, w, k)
+        pend = seen - int(torch.randint(0, w + 1, (1,), generator=gen)) if recurrent else seen
+        layer = SimpleNamespace(positions=pos, scores=sco, seen=seen, kvpop_readout=SimpleNamespace(pending_from=pend))
+        for qp in (torch.tensor([seen]), torch.tensor([seen - 1]), torch.arange(max(seen - 5, 0), seen + 1)):
+            assert torch.equal(rule.visible(layer, qp), kvpop_visible_reference(pos, sco, qp, s, w, k, pend))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "mlstm", "mlstm0"])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_buffered_layers_equal_plain_layers(model, kind, budget):
+    "KVpopCache (KVpopLayer buffers, sort-free eviction) decodes like EvictingCache(KVpopRule) (concatenate, sort, gather), chunks included."
+    from sparsekv.hf import EvictingCache
+    from sparsekv.kvpop.cache import cache_nbytes
+    s, w, k = budget
+    scorers, ids = make_scorers(model, kind, 3, w), ids_of(model, 2, 30, seed=4)
+    fast, plain = KVpopCache(scorers, s, w, k), EvictingCache(KVpopRule(scorers, s, w, k))
+    pol, sizes, caps = policy_for(kind), [], set()
+    with torch.no_grad(), patch(model, pol):
+        for a, b in [(0, 5), (5, 6), (6, 13)] + [(t, t + 1) for t in range(13, 30)]:  # chunks, then decode
+            assert_close(model(ids[:, a:b], past_key_values=fast).logits, model(ids[:, a:b], past_key_values=plain).logits)
+            for lf, lp in zip(fast.layers, plain.layers):
+                assert torch.equal(lf.positions, lp.positions) and torch.equal(lf.scores, lp.scores)
+                assert torch.equal(lf.keys, lp.keys) and torch.equal(lf.values, lp.values)
+            if a >= 13:  # decode: buffers of s + w + k + 1 slots, never reallocated
+                caps |= {(l._buffers[0].shape[2], l._buffers[0].data_ptr()) for l in fast.layers}
+                sizes.append(cache_nbytes(fast))
+    assert {c for c, _ in caps} == {s + w + k + 1} and len(caps) == len(fast.layers)
+    assert len(set(sizes[w:])) == 1
+
+
+def test_prefill_chunk_grows_then_gives_back(model):
+    "A chunk larger than the free slots grows the buffers; the eviction after it returns to s + w + k + 1 slots."
+    from sparsekv.kvpop.cache import cache_nbytes
+    s, w, k = 1, 2, 2
+    scorers, ids = random_scorers(model, seed=1), ids_of(model, 1, 40, seed=6)
+    cache = KVpopCache(scorers, s, w, k)
+    chunked_prefill(model, ids[:, :4], 4, DensePolicy(), cache)
+    small = cache_nbytes(cache)
+    with torch.no_grad(), patch(model, DensePolicy()):
+        model(ids[:, 4:30], past_key_values=cache)
+        assert {l._buffers[0].shape[2] for l in cache.layers} == {s + w + k + 1}
+        assert cache_nbytes(cache) == small
+        with torch.no_grad(), patch(model, KVpopMaskPolicy(scorers, s, w, k)): want = model(ids[:, :31]).logits[:, -1]
+        assert_close(model(ids[:, 30:31], past_key_values=cache).logits[:, -1], want)

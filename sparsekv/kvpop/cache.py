@@ -13,10 +13,11 @@ from torch import Tensor, nn
 from ..hf import DensePolicy, EvictingCache, EvictingLayer, MaskPolicy, SinkWindowRule, TopScoreRule, dense_attention
 from .cutoff import LogDecay, check_budget, topk_cutoff
 from .mask import kvpop_mask
-from .scorers import MLPScorer, MLSTMScorer
+from .scorers import MLPScorer, MLSTMScorer, mlstm_step
 
 # %% auto #0
-__all__ = ['KVpopScorers', 'KVpopRule', 'DelayedReadout', 'KVpopPolicy', 'KVpopCache', 'KVpopMaskPolicy', 'random_scorers']
+__all__ = ['KVpopScorers', 'KVpopRule', 'DelayedReadout', 'KVpopLayer', 'KVpopPolicy', 'KVpopCache', 'KVpopMaskPolicy',
+           'random_scorers', 'kvpop_visible_reference', 'cache_storages', 'cache_nbytes']
 
 # %% ../../nbs/15_kvpop_cache.ipynb #6278fcbe
 class KVpopScorers(nn.Module):
@@ -86,46 +87,60 @@ class KVpopRule(TopScoreRule):
             return self._recurrent_scores(layer, keys, values, positions)
 
     def visible(self, layer, query_positions):
-        if not self.recurrent: return super().visible(layer, query_positions)
+        "Sinks, window, pending (unread) entries and the k best eligible ones; a row with at most k + 1 eligible entries drops its worst (no sort)."
         t, p = layer.positions[:, :, None, :], query_positions[:, None]
-        pending = t >= layer.kvpop_readout.pending_from  # scored later: never eligible yet (delay <= window), kept meanwhile
+        pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)  # scored later: never eligible yet, kept meanwhile
         base = SinkWindowRule.visible(self, layer, query_positions) | ((t <= p) & pending)
         eligible = (t >= self.sink) & (p - t >= self.window) & ~pending
+        n = eligible.sum(-1, keepdim=True)
+        if int(n.max()) <= self.k + 1:  # decode: the k kept entries and the one that just became eligible
+            s = layer.scores[:, :, None, :].masked_fill(~eligible, float("inf"))
+            worst = t.shape[-1] - 1 - s.flip(-1).argmin(-1, keepdim=True)  # lowest priority, ties -> the later entry
+            return (base | eligible) & ~torch.zeros_like(eligible).scatter(-1, worst, n > self.k)
         s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
         best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]  # ties -> earlier (entries in position order)
         return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
 
     def _recurrent_scores(self, layer, keys, values, positions):
         "Step the layer's mLSTM over the new tokens, read out tokens u = t - delay and give them their static priorities."
-        scorer = self.kvpop.scorers[layer.layer_idx]
-        if int(positions[0, 0, 0]) == 0 or getattr(layer, "kvpop_readout", None) is None:  # a new sequence
+        scorer, start, S = self.kvpop.scorers[layer.layer_idx], layer.seen, keys.shape[2]
+        if start == 0 or getattr(layer, "kvpop_readout", None) is None:  # a new sequence
             layer.kvpop_readout = DelayedReadout(scorer.init_state(keys.shape[0], keys.device),
                                                  scorer.query_feature(keys[:, :, :0], values[:, :, :0]))
         ro = layer.kvpop_readout
-        ro.queue = torch.cat([ro.queue, scorer.query_feature(keys, values)], dim=2)  # read features of unread tokens
+        q, kf, vf, log_i, log_f = scorer.features(keys, values)  # once for the chunk
+        ro.queue = torch.cat([ro.queue, q], dim=2)  # read features of unread tokens
         raw = []
-        for j in range(keys.shape[2]):
-            ro.state = scorer.step(ro.state, keys[:, :, j], values[:, :, j])
-            if int(positions[0, 0, j]) >= self.delay:  # token u = t - delay reads the state after t (Eq. 41)
+        for j in range(S):
+            ro.state = mlstm_step(ro.state, kf[:, :, j], vf[:, :, j], log_i[:, :, j], log_f[:, :, j])
+            if start + j >= self.delay:  # token u = t - delay reads the state after t (Eq. 41)
                 raw.append(scorer.readout(ro.state, ro.queue[:, :, 0]))
                 ro.queue = ro.queue[:, :, 1:]
-        t_end = int(positions[0, 0, -1]) + 1
         read = torch.arange(ro.pending_from, ro.pending_from + len(raw), device=keys.device)
         new = torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)  # pending: never ranked before it is read
         if raw:
             prio = self.kvpop.decayed(layer.layer_idx, torch.stack(raw, -1), read.expand(*positions.shape[:2], -1))
             old = layer.positions[..., None] == read  # [B,H,N,R]: cached entries read now
-            layer.scores = torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores)
+            layer.scores.copy_(torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores))  # in place (buffers)
             fresh = positions[..., None] == read
             new = torch.where(fresh.any(-1), (fresh * prio[:, :, None]).sum(-1), new)
-        ro.pending_from = max(t_end - self.delay, 0)
+        ro.pending_from = max(start + S - self.delay, 0)
         return new
 
-    def keep(self, layer, next_position):
+    def check_masked(self, layer) -> None:
+        "Before an eviction: a recurrent scorer's pending token must have been masked by `KVpopPolicy` at decode."
         if self.recurrent and not getattr(layer, "kvpop_masked", False):
             raise RuntimeError("a KVpop cache with recurrent (mLSTM) scorers decodes only under KVpopPolicy (it masks decode queries)")
         layer.kvpop_masked = False
-        return super().keep(layer, next_position)
+
+    def keep(self, layer, next_position):
+        "Indices of the entries visible to `next_position`; at decode (none or one dropped per head) without a sort."
+        self.check_masked(layer)
+        drop = ~self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
+        nd = drop.sum(-1)
+        if int(nd.max()) > 1 or bool((nd != nd.flatten()[0]).any()): return super().keep(layer, next_position)
+        ar = torch.arange(drop.shape[-1] - int(nd.flatten()[0]), device=drop.device)
+        return ar.expand(*drop.shape[:2], -1) if not drop.any() else ar + (ar >= drop.to(torch.uint8).argmax(-1, keepdim=True))
 
 
 class DelayedReadout:
@@ -135,6 +150,82 @@ class DelayedReadout:
         self.state, self.queue, self.pending_from = state, queue, 0
 
 
+class KVpopLayer(EvictingLayer):
+    """An `EvictingLayer` whose keys, values, positions and scores are views of preallocated buffers of s + w + k + 1
+    entries per head (more only while a prefill chunk is in): decode writes the new token in place and removes the
+    evicted entry by one in-place compaction, so the cache's memory stays constant once full."""
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._seat(0, self.rule.budget + 1)
+
+    def _seat(self, n: int, capacity: int) -> None:
+        "Move the first `n` entries into fresh buffers of `capacity` entries and point the views at them."
+        old = (self.keys, self.values, self.positions, self.scores)
+        self._buffers = tuple(x.new_empty(x.shape[:2] + (capacity,) + x.shape[3:]) for x in old)
+        for b, x in zip(self._buffers, old): b[:, :, :n] = x[:, :, :n]
+        self._view(n)
+
+    def _view(self, n: int) -> None:
+        self.keys, self.values, self.positions, self.scores = (b[:, :, :n] for b in self._buffers)
+
+    def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+        "Write the new entries with their positions and scores after the kept ones; return all entries' keys and values."
+        if not self.armed: raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts after attention")
+        self.armed = False
+        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+        s, n = key_states.shape[2], self.positions.shape[-1]
+        pos = (cache_kwargs or {}).get("cache_position")
+        if pos is not None and (pos.shape[0] != s or int(pos[0]) != self.seen):
+            raise ValueError(f"cache_position must continue the sequence at {self.seen} for {s} tokens, got {pos.tolist()}")
+        pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
+        sc = self.rule.scores(self, key_states, value_states, pos)
+        if sc.shape != pos.shape or not torch.isfinite(sc).all():
+            raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape {tuple(pos.shape)}, got {tuple(sc.shape)}")
+        if n + s > self._buffers[0].shape[2]: self._seat(n, n + s)
+        for b, x in zip(self._buffers, (key_states, value_states, pos, sc)): b[:, :, n:n + s] = x
+        self._view(n + s)
+        self.seen += s
+        return self.keys, self.values
+
+    def worst_eligible(self, p: int):
+        """For query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the
+        worst of k + 1 (lowest priority, ties -> the later), or False if more are eligible (after a prefill chunk)."""
+        rule, n = self.rule, self.positions.shape[-1]
+        pending_from = self.kvpop_readout.pending_from if rule.recurrent else self.seen
+        # every head holds the sinks first and all positions after min(p - w, pending_from - 1) last (window, pending)
+        i0 = min(rule.sink, self.seen)
+        i1 = max(i0, n - (self.seen - 1 - min(p - rule.window, pending_from - 1)))
+        if i1 - i0 <= rule.k: return None
+        if i1 - i0 > rule.k + 1: return False
+        return i1 - 1 - self.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
+
+    def evict(self, next_position: int | None = None) -> None:
+        "Keep only the entries the rule shows to `next_position` (default: the next token), compacted in place in position order."
+        if not self.is_initialized: return
+        p = self.seen if next_position is None else next_position
+        worst = self.worst_eligible(p) if p == self.seen else False
+        if worst is None: return self.rule.check_masked(self)
+        if worst is False: idx = self.rule.keep(self, p)
+        else:
+            self.rule.check_masked(self)
+            ar = torch.arange(self.positions.shape[-1] - 1, device=self.device)
+            idx = ar + (ar >= worst)
+        (B, H, m), cap = idx.shape, self._buffers[0].shape[2]
+        if m == self.positions.shape[-1]: return
+        rows = (idx + torch.arange(B * H, device=idx.device).view(B, H, 1) * cap).flatten()  # flat row of each kept entry
+        for b in self._buffers:
+            flat = b.view(B * H * cap, -1)
+            b[:, :, :m] = flat.index_select(0, rows).view(B, H, m, *b.shape[3:])
+        self._view(m)
+        if cap > self.rule.budget + 1 >= m: self._seat(m, self.rule.budget + 1)  # give back what a prefill chunk needed
+
+    def _apply(self, fn) -> None:
+        "Apply `fn` to keys, values, positions and scores, then move them into buffers again."
+        super()._apply(fn)
+        if self.is_initialized: self._seat(self.positions.shape[-1], max(self.positions.shape[-1], self.rule.budget + 1))
+
+
 class KVpopPolicy(DensePolicy):
     "Exact attention over what a `KVpopRule` shows each query, decode included (needed by recurrent scorers)."
 
@@ -142,7 +233,10 @@ class KVpopPolicy(DensePolicy):
         layer = ctx.cache_layer
         if not isinstance(layer, EvictingLayer) or not isinstance(layer.rule, KVpopRule): return super().decode(q, k, v, ctx)
         layer.kvpop_masked = True
-        return dense_attention(q, k, v, layer.rule.visible(layer, ctx.query_positions), ctx.scale, ctx.dropout)
+        worst = layer.worst_eligible(layer.seen - 1) if isinstance(layer, KVpopLayer) else False
+        if worst is False: mask = layer.rule.visible(layer, ctx.query_positions)
+        else: mask = None if worst is None else ~torch.zeros_like(layer.positions, dtype=torch.bool).scatter(-1, worst, True)[:, :, None]
+        return dense_attention(q, k, v, mask, ctx.scale, ctx.dropout)
 
     def prefill(self, q, k, v, ctx):
         if isinstance(ctx.cache_layer, EvictingLayer): ctx.cache_layer.kvpop_masked = True  # the dispatcher masks chunks itself
@@ -150,10 +244,15 @@ class KVpopPolicy(DensePolicy):
 
 
 class KVpopCache(EvictingCache):
-    "A bounded KVpop cache (use inside `sparsekv.hf.patch`): per KV head s sinks, w recent and k long-range entries."
+    "A bounded KVpop cache (use inside `sparsekv.hf.patch`): per KV head s sinks, w recent and k long-range entries, in `KVpopLayer`s."
 
     def __init__(self, scorers: KVpopScorers, sink: int, window: int, k: int):
         super().__init__(KVpopRule(scorers, sink, window, k))
+
+    def layer(self, layer_idx: int) -> KVpopLayer:
+        "The layer `layer_idx`, created (with all before it) on first use."
+        while len(self.layers) <= layer_idx: self.layers.append(KVpopLayer(self.rule, len(self.layers)))
+        return self.layers[layer_idx]
 
 # %% ../../nbs/15_kvpop_cache.ipynb #25650cde
 class KVpopMaskPolicy(MaskPolicy):
@@ -183,3 +282,32 @@ def random_scorers(model, seed: int = 0, std: float = 0.5, kind: str = "mlp", de
         else: raise ValueError(f"kind must be 'mlp' or 'mlstm', got {kind!r}")
         for p in sc.parameters(): p.data.add_(torch.randn_like(p), alpha=std)  # around the scorer's own initialization
     return sc.to(model.dtype)
+
+# %% ../../nbs/15_kvpop_cache.ipynb #e441219d
+def kvpop_visible_reference(positions: Tensor, scores: Tensor, query_positions: Tensor, sink: int, window: int, k: int,
+                            pending_from: int) -> Tensor:
+    "Boolean [B,H,Sq,N]: sinks, window, pending entries (t >= pending_from) and the k best eligible by a stable sort, per query."
+    t, p = positions[:, :, None, :], query_positions[:, None]
+    pending = t >= pending_from
+    eligible = (t >= sink) & (p - t >= window) & ~pending
+    s = scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
+    best = s.argsort(dim=-1, descending=True, stable=True)[..., :k]
+    top = torch.zeros_like(eligible).scatter(-1, best, True) & eligible
+    return (t <= p) & ((t < sink) | (p - t < window) | pending) | top
+
+# %% ../../nbs/15_kvpop_cache.ipynb #d0bec5c7
+def cache_storages(cache) -> list:
+    "The distinct tensor storages a `transformers` cache's layers hold (keys, values, positions, scores, scorer state)."
+    storages = {}
+    def visit(x):
+        if isinstance(x, Tensor): storages[x.untyped_storage().data_ptr()] = x.untyped_storage()
+        elif isinstance(x, (tuple, list)): [visit(y) for y in x]
+        elif isinstance(x, dict): [visit(y) for y in x.values()]
+        elif isinstance(x, DelayedReadout): visit(vars(x))
+    for layer in cache.layers: visit(vars(layer))
+    return list(storages.values())
+
+
+def cache_nbytes(cache) -> int:
+    "Bytes of the distinct tensor storages a cache's layers hold (`cache_storages`)."
+    return sum(st.nbytes() for st in cache_storages(cache))

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from sparsekv.hf import DensePolicy, EvictingCache, EvictingLayer, MaskPolicy, SinkWindowRule, TopScoreRule, dense_attention
 from sparsekv.kvpop.cutoff import LogDecay, check_budget, topk_cutoff
 from sparsekv.kvpop.mask import kvpop_mask
-from sparsekv.kvpop.scorers import MLPScorer, MLSTMScorer
+from sparsekv.kvpop.scorers import MLPScorer, MLSTMScorer, mlstm_step
 
 # %%
 #| hide
@@ -115,6 +115,21 @@ test_fail(lambda: sc.priority(2, k, v, pos), contains="layer_idx must lie in [0,
 # `TopScoreRule` whose insertion score is the static priority. Memory per head: between steps the
 # cache holds $s + (w-1) + k$ entries (the next query fills the window's last slot), during a step
 # $s + w + k$, and during a prefill chunk of $C$ tokens at most $C$ more.
+#
+# At decode this needs no sort. After the previous eviction a head holds at most $k$ eligible
+# entries, and one query later at most one more becomes eligible (the token leaving the window, or
+# with a delayed scorer the pending token just read out). The top $k$ of at most $k + 1$ entries
+# are all of them but the worst: the lowest priority, and among equal ones the later entry (the
+# sort is stable over entries in position order, so ties go to the earlier). `visible` uses this
+# whenever no row has more than $k + 1$ eligible entries, and the stable sort otherwise (prefill
+# chunks). A `KVpopLayer` stores the entries in buffers of $s + w + k + 1$ slots per head allocated
+# once: the new token is written after the kept ones, and the evicted entry is removed by one
+# in-place compaction that keeps position order; a prefill chunk larger than the free slots grows
+# the buffers, and the next eviction gives the extra slots back. A `KVpopLayer` does not even
+# compare positions: every head holds the sinks first and, last, every position after
+# $\min(p - w, u_0 - 1)$ ($u_0$ the first unread token of a delayed scorer; these are the window
+# and the pending tokens, never evicted), so the eligible entries of query $p$ are the same slice of
+# every head (`worst_eligible`), and `KVpopPolicy` masks a decode query with it too.
 
 # %%
 #| export
@@ -144,46 +159,60 @@ class KVpopRule(TopScoreRule):
             return self._recurrent_scores(layer, keys, values, positions)
 
     def visible(self, layer, query_positions):
-        if not self.recurrent: return super().visible(layer, query_positions)
+        "Sinks, window, pending (unread) entries and the k best eligible ones; a row with at most k + 1 eligible entries drops its worst (no sort)."
         t, p = layer.positions[:, :, None, :], query_positions[:, None]
-        pending = t >= layer.kvpop_readout.pending_from  # scored later: never eligible yet (delay <= window), kept meanwhile
+        pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)  # scored later: never eligible yet, kept meanwhile
         base = SinkWindowRule.visible(self, layer, query_positions) | ((t <= p) & pending)
         eligible = (t >= self.sink) & (p - t >= self.window) & ~pending
+        n = eligible.sum(-1, keepdim=True)
+        if int(n.max()) <= self.k + 1:  # decode: the k kept entries and the one that just became eligible
+            s = layer.scores[:, :, None, :].masked_fill(~eligible, float("inf"))
+            worst = t.shape[-1] - 1 - s.flip(-1).argmin(-1, keepdim=True)  # lowest priority, ties -> the later entry
+            return (base | eligible) & ~torch.zeros_like(eligible).scatter(-1, worst, n > self.k)
         s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
         best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]  # ties -> earlier (entries in position order)
         return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
 
     def _recurrent_scores(self, layer, keys, values, positions):
         "Step the layer's mLSTM over the new tokens, read out tokens u = t - delay and give them their static priorities."
-        scorer = self.kvpop.scorers[layer.layer_idx]
-        if int(positions[0, 0, 0]) == 0 or getattr(layer, "kvpop_readout", None) is None:  # a new sequence
+        scorer, start, S = self.kvpop.scorers[layer.layer_idx], layer.seen, keys.shape[2]
+        if start == 0 or getattr(layer, "kvpop_readout", None) is None:  # a new sequence
             layer.kvpop_readout = DelayedReadout(scorer.init_state(keys.shape[0], keys.device),
                                                  scorer.query_feature(keys[:, :, :0], values[:, :, :0]))
         ro = layer.kvpop_readout
-        ro.queue = torch.cat([ro.queue, scorer.query_feature(keys, values)], dim=2)  # read features of unread tokens
+        q, kf, vf, log_i, log_f = scorer.features(keys, values)  # once for the chunk
+        ro.queue = torch.cat([ro.queue, q], dim=2)  # read features of unread tokens
         raw = []
-        for j in range(keys.shape[2]):
-            ro.state = scorer.step(ro.state, keys[:, :, j], values[:, :, j])
-            if int(positions[0, 0, j]) >= self.delay:  # token u = t - delay reads the state after t (Eq. 41)
+        for j in range(S):
+            ro.state = mlstm_step(ro.state, kf[:, :, j], vf[:, :, j], log_i[:, :, j], log_f[:, :, j])
+            if start + j >= self.delay:  # token u = t - delay reads the state after t (Eq. 41)
                 raw.append(scorer.readout(ro.state, ro.queue[:, :, 0]))
                 ro.queue = ro.queue[:, :, 1:]
-        t_end = int(positions[0, 0, -1]) + 1
         read = torch.arange(ro.pending_from, ro.pending_from + len(raw), device=keys.device)
         new = torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)  # pending: never ranked before it is read
         if raw:
             prio = self.kvpop.decayed(layer.layer_idx, torch.stack(raw, -1), read.expand(*positions.shape[:2], -1))
             old = layer.positions[..., None] == read  # [B,H,N,R]: cached entries read now
-            layer.scores = torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores)
+            layer.scores.copy_(torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores))  # in place (buffers)
             fresh = positions[..., None] == read
             new = torch.where(fresh.any(-1), (fresh * prio[:, :, None]).sum(-1), new)
-        ro.pending_from = max(t_end - self.delay, 0)
+        ro.pending_from = max(start + S - self.delay, 0)
         return new
 
-    def keep(self, layer, next_position):
+    def check_masked(self, layer) -> None:
+        "Before an eviction: a recurrent scorer's pending token must have been masked by `KVpopPolicy` at decode."
         if self.recurrent and not getattr(layer, "kvpop_masked", False):
             raise RuntimeError("a KVpop cache with recurrent (mLSTM) scorers decodes only under KVpopPolicy (it masks decode queries)")
         layer.kvpop_masked = False
-        return super().keep(layer, next_position)
+
+    def keep(self, layer, next_position):
+        "Indices of the entries visible to `next_position`; at decode (none or one dropped per head) without a sort."
+        self.check_masked(layer)
+        drop = ~self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
+        nd = drop.sum(-1)
+        if int(nd.max()) > 1 or bool((nd != nd.flatten()[0]).any()): return super().keep(layer, next_position)
+        ar = torch.arange(drop.shape[-1] - int(nd.flatten()[0]), device=drop.device)
+        return ar.expand(*drop.shape[:2], -1) if not drop.any() else ar + (ar >= drop.to(torch.uint8).argmax(-1, keepdim=True))
 
 
 class DelayedReadout:
@@ -193,6 +222,82 @@ class DelayedReadout:
         self.state, self.queue, self.pending_from = state, queue, 0
 
 
+class KVpopLayer(EvictingLayer):
+    """An `EvictingLayer` whose keys, values, positions and scores are views of preallocated buffers of s + w + k + 1
+    entries per head (more only while a prefill chunk is in): decode writes the new token in place and removes the
+    evicted entry by one in-place compaction, so the cache's memory stays constant once full."""
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._seat(0, self.rule.budget + 1)
+
+    def _seat(self, n: int, capacity: int) -> None:
+        "Move the first `n` entries into fresh buffers of `capacity` entries and point the views at them."
+        old = (self.keys, self.values, self.positions, self.scores)
+        self._buffers = tuple(x.new_empty(x.shape[:2] + (capacity,) + x.shape[3:]) for x in old)
+        for b, x in zip(self._buffers, old): b[:, :, :n] = x[:, :, :n]
+        self._view(n)
+
+    def _view(self, n: int) -> None:
+        self.keys, self.values, self.positions, self.scores = (b[:, :, :n] for b in self._buffers)
+
+    def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+        "Write the new entries with their positions and scores after the kept ones; return all entries' keys and values."
+        if not self.armed: raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts after attention")
+        self.armed = False
+        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+        s, n = key_states.shape[2], self.positions.shape[-1]
+        pos = (cache_kwargs or {}).get("cache_position")
+        if pos is not None and (pos.shape[0] != s or int(pos[0]) != self.seen):
+            raise ValueError(f"cache_position must continue the sequence at {self.seen} for {s} tokens, got {pos.tolist()}")
+        pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
+        sc = self.rule.scores(self, key_states, value_states, pos)
+        if sc.shape != pos.shape or not torch.isfinite(sc).all():
+            raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape {tuple(pos.shape)}, got {tuple(sc.shape)}")
+        if n + s > self._buffers[0].shape[2]: self._seat(n, n + s)
+        for b, x in zip(self._buffers, (key_states, value_states, pos, sc)): b[:, :, n:n + s] = x
+        self._view(n + s)
+        self.seen += s
+        return self.keys, self.values
+
+    def worst_eligible(self, p: int):
+        """For query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the
+        worst of k + 1 (lowest priority, ties -> the later), or False if more are eligible (after a prefill chunk)."""
+        rule, n = self.rule, self.positions.shape[-1]
+        pending_from = self.kvpop_readout.pending_from if rule.recurrent else self.seen
+        # every head holds the sinks first and all positions after min(p - w, pending_from - 1) last (window, pending)
+        i0 = min(rule.sink, self.seen)
+        i1 = max(i0, n - (self.seen - 1 - min(p - rule.window, pending_from - 1)))
+        if i1 - i0 <= rule.k: return None
+        if i1 - i0 > rule.k + 1: return False
+        return i1 - 1 - self.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
+
+    def evict(self, next_position: int | None = None) -> None:
+        "Keep only the entries the rule shows to `next_position` (default: the next token), compacted in place in position order."
+        if not self.is_initialized: return
+        p = self.seen if next_position is None else next_position
+        worst = self.worst_eligible(p) if p == self.seen else False
+        if worst is None: return self.rule.check_masked(self)
+        if worst is False: idx = self.rule.keep(self, p)
+        else:
+            self.rule.check_masked(self)
+            ar = torch.arange(self.positions.shape[-1] - 1, device=self.device)
+            idx = ar + (ar >= worst)
+        (B, H, m), cap = idx.shape, self._buffers[0].shape[2]
+        if m == self.positions.shape[-1]: return
+        rows = (idx + torch.arange(B * H, device=idx.device).view(B, H, 1) * cap).flatten()  # flat row of each kept entry
+        for b in self._buffers:
+            flat = b.view(B * H * cap, -1)
+            b[:, :, :m] = flat.index_select(0, rows).view(B, H, m, *b.shape[3:])
+        self._view(m)
+        if cap > self.rule.budget + 1 >= m: self._seat(m, self.rule.budget + 1)  # give back what a prefill chunk needed
+
+    def _apply(self, fn) -> None:
+        "Apply `fn` to keys, values, positions and scores, then move them into buffers again."
+        super()._apply(fn)
+        if self.is_initialized: self._seat(self.positions.shape[-1], max(self.positions.shape[-1], self.rule.budget + 1))
+
+
 class KVpopPolicy(DensePolicy):
     "Exact attention over what a `KVpopRule` shows each query, decode included (needed by recurrent scorers)."
 
@@ -200,7 +305,10 @@ class KVpopPolicy(DensePolicy):
         layer = ctx.cache_layer
         if not isinstance(layer, EvictingLayer) or not isinstance(layer.rule, KVpopRule): return super().decode(q, k, v, ctx)
         layer.kvpop_masked = True
-        return dense_attention(q, k, v, layer.rule.visible(layer, ctx.query_positions), ctx.scale, ctx.dropout)
+        worst = layer.worst_eligible(layer.seen - 1) if isinstance(layer, KVpopLayer) else False
+        if worst is False: mask = layer.rule.visible(layer, ctx.query_positions)
+        else: mask = None if worst is None else ~torch.zeros_like(layer.positions, dtype=torch.bool).scatter(-1, worst, True)[:, :, None]
+        return dense_attention(q, k, v, mask, ctx.scale, ctx.dropout)
 
     def prefill(self, q, k, v, ctx):
         if isinstance(ctx.cache_layer, EvictingLayer): ctx.cache_layer.kvpop_masked = True  # the dispatcher masks chunks itself
@@ -208,10 +316,15 @@ class KVpopPolicy(DensePolicy):
 
 
 class KVpopCache(EvictingCache):
-    "A bounded KVpop cache (use inside `sparsekv.hf.patch`): per KV head s sinks, w recent and k long-range entries."
+    "A bounded KVpop cache (use inside `sparsekv.hf.patch`): per KV head s sinks, w recent and k long-range entries, in `KVpopLayer`s."
 
     def __init__(self, scorers: KVpopScorers, sink: int, window: int, k: int):
         super().__init__(KVpopRule(scorers, sink, window, k))
+
+    def layer(self, layer_idx: int) -> KVpopLayer:
+        "The layer `layer_idx`, created (with all before it) on first use."
+        while len(self.layers) <= layer_idx: self.layers.append(KVpopLayer(self.rule, len(self.layers)))
+        return self.layers[layer_idx]
 
 
 # %% [markdown]
@@ -360,3 +473,99 @@ test_fail(lambda: chunked_prefill(model, ids[:, :4], 4, DensePolicy(), KVpopCach
 test_fail(lambda: KVpopCache(scorers, 0, 3, 0), contains="k must be an int >= 1")
 test_fail(lambda: KVpopRule(scorers, 1, 0, 4), contains="window must be an int >= 1")
 test_fail(lambda: KVpopRule(object(), 1, 2, 4), contains="scorers must be a KVpopScorers")
+
+
+# %% [markdown]
+# ## Constant memory and no sort at decode
+#
+# `visible` against the stable sort of all eligible entries on random layer states, with many tied
+# priorities (integers), with and without pending entries, for single queries (the no-sort path
+# whenever at most $k + 1$ entries are eligible) and chunks of queries:
+
+# %%
+#| export
+def kvpop_visible_reference(positions: Tensor, scores: Tensor, query_positions: Tensor, sink: int, window: int, k: int,
+                            pending_from: int) -> Tensor:
+    "Boolean [B,H,Sq,N]: sinks, window, pending entries (t >= pending_from) and the k best eligible by a stable sort, per query."
+    t, p = positions[:, :, None, :], query_positions[:, None]
+    pending = t >= pending_from
+    eligible = (t >= sink) & (p - t >= window) & ~pending
+    s = scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
+    best = s.argsort(dim=-1, descending=True, stable=True)[..., :k]
+    top = torch.zeros_like(eligible).scatter(-1, best, True) & eligible
+    return (t <= p) & ((t < sink) | (p - t < window) | pending) | top
+
+
+# %%
+from types import SimpleNamespace
+
+# %%
+gen, fast = torch.Generator().manual_seed(0), 0
+for trial in range(300):
+    s_, w_, k_ = (int(x) for x in torch.randint(1, 6, (3,), generator=gen))
+    seen = int(torch.randint(s_ + w_, s_ + w_ + 3 * k_, (1,), generator=gen))
+    pos = torch.stack([torch.randperm(seen, generator=gen)[:s_ + w_ + k_].sort().values for _ in range(2)])[None]
+    sco = torch.randint(0, 3, pos.shape, generator=gen).float()  # many ties
+    recurrent = trial % 2 == 1
+    rule = KVpopRule(KVpopScorers.mlstm(1, 1, 2, w_) if recurrent else KVpopScorers.mlp(1, 1, 2), s_, w_, k_)
+    pend = seen - int(torch.randint(0, w_ + 1, (1,), generator=gen)) if recurrent else seen
+    layer = SimpleNamespace(positions=pos, scores=sco, seen=seen, kvpop_readout=SimpleNamespace(pending_from=pend))
+    for qp in (torch.tensor([seen]), torch.arange(seen - 3, seen + 1)):
+        test_eq(rule.visible(layer, qp), kvpop_visible_reference(pos, sco, qp, s_, w_, k_, pend))
+    fast += int(((pos >= s_) & (seen - pos >= w_) & (pos < pend)).sum(-1).max()) <= k_ + 1
+assert fast > 50  # the no-sort path was exercised
+
+
+# %% [markdown]
+# Decoding with `KVpopLayer`s gives the same logits, kept positions and priorities as the plain
+# `EvictingLayer` (which concatenates and gathers), for MLP and mLSTM scorers. Once the cache is full
+# the buffers are never reallocated (their storage stays put), and `cache_nbytes`, the bytes of every
+# tensor storage the cache holds, is constant:
+
+# %%
+#| export
+def cache_storages(cache) -> list:
+    "The distinct tensor storages a `transformers` cache's layers hold (keys, values, positions, scores, scorer state)."
+    storages = {}
+    def visit(x):
+        if isinstance(x, Tensor): storages[x.untyped_storage().data_ptr()] = x.untyped_storage()
+        elif isinstance(x, (tuple, list)): [visit(y) for y in x]
+        elif isinstance(x, dict): [visit(y) for y in x.values()]
+        elif isinstance(x, DelayedReadout): visit(vars(x))
+    for layer in cache.layers: visit(vars(layer))
+    return list(storages.values())
+
+
+def cache_nbytes(cache) -> int:
+    "Bytes of the distinct tensor storages a cache's layers hold (`cache_storages`)."
+    return sum(st.nbytes() for st in cache_storages(cache))
+
+
+# %%
+for sc, pol in ((scorers, DensePolicy()), (ms, KVpopPolicy())):
+    fast_cache, plain = KVpopCache(sc, s, w, kk), EvictingCache(KVpopRule(sc, s, w, kk))
+    ptrs, sizes = [], []
+    with torch.no_grad(), patch(model, pol):
+        for t in range(S):
+            a = model(ids[:, t:t + 1], past_key_values=fast_cache).logits
+            assert_close(a, model(ids[:, t:t + 1], past_key_values=plain).logits)
+            for lf, lp in zip(fast_cache.layers, plain.layers):
+                test_eq(lf.positions, lp.positions); test_eq(lf.scores, lp.scores); test_eq(lf.keys, lp.keys)
+            ptrs.append([l._buffers[0].data_ptr() for l in fast_cache.layers]); sizes.append(cache_nbytes(fast_cache))
+    test_eq(len({str(x) for x in ptrs}), 1)  # allocated once, at the first token
+    test_eq(len(set(sizes[s + w + kk + 1:])), 1)
+
+# %% [markdown]
+# `cache_nbytes` of a dense `DynamicCache` is $2 \cdot L \cdot S \cdot H_{kv} \cdot d$ elements ($L$ layers, $S$
+# tokens), and a KVpop cache holds $s + w + k + 1$ slots of keys, values (model dtype), positions
+# (int64) and priorities (float32) per head and layer, plus, with mLSTM scorers, the state
+# ($C$, $n$, $m$) and the read features of the unread tokens:
+
+# %%
+cfg = model.config
+hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+with torch.no_grad(): dyn = model(ids, use_cache=True).past_key_values
+test_eq(cache_nbytes(dyn), 2 * cfg.num_hidden_layers * 2 * S * cfg.num_key_value_heads * hd * 8)
+slot = 2 * hd * 8 + 8 + 4  # keys and values in float64, an int64 position and a float32 priority
+test_eq(cache_nbytes(fast_cache) - sum(cache_nbytes(SimpleNamespace(layers=[l.kvpop_readout])) for l in fast_cache.layers),
+        cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (s + w + kk + 1) * slot)
