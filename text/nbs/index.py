@@ -50,13 +50,52 @@
 # %% [markdown]
 # ## Use it
 #
-# ```python
-# from sparsekv.models import load_model
-# model, tok = load_model("smollm2-135m")      # bundled offline, converted once to a HF folder
-# ```
-#
-# Each method patches a Hugging Face `transformers` model through one integration layer
-# (`sparsekv.hf`); see the method notebooks for their entry points.
+# Every method patches a Hugging Face `transformers` model through one integration layer,
+# `sparsekv.hf`: `patch(model, policy)` routes each attention call to a policy, and a
+# bounded cache goes in as `past_key_values`. The cells below run on the tiny seeded test
+# model so this page executes in seconds; `load_model("smollm2-135m")` gives the real one
+# (bundled offline, converted once to a HF folder).
+
+# %%
+import torch
+
+# %%
+from sparsekv.hf import chunked_prefill, patch
+from sparsekv.kvpop.cache import KVpopPolicy
+from sparsekv.kvpop.train import KVpopStudent
+from sparsekv.models import load_model
+from sparsekv.oval.pages import PageRetrievalPolicy
+from sparsekv.quoka_policy import QuokaPolicy
+
+# %%
+model, tok = load_model("tiny-llama")
+prompt = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+
+# %% [markdown]
+# **KVpop**: a bounded cache of `sink + window + k` entries per KV head, filled by learned
+# scorers (trained with `sparsekv.kvpop.train.distill`; fresh ones here rank neutrally).
+
+# %%
+student = KVpopStudent.for_model(model, sink=4, window=16, k=32, scorer="mlstm")
+cache = student.inference_cache()  # a KVpopCache
+with torch.no_grad(), patch(model, KVpopPolicy()):
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=40, do_sample=False)
+assert all(layer.keys.shape[2] == 4 + 16 + 32 for layer in cache.layers)  # bounded: 52 entries per head after 135 tokens
+
+# %% [markdown]
+# **QuoKA**: chunked prefill where each chunk attends to `budget` keys of the earlier chunks.
+
+# %%
+cache, last_logits = chunked_prefill(model, prompt, chunk_size=16, policy=QuokaPolicy(n_q=4, budget=32))
+
+# %% [markdown]
+# **OVAL**: dense prefill, then at each decode step only the pages whose output-aware
+# summaries score highest (plus sinks and recent tokens) are attended to.
+
+# %%
+with torch.no_grad(), patch(model, PageRetrievalPolicy("oval", token_budget=48, page_size=8, sink=8, recent=8, rank=4, eta=0.5)):
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
+assert out.shape == (1, 96 + 20)
 
 # %% [markdown]
 # ## Layout
