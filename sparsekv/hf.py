@@ -242,8 +242,8 @@ class EvictingLayer(DynamicLayer):
         "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
         self.armed = True
 
-    def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
-        "Append the new entries with their positions and scores; return all entries' keys and values."
+    def scored_entries(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+        "Positions [B,H,s] and rule scores of the entries an armed `update` receives (checks the call; disarms the layer)."
         if not self.armed: raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts after attention")
         self.armed = False
         if not self.is_initialized: self.lazy_initialization(key_states, value_states)
@@ -255,6 +255,12 @@ class EvictingLayer(DynamicLayer):
         sc = self.rule.scores(self, key_states, value_states, pos)
         if sc.shape != pos.shape or not torch.isfinite(sc).all():
             raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape {tuple(pos.shape)}, got {tuple(sc.shape)}")
+        return pos, sc
+
+    def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+        "Append the new entries with their positions and scores; return all entries' keys and values."
+        pos, sc = self.scored_entries(key_states, value_states, cache_kwargs)
+        s = key_states.shape[2]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions, pos], dim=-1)

@@ -243,17 +243,8 @@ class KVpopLayer(EvictingLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
         "Write the new entries with their positions and scores after the kept ones; return all entries' keys and values."
-        if not self.armed: raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts after attention")
-        self.armed = False
-        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+        pos, sc = self.scored_entries(key_states, value_states, cache_kwargs)
         s, n = key_states.shape[2], self.positions.shape[-1]
-        pos = (cache_kwargs or {}).get("cache_position")
-        if pos is not None and (pos.shape[0] != s or int(pos[0]) != self.seen):
-            raise ValueError(f"cache_position must continue the sequence at {self.seen} for {s} tokens, got {pos.tolist()}")
-        pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
-        sc = self.rule.scores(self, key_states, value_states, pos)
-        if sc.shape != pos.shape or not torch.isfinite(sc).all():
-            raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape {tuple(pos.shape)}, got {tuple(sc.shape)}")
         if n + s > self._buffers[0].shape[2]: self._seat(n, n + s)
         for b, x in zip(self._buffers, (key_states, value_states, pos, sc)): b[:, :, n:n + s] = x
         self._view(n + s)
