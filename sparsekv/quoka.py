@@ -19,8 +19,8 @@ from .attention import check_qkv
 # %% auto #0
 __all__ = ['QUERY_SELECT', 'QUERY_AGGS', 'EPS', 'resolve_budget', 'top_mask', 'top_budget_indices',
            'top_budget_indices_reference', 'all_key_indices', 'accumulation_dtype', 'query_dissimilarity',
-           'select_queries', 'preaggregated_queries', 'check_chunk', 'quoka_scores', 'quoka_select',
-           'quoka_scores_reference', 'quoka_select_reference', 'quoka_decode_select']
+           'select_queries', 'preaggregated_queries', 'check_chunk', 'unit_keys', 'UnitKeyCache', 'quoka_scores',
+           'quoka_select', 'quoka_scores_reference', 'quoka_select_reference', 'quoka_decode_select']
 
 # %% ../nbs/20_quoka.ipynb #a635a46a
 def resolve_budget(budget: int | float, T: int) -> int:
@@ -35,11 +35,16 @@ def resolve_budget(budget: int | float, T: int) -> int:
     return min(T, max(1, math.floor(Fraction(repr(budget)) * T + Fraction(1, 2))))  # exact decimal product, halves up
 
 # %% ../nbs/20_quoka.ipynb #5d103211
-def top_mask(scores: Tensor, n: int) -> Tensor:
-    "Boolean mask of the `n` largest entries of each row (last dim), exactly n per row; among equal scores the lower index wins."
+def _check_top(scores: Tensor, n: int):
+    "Refuse an `n` outside [0, T] and NaN scores (they have no order)."
     T = scores.shape[-1]
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= T: raise ValueError(f"n must be an int in [0, {T}], got {n!r}")
     if scores.is_floating_point() and scores.isnan().any(): raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
+
+
+def top_mask(scores: Tensor, n: int) -> Tensor:
+    "Boolean mask of the `n` largest entries of each row (last dim), exactly n per row; among equal scores the lower index wins."
+    _check_top(scores, n)
     if n == 0: return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     kth = scores.topk(n, dim=-1).values[..., -1:]  # the n-th largest score of each row, whichever tied entry topk returned
     above, tied = scores > kth, scores == kth
@@ -49,6 +54,10 @@ def top_mask(scores: Tensor, n: int) -> Tensor:
 
 def top_budget_indices(scores: Tensor, n: int) -> Tensor:
     "Indices [..., n] of the `n` largest scores of each row (last dim), sorted ascending; among equal scores the lower index wins."
+    _check_top(scores, n)
+    if n and scores.numel():
+        vals, idx = scores.topk(n, dim=-1, sorted=False)
+        if ((scores >= vals.amin(-1, keepdim=True)).sum(-1) == n).all(): return idx.sort(-1).values  # no tie at the cut: a unique set
     return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)  # nonzero lists each row's entries in index order
 
 
@@ -113,28 +122,67 @@ def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
     except (TypeError, ValueError) as e: raise type(e)(f"q_chunk (as q) / k_cache (as k): {e}") from None
 
 
-def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max") -> Tensor:
-    "QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂ (§3.1–3.3, Alg. 1)."
+def unit_keys(k: Tensor) -> Tensor:
+    "k̂ = k / max(|k|, EPS) per key, in the accumulation dtype: [..., T, D]."
+    return F.normalize(k.to(accumulation_dtype(k)), dim=-1, eps=EPS)
+
+
+class UnitKeyCache:
+    "Unit keys of one layer's growing cache: `update(k_cache)` normalizes only the keys added since the last call (earlier keys never change)."
+
+    def __init__(self):
+        self.buffer, self.length = None, 0
+
+    def crop(self, n: int):
+        "Forget the unit keys from position n on (the KV cache was cropped or a new sequence starts)."
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0: raise ValueError(f"n must be an int >= 0, got {n!r}")
+        self.length = min(self.length, n)
+
+    def update(self, k_cache: Tensor) -> Tensor:
+        "Unit keys [B,Hkv,T,D] of k_cache [B,Hkv,T,D], whose first `length` keys must be those of the previous call."
+        if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():
+            raise TypeError(f"k_cache must be a floating-point tensor [B,Hkv,T,D], got {getattr(k_cache, 'shape', type(k_cache).__name__)}")
+        B, Hkv, T, D = k_cache.shape
+        dtype = accumulation_dtype(k_cache)
+        if self.buffer is not None and (self.buffer.shape[:2] + self.buffer.shape[3:] != (B, Hkv, D) or self.buffer.dtype != dtype
+                                        or self.buffer.device != k_cache.device):
+            self.buffer, self.length = None, 0  # another shape: start over
+        self.length = min(self.length, T)
+        if self.buffer is None or self.buffer.shape[2] < T:  # grow by doubling: amortized O(new keys) per call
+            grown = k_cache.new_empty(B, Hkv, max(T, 2 * (0 if self.buffer is None else self.buffer.shape[2])), D, dtype=dtype)
+            if self.length: grown[:, :, :self.length] = self.buffer[:, :, :self.length]
+            self.buffer = grown
+        self.buffer[:, :, self.length:T] = unit_keys(k_cache[:, :, self.length:T])
+        self.length = T
+        return self.buffer[:, :, :T]
+
+
+def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max",
+                 k_unit: Tensor | None = None) -> Tensor:
+    "QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂ (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand."
     _check_quoka_options(n_q, query_select, query_agg)
     G = check_chunk(q_chunk, k_cache)
     qbar = preaggregated_queries(q_chunk, select_queries(q_chunk, n_q, G, query_select), G)
-    k = k_cache.to(qbar.dtype)
-    s = qbar @ k.transpose(-1, -2)  # [B,Hkv,n,T]: group-mean cosines, times |k_j|
-    s = s.amax(2) if query_agg == "max" else s.mean(2)
-    return s / k.norm(dim=-1).clamp_min(EPS)  # a positive factor per key commutes with max/mean over queries
+    if k_unit is None: k_unit = unit_keys(k_cache)
+    elif not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != qbar.dtype:
+        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {qbar.dtype} (`unit_keys(k_cache)`), "
+                         f"got {getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}")
+    s = qbar @ k_unit.transpose(-1, -2)  # [B,Hkv,n,T]: group-mean cosines
+    return s.amax(2) if query_agg == "max" else s.mean(2)
 
 # %% ../nbs/20_quoka.ipynb #6e2ad7ae
 def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
-                 query_select: str = "group", query_agg: str = "max") -> Tensor:
+                 query_select: str = "group", query_agg: str = "max", k_unit: Tensor | None = None) -> Tensor:
     """Alg. 1: indices [B,Hkv,min(B_SA,T)] (int64, ascending, ties to the lower index) of the cached keys
     k_cache [B,Hkv,T,D] that the chunk q_chunk [B,Hq,S,D] (post-RoPE) attends to; all keys if T <= B_SA.
-    `budget`: B_SA as an int, or a float fraction of T; `n_q`: N_Q queries kept per chunk."""
+    `budget`: B_SA as an int, or a float fraction of T; `n_q`: N_Q queries kept per chunk;
+    `k_unit`: `unit_keys(k_cache)` if at hand (e.g. from a `UnitKeyCache`)."""
     _check_quoka_options(n_q, query_select, query_agg)
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, _ = k_cache.shape
     n = resolve_budget(budget, T)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)  # T <= B_SA: nothing to select
-    return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg), n)
+    return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit), n)
 
 # %% ../nbs/20_quoka.ipynb #b2ef64dc
 def _ranked(values: list, n: int) -> list:
@@ -182,8 +230,8 @@ def quoka_select_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budg
     return top_budget_indices_reference(quoka_scores_reference(q_chunk, k_cache, n_q, query_select, query_agg), n)
 
 # %% ../nbs/20_quoka.ipynb #4ed0feb3
-def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024) -> Tensor:
+def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024, k_unit: Tensor | None = None) -> Tensor:
     "Generation mode (§4.4): indices [B,Hkv,min(B_SA,T)] for one new query per head q [B,Hq,1,D]; no query subselection, the same scoring."
     if isinstance(q, Tensor) and q.dim() == 4 and q.shape[2] != 1:
         raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got shape {tuple(q.shape)}; use quoka_select for a chunk")
-    return quoka_select(q, k_cache, 1, budget)
+    return quoka_select(q, k_cache, 1, budget, k_unit=k_unit)

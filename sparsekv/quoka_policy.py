@@ -8,6 +8,7 @@ Docs: https://sparsekv.github.io/sparsekv/quoka_prefill.html.md"""
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from torch import Tensor
@@ -17,8 +18,8 @@ from .attention import attention_reference, causal_mask
 from .baselines.selection import LessIsMoreSelector
 from .hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
                          heads_mask, patch)
-from .quoka import (QUERY_AGGS, QUERY_SELECT, all_key_indices, quoka_decode_select, quoka_scores, quoka_select,
-                            resolve_budget, top_budget_indices)
+from .quoka import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, all_key_indices, quoka_decode_select, quoka_scores,
+                            quoka_select, resolve_budget, top_budget_indices)
 
 # %% auto #0
 __all__ = ['anchor_mask', 'anchored_top_indices', 'anchored_top_indices_reference', 'QuokaPolicy', 'selected_attention_reference',
@@ -72,25 +73,27 @@ class QuokaPolicy(SelectionPolicy):
     "QuoKA (Alg. 2): each prefill chunk attends to the `budget` (B_SA) earlier keys Alg. 1 selects per KV head plus its own keys; decode likewise (§4.4) unless `decode=False`."
 
     def __init__(self, n_q: int = 16, budget: int | float = 1024, query_select: str = "group", query_agg: str = "max",
-                 sinks: int = 0, recent: int = 0, decode: bool = True):
+                 sinks: int = 0, recent: int = 0, decode: bool = True, cache_unit_keys: bool = True):
         if isinstance(n_q, bool) or not isinstance(n_q, int) or n_q < 1: raise ValueError(f"n_q (N_Q) must be an int >= 1, got {n_q!r}")
         if query_select not in QUERY_SELECT: raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
         if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
         if not isinstance(decode, bool): raise TypeError(f"decode must be a bool, got {decode!r}")
+        if not isinstance(cache_unit_keys, bool): raise TypeError(f"cache_unit_keys must be a bool, got {cache_unit_keys!r}")
+        self.cache_unit_keys, self.unit_caches = cache_unit_keys, weakref.WeakKeyDictionary()  # cache layer -> UnitKeyCache
         self.n_q, self.budget, self.query_select, self.query_agg = n_q, _check_budget(budget), query_select, query_agg
         self.sinks, self.recent, self.decode_sparse = _check_count(sinks, "sinks"), _check_count(recent, "recent"), decode
 
-    def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill") -> Tensor:
-        "Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] that the queries q [B,Hq,S,D] attend to (Alg. 1; §4.4 for `kind='decode'`)."
+    def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill", k_unit: Tensor | None = None) -> Tensor:
+        "Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] that the queries q [B,Hq,S,D] attend to (Alg. 1; §4.4 for `kind='decode'`); `k_unit`: their unit keys if at hand."
         if kind not in ("prefill", "decode"): raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
         if not (self.sinks or self.recent):
-            if kind == "decode": return quoka_decode_select(q, k_earlier, self.budget)
-            return quoka_select(q, k_earlier, self.n_q, self.budget, self.query_select, self.query_agg)
+            if kind == "decode": return quoka_decode_select(q, k_earlier, self.budget, k_unit)
+            return quoka_select(q, k_earlier, self.n_q, self.budget, self.query_select, self.query_agg, k_unit)
         if kind == "decode" and q.shape[2] != 1: raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got {tuple(q.shape)}")
         B, Hkv, T, _ = k_earlier.shape
         n = resolve_budget(self.budget, T)
         n_q = 1 if kind == "decode" else self.n_q
-        s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg)  # validates shapes even when n == T
+        s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg, k_unit)  # validates shapes even when n == T
         if n == T: return all_key_indices(B, Hkv, T, k_earlier.device)
         return anchored_top_indices(s, n, self.sinks, self.recent)
 
@@ -99,7 +102,14 @@ class QuokaPolicy(SelectionPolicy):
         if ctx.kind == "decode" and not self.decode_sparse: return None
         T = ctx.past_len
         if resolve_budget(self.budget, T) == T: return None
-        return add_chunk_keys(self.earlier_indices(q, k[:, :, :T], ctx.kind), k.shape[2], q.shape[2])
+        return add_chunk_keys(self.earlier_indices(q, k[:, :, :T], ctx.kind, self.unit_keys(k[:, :, :T], ctx)), k.shape[2], q.shape[2])
+
+    def unit_keys(self, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
+        "Unit keys of k_earlier from this cache layer's `UnitKeyCache` (None without a cache or with `cache_unit_keys=False`)."
+        layer = ctx.cache_layer
+        if not self.cache_unit_keys or layer is None: return None
+        if layer not in self.unit_caches: self.unit_caches[layer] = UnitKeyCache()
+        return self.unit_caches[layer].update(k_earlier)
 
     def __repr__(self):
         return (f"QuokaPolicy(n_q={self.n_q}, budget={self.budget}, query_select={self.query_select!r}, query_agg={self.query_agg!r}, "

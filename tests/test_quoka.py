@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from sparsekv.quoka import (QUERY_AGGS, QUERY_SELECT, preaggregated_queries, query_dissimilarity, quoka_decode_select,
                             quoka_scores, quoka_scores_reference, quoka_select, quoka_select_reference, resolve_budget,
-                            select_queries, top_budget_indices, top_budget_indices_reference, top_mask)
+                            select_queries, top_budget_indices, top_budget_indices_reference, top_mask, unit_keys, UnitKeyCache)
 
 # (S, T, n_q, budget): T > budget, T < budget, T == budget, n_q >= S, a single query, a fraction of the cache, an empty cache
 CASES = [(16, 50, 4, 12), (16, 9, 4, 12), (16, 12, 4, 12), (16, 50, 16, 12), (16, 50, 40, 12), (1, 50, 4, 12),
@@ -188,3 +188,33 @@ def test_bad_input():
     with pytest.raises(ValueError, match="budget"): quoka_select(q, k, 4, 0)
     with pytest.raises(ValueError, match="NaN"): quoka_select(q, k.masked_fill(k > 1, math.nan), 4, 8)
     with pytest.raises(ValueError, match="NaN"): quoka_select(q.masked_fill(q > 1, math.inf), k, 4, 8)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_top_budget_indices_fast_path_and_ties_at_the_cut(seed):
+    "Long rows without ties (topk fast path) and the same rows with a tie planted at the cut (mask path) both match the sort."
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(2, 3, 500, generator=g, dtype=torch.float64)
+    for n in (1, 37, 250, 499, 500):
+        torch.testing.assert_close(top_budget_indices(scores, n), top_budget_indices_reference(scores, n), rtol=0, atol=0)
+        tied = scores.clone()
+        if n < 500:
+            kth = tied[0, 0].topk(n).values[-1]
+            tied[0, 0, tied[0, 0].argsort()[0]] = kth  # a second entry equal to the n-th score, at another position
+            torch.testing.assert_close(top_budget_indices(tied, n), top_budget_indices_reference(tied, n), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_unit_key_cache_gives_the_same_selection(dtype):
+    "Growing the cache chunk by chunk: the cached unit keys equal unit_keys of the whole cache and the selection is unchanged; it matches the reference in float64."
+    q_all, k_all = make_qk(3, 16 * 12, 16 * 12, seed=dtype.itemsize)
+    q_all, k_all = q_all.to(dtype), k_all.to(dtype)
+    cache = UnitKeyCache()
+    for c in range(1, 12):
+        q, k = q_all[:, :, 16 * c:16 * (c + 1)], k_all[:, :, :16 * c]
+        unit = cache.update(k)
+        assert torch.equal(unit, unit_keys(k)) and unit.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        idx = quoka_select(q, k, 4, 20, k_unit=unit)
+        assert torch.equal(idx, quoka_select(q, k, 4, 20))
+        if dtype == torch.float64 and c in (2, 11): assert torch.equal(idx, quoka_select_reference(q, k, 4, 20))
+    assert cache.buffer.shape[2] < 2 * 16 * 11 + 1  # grown by doubling, not per call

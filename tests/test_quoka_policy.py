@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 
 from sparsekv.baselines.selection import (LessIsMoreSelector, lessismore_select, loki_select, mean_score_select,
@@ -82,6 +83,18 @@ def test_small_budget_matches_brute_force(model, options):
         checked += 1
     assert checked == 3 * model.config.num_hidden_layers  # chunks 2-4 (T = 10, 15, 20) select
     assert (last - _dense_last(model, ids, 5)).abs().max() > 1e-4
+
+
+def test_unit_key_cache_is_per_kv_cache_and_changes_nothing(llama):
+    "The policy's cached unit keys give the same logits as recomputing them; a second prompt (a new KV cache) gets fresh unit keys."
+    policy = QuokaPolicy(n_q=3, budget=6)
+    for seed in (3, 4):  # the same policy object for two prompts of the same length
+        ids = _ids(2, 31, seed)
+        cache, last = chunked_prefill(llama, ids, 5, policy)
+        assert torch.equal(last, chunked_prefill(llama, ids, 5, QuokaPolicy(n_q=3, budget=6, cache_unit_keys=False))[1])
+        for layer in cache.layers:  # the unit keys of all but the last chunk's keys
+            assert torch.equal(policy.unit_caches[layer].buffer[:, :, :25], F.normalize(layer.keys[:, :, :25], dim=-1, eps=1e-12))
+    with pytest.raises(TypeError, match="cache_unit_keys"): QuokaPolicy(cache_unit_keys=1)
 
 
 def test_fraction_budget(llama):

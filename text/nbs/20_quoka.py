@@ -108,14 +108,26 @@ test_fail(lambda: resolve_budget(4, -1), contains="T must be")
 # The rule is implemented without a sort: with $v$ the $n$-th largest score of a row, every
 # entry $> v$ is kept, and of the entries $= v$ the first $n - \#\{> v\}$ in index order (a
 # cumulative count). NaN scores have no order; they are refused.
+#
+# **Fast path.** Ties *at the cut* are what need the rule; elsewhere the top $n$ form a
+# unique set. `top_budget_indices` first takes `topk` (unsorted) and counts the entries
+# $\ge v$: if every row has exactly $n$ of them, nobody is tied with the $n$-th score, the set
+# is unique and `topk`'s indices, sorted, are the answer (a sort of $n$ numbers instead of the
+# mask, cumulative count and `nonzero` over all $T$). Otherwise it falls back to `top_mask`.
+# The checks below exercise both (random rows: no ties; rows of three values: ties at the cut).
 
 # %%
 #| export
-def top_mask(scores: Tensor, n: int) -> Tensor:
-    "Boolean mask of the `n` largest entries of each row (last dim), exactly n per row; among equal scores the lower index wins."
+def _check_top(scores: Tensor, n: int):
+    "Refuse an `n` outside [0, T] and NaN scores (they have no order)."
     T = scores.shape[-1]
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= T: raise ValueError(f"n must be an int in [0, {T}], got {n!r}")
     if scores.is_floating_point() and scores.isnan().any(): raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
+
+
+def top_mask(scores: Tensor, n: int) -> Tensor:
+    "Boolean mask of the `n` largest entries of each row (last dim), exactly n per row; among equal scores the lower index wins."
+    _check_top(scores, n)
     if n == 0: return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     kth = scores.topk(n, dim=-1).values[..., -1:]  # the n-th largest score of each row, whichever tied entry topk returned
     above, tied = scores > kth, scores == kth
@@ -125,6 +137,10 @@ def top_mask(scores: Tensor, n: int) -> Tensor:
 
 def top_budget_indices(scores: Tensor, n: int) -> Tensor:
     "Indices [..., n] of the `n` largest scores of each row (last dim), sorted ascending; among equal scores the lower index wins."
+    _check_top(scores, n)
+    if n and scores.numel():
+        vals, idx = scores.topk(n, dim=-1, sorted=False)
+        if ((scores >= vals.amin(-1, keepdim=True)).sum(-1) == n).all(): return idx.sort(-1).values  # no tie at the cut: a unique set
     return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)  # nonzero lists each row's entries in index order
 
 
@@ -331,12 +347,16 @@ for n_q in (1, 4, S, S + 3):
 # $G$ less (§3.3: "lowers computation and memory cost by a factor of the number of KV
 # groups").
 #
-# **Normalizing the keys after the max.** $\hat k_j = k_j / \lVert k_j \rVert$ and $\lVert k_j
-# \rVert > 0$, so $\max_i \bar q_{h,i} \cdot \hat k_j = (\max_i \bar q_{h,i} \cdot k_j) /
-# \lVert k_j \rVert$: a positive factor per key commutes with a max (and a mean) over
-# queries. The implementation multiplies $\bar Q_h$ with the raw keys and divides the $T$
-# aggregated scores by the key norms, instead of writing a normalized copy of all $T$ keys.
-# (A zero key has norm clamped to $10^{-12}$ and score $0$, as with `F.normalize`.)
+# **Unit keys, once per key.** The keys are normalized before the product, $\hat K_h =
+# (\hat k_1, \dots, \hat k_T)$, so the scores are one product $\bar Q_h \hat K_h^\top$ and a
+# max over rows. Under chunked prefill the keys of earlier chunks never change, so $\hat k_j$
+# need not be recomputed for every later chunk: `UnitKeyCache` keeps the unit keys of one
+# layer (in the accumulation dtype: float32 for bfloat16 models, which also saves converting
+# all $T$ keys per chunk) and normalizes only the keys added since its last call, and
+# `quoka_scores(..., k_unit=)` takes them. The selection is the same function of the same
+# unit vectors with or without the cache (each key is normalized on its own). The price is
+# memory: a float32 copy of the layer's keys (amortized growth, at most twice that). (A zero
+# key has norm clamped to $10^{-12}$ and score $0$, as with `F.normalize`.)
 #
 # **Interpretation (query aggregation as a parameter).** The max over queries is QuoKA's
 # choice; `query_agg="mean"` replaces it by the mean, the alternative the paper ablates
@@ -367,15 +387,53 @@ def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
     except (TypeError, ValueError) as e: raise type(e)(f"q_chunk (as q) / k_cache (as k): {e}") from None
 
 
-def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max") -> Tensor:
-    "QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂ (§3.1–3.3, Alg. 1)."
+def unit_keys(k: Tensor) -> Tensor:
+    "k̂ = k / max(|k|, EPS) per key, in the accumulation dtype: [..., T, D]."
+    return F.normalize(k.to(accumulation_dtype(k)), dim=-1, eps=EPS)
+
+
+class UnitKeyCache:
+    "Unit keys of one layer's growing cache: `update(k_cache)` normalizes only the keys added since the last call (earlier keys never change)."
+
+    def __init__(self):
+        self.buffer, self.length = None, 0
+
+    def crop(self, n: int):
+        "Forget the unit keys from position n on (the KV cache was cropped or a new sequence starts)."
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0: raise ValueError(f"n must be an int >= 0, got {n!r}")
+        self.length = min(self.length, n)
+
+    def update(self, k_cache: Tensor) -> Tensor:
+        "Unit keys [B,Hkv,T,D] of k_cache [B,Hkv,T,D], whose first `length` keys must be those of the previous call."
+        if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():
+            raise TypeError(f"k_cache must be a floating-point tensor [B,Hkv,T,D], got {getattr(k_cache, 'shape', type(k_cache).__name__)}")
+        B, Hkv, T, D = k_cache.shape
+        dtype = accumulation_dtype(k_cache)
+        if self.buffer is not None and (self.buffer.shape[:2] + self.buffer.shape[3:] != (B, Hkv, D) or self.buffer.dtype != dtype
+                                        or self.buffer.device != k_cache.device):
+            self.buffer, self.length = None, 0  # another shape: start over
+        self.length = min(self.length, T)
+        if self.buffer is None or self.buffer.shape[2] < T:  # grow by doubling: amortized O(new keys) per call
+            grown = k_cache.new_empty(B, Hkv, max(T, 2 * (0 if self.buffer is None else self.buffer.shape[2])), D, dtype=dtype)
+            if self.length: grown[:, :, :self.length] = self.buffer[:, :, :self.length]
+            self.buffer = grown
+        self.buffer[:, :, self.length:T] = unit_keys(k_cache[:, :, self.length:T])
+        self.length = T
+        return self.buffer[:, :, :T]
+
+
+def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max",
+                 k_unit: Tensor | None = None) -> Tensor:
+    "QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂ (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand."
     _check_quoka_options(n_q, query_select, query_agg)
     G = check_chunk(q_chunk, k_cache)
     qbar = preaggregated_queries(q_chunk, select_queries(q_chunk, n_q, G, query_select), G)
-    k = k_cache.to(qbar.dtype)
-    s = qbar @ k.transpose(-1, -2)  # [B,Hkv,n,T]: group-mean cosines, times |k_j|
-    s = s.amax(2) if query_agg == "max" else s.mean(2)
-    return s / k.norm(dim=-1).clamp_min(EPS)  # a positive factor per key commutes with max/mean over queries
+    if k_unit is None: k_unit = unit_keys(k_cache)
+    elif not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != qbar.dtype:
+        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {qbar.dtype} (`unit_keys(k_cache)`), "
+                         f"got {getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}")
+    s = qbar @ k_unit.transpose(-1, -2)  # [B,Hkv,n,T]: group-mean cosines
+    return s.amax(2) if query_agg == "max" else s.mean(2)
 
 
 # %% [markdown]
@@ -421,7 +479,7 @@ for G in (1, 3, 4):
 #    $d_{g,i} \leftarrow -\hat M_{Q,g} \cdot \hat q_{g,i}$.
 # 3. Keep $\min(N_Q, S)$ positions: by $\frac1G \sum_g d_{g,i}$ (group) or per head (head).
 # 4. $\bar Q_h \leftarrow$ rows $\frac1G \sum_g \hat q_{g,i}$ over the kept positions.
-# 5. $\sigma_{h,j} \leftarrow \max_{\text{rows}} (\bar Q_h K_h^\top)_{:,j} / \lVert k_{h,j} \rVert$ for all $T$ keys.
+# 5. $\sigma_{h,j} \leftarrow \max_{\text{rows}} (\bar Q_h \hat K_h^\top)_{:,j}$ for all $T$ keys (unit keys cached across chunks).
 # 6. Return the $n$ keys of largest $\sigma_{h,j}$, ties to the lower index, ascending.
 #
 # The chunk's own keys are not scored: every query attends to its block causally anyway,
@@ -431,16 +489,17 @@ for G in (1, 3, 4):
 # %%
 #| export
 def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
-                 query_select: str = "group", query_agg: str = "max") -> Tensor:
+                 query_select: str = "group", query_agg: str = "max", k_unit: Tensor | None = None) -> Tensor:
     """Alg. 1: indices [B,Hkv,min(B_SA,T)] (int64, ascending, ties to the lower index) of the cached keys
     k_cache [B,Hkv,T,D] that the chunk q_chunk [B,Hq,S,D] (post-RoPE) attends to; all keys if T <= B_SA.
-    `budget`: B_SA as an int, or a float fraction of T; `n_q`: N_Q queries kept per chunk."""
+    `budget`: B_SA as an int, or a float fraction of T; `n_q`: N_Q queries kept per chunk;
+    `k_unit`: `unit_keys(k_cache)` if at hand (e.g. from a `UnitKeyCache`)."""
     _check_quoka_options(n_q, query_select, query_agg)
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, _ = k_cache.shape
     n = resolve_budget(budget, T)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)  # T <= B_SA: nothing to select
-    return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg), n)
+    return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit), n)
 
 
 # %% [markdown]
@@ -526,6 +585,33 @@ test_eq(quoka_select(*_qk(3, 8, 0), 4, 6).shape, (2, 2, 0))                     
 test_eq(quoka_select_reference(*_qk(3, 8, 0), 4, 6).shape, (2, 2, 0))
 
 # %% [markdown]
+# The unit-key cache: fed the keys of a growing cache chunk by chunk (buffer growth
+# included), it returns exactly `unit_keys` of the whole cache, and the selection from it is
+# exactly the selection without it, in float32 and bfloat16; a cropped or differently
+# shaped cache starts over; wrong unit keys are refused.
+
+# %%
+g = torch.Generator().manual_seed(4)
+for dtype in (torch.float32, torch.bfloat16):
+    cache = UnitKeyCache()
+    q = torch.randn(1, 6, 16, 32, generator=g).to(dtype)
+    k_all = torch.randn(1, 2, 300, 32, generator=g).to(dtype)
+    for T in (0, 16, 32, 48, 200, 201, 300):
+        unit = cache.update(k_all[:, :, :T])
+        test_eq(unit, unit_keys(k_all[:, :, :T]))
+        test_eq(unit.dtype, torch.float32)
+        if T: test_eq(quoka_select(q, k_all[:, :, :T], 4, 10, k_unit=unit), quoka_select(q, k_all[:, :, :T], 4, 10))
+    cache.crop(20)
+    k2 = torch.cat([k_all[:, :, :20], k_all[:, :, 100:120]], 2)                           # the first 20 keys kept, others new
+    test_eq(cache.update(k2), unit_keys(k2))                                                # recomputed from position 20 on
+    test_eq(cache.update(k_all[:, :, :10])[:, :, :10], unit_keys(k_all[:, :, :10]))        # a shorter cache: cropped to it
+    test_eq(cache.update(k_all[:, :1, :10]), unit_keys(k_all[:, :1, :10]))                 # another shape: a fresh buffer
+q, k = _qk(3, 8, 20)
+test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k)[:, :, :5]), contains="k_unit")
+test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k).float()), contains="k_unit")
+test_fail(lambda: UnitKeyCache().update(k[0]), contains="k_cache")
+
+# %% [markdown]
 # Ties: one-hot queries and keys make every quantity exact, and many keys repeat, so equal
 # scores straddle the budget's cut. The earlier key must win, in both implementations:
 
@@ -552,11 +638,11 @@ test_eq(quoka_select(torch.ones(1, 1, 4, 3), torch.ones(1, 1, 9, 3), 2, 5), torc
 
 # %%
 #| export
-def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024) -> Tensor:
+def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024, k_unit: Tensor | None = None) -> Tensor:
     "Generation mode (§4.4): indices [B,Hkv,min(B_SA,T)] for one new query per head q [B,Hq,1,D]; no query subselection, the same scoring."
     if isinstance(q, Tensor) and q.dim() == 4 and q.shape[2] != 1:
         raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got shape {tuple(q.shape)}; use quoka_select for a chunk")
-    return quoka_select(q, k_cache, 1, budget)
+    return quoka_select(q, k_cache, 1, budget, k_unit=k_unit)
 
 
 # %%
