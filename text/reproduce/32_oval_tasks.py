@@ -213,11 +213,13 @@ def generation_results(context: int, sample: int) -> dict:
 # %%
 ITEMS = [("niah_single", c, d, s) for c in contexts for d in needle_depths for s in range(n_samples)] + \
         [(t, c, None, s) for c in contexts for t in ruler_tasks for s in range(n_samples)]
-task_cells = [{"task": t, "context": c, "depth": d, "sample": s, "method": m, "eta": e, "budget_fraction": f}
+task_cells = [{"task": t, "context": c, "depth": d, "sample": s, "max_new_tokens": max_new_tokens[t], "method": m, "eta": e, "budget_fraction": f}
               for t, c, d, s in ITEMS for m, e, f in ARMS]
 gen_cells = [{"context": c, "sample": s, "gen_tokens": gen_tokens, "method": m, "eta": e, "budget_fraction": f}
              for c in gen_contexts for s in range(n_gen) for m, e, f in ARMS]
-common = {"model": model_name, "page_size": page_size, "rank": rank, "sink": sink, "recent": recent, "spec_steps": spec_steps}
+# every setting that changes a result is part of a cell's key, so a resumed grid never reuses rows computed under other settings
+common = {"model": model_name, "dtype": dtype, "seed": seed, "chunk_size": chunk_size, "page_size": page_size, "rank": rank,
+          "sink": sink, "recent": recent, "dense_layers": dense_layers, "spec_steps": spec_steps, "tau": tau}
 task_grid = run_grid([{**common, **c} for c in task_cells],
                      lambda c: item_results(c["task"], c["context"], c["depth"], c["sample"])[(c["method"], c["eta"], c["budget_fraction"])],
                      Path(out_dir)/"oval_tasks_grid.csv", desc="oval tasks")
