@@ -192,6 +192,13 @@ class _StorageTracker(TorchDispatchMode):
     def _free(self, key):
         self.now -= self.live.pop(key)
 
+    def track(self, st) -> None:
+        "Count storage `st` until it is freed."
+        self.live[id(st)] = st.nbytes()
+        self.now += st.nbytes()
+        weakref.finalize(st, self._free, id(st))  # storages keep their Python object: this runs when the memory is freed
+        self.peak = max(self.peak, self.now)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)}
@@ -199,22 +206,25 @@ class _StorageTracker(TorchDispatchMode):
             if not isinstance(x, Tensor): continue
             st = x.untyped_storage()
             if id(st) in self.live or st.data_ptr() in inputs: continue  # seen already, or a view / in-place result
-            self.live[id(st)] = st.nbytes()
-            self.now += st.nbytes()
-            weakref.finalize(st, self._free, id(st))  # storages keep their Python object: this runs when the memory is freed
+            self.track(st)
         self.peak = max(self.peak, self.now)
         return out
 
-def peak_memory(fn, *args, device=None, **kwargs) -> tuple[object, int]:
-    "Run fn(*args, **kwargs): (its result, peak bytes of tensor memory allocated during the call beyond what existed before)."
+def peak_memory(fn, *args, device=None, held=(), **kwargs) -> tuple[object, int]:
+    """Run fn(*args, **kwargs): (its result, peak bytes of tensor memory allocated during the call beyond what existed before,
+    plus the storages `held`, which existed before and count until the call frees them, e.g. a cache a decode step replaces)."""
+    held = list(held)
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+        base = torch.cuda.memory_allocated(device) - sum(st.nbytes() for st in held)
         out = fn(*args, **kwargs)
         torch.cuda.synchronize(device)
         return out, torch.cuda.max_memory_allocated(device) - base
-    with _StorageTracker() as tracker: out = fn(*args, **kwargs)
+    with _StorageTracker() as tracker:
+        for st in held: tracker.track(st)
+        held = st = None  # the tracker must not keep them alive
+        out = fn(*args, **kwargs)
     return out, tracker.peak
 
 # %% ../../nbs/10_kvpop_target.ipynb #da0910db

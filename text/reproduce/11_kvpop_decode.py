@@ -55,7 +55,6 @@ seed = 0
 # %%
 import copy
 import time
-import weakref
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -68,7 +67,7 @@ from sparsekv.data import prose_tokens
 from sparsekv.hf import DensePolicy, chunked_prefill, patch
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.kvpop.cache import KVpopCache, KVpopPolicy, cache_nbytes, cache_storages, random_scorers
-from sparsekv.kvpop.target import _StorageTracker
+from sparsekv.kvpop.target import peak_memory
 from sparsekv.models import load_model
 
 # %%
@@ -143,19 +142,7 @@ def fast_forward(cache: KVpopCache, L: int) -> None:
 
 def step_peak_bytes(dec: Decoder) -> int:
     "Peak bytes of live tensor storage during one decode step: the cache's storages (until freed) plus what the step allocates."
-    if cuda:
-        torch.cuda.synchronize(device); torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device) - cache_nbytes(dec.cache)
-        dec.step(); torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    with _StorageTracker() as tr:
-        for st in cache_storages(dec.cache):  # held before the step: count them until they are freed
-            tr.live[id(st)] = st.nbytes(); tr.now += st.nbytes()
-            weakref.finalize(st, tr._free, id(st))
-        del st  # the tracker must not keep them alive
-        tr.peak = tr.now
-        dec.step()
-    return tr.peak
+    return peak_memory(dec.step, device=device, held=cache_storages(dec.cache))[1]
 
 
 # %% [markdown]
