@@ -297,13 +297,16 @@ def rope_interleaved_loop(x, positions, base):
 d, base = 8, 100000.0
 rope = LlamaRotaryEmbedding(transformers.LlamaConfig(head_dim=d, num_attention_heads=1, hidden_size=d,
                                                      rope_parameters={"rope_type": "default", "rope_theta": base}))
-q_hf, k_hf = torch.randn(2, 1, 5, d, dtype=torch.float64), torch.randn(2, 1, 5, d, dtype=torch.float64)
+g = torch.Generator().manual_seed(0)
+q_hf, k_hf = (torch.randn(2, 1, 5, d, dtype=torch.float64, generator=g) for _ in range(2))
 positions = torch.tensor([0, 1, 7, 100, 4000])
 cos, sin = rope(q_hf, positions[None])
 q_rot, k_rot = apply_rotary_pos_emb(q_hf, k_hf, cos, sin)
 to_gguf = lambda x: permute_rope_rows_loop(x.movedim(-1, 0), 1).movedim(0, -1)  # one head of d rows
 q_gguf, k_gguf = (rope_interleaved_loop(to_gguf(x), positions, base) for x in (q_hf, k_hf))
-tol = dict(rtol=1e-4, atol=1e-4)  # transformers computes the angles in float32
+# transformers computes the angles in float32: at position p they are off by about p * 2**-24 radians,
+# so the tolerance scales with |x|**2 * max(p) * 2**-24 (a wrong layout is off by O(|x|**2)).
+tol = dict(rtol=1e-4, atol=float(q_hf.abs().max() * k_hf.abs().max()) * d * positions.max().item() * 2**-22)
 torch.testing.assert_close(q_gguf, to_gguf(q_rot), **tol)
 torch.testing.assert_close(q_gguf @ k_gguf.mT, q_rot @ k_rot.mT, **tol)
 assert not torch.allclose(rope_interleaved_loop(q_hf, positions, base), q_rot, **tol)  # without the permutation: wrong
