@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 # %% auto #0
-__all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'causal_mask', 'check_mask', 'softmax_scale',
+__all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'gather_keys', 'causal_mask', 'check_mask', 'softmax_scale',
            'attention_scores', 'attention_reference', 'attention_chunked', 'merge_attention', 'causal_mask_mod',
            'mask_mod_from_bool', 'bias_score_mod', 'block_mask_from_bool', 'causal_block_mask',
            'compiled_flex_attention', 'flex_attention_lse', 'sdpa_attention_lse', 'masked_attention']
@@ -55,6 +55,11 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor | None = None) -> int:
     if q.shape[2] < 1 or k.shape[2] < 1: raise ValueError(f"q and k need at least one position, got Sq={q.shape[2]}, Sk={k.shape[2]}")
     if v is not None and v.shape[:3] != k.shape[:3]: raise ValueError(f"k and v must agree in [B, Hkv, Sk], got {tuple(k.shape[:3])} and {tuple(v.shape[:3])}")
     return q.shape[1] // k.shape[1]
+
+# %% ../nbs/00_attention.ipynb #4ced4a4f
+def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
+    "The entries `idx` `[B,Hkv,n]` of `x` `[B,Hkv,S,D]` along the sequence, per KV head."
+    return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
 
 # %% ../nbs/00_attention.ipynb #8d9c3c02
 def causal_mask(Sq: int, Sk: int, device=None, offset: int | None = None) -> Tensor:

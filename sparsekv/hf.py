@@ -1,4 +1,4 @@
-"""The one place where `transformers` is touched: attention policies, `patch`, chunked prefill and evicting caches.
+"""The one place where `transformers` is touched: attention policies, `patch` and chunked prefill; evicting caches run under it.
 
 Docs: https://sparsekv.github.io/sparsekv/hf.html.md"""
 
@@ -15,15 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface, Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import causal_mask, check_qkv
+from .attention import causal_mask, check_qkv, gather_keys
+from .cache import EvictingCache, EvictingLayer
 
 # %% auto #0
-__all__ = ['ATTN_NAME', 'heads_mask', 'dense_attention', 'gather_keys', 'attend_selected', 'add_chunk_keys', 'AttentionContext',
-           'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy', 'EvictionRule', 'SinkWindowRule',
-           'TopScoreRule', 'EvictingLayer', 'EvictingCache', 'SinkWindowCache', 'attention_modules', 'patch',
+__all__ = ['ATTN_NAME', 'heads_mask', 'dense_attention', 'attend_selected', 'add_chunk_keys', 'AttentionContext',
+           'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy', 'attention_modules', 'patch',
            'active_patch', 'chunked_prefill']
 
 # %% ../nbs/03_hf.ipynb #145809aa
@@ -51,11 +50,6 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                                           scale=scale, enable_gqa=G > 1)
 
 # %% ../nbs/03_hf.ipynb #2b44e8e7
-def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
-    "The entries `idx` `[B,Hkv,n]` of `x` `[B,Hkv,S,D]` along the sequence, per KV head."
-    return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
-
-
 def _check_indices(idx: Tensor, k: Tensor):
     "Validate per-KV-head key indices `idx` [B,Hkv,n] against keys k [B,Hkv,Sk,D]."
     if idx.dtype != torch.long: raise TypeError(f"idx must be int64, got {idx.dtype}")
@@ -163,181 +157,6 @@ class SelectionPolicy(AttentionPolicy):
         idx = self.select(q, k, v, ctx)
         if idx is None: return super().attend(q, k, v, ctx)
         return attend_selected(q, k, v, idx, ctx.mask, ctx.scale, ctx.dropout)
-
-# %% ../nbs/03_hf.ipynb #ca9fa51f
-class EvictionRule:
-    "Which cached entries each query sees, hence which a KV head keeps; the base rule keeps everything (dense)."
-
-    def scores(self, layer: "EvictingLayer", keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
-        "Scores `[B,Hkv,S]` (float32) of new entries at insertion; zeros by default."
-        return torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
-
-    def visible(self, layer: "EvictingLayer", query_positions: Tensor) -> Tensor:
-        "Boolean `[B,Hkv,Sq,N]`: which of the layer's entries each query position attends to (monotone in the position)."
-        return layer.positions[:, :, None, :] <= query_positions[:, None]
-
-    def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
-        "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
-        vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
-        counts = vis.sum(-1)
-        if (counts != counts.flatten()[0]).any():
-            raise ValueError(f"{type(self).__name__} keeps different numbers of entries per head: {counts.tolist()}")
-        return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :int(counts.flatten()[0])]
-
-
-class SinkWindowRule(EvictionRule):
-    "StreamingLLM: query `p` sees the first `sink` positions and the `window` most recent ones (itself included)."
-
-    def __init__(self, sink: int, window: int):
-        if not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
-        if not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
-        self.sink, self.window = sink, window
-
-    def visible(self, layer, query_positions):
-        t, p = layer.positions[:, :, None, :], query_positions[:, None]
-        return (t <= p) & ((t < self.sink) | (p - t < self.window))
-
-# %% ../nbs/03_hf.ipynb #cbc8e831
-class TopScoreRule(SinkWindowRule):
-    "Sinks, a window, and the `k` best-scored entries among those that left the window (ties: the earlier)."
-
-    def __init__(self, sink: int, window: int, k: int, score_fn=None):
-        super().__init__(sink, window)
-        if not isinstance(k, int) or k < 0: raise ValueError(f"k must be an int >= 0, got {k!r}")
-        self.k, self.score_fn = k, score_fn
-
-    def scores(self, layer, keys, values, positions):
-        "Scores from `score_fn(layer_idx, keys, values, positions)`, or zeros (keep the earliest) without one."
-        if self.score_fn is None: return super().scores(layer, keys, values, positions)
-        return self.score_fn(layer.layer_idx, keys, values, positions).float()
-
-    def visible(self, layer, query_positions):
-        base = super().visible(layer, query_positions)
-        if self.k == 0: return base
-        t, p = layer.positions[:, :, None, :], query_positions[:, None]
-        eligible = (t >= self.sink) & (p - t >= self.window)
-        s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
-        best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]  # entries are in position order: ties -> earlier
-        # KVpop Eq. (1): sinks, window, and the k best of E(p)
-        return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
-
-# %% ../nbs/03_hf.ipynb #86c38a38
-class EvictingLayer(DynamicLayer):
-    "A cache layer keeping per KV head the entries its `EvictionRule` still shows, with their positions and scores."
-
-    def __init__(self, rule: EvictionRule, layer_idx: int):
-        super().__init__()
-        self.rule, self.layer_idx = rule, layer_idx
-        self.positions = self.scores = None
-        self.seen, self.armed = 0, False
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-        self.positions = torch.zeros(key_states.shape[:2] + (0,), dtype=torch.long, device=self.device)
-        self.scores = torch.zeros(key_states.shape[:2] + (0,), dtype=torch.float32, device=self.device)
-        self.is_initialized = True
-
-    def arm(self) -> None:
-        "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
-        self.armed = True
-
-    def scored_entries(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
-        "Positions [B,H,s] and rule scores of the entries an armed `update` receives (checks the call; disarms the layer)."
-        if not self.armed: raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts after attention")
-        self.armed = False
-        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
-        s = key_states.shape[2]
-        pos = (cache_kwargs or {}).get("cache_position")
-        if pos is not None and (pos.shape[0] != s or int(pos[0]) != self.seen):
-            raise ValueError(f"cache_position must continue the sequence at {self.seen} for {s} tokens, got {pos.tolist()}")
-        pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
-        sc = self.rule.scores(self, key_states, value_states, pos)
-        if sc.shape != pos.shape or not torch.isfinite(sc).all():
-            raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape {tuple(pos.shape)}, got {tuple(sc.shape)}")
-        return pos, sc
-
-    def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
-        "Append the new entries with their positions and scores; return all entries' keys and values."
-        pos, sc = self.scored_entries(key_states, value_states, cache_kwargs)
-        s = key_states.shape[2]
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, pos], dim=-1)
-        self.scores = torch.cat([self.scores, sc.to(self.scores.dtype)], dim=-1)
-        self.seen += s
-        return self.keys, self.values
-
-    def evict(self, next_position: int | None = None) -> None:
-        "Keep only the entries the rule shows to `next_position` (default: the next token)."
-        if not self.is_initialized: return
-        idx = self.rule.keep(self, self.seen if next_position is None else next_position)
-        if idx.shape[-1] == self.positions.shape[-1]: return
-        self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
-        self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
-
-    def get_seq_length(self) -> int:
-        "Number of tokens seen (the next token's position), not the number kept."
-        return self.seen
-
-    def get_mask_sizes(self, cache_position: Tensor) -> tuple[int, int]:
-        "(kept entries + new tokens, offset) so that the model's causal mask shows every kept entry."
-        n = self.positions.shape[-1] if self.is_initialized else 0
-        return n + cache_position.shape[0], self.seen - n
-
-    def get_max_cache_shape(self) -> int:
-        return -1
-
-    def _apply(self, fn) -> None:
-        "Apply `fn` to keys, values, positions and scores."
-        if self.is_initialized:
-            self.keys, self.values, self.positions, self.scores = map(fn, (self.keys, self.values, self.positions, self.scores))
-
-    def crop(self, max_length: int) -> None:
-        "Forget the tokens from position `max_length` on (negative: drop that many); fails if an earlier one was evicted."
-        if max_length < 0: max_length = self.seen + max_length
-        if self.seen <= max_length: return
-        if self.is_initialized and ((self.positions < max_length).sum(-1) != max_length).any():
-            raise ValueError(f"cannot crop to {max_length} tokens: some of them were already evicted")
-        self._apply(lambda x: x[:, :, :max_length])
-        self.seen = max_length
-
-    def reset(self) -> None:
-        self._apply(lambda x: x[:, :, :0])
-        self.seen = 0
-
-    def reorder_cache(self, beam_idx: Tensor) -> None:
-        self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply(lambda x: x.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self._apply(lambda x: x[indices])
-
-# %% ../nbs/03_hf.ipynb #e37f6c18
-class EvictingCache(Cache):
-    "A `transformers` cache of `EvictingLayer`s (created as layers are used) sharing one `EvictionRule`; use inside `patch`."
-
-    def __init__(self, rule: EvictionRule):
-        if not isinstance(rule, EvictionRule): raise TypeError(f"rule must be an EvictionRule, got {type(rule).__name__}")
-        super().__init__(layers=[])
-        self.rule = rule
-
-    def layer(self, layer_idx: int) -> EvictingLayer:
-        "The layer `layer_idx`, created (with all before it) on first use."
-        while len(self.layers) <= layer_idx: self.layers.append(EvictingLayer(self.rule, len(self.layers)))
-        return self.layers[layer_idx]
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        return self.layer(layer_idx).update(key_states, value_states, cache_kwargs)
-
-
-class SinkWindowCache(EvictingCache):
-    "StreamingLLM cache: each query sees `sink` first tokens and the `window` most recent (itself included)."
-
-    def __init__(self, sink: int, window: int):
-        super().__init__(SinkWindowRule(sink, window))
 
 # %% ../nbs/03_hf.ipynb #a8d6ada6
 ATTN_NAME = "sparsekv"

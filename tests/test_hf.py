@@ -7,9 +7,9 @@ from torch.testing import assert_close
 from transformers import DynamicCache
 
 from sparsekv.attention import attention_reference
-from sparsekv.hf import (ATTN_NAME, AttentionPolicy, DensePolicy, EvictingCache, EvictionRule, MaskPolicy,
-                         SelectionPolicy, SinkWindowCache, TopScoreRule, _ACTIVE, active_patch, add_chunk_keys,
-                         attend_selected, chunked_prefill, dense_attention, heads_mask, patch)
+from sparsekv.cache import EvictingCache, EvictionRule, SinkWindowCache, TopScoreRule
+from sparsekv.hf import (ATTN_NAME, AttentionPolicy, DensePolicy, MaskPolicy, SelectionPolicy, _ACTIVE, active_patch,
+                         add_chunk_keys, attend_selected, chunked_prefill, dense_attention, heads_mask, patch)
 from sparsekv.models import load_model
 
 MODELS = {"llama": ("tiny-llama", {}), "qwen3": ("tiny-qwen3", {}), "llama-g1": ("tiny-llama", dict(num_kv_heads=4))}

@@ -148,7 +148,7 @@ def test_visible_equals_stable_sort_reference(recurrent):
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_buffered_layers_equal_plain_layers(model, kind, budget):
     "KVpopCache (KVpopLayer buffers, sort-free eviction) decodes like EvictingCache(KVpopRule) (concatenate, sort, gather), chunks included."
-    from sparsekv.hf import EvictingCache
+    from sparsekv.cache import EvictingCache
     from sparsekv.kvpop.cache import cache_nbytes
     s, w, k = budget
     scorers, ids = make_scorers(model, kind, 3, w), ids_of(model, 2, 30, seed=4)

@@ -8,7 +8,8 @@ from torch.testing import assert_close
 from sparsekv.hf import AttentionContext, patch
 from sparsekv.models import load_model
 from sparsekv.oval.basis import output_metric
-from sparsekv.hf import attend_selected, gather_keys
+from sparsekv.attention import gather_keys
+from sparsekv.hf import attend_selected
 from sparsekv.oval.pages import (GQA_POLICIES, METHODS, PackedPages, PageRetrievalPolicy, aggregate_gqa, always_kept, build_summaries,
                                  gather_pages, page_attention, page_tokens, retrieval_quality, score_pages, score_pages_reference,
                                  select_pages, select_pages_reference, split_pages, storage_table, summary_scalars, top_pages)

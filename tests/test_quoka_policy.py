@@ -1,4 +1,4 @@
-"Tests of sparsekv.quoka_policy: QuoKA's chunked prefill (Alg. 2) and generation mode, and the baselines under the same loop."
+"Tests of sparsekv.quoka.policy: QuoKA's chunked prefill (Alg. 2) and generation mode, and the baselines under the same loop."
 import copy
 
 import pytest
@@ -6,14 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from sparsekv.baselines.selection import (LessIsMoreSelector, lessismore_select, loki_select, mean_score_select,
-                                          sample_attention_select, sparq_select)
+from sparsekv.quoka.baselines import (LessIsMoreSelector, lessismore_select, loki_select, mean_score_select,
+                                      sample_attention_select, sparq_select)
 from sparsekv.hf import DensePolicy, chunked_prefill, patch
 from sparsekv.models import load_model
-from sparsekv.quoka import quoka_scores_reference, quoka_select, quoka_select_reference, resolve_budget
-from sparsekv.quoka_policy import (BaselinePolicy, LessIsMorePolicy, QuokaPolicy, anchor_mask, anchored_top_indices,
-                                   anchored_top_indices_reference, last_chunk_logits,
+from sparsekv.quoka.select import quoka_scores_reference, quoka_select, quoka_select_reference
+from sparsekv.select import resolve_budget
+from sparsekv.quoka.policy import (BaselinePolicy, LessIsMorePolicy, QuokaPolicy, last_chunk_logits,
                                    selected_attention_reference)
+from sparsekv.select import anchor_mask, anchored_top_indices, anchored_top_indices_reference
 
 MODELS = {"llama": ("tiny-llama", {}), "qwen3": ("tiny-qwen3", {}), "llama-g1": ("tiny-llama", dict(num_kv_heads=4)),
           "llama-g4": ("tiny-llama", dict(num_kv_heads=1))}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..hf import DensePolicy, EvictingCache, EvictingLayer, MaskPolicy, SinkWindowRule, TopScoreRule, dense_attention
+from ..cache import EvictingCache, EvictingLayer, SinkWindowRule, TopScoreRule
+from ..hf import DensePolicy, MaskPolicy, dense_attention
 from .cutoff import LogDecay, check_budget, topk_cutoff
 from .mask import kvpop_mask
 from .scorers import MLPScorer, MLSTMScorer, mlstm_step

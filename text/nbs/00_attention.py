@@ -182,6 +182,22 @@ test_fail(lambda: check_qkv(q, k, k[:, :, :4]), contains="k and v must agree")
 
 
 # %% [markdown]
+# Methods that keep a different subset of keys in each KV head index them per head, `idx [B,Hkv,n]`;
+# `gather_keys` takes those entries of keys or values along the sequence:
+
+# %%
+#| export
+def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
+    "The entries `idx` `[B,Hkv,n]` of `x` `[B,Hkv,S,D]` along the sequence, per KV head."
+    return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+
+# %%
+x, idx = torch.randn(2, 3, 7, 4), torch.randint(0, 7, (2, 3, 5))
+test_eq(gather_keys(x, idx), torch.stack([torch.stack([x[b, h, idx[b, h]] for h in range(3)]) for b in range(2)]))
+
+
+# %% [markdown]
 # ## Masks
 #
 # A mask is a boolean tensor, True = attend, broadcastable to `[B, Hq, Sq, Sk]` (so

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Transformers integration
 #
-# > The one place where `transformers` is touched: attention policies, `patch`, chunked prefill and evicting caches.
+# > The one place where `transformers` is touched: attention policies, `patch` and chunked prefill; evicting caches run under it.
 
 # %%
 #| default_exp hf
@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface, Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sparsekv.attention import causal_mask, check_qkv
+from sparsekv.attention import causal_mask, check_qkv, gather_keys
+from sparsekv.cache import EvictingCache, EvictingLayer
 
 # %%
 #| hide
@@ -51,6 +51,7 @@ from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
 from sparsekv.attention import attention_reference
+from sparsekv.cache import EvictionRule, SinkWindowCache, SinkWindowRule, TopScoreRule
 from sparsekv.models import load_model
 
 torch.set_num_threads(1)  # the checks use tiny models: threads only add overhead
@@ -147,11 +148,6 @@ test_fail(lambda: dense_attention(torch.randn(2, 3, 3, 16), k, v), contains="mus
 
 # %%
 #| export
-def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
-    "The entries `idx` `[B,Hkv,n]` of `x` `[B,Hkv,S,D]` along the sequence, per KV head."
-    return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
-
-
 def _check_indices(idx: Tensor, k: Tensor):
     "Validate per-KV-head key indices `idx` [B,Hkv,n] against keys k [B,Hkv,Sk,D]."
     if idx.dtype != torch.long: raise TypeError(f"idx must be int64, got {idx.dtype}")
@@ -297,278 +293,6 @@ class SelectionPolicy(AttentionPolicy):
         if idx is None: return super().attend(q, k, v, ctx)
         return attend_selected(q, k, v, idx, ctx.mask, ctx.scale, ctx.dropout)
 
-
-# %% [markdown]
-# ## Evicting caches
-#
-# An evicting cache keeps, per KV head, a bounded set of entries: keys and values with the
-# **sequence position** of each entry, `positions [B,Hkv,N]`. Different heads may keep different
-# positions; all heads keep the same *number* `N` of entries (the tensors are rectangular).
-#
-# (The *dispatcher* is the attention function that `patch`, below, registers: it calls the policy,
-# then lets the cache evict.)
-#
-# **Positions.** Keys are cached after RoPE, so an entry keeps the rotation of its true position
-# forever and eviction never re-rotates anything. New tokens must be rotated by their true position
-# too, not by the number of cached entries: the model takes the position of the next token from
-# `get_seq_length()`, so an evicting layer reports the number of tokens *seen*, not kept.
-#
-# **Masks.** The model builds the mask of a call once, for layer 0, from
-# `get_mask_sizes(cache_position)`, which returns a key count $L$ and an offset $o$: key slot $j$
-# stands for position $o + j$ and is visible to query position $p$ iff $o + j \le p$. After $T$ tokens
-# seen, the cache returns its $N$ kept entries followed by the $S_q$ new ones, so we report
-# $L = N + S_q$ and $o = T - N$: the kept entries get stand-in positions $T-N, \dots, T-1$, all before
-# the first new query (at $T$), hence all visible, and the new ones get their true positions, hence
-# causal. The sizes are right for every layer as long as all layers keep the same number of entries
-# (the dispatcher checks this). The stand-in positions would misplace a padding mask, so evicting
-# caches refuse padded batches.
-#
-# **Which entries each query sees.** An `EvictionRule` defines, for each query position $p$ and
-# entry $t$, whether $p$ attends to $t$: `visible(layer, query_positions) -> [B,Hkv,Sq,N]`. It must
-# be monotone (an entry invisible to $p$ is invisible to every $p' > p$: eviction is permanent).
-# Then
-#
-# - `keep(layer, p)` keeps exactly the entries visible to the next position $p$: a decode query
-#   sees every kept entry plus itself, so decoding needs no mask at all;
-# - within a prefill chunk, a later query may no longer see an entry the first query saw; the
-#   dispatcher applies `visible` as a mask over the chunk, so chunked prefill with an evicting cache
-#   computes exactly what a per-token decode would.
-#
-# **When eviction happens.** `update` appends the new entries (and their scores) and returns
-# everything; the dispatcher evicts *after* the policy has computed attention, down to what the next
-# position sees. So attention-based rules (H2O, TOVA) can update the entries' scores from the
-# current attention (a policy reaches the layer via `ctx.cache_layer`) before the eviction that uses
-# them; learned rules (KVpop) score entries at insertion with `scores(layer, keys, values, positions)`.
-# Between steps the layer holds what the next query will see, minus that query itself; during a
-# prefill chunk of $C$ tokens it briefly holds up to $C$ more entries.
-#
-# Since only the dispatcher evicts, an evicting cache works only inside `patch`; `update` refuses
-# to run otherwise, rather than silently keeping everything. A forward pass interrupted by an
-# exception leaves the cache unevicted: start a new one.
-
-# %%
-#| export
-class EvictionRule:
-    "Which cached entries each query sees, hence which a KV head keeps; the base rule keeps everything (dense)."
-
-    def scores(self, layer: "EvictingLayer", keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
-        "Scores `[B,Hkv,S]` (float32) of new entries at insertion; zeros by default."
-        return torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
-
-    def visible(self, layer: "EvictingLayer", query_positions: Tensor) -> Tensor:
-        "Boolean `[B,Hkv,Sq,N]`: which of the layer's entries each query position attends to (monotone in the position)."
-        return layer.positions[:, :, None, :] <= query_positions[:, None]
-
-    def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
-        "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
-        vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
-        counts = vis.sum(-1)
-        if (counts != counts.flatten()[0]).any():
-            raise ValueError(f"{type(self).__name__} keeps different numbers of entries per head: {counts.tolist()}")
-        return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :int(counts.flatten()[0])]
-
-
-class SinkWindowRule(EvictionRule):
-    "StreamingLLM: query `p` sees the first `sink` positions and the `window` most recent ones (itself included)."
-
-    def __init__(self, sink: int, window: int):
-        if not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
-        if not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
-        self.sink, self.window = sink, window
-
-    def visible(self, layer, query_positions):
-        t, p = layer.positions[:, :, None, :], query_positions[:, None]
-        return (t <= p) & ((t < self.sink) | (p - t < self.window))
-
-
-# %% [markdown]
-# ### Sinks, a window and the top-`k` of a score
-#
-# Many rules keep the sinks, a protected window and the `k` best-scored older entries
-# (KVpop Eq. (1), $B = s + w + k$; H2O's heavy hitters; TOVA). With scores fixed at insertion and
-# permanent eviction, the kept long-range set at query $p$ is the top-$k$ of the tokens that have
-# left the window, $E(p) = \{t : s \le t \le p - w\}$. By induction: if
-# $K(p) = \operatorname{top}_k E(p)$, then at $p+1$ one token $x = p+1-w$ joins and
-# $K(p+1) = \operatorname{top}_k(K(p) \cup \{x\}) = \operatorname{top}_k(E(p) \cup \{x\}) = \operatorname{top}_k E(p+1)$,
-# because any token of $E(p)$ outside $K(p)$ has $k$ better tokens in $K(p)$. Ties go to the earlier
-# token. So a query's visible set depends only on its position and the scores, which gives
-# `visible` directly; the cache keeps at most $s + w - 1 + k$ entries between steps.
-#
-# If a rule changes scores over time (H2O accumulates attention), `visible` uses the current
-# scores; a chunk's within-chunk visibility is then an approximation (prefill those rules densely
-# or in chunks of 1).
-
-# %%
-#| export
-class TopScoreRule(SinkWindowRule):
-    "Sinks, a window, and the `k` best-scored entries among those that left the window (ties: the earlier)."
-
-    def __init__(self, sink: int, window: int, k: int, score_fn=None):
-        super().__init__(sink, window)
-        if not isinstance(k, int) or k < 0: raise ValueError(f"k must be an int >= 0, got {k!r}")
-        self.k, self.score_fn = k, score_fn
-
-    def scores(self, layer, keys, values, positions):
-        "Scores from `score_fn(layer_idx, keys, values, positions)`, or zeros (keep the earliest) without one."
-        if self.score_fn is None: return super().scores(layer, keys, values, positions)
-        return self.score_fn(layer.layer_idx, keys, values, positions).float()
-
-    def visible(self, layer, query_positions):
-        base = super().visible(layer, query_positions)
-        if self.k == 0: return base
-        t, p = layer.positions[:, :, None, :], query_positions[:, None]
-        eligible = (t >= self.sink) & (p - t >= self.window)
-        s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
-        best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]  # entries are in position order: ties -> earlier
-        # KVpop Eq. (1): sinks, window, and the k best of E(p)
-        return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
-
-
-# %% [markdown]
-# The layer stores keys, values, positions and scores; `update` appends, `evict` gathers the kept
-# entries (all four tensors), `crop` undoes the last tokens as long as nothing before the cut was
-# evicted, and the batch operations `generate` uses (beam search, `batch_select_indices`) carry
-# positions and scores along.
-
-# %%
-#| export
-class EvictingLayer(DynamicLayer):
-    "A cache layer keeping per KV head the entries its `EvictionRule` still shows, with their positions and scores."
-
-    def __init__(self, rule: EvictionRule, layer_idx: int):
-        super().__init__()
-        self.rule, self.layer_idx = rule, layer_idx
-        self.positions = self.scores = None
-        self.seen, self.armed = 0, False
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-        self.positions = torch.zeros(key_states.shape[:2] + (0,), dtype=torch.long, device=self.device)
-        self.scores = torch.zeros(key_states.shape[:2] + (0,), dtype=torch.float32, device=self.device)
-        self.is_initialized = True
-
-    def arm(self) -> None:
-        "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
-        self.armed = True
-
-    def scored_entries(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
-        "Positions [B,H,s] and rule scores of the entries an armed `update` receives (checks the call; disarms the layer)."
-        if not self.armed: raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts after attention")
-        self.armed = False
-        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
-        s = key_states.shape[2]
-        pos = (cache_kwargs or {}).get("cache_position")
-        if pos is not None and (pos.shape[0] != s or int(pos[0]) != self.seen):
-            raise ValueError(f"cache_position must continue the sequence at {self.seen} for {s} tokens, got {pos.tolist()}")
-        pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
-        sc = self.rule.scores(self, key_states, value_states, pos)
-        if sc.shape != pos.shape or not torch.isfinite(sc).all():
-            raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape {tuple(pos.shape)}, got {tuple(sc.shape)}")
-        return pos, sc
-
-    def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
-        "Append the new entries with their positions and scores; return all entries' keys and values."
-        pos, sc = self.scored_entries(key_states, value_states, cache_kwargs)
-        s = key_states.shape[2]
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, pos], dim=-1)
-        self.scores = torch.cat([self.scores, sc.to(self.scores.dtype)], dim=-1)
-        self.seen += s
-        return self.keys, self.values
-
-    def evict(self, next_position: int | None = None) -> None:
-        "Keep only the entries the rule shows to `next_position` (default: the next token)."
-        if not self.is_initialized: return
-        idx = self.rule.keep(self, self.seen if next_position is None else next_position)
-        if idx.shape[-1] == self.positions.shape[-1]: return
-        self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
-        self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
-
-    def get_seq_length(self) -> int:
-        "Number of tokens seen (the next token's position), not the number kept."
-        return self.seen
-
-    def get_mask_sizes(self, cache_position: Tensor) -> tuple[int, int]:
-        "(kept entries + new tokens, offset) so that the model's causal mask shows every kept entry."
-        n = self.positions.shape[-1] if self.is_initialized else 0
-        return n + cache_position.shape[0], self.seen - n
-
-    def get_max_cache_shape(self) -> int:
-        return -1
-
-    def _apply(self, fn) -> None:
-        "Apply `fn` to keys, values, positions and scores."
-        if self.is_initialized:
-            self.keys, self.values, self.positions, self.scores = map(fn, (self.keys, self.values, self.positions, self.scores))
-
-    def crop(self, max_length: int) -> None:
-        "Forget the tokens from position `max_length` on (negative: drop that many); fails if an earlier one was evicted."
-        if max_length < 0: max_length = self.seen + max_length
-        if self.seen <= max_length: return
-        if self.is_initialized and ((self.positions < max_length).sum(-1) != max_length).any():
-            raise ValueError(f"cannot crop to {max_length} tokens: some of them were already evicted")
-        self._apply(lambda x: x[:, :, :max_length])
-        self.seen = max_length
-
-    def reset(self) -> None:
-        self._apply(lambda x: x[:, :, :0])
-        self.seen = 0
-
-    def reorder_cache(self, beam_idx: Tensor) -> None:
-        self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply(lambda x: x.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self._apply(lambda x: x[indices])
-
-
-# %%
-#| export
-class EvictingCache(Cache):
-    "A `transformers` cache of `EvictingLayer`s (created as layers are used) sharing one `EvictionRule`; use inside `patch`."
-
-    def __init__(self, rule: EvictionRule):
-        if not isinstance(rule, EvictionRule): raise TypeError(f"rule must be an EvictionRule, got {type(rule).__name__}")
-        super().__init__(layers=[])
-        self.rule = rule
-
-    def layer(self, layer_idx: int) -> EvictingLayer:
-        "The layer `layer_idx`, created (with all before it) on first use."
-        while len(self.layers) <= layer_idx: self.layers.append(EvictingLayer(self.rule, len(self.layers)))
-        return self.layers[layer_idx]
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        return self.layer(layer_idx).update(key_states, value_states, cache_kwargs)
-
-
-class SinkWindowCache(EvictingCache):
-    "StreamingLLM cache: each query sees `sink` first tokens and the `window` most recent (itself included)."
-
-    def __init__(self, sink: int, window: int):
-        super().__init__(SinkWindowRule(sink, window))
-
-
-# %% [markdown]
-# A layer on its own (arming by hand what `patch` does before each call): after 7 tokens, a
-# sink+window rule with $s=2$, $w=3$ shows query 6 the sinks and positions 4..6, and keeps for
-# the next query (7) the sinks and positions 5, 6; `get_mask_sizes` then announces those 4
-# entries plus the new token, at stand-in offset 3:
-
-# %%
-lay = EvictingLayer(SinkWindowRule(2, 3), 0)
-lay.arm()
-k7 = torch.randn(1, 2, 7, 16)
-lay.update(k7, k7)
-test_eq(lay.rule.visible(lay, torch.tensor([6]))[0, 0, 0].tolist(), [True, True, False, False, True, True, True])
-lay.evict()
-test_eq(lay.positions[0].tolist(), [[0, 1, 5, 6]] * 2)
-assert_close(lay.keys, k7[:, :, [0, 1, 5, 6]])
-test_eq((lay.get_seq_length(), lay.get_mask_sizes(torch.tensor([7]))), (7, (5, 3)))
-test_fail(lambda: lay.update(k7, k7), contains="only inside sparsekv.hf.patch")
 
 # %% [markdown]
 # ## `patch`: routing a model's attention to a policy

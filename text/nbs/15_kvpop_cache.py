@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from sparsekv.hf import DensePolicy, EvictingCache, EvictingLayer, MaskPolicy, SinkWindowRule, TopScoreRule, dense_attention
+from sparsekv.cache import EvictingCache, EvictingLayer, SinkWindowRule, TopScoreRule
+from sparsekv.hf import DensePolicy, MaskPolicy, dense_attention
 from sparsekv.kvpop.cutoff import LogDecay, check_budget, topk_cutoff
 from sparsekv.kvpop.mask import kvpop_mask
 from sparsekv.kvpop.scorers import MLPScorer, MLSTMScorer, mlstm_step

@@ -62,10 +62,10 @@ import torch
 # %%
 from sparsekv.hf import chunked_prefill, patch
 from sparsekv.kvpop.cache import KVpopPolicy
-from sparsekv.kvpop.train import KVpopStudent
+from sparsekv.kvpop.student import KVpopStudent
 from sparsekv.models import load_model
 from sparsekv.oval.pages import PageRetrievalPolicy
-from sparsekv.quoka_policy import QuokaPolicy
+from sparsekv.quoka.policy import QuokaPolicy
 
 # %%
 model, tok = load_model("tiny-llama")
@@ -73,7 +73,7 @@ prompt = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Gene
 
 # %% [markdown]
 # **KVpop**: a bounded cache of `sink + window + k` entries per KV head, filled by learned
-# scorers (trained with `sparsekv.kvpop.train.distill`; fresh ones here rank neutrally).
+# scorers (trained with `sparsekv.distill.distill`; fresh ones here rank neutrally).
 
 # %%
 student = KVpopStudent.for_model(model, sink=4, window=16, k=32, scorer="mlstm")

@@ -15,12 +15,12 @@
 #   $s$ sinks, a window $w$ and $k = B - s - w$ long-range slots, with the paper's $s = 4$ and its
 #   window scaled with the length ($w = 256\,S/16384$);
 # - **methods** (all at the same $s, w, k$): the dense teacher; training-free StreamingLLM (sinks and the
-#   $w + k$ most recent tokens), TOVA and H2O (`sparsekv.baselines.eviction`); trained StreamingLLM+
+#   $w + k$ most recent tokens), TOVA and H2O (`sparsekv.kvpop.baselines`); trained StreamingLLM+
 #   (the fixed sink+window pattern, whole model fine-tuned by distillation) and DMS
-#   (`sparsekv.baselines.dms`); KVpop with MLP and mLSTM (delayed readout, delay $w$) scorers
+#   (`sparsekv.kvpop.dms`); KVpop with MLP and mLSTM (delayed readout, delay $w$) scorers
 #   trained with the base model frozen (`scorer_only`: only the scorers and their decays learn), and,
 #   for Fig. 5, the mLSTM with immediate readout (delay 0). Every student is trained by
-#   `sparsekv.kvpop.train.distill` (forward KL to the teacher's top-256 logits plus the method's own
+#   `sparsekv.distill.distill` (forward KL to the teacher's top-256 logits plus the method's own
 #   loss) and checkpointed under `out_dir`, so a rerun resumes;
 # - **metrics** (Table 1/2 analogue): on the positions where the 75%-compression cache is full (the
 #   last $\tfrac34 S$ positions), top-1 agreement with the teacher's next token ("token accuracy vs
@@ -72,16 +72,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from sparsekv.baselines.dms import DMSStudent, eviction_ratios, target_for_budget
-from sparsekv.baselines.eviction import eviction_baseline
+from sparsekv.kvpop.dms import DMSStudent, eviction_ratios, target_for_budget
+from sparsekv.kvpop.baselines import eviction_baseline
 from sparsekv.data import packed_sequences
 from sparsekv.eval import kl_to_teacher, perplexity, run_grid, token_accuracy, top1_agreement
-from sparsekv.hf import AttentionPolicy, DensePolicy, EvictingCache, patch
+from sparsekv.cache import EvictingCache
+from sparsekv.hf import AttentionPolicy, DensePolicy, patch
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.kvpop.cache import KVpopScorers
 from sparsekv.kvpop.loss import kept_long_range, retention_recall
 from sparsekv.kvpop.target import future_attention_target
-from sparsekv.kvpop.train import DistillConfig, KVpopStudent, SinkWindowStudent, distill, epoch_batches
+from sparsekv.distill import DistillConfig, distill, epoch_batches
+from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
 from sparsekv.models import load_model, model_info
 
 # %%

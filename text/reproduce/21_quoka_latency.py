@@ -70,13 +70,14 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from sparsekv.baselines.selection import loki_basis, loki_select, mean_score_select, sample_attention_select, sparq_select
+from sparsekv.quoka.baselines import loki_basis, loki_select, mean_score_select, sample_attention_select, sparq_select
 from sparsekv.data import token_stream
-from sparsekv.hf import DensePolicy, add_chunk_keys, attend_selected, chunked_prefill, dense_attention, gather_keys
+from sparsekv.attention import gather_keys
+from sparsekv.hf import DensePolicy, add_chunk_keys, attend_selected, chunked_prefill, dense_attention
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.models import load_model
-from sparsekv.quoka import UnitKeyCache, quoka_select
-from sparsekv.quoka_policy import QuokaPolicy
+from sparsekv.quoka.select import UnitKeyCache, quoka_select
+from sparsekv.quoka.policy import QuokaPolicy
 
 use_style()
 default_threads = torch.get_num_threads()

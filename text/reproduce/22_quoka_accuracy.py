@@ -76,15 +76,16 @@ import pandas as pd
 import torch
 
 from sparsekv.attention import causal_mask
-from sparsekv.baselines.selection import (LessIsMoreSelector, loki_select, mean_score_select, sample_attention_select,
-                                          sparq_select)
+from sparsekv.quoka.baselines import (LessIsMoreSelector, loki_select, mean_score_select, sample_attention_select,
+                                      sparq_select)
 from sparsekv.data import make_task, score_exact
 from sparsekv.eval import attention_fidelity, run_grid
 from sparsekv.hf import DensePolicy, chunked_prefill, patch
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.models import load_model
-from sparsekv.quoka import quoka_scores, quoka_select, resolve_budget, select_queries, top_budget_indices
-from sparsekv.quoka_policy import BaselinePolicy, LessIsMorePolicy, QuokaPolicy
+from sparsekv.quoka.select import quoka_scores, quoka_select, select_queries
+from sparsekv.select import resolve_budget, top_budget_indices
+from sparsekv.quoka.policy import BaselinePolicy, LessIsMorePolicy, QuokaPolicy
 
 # %%
 use_style()

@@ -1,4 +1,4 @@
-"QuoKA's Algorithm 1 (`sparsekv.quoka`) against its brute-force reference: GQA, budgets around the cache size, all queries kept, one query, ties, dtypes, invariances, bad input."
+"QuoKA's Algorithm 1 (`sparsekv.quoka.select`) against its brute-force reference: GQA, budgets around the cache size, all queries kept, one query, ties, dtypes, invariances, bad input."
 import math
 from decimal import ROUND_HALF_UP, Decimal
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsekv.quoka import (QUERY_AGGS, QUERY_SELECT, preaggregated_queries, query_dissimilarity, quoka_decode_select,
-                            quoka_scores, quoka_scores_reference, quoka_select, quoka_select_reference, resolve_budget,
-                            select_queries, top_budget_indices, top_budget_indices_reference, top_mask, unit_keys, UnitKeyCache)
+from sparsekv.quoka.select import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, preaggregated_queries, query_dissimilarity,
+                                   quoka_decode_select, quoka_scores, quoka_scores_reference, quoka_select,
+                                   quoka_select_reference, select_queries, unit_keys)
+from sparsekv.select import resolve_budget, top_budget_indices, top_budget_indices_reference, top_mask
 
 # (S, T, n_q, budget): T > budget, T < budget, T == budget, n_q >= S, a single query, a fraction of the cache, an empty cache
 CASES = [(16, 50, 4, 12), (16, 9, 4, 12), (16, 12, 4, 12), (16, 50, 16, 12), (16, 50, 40, 12), (1, 50, 4, 12),

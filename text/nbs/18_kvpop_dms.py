@@ -4,7 +4,7 @@
 # > Dynamic Memory Sparsification as the trained eviction baseline of KVpop (§2, §4, App. H): Gumbel-sigmoid eviction gates, a delayed-eviction mask, the compression-ratio schedule and its one-sided loss, and a cache whose per-head memory varies.
 
 # %%
-#| default_exp baselines.dms
+#| default_exp kvpop.dms
 
 # %%
 #| export
@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparsekv.attention import causal_block_mask, check_qkv, flex_attention_lse
-from sparsekv.hf import AttentionPolicy, EvictingCache, EvictingLayer, EvictionRule, dense_attention, gather_keys, patch
+from sparsekv.attention import causal_block_mask, check_qkv, flex_attention_lse, gather_keys
+from sparsekv.cache import EvictingCache, EvictingLayer, EvictionRule
+from sparsekv.hf import AttentionPolicy, dense_attention, patch
 from sparsekv.kvpop.scorers import MLPScorer, check_positive_int
-from sparsekv.kvpop.train import DistillStudent
+from sparsekv.distill import DistillStudent
 from sparsekv.models import model_info
 
 # %%
@@ -50,7 +51,7 @@ torch.set_num_threads(1)  # tiny tensors: threads only add overhead
 #    $i - j \ge w$ on, its logit gets $+\log(1-\alpha_{h,j})$, which is $-\infty$ for a hard eviction;
 # 3. a **compression-ratio schedule**: the target eviction fraction rises linearly from 0;
 # 4. a **one-sided ratio loss** that only pushes the mean eviction rate *up* towards the current
-#    target, next to the distillation KL (added by the training loop, `sparsekv.kvpop.train`).
+#    target, next to the distillation KL (added by the training loop, `sparsekv.distill`).
 #
 # At inference the decisions are hard ($\alpha = [\ell > 0]$) and a token whose decision says evict
 # is dropped from the cache once it leaves the window. Unlike KVpop's fixed budget per head, the
@@ -239,7 +240,7 @@ test_eq((a.grad[0].abs() > 0).tolist(), [[True] * 6 + [False] * 3] * 2)
 # (query head $hG + g$ reads KV head $h$) under a causal block mask, so nothing of size $S^2$ is
 # stored: the route for paper-scale sequences on CUDA (default there). FlexAttention has no backward
 # on CPU, so on CPU we check the forward of the flex route against SDPA; the gradient check is a GPU
-# test (`tests/test_dms.py`).
+# test (`tests/test_kvpop_dms.py`).
 
 # %%
 #| export
@@ -558,7 +559,7 @@ class DMSCache(EvictingCache):
 # are the training eviction rate $\bar\alpha$ and the rate inference would have, the fraction of
 # noise-free logits above 0: the two differ until the logits move away from 0 (the logistic noise has
 # unit scale whatever $\tau$), which the KL has to drive; `inference_cache()` is a fresh `DMSCache`. The distillation
-# KL is the training loop's (`sparsekv.kvpop.train.distill`).
+# KL is the training loop's (`sparsekv.distill.distill`).
 
 # %%
 #| export
@@ -711,7 +712,7 @@ test_fail(lambda: eviction_ratios(student, model, ids[:, :4]), contains="needs m
 #
 # A short distillation on the tiny Llama: the student model is the base with the DMS policy, the
 # teacher the same frozen weights dense; the loss is the forward KL of the next-token distributions
-# (written inline here; the project's loop is `sparsekv.kvpop.train.distill`) plus the ratio loss, and
+# (written inline here; the project's loop is `sparsekv.distill.distill`) plus the ratio loss, and
 # only the decision heads train. The eviction rate follows the rising target $\rho$ (0 to 0.6 over 20
 # steps) with a lag, then settles a little above it: the one-sided loss stops pushing at the target
 # and only the KL pulls back, which on a random tiny model barely depends on the context (KL

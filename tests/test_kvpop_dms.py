@@ -1,14 +1,14 @@
-"Tests of sparsekv.baselines.dms: Gumbel-sigmoid, the delayed-eviction mask, the student protocol, the bounded cache, eviction ratios, kvpress."
+"Tests of sparsekv.kvpop.dms: Gumbel-sigmoid, the delayed-eviction mask, the student protocol, the bounded cache, eviction ratios, kvpress."
 import pytest
 import torch
 from torch.testing import assert_close
 from transformers import DynamicCache
 
-from sparsekv.baselines.dms import (DMSStudent, dms_attention, dms_mask_bias, dms_mask_bias_reference, dms_visible,
-                                    eviction_ratios, gumbel_sigmoid, gumbel_sigmoid_mean, ratio_loss, ratio_schedule,
-                                    target_for_budget)
+from sparsekv.kvpop.dms import (DMSStudent, dms_attention, dms_mask_bias, dms_mask_bias_reference, dms_visible,
+                                eviction_ratios, gumbel_sigmoid, gumbel_sigmoid_mean, ratio_loss, ratio_schedule,
+                                target_for_budget)
 from sparsekv.hf import patch
-from sparsekv.kvpop.train import DistillStudent
+from sparsekv.distill import DistillStudent
 from sparsekv.models import load_model
 
 

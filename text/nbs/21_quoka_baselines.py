@@ -4,7 +4,7 @@
 # > The KV-selection methods QuoKA is compared with (§4), each choosing B_SA cached keys per KV head for a chunk of queries: mean of scores, SampleAttention, SparQ, Loki and LessIsMore, with brute-force references.
 
 # %%
-#| default_exp baselines.selection
+#| default_exp quoka.baselines
 
 # %%
 #| export
@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from sparsekv.attention import softmax_scale
-from sparsekv.quoka import (accumulation_dtype, all_key_indices, check_chunk, resolve_budget, top_budget_indices,
-                            top_budget_indices_reference, top_mask)
+from sparsekv.quoka.select import accumulation_dtype, check_chunk
+from sparsekv.select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference, top_mask
 
 # %%
 #| hide

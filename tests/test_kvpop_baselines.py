@@ -1,12 +1,13 @@
-"Tests of sparsekv.baselines.eviction: StreamingLLM, TOVA, H2O against a brute-force simulation, dense equality, generate, kvpress."
+"Tests of sparsekv.kvpop.baselines: StreamingLLM, TOVA, H2O against a brute-force simulation, dense equality, generate, kvpress."
 import pytest
 import torch
 from torch.testing import assert_close
 from transformers import DynamicCache
 
-from sparsekv.baselines.eviction import (EVICTION_BASELINES, attention_probs, eviction_baseline, eviction_reference,
-                                         reduce_heads)
-from sparsekv.hf import EvictingCache, chunked_prefill, patch
+from sparsekv.kvpop.baselines import (EVICTION_BASELINES, attention_probs, eviction_baseline, eviction_reference,
+                                      reduce_heads)
+from sparsekv.cache import EvictingCache
+from sparsekv.hf import chunked_prefill, patch
 from sparsekv.models import load_model
 
 

@@ -4,26 +4,25 @@
 # > Algorithm 1 of QuoKA reconstructed from §3.1–3.4: keep the chunk queries least similar to the mean query, score every cached key by its cosine with them, take the max over queries and the mean over the query heads of a KV group (computed by pre-aggregation), keep the top B_SA keys per KV head.
 
 # %%
-#| default_exp quoka
+#| default_exp quoka.select
 
 # %%
 #| export
 from __future__ import annotations
-
-import math
-from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from sparsekv.attention import check_qkv
+from sparsekv.select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %%
 #| hide
+import math
+
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
-
 
 # %% [markdown]
 # Under **chunked prefill** a prompt of length $L$ is processed in blocks $X_1, X_2, \dots$
@@ -53,129 +52,8 @@ from torch.testing import assert_close
 # Unit vectors carry a hat: $\hat x = x / \lVert x \rVert$. Tensors are `q_chunk [B,Hq,S,D]`
 # and `k_cache [B,Hkv,T,D]`.
 #
-# ## Budgets
-#
-# $B_{SA}$ is either a fixed number of keys (Table 1 uses $B_{SA} = 1024$) or a fraction of
-# the cache (Table 2 keeps 25% of it, "$B_{SA}$ growing with the KV cache"). If the cache
-# is no larger than the budget, every key is kept (there is nothing to select). A fraction
-# $f$ keeps $\mathrm{round}(f\,T)$ keys, halves rounded up, at least one. The product is
-# taken exactly on the decimal the user wrote (`Fraction(repr(f))`): in binary floating
-# point $0.29 \cdot 100 = 28.999999999999996$ and $0.7 \cdot 175 = 122.49999999999999$,
-# which would round the wrong way.
-
-# %%
-#| export
-def resolve_budget(budget: int | float, T: int) -> int:
-    "Keys kept out of `T` cached keys: min(B_SA, T) for an int `budget`, round(budget*T) (halves up, at least 1, at most T) for a float fraction in (0, 1]."
-    if isinstance(T, bool) or not isinstance(T, int) or T < 0: raise ValueError(f"T must be an int >= 0, got {T!r}")
-    accepted = "an int >= 1 (B_SA, a number of keys) or a float in (0, 1] (a fraction of the cache)"
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)): raise TypeError(f"budget must be {accepted}, got {budget!r}")
-    if isinstance(budget, int):
-        if budget < 1: raise ValueError(f"budget must be {accepted}, got {budget!r}")
-        return min(budget, T)
-    if not 0.0 < budget <= 1.0: raise ValueError(f"budget must be {accepted}, got {budget!r}")
-    return min(T, max(1, math.floor(Fraction(repr(budget)) * T + Fraction(1, 2))))  # exact decimal product, halves up
-
-
-# %%
-for T in (0, 1, 7, 100, 1000):
-    for b in (1, 7, 64, 1024):
-        test_eq(resolve_budget(b, T), min(b, T))
-    test_eq(resolve_budget(1.0, T), T)
-    test_eq(resolve_budget(0.25, T), 0 if T == 0 else max(1, round(T / 4 + 1e-9)))   # exact quarter, halves up
-test_eq(resolve_budget(0.29, 100), 29)     # 0.29 * 100 = 28.999999999999996 in float64
-test_eq(resolve_budget(0.7, 175), 123)     # 0.7 * 175 = 122.49999999999999 in float64; 122.5 rounds up
-test_eq(resolve_budget(0.1, 30), 3)        # 0.1 * 30 = 3.0000000000000004
-test_eq(resolve_budget(0.01, 10), 1)       # at least one key
-test_fail(lambda: resolve_budget(0, 10), contains="budget must be")
-test_fail(lambda: resolve_budget(1.5, 10), contains="budget must be")
-test_fail(lambda: resolve_budget(True, 10), contains="budget must be")
-test_fail(lambda: resolve_budget("25%", 10), contains="budget must be")
-test_fail(lambda: resolve_budget(4, -1), contains="T must be")
-
-
-# %% [markdown]
-# ## Top-$n$ with a deterministic tie rule
-#
-# Both the query subselection (keep $N_Q$ of $S$ queries) and the key selection (keep
-# $B_{SA}$ of $T$ keys) take the $n$ largest of a row of scores. `torch.topk` does not
-# promise which of several equal scores it returns, and equal scores are not rare here
-# (identical tokens give identical keys, hence identical cosines). **Tie rule of this
-# package: among equal scores the lower index wins**, and the chosen indices are returned
-# **sorted ascending** (the order of the cache, which keeps the later gather contiguous in
-# runs and makes results comparable).
-#
-# The rule is implemented without a sort: with $v$ the $n$-th largest score of a row, every
-# entry $> v$ is kept, and of the entries $= v$ the first $n - \#\{> v\}$ in index order (a
-# cumulative count). NaN scores have no order; they are refused.
-#
-# **Fast path.** Ties *at the cut* are what need the rule; elsewhere the top $n$ form a
-# unique set. `top_budget_indices` first takes `topk` (unsorted) and counts the entries
-# $\ge v$: if every row has exactly $n$ of them, nobody is tied with the $n$-th score, the set
-# is unique and `topk`'s indices, sorted, are the answer (a sort of $n$ numbers instead of the
-# mask, cumulative count and `nonzero` over all $T$). Otherwise it falls back to `top_mask`.
-# The checks below exercise both (random rows: no ties; rows of three values: ties at the cut).
-
-# %%
-#| export
-def _check_top(scores: Tensor, n: int):
-    "Refuse an `n` outside [0, T] and NaN scores (they have no order)."
-    T = scores.shape[-1]
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= T: raise ValueError(f"n must be an int in [0, {T}], got {n!r}")
-    if scores.is_floating_point() and scores.isnan().any(): raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
-
-
-def top_mask(scores: Tensor, n: int) -> Tensor:
-    "Boolean mask of the `n` largest entries of each row (last dim), exactly n per row; among equal scores the lower index wins."
-    _check_top(scores, n)
-    if n == 0: return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    kth = scores.topk(n, dim=-1).values[..., -1:]  # the n-th largest score of each row, whichever tied entry topk returned
-    above, tied = scores > kth, scores == kth
-    room = n - above.sum(-1, keepdim=True)  # slots left for the entries tied with the n-th score
-    return above | (tied & (tied.cumsum(-1) <= room))
-
-
-def top_budget_indices(scores: Tensor, n: int) -> Tensor:
-    "Indices [..., n] of the `n` largest scores of each row (last dim), sorted ascending; among equal scores the lower index wins."
-    _check_top(scores, n)
-    if n and scores.numel():
-        vals, idx = scores.topk(n, dim=-1, sorted=False)
-        if ((scores >= vals.amin(-1, keepdim=True)).sum(-1) == n).all(): return idx.sort(-1).values  # no tie at the cut: a unique set
-    return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)  # nonzero lists each row's entries in index order
-
-
-def top_budget_indices_reference(scores: Tensor, n: int) -> Tensor:
-    "`top_budget_indices` by sorting each row in Python on the key (-score, index), keeping the first n, ascending."
-    rows = scores.reshape(math.prod(scores.shape[:-1]), scores.shape[-1]).tolist()
-    picked = [sorted(sorted(range(len(r)), key=lambda j: (-r[j], j))[:n]) for r in rows]
-    return torch.tensor(picked, dtype=torch.long).reshape(*scores.shape[:-1], n)
-
-
-def all_key_indices(B: int, Hkv: int, T: int, device=None) -> Tensor:
-    "Indices [B,Hkv,T] of every cached key: the selection when the cache fits the budget."
-    return torch.arange(T, device=device).expand(B, Hkv, T).contiguous()
-
-
-# %% [markdown]
-# Check against the sort on random rows, on rows made of a few repeated values (many ties,
-# some at the cut), with $\pm\infty$, and $n \in \{0, 1, T\}$:
-
-# %%
-g = torch.Generator().manual_seed(0)
-for shape in [(3, 17), (2, 4, 9), (1, 1, 1)]:
-    rand = torch.randn(shape, generator=g)
-    few = torch.randint(0, 3, shape, generator=g).double()       # values in {0, 1, 2}: ties everywhere
-    inf = rand.clone()
-    inf[..., ::3] = -math.inf
-    inf[..., 0] = math.inf
-    for s in (rand, few, inf):
-        for n in sorted({0, 1, shape[-1] // 2, shape[-1]}):
-            got = top_budget_indices(s, n)
-            test_eq(got, top_budget_indices_reference(s, n))
-            test_eq(top_mask(s, n).sum(-1), torch.full(shape[:-1], n))
-test_eq(top_budget_indices(torch.zeros(2, 6), 3), torch.tensor([[0, 1, 2], [0, 1, 2]]))   # all tied: the first n
-test_fail(lambda: top_mask(torch.tensor([1.0, math.nan]), 1), contains="NaN")
-test_fail(lambda: top_mask(torch.zeros(4), 5), contains="n must be")
+# Budgets and the top-$n$ with its tie rule, shared by every selection method, live in
+# [`sparsekv.select`](05_select.ipynb).
 
 # %% [markdown]
 # ## Step 1: query subselection (§3.1)

@@ -1,16 +1,16 @@
-"The selection baselines (`sparsekv.baselines.selection`) against their brute-force references, identities between them, LessIsMore's layer reuse, bad input."
+"The selection baselines (`sparsekv.quoka.baselines`) against their brute-force references, identities between them, LessIsMore's layer reuse, bad input."
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsekv.baselines.selection import (MEAN_SCORES, LessIsMoreSelector, lessismore_select, lessismore_select_reference,
-                                          lessismore_split, loki_basis, loki_select, loki_select_reference, mean_score_select,
-                                          mean_score_select_reference, sample_attention_select,
-                                          sample_attention_select_reference, sample_query_positions, sparq_select,
-                                          sparq_select_reference)
-from sparsekv.quoka import resolve_budget
+from sparsekv.quoka.baselines import (LessIsMoreSelector, MEAN_SCORES, lessismore_select, lessismore_select_reference,
+                                      lessismore_split, loki_basis, loki_select, loki_select_reference,
+                                      mean_score_select, mean_score_select_reference, sample_attention_select,
+                                      sample_attention_select_reference, sample_query_positions, sparq_select,
+                                      sparq_select_reference)
+from sparsekv.select import resolve_budget
 
 # (S, T, budget): T > budget, T < budget, T == budget, a single query, a fraction, an empty cache
 CASES = [(12, 45, 10), (12, 7, 10), (12, 10, 10), (1, 45, 6), (12, 45, 0.3), (12, 0, 10)]

@@ -4,7 +4,7 @@
 # > Algorithm 2 of QuoKA through `sparsekv.hf`: each prefill chunk attends to the B_SA earlier keys that Algorithm 1 selects plus its own keys causally; the same rule at generation (§4.4); every selection baseline under the same loop.
 
 # %%
-#| default_exp quoka_policy
+#| default_exp quoka.policy
 
 # %%
 #| export
@@ -18,24 +18,25 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from sparsekv.attention import attention_reference, causal_mask
-from sparsekv.baselines.selection import LessIsMoreSelector
+from sparsekv.quoka.baselines import LessIsMoreSelector
 from sparsekv.hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
                          heads_mask, patch)
-from sparsekv.quoka import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, all_key_indices, quoka_decode_select, quoka_scores,
-                            quoka_select, resolve_budget, top_budget_indices)
+from sparsekv.quoka.select import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, quoka_decode_select, quoka_scores,
+                                   quoka_select)
+from sparsekv.select import all_key_indices, anchored_top_indices, check_count, resolve_budget
 
 # %%
 #| hide
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
-from sparsekv.baselines.selection import loki_select, mean_score_select, sample_attention_select, sparq_select
+from sparsekv.quoka.baselines import loki_select, mean_score_select, sample_attention_select, sparq_select
 from sparsekv.models import load_model
-from sparsekv.quoka import quoka_select_reference
+from sparsekv.quoka.select import quoka_select_reference
 
 
 # %% [markdown]
-# [`quoka_select`](20_quoka.ipynb) chooses, for one chunk and one layer, $B_{SA}$ of the $T$
+# [`quoka_select`](20_quoka_select.ipynb) chooses, for one chunk and one layer, $B_{SA}$ of the $T$
 # cached keys per KV head (Algorithm 1). This notebook runs it inside a model.
 #
 # ## Algorithm 2, reconstructed
@@ -81,68 +82,9 @@ from sparsekv.quoka import quoka_select_reference
 #
 # `budget` is $B_{SA}$ as an int, or a float fraction of the cache (Table 2 keeps 25%:
 # "$B_{SA}$ is set to 25% of full cache length", during prefill and generation), resolved
-# per chunk by `resolve_budget(budget, T)`.
-#
-# The paper keeps no fixed sinks or local window. As an ablation, `sinks` (the first
-# keys) and `recent` (the last earlier keys, just before the block) are always kept.
-# **Our choice: they count against the budget**, so a setting with anchors attends to
-# exactly as many keys as one without, and compares at equal cost. The anchors take their
-# slots first (sinks before recent keys when the budget is smaller than both), the
-# remaining $n - |A|$ slots go to the best-scored other keys. We implement it by giving
-# the anchors an infinite score before the top-$n$.
-
-# %%
-#| export
-def _check_count(x, name: str) -> int:
-    "`x` if it is an int >= 0 (a number of sinks or recent keys)."
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0: raise ValueError(f"{name} must be an int >= 0, got {x!r}")
-    return x
-
-
-def anchor_mask(T: int, n: int, sinks: int = 0, recent: int = 0, device=None) -> Tensor:
-    "Boolean [T]: the first min(sinks, n) keys and the last min(recent, n - those) keys, the anchors a budget of n keys always keeps."
-    _check_count(sinks, "sinks"), _check_count(recent, "recent")
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= T: raise ValueError(f"n must be an int in [0, T={T}], got {n!r}")
-    s = min(sinks, n)
-    r = min(recent, n - s, T - s)
-    m = torch.zeros(T, dtype=torch.bool, device=device)
-    m[:s] = True
-    m[T - r:] = True  # r = 0: the empty slice m[T:]
-    return m
-
-
-def anchored_top_indices(scores: Tensor, n: int, sinks: int = 0, recent: int = 0) -> Tensor:
-    "Indices [..., n] (ascending) of the anchors (`anchor_mask`) and the best-scored other keys of scores [..., T], ties to the lower index."
-    a = anchor_mask(scores.shape[-1], n, sinks, recent, scores.device)
-    return top_budget_indices(scores.masked_fill(a, float("inf")), n)  # scores are finite: anchors win every slot they need
-
-
-def anchored_top_indices_reference(scores: Tensor, n: int, sinks: int = 0, recent: int = 0) -> list:
-    "`anchored_top_indices` by Python lists: anchors by explicit loops, then the others sorted on (-score, index)."
-    T = scores.shape[-1]
-    rows = scores.reshape(-1, T).tolist()
-    s = min(sinks, n)
-    anchors = set(range(s)) | set(range(T - min(recent, n - s, T - s), T))
-    out = []
-    for r in rows:
-        rest = sorted((j for j in range(T) if j not in anchors), key=lambda j: (-r[j], j))
-        out.append(sorted(anchors | set(rest[:n - len(anchors)])))
-    return out
-
-
-# %% [markdown]
-# Check the anchors against the list version, on random scores with ties, for budgets
-# smaller and larger than the anchors:
-
-# %%
-g = torch.Generator().manual_seed(0)
-for T, n, s, r in [(10, 4, 0, 0), (10, 4, 2, 1), (10, 4, 3, 3), (10, 2, 3, 3), (10, 10, 2, 2), (5, 3, 0, 5), (6, 0, 1, 1)]:
-    sc = torch.randint(0, 3, (2, 3, T), generator=g).float()  # many ties
-    test_eq(anchored_top_indices(sc, n, s, r).reshape(6, n).tolist(), anchored_top_indices_reference(sc, n, s, r))
-test_eq(anchor_mask(10, 4, 3, 3).nonzero().flatten().tolist(), [0, 1, 2, 9])  # sinks take their slots first
-test_fail(lambda: anchor_mask(10, 4, -1, 0), contains="sinks")
-test_fail(lambda: anchor_mask(10, 11), contains="n must be")
-
+# per chunk by `resolve_budget(budget, T)`. The paper keeps no fixed sinks or local window; as an
+# ablation `sinks` and `recent` keys are always kept, counted against the budget
+# (`anchored_top_indices` in [`sparsekv.select`](05_select.ipynb)).
 
 # %% [markdown]
 # ## The policy
@@ -179,7 +121,7 @@ class QuokaPolicy(SelectionPolicy):
         if not isinstance(cache_unit_keys, bool): raise TypeError(f"cache_unit_keys must be a bool, got {cache_unit_keys!r}")
         self.cache_unit_keys, self.unit_caches = cache_unit_keys, weakref.WeakKeyDictionary()  # cache layer -> UnitKeyCache
         self.n_q, self.budget, self.query_select, self.query_agg = n_q, _check_budget(budget), query_select, query_agg
-        self.sinks, self.recent, self.decode_sparse = _check_count(sinks, "sinks"), _check_count(recent, "recent"), decode
+        self.sinks, self.recent, self.decode_sparse = check_count(sinks, "sinks"), check_count(recent, "recent"), decode
 
     def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill", k_unit: Tensor | None = None) -> Tensor:
         "Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] that the queries q [B,Hq,S,D] attend to (Alg. 1; §4.4 for `kind='decode'`); `k_unit`: their unit keys if at hand."
@@ -305,7 +247,7 @@ out.shape
 # %% [markdown]
 # ## The baselines under the same loop
 #
-# Every selection function of [the baselines](21_selection_baselines.ipynb) has the
+# Every selection function of [the baselines](21_quoka_baselines.ipynb) has the
 # signature `select_fn(q_chunk, k_cache, budget, **options) -> [B,Hkv,n]`;
 # `BaselinePolicy` runs one per chunk exactly as `QuokaPolicy` runs `quoka_select`
 # (dense when the cache fits, the chunk's own keys appended, the same single query at
@@ -316,7 +258,7 @@ out.shape
 # %%
 #| export
 class BaselinePolicy(SelectionPolicy):
-    "Run `select_fn(q_chunk, k_cache, budget, **options)` (a baseline of `sparsekv.baselines.selection`) per chunk and layer, as QuokaPolicy runs Alg. 1."
+    "Run `select_fn(q_chunk, k_cache, budget, **options)` (a baseline of `sparsekv.quoka.baselines`) per chunk and layer, as QuokaPolicy runs Alg. 1."
 
     def __init__(self, select_fn, budget: int | float = 1024, decode: bool = True, **options):
         if not callable(select_fn): raise TypeError(f"select_fn must be a selection function, got {type(select_fn).__name__}")

@@ -727,7 +727,7 @@ def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: in
 # tokens, `attend_selected` (a masked softmax over the gathered keys).
 
 # %%
-from sparsekv.hf import gather_keys
+from sparsekv.attention import gather_keys
 
 # %%
 K, V, G = _random_cache(T=100)

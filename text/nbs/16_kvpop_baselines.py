@@ -4,7 +4,7 @@
 # > StreamingLLM, TOVA and H2O as `EvictionRule`s with KVpop's budget interface (sinks, window, k long-range slots), and the policy that feeds attention-based rules the current attention.
 
 # %%
-#| default_exp baselines.eviction
+#| default_exp kvpop.baselines
 
 # %%
 #| export
@@ -14,15 +14,16 @@ import torch
 from torch import Tensor
 
 from sparsekv.attention import check_qkv
-from sparsekv.hf import (DensePolicy, EvictingLayer, EvictionRule, MaskPolicy, SinkWindowRule, TopScoreRule, heads_mask,
-                         patch)
+from sparsekv.cache import EvictingLayer, EvictionRule, SinkWindowRule, TopScoreRule
+from sparsekv.hf import DensePolicy, MaskPolicy, heads_mask, patch
 
 # %%
 #| hide
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
-from sparsekv.hf import EvictingCache, chunked_prefill
+from sparsekv.cache import EvictingCache
+from sparsekv.hf import chunked_prefill
 from sparsekv.models import load_model
 
 # %% [markdown]

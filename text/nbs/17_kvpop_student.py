@@ -1,0 +1,322 @@
+# %% [markdown]
+# # KVpop: the distillation student
+#
+# > KVpop's training-time attention and loss as a `DistillStudent` (Alg. 1, §3.3): the KVpop mask from detached priorities, the future-attention target from the sparse LSE, the retention loss at sampled boundaries; StreamingLLM+ at the same budget.
+
+# %%
+#| default_exp kvpop.student
+
+# %%
+#| export
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from sparsekv.attention import attention_scores, masked_attention, masked_logsumexp
+from sparsekv.cache import SinkWindowCache
+from sparsekv.distill import DistillStudent
+from sparsekv.hf import AttentionPolicy, MaskPolicy, dense_attention, heads_mask
+from sparsekv.kvpop.cache import KVpopCache, KVpopScorers
+from sparsekv.kvpop.cutoff import check_budget, topk_cutoff
+from sparsekv.kvpop.loss import retention_loss, retention_recall, sample_boundary_queries
+from sparsekv.kvpop.mask import kvpop_attention, kvpop_mask
+from sparsekv.kvpop.target import future_attention_target
+from sparsekv.models import model_info
+
+# %%
+#| hide
+import tempfile
+
+from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from sparsekv.attention import attention_reference
+from sparsekv.distill import DistillConfig, distill, epoch_batches
+from sparsekv.hf import patch
+from sparsekv.models import load_model
+from sparsekv.eval import token_kl, top1_agreement
+from sparsekv.hf import chunked_prefill
+from sparsekv.kvpop.cache import random_scorers
+from sparsekv.kvpop.loss import retention_loss_reference
+from sparsekv.kvpop.mask import kvpop_mask_reference
+
+
+# %% [markdown]
+# ## One training step of KVpop (Alg. 1 / Alg. 3)
+#
+# KVpop retrofits a pretrained model with a fixed per-head KV budget $B = s + w + k$ (Eq. 1) and learns
+# which long-range tokens to keep. One training step on a packed batch of sequences of length $S$ is:
+#
+# 1. **Teacher forward.** The frozen dense model gives logits $z^{T}$ (no gradient). In full fine-tuning
+#    the teacher is a frozen copy of the base model taken before training; when only the scorers train
+#    (the base is frozen) the teacher is the unpatched model itself.
+# 2. **Student forward.** The same model runs with every attention layer replaced by KVpop attention.
+#    In layer $\ell$, from its post-RoPE keys and values:
+#    - the scorer reads $x_{h,t} = [k_{h,t}; v_{h,t}]$ **detached** from the backbone (§3.3) and predicts raw
+#      scores $\hat r_{h,t}$; with the per-head decay $\gamma_h$ they become static priorities
+#      $\hat p_{h,t} = \hat r_{h,t} - \lfloor t/n \rfloor \log\gamma_h$ (Eq. 20), in float32 (App. F);
+#    - the priorities, **detached**, give each token's rank and each query's cutoff $\tau_q$ (Alg. 2), hence the
+#      mask $M$ of Eq. (26): sinks, the window, and the eligible tokens with rank $\le \tau_q$;
+#    - exact attention under $M$ gives the layer output and the sparse log-normalizer $\widetilde{\mathrm{LSE}}_d$ (Eq. 9);
+#    - the target $r^{\mathrm{tgt}}_{h,t}$ (Eq. 3) comes from one transposed pass over the layer's own $q, k$
+#      normalized by $\widetilde{\mathrm{LSE}}$ (Eq. 8–9), without gradient, and receives the same decay:
+#      $p^{\mathrm{tgt}}_{h,t} = r^{\mathrm{tgt}}_{h,t} - \lfloor t/n \rfloor \log\gamma_h$ (Eq. 5).
+# 3. **Losses.** The distillation loss is the forward KL from the teacher to the student on the teacher's
+#    top-256 tokens at temperature 1 (App. F). The retention loss (Eq. 7) compares, at sampled query
+#    positions $q \ge s + w + k$ (Eq. 25), the student priorities of the newly eligible token $q - w$ and of
+#    the teacher's boundary token; it is averaged over layers.
+# 4. **Update.** One backward of the sum, gradient clipping to 1.0, AdamW with two parameter groups.
+#
+# Where the gradients flow:
+#
+# - The **ranking is not differentiable** (a sort and a threshold), and the mask is built from detached
+#   priorities: the KL never reaches the scorers. The scorers learn only from the retention loss.
+# - The scorer inputs are detached, so the retention loss never reaches the backbone: the base model
+#   learns only from the KL, through the attention it computes under the fixed mask (its $q, k, v$ and the
+#   MLPs), i.e. it adapts to the sparsity pattern the scorers chose.
+# - The target is a label: computed under `no_grad` from detached $q, k$ and $\widetilde{\mathrm{LSE}}$.
+#   The decays $\gamma_h$ receive gradient through the student priorities only (the teacher's copy of the
+#   decay term is detached with the target).
+#
+# So in scorer-only training (base frozen) the KL has no gradient path at all; it is then only a metric.
+#
+# The student plugs into the generic loop of [`sparsekv.distill`](06_distill.ipynb) as a `DistillStudent`.
+
+# %% [markdown]
+# ### KVpop attention with capture
+#
+# `KVpopTrainPolicy` is the student forward of step 2. On CUDA it uses `kvpop_attention` (FlexAttention with the
+# on-the-fly mask, which returns the sparse LSE with the output). On CPU it attends with SDPA under the dense
+# `kvpop_mask` and computes the sparse LSE from the masked scores only when training needs it, outside the
+# autograd graph: the LSE is only an input to the target, a label.
+# In `train()` mode it records per layer the student priorities (with their graph to the scorer and decay
+# parameters) and the decayed target; in `eval()` mode (or under `no_grad`) it only attends, exactly like
+# `KVpopMaskPolicy`.
+#
+# Computing the target inside the forward rather than in `method_loss` keeps only two `[B, Hkv, S]`
+# tensors per layer alive instead of the layer's $q$ and $k$; the computation is the same.
+
+# %%
+#| export
+class KVpopTrainPolicy(AttentionPolicy):
+    "KVpop attention on whole sequences (Eq. 26, exact attention under the mask); in training, records priorities and targets."
+
+    def __init__(self, student: "KVpopStudent"):
+        self.student = student
+
+    def attend(self, q, k, v, ctx):
+        st = self.student
+        if ctx.past_len: raise ValueError("KVpop training attention takes whole sequences: call the model without a cache")
+        capture = st.training and torch.is_grad_enabled()
+        with torch.set_grad_enabled(capture):  # scorer inputs detached: gradients reach only scorers and decays (§3.3)
+            pred = st.scorers.priority(ctx.layer_idx, k.detach(), v.detach(), ctx.key_positions)
+        rank, cutoff = topk_cutoff(pred.detach(), st.k, st.sink, st.window)  # float32 ranking, no gradient
+        if q.is_cuda and ctx.mask is None:  # FlexAttention with the on-the-fly mask: output and LSE in one pass
+            out, lse = kvpop_attention(q, k, v, rank, cutoff, st.sink, st.window, scale=ctx.scale)
+        else:  # dense mask (a model mask, e.g. padding, intersected); on CPU: SDPA, and the LSE only when needed, without graph
+            m = kvpop_mask(rank, cutoff, st.sink, st.window, q.shape[1] // k.shape[1])
+            if ctx.mask is not None: m = m & heads_mask(ctx.mask, q.shape[1])
+            if q.is_cuda: out, lse = masked_attention(q, k, v, m, scale=ctx.scale)
+            else:
+                out = dense_attention(q, k, v, m, ctx.scale, ctx.dropout)
+                with torch.no_grad(): lse = masked_logsumexp(attention_scores(q, k, m, ctx.scale)) if capture else None
+        if capture:
+            with torch.no_grad():  # Eq. (8)-(9) with the sparse LSE, then the shared decay (Eq. 5)
+                r_tgt = future_attention_target(q, k, st.window, lse=lse, agg=st.agg, eps=st.eps, scale=ctx.scale)
+                target = st.scorers.decayed(ctx.layer_idx, r_tgt, ctx.key_positions)
+            st.captured.append((pred, target))
+        return out
+
+
+# %% [markdown]
+# ### `KVpopStudent`
+#
+# The student holds the scorers (`KVpopScorers`, MLP or mLSTM) and the budget. `method_loss` samples
+# `n_boundaries` query positions with `sample_boundary_queries` (Eq. 25; half of them biased toward the end),
+# from a generator seeded by `(seed, step)` so that a resumed run draws the same positions, and averages
+# `retention_loss` (Eq. 7, margin weighting on, App. F) over layers. It also logs the top-$k$ retention recall
+# of the student against the teacher policy at the same positions (Fig. 7).
+
+# %%
+#| export
+def step_generator(seed: int, step: int) -> torch.Generator:
+    "A CPU generator seeded by (seed, step): the same random draws at a step whether the run was resumed or not."
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+class KVpopStudent(DistillStudent):
+    "KVpop (Alg. 1): scorer-ranked sparse attention; retention loss (Eq. 7) on the future-attention target of its own sparse pass."
+
+    def __init__(self, scorers: KVpopScorers, sink: int, window: int, k: int, n_boundaries: int = 64,
+                 late_frac: float = 0.5, tau: float = 1.0, margin: bool = True, omega_min: float = 0.1,
+                 tau_omega: float = 1.0, balance: bool = False, agg: str = "max", eps: float = 1e-6,
+                 weight: float = 1.0, seed: int = 0):
+        super().__init__()
+        if not isinstance(scorers, KVpopScorers): raise TypeError(f"scorers must be a KVpopScorers, got {type(scorers).__name__}")
+        self.k, self.sink, self.window = check_budget(k, sink, window)
+        if isinstance(n_boundaries, bool) or not isinstance(n_boundaries, int) or n_boundaries < 1:
+            raise ValueError(f"n_boundaries must be an int >= 1, got {n_boundaries!r}")
+        if not weight >= 0: raise ValueError(f"weight must be >= 0, got {weight!r}")
+        self.scorers, self.n_boundaries, self.late_frac, self.weight, self.seed = scorers, n_boundaries, late_frac, weight, seed
+        self.loss_options = dict(tau=tau, margin=margin, omega_min=omega_min, tau_omega=tau_omega, balance=balance)
+        self.agg, self.eps = agg, eps
+        self.captured: list[tuple[Tensor, Tensor]] = []
+
+    @classmethod
+    def for_model(cls, model, sink: int, window: int, k: int, scorer: str = "mlp", n: int = 1, gamma_min: float = 0.999,
+                  gamma_max: float = 0.999999, **options) -> "KVpopStudent":
+        "Fresh scorers for `model`'s layers ('mlp', or 'mlstm' with readout delay = window, §3.3) in float32, Table 3 decays."
+        info = model_info(model)
+        args = info.num_layers, info.num_kv_heads, info.head_dim
+        if scorer == "mlp": sc = KVpopScorers.mlp(*args, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
+        elif scorer == "mlstm": sc = KVpopScorers.mlstm(*args, delay=window, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
+        else: raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {scorer!r}")
+        return cls(sc.to(next(model.parameters()).device), sink, window, k, **options)
+
+    def policy(self) -> KVpopTrainPolicy:
+        return KVpopTrainPolicy(self)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        "Each layer's scorer and decay: the policy calls their forward."
+        return [*self.scorers.scorers, *self.scorers.decays]
+
+    def method_loss(self, step: int) -> tuple[Tensor, dict[str, float]]:
+        if not self.captured: raise RuntimeError("method_loss needs a training forward under policy() in train() mode first")
+        captured, self.captured = self.captured, []
+        S = captured[0][0].shape[-1]
+        q = sample_boundary_queries(S, self.n_boundaries, self.sink, self.window, self.k, self.late_frac,
+                                    generator=step_generator(self.seed, step), device=captured[0][0].device)
+        loss = torch.stack([retention_loss(p, t, q, self.sink, self.window, self.k, **self.loss_options)
+                            for p, t in captured]).mean()
+        recall = torch.stack([retention_recall(p.detach(), t, q, self.sink, self.window, self.k).float().mean()
+                              for p, t in captured]).mean()
+        return self.weight * loss, {"retention_loss": loss.item(), "retention_recall": recall.item()}
+
+    def inference_cache(self) -> KVpopCache:
+        return KVpopCache(self.scorers, self.sink, self.window, self.k)
+
+
+# %% [markdown]
+# The policy's attention must be the KVpop mask of the current scorers, with the sparse LSE. We check the
+# output of a patched tiny model layer against `attention_reference` under `kvpop_mask_reference` (the mask
+# from its definition, by loops), and that the captured target is `future_attention_target` with the
+# reference LSE, decayed.
+
+# %%
+model, tok = load_model("tiny-llama", num_layers=2)
+sc = random_scorers(model, seed=1)
+student = KVpopStudent(sc, sink=2, window=4, k=3, n_boundaries=8)
+ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+attn = model.model.layers[0].self_attn
+outputs = []
+hook = attn.register_forward_hook(lambda mod, args, out: outputs.append(out[0].detach()))
+with patch(model, student.policy()):
+    student.train()
+    logits = model(ids).logits
+hook.remove()
+captured = list(student.captured)
+# recompute layer 0 by hand: project q, k, v of its input and attend under the reference mask
+h = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
+B, S = ids.shape
+hd = attn.head_dim
+qh = attn.q_proj(h).view(B, S, -1, hd).transpose(1, 2)
+kh = attn.k_proj(h).view(B, S, -1, hd).transpose(1, 2)
+vh = attn.v_proj(h).view(B, S, -1, hd).transpose(1, 2)
+cos, sin = model.model.rotary_emb(h, torch.arange(S)[None])
+qh, kh = apply_rotary_pos_emb(qh, kh, cos, sin)
+prio = sc.priority(0, kh, vh, torch.arange(S).expand(B, kh.shape[1], S))
+G = qh.shape[1] // kh.shape[1]
+m = kvpop_mask_reference(prio.detach(), 3, 2, 4).repeat_interleave(G, 1)
+out_ref, lse_ref = attention_reference(qh, kh, vh, m, scale=attn.scaling)
+assert_close(outputs[0], attn.o_proj(out_ref.transpose(1, 2).reshape(B, S, -1)), atol=1e-5, rtol=1e-5)
+assert_close(captured[0][0].detach(), prio.detach())
+tgt_ref = sc.decayed(0, future_attention_target(qh, kh, 4, lse=lse_ref, method="dense"), torch.arange(S).expand(B, kh.shape[1], S))
+assert_close(captured[0][1], tgt_ref, atol=1e-5, rtol=1e-5)
+with patch(model, student.policy()):
+    student.eval()
+    logits_eval = model(ids).logits
+test_eq(len(student.captured), len(captured))  # eval mode captures nothing new
+assert_close(logits_eval, logits.detach())  # and attends identically
+
+# %% [markdown]
+# The retention loss averaged over layers equals the loop-based `retention_loss_reference` (Eq. 5–7) per
+# layer on the raw scores, and its gradient reaches the scorers and decays only.
+
+# %%
+student.captured = captured
+loss, metrics = student.method_loss(step=5)
+q = sample_boundary_queries(S, 8, 2, 4, 3, generator=step_generator(0, 5))
+refs = []
+for layer, (p, t) in enumerate(captured):
+    pos = torch.arange(S).expand(B, kh.shape[1], S)
+    lg = sc.decays[layer]()
+    # reference on raw scores: recover them from the priorities (r = p + floor(t/n) log gamma)
+    raw_p = p + pos.float() * lg.view(1, -1, 1)
+    raw_t = t + pos.float() * lg.detach().view(1, -1, 1)
+    refs.append(retention_loss_reference(raw_p, raw_t, lg, q.tolist(), 2, 4, 3))
+assert_close(loss, torch.stack(refs).mean(), atol=1e-5, rtol=1e-5)
+test_eq(student.captured, [])
+loss.backward()
+assert all(p.grad is not None for p in sc.parameters() if p.requires_grad and p.numel())
+assert all(p.grad is None for p in model.parameters())  # the retention loss never reaches the backbone
+sc.zero_grad()
+
+
+# %% [markdown]
+# ### StreamingLLM+ at the same budget
+#
+# StreamingLLM+ trains the base model under a fixed pattern with the same per-head budget $B = s + w + k$:
+# we give it the $s$ sinks and a recent window of $w + k$ tokens (the long-range slots become more window).
+# It has no new parameters and no method loss, so it is trained in full mode.
+
+# %%
+#| export
+class SinkWindowPolicy(MaskPolicy):
+    "Query p attends to the first `sink` tokens and the `window` most recent ones (itself included)."
+
+    def __init__(self, sink: int, window: int):
+        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
+        self.sink, self.window = sink, window
+
+    def mask(self, q, k, v, ctx):
+        t, p = ctx.key_positions[:, :, None, :], ctx.query_positions[None, None, :, None]
+        return (t <= p) & ((t < self.sink) | (p - t < self.window))
+
+
+class SinkWindowStudent(DistillStudent):
+    "StreamingLLM+ (§4): sinks `sink` and a recent window of `window + k`, the KVpop budget s + w + k; no new parameters."
+
+    def __init__(self, sink: int, window: int, k: int):
+        super().__init__()
+        self.k, self.sink, self.window = check_budget(k, sink, window)
+
+    def policy(self) -> SinkWindowPolicy:
+        return SinkWindowPolicy(self.sink, self.window + self.k)
+
+    def inference_cache(self) -> SinkWindowCache:
+        return SinkWindowCache(self.sink, self.window + self.k)
+
+
+# %%
+sw = SinkWindowStudent(2, 4, 3)
+with patch(model, sw.policy()): out = model(ids).logits
+cache = sw.inference_cache()
+with torch.no_grad(), patch(model, sw.policy()):
+    step_logits = [chunked_prefill(model, ids[:, :j + 1], j + 1, cache=SinkWindowCache(2, 7))[1] for j in range(S)]
+assert_close(out[:, -1], step_logits[-1], atol=1e-5, rtol=1e-5)  # the training mask = the bounded cache's view
+test_eq(sum(p.numel() for p in sw.parameters()), 0)
+
+# %%
+#| export
+STUDENTS = ("kvpop", "kvpop-mlstm", "sinkwindow")
+
+
+def make_student(name: str, model, sink: int, window: int, k: int, **options) -> DistillStudent:
+    "A fresh student by name: 'kvpop' (MLP scorers), 'kvpop-mlstm' (mLSTM scorers) or 'sinkwindow' (StreamingLLM+)."
+    if name == "kvpop": return KVpopStudent.for_model(model, sink, window, k, scorer="mlp", **options)
+    if name == "kvpop-mlstm": return KVpopStudent.for_model(model, sink, window, k, scorer="mlstm", **options)
+    if name == "sinkwindow": return SinkWindowStudent(sink, window, k)
+    raise ValueError(f"student must be one of {STUDENTS}, got {name!r}")
