@@ -1,5 +1,6 @@
 # sparsekv: the two README commands (`make reproduce`, `make test`) and their helpers.
-# Every target sets up `.venv` itself, so a fresh clone needs nothing but python3 and make.
+# Every target sets up `.venv` itself; a fresh clone needs python3 and make, and for `make test` and `make docs`
+# npm (MathJax) and Chromium (the docs test), which are installed with apt when missing and running as root.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -13,17 +14,24 @@ STAMP := $(VENV)/.sparsekv-installed
 MATHJAX := $(VENV)/mathjax/node_modules/mathjax/es5/tex-chtml.js
 # Notebooks whose paired text files (jupytext) live under text/.
 NOTEBOOKS := $(wildcard nbs/*.ipynb reproduce/*.ipynb)
+# JupyterLab refuses to start as root (the usual user in a container) unless told it may.
+LAB_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help install reproduce test test-all docs docs-serve lab export clean-nbs sync check-export
+.PHONY: help install tools reproduce test test-all docs docs-serve lab export clean-nbs sync check-export
 
 help:
 	@echo "make reproduce [PROFILE=quick|cpu|gpu]  run the experiment pipeline (default PROFILE=cpu)"
 	@echo "make test                             export, run the notebooks' checks and the pytest suite"
 	@echo "make test-all                         also run the slow (and, with a GPU, the gpu) checks"
 	@echo "make docs                             build the offline docs site into _docs/"
+	@echo "make docs-serve                       build the docs, then serve _docs/ on http://localhost:8000"
 	@echo "make lab                              open the notebooks in JupyterLab"
-	@echo "make clean-nbs                        strip outputs and metadata from notebooks (nbdev-clean)"
 	@echo "make sync                             pair/sync notebooks with their text files under text/"
+	@echo "make clean-nbs                        strip outputs and metadata from notebooks (nbdev-clean)"
+	@echo "make export                           regenerate sparsekv/ from the notebooks (nbdev-export)"
+	@echo "make check-export                     fail when the committed sparsekv/ differs from the notebooks' export"
+	@echo "make install                          create .venv and install the package (every target does this)"
+	@echo "make tools                            install Chromium and npm with apt if missing (as root), or say how"
 
 # --- environment -------------------------------------------------------------------
 $(BIN)/python:
@@ -42,7 +50,21 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# $(call need,COMMAND,DEBIAN_PACKAGE,WHAT_FOR): when COMMAND is missing, install the package with apt as root,
+# else stop with one line saying what to run.
+need = command -v $(1) >/dev/null 2>&1 || { \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing $(2) with apt-get ($(3))"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(2) >/dev/null; \
+	else echo "$(3) needs $(1): run 'sudo apt-get install $(2)' (or put $(1) on PATH), then make again" >&2; exit 1; fi; }
+
+# Chromium renders the docs site in the docs test (headless); npm fetches MathJax for the site.
+tools:
+	@$(call need,chromium,chromium,the docs test)
+	@$(call need,npm,npm,MathJax for the docs site)
+
 $(MATHJAX):
+	@$(call need,npm,npm,MathJax for the docs site)
 	mkdir -p $(VENV)/mathjax
 	npm install --silent --no-audit --no-fund --prefix $(VENV)/mathjax mathjax@3.2.2
 
@@ -54,17 +76,18 @@ reproduce: $(STAMP)
 # Two test workers on two cores: one torch thread each, or they oversubscribe the CPU many times over.
 test test-all: export OMP_NUM_THREADS = 1
 
-test: $(STAMP) $(MATHJAX)
+# --dist loadgroup: the docs tests share one build of the site, so they run on one worker.
+test: $(STAMP) tools $(MATHJAX)
 	$(BIN)/nbdev-export
 	$(BIN)/nbdev-test --n-workers 2
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # Slow cells and tests everywhere; gpu cells and tests only where CUDA is available.
-test-all: $(STAMP) $(MATHJAX)
+test-all: $(STAMP) tools $(MATHJAX)
 	$(BIN)/nbdev-export
 	flags="slow"; if $(BIN)/python -c "import torch,sys; sys.exit(not torch.cuda.is_available())"; then flags="slow gpu"; fi; \
 	$(BIN)/nbdev-test --n-workers 2 --flags "$$flags"
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --run-slow $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --dist loadgroup --run-slow $(PYTEST_ARGS)
 
 # --- helpers ------------------------------------------------------------------------
 docs: $(STAMP) $(MATHJAX)
@@ -75,7 +98,7 @@ docs-serve: docs
 	$(BIN)/python -m http.server --directory _docs 8000
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab
+	$(BIN)/jupyter lab $(LAB_ARGS) $(ARGS)
 
 export: $(STAMP)
 	$(BIN)/nbdev-export

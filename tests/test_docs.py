@@ -1,27 +1,35 @@
-"The docs site builds offline and renders its math in headless Chromium."
+"""The docs site builds offline: every page renders its math in headless Chromium, every relative link and anchor
+resolves, and every exported function and class is an indexed API entry that reads as its docstring."""
+import ast
 import functools
+import html
 import http.server
 import re
 import shutil
 import subprocess
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from sparsekv.docs import build_docs, project_root
+from sparsekv.docs import build_docs, module_index, page_name, project_root
 
 ROOT = project_root(Path(__file__).parent)
-# The home page, one library notebook with derivations and one experiment notebook.
-PAGES = ["index", "00_attention", "reproduce/00_demo"]
+# Pages checked in depth (screenshot, sidebar): the home page, a derivation page, an experiment page.
+PAGES = ["index", "attention", "reproduce/demo"]
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# Every docs test shares one build: `make test` keeps them on one xdist worker (`--dist loadgroup`).
+pytestmark = pytest.mark.xdist_group("docs")
 
 
 def chromium() -> str:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
-        pytest.fail("Debian's chromium is needed for the docs test: `apt-get install chromium` (.ci/run does this)")
+        pytest.fail("Debian's chromium is needed for the docs test: `apt-get install chromium` (`make test` does this as root)")
     return exe
 
 
@@ -31,8 +39,9 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
+    "Every page, unexecuted but for the attention notebook (links, anchors and math do not need outputs)."
     dest = tmp_path_factory.mktemp("docs")
-    build_docs(ROOT, dest=dest, only=[Path(p).name for p in PAGES], execute=["00_attention"])
+    build_docs(ROOT, dest=dest, execute=["00_attention"])
     handler = functools.partial(QuietHandler, directory=str(dest))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -40,37 +49,182 @@ def site(tmp_path_factory):
     server.shutdown()
 
 
-def rendered_dom(url: str, tmp_path: Path, screenshot: Path | None = None) -> str:
+def site_pages(dest: Path) -> list[str]:
+    "Page names of the built notebooks (not Sphinx's own genindex/search)."
+    return sorted(p.relative_to(dest).with_suffix("").as_posix() for p in dest.rglob("*.html")
+                  if not p.relative_to(dest).parts[0].startswith("_") and p.stem not in ("genindex", "search"))
+
+
+def rendered_dom(url: str, profile: Path, screenshot: Path | None = None) -> str:
     "The DOM of `url` after its scripts (MathJax) ran, as Chromium sees it."
-    args = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path/'chromium'}", "--virtual-time-budget=15000"]
+    args = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=15000"]
     if screenshot is not None:
         subprocess.run([*args, "--window-size=1280,1600", f"--screenshot={screenshot}", url],
                        capture_output=True, timeout=120, check=True)
     return subprocess.run([*args, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True).stdout
 
 
-def visible_text(html: str) -> str:
-    "Text outside <script>/<style> and tags."
-    html = re.sub(r"<(script|style)\b.*?</\1>", "", html, flags=re.S | re.I)
-    return re.sub(r"<[^>]+>", " ", html)
+@pytest.fixture(scope="module")
+def doms(site, tmp_path_factory):
+    "The rendered DOM of every page, three Chromiums at a time."
+    dest, base = site
+    tmp = tmp_path_factory.mktemp("chromium")
+    pages = site_pages(dest)
+    with ThreadPoolExecutor(3) as ex:
+        got = ex.map(lambda i_p: rendered_dom(f"{base}/{i_p[1]}.html", tmp/f"profile{i_p[0] % 3}_{i_p[0]}"),
+                     enumerate(pages))
+        return dict(zip(pages, got))
+
+
+def visible_text(html_: str, code: bool = True) -> str:
+    "Text outside <script>/<style> and tags (and outside <pre>/<code> unless `code`), entities decoded."
+    html_ = re.sub(r"<(script|style)\b.*?</\1>", "", html_, flags=re.S | re.I)
+    if not code: html_ = re.sub(r"<(pre|code)\b.*?</\1>", " ", html_, flags=re.S | re.I)
+    return html.unescape(re.sub(r"<[^>]+>", " ", html_))
+
+
+def test_site_has_every_notebook_under_its_module_name(site):
+    dest, _ = site
+    want = {page_name(p.relative_to(ROOT)) for p in [*ROOT.glob("nbs/*.ipynb"), *ROOT.glob("reproduce/*.ipynb")]}
+    assert want <= set(site_pages(dest)), f"pages missing: {sorted(want - set(site_pages(dest)))}"
+    assert page_name("nbs/10_kvpop_target.ipynb") == "kvpop_target"
+    assert page_name("reproduce/12_kvpop_distill.ipynb") == "reproduce/kvpop_distill"
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_page_renders_math(site, page, tmp_path):
     dest, base = site
     assert (dest/f"{page}.html").is_file()
-    dom = rendered_dom(f"{base}/{page}.html", tmp_path, screenshot=tmp_path/"page.png")
+    dom = rendered_dom(f"{base}/{page}.html", tmp_path/"profile", screenshot=tmp_path/"page.png")
     assert "mjx-container" in dom, f"no MathJax-rendered math on {page}"
-    assert "$$" not in visible_text(dom), f"raw $$ left on {page}"
     assert "cdn" not in " ".join(re.findall(r'src="([^"]+)"', dom)).lower(), "a script is loaded from a CDN"
     # the sidebar lists every page of the site
     for other in PAGES[1:]:
         if other == page: continue  # the current page links to itself as "#"
-        assert f'{other}.html"' in dom, f"sidebar of {page} lacks {other}"
+        assert re.search(rf'href="(\.\./)?{re.escape(other)}\.html"', dom), f"sidebar of {page} lacks {other}"
     assert (tmp_path/"page.png").stat().st_size > 10_000
 
 
-def test_api_reference_from_show_doc(site):
+def test_no_raw_math_on_any_page(site, doms):
+    "After MathJax ran, no page shows TeX delimiters outside code: every `$...$` and `\\(...\\)` was typeset."
     dest, _ = site
-    html = (dest/"00_attention.html").read_text()
-    assert "attention_reference" in html and "mask" in html
+    raw = {}
+    for page, dom in doms.items():
+        text = visible_text(dom, code=False)
+        if found := re.findall(r".{0,40}(?:\$|\\\(|\\\)|\\\[|\\\]).{0,40}", text):
+            raw[page] = found[:3]
+        if 'class="math' in (dest/f"{page}.html").read_text():
+            assert "mjx-container" in dom, f"MathJax did not run on {page}"
+    assert not raw, f"raw TeX left on {len(raw)} pages: {raw}"
+
+
+class Links(HTMLParser):
+    "The ids and the hrefs of one HTML page."
+    def __init__(self):
+        super().__init__()
+        self.ids, self.hrefs = set(), []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a: self.ids.add(a["id"])
+        if tag == "a" and "name" in a: self.ids.add(a["name"])
+        for k in ("href", "src"):
+            if a.get(k): self.hrefs.append(a[k])
+
+
+def parse(path: Path) -> Links:
+    p = Links()
+    p.feed(path.read_text())
+    return p
+
+
+def test_every_relative_link_and_anchor_resolves(site):
+    dest, _ = site
+    pages = {p: parse(p) for p in dest.rglob("*.html") if "_static" not in p.parts}
+    dead = []
+    for page, links in pages.items():
+        for href in links.hrefs:
+            u = urlsplit(href)
+            if u.scheme or u.netloc: continue  # external: the test does not go online
+            target = (page.parent/unquote(u.path)).resolve() if u.path else page
+            if u.path.endswith("/"): target = target/"index.html"
+            if not target.exists():
+                dead.append(f"{page.relative_to(dest)}: {href} (no file)")
+            elif u.fragment and target.suffix == ".html":
+                ids = pages[target].ids if target in pages else parse(target).ids
+                if unquote(u.fragment) not in ids: dead.append(f"{page.relative_to(dest)}: {href} (no anchor)")
+    assert not dead, f"{len(dead)} dead links:\n" + "\n".join(dead[:40])
+
+
+def test_no_link_leaves_for_the_nonexistent_doc_host(site):
+    dest, _ = site
+    host = module_index(ROOT)["settings"]["doc_host"]
+    bad = [p.name for p in dest.rglob("*.html") if any(host in h for h in parse(p).hrefs)]
+    assert not bad, f"links to {host} on {bad}"
+
+
+def test_docs_lines_name_pages_of_the_site(site):
+    "Each module's `Docs:` line (nbdev writes it) names a page the site builds."
+    dest, _ = site
+    for py in (ROOT/"sparsekv").rglob("*.py"):
+        doc = ast.get_docstring(ast.parse(py.read_text())) or ""
+        if m := re.search(r"^Docs: (\S+)$", doc, re.M):
+            name = Path(urlsplit(m.group(1)).path).name.removesuffix(".md")
+            assert (dest/name).is_file(), f"{py.relative_to(ROOT)}: Docs line {m.group(1)} names no page of the site"
+
+
+def exported_symbols() -> list[tuple[str, str, str]]:
+    "(page, module, name) of every public top-level function and class nbdev indexed."
+    res = []
+    for mod, syms in module_index(ROOT)["syms"].items():
+        for full, (url, _) in syms.items():
+            name = full[len(mod) + 1:]
+            if "." not in name and not name.startswith("_"): res.append((url.split(".html")[0], mod, name))
+    return res
+
+
+def test_api_reference_indexes_every_exported_name(site):
+    "Each public function and class is an entry: an anchor on its page, a line of that page's contents, genindex, search."
+    dest, _ = site
+    genindex, search = (dest/"genindex.html").read_text(), (dest/"searchindex.js").read_text()
+    missing = []
+    for page, mod, name in exported_symbols():
+        full, text = f"{mod}.{name}", (dest/f"{page}.html").read_text()
+        toc = text[text.find('class="toc-tree"'):]
+        checks = {"anchor": f'id="{full}"' in text, "contents": f'href="#{full}"' in toc,
+                  "genindex": f'{page}.html#{full}"' in genindex, "search": f'"{name}"' in search}
+        if not all(checks.values()): missing.append(f"{full}: {[k for k, v in checks.items() if not v]}")
+    assert not missing, f"{len(missing)} API entries incomplete:\n" + "\n".join(missing[:30])
+
+
+def typography(text: str) -> str:
+    "Sphinx's smart quotes, dashes and ellipses undone: typography, not a change of content."
+    return text.translate(str.maketrans("‘’“”", "''\"\"")).replace("–", "--").replace("—", "---").replace("…", "...")
+
+
+def test_classes_render_as_classes_and_docstrings_literally(site):
+    dest, _ = site
+    import importlib
+    import inspect
+    wrong = []
+    for page, mod, name in exported_symbols():
+        obj = getattr(importlib.import_module(mod), name)
+        entry = re.search(rf'<dt class="sig sig-object py" id="{re.escape(mod)}\.{name}">(.*?)</dt>\s*<dd>(.*?)</dd>',
+                          (dest/f"{page}.html").read_text(), re.S)
+        if entry is None: wrong.append(f"{mod}.{name}: no entry"); continue
+        sig, body = entry.groups()
+        if inspect.isclass(obj) != ("<span class=\"pre\">class</span>" in sig): wrong.append(f"{mod}.{name}: kind")
+        doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+        want = " ".join(re.sub(r"`([^`\n]+)`", r"\1", inspect.cleandoc(doc or "")).split())
+        got = " ".join(html.unescape(re.sub(r"<[^>]+>", "", re.sub(r"</p>", " ", body))).split())
+        if typography(want) not in typography(got): wrong.append(f"{mod}.{name}: docstring reads {got[:120]!r}")
+    assert not wrong, f"{len(wrong)} API entries wrong:\n" + "\n".join(wrong[:30])
+
+
+def test_readme_links_exist():
+    "The README links notebooks and docs pages by repository paths that exist (or by full URLs)."
+    readme = (ROOT/"README.md").read_text()
+    dead = [u for u in re.findall(r"\]\(([^)\s]+)\)", readme)
+            if not urlsplit(u).scheme and not (ROOT/unquote(urlsplit(u).path)).exists()]
+    assert not dead, f"README links to paths that do not exist: {dead}"
+    assert module_index(ROOT)["settings"]["doc_host"] not in readme

@@ -20,8 +20,8 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from sparsekv.attention import (attention_scores, causal_block_mask, causal_mask, check_qkv, flex_attention_lse,
-                                masked_logsumexp, repeat_kv, softmax_scale)
+from sparsekv.attention import (attention_scores, causal_block_mask, causal_mask, check_int, check_qkv,
+                                flex_attention_lse, masked_logsumexp, repeat_kv, softmax_scale)
 
 # %%
 #| hide
@@ -68,8 +68,8 @@ from torch.testing import assert_close
 # The reference below evaluates this literally: the logits $\ell(d,t) = \langle q_d, k_t
 # \rangle / \sqrt{D}$ from one matrix product per head, then explicit loops in Python float64
 # for the softmax of each causal row and for the sums over future queries. When a
-# normalizer `lse` is given (the sparse one of Eq. (9), below), $p_{d\to t} = \exp(\ell(d,t)
-# - \mathrm{lse}_d)$ uses it instead of the softmax's own.
+# normalizer `lse` is given (the sparse one of Eq. (9), below),
+# $p_{d\to t} = \exp(\ell(d,t) - \mathrm{lse}_d)$ uses it instead of the softmax's own.
 
 # %%
 #| export
@@ -91,15 +91,11 @@ def future_mask(n_keys: int, n_queries: int, window: int, key_start: int = 0, qu
 
 # %%
 #| export
-def _check_int(x, name: str, lo: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < lo: raise ValueError(f"{name} must be an int >= {lo}, got {x!r}")
-    return x
-
 def check_target_args(q: Tensor, k: Tensor, window: int, lse: Tensor | None, agg: str, eps: float, normalize: bool) -> int:
     "Validate the arguments of `future_attention_target` (self-attention q [B,Hq,S,D], k [B,Hkv,S,D]); return G."
     G = check_qkv(q, k)
     if q.shape[2] != k.shape[2]: raise ValueError(f"q and k must have the same length S (self-attention), got {q.shape[2]} and {k.shape[2]}")
-    _check_int(window, "window", 1)
+    check_int(window, "window", 1)
     if agg not in AGGS: raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < math.inf):
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
@@ -333,8 +329,8 @@ for G, S, w in [(1, 40, 3), (3, 33, 7), (4, 9, 9)]:
 #   probabilities $\exp(\ell - \mathrm{LSE}_d)$, keep the band $d \ge t + w$ and sum the
 #   columns (Eq. (30)). Memory $O(S^2)$ per head; exact and easy to read.
 # - **`chunked`**, plain torch, the CPU path: the transposed pass written out, one block of
-#   `block` keys at a time. A block of keys $t \in [a, e)$ has future queries only at $d \ge a
-#   + w$, so it needs the scores of those queries only: at most `[B, Hq, block, S]` of them
+#   `block` keys at a time. A block of keys $t \in [a, e)$ has future queries only at
+#   $d \ge a + w$, so it needs the scores of those queries only: at most `[B, Hq, block, S]` of them
 #   exist at a time, and the triangle $d < a + w$ is never computed. Keys $t \ge S - w$ have
 #   no future query and are never visited (they keep $-\infty$). Each block is independent,
 #   so `block` changes the memory and the speed, not the result.
@@ -396,7 +392,7 @@ def future_attention_target(q: Tensor, k: Tensor, window: int, lse: Tensor | Non
     probability the queries d >= t + window give key t, normalized by `lse` [B, Hq, S] (the dense causal LSE when
     None; a sparse one gives Eq. (9)). Keys with no future query get log(eps). No gradient (a label); float32."""
     if method not in METHODS: raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    _check_int(block, "block", 1)
+    check_int(block, "block", 1)
     G = check_target_args(q, k, window, lse, agg, eps, normalize)
     if method == "auto": method = "flex" if q.is_cuda else "chunked"
     with torch.no_grad():

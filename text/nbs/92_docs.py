@@ -35,13 +35,16 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
+import importlib
+import inspect
 import os
 import re
 import shutil
 import subprocess
 import sys
-import warnings
+from functools import partial, reduce
 from pathlib import Path
 
 import yaml
@@ -80,7 +83,7 @@ def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
     stamp = dest.with_suffix(".sha256")
     if dest.exists() and stamp.exists() and stamp.read_text() == key: return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    work = dest.with_name(f".{dest.stem}.partial.ipynb")
+    work = dest.with_name(f".{dest.stem}.{os.getpid()}.partial.ipynb")  # two builds at once do not collide
     shutil.copyfile(src, work)
     # test_nb runs in the notebook's folder; notebooks import the library and use no relative paths.
     ok, _ = test_nb(work, skip_flags=list(SKIP_FLAGS), save=True, showerr=True)
@@ -128,17 +131,13 @@ def _title_cell(raw: str):
     if fm.get("description"): text += f"\n\n> {fm['description']}"
     return new_markdown_cell(text)
 
-_re_source_link = re.compile(r"^\[source\]\([^)]*\)\{[^}]*\}\s*$", re.MULTILINE)
-
-def _clean_show_doc(md: str) -> str:
-    "Drop show_doc's rule and repository link (a rule cannot sit inside an output block)."
-    return _re_source_link.sub("", md).lstrip().removeprefix("---").lstrip()
-
-def myst_cells(nb):
-    "Translate the Quarto-specific markup nbdev's processors leave in `nb` for MyST-NB, in place."
+def myst_cells(nb, links=None):
+    "Translate the Quarto-specific markup nbdev's processors leave in `nb` for MyST-NB, in place; `links(md)` rewrites links."
     from nbformat.v4 import new_code_cell
+    links = links or (lambda md: md)
     cells = []
     for c in nb.cells:
+        if c.cell_type == "markdown": c.source = links(c.source)
         if c.cell_type == "raw" and c.source.lstrip().startswith("---"):
             cells.append(_title_cell(c.source)); continue
         if c.cell_type == "markdown" and c.source.startswith("<!-- WARNING"): continue
@@ -151,7 +150,7 @@ def myst_cells(nb):
                               execution_count=c.get("execution_count"))
             for o in c.get("outputs", []):
                 md = o.get("data", {}).get("text/markdown")
-                if md and "show_doc" in c.source: o["data"]["text/markdown"] = _clean_show_doc("".join(md))
+                if md: o["data"]["text/markdown"] = links("".join(md))
         cells.append(c)
     nb.cells = cells
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -160,43 +159,271 @@ def myst_cells(nb):
 
 
 # %% [markdown]
-# nbdev's `exec_show_docs` re-runs every cell that *contains* an import, to define the names
-# `show_doc` documents. A check cell that imports something and then uses variables of earlier
-# cells fails when run alone. The notebooks were already executed in full in step 1, so we
-# re-run only what `show_doc` needs: exported cells, pure import cells and `show_doc` calls.
+# ### Links
+#
+# nbdev links every backticked name it knows to `doc_host` (`https://sparsekv.github.io/sparsekv/cache.html#sinkwindowrule`),
+# and notebooks link to each other by file (`[policy](22_quoka_policy.ipynb)`). Each page is
+# named like nbdev names it (the notebook's name without its number: `kvpop_target`, also
+# the page in each module's `Docs:` line), so both kinds map to pages of the built site: a
+# name becomes a `{py:obj}` cross-reference that Sphinx resolves to its entry, a page link
+# a relative link. For the README the same links point to the notebooks in the repository.
 
 # %%
 #| export
-import ast
+def page_name(nb: str | os.PathLike) -> str:
+    "Docs page of notebook `nb` (relative to the project root): nbdev's name without the number; `reproduce/` pages keep the folder."
+    from nbdev.config import nbpath2html
+    p = nbpath2html(Path(nb)).with_suffix("")
+    return (p.relative_to("nbs") if p.parts[0] == "nbs" else p).as_posix()
 
-from nbdev.processors import exec_show_docs
+def module_index(root: Path) -> dict:
+    "The library's `_modidx.py` dict (doc settings and every exported symbol's page), read without importing it."
+    src = (root/"sparsekv"/"_modidx.py").read_text()
+    return ast.literal_eval(src[src.index("d = ") + 4:])
 
-_SHOW_DIRECTIVES = {"export", "exports", "exporti", "exec_doc"}
 
-def _is_show_doc(t: ast.stmt) -> bool:
-    return isinstance(t, ast.Expr) and isinstance(t.value, ast.Call) and getattr(t.value.func, "id", None) == "show_doc"
+# %%
+from fastcore.test import test_eq
 
-def needs_context(cell) -> bool:
-    "A non-exported code cell doing more than imports or `show_doc`: it only runs after the cells before it."
-    if cell.cell_type != "code" or cell.directives_.keys() & _SHOW_DIRECTIVES: return False
-    trees = cell.parsed_()
-    return bool(trees) and not all(isinstance(t, (ast.Import, ast.ImportFrom)) or _is_show_doc(t) for t in trees)
+test_eq([page_name(p) for p in ["nbs/10_kvpop_target.ipynb", "nbs/index.ipynb", "reproduce/12_kvpop_distill.ipynb"]],
+        ["kvpop_target", "index", "reproduce/kvpop_distill"])
+# nbdev's own index names the same pages: every symbol's page is the page of a notebook
+_root = project_root()
+_pages = {page_name(p.relative_to(_root)) for p in (_root/"nbs").glob("*.ipynb")}
+_linked = {url.split(".html")[0] for syms in module_index(_root)["syms"].values() for url, _ in syms.values()}
+assert _linked <= _pages, _linked - _pages
 
-class exec_show_docs_in_isolation(exec_show_docs):
-    "nbdev's `exec_show_docs`, skipping the cells that need the notebook's earlier state."
+# %%
+#| export
+_re_link = re.compile(r"\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^()\s]+)\)")
+
+class SiteLinks:
+    "Rewrite nbdev's `doc_host` links and links between notebooks into links of the built site, or (`readme`) of the repository."
+    def __init__(self, root: Path, readme: bool = False):
+        idx, self.readme = module_index(root), readme
+        st = idx["settings"]
+        self.base = f"{st['doc_host']}{st['doc_baseurl']}".rstrip("/") + "/"
+        nbs = [*root.glob("nbs/*.ipynb"), *root.glob("reproduce/*.ipynb")]
+        self.notebooks = {page_name(p.relative_to(root)): p.relative_to(root) for p in nbs}
+        self.syms = {}  # "page.html#anchor" -> the documented object: a method's private helpers lead to its class
+        for mod, syms in idx["syms"].items():
+            for full, (url, _) in syms.items():
+                parts = full[len(mod) + 1:].split(".")
+                while parts and parts[-1].startswith("_"): parts.pop()
+                if parts: self.syms[url] = ".".join([mod, *parts])
+
+    def target(self, url: str, here: str) -> tuple[str, str, str | None] | None:
+        "(page, anchor, object) a link `url` on page `here` leads to, or None when it leaves the project."
+        if url.startswith(self.base):
+            path, _, anchor = url[len(self.base):].partition("#")
+            page = path.removesuffix(".md").removesuffix(".html")
+            return (page, anchor, self.syms.get(f"{page}.html#{anchor}")) if page in self.notebooks else None
+        path, _, anchor = url.partition("#")
+        if "://" in url or not path.endswith(".ipynb"): return None
+        nb = os.path.normpath(self.notebooks[here].parent/path)
+        page = page_name(nb)
+        return (page, anchor, None) if page in self.notebooks else None
+
+    def link(self, m: re.Match, here: str) -> str:
+        text, url = m.groups()
+        if (t := self.target(url, here)) is None: return m.group(0)
+        text = _re_link.sub(r"\1", text)  # nbdev links names inside a link's text too: a link cannot hold a link
+        page, anchor, obj = t
+        if self.readme: return f"[{text}]({self.notebooks[page].as_posix()})"
+        if obj and re.fullmatch(r"`[^`]+`", text): return f"{{py:obj}}{text[:-1]} <{obj}>`"
+        rel = os.path.relpath(page + ".ipynb", os.path.dirname(here) or ".")
+        return f"[{text}]({rel}{'#' + anchor if anchor and not obj else ''})"
+
+    def __call__(self, md: str, here: str = "index") -> str:
+        "`md` of page `here` with its links rewritten."
+        return _re_link.sub(lambda m: self.link(m, here), md)
+
+
+# %% [markdown]
+# A name becomes a cross-reference to its entry, a page link a relative link (from
+# `reproduce/` one folder up), a link nbdev nested inside a link's text is unwrapped, and
+# anything leaving the project stays as written. For the README, links lead to notebooks.
+
+# %%
+_host = "https://sparsekv.github.io/sparsekv/"
+_md = (f"[`repeat_kv`]({_host}attention.html#repeat_kv), [`KVpopCache.layer()`]({_host}kvpop_cache.html#kvpopcache.layer), "
+       f"[the target]({_host}kvpop_target.html), [[`quoka_select`]({_host}quoka_select.html#quoka_select)](20_quoka_select.ipynb), "
+       "[policy](22_quoka_policy.ipynb#the-policy), [torch](https://pytorch.org)")
+test_eq(SiteLinks(_root)(_md), "{py:obj}`repeat_kv <sparsekv.attention.repeat_kv>`, "
+        "{py:obj}`KVpopCache.layer() <sparsekv.kvpop.cache.KVpopCache.layer>`, [the target](kvpop_target.ipynb), "
+        "[`quoka_select`](quoka_select.ipynb), [policy](quoka_policy.ipynb#the-policy), [torch](https://pytorch.org)")
+test_eq(SiteLinks(_root)(f"[`distill`]({_host}distill.html#distill)", here="reproduce/kvpop_distill"),
+        "{py:obj}`distill <sparsekv.distill.distill>`")
+test_eq(SiteLinks(_root)(f"[the target]({_host}kvpop_target.html)", here="reproduce/kvpop_distill"),
+        "[the target](../kvpop_target.ipynb)")
+test_eq(SiteLinks(_root, readme=True)(f"[`distill`]({_host}distill.html#distill) [x](20_quoka_select.ipynb)"),
+        "[`distill`](nbs/06_distill.ipynb) [x](nbs/20_quoka_select.ipynb)")
+
+# %% [markdown]
+# ### API entries
+#
+# nbdev adds a `show_doc(name)` cell after each exported definition; its Markdown renders a
+# class as a `def`, stays out of the page's contents and of the index, and sets the
+# docstring in italics (`*...*`), so a docstring holding a `*` breaks. We turn each
+# `show_doc` cell into a Sphinx Python-domain entry instead (`py:function`, `py:class` with
+# its public methods, `py:method` for a patched method): a class reads as a class, every
+# entry lands in the page's contents, the general index and the search, and the docstring
+# is escaped so that it reads exactly as written (code spans stay code). The object is read
+# from the exported module, so nothing of the notebook needs to run.
+
+# %%
+#| export
+from nbdev.process import Processor
+
+class _Raw(str):
+    "Text shown as written where `inspect` would quote it (a string annotation, a default's repr)."
+    def __repr__(self): return str(self)
+
+def _as_written(x):
+    "A string annotation unquoted, and a forward reference `'Name'` as `Name`."
+    if x is inspect.Parameter.empty or not isinstance(x, str): return x
+    return _Raw(x[1:-1] if len(x) > 1 and x[0] == x[-1] and x[0] in "'\"" else x)
+
+def _default(d):
+    "A default as its repr when that is Python, else `...` (a repr like `<object at 0x..>`)."
+    if d is inspect.Parameter.empty: return d
+    try: ast.parse(repr(d), mode="eval")
+    except SyntaxError: return _Raw("...")
+    return _Raw(repr(d))
+
+def signature_text(obj, drop_first: bool = False) -> str:
+    "`obj`'s call signature as in its source (string annotations unquoted); `drop_first` drops `self`/`cls`."
+    try: sig = inspect.signature(obj)
+    except (TypeError, ValueError): return "(...)"
+    ps = [p.replace(annotation=_as_written(p.annotation), default=_default(p.default)) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=ps[1:] if drop_first else ps, return_annotation=_as_written(sig.return_annotation)))
+
+
+# %%
+#| export
+_re_md_special = re.compile(r"([\\`*_\[\]<>$#|~{}!+\-&=^:])")
+_re_code_span = re.compile(r"(`[^`\n]+`)")
+
+def literal_md(text: str) -> str:
+    "`text` as MyST Markdown that reads literally: code spans kept, every other special character escaped, lines joined."
+    paras = [" ".join(l.strip() for l in p.splitlines()) for p in re.split(r"\n\s*\n", text.strip())]
+    esc = lambda p: "".join(s if s.startswith("`") else _re_md_special.sub(r"\\\1", s) for s in _re_code_span.split(p))
+    # a paragraph starting "1. " or "1) " would be a list
+    return "\n\n".join(re.sub(r"^(\d+)([.)])", r"\1\\\2", esc(p)) for p in paras if p)
+
+def _own_doc(obj) -> str:
+    "`obj`'s own docstring (a class does not inherit its base's)."
+    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
+    return literal_md(inspect.cleandoc(doc)) if isinstance(doc, str) else ""
+
+
+# %% [markdown]
+# The check renders with markdown-it (the CommonMark parser under MyST, with its dollar
+# math) and compares the text a reader sees with the docstring as written, for a
+# docstring built to break Markdown and for every docstring of the library.
+
+# %%
+from markdown_it import MarkdownIt
+from mdit_py_plugins.dollarmath import dollarmath_plugin
+
+def _reads(md: str) -> str:
+    "The text a reader sees in `md` rendered by markdown-it with dollar math (code spans as their code)."
+    tokens = MarkdownIt("commonmark").use(dollarmath_plugin).parse(md)
+    inline = [t for b in tokens if b.type == "inline" for t in b.children]
+    assert not [t.type for t in inline if t.type not in ("text", "code_inline", "softbreak")]  # no emphasis, math, link
+    return " ".join("".join(t.content if t.type != "softbreak" else " " for t in inline).split())
+
+_tricky = "[B, Hkv*n_rep, S, D] -> `x*y`; *a* _b_ $c$ <d> \\e [f](g) {h}`i` :j: #k |l| ~m~\n- n\n1. o\n   p"
+_plain = lambda doc: " ".join(re.sub(r"`([^`\n]+)`", r"\1", doc).split())
+_docs = [inspect.cleandoc(o.__doc__) for mod in module_index(_root)["syms"] for o in vars(importlib.import_module(mod)).values()
+         if callable(o) and getattr(o, "__module__", "") == mod and isinstance(o.__doc__, str)]
+assert len(_docs) > 300
+for _doc in _docs: test_eq(_reads(literal_md(_doc)), _plain(_doc))
+test_eq(_reads(literal_md(_tricky)), _plain(_tricky))
+
+
+# %%
+#| export
+def _directive(kind: str, sig: str, body: str, options: dict | None = None, fence: str = "```") -> str:
+    opts = [f":{k}: {v}" for k, v in (options or {}).items()]
+    return "\n".join([f"{fence}{{py:{kind}}} {sig}", *opts, *(["", body] if body else []), fence])
+
+def _member_entry(name: str, member) -> str | None:
+    "A nested `py:` entry for a public class member defined in the class body, or None."
+    if isinstance(member, property):
+        return _directive("property", name, _own_doc(member.fget) if member.fget else "")
+    kind = "staticmethod" if isinstance(member, staticmethod) else "classmethod" if isinstance(member, classmethod) else "method"
+    f = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+    if not inspect.isfunction(f): return None
+    return _directive(kind, name + signature_text(f, drop_first=kind != "staticmethod"), _own_doc(f))
+
+def api_entry(obj, name: str, module: str, skip: set[str] = frozenset()) -> str:
+    "The MyST `py:` directive documenting `obj`, shown as `name` of `module`; a class lists its public members but `skip`."
+    if inspect.isclass(obj):
+        members = [_member_entry(n, m) for n, m in vars(obj).items()
+                   if not n.startswith("_") and f"{name}.{n}" not in skip]
+        body = "\n\n".join([_own_doc(obj), *filter(None, members)])
+        return _directive("class", name + signature_text(obj), body, {"module": module}, fence="````")
+    kind = "method" if "." in name else "function"
+    return _directive(kind, name + signature_text(obj, drop_first=kind == "method"), _own_doc(obj), {"module": module})
+
+
+# %%
+class _Demo:
+    "Keeps `k`*2 entries."
+    def __init__(self, k: int, f=lambda x: x, name: str = "a"): pass  # annotations are strings here (`annotations`)
+    def keep(self, x: "Tensor") -> Tensor:
+        "Kept entries."
+    @property
+    def size(self) -> int:
+        "Entries kept."
+    def _private(self): pass
+
+test_eq(signature_text(_Demo), "(k: int, f=..., name: str = 'a')")
+test_eq(api_entry(_Demo, "_Demo", "m"), "\n".join([
+    "````{py:class} _Demo(k: int, f=..., name: str = 'a')", ":module: m", "", "Keeps `k`\\*2 entries.", "",
+    "```{py:method} keep(x: Tensor) -> Tensor", "", "Kept entries.", "```", "",
+    "```{py:property} size", "", "Entries kept.", "```", "````"]))
+test_eq(api_entry(_Demo.keep, "_Demo.keep", "m"), "```{py:method} _Demo.keep(x: Tensor) -> Tensor\n:module: m\n\nKept entries.\n```")
+test_eq(api_entry(_Demo, "_Demo", "m", skip={"_Demo.keep", "_Demo.size"}).count("{py:"), 1)
+
+# %% [markdown]
+# The processor that takes the place of nbdev's `exec_show_docs`. A notebook names its
+# module in `#| default_exp`; a method shown on its own (a `@patch`) is left out of its
+# class's entry, so no object is documented twice.
+
+# %%
+#| export
+_re_show_doc = re.compile(r"^show_doc\((\w+(?:\.\w+)*)\)\s*$", re.MULTILINE)
+
+def _shown(cell) -> str | None:
+    m = _re_show_doc.search(cell.source) if cell.cell_type == "code" else None
+    return m.group(1) if m else None
+
+class api_entries(Processor):
+    "Turn each `show_doc(name)` cell into a Markdown cell holding the `py:` entry of `name` in the notebook's module."
+    def begin(self):
+        from nbdev.config import get_config
+        exp = next((c.directives_["default_exp"] for c in self.nb.cells if "default_exp" in c.directives_), None)
+        self.module = f"{get_config().lib_name}.{exp.split()[0]}" if exp else None
+        self.shown = {n for c in self.nb.cells if (n := _shown(c))}
+
     def __call__(self, cell):
-        if not needs_context(cell): super().__call__(cell)
+        if self.module is None or (name := _shown(cell)) is None: return
+        obj = reduce(getattr, name.split("."), importlib.import_module(self.module))
+        cell.cell_type, cell.source = "markdown", api_entry(obj, name, self.module, self.shown)
+        for k in ("outputs", "execution_count", "has_sd"): cell.pop(k, None)
 
 
 # %%
 #| export
 def docs_processors(procs) -> list:
-    "nbdev's docs processors, keeping exported code visible and executing only what `show_doc` needs."
-    swap = {exec_show_docs: exec_show_docs_in_isolation}
-    return [swap.get(p, p) for p in procs if p.__name__ != "rm_export"]
+    "nbdev's docs processors, keeping exported code visible and turning `show_doc` cells into `py:` entries."
+    from nbdev.processors import exec_show_docs
+    return [api_entries if p is exec_show_docs else p for p in procs if p.__name__ != "rm_export"]
 
-def process_notebook(src: Path, dest: Path, root: Path) -> Path:
-    "Run nbdev's docs processors on notebook `src` and write the MyST-NB-ready page to `dest`."
+def process_notebook(src: Path, dest: Path, root: Path, links=None) -> Path:
+    "Run nbdev's docs processors on notebook `src` and write the MyST-NB-ready page to `dest`; `links(md)` rewrites links."
     import nbformat
     from fastcore.nbio import nb2str, read_nb
     from nbdev.processors import FilterDefaults
@@ -206,13 +433,11 @@ def process_notebook(src: Path, dest: Path, root: Path) -> Path:
         nb = read_nb(src)
         procs = FilterDefaults()
         procs.base_procs = lambda: docs_processors(FilterDefaults.base_procs(procs))
-        with warnings.catch_warnings():  # the mixed-cell warning concerns cells we no longer re-run
-            warnings.filterwarnings("ignore", message="Found cells containing imports")
-            procs(nb)
+        procs(nb)
     finally:
         os.chdir(cwd)
     nb = nbformat.reads(nb2str(nb), as_version=4)
-    myst_cells(nb)
+    myst_cells(nb, links)
     dest.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, dest)
     return dest
@@ -239,14 +464,17 @@ nb_execution_mode = "off"
 nb_render_markdown_format = "myst"
 nb_merge_streams = True
 suppress_warnings = ["myst.header", "mystnb.unknown_mime_type", "misc.highlighting_failure"]
+# API entries: short names, one parameter a line past 88 characters, listed in the page's contents
+add_module_names = False
+python_use_unqualified_type_names = True
+python_maximum_signature_line_length = 88
+toc_object_entries_show_parents = "hide"
 '''
 
 def toctree(caption: str, pages: list[str]) -> str:
     "A hidden MyST toctree: the sidebar section `caption` listing `pages`."
     return "\n".join(["```{toctree}", ":hidden:", f":caption: {caption}", "", *pages, "```"])
 
-def page_name(rel: Path) -> str:
-    return rel.with_suffix("").as_posix()
 
 
 # %%
@@ -254,28 +482,31 @@ def page_name(rel: Path) -> str:
 def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | None = None,
                mathjax: str | os.PathLike | None = None, execute: bool | list[str] = True,
                only: list[str] | None = None) -> Path:
-    "Build the static site into `dest` (default `_docs/`) from all notebooks or `only` these (by stem); `execute` may name the only ones to run."
+    "Build the static site into `dest` (default `_docs/`) from all notebooks or `only` these (by file stem or page name); `execute` may name the only ones to run."
     import nbformat
     from nbformat.v4 import new_markdown_cell
     root = project_root(root)
     dest = Path(dest) if dest else root/"_docs"
     mathjax = Path(mathjax) if mathjax else root/".venv/mathjax/node_modules/mathjax/es5/tex-chtml.js"
     if not mathjax.is_file(): raise FileNotFoundError(f"mathjax: {mathjax} not found (run `make docs`, which installs it)")
-    site, exec_dir = root/"_build"/"site", root/"_build"/"exec"
+    # Sphinx's source folder: `_build/site` for `_docs/`, else one beside `dest` (builds into other folders run side by side)
+    site = root/"_build"/"site" if dest.resolve() == (root/"_docs").resolve() else dest.with_name(dest.name + "-src")
+    exec_dir = root/"_build"/"exec"
     shutil.rmtree(site, ignore_errors=True)
     digest = library_digest(root)
-    wanted = lambda p: only is None or p.stem in only or p.stem == "index"
-    lib = sorted(p for p in (root/"nbs").glob("*.ipynb") if wanted(p))
-    pages = {}
-    for src in lib:
+    wanted = lambda p: only is None or p.stem == "index" or bool({p.stem, page_name(p.relative_to(root))} & set(only))
+    pages = {}  # page name -> the notebook to render
+    for src in sorted((root/"nbs").glob("*.ipynb")):
+        if not wanted(src): continue
         run = execute is True or (execute and src.stem in execute)
-        pages[src.relative_to(root/"nbs")] = execute_notebook(src, exec_dir/src.name, digest) if run else src
+        pages[page_name(src.relative_to(root))] = execute_notebook(src, exec_dir/src.name, digest) if run else src
     for src, executed in reproduce_notebooks(root).items():
-        if wanted(src): pages[src.relative_to(root)] = executed
-    for rel, src in pages.items(): process_notebook(src, site/rel, root)
+        if wanted(src): pages[page_name(src.relative_to(root))] = executed
+    links = SiteLinks(root)
+    for page, src in pages.items(): process_notebook(src, site/f"{page}.ipynb", root, partial(links, here=page))
     index = nbformat.read(site/"index.ipynb", as_version=4)
-    library = [page_name(r) for r in pages if r.parts[0] != "reproduce" and r.stem != "index"]
-    experiments = [page_name(r) for r in pages if r.parts[0] == "reproduce"]
+    library = [p for p in pages if not p.startswith("reproduce/") and p != "index"]
+    experiments = [p for p in pages if p.startswith("reproduce/")]
     index.cells.append(new_markdown_cell(toctree("Library", library) + "\n\n" + toctree("Experiments", experiments)))
     nbformat.write(index, site/"index.ipynb")
     write_text(site/"conf.py", SPHINX_CONF)
@@ -300,7 +531,8 @@ def readme_text(root: str | os.PathLike | None = None) -> str:
     from nbconvert import MarkdownExporter
     root = project_root(root)
     with tempfile.TemporaryDirectory() as d:
-        nb = nbformat.read(process_notebook(root/"nbs"/"index.ipynb", Path(d)/"index.ipynb", root), as_version=4)
+        nb = process_notebook(root/"nbs"/"index.ipynb", Path(d)/"index.ipynb", root, SiteLinks(root, readme=True))
+        nb = nbformat.read(nb, as_version=4)
     body, _ = MarkdownExporter(exclude_output=True).from_notebook_node(nb)
     note = "<!-- Generated from nbs/index.ipynb by `python -m sparsekv.docs --readme`: edit the notebook. -->\n\n"
     return note + re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
@@ -341,23 +573,12 @@ from fastcore.test import test_eq
 from nbformat.v4 import new_code_cell, new_notebook, new_raw_cell
 
 nb = new_notebook(cells=[new_raw_cell("---\ntitle: T\ndescription: D\n---"),
-                         new_code_cell("#| echo: false\n#| output: asis\nshow_doc(f)"),
+                         new_code_cell("#| echo: false\n#| output: asis\nprint(1)"),
                          new_code_cell("#| include: false\nx = 1"), new_code_cell("y = 2")])
 myst_cells(nb)
 test_eq(nb.cells[0].source, "# T\n\n> D")
-test_eq((nb.cells[1].source, nb.cells[1].metadata.tags), ("show_doc(f)", ["remove-input"]))
+test_eq((nb.cells[1].source, nb.cells[1].metadata.tags), ("print(1)", ["remove-input"]))
 test_eq([c.source for c in nb.cells[2:]], ["y = 2"])
-
-# %%
-from fastcore.nbio import mk_cell, new_nb
-from nbdev.process import NBProcessor
-
-def _cell(src):
-    return NBProcessor(nb=new_nb([mk_cell(src)])).nb.cells[0]
-
-test_eq([needs_context(_cell(s)) for s in ["import torch", "show_doc(f)", "#| export\nimport os\nx = 1",
-                                           "import torch\nassert x == 1", "y = f(x)"]],
-        [False, False, False, True, True])
 
 # %%
 # The committed README is what the index notebook generates.
