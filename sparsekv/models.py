@@ -8,12 +8,16 @@ Docs: https://sparsekv.github.io/sparsekv/models.html.md"""
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
+from urllib.parse import urlparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,11 +29,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from .io import cache_dir
 
 # %% auto #0
-__all__ = ['SMOLLM2_GGUF', 'SMOLLM2_NAME', 'CONVERSION_VERSION', 'GGUF_LLAMA_NAMES', 'TINY_SPECIAL_TOKENS', 'CHATML_TEMPLATE',
-           'TINY_CONFIGS', 'CONFIG_ALIASES', 'HUB_KWARGS', 'atomic_folder', 'quiet_transformers', 'smollm2_gguf_path',
-           'tokenizer_from_gguf', 'unpermute_rope_rows', 'smollm2_folder', 'convert_gguf_to_hf', 'ensure_smollm2',
-           'hf_name_of_gguf_tensor', 'byte_to_unicode', 'byte_tokenizer', 'tiny_config', 'tiny_model', 'load_model',
-           'ModelInfo', 'model_info']
+__all__ = ['SMOLLM2_GGUF', 'SMOLLM2_NAME', 'CONVERSION_VERSION', 'COMPLETE_MARKER', 'VERIFIED_STAMP', 'GGUF_LLAMA_NAMES',
+           'TINY_SPECIAL_TOKENS', 'CHATML_TEMPLATE', 'TINY_CONFIGS', 'CONFIG_ALIASES', 'HUB_KWARGS', 'TOKENIZER_FILES',
+           'atomic_folder', 'quiet_transformers', 'smollm2_gguf_path', 'tokenizer_from_gguf', 'unpermute_rope_rows',
+           'write_completion_marker', 'smollm2_folder', 'convert_gguf_to_hf', 'conversion_problem', 'ensure_smollm2',
+           'hf_name_of_gguf_tensor', 'byte_to_unicode', 'byte_tokenizer', 'tiny_config', 'tiny_model', 'hub_reachable',
+           'load_model', 'ModelInfo', 'model_info']
 
 # %% ../nbs/01_models.ipynb #6f7bfe1c
 @contextlib.contextmanager
@@ -109,7 +114,29 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 # %% ../nbs/01_models.ipynb #43f7bc82
 SMOLLM2_NAME = "smollm2-135m"
-CONVERSION_VERSION = 1  # bump when the converted folder's content changes
+CONVERSION_VERSION = 2  # bump when the converted folder's content changes (2: completion marker)
+COMPLETE_MARKER, VERIFIED_STAMP = "sparsekv_complete.json", ".sparsekv_verified.json"
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22): h.update(block)
+    return h.hexdigest()
+
+def _folder_files(folder: Path) -> list[Path]:
+    "The files of `folder` the completion marker covers (all but the marker and the verification stamp)."
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name not in (COMPLETE_MARKER, VERIFIED_STAMP))
+
+def _stat_signature(folder: Path, names) -> dict[str, list[int]]:
+    return {n: [(folder/n).stat().st_size, (folder/n).stat().st_mtime_ns] for n in names}
+
+def write_completion_marker(folder: str | os.PathLike) -> Path:
+    "Write `folder`'s completion marker (size and SHA-256 of every file), last, and remember the folder as verified."
+    folder = Path(folder)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _folder_files(folder)}
+    (folder/COMPLETE_MARKER).write_text(json.dumps({"files": files}, indent=2) + "\n")
+    (folder/VERIFIED_STAMP).write_text(json.dumps(_stat_signature(folder, files)))
+    return folder/COMPLETE_MARKER
 
 def smollm2_folder() -> Path:
     "Folder of the converted SmolLM2-135M-Instruct checkpoint in the cache (may not exist yet)."
@@ -131,14 +158,39 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) ->
         tokenizer.save_pretrained(tmp)
         source = {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "transformers": transformers.__version__}
         (tmp/"sparsekv_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        write_completion_marker(tmp)
     return dest
 
+def conversion_problem(folder: str | os.PathLike) -> str | None:
+    "Why `folder` is not a complete conversion (no marker, a file missing, cut short or changed), or None when it is."
+    folder = Path(folder)
+    try: files = json.loads((folder/COMPLETE_MARKER).read_text())["files"]
+    except FileNotFoundError: return f"no completion marker {COMPLETE_MARKER} (unfinished, or written by an older version)"
+    except (OSError, ValueError, KeyError, TypeError) as e: return f"unreadable completion marker ({e})"
+    for name, want in files.items():
+        if not (folder/name).is_file(): return f"{name} is missing"
+        if (size := (folder/name).stat().st_size) != want["bytes"]: return f"{name} has {size} bytes, not {want['bytes']}"
+    try: verified = json.loads((folder/VERIFIED_STAMP).read_text())
+    except (OSError, ValueError): verified = None
+    if verified == _stat_signature(folder, files): return None
+    for name, want in files.items():
+        if _sha256(folder/name) != want["sha256"]: return f"{name} does not match its checksum (corrupted)"
+    with contextlib.suppress(OSError): (folder/VERIFIED_STAMP).write_text(json.dumps(_stat_signature(folder, files)))
+    return None
+
 def ensure_smollm2() -> Path:
-    "The converted SmolLM2 folder, converting the bundled GGUF file the first time."
+    "The converted SmolLM2 folder, converting the bundled GGUF file the first time, and again when the folder is broken."
     dest = smollm2_folder()
-    if not (dest/"config.json").is_file():
-        print(f"converting SmolLM2-135M GGUF -> HF folder at {dest} (one time)", file=sys.stderr, flush=True)
-        convert_gguf_to_hf(smollm2_gguf_path(), dest)
+    if dest.exists():
+        if (problem := conversion_problem(dest)) is None: return dest
+        aside = dest.with_name(dest.name + ".broken")
+        shutil.rmtree(aside, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError): os.rename(dest, aside)  # another process may have moved it first
+        print(f"the converted SmolLM2 folder {dest} is broken: {problem}; moved it to {aside} and converting again",
+              file=sys.stderr, flush=True)
+    print(f"converting SmolLM2-135M GGUF -> HF folder at {dest} (one time)", file=sys.stderr, flush=True)
+    convert_gguf_to_hf(smollm2_gguf_path(), dest)
+    if (problem := conversion_problem(dest)) is not None: raise OSError(f"the converted SmolLM2 folder {dest} is broken: {problem}")
     return dest
 
 # %% ../nbs/01_models.ipynb #566cfe43
@@ -234,14 +286,31 @@ def _looks_local(name: str) -> bool:
     return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "trust_remote_code", "subfolder")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "sentencepiece.bpe.model")
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(timeout: float = 3.0) -> bool:
+    "Whether the Hugging Face hub accepts a connection (asked once per process), so that offline machines fail fast."
+    url = urlparse(huggingface_hub.constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout): return True
+    except OSError: return False
+
+def _check_local_folder(name: str, folder: Path) -> None:
+    "Raise an error naming `folder` when it lacks the config or any tokenizer file."
+    if not (folder/"config.json").is_file(): raise _missing_model_error(name, FileNotFoundError(f"{folder/'config.json'}"))
+    if not any((folder/f).is_file() for f in TOKENIZER_FILES):
+        raise OSError(f"the model folder {folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there")
 
 def _resolve(name: str, kwargs: dict) -> str:
     "The folder or hub id `from_pretrained` should read for `name`; raises at once when it surely cannot be found."
     if name == SMOLLM2_NAME: return os.fspath(ensure_smollm2())
     if _looks_local(name):
         folder = Path(name).expanduser()
-        if not (folder/"config.json").is_file(): raise _missing_model_error(name, FileNotFoundError(f"{folder/'config.json'}"))
+        _check_local_folder(name, folder)
         return os.fspath(folder)
+    if not (kwargs.get("local_files_only") or huggingface_hub.is_offline_mode()) and not hub_reachable():
+        kwargs["local_files_only"] = True  # no hub to ask: read the local cache only, without retries
     if kwargs.get("local_files_only") or huggingface_hub.is_offline_mode():
         cached = huggingface_hub.try_to_load_from_cache(name, "config.json", cache_dir=kwargs.get("cache_dir"),
                                                         revision=kwargs.get("revision"))
@@ -262,11 +331,15 @@ def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtyp
         model, tokenizer = tiny_model(name, dtype=dtype, **kwargs)
         return model.to(device), tokenizer
     source = _resolve(name, kwargs)
+    local = name == SMOLLM2_NAME or _looks_local(name)
     try:
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(source, **{k: v for k, v in kwargs.items() if k in HUB_KWARGS})
-    except OSError as e: raise _missing_model_error(name, e) from e
+    except Exception as e:
+        if local: raise OSError(f"could not load the model folder {source}: {type(e).__name__}: {e}") from e
+        if isinstance(e, OSError): raise _missing_model_error(name, e) from e
+        raise
     return model.to(device).eval(), tokenizer
 
 # %% ../nbs/01_models.ipynb #745575a1

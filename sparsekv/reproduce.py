@@ -8,14 +8,18 @@ Docs: https://sparsekv.github.io/sparsekv/reproduce.html.md"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import glob
 import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +30,9 @@ from tqdm.auto import tqdm
 from .io import atomic_path, write_json, write_text
 
 # %% auto #0
-__all__ = ['PROFILES', 'Stage', 'find_pipeline', 'load_stages', 'run_params', 'fingerprint', 'input_hashes', 'stale_reason',
-           'tag_parameters_cell', 'StageFailed', 'run_stage', 'write_summary', 'run_pipeline', 'main']
+__all__ = ['PROFILES', 'Stage', 'find_pipeline', 'load_stages', 'run_params', 'fingerprint', 'input_hashes', 'read_stamp',
+           'stale_reason', 'tag_parameters_cell', 'StageFailed', 'stamp_path', 'run_stage', 'stage_state',
+           'write_summary', 'sigterm_as_interrupt', 'run_pipeline', 'main']
 
 # %% ../nbs/91_reproduce.ipynb #7bdba193
 PROFILES = ("quick", "cpu", "gpu")
@@ -53,21 +58,51 @@ def find_pipeline(start: str | os.PathLike | None = None) -> Path:
 def _expand_inputs(root: Path, patterns: list[str]) -> list[Path]:
     return sorted({Path(p) for pat in patterns for p in glob.glob(str(root/pat), recursive=True)})
 
+def _read_spec(pipeline: Path) -> dict:
+    "The `stages` mapping of `pipeline`, after checking the file's overall shape."
+    try: spec = yaml.safe_load(pipeline.read_text())
+    except yaml.YAMLError as e: raise ValueError(f"{pipeline} is not valid YAML: {' '.join(str(e).split())}") from e
+    stages = spec.get("stages") if isinstance(spec, dict) else None
+    if not isinstance(stages, dict) or not stages:
+        raise ValueError(f"{pipeline} must hold `stages:`, a mapping of at least one stage name to "
+                         f"{{notebook, params, outputs}}; found {'an empty file' if spec is None else repr(spec)[:80]}")
+    return stages
+
+def _check_stage(name, s, pipeline: Path, profile: str) -> None:
+    "Raise a ValueError naming the stage and field when stage `name` of `pipeline` is not shaped as documented."
+    where = f"stage {name!r} in {pipeline}"
+    if not isinstance(s, dict): raise ValueError(f"{where} must be a mapping with notebook, params and outputs, got {s!r}")
+    missing = {"notebook", "params", "outputs"} - set(s)
+    if missing: raise ValueError(f"{where} lacks {sorted(missing)}")
+    if not isinstance(s["notebook"], str): raise ValueError(f"{where}: notebook must be a path, got {s['notebook']!r}")
+    if not isinstance(s["params"], dict): raise ValueError(f"{where}: params must map profiles to parameters, got {s['params']!r}")
+    if profile not in s["params"]: raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
+    if not isinstance(s["params"][profile] or {}, dict):
+        raise ValueError(f"{where}: params.{profile} must be a mapping of parameter names to values, got {s['params'][profile]!r}")
+    for key in ("outputs", "inputs"):
+        v = s.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ValueError(f"{where}: {key} must be a list of paths, got {v!r}")
+    if not isinstance(s.get("description", ""), str): raise ValueError(f"{where}: description must be text")
+
+def _output_path(root: Path, pattern: str, profile: str, where: str) -> Path:
+    try: return root/pattern.format(profile=profile)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{where}: output {pattern!r} may use only {{profile}} ({type(e).__name__}: {e})") from e
+
 def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
-    "Read the stages of `pipeline` with the parameters and outputs of `profile`."
+    "Read the stages of `pipeline` with the parameters and outputs of `profile`; a malformed file raises a ValueError naming it."
     if profile not in PROFILES: raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
     pipeline = Path(pipeline).resolve()
+    if not pipeline.is_file(): raise FileNotFoundError(f"pipeline file {pipeline} not found")
     root = pipeline.parent.parent
-    spec = yaml.safe_load(pipeline.read_text()) or {}
     stages = []
-    for name, s in (spec.get("stages") or {}).items():
-        missing = {"notebook", "params", "outputs"} - set(s)
-        if missing: raise ValueError(f"stage {name!r} in {pipeline} lacks {sorted(missing)}")
-        if profile not in s["params"]: raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
+    for name, s in _read_spec(pipeline).items():
+        _check_stage(name, s, pipeline, profile)
         nb = root/s["notebook"]
         if not nb.is_file(): raise FileNotFoundError(f"stage {name!r}: notebook {nb} not found")
-        stages.append(Stage(name=name, notebook=nb, params=dict(s["params"][profile] or {}),
-                            outputs=[root/o.format(profile=profile) for o in s["outputs"]],
+        stages.append(Stage(name=str(name), notebook=nb, params=dict(s["params"][profile] or {}),
+                            outputs=[_output_path(root, o, profile, f"stage {name!r} in {pipeline}") for o in s["outputs"]],
                             inputs=[nb, *_expand_inputs(root, s.get("inputs", []))],
                             description=s.get("description", "")))
     return stages
@@ -86,11 +121,18 @@ def input_hashes(stage: Stage) -> dict[str, str]:
     "Content hash of each input of `stage`, by path."
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in stage.inputs}
 
+def read_stamp(stamp: Path) -> dict | None:
+    "The stamp a finished stage wrote, or None (none, or unreadable)."
+    try: made = json.loads(stamp.read_text())
+    except (OSError, ValueError): return None
+    return made if isinstance(made, dict) else None
+
 def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str | None:
     "Why `stage` must run, or None when its outputs were made from the current parameters and inputs."
     missing = [p for p in (executed, *stage.outputs) if not p.exists()]
     if missing: return f"missing {missing[0].name}"
-    made = json.loads(stamp.read_text()) if stamp.exists() else {}
+    made = read_stamp(stamp)
+    if made is None: return "no stamp (never finished, or interrupted)"
     if made.get("fingerprint") != fingerprint(params): return "parameters changed"
     old = made.get("inputs", {})
     changed = [Path(p).name for p, h in input_hashes(stage).items() if old.get(p) != h]
@@ -118,19 +160,32 @@ class StageFailed(RuntimeError):
         super().__init__(f"stage {stage!r} failed: {reason}{where}")
 
 # %% ../nbs/91_reproduce.ipynb #dbf496b5
+def stamp_path(root: Path, profile: str, name: str) -> Path:
+    "Where stage `name` of `profile` keeps its stamp."
+    return root/"reproduce"/"runs"/profile/".stamps"/f"{name}.json"
+
+def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
+    "Hidden paths, unique to this run, for the prepared input and the partial output notebook of stage `name`."
+    fd, src = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".input.ipynb")
+    os.close(fd)
+    src = Path(src)
+    return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
+
 def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> float:
-    "Execute `stage` with papermill; return its wall time in seconds."
+    "Execute `stage` with papermill (its stamp removed first, written last); return its wall time in seconds."
     import papermill as pm
     out_dir = root/"reproduce"/"runs"/profile
     out_dir.mkdir(parents=True, exist_ok=True)
     (root/"figures"/profile).mkdir(parents=True, exist_ok=True)
     params = run_params(stage, root, profile)
-    src = tag_parameters_cell(stage.notebook, out_dir/f".{stage.name}.input.ipynb")
-    partial, executed = out_dir/f".{stage.name}.partial.ipynb", out_dir/f"{stage.name}.ipynb"
-    failed = out_dir/f"{stage.name}.failed.ipynb"
+    stamp = stamp_path(root, profile, stage.name)
+    stamp.unlink(missing_ok=True)  # from here on the old outputs no longer count as one run's
+    executed, failed = out_dir/f"{stage.name}.ipynb", out_dir/f"{stage.name}.failed.ipynb"
     failed.unlink(missing_ok=True)
+    src, partial = _temp_notebooks(out_dir, stage.name)
     start = time.time()
     try:
+        tag_parameters_cell(stage.notebook, src)
         pm.execute_notebook(src, partial, parameters=params, kernel_name="python3", cwd=stage.notebook.parent,
                             progress_bar=progress, log_output=False)
     except BaseException as e:
@@ -145,9 +200,10 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
         os.replace(partial, failed)
         raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
     os.replace(partial, executed)
-    write_json(out_dir/".stamps"/f"{stage.name}.json",
-               {"fingerprint": fingerprint(params), "params": params, "inputs": input_hashes(stage)})
-    return time.time() - start
+    seconds = time.time() - start
+    write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": input_hashes(stage),
+                       "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1)})
+    return seconds
 
 # %% ../nbs/91_reproduce.ipynb #c343f825
 def _git_commit(root: Path) -> str:
@@ -155,21 +211,42 @@ def _git_commit(root: Path) -> str:
                                text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError): return "unknown"
 
+def stage_state(stage: Stage, root: Path, profile: str) -> str:
+    "The state of `stage` from its stamp and outputs: up to date (when made), stale (why) or not run."
+    out_dir = root/"reproduce"/"runs"/profile
+    stamp = stamp_path(root, profile, stage.name)
+    reason = stale_reason(stage, out_dir/f"{stage.name}.ipynb", stamp, run_params(stage, root, profile))
+    made = read_stamp(stamp)
+    if reason is None: return f"up to date (made {made.get('finished', 'earlier')})"
+    if made is None and not (out_dir/f"{stage.name}.ipynb").exists(): return "not run"
+    return f"stale: {reason}"
+
 def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> Path:
-    "Write `reproduce/runs/<profile>/summary.md` from `status` and the stages' own fragments."
+    "Write `reproduce/runs/<profile>/summary.md` from this run's `status`, the other stages' stamps and the stages' own fragments."
     out_dir = root/"reproduce"/"runs"/profile
     lines = [f"# Reproduction summary: profile `{profile}`", "",
              f"Last run {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit `{_git_commit(root)}`.", "",
              "| stage | status | outputs |", "|---|---|---|"]
     for s in stages:
         outs = ", ".join(f"`{p.relative_to(root)}`" for p in s.outputs)
-        lines.append(f"| {s.name} | {status.get(s.name, 'not run')} | {outs} |")
+        lines.append(f"| {s.name} | {status.get(s.name) or stage_state(s, root, profile)} | {outs} |")
     for s in stages:
         frag = out_dir/f"{s.name}.md"
         if frag.exists(): lines += ["", f"## {s.name}", "", frag.read_text().strip()]
     return write_text(out_dir/"summary.md", "\n".join(lines) + "\n")
 
 # %% ../nbs/91_reproduce.ipynb #fe64d92f
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    "Within the block (in the main thread), SIGTERM raises KeyboardInterrupt, so cleanup runs as on Ctrl-C."
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def handler(signum, frame): raise KeyboardInterrupt(f"terminated by signal {signum}")
+    old = signal.signal(signal.SIGTERM, handler)
+    try: yield
+    finally: signal.signal(signal.SIGTERM, old)
+
 def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = False,
                  pipeline: str | os.PathLike | None = None, progress: bool = True) -> dict[str, str]:
     "Run the stages of `pipeline` for `profile` (all, or `only` the named one); return each stage's status."
@@ -183,20 +260,24 @@ def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = Fa
     status: dict[str, str] = {}
     bar = tqdm(todo, desc=f"pipeline [{profile}]", unit="stage", disable=not progress)
     try:
-        for s in bar:
-            bar.set_postfix_str(s.name)
-            out_dir = root/"reproduce"/"runs"/profile
-            reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb",
-                                                         out_dir/".stamps"/f"{s.name}.json", run_params(s, root, profile))
-            if reason is None:
-                status[s.name] = "up to date (skipped)"
-                continue
-            tqdm.write(f"[{s.name}] running ({reason}): {s.notebook.relative_to(root)}")
-            try: secs = run_stage(s, root, profile, progress=progress)
-            except StageFailed as e:
-                status[s.name] = f"FAILED: see `{e.notebook.relative_to(root) if e.notebook else s.notebook}`"
-                raise
-            status[s.name] = f"ran in {secs:.0f} s"
+        with sigterm_as_interrupt():
+            for s in bar:
+                bar.set_postfix_str(s.name)
+                out_dir = root/"reproduce"/"runs"/profile
+                reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb",
+                                                             stamp_path(root, profile, s.name), run_params(s, root, profile))
+                if reason is None:
+                    status[s.name] = "up to date (skipped)"
+                    continue
+                tqdm.write(f"[{s.name}] running ({reason}): {s.notebook.relative_to(root)}")
+                try: secs = run_stage(s, root, profile, progress=progress)
+                except StageFailed as e:
+                    status[s.name] = f"FAILED: see `{e.notebook.relative_to(root) if e.notebook else s.notebook}`"
+                    raise
+                except KeyboardInterrupt:
+                    status[s.name] = "interrupted (its outputs may be partial: the next run redoes it)"
+                    raise
+                status[s.name] = f"ran in {secs:.0f} s"
     finally:
         write_summary(root, profile, stages, status)
     return status
@@ -211,13 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline", help="path to pipeline.yaml (default: the nearest reproduce/pipeline.yaml)")
     ap.add_argument("--list", action="store_true", help="list the stages and exit")
     a = ap.parse_args(argv)
-    if a.list:
-        for s in load_stages(a.pipeline or find_pipeline(), a.profile): print(f"{s.name}: {s.description}")
-        return 0
-    try: status = run_pipeline(a.profile, a.only, a.force, a.pipeline)
+    try:
+        if a.list:
+            for s in load_stages(a.pipeline or find_pipeline(), a.profile): print(f"{s.name}: {s.description}")
+            return 0
+        status = run_pipeline(a.profile, a.only, a.force, a.pipeline)
     except StageFailed as e:
         print(f"\n{e}", file=sys.stderr)
         return 1
+    except (ValueError, OSError) as e:  # a user error (bad pipeline file, unknown stage): one line, no traceback
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{ap.prog}: interrupted; finished stages are kept, rerun to continue", file=sys.stderr)
+        return 130
     for name, st in status.items(): print(f"{name}: {st}")
     return 0
 

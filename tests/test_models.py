@@ -58,6 +58,7 @@ def fake_converter(calls, fail=False):
         with atomic_folder(dest) as tmp:
             (tmp / "config.json").write_text("{}")
             if fail: raise RuntimeError("killed half-way")
+            models.write_completion_marker(tmp)
         return dest
     return convert
 
@@ -153,3 +154,111 @@ def test_model_info_reads_configs_without_head_dim_or_kv_heads():
     gpt2 = GPT2Config(n_layer=3, n_head=6, n_embd=96, vocab_size=100, n_positions=64)
     assert model_info(gpt2) == ModelInfo(3, 6, 6, 16, 96, 100, 64)
     assert model_info(gpt2).group_size == 1
+
+
+# --- the model cache checks its folders, load errors name them, offline fails fast (issue 12, item 8) ------------
+import json
+import shutil
+import time
+
+
+def tiny_converter(calls):
+    "A stand-in for the GGUF conversion that writes a real (tiny) model folder with its completion marker."
+    def convert(gguf_path, dest):
+        calls.append(dest)
+        model, tok = load_model("tiny-llama", seed=len(calls))
+        with atomic_folder(dest) as tmp:
+            model.save_pretrained(tmp); tok.save_pretrained(tmp)
+            models.write_completion_marker(tmp)
+        return dest
+    return convert
+
+
+def damage(folder, kind):
+    w = folder / "model.safetensors"
+    if kind == "corrupted weights":
+        with open(w, "r+b") as f: f.seek(w.stat().st_size // 2); f.write(b"\xff" * 4096)
+    elif kind == "truncated weights": os.truncate(w, w.stat().st_size // 3)
+    elif kind == "no marker": (folder / models.COMPLETE_MARKER).unlink()
+    elif kind == "garbled marker": (folder / models.COMPLETE_MARKER).write_text("{not json")
+    else: (folder / kind).unlink()
+
+
+@pytest.mark.parametrize("kind", ["corrupted weights", "truncated weights", "config.json", "tokenizer.json", "no marker", "garbled marker"])
+def test_broken_cached_folder_is_moved_aside_and_reconverted(tmp_path, monkeypatch, capsys, kind):
+    monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(models, "convert_gguf_to_hf", tiny_converter(calls))
+    folder = ensure_smollm2()
+    damage(folder, kind)
+    assert ensure_smollm2() == folder and len(calls) == 2
+    err = capsys.readouterr().err
+    assert f"{folder} is broken" in err and folder.with_name(folder.name + ".broken").is_dir()
+    model, _ = load_model()  # loads the fresh conversion, with finite logits
+    assert torch.isfinite(model(torch.tensor([[1, 5, 9]])).logits).all()
+    ensure_smollm2()
+    assert len(calls) == 2  # once repaired, not converted again
+
+
+def test_verification_is_remembered_until_a_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "convert_gguf_to_hf", tiny_converter([]))
+    folder = ensure_smollm2()
+    hashed = []
+    real = models._sha256
+    monkeypatch.setattr(models, "_sha256", lambda p: (hashed.append(p.name), real(p))[1])
+    assert models.conversion_problem(folder) is None and hashed == []  # stat signature unchanged: no hashing
+    (folder / "config.json").write_text((folder / "config.json").read_text())  # same bytes, new modification time
+    assert models.conversion_problem(folder) is None and "model.safetensors" in hashed
+    hashed.clear()
+    assert models.conversion_problem(folder) is None and hashed == []
+
+
+def test_real_cached_folder_has_a_valid_marker_and_its_copy_detects_corruption(smollm2, tmp_path):
+    "The real conversion's marker covers every file; 4 MB of corrupted weights in a COPY of the folder are found."
+    folder = ensure_smollm2()
+    assert models.conversion_problem(folder) is None
+    marker = json.loads((folder / models.COMPLETE_MARKER).read_text())["files"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(marker)
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    with open(copy / "model.safetensors", "r+b") as f: f.seek(100 << 20); f.write(os.urandom(4 << 20))
+    assert models.conversion_problem(copy) == "model.safetensors does not match its checksum (corrupted)"
+
+
+@pytest.mark.parametrize("kind,msg", [("truncated weights", "could not load the model folder"),
+                                      ("tokenizer.json", "has no tokenizer"),
+                                      ("config.json", "config.json")])
+def test_load_errors_name_the_folder(tmp_path, kind, msg):
+    model, tok = load_model("tiny-qwen3")
+    model.save_pretrained(tmp_path); tok.save_pretrained(tmp_path)
+    damage(tmp_path, kind)
+    with pytest.raises(OSError) as e: load_model(tmp_path)
+    assert msg in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_unknown_hub_id_fails_fast_when_the_hub_is_unreachable(monkeypatch):
+    "Without HF_HUB_OFFLINE, an unreachable hub is noticed at once: no minute of retries before the clear error."
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=3.0: False)
+    t0 = time.perf_counter()
+    with pytest.raises(OSError, match="offline, use"): load_model("no-such-org/no-such-model")
+    assert time.perf_counter() - t0 < 10
+
+
+def test_hub_probe_answers_quickly_here():
+    models.hub_reachable.cache_clear()
+    t0 = time.perf_counter()
+    models.hub_reachable(timeout=2.0)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_unknown_hub_id_fails_fast_on_this_machine(monkeypatch):
+    "The same without any stand-in: offline the probe fails at once, online the hub answers 'not found' at once."
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    models.hub_reachable.cache_clear()
+    t0 = time.perf_counter()
+    with pytest.raises(OSError, match="no-such-org/no-such-model"): load_model("no-such-org/no-such-model")
+    assert time.perf_counter() - t0 < 20

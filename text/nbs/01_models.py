@@ -24,12 +24,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
+from urllib.parse import urlparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -317,11 +321,41 @@ assert not torch.allclose(rope_interleaved_loop(q_hf, positions, base), q_rot, *
 # conversion builds a plain model from the same config, loads the state dict into it, and saves
 # that, together with our tokenizer, into the cache. Weights are saved in float32, the exact
 # dequantized values (about 540 MB on disk); `load_model` casts them to the requested dtype.
+#
+# The last file written is a **completion marker**, `sparsekv_complete.json`, with the size and
+# SHA-256 of every other file. Each load checks the folder against it: a folder without the
+# marker, with a file missing, cut short or changed (a disk error, a stray write, a hand edit)
+# is moved aside to `<folder>.broken` and converted again, instead of loading silently wrong
+# weights or failing the same way on every call. Hashing 540 MB takes about a second, so a
+# folder that passed is remembered in `.sparsekv_verified.json` with the size and modification
+# time of each file; while those stay the same, later loads skip the hashing.
 
 # %%
 #| export
 SMOLLM2_NAME = "smollm2-135m"
-CONVERSION_VERSION = 1  # bump when the converted folder's content changes
+CONVERSION_VERSION = 2  # bump when the converted folder's content changes (2: completion marker)
+COMPLETE_MARKER, VERIFIED_STAMP = "sparsekv_complete.json", ".sparsekv_verified.json"
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22): h.update(block)
+    return h.hexdigest()
+
+def _folder_files(folder: Path) -> list[Path]:
+    "The files of `folder` the completion marker covers (all but the marker and the verification stamp)."
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name not in (COMPLETE_MARKER, VERIFIED_STAMP))
+
+def _stat_signature(folder: Path, names) -> dict[str, list[int]]:
+    return {n: [(folder/n).stat().st_size, (folder/n).stat().st_mtime_ns] for n in names}
+
+def write_completion_marker(folder: str | os.PathLike) -> Path:
+    "Write `folder`'s completion marker (size and SHA-256 of every file), last, and remember the folder as verified."
+    folder = Path(folder)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _folder_files(folder)}
+    (folder/COMPLETE_MARKER).write_text(json.dumps({"files": files}, indent=2) + "\n")
+    (folder/VERIFIED_STAMP).write_text(json.dumps(_stat_signature(folder, files)))
+    return folder/COMPLETE_MARKER
 
 def smollm2_folder() -> Path:
     "Folder of the converted SmolLM2-135M-Instruct checkpoint in the cache (may not exist yet)."
@@ -343,14 +377,39 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) ->
         tokenizer.save_pretrained(tmp)
         source = {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "transformers": transformers.__version__}
         (tmp/"sparsekv_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        write_completion_marker(tmp)
     return dest
 
+def conversion_problem(folder: str | os.PathLike) -> str | None:
+    "Why `folder` is not a complete conversion (no marker, a file missing, cut short or changed), or None when it is."
+    folder = Path(folder)
+    try: files = json.loads((folder/COMPLETE_MARKER).read_text())["files"]
+    except FileNotFoundError: return f"no completion marker {COMPLETE_MARKER} (unfinished, or written by an older version)"
+    except (OSError, ValueError, KeyError, TypeError) as e: return f"unreadable completion marker ({e})"
+    for name, want in files.items():
+        if not (folder/name).is_file(): return f"{name} is missing"
+        if (size := (folder/name).stat().st_size) != want["bytes"]: return f"{name} has {size} bytes, not {want['bytes']}"
+    try: verified = json.loads((folder/VERIFIED_STAMP).read_text())
+    except (OSError, ValueError): verified = None
+    if verified == _stat_signature(folder, files): return None
+    for name, want in files.items():
+        if _sha256(folder/name) != want["sha256"]: return f"{name} does not match its checksum (corrupted)"
+    with contextlib.suppress(OSError): (folder/VERIFIED_STAMP).write_text(json.dumps(_stat_signature(folder, files)))
+    return None
+
 def ensure_smollm2() -> Path:
-    "The converted SmolLM2 folder, converting the bundled GGUF file the first time."
+    "The converted SmolLM2 folder, converting the bundled GGUF file the first time, and again when the folder is broken."
     dest = smollm2_folder()
-    if not (dest/"config.json").is_file():
-        print(f"converting SmolLM2-135M GGUF -> HF folder at {dest} (one time)", file=sys.stderr, flush=True)
-        convert_gguf_to_hf(smollm2_gguf_path(), dest)
+    if dest.exists():
+        if (problem := conversion_problem(dest)) is None: return dest
+        aside = dest.with_name(dest.name + ".broken")
+        shutil.rmtree(aside, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError): os.rename(dest, aside)  # another process may have moved it first
+        print(f"the converted SmolLM2 folder {dest} is broken: {problem}; moved it to {aside} and converting again",
+              file=sys.stderr, flush=True)
+    print(f"converting SmolLM2-135M GGUF -> HF folder at {dest} (one time)", file=sys.stderr, flush=True)
+    convert_gguf_to_hf(smollm2_gguf_path(), dest)
+    if (problem := conversion_problem(dest)) is not None: raise OSError(f"the converted SmolLM2 folder {dest} is broken: {problem}")
     return dest
 
 
@@ -505,10 +564,12 @@ def tiny_model(name: str = "tiny-llama", seed: int = 0, dtype: torch.dtype = tor
 # One entry point for all three kinds of model. Any other name goes to `from_pretrained`, so
 # paper-scale checkpoints (`Qwen/Qwen3-8B`, `meta-llama/Llama-3.1-8B-Instruct`, a local folder)
 # load the same way on a connected GPU machine. The attention implementation defaults to
-# PyTorch's `sdpa` (pass `attn_implementation=` to change it). Offline, a hub id that is not in
-# the local Hugging Face cache fails only after `huggingface_hub`'s retries (about a minute);
-# pass `local_files_only=True` or set `HF_HUB_OFFLINE=1` to fail at once (a cached checkpoint
-# then loads without touching the network).
+# PyTorch's `sdpa` (pass `attn_implementation=` to change it). Offline, `huggingface_hub` would
+# retry an unknown hub id for over a minute before failing; so before reaching for the hub
+# `load_model` tries once per process to open a connection to it (a few seconds at most), and
+# when it cannot (or with `local_files_only=True` or `HF_HUB_OFFLINE=1`) it reads only the local
+# Hugging Face cache: a cached checkpoint loads, anything else fails at once with an error that
+# says what works offline. Any error while reading a local folder names the folder.
 
 # %%
 #| export
@@ -529,14 +590,31 @@ def _looks_local(name: str) -> bool:
     return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "trust_remote_code", "subfolder")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "sentencepiece.bpe.model")
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(timeout: float = 3.0) -> bool:
+    "Whether the Hugging Face hub accepts a connection (asked once per process), so that offline machines fail fast."
+    url = urlparse(huggingface_hub.constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout): return True
+    except OSError: return False
+
+def _check_local_folder(name: str, folder: Path) -> None:
+    "Raise an error naming `folder` when it lacks the config or any tokenizer file."
+    if not (folder/"config.json").is_file(): raise _missing_model_error(name, FileNotFoundError(f"{folder/'config.json'}"))
+    if not any((folder/f).is_file() for f in TOKENIZER_FILES):
+        raise OSError(f"the model folder {folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there")
 
 def _resolve(name: str, kwargs: dict) -> str:
     "The folder or hub id `from_pretrained` should read for `name`; raises at once when it surely cannot be found."
     if name == SMOLLM2_NAME: return os.fspath(ensure_smollm2())
     if _looks_local(name):
         folder = Path(name).expanduser()
-        if not (folder/"config.json").is_file(): raise _missing_model_error(name, FileNotFoundError(f"{folder/'config.json'}"))
+        _check_local_folder(name, folder)
         return os.fspath(folder)
+    if not (kwargs.get("local_files_only") or huggingface_hub.is_offline_mode()) and not hub_reachable():
+        kwargs["local_files_only"] = True  # no hub to ask: read the local cache only, without retries
     if kwargs.get("local_files_only") or huggingface_hub.is_offline_mode():
         cached = huggingface_hub.try_to_load_from_cache(name, "config.json", cache_dir=kwargs.get("cache_dir"),
                                                         revision=kwargs.get("revision"))
@@ -557,11 +635,15 @@ def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtyp
         model, tokenizer = tiny_model(name, dtype=dtype, **kwargs)
         return model.to(device), tokenizer
     source = _resolve(name, kwargs)
+    local = name == SMOLLM2_NAME or _looks_local(name)
     try:
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(source, **{k: v for k, v in kwargs.items() if k in HUB_KWARGS})
-    except OSError as e: raise _missing_model_error(name, e) from e
+    except Exception as e:
+        if local: raise OSError(f"could not load the model folder {source}: {type(e).__name__}: {e}") from e
+        if isinstance(e, OSError): raise _missing_model_error(name, e) from e
+        raise
     return model.to(device).eval(), tokenizer
 
 
@@ -656,6 +738,52 @@ with tempfile.TemporaryDirectory() as d:  # a local folder loads like a hub id
     m2, t2 = load_model(d, dtype="bfloat16")
     test_eq((m2.dtype, type(m2).__name__, len(t2)), (torch.bfloat16, "Qwen3ForCausalLM", 259))
     torch.testing.assert_close(m2.lm_head.weight, m1.lm_head.weight.bfloat16(), rtol=0, atol=0)
+
+# %% [markdown]
+# Back to the converted SmolLM2 folder: the completion marker lists every file of the folder with its size and checksum, and the cached folder passes
+# its check. On a copy of a small folder (a tiny model saved with `save_pretrained`), each kind of damage is found
+# and named: 4 kB overwritten inside the weights (same size, so only the checksum sees it), a missing
+# config, a truncated weights file, a missing tokenizer, and a folder whose marker was never written.
+
+# %%
+marker = json.loads((folder/COMPLETE_MARKER).read_text())["files"]
+test_eq(sorted(marker), sorted(p.name for p in _folder_files(folder)))
+assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(marker)
+test_eq(conversion_problem(folder), None)
+
+def _damaged(kind):
+    "Why a freshly marked tiny-model folder, damaged in one way, is refused."
+    with tempfile.TemporaryDirectory() as d:
+        m, t = tiny_model("tiny-llama")
+        with quiet_transformers(): m.save_pretrained(d); t.save_pretrained(d)
+        write_completion_marker(d)
+        w = Path(d)/"model.safetensors"
+        if kind == "corrupted weights":
+            with open(w, "r+b") as f: f.seek(w.stat().st_size // 2); f.write(os.urandom(4096))
+        elif kind == "truncated weights": os.truncate(w, w.stat().st_size // 2)
+        elif kind == "no marker": (Path(d)/COMPLETE_MARKER).unlink()
+        else: (Path(d)/kind).unlink()
+        return conversion_problem(d)
+
+test_eq(_damaged("corrupted weights"), "model.safetensors does not match its checksum (corrupted)")
+assert _damaged("truncated weights").startswith("model.safetensors has ")
+test_eq(_damaged("config.json"), "config.json is missing")
+test_eq(_damaged("tokenizer.json"), "tokenizer.json is missing")
+assert _damaged("no marker").startswith("no completion marker")
+
+# %% [markdown]
+# A broken local folder passed to `load_model` fails with an error naming the folder (here a truncated
+# weights file and a missing tokenizer):
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    m, t = load_model("tiny-llama")
+    with quiet_transformers(): m.save_pretrained(d); t.save_pretrained(d)
+    (Path(d)/"tokenizer.json").unlink()
+    test_fail(lambda: load_model(d), contains=f"the model folder {d} has no tokenizer")
+    t.save_pretrained(d)
+    os.truncate(Path(d)/"model.safetensors", 1000)
+    test_fail(lambda: load_model(d), contains=f"could not load the model folder {d}")
 
 # %% [markdown]
 # ## Costs on this machine

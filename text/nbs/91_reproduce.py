@@ -25,24 +25,28 @@
 #
 # A stage is **skipped** when all its outputs and its executed notebook exist and were made
 # from the same parameters and the same content of its inputs; `--force` reruns it. Executed
-# notebooks are written to a temporary file and renamed when the stage succeeds; a failing
-# stage stops the run and its executed notebook is kept as `<stage>.failed.ipynb` for
-# inspection. Each stage may write a Markdown fragment `out_dir/<stage>.md`; the runner
-# collects them into `reproduce/runs/<profile>/summary.md`.
+# notebooks are written to a temporary file (named uniquely per run) and renamed when the stage
+# succeeds; a failing stage stops the run and its executed notebook is kept as
+# `<stage>.failed.ipynb` for inspection. Each stage may write a Markdown fragment
+# `out_dir/<stage>.md`; the runner collects them into `reproduce/runs/<profile>/summary.md`.
 
 # %%
 #| export
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import glob
 import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,21 +83,51 @@ def find_pipeline(start: str | os.PathLike | None = None) -> Path:
 def _expand_inputs(root: Path, patterns: list[str]) -> list[Path]:
     return sorted({Path(p) for pat in patterns for p in glob.glob(str(root/pat), recursive=True)})
 
+def _read_spec(pipeline: Path) -> dict:
+    "The `stages` mapping of `pipeline`, after checking the file's overall shape."
+    try: spec = yaml.safe_load(pipeline.read_text())
+    except yaml.YAMLError as e: raise ValueError(f"{pipeline} is not valid YAML: {' '.join(str(e).split())}") from e
+    stages = spec.get("stages") if isinstance(spec, dict) else None
+    if not isinstance(stages, dict) or not stages:
+        raise ValueError(f"{pipeline} must hold `stages:`, a mapping of at least one stage name to "
+                         f"{{notebook, params, outputs}}; found {'an empty file' if spec is None else repr(spec)[:80]}")
+    return stages
+
+def _check_stage(name, s, pipeline: Path, profile: str) -> None:
+    "Raise a ValueError naming the stage and field when stage `name` of `pipeline` is not shaped as documented."
+    where = f"stage {name!r} in {pipeline}"
+    if not isinstance(s, dict): raise ValueError(f"{where} must be a mapping with notebook, params and outputs, got {s!r}")
+    missing = {"notebook", "params", "outputs"} - set(s)
+    if missing: raise ValueError(f"{where} lacks {sorted(missing)}")
+    if not isinstance(s["notebook"], str): raise ValueError(f"{where}: notebook must be a path, got {s['notebook']!r}")
+    if not isinstance(s["params"], dict): raise ValueError(f"{where}: params must map profiles to parameters, got {s['params']!r}")
+    if profile not in s["params"]: raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
+    if not isinstance(s["params"][profile] or {}, dict):
+        raise ValueError(f"{where}: params.{profile} must be a mapping of parameter names to values, got {s['params'][profile]!r}")
+    for key in ("outputs", "inputs"):
+        v = s.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ValueError(f"{where}: {key} must be a list of paths, got {v!r}")
+    if not isinstance(s.get("description", ""), str): raise ValueError(f"{where}: description must be text")
+
+def _output_path(root: Path, pattern: str, profile: str, where: str) -> Path:
+    try: return root/pattern.format(profile=profile)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{where}: output {pattern!r} may use only {{profile}} ({type(e).__name__}: {e})") from e
+
 def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
-    "Read the stages of `pipeline` with the parameters and outputs of `profile`."
+    "Read the stages of `pipeline` with the parameters and outputs of `profile`; a malformed file raises a ValueError naming it."
     if profile not in PROFILES: raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
     pipeline = Path(pipeline).resolve()
+    if not pipeline.is_file(): raise FileNotFoundError(f"pipeline file {pipeline} not found")
     root = pipeline.parent.parent
-    spec = yaml.safe_load(pipeline.read_text()) or {}
     stages = []
-    for name, s in (spec.get("stages") or {}).items():
-        missing = {"notebook", "params", "outputs"} - set(s)
-        if missing: raise ValueError(f"stage {name!r} in {pipeline} lacks {sorted(missing)}")
-        if profile not in s["params"]: raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
+    for name, s in _read_spec(pipeline).items():
+        _check_stage(name, s, pipeline, profile)
         nb = root/s["notebook"]
         if not nb.is_file(): raise FileNotFoundError(f"stage {name!r}: notebook {nb} not found")
-        stages.append(Stage(name=name, notebook=nb, params=dict(s["params"][profile] or {}),
-                            outputs=[root/o.format(profile=profile) for o in s["outputs"]],
+        stages.append(Stage(name=str(name), notebook=nb, params=dict(s["params"][profile] or {}),
+                            outputs=[_output_path(root, o, profile, f"stage {name!r} in {pipeline}") for o in s["outputs"]],
                             inputs=[nb, *_expand_inputs(root, s.get("inputs", []))],
                             description=s.get("description", "")))
     return stages
@@ -108,6 +142,10 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
 # rerun everything), and a fresh `git clone` gives every file a new time. So each run stores
 # a stamp beside its executed notebook with the hash of its parameters and of each input
 # file; an edited input or a new parameter makes the stage stale, and the reason names it.
+#
+# The stamp is deleted **before** a stage runs and written only after all its outputs are: a
+# stage killed half-way (even a forced rerun of an up-to-date stage) has no stamp, so the next
+# run redoes it instead of keeping outputs of two different runs.
 
 # %%
 #| export
@@ -124,11 +162,18 @@ def input_hashes(stage: Stage) -> dict[str, str]:
     "Content hash of each input of `stage`, by path."
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in stage.inputs}
 
+def read_stamp(stamp: Path) -> dict | None:
+    "The stamp a finished stage wrote, or None (none, or unreadable)."
+    try: made = json.loads(stamp.read_text())
+    except (OSError, ValueError): return None
+    return made if isinstance(made, dict) else None
+
 def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str | None:
     "Why `stage` must run, or None when its outputs were made from the current parameters and inputs."
     missing = [p for p in (executed, *stage.outputs) if not p.exists()]
     if missing: return f"missing {missing[0].name}"
-    made = json.loads(stamp.read_text()) if stamp.exists() else {}
+    made = read_stamp(stamp)
+    if made is None: return "no stamp (never finished, or interrupted)"
     if made.get("fingerprint") != fingerprint(params): return "parameters changed"
     old = made.get("inputs", {})
     changed = [Path(p).name for p, h in input_hashes(stage).items() if old.get(p) != h]
@@ -166,19 +211,32 @@ class StageFailed(RuntimeError):
 
 # %%
 #| export
+def stamp_path(root: Path, profile: str, name: str) -> Path:
+    "Where stage `name` of `profile` keeps its stamp."
+    return root/"reproduce"/"runs"/profile/".stamps"/f"{name}.json"
+
+def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
+    "Hidden paths, unique to this run, for the prepared input and the partial output notebook of stage `name`."
+    fd, src = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".input.ipynb")
+    os.close(fd)
+    src = Path(src)
+    return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
+
 def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> float:
-    "Execute `stage` with papermill; return its wall time in seconds."
+    "Execute `stage` with papermill (its stamp removed first, written last); return its wall time in seconds."
     import papermill as pm
     out_dir = root/"reproduce"/"runs"/profile
     out_dir.mkdir(parents=True, exist_ok=True)
     (root/"figures"/profile).mkdir(parents=True, exist_ok=True)
     params = run_params(stage, root, profile)
-    src = tag_parameters_cell(stage.notebook, out_dir/f".{stage.name}.input.ipynb")
-    partial, executed = out_dir/f".{stage.name}.partial.ipynb", out_dir/f"{stage.name}.ipynb"
-    failed = out_dir/f"{stage.name}.failed.ipynb"
+    stamp = stamp_path(root, profile, stage.name)
+    stamp.unlink(missing_ok=True)  # from here on the old outputs no longer count as one run's
+    executed, failed = out_dir/f"{stage.name}.ipynb", out_dir/f"{stage.name}.failed.ipynb"
     failed.unlink(missing_ok=True)
+    src, partial = _temp_notebooks(out_dir, stage.name)
     start = time.time()
     try:
+        tag_parameters_cell(stage.notebook, src)
         pm.execute_notebook(src, partial, parameters=params, kernel_name="python3", cwd=stage.notebook.parent,
                             progress_bar=progress, log_output=False)
     except BaseException as e:
@@ -193,16 +251,20 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
         os.replace(partial, failed)
         raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
     os.replace(partial, executed)
-    write_json(out_dir/".stamps"/f"{stage.name}.json",
-               {"fingerprint": fingerprint(params), "params": params, "inputs": input_hashes(stage)})
-    return time.time() - start
+    seconds = time.time() - start
+    write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": input_hashes(stage),
+                       "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1)})
+    return seconds
 
 
 # %% [markdown]
 # ## The summary
 #
-# `summary.md` lists every stage of the profile with what happened to it in the last run,
-# then the Markdown fragment each stage wrote about its results.
+# `summary.md` lists every stage of the profile with its state, then the Markdown fragment each
+# stage wrote about its results. A stage this run visited says what happened to it (ran,
+# skipped, failed, interrupted); any other stage (outside `--only`, or not reached before an
+# interruption) is described from its stamp and outputs, as `stale_reason` sees them: up to
+# date (and when it was made), stale (and why), or not run.
 
 # %%
 #| export
@@ -211,15 +273,25 @@ def _git_commit(root: Path) -> str:
                                text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError): return "unknown"
 
+def stage_state(stage: Stage, root: Path, profile: str) -> str:
+    "The state of `stage` from its stamp and outputs: up to date (when made), stale (why) or not run."
+    out_dir = root/"reproduce"/"runs"/profile
+    stamp = stamp_path(root, profile, stage.name)
+    reason = stale_reason(stage, out_dir/f"{stage.name}.ipynb", stamp, run_params(stage, root, profile))
+    made = read_stamp(stamp)
+    if reason is None: return f"up to date (made {made.get('finished', 'earlier')})"
+    if made is None and not (out_dir/f"{stage.name}.ipynb").exists(): return "not run"
+    return f"stale: {reason}"
+
 def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> Path:
-    "Write `reproduce/runs/<profile>/summary.md` from `status` and the stages' own fragments."
+    "Write `reproduce/runs/<profile>/summary.md` from this run's `status`, the other stages' stamps and the stages' own fragments."
     out_dir = root/"reproduce"/"runs"/profile
     lines = [f"# Reproduction summary: profile `{profile}`", "",
              f"Last run {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit `{_git_commit(root)}`.", "",
              "| stage | status | outputs |", "|---|---|---|"]
     for s in stages:
         outs = ", ".join(f"`{p.relative_to(root)}`" for p in s.outputs)
-        lines.append(f"| {s.name} | {status.get(s.name, 'not run')} | {outs} |")
+        lines.append(f"| {s.name} | {status.get(s.name) or stage_state(s, root, profile)} | {outs} |")
     for s in stages:
         frag = out_dir/f"{s.name}.md"
         if frag.exists(): lines += ["", f"## {s.name}", "", frag.read_text().strip()]
@@ -228,9 +300,24 @@ def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[st
 
 # %% [markdown]
 # ## The runner
+#
+# Ctrl-C stops the run after marking the stage it interrupted; `SIGTERM` (a `kill`, a job
+# scheduler's time limit) is handled the same way, so the temporary notebooks are removed and
+# the summary is written in both cases.
 
 # %%
 #| export
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    "Within the block (in the main thread), SIGTERM raises KeyboardInterrupt, so cleanup runs as on Ctrl-C."
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def handler(signum, frame): raise KeyboardInterrupt(f"terminated by signal {signum}")
+    old = signal.signal(signal.SIGTERM, handler)
+    try: yield
+    finally: signal.signal(signal.SIGTERM, old)
+
 def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = False,
                  pipeline: str | os.PathLike | None = None, progress: bool = True) -> dict[str, str]:
     "Run the stages of `pipeline` for `profile` (all, or `only` the named one); return each stage's status."
@@ -244,20 +331,24 @@ def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = Fa
     status: dict[str, str] = {}
     bar = tqdm(todo, desc=f"pipeline [{profile}]", unit="stage", disable=not progress)
     try:
-        for s in bar:
-            bar.set_postfix_str(s.name)
-            out_dir = root/"reproduce"/"runs"/profile
-            reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb",
-                                                         out_dir/".stamps"/f"{s.name}.json", run_params(s, root, profile))
-            if reason is None:
-                status[s.name] = "up to date (skipped)"
-                continue
-            tqdm.write(f"[{s.name}] running ({reason}): {s.notebook.relative_to(root)}")
-            try: secs = run_stage(s, root, profile, progress=progress)
-            except StageFailed as e:
-                status[s.name] = f"FAILED: see `{e.notebook.relative_to(root) if e.notebook else s.notebook}`"
-                raise
-            status[s.name] = f"ran in {secs:.0f} s"
+        with sigterm_as_interrupt():
+            for s in bar:
+                bar.set_postfix_str(s.name)
+                out_dir = root/"reproduce"/"runs"/profile
+                reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb",
+                                                             stamp_path(root, profile, s.name), run_params(s, root, profile))
+                if reason is None:
+                    status[s.name] = "up to date (skipped)"
+                    continue
+                tqdm.write(f"[{s.name}] running ({reason}): {s.notebook.relative_to(root)}")
+                try: secs = run_stage(s, root, profile, progress=progress)
+                except StageFailed as e:
+                    status[s.name] = f"FAILED: see `{e.notebook.relative_to(root) if e.notebook else s.notebook}`"
+                    raise
+                except KeyboardInterrupt:
+                    status[s.name] = "interrupted (its outputs may be partial: the next run redoes it)"
+                    raise
+                status[s.name] = f"ran in {secs:.0f} s"
     finally:
         write_summary(root, profile, stages, status)
     return status
@@ -274,13 +365,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline", help="path to pipeline.yaml (default: the nearest reproduce/pipeline.yaml)")
     ap.add_argument("--list", action="store_true", help="list the stages and exit")
     a = ap.parse_args(argv)
-    if a.list:
-        for s in load_stages(a.pipeline or find_pipeline(), a.profile): print(f"{s.name}: {s.description}")
-        return 0
-    try: status = run_pipeline(a.profile, a.only, a.force, a.pipeline)
+    try:
+        if a.list:
+            for s in load_stages(a.pipeline or find_pipeline(), a.profile): print(f"{s.name}: {s.description}")
+            return 0
+        status = run_pipeline(a.profile, a.only, a.force, a.pipeline)
     except StageFailed as e:
         print(f"\n{e}", file=sys.stderr)
         return 1
+    except (ValueError, OSError) as e:  # a user error (bad pipeline file, unknown stage): one line, no traceback
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{ap.prog}: interrupted; finished stages are kept, rerun to continue", file=sys.stderr)
+        return 130
     for name, st in status.items(): print(f"{name}: {st}")
     return 0
 
@@ -358,3 +456,42 @@ with tempfile.TemporaryDirectory() as d:
 # %%
 #| hide
 test_fail(lambda: load_stages("reproduce/pipeline.yaml", "tpu"), contains="profile must be one of")
+
+# %% [markdown]
+# A stage killed between two outputs, then rerun: its stamp went away when it started, so the
+# rerun redoes it and both outputs come from one run. Running `--only` one stage leaves the
+# summary's word on the others to their stamps.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); pipe = _toy_project(d)
+    _toy_notebook(d/"reproduce"/"c.ipynb", "from pathlib import Path\nPath(fig_dir, 'c1.txt').write_text(str(n))\n"
+                  "assert not Path(fig_dir, 'die').exists(), 'killed between outputs'\nPath(fig_dir, 'c2.txt').write_text(str(n))")
+    pipe.write_text(pipe.read_text() + "  c:\n    notebook: reproduce/c.ipynb\n    params: {quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n"
+                    "    outputs: ['figures/{profile}/c1.txt', 'figures/{profile}/c2.txt']\n")
+    run_pipeline("quick", pipeline=pipe, progress=False)
+    figs = d/"figures"/"quick"
+    (figs/"die").touch()
+    pipe.write_text(pipe.read_text().replace("c.ipynb\n    params: {quick: {n: 1}", "c.ipynb\n    params: {quick: {n: 5}"))
+    test_fail(lambda: run_pipeline("quick", only="c", pipeline=pipe, progress=False), contains="stage 'c' failed")
+    (figs/"die").unlink()
+    test_eq(((figs/"c1.txt").read_text(), (figs/"c2.txt").read_text()), ("5", "1"))  # outputs of two runs ...
+    assert run_pipeline("quick", only="c", pipeline=pipe, progress=False)["c"].startswith("ran")  # ... so it runs again
+    test_eq(((figs/"c1.txt").read_text(), (figs/"c2.txt").read_text()), ("5", "5"))
+    summary = (d/"reproduce"/"runs"/"quick"/"summary.md").read_text()
+    assert "| a | up to date (made " in summary and "| b | up to date (made " in summary, summary
+    test_eq([p.name for p in (d/"reproduce"/"runs"/"quick").glob(".*.ipynb")], [])  # no temporary notebook left
+
+# %% [markdown]
+# A pipeline file that is empty, not YAML, or shaped otherwise than documented is refused with
+# an error naming the file and what is wrong:
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); pipe = _toy_project(d)
+    for text, msg in [("", "found an empty file"), ("stages: [a, b]", "must hold `stages:`"), ("stages: {a: [", "is not valid YAML"),
+                      ("stages:\n  a: 3\n", "stage 'a' in"), ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: 1}, outputs: []}\n",
+                                                             "params.quick must be a mapping")]:
+        pipe.write_text(text)
+        test_fail(lambda: load_stages(pipe, "quick"), contains=msg)
+        test_fail(lambda: load_stages(pipe, "quick"), contains=str(pipe))
