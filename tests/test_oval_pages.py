@@ -1,4 +1,4 @@
-"OVAL page retrieval (`sparsekv.oval.pages`): every page score against its loop definition, the bounds, the rank m-1 limit, avgSM/max aggregation, page selection and storage."
+"OVAL page retrieval (`sparsekv.oval.pages`): avgSM/max aggregation, page selection, storage, the packed decode layout and the decode policy, by name or with a PageSummary."
 import math
 
 import pytest
@@ -10,9 +10,10 @@ from sparsekv.models import load_model
 from sparsekv.oval.basis import output_metric
 from sparsekv.attention import gather_keys
 from sparsekv.hf import attend_selected
-from sparsekv.oval.pages import (GQA_POLICIES, METHODS, PackedPages, PageRetrievalPolicy, aggregate_gqa, always_kept, build_summaries,
-                                 gather_pages, page_attention, page_tokens, retrieval_quality, score_pages, score_pages_reference,
-                                 select_pages, select_pages_reference, split_pages, storage_table, summary_scalars, top_pages)
+from sparsekv.oval.pages import (GQA_POLICIES, PackedPages, PageRetrievalPolicy, aggregate_gqa, always_kept, gather_pages, page_attention,
+                                 page_tokens, retrieval_quality, select_pages, select_pages_reference, storage_table, summary_scalars, top_pages)
+from sparsekv.oval.summaries import (METHODS, SUMMARIES, KeyPCASummary, OVALSummary, QuestSummary, build_summaries, score_pages,
+                                     score_pages_reference)
 
 F64 = torch.float64
 
@@ -28,59 +29,6 @@ def cache(B=2, Hkv=2, T=45, d=8, seed=0, dtype=F64):
 def queries(B=2, Hq=4, d=8, seed=1, S=None):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(B, Hq, d, generator=g, dtype=F64) if S is None else torch.randn(B, Hq, S, d, generator=g, dtype=F64)
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("seed,page_size,T,Hq", [(0, 8, 45, 4), (1, 5, 20, 2), (2, 4, 4, 6), (3, 1, 7, 2)])
-def test_score_matches_loop(method, seed, page_size, T, Hq):
-    K, V, G = cache(T=T, seed=seed)
-    q = queries(Hq=Hq, seed=seed + 10)
-    s = build_summaries(method, K, V, page_size, rank=3, eta=0.75, G=G)
-    assert s.n_pages == T // page_size
-    assert_close(score_pages(method, s, q), score_pages_reference(method, K, q, s))
-
-
-@pytest.mark.parametrize("method", ["quest", "arkvale"])
-@pytest.mark.parametrize("seed", range(3))
-def test_bounds_hold_for_every_key(method, seed):
-    K, V, _ = cache(seed=seed, T=48, d=16)
-    q = queries(d=16, seed=seed) * 3
-    sc = score_pages(method, build_summaries(method, K, V, 8), q)
-    logits = torch.einsum("bhgd,bhpmd->bhgpm", q.reshape(2, 2, 2, 16), split_pages(K, 8)).reshape(2, 4, 6, 8) / 4
-    assert (sc.unsqueeze(-1) >= logits - 1e-12).all()
-    # a single-token page makes both bounds tight
-    one = score_pages(method, build_summaries(method, K, V, 1), q)
-    assert_close(one, score_pages("oracle", build_summaries("oracle", K, V, 1), q))
-
-
-@pytest.mark.parametrize("method", ["keypca", "oval"])
-@pytest.mark.parametrize("page_size", [4, 8, 16])
-def test_full_rank_basis_equals_oracle(method, page_size):
-    K, V, G = cache(T=3 * page_size + 1, d=16)
-    q = queries(d=16, S=3)
-    exact = score_pages("oracle", build_summaries("oracle", K, V, page_size), q)
-    assert_close(score_pages(method, build_summaries(method, K, V, page_size, rank=page_size - 1, eta=0.5, G=G), q), exact)
-    # a rank above the cap gives the same summary
-    assert_close(score_pages(method, build_summaries(method, K, V, page_size, rank=64, eta=0.5, G=G), q), exact)
-
-
-def test_keypca_ignores_values_and_oval_uses_them():
-    K, V, G = cache(T=32, d=8)
-    q = queries()
-    a = score_pages("keypca", build_summaries("keypca", K, V, 8, rank=2), q)
-    assert_close(a, score_pages("keypca", build_summaries("keypca", K, None, 8, rank=2), q))
-    assert_close(a, score_pages("keypca", build_summaries("keypca", K, 5 * V.flip(2), 8, rank=2), q))
-    assert_close(a, score_pages("oval", build_summaries("oval", K, V, 8, rank=2, eta=0.0, G=G), q))
-    b = score_pages("oval", build_summaries("oval", K, V, 8, rank=2, eta=1.0, G=G), q)
-    assert not torch.allclose(a, b)
-
-
-def test_float32_cache_keeps_dtype():
-    K, V, G = cache(dtype=torch.float32)
-    for m in METHODS:
-        s = build_summaries(m, K, V, 8, rank=3, G=G)
-        assert all(t.dtype == torch.float32 for t in s.tensors.values())
-        assert_close(score_pages(m, s, queries().float()).double(), score_pages_reference(m, K, queries().float(), s), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("policy", GQA_POLICIES)
@@ -133,16 +81,8 @@ def test_select_rejects_bad_input(bad):
 
 
 def test_bad_inputs():
-    K, V, G = cache()
-    with pytest.raises(ValueError, match="method"): build_summaries("pca", K, V, 8)
-    with pytest.raises(ValueError, match="page_size"): build_summaries("quest", K, V, 0)
-    with pytest.raises(ValueError, match="V is required"): build_summaries("oval", K, None, 8)
-    with pytest.raises(ValueError, match="G must be"): build_summaries("oval", K, V, 8, G=G[0])
-    with pytest.raises(ValueError, match="K must be"): build_summaries("quest", K[0], V, 8)
-    s = build_summaries("quest", K, V, 8)
-    with pytest.raises(ValueError, match="built for"): score_pages("arkvale", s, queries())
-    with pytest.raises(ValueError, match="multiple"): score_pages("quest", s, queries(Hq=3))
     with pytest.raises(ValueError, match="policy"): aggregate_gqa(queries(), 2, "mean")
+    with pytest.raises(ValueError, match="num_kv_heads must be an int >= 1"): aggregate_gqa(queries(), 0)
 
 
 def test_storage():
@@ -341,3 +281,50 @@ def test_policy_before_the_first_page_completes(tiny, method):
     if method == "oval":
         ctx = _ctx(40, None)
         with pytest.raises(ValueError, match="ctx.module"): pol(q, torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), ctx)
+
+
+@pytest.mark.parametrize("name,summary", [("quest", QuestSummary()), ("keypca", KeyPCASummary(rank=2)),
+                                          ("oval", OVALSummary(rank=2, eta=0.75))])
+def test_policy_with_a_summary_instance_equals_the_name(tiny, name, summary):
+    "PageRetrievalPolicy(a PageSummary) gives the outputs and summaries of (name, rank=2, eta=0.75) bit for bit."
+    attn = tiny.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(1, 2, 50, 16, generator=g), torch.randn(1, 2, 50, 16, generator=g)
+    by_name = PageRetrievalPolicy(name, 16, 4, 4, 4, rank=2, eta=0.75, spec_steps=1, tau=0.5)
+    by_class = PageRetrievalPolicy(summary, 16, 4, 4, 4, rank=5, eta=0.1, spec_steps=1, tau=0.5)   # the instance's rank, eta
+    for T in (30, 31, 36, 50):
+        q = torch.randn(1, 4, 1, 16, generator=g)
+        kt, vt = k[:, :, :T], v[:, :, :T]
+        assert torch.equal(by_class(q, kt, vt, _ctx(T, attn)), by_name(q, kt, vt, _ctx(T, attn)))
+        for n, x in by_name.summaries[1].tensors.items(): assert torch.equal(by_class.summaries[1].tensors[n], x)
+    assert (by_class.method, by_class.built, by_class.corrected) == (name, by_name.built, by_name.corrected)
+    assert summary.tensors is None                                           # the given summary is not modified
+
+
+def test_policy_keeps_a_given_metric(tiny):
+    "An OVALSummary given its own G summarizes with it; one without G takes the layer's o_proj metric."
+    attn = tiny.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(10)
+    k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    G = torch.eye(16).expand(2, 16, 16) * 2
+    for given, want in ((G, G), (None, output_metric(attn.o_proj.weight.detach(), 4, 2, 16))):
+        pol = PageRetrievalPolicy(OVALSummary(rank=2, G=given), 16, 4, 4, 4)
+        pol(q, k, v, _ctx(40, attn))
+        for n, x in build_summaries("oval", k, v, 4, rank=2, G=want).tensors.items():
+            assert torch.equal(pol.summaries[1].tensors[n], x)
+        assert (pol.metric(_ctx(40, attn)) is None) == (given is not None)
+
+
+def test_packed_pages_of_a_summary_instance():
+    K, V, G = cache(T=45)
+    q = queries()
+    for name, cls in SUMMARIES.items():
+        whole = build_summaries(name, K, V, 8, rank=3, G=G)
+        pk = PackedPages(cls.from_options(rank=3, G=G), 8).append(whole)
+        assert torch.equal(pk.scores(q), PackedPages(name, 8).append(whole).scores(q))
+        view = pk.summary()
+        assert type(view) is cls and view.n_pages == whole.n_pages and torch.equal(view.score(q), whole.score(q))
+    with pytest.raises(TypeError, match="holding pages"): PackedPages("quest", 8).append(QuestSummary())
+    with pytest.raises(ValueError, match="this store holds 'oval'"):
+        PackedPages(OVALSummary(), 8).append(build_summaries("keypca", K, V, 8))

@@ -1,4 +1,4 @@
-"""Page summaries (Quest, ArkVale, key PCA, OVAL, oracle), their scores, GQA aggregation, page selection within a token budget, and storage cost.
+"""Page retrieval from the page summaries: GQA aggregation, page selection within a token budget, storage cost, retrieval quality, the packed decode layout and the decode-time retrieval policy.
 
 Docs: https://sparsekv.github.io/sparsekv/oval_pages.html.md"""
 
@@ -8,167 +8,23 @@ Docs: https://sparsekv.github.io/sparsekv/oval_pages.html.md"""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pandas as pd
 import torch
 from torch import Tensor
 
+from ..attention import check_int
 from ..eval import attention_fidelity
 from ..hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
-from .basis import output_metric, page_basis, page_lse_exact, page_score
+from .basis import output_metric
+from .summaries import METHODS, PageSummary, _check_cache, _group_queries, make_summary
+# the string API of the summaries, importable from here too
+from .summaries import build_summaries, score_pages, score_pages_reference, split_pages
 
 # %% auto #0
-__all__ = ['METHODS', 'GQA_POLICIES', 'split_pages', 'PageSummary', 'quest_summary', 'arkvale_summary', 'basis_summary',
-           'build_summaries', 'quest_score', 'arkvale_score', 'score_pages', 'score_pages_reference', 'aggregate_gqa',
-           'always_kept', 'top_pages', 'page_tokens', 'select_pages', 'select_pages_reference', 'summary_scalars',
-           'storage_table', 'retrieval_quality', 'CapturePolicy', 'packed_rows', 'PackedPages', 'gather_pages',
+__all__ = ['GQA_POLICIES', 'aggregate_gqa', 'always_kept', 'top_pages', 'page_tokens', 'select_pages', 'select_pages_reference',
+           'summary_scalars', 'storage_table', 'retrieval_quality', 'CapturePolicy', 'PackedPages', 'gather_pages',
            'page_attention', 'PageRetrievalPolicy']
-
-# %% ../../nbs/32_oval_pages.ipynb #1524cb70
-METHODS = ("quest", "arkvale", "keypca", "oval", "oracle")
-
-def _check_method(method) -> str:
-    if method not in METHODS: raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return method
-
-def _check_int(x, name: str, lo: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < lo: raise ValueError(f"{name} must be an int >= {lo}, got {x!r}")
-    return x
-
-def _check_cache(x, name: str) -> Tensor:
-    if not isinstance(x, Tensor) or not x.is_floating_point(): raise TypeError(f"{name} must be a floating-point torch.Tensor")
-    if x.dim() != 4: raise ValueError(f"{name} must be [B, Hkv, T, d], got shape {tuple(x.shape)}")
-    return x
-
-def split_pages(x: Tensor, page_size: int) -> Tensor:
-    "The complete pages of a cache x [B, H, T, d] as [B, H, P, m, d], P = T // m (a trailing partial page is left out)."
-    _check_cache(x, "x")
-    m = _check_int(page_size, "page_size", 1)
-    B, H, T, d = x.shape
-    P = T // m
-    return x[:, :, : P * m].reshape(B, H, P, m, d)
-
-@dataclass
-class PageSummary:
-    "Summaries of the complete pages of one cache: method, page size m, cache length T, tensors each [B, Hkv, P, ...]."
-    method: str
-    page_size: int
-    length: int
-    tensors: dict
-
-    @property
-    def n_pages(self) -> int:
-        "Number of summarized (complete) pages P."
-        return self.length // self.page_size
-
-# %% ../../nbs/32_oval_pages.ipynb #302ff7aa
-def quest_summary(K: Tensor, page_size: int) -> dict:
-    "Quest (§2): per-channel key min and max of each complete page, each [B, Hkv, P, d]."
-    pages = split_pages(K, page_size)
-    return {"kmin": pages.amin(-2), "kmax": pages.amax(-2)}
-
-def arkvale_summary(K: Tensor, page_size: int) -> dict:
-    "ArkVale as a bounding ball (our reading): centre = page mean [B, Hkv, P, d], radius = max_t ||k_t - centre|| [B, Hkv, P]."
-    pages = split_pages(K, page_size)
-    centre = pages.mean(-2)
-    return {"centre": centre, "radius": (pages - centre.unsqueeze(-2)).norm(dim=-1).amax(-1)}
-
-def basis_summary(K: Tensor, V: Tensor, page_size: int, rank: int = 8, eta: float = 0.5, G: Tensor | None = None) -> dict:
-    "OVAL / key-PCA summary (§3.3): page_basis per page, mu [B, Hkv, P, d], B [B, Hkv, P, d, r], R [B, Hkv, P, m, r]."
-    _check_cache(V, "V")
-    if V.shape[:3] != K.shape[:3]: raise ValueError(f"V {tuple(V.shape)} must match K {tuple(K.shape)} in batch, heads and length")
-    if G is not None:
-        if not isinstance(G, Tensor) or G.dim() != 3 or G.shape[0] != K.shape[1]:
-            raise ValueError(f"G must be [Hkv={K.shape[1]}, dv, dv] (see output_metric), got {getattr(G, 'shape', type(G).__name__)}")
-        G = G[:, None]                                                     # broadcast over pages
-    mu, B, R = page_basis(split_pages(K, page_size), split_pages(V, page_size), G, rank=rank, eta=eta)
-    return {"mu": mu, "B": B, "R": R}
-
-def build_summaries(method: str, K: Tensor, V: Tensor | None, page_size: int, rank: int = 8, eta: float = 0.5,
-                    G: Tensor | None = None) -> PageSummary:
-    "Summaries of the complete pages of K (and V for OVAL) [B, Hkv, T, d]: 'quest', 'arkvale', 'keypca' (eta = 0), 'oval' (eta, G), 'oracle'."
-    _check_method(method)
-    _check_cache(K, "K")
-    m = _check_int(page_size, "page_size", 1)
-    if method == "quest": t = quest_summary(K, m)
-    elif method == "arkvale": t = arkvale_summary(K, m)
-    elif method == "oracle": t = {"K": split_pages(K, m)}
-    else:
-        if V is None and method == "oval": raise ValueError("V is required for method 'oval'")
-        # key PCA never looks at the values (eta = 0), so V may be omitted
-        t = basis_summary(K, K if V is None else V, m, rank, 0.0 if method == "keypca" else eta, None if method == "keypca" else G)
-    return PageSummary(method, m, K.shape[2], t)
-
-# %% ../../nbs/32_oval_pages.ipynb #b8fb8d15
-def _group_queries(q: Tensor, Hkv: int) -> tuple[Tensor, bool]:
-    "q [B, Hq, d] or [B, Hq, S, d] -> [B, Hkv, G, S, 1, d] and whether S was added."
-    if not isinstance(q, Tensor) or not q.is_floating_point(): raise TypeError("q must be a floating-point torch.Tensor")
-    if q.dim() not in (3, 4): raise ValueError(f"q must be [B, Hq, d] or [B, Hq, S, d], got shape {tuple(q.shape)}")
-    single = q.dim() == 3
-    if single: q = q.unsqueeze(2)
-    B, Hq, S, d = q.shape
-    if Hq % Hkv: raise ValueError(f"the query heads ({Hq}) must be a multiple of the summary's KV heads ({Hkv})")
-    return q.reshape(B, Hkv, Hq // Hkv, S, 1, d), single
-
-def _pages(x: Tensor) -> Tensor:
-    "[B, Hkv, P, *] -> [B, Hkv, 1, 1, P, *] to broadcast against grouped queries."
-    return x.unsqueeze(2).unsqueeze(3)
-
-def quest_score(q: Tensor, kmin: Tensor, kmax: Tensor, scale: float) -> Tensor:
-    "Quest upper bound scale * sum_c max(q_c kmin_c, q_c kmax_c): q [..., d], kmin/kmax [..., d] broadcast -> [...]."
-    return torch.maximum(q * kmin, q * kmax).sum(-1) * scale
-
-def arkvale_score(q: Tensor, centre: Tensor, radius: Tensor, scale: float) -> Tensor:
-    "Bounding-ball upper bound scale * (q . c + ||q|| rho): q [..., d], centre [..., d], radius [...] broadcast -> [...]."
-    return ((q * centre).sum(-1) + q.norm(dim=-1) * radius) * scale
-
-def score_pages(method: str, summary: PageSummary, q: Tensor, scale: float | None = None) -> Tensor:
-    "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]) of the summary's pages; scale defaults to 1/sqrt(d)."
-    _check_method(method)
-    if not isinstance(summary, PageSummary): raise TypeError(f"summary must be a PageSummary, got {type(summary).__name__}")
-    if summary.method != method: raise ValueError(f"summary was built for {summary.method!r}, not {method!r}")
-    t = summary.tensors
-    first = next(iter(t.values()))
-    Bsz, Hkv, P = first.shape[:3]
-    qg, single = _group_queries(q, Hkv)
-    d = qg.shape[-1]
-    if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the summary's ({Bsz})")
-    s = 1 / math.sqrt(d) if scale is None else float(scale)
-    wd = torch.promote_types(q.dtype, torch.float32)
-    qg = qg.to(wd)
-    if method == "quest": out = quest_score(qg, _pages(t["kmin"]).to(wd), _pages(t["kmax"]).to(wd), s)
-    elif method == "arkvale": out = arkvale_score(qg, _pages(t["centre"]).to(wd), _pages(t["radius"]).to(wd), s)
-    elif method == "oracle": out = page_lse_exact(qg, _pages(t["K"]), scale=s)
-    else: out = page_score(qg, _pages(t["mu"]), _pages(t["B"]), _pages(t["R"]), scale=s)
-    out = out.reshape(Bsz, -1, out.shape[-2], P)                            # [B, Hq, S, P]
-    return out[:, :, 0] if single else out
-
-# %% ../../nbs/32_oval_pages.ipynb #ef699642
-def score_pages_reference(method: str, K: Tensor, q: Tensor, summary: PageSummary) -> Tensor:
-    "Loop reference of score_pages for q [B, Hq, d]: Quest/ArkVale/oracle from the keys K [B, Hkv, T, d], basis methods from the summary's tensors."
-    Bsz, Hq, d = q.shape
-    Hkv, m, P = K.shape[1], summary.page_size, summary.n_pages
-    s = 1 / math.sqrt(d)
-    out = torch.empty(Bsz, Hq, P, dtype=torch.float64)
-    for b in range(Bsz):
-        for h in range(Hq):
-            x = q[b, h].double()
-            kv = h // (Hq // Hkv)
-            for p in range(P):
-                Kp = K[b, kv, p * m:(p + 1) * m].double()
-                if method == "quest":
-                    lo, hi = Kp.min(0).values, Kp.max(0).values
-                    out[b, h, p] = s * sum(max(x[c] * lo[c], x[c] * hi[c]) for c in range(d))
-                elif method == "arkvale":
-                    c = Kp.mean(0)
-                    out[b, h, p] = s * (x @ c + x.norm() * max((Kp[t] - c).norm() for t in range(m)))
-                elif method == "oracle":
-                    out[b, h, p] = math.log(sum(math.exp(s * float(Kp[t] @ x)) for t in range(m)))
-                else:
-                    mu, Bb, R = (summary.tensors[n][b, kv, p].double() for n in ("mu", "B", "R"))
-                    out[b, h, p] = math.log(sum(math.exp(s * float(R[t] @ (Bb.T @ x) + mu @ x)) for t in range(m)))
-    return out
 
 # %% ../../nbs/32_oval_pages.ipynb #a82ad631
 GQA_POLICIES = ("avgSM", "max")
@@ -178,7 +34,7 @@ def aggregate_gqa(page_scores: Tensor, num_kv_heads: int, policy: str = "avgSM")
     if policy not in GQA_POLICIES: raise ValueError(f"policy must be one of {GQA_POLICIES}, got {policy!r}")
     if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point(): raise TypeError("page_scores must be a floating-point tensor")
     if page_scores.dim() not in (3, 4): raise ValueError(f"page_scores must be [B, Hq, P] or [B, Hq, S, P], got {tuple(page_scores.shape)}")
-    Hkv = _check_int(num_kv_heads, "num_kv_heads", 1)
+    Hkv = check_int(num_kv_heads, "num_kv_heads", 1)
     B, Hq = page_scores.shape[:2]
     if Hq % Hkv: raise ValueError(f"the query heads ({Hq}) must be a multiple of num_kv_heads ({Hkv})")
     pi = page_scores.softmax(-1).reshape(B, Hkv, Hq // Hkv, *page_scores.shape[2:])
@@ -195,10 +51,10 @@ def always_kept(T: int, page_size: int, sink: int, recent: int) -> tuple[int, in
 def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
     "Complete pages [B, Hkv, (S,) n_p] each KV head keeps, sorted: sink pages, the top-weighted pages within token_budget, recent pages."
     if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point(): raise TypeError("page_scores must be a floating-point tensor")
-    m = _check_int(page_size, "page_size", 1)
-    T = _check_int(T, "T", 1)
-    sink, recent = _check_int(sink, "sink", 0), _check_int(recent, "recent", 0)
-    budget = _check_int(token_budget, "token_budget", 1)
+    m = check_int(page_size, "page_size", 1)
+    T = check_int(T, "T", 1)
+    sink, recent = check_int(sink, "sink", 0), check_int(recent, "recent", 0)
+    budget = check_int(token_budget, "token_budget", 1)
     P = T // m
     if page_scores.dim() < 3 or page_scores.shape[-1] != P:
         raise ValueError(f"page_scores must be [B, Hkv, (S,) P] with P = T // page_size = {P}, got {tuple(page_scores.shape)}")
@@ -214,8 +70,8 @@ def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int,
 
 def page_tokens(pages: Tensor, page_size: int, T: int) -> Tensor:
     "Token indices [..., n_p * m + T % m] of complete pages [..., n_p], followed by the trailing partial page [T - T % m, T)."
-    m = _check_int(page_size, "page_size", 1)
-    tail = torch.arange(T // m * m, _check_int(T, "T", 1), device=pages.device)
+    m = check_int(page_size, "page_size", 1)
+    tail = torch.arange(T // m * m, check_int(T, "T", 1), device=pages.device)
     return torch.cat([(pages.unsqueeze(-1) * m + torch.arange(m, device=pages.device)).flatten(-2), tail.expand(*pages.shape[:-1], -1)], -1)
 
 def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
@@ -240,12 +96,10 @@ def select_pages_reference(page_scores: Tensor, token_budget: int, page_size: in
     return out
 
 # %% ../../nbs/32_oval_pages.ipynb #52b6c237
-def summary_scalars(method: str, page_size: int, head_dim: int, rank: int = 8) -> int:
+def summary_scalars(method: str | PageSummary, page_size: int, head_dim: int, rank: int = 8) -> int:
     "Scalars stored per page and KV head by a method's summary (oracle: the m*d keys it reads)."
-    _check_method(method)
-    m, d = _check_int(page_size, "page_size", 1), _check_int(head_dim, "head_dim", 1)
-    r = min(_check_int(rank, "rank", 1), m - 1, d)
-    return {"quest": 2 * d, "arkvale": d + 1, "keypca": d + d * r + m * r, "oval": d + d * r + m * r, "oracle": m * d}[method]
+    spec = make_summary(method, check_int(rank, "rank", 1))
+    return spec.scalars(check_int(page_size, "page_size", 1), check_int(head_dim, "head_dim", 1))
 
 def storage_table(page_size: int = 32, head_dim: int = 64, rank: int = 8, dtype: torch.dtype = torch.bfloat16) -> pd.DataFrame:
     "Per-page, per-KV-head summary storage of every method: scalars, bytes in dtype, and the ratio to the page's keys."
@@ -256,11 +110,12 @@ def storage_table(page_size: int = 32, head_dim: int = 64, rank: int = 8, dtype:
     return pd.DataFrame(rows)
 
 # %% ../../nbs/32_oval_pages.ipynb #208c49a0
-def retrieval_quality(method: str, q: Tensor, K: Tensor, V: Tensor, page_size: int, token_budget: int, sink: int, recent: int,
-                      rank: int = 8, eta: float = 0.5, G: Tensor | None = None, policy: str = "avgSM") -> tuple[Tensor, Tensor]:
-    "Mass recall and relative output error [B, Hq, S] of page retrieval for the last S queries q [B, Hq, S, d] over the cache K, V [B, Hkv, T, d]."
-    summ = build_summaries(method, K, V, page_size, rank, eta, G)
-    w = aggregate_gqa(score_pages(method, summ, q), K.shape[1], policy)
+def retrieval_quality(method: str | PageSummary, q: Tensor, K: Tensor, V: Tensor, page_size: int, token_budget: int,
+                      sink: int, recent: int, rank: int = 8, eta: float = 0.5, G: Tensor | None = None,
+                      policy: str = "avgSM") -> tuple[Tensor, Tensor]:
+    "Mass recall and relative output error [B, Hq, S] of page retrieval for queries q [B, Hq, S, d] over K, V [B, Hkv, T, d]."
+    summ = make_summary(method, rank, eta, G).summarize(K, V, page_size)
+    w = aggregate_gqa(summ.score(q), K.shape[1], policy)
     idx = select_pages(w, token_budget, page_size, sink, recent, K.shape[2])
     return attention_fidelity(q, K, V, idx)
 
@@ -274,19 +129,6 @@ class CapturePolicy(DensePolicy):
         return super().attend(q, k, v, ctx)
 
 # %% ../../nbs/32_oval_pages.ipynb #79e307e9
-def _rows_per_page(method: str, page_size: int, rank: int) -> int:
-    "Rows of the packed matrix per page: 1 (Quest, ArkVale), rank + 1 (basis: B^T and mu), m (oracle)."
-    if method in ("quest", "arkvale"): return 1
-    return page_size if method == "oracle" else rank + 1
-
-def packed_rows(summary: PageSummary) -> tuple[Tensor, Tensor | None]:
-    "A summary's pages as packed rows [B, Hkv, P, rows, f] (see the text) and, for the basis methods, R [B, Hkv, P, m, r]."
-    t = summary.tensors
-    if summary.method == "quest": return torch.cat([t["kmax"], t["kmin"]], -1).unsqueeze(-2), None
-    if summary.method == "arkvale": return torch.cat([t["centre"], t["radius"].unsqueeze(-1)], -1).unsqueeze(-2), None
-    if summary.method == "oracle": return t["K"], None
-    return torch.cat([t["B"].mT, t["mu"].unsqueeze(-2)], -2), t["R"]
-
 def _reserve(buf: Tensor | None, used: int, need: int, dim: int, like: Tensor) -> Tensor:
     "A buffer with room for `need` entries along dim (capacity doubling), holding buf's first `used` entries."
     if buf is not None and buf.shape[dim] >= need: return buf
@@ -298,25 +140,28 @@ def _reserve(buf: Tensor | None, used: int, need: int, dim: int, like: Tensor) -
 
 
 class PackedPages:
-    "A growing cache's page summaries packed for decode: rows appended once per completed page, every page scored by one GEMM per KV head."
-    def __init__(self, method: str, page_size: int):
-        self.method, self.page_size = _check_method(method), _check_int(page_size, "page_size", 1)
+    "A growing cache's page summaries packed for decode: rows appended once per page, all pages scored by one GEMM per KV head."
+    def __init__(self, method: str | PageSummary, page_size: int):
+        self.spec, self.page_size = make_summary(method), check_int(page_size, "page_size", 1)   # the first append's replaces spec
         self.n_pages, self.heads, self.rank = 0, None, None
-        self.W = self.R = None              # W [B*Hkv, capacity * rows, f]; R [capacity, B*Hkv, m, r] (basis methods)
+        self.W = self.R = None              # W [B*Hkv, capacity * rows, f]; R [capacity, B*Hkv, ...] (basis methods' R)
 
     @property
     def rows(self) -> int:
         "Rows of the packed matrix per page."
-        return _rows_per_page(self.method, self.page_size, self.rank)
+        return self.spec.rows_per_page(self.page_size, self.rank)
 
     def append(self, summary: PageSummary) -> "PackedPages":
         "Append the pages of `summary` (the pages completed since the last append, same batch and KV heads); returns self."
-        if not isinstance(summary, PageSummary): raise TypeError(f"summary must be a PageSummary, got {type(summary).__name__}")
-        if summary.method != self.method or summary.page_size != self.page_size:
-            raise ValueError(f"summary is {summary.method!r} with page_size {summary.page_size}, this store holds {self.method!r} with {self.page_size}")
-        rows, R = packed_rows(summary)
+        if not isinstance(summary, PageSummary) or summary.tensors is None:
+            raise TypeError(f"summary must be a PageSummary holding pages (see summarize), got {type(summary).__name__}")
+        if type(summary) is not type(self.spec) or summary.page_size != self.page_size:
+            raise ValueError(f"summary is {summary.name!r} with page_size {summary.page_size}, "
+                             f"this store holds {self.spec.name!r} with {self.page_size}")
+        rows, R = summary.pack()
         Bsz, Hkv, n, nr, f = rows.shape
-        if self.heads is None: self.heads, self.rank = (Bsz, Hkv), None if R is None else R.shape[-1]
+        if self.heads is None:
+            self.heads, self.rank, self.spec = (Bsz, Hkv), None if R is None else R.shape[-1], summary.with_tensors()
         elif self.heads != (Bsz, Hkv) or (R is not None and R.shape[-1] != self.rank):
             raise ValueError(f"summary has batch, KV heads {(Bsz, Hkv)} and rank {None if R is None else R.shape[-1]}; this store holds {self.heads}, rank {self.rank}")
         wd = torch.promote_types(rows.dtype, torch.float32)
@@ -325,7 +170,7 @@ class PackedPages:
         self.W = _reserve(self.W, P * nr, (P + n) * nr, 1, rows)
         self.W[:, P * nr:(P + n) * nr] = rows
         if R is not None:
-            R = R.to(wd).reshape(BH, n, *R.shape[-2:]).transpose(0, 1)
+            R = R.to(wd).reshape(BH, n, *R.shape[3:]).transpose(0, 1)
             self.R = _reserve(self.R, P, P + n, 0, R)
             self.R[P:P + n] = R
         self.n_pages = P + n
@@ -340,40 +185,29 @@ class PackedPages:
         if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the store's ({Bsz})")
         s = 1 / math.sqrt(d) if scale is None else float(scale)
         if not s > 0: raise ValueError(f"scale must be > 0, got {scale!r}")
-        P, nr, BH, m = self.n_pages, self.rows, Bsz * Hkv, self.page_size
-        x = qg.reshape(BH, G * S, d).to(self.W.dtype) * s
-        if self.method == "quest": x = torch.cat([x.clamp(min=0), x.clamp(max=0)], -1)
-        elif self.method == "arkvale": x = torch.cat([x, x.norm(dim=-1, keepdim=True)], -1)
-        z = torch.bmm(x, self.W[:, :P * nr].mT).view(BH, G * S, P, nr)     # the one GEMM: every page, every query of the group
-        if self.method in ("quest", "arkvale"): out = z[..., 0]
-        elif self.method == "oracle": out = z.logsumexp(-1)
-        else:
-            r = self.rank
-            code = z[..., :r].permute(2, 0, 1, 3).reshape(P * BH, G * S, r)   # c_p per page, [P*BH, GS, r]
-            logits = torch.bmm(code, self.R[:P].view(P * BH, m, r).mT)        # (R_p c_p)_t  [P*BH, GS, m]
-            out = logits.view(P, BH, G * S, m).logsumexp(-1).permute(1, 2, 0) + z[..., r]
-        out = out.reshape(Bsz, Hkv * G, S, P)
+        P, nr, BH = self.n_pages, self.rows, Bsz * Hkv
+        x = self.spec.features(qg.reshape(BH, G * S, d).to(self.W.dtype) * s)
+        z = torch.bmm(x, self.W[:, :P * nr].mT).view(BH, G * S, P, nr)     # the one GEMM: all pages, all queries of the group
+        out = self.spec.packed_score(z, None if self.R is None else self.R[:P]).reshape(Bsz, Hkv * G, S, P)
         return out[:, :, 0] if single else out
 
     @property
     def tensors(self) -> dict:
         "The summary tensors in PageSummary's layout [B, Hkv, P, ...] (views of the packed buffers)."
-        Bsz, Hkv = self.heads
-        P, W = self.n_pages, self.W[:, :self.n_pages * self.rows].view(Bsz, Hkv, self.n_pages, self.rows, -1)
-        if self.method == "quest": return {"kmin": W[..., 0, W.shape[-1] // 2:], "kmax": W[..., 0, :W.shape[-1] // 2]}
-        if self.method == "arkvale": return {"centre": W[..., 0, :-1], "radius": W[..., 0, -1]}
-        if self.method == "oracle": return {"K": W}
-        return {"mu": W[..., -1, :], "B": W[..., :-1, :].mT, "R": self.R[:P].view(P, Bsz, Hkv, *self.R.shape[-2:]).permute(1, 2, 0, 3, 4)}
+        (Bsz, Hkv), P = self.heads, self.n_pages
+        W = self.W[:, :P * self.rows].view(Bsz, Hkv, P, self.rows, -1)
+        R = None if self.R is None else self.R[:P].view(P, Bsz, Hkv, *self.R.shape[2:]).movedim(0, 2)
+        return self.spec.unpack(W, R)
 
     def summary(self) -> PageSummary:
-        "The packed pages as a PageSummary (views), for score_pages and the references."
-        return PageSummary(self.method, self.page_size, self.n_pages * self.page_size, self.tensors)
+        "The packed pages as a PageSummary of the store's kind holding views, for score_pages and the references."
+        return self.spec.with_tensors(self.page_size, self.n_pages * self.page_size, self.tensors)
 
 # %% ../../nbs/32_oval_pages.ipynb #de003903
 def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
     "The complete pages `pages` [B, H, n_p] of x [B, H, T, d] as whole [m, d] blocks, then the trailing partial page: [B, H, n_p*m + T % m, d]."
     _check_cache(x, "x")
-    m = _check_int(page_size, "page_size", 1)
+    m = check_int(page_size, "page_size", 1)
     B, H, T, d = x.shape
     P = T // m
     if pages.dtype != torch.long or pages.dim() != 3 or pages.shape[:2] != (B, H):
@@ -395,23 +229,27 @@ def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: in
 # %% ../../nbs/32_oval_pages.ipynb #30b6dfd3
 class PageRetrievalPolicy(SelectionPolicy):
     "Decode-time page retrieval: dense prefill; at decode, sink + recent + top pages within token_budget per KV head, from `method`'s summaries."
-    def __init__(self, method: str, token_budget: int, page_size: int = 32, sink: int = 32, recent: int = 32, rank: int = 8,
-                 eta: float = 0.5, policy: str = "avgSM", dense_layers: int = 1, spec_steps: int = 0, tau: float = 0.9):
-        _check_method(method)
+    def __init__(self, method: str | PageSummary, token_budget: int, page_size: int = 32, sink: int = 32, recent: int = 32,
+                 rank: int = 8, eta: float = 0.5, policy: str = "avgSM", dense_layers: int = 1, spec_steps: int = 0,
+                 tau: float = 0.9):
+        self.spec = make_summary(method, check_int(rank, "rank", 1), eta)   # unbuilt; pages are summarized per layer
         if policy not in GQA_POLICIES: raise ValueError(f"policy must be one of {GQA_POLICIES}, got {policy!r}")
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau): raise ValueError(f"tau must be a finite number, got {tau!r}")
-        self.method, self.budget, self.page_size = method, _check_int(token_budget, "token_budget", 1), _check_int(page_size, "page_size", 1)
-        self.sink, self.recent, self.rank = _check_int(sink, "sink", 0), _check_int(recent, "recent", 0), _check_int(rank, "rank", 1)
-        self.eta, self.policy, self.dense_layers = eta, policy, _check_int(dense_layers, "dense_layers", 0)
-        self.spec_steps, self.tau = _check_int(spec_steps, "spec_steps", 0), float(tau)
+        self.method, self.budget = self.spec.name, check_int(token_budget, "token_budget", 1)
+        self.page_size = check_int(page_size, "page_size", 1)
+        self.sink, self.recent = check_int(sink, "sink", 0), check_int(recent, "recent", 0)
+        self.policy, self.dense_layers = policy, check_int(dense_layers, "dense_layers", 0)
+        self.spec_steps, self.tau = check_int(spec_steps, "spec_steps", 0), float(tau)
         self.summaries, self.metrics, self.history, self.seen = {}, {}, {}, {}
         self.corrected, self.speculated = 0, 0                               # KV-head decisions re-scored / made speculatively
         self.built = 0                                                       # pages summarized (all heads of a page at once), summed over layers
 
     def metric(self, ctx) -> Tensor | None:
-        "The layer's output metric G [Hkv, d, d] from its o_proj (OVAL only)."
-        if self.method != "oval": return None
-        if ctx.module is None: raise ValueError("OVAL needs the attention module (ctx.module, with o_proj) for its output metric G")
+        "The layer's output metric G [Hkv, d, d] from its o_proj for a summary that takes one and has none (OVAL); else None."
+        if not self.spec.needs_metric or self.spec.G is not None: return None
+        if ctx.module is None:
+            raise ValueError(f"{type(self.spec).__name__} needs the attention module (ctx.module, with o_proj) "
+                             "for its output metric G")
         if ctx.layer_idx not in self.metrics:
             m = ctx.module
             W = m.o_proj.weight.detach()
@@ -434,11 +272,12 @@ class PageRetrievalPolicy(SelectionPolicy):
     def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
         "The layer's packed summaries of every complete page of k, v [B, Hkv, T, d]: only the pages completed since the last call are built and appended."
         i, m, P = ctx.layer_idx, self.page_size, k.shape[2] // self.page_size
-        packed = self.summaries.get(i) or self.summaries.setdefault(i, PackedPages(self.method, m))
+        packed = self.summaries.get(i) or self.summaries.setdefault(i, PackedPages(self.spec, m))
         done = packed.n_pages
         if P > done or packed.heads is None:
-            packed.append(build_summaries(self.method, k[:, :, done * m:P * m], v[:, :, done * m:P * m], m, self.rank, self.eta,
-                                          None if self.method != "oval" else self.metric(ctx).to(k.device)))
+            G = self.metric(ctx)
+            spec = self.spec if G is None else self.spec.with_metric(G.to(k.device))
+            packed.append(spec.summarize(k[:, :, done * m:P * m], v[:, :, done * m:P * m], m))
             self.built += P - done
         return packed
 

@@ -37,7 +37,9 @@ import numpy as np
 # This notebook derives the method from the paper's §3 and App. A, one step at a time, with a
 # numerical check (float64, against a brute-force computation) after each step; then it
 # exports the batched construction `page_basis` (§3.3, App. D.3), its direct $d\times d$
-# reference, the output metric $G$ from a model's `o_proj`, and the page score.
+# reference, the output metric $G$ from a model's `o_proj`, and the page score. The page
+# summaries built on it (OVAL, key PCA, and the baselines) are in
+# [`sparsekv.oval.summaries`](31_oval_summaries.ipynb).
 #
 # **A note on our copy of the paper.** Some display equations are missing from it: the
 # definitions of the logit error $e_B(q)$ (and with it $\hat z_B$, $\hat\ell_B$), of

@@ -1,276 +1,63 @@
 # %% [markdown]
 # # OVAL page retrieval
 #
-# > Page summaries (Quest, ArkVale, key PCA, OVAL, oracle), their scores, GQA aggregation, page selection within a token budget, and storage cost.
+# > Page retrieval from the page summaries: GQA aggregation, page selection within a token budget, storage cost, retrieval quality, the packed decode layout and the decode-time retrieval policy.
 
 # %%
 #| default_exp oval.pages
 
 # %% [markdown]
 # A page retriever keeps the full KV cache and, for every decode query, attends exactly to a
-# few *pages* of $m$ consecutive tokens (OVAL §1, D.8). Which pages is decided from a
-# compact *summary* stored beside each completed page. This notebook builds the summaries
-# the OVAL paper compares (§2, §4):
-#
-# | method | summary per page and KV head | page score for a query $q$ (log domain) |
-# |---|---|---|
-# | Quest | per-channel min $\ell$ and max $u$ of the keys | $s\sum_c \max(q_c \ell_c,\ q_c u_c)$ |
-# | ArkVale | centre $c$ and radius $\rho$ of a ball holding the keys | $s\,(q\cdot c + \lVert q\rVert \rho)$ |
-# | key PCA (LOCKS) | $\mu$, $B$, $R$ from `page_basis(..., eta=0)` | $\log\sum_t \exp(s\,(R_t\cdot B^\top q + \mu\cdot q))$ |
-# | OVAL | $\mu$, $B$, $R$ from `page_basis(..., eta)`, $\eta\in(0,1]$ | same as key PCA |
-# | oracle | the keys themselves | $\log\sum_t \exp(s\, k_t\cdot q)$, the exact page LSE |
-#
-# with $s = 1/\sqrt d$. Only complete pages get a summary; the tokens of a trailing
-# partial page are always attended ("recent"). Keys are post-RoPE, laid out `[B, Hkv, T, d]`.
-#
-# **Our reading of ArkVale.** The OVAL paper only says ArkVale "summarizes pages with
-# compact geometric representations" [13]; the issue asks for a centre/radius summary. We
-# use the bounding ball around the page mean, $c=\mu$, $\rho=\max_t\lVert k_t-\mu\rVert$,
-# stored as $d+1$ scalars. By Cauchy–Schwarz, $q\cdot k_t = q\cdot c + q\cdot(k_t-c) \le
-# q\cdot c + \lVert q\rVert\rho$, so like Quest's it is an upper bound on every key's logit
-# in the page (Quest's holds because $q_c k_c \le \max(q_c\ell_c, q_c u_c)$ channel by
-# channel). The ArkVale paper itself also considers a bounding cuboid; that variant is Quest's box.
+# few *pages* of $m$ consecutive tokens (OVAL §1, D.8), chosen from a compact summary stored
+# beside each completed page. The summaries the OVAL paper compares (§2, §4) — Quest, ArkVale,
+# key PCA, OVAL and the oracle — are the `PageSummary` classes of
+# [`sparsekv.oval.summaries`](31_oval_summaries.ipynb), found by name in `SUMMARIES`; their
+# scores come in the log domain, `[B, Hq, P]` or `[B, Hq, S, P]`. This notebook turns those
+# scores into retrieval: one page selection per KV head (GQA aggregation), the pages that fit a
+# token budget, what the summaries cost to store, how well they retrieve, and the decode-time
+# policy that plugs it all into `sparsekv.hf`. Every function that takes a `method` takes its
+# name (`"quest"`, `"arkvale"`, `"keypca"`, `"oval"`, `"oracle"`) or a `PageSummary`.
 
 # %%
 #| export
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pandas as pd
 import torch
 from torch import Tensor
 
+from sparsekv.attention import check_int
 from sparsekv.eval import attention_fidelity
 from sparsekv.hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
-from sparsekv.oval.basis import output_metric, page_basis, page_lse_exact, page_score
+from sparsekv.oval.basis import output_metric
+from sparsekv.oval.summaries import METHODS, PageSummary, _check_cache, _group_queries, make_summary
+# the string API of the summaries, importable from here too
+from sparsekv.oval.summaries import build_summaries, score_pages, score_pages_reference, split_pages
 
 # %%
+#| hide
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
-# %% [markdown]
-# ## Pages and summaries
-#
-# `split_pages` views the complete pages of a cache `[B, H, T, d]` as `[B, H, P, m, d]`,
-# $P=\lfloor T/m\rfloor$. A summary records the method, the page size, the cache length it
-# was built from and its tensors, each `[B, Hkv, P, ...]`.
-
 # %%
-#| export
-METHODS = ("quest", "arkvale", "keypca", "oval", "oracle")
-
-def _check_method(method) -> str:
-    if method not in METHODS: raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return method
-
-def _check_int(x, name: str, lo: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < lo: raise ValueError(f"{name} must be an int >= {lo}, got {x!r}")
-    return x
-
-def _check_cache(x, name: str) -> Tensor:
-    if not isinstance(x, Tensor) or not x.is_floating_point(): raise TypeError(f"{name} must be a floating-point torch.Tensor")
-    if x.dim() != 4: raise ValueError(f"{name} must be [B, Hkv, T, d], got shape {tuple(x.shape)}")
-    return x
-
-def split_pages(x: Tensor, page_size: int) -> Tensor:
-    "The complete pages of a cache x [B, H, T, d] as [B, H, P, m, d], P = T // m (a trailing partial page is left out)."
-    _check_cache(x, "x")
-    m = _check_int(page_size, "page_size", 1)
-    B, H, T, d = x.shape
-    P = T // m
-    return x[:, :, : P * m].reshape(B, H, P, m, d)
-
-@dataclass
-class PageSummary:
-    "Summaries of the complete pages of one cache: method, page size m, cache length T, tensors each [B, Hkv, P, ...]."
-    method: str
-    page_size: int
-    length: int
-    tensors: dict
-
-    @property
-    def n_pages(self) -> int:
-        "Number of summarized (complete) pages P."
-        return self.length // self.page_size
+from sparsekv.oval.summaries import OVALSummary
 
 
 # %% [markdown]
-# The builders. Quest keeps the per-channel extrema; ArkVale the mean and the largest
-# distance to it; the basis methods call `page_basis` batched over `[B, Hkv, P]` pages, with
-# the output metric $G$ `[Hkv, d, d]` (from `output_metric`) broadcast over batch and pages;
-# the oracle keeps the keys.
-
-# %%
-#| export
-def quest_summary(K: Tensor, page_size: int) -> dict:
-    "Quest (§2): per-channel key min and max of each complete page, each [B, Hkv, P, d]."
-    pages = split_pages(K, page_size)
-    return {"kmin": pages.amin(-2), "kmax": pages.amax(-2)}
-
-def arkvale_summary(K: Tensor, page_size: int) -> dict:
-    "ArkVale as a bounding ball (our reading): centre = page mean [B, Hkv, P, d], radius = max_t ||k_t - centre|| [B, Hkv, P]."
-    pages = split_pages(K, page_size)
-    centre = pages.mean(-2)
-    return {"centre": centre, "radius": (pages - centre.unsqueeze(-2)).norm(dim=-1).amax(-1)}
-
-def basis_summary(K: Tensor, V: Tensor, page_size: int, rank: int = 8, eta: float = 0.5, G: Tensor | None = None) -> dict:
-    "OVAL / key-PCA summary (§3.3): page_basis per page, mu [B, Hkv, P, d], B [B, Hkv, P, d, r], R [B, Hkv, P, m, r]."
-    _check_cache(V, "V")
-    if V.shape[:3] != K.shape[:3]: raise ValueError(f"V {tuple(V.shape)} must match K {tuple(K.shape)} in batch, heads and length")
-    if G is not None:
-        if not isinstance(G, Tensor) or G.dim() != 3 or G.shape[0] != K.shape[1]:
-            raise ValueError(f"G must be [Hkv={K.shape[1]}, dv, dv] (see output_metric), got {getattr(G, 'shape', type(G).__name__)}")
-        G = G[:, None]                                                     # broadcast over pages
-    mu, B, R = page_basis(split_pages(K, page_size), split_pages(V, page_size), G, rank=rank, eta=eta)
-    return {"mu": mu, "B": B, "R": R}
-
-def build_summaries(method: str, K: Tensor, V: Tensor | None, page_size: int, rank: int = 8, eta: float = 0.5,
-                    G: Tensor | None = None) -> PageSummary:
-    "Summaries of the complete pages of K (and V for OVAL) [B, Hkv, T, d]: 'quest', 'arkvale', 'keypca' (eta = 0), 'oval' (eta, G), 'oracle'."
-    _check_method(method)
-    _check_cache(K, "K")
-    m = _check_int(page_size, "page_size", 1)
-    if method == "quest": t = quest_summary(K, m)
-    elif method == "arkvale": t = arkvale_summary(K, m)
-    elif method == "oracle": t = {"K": split_pages(K, m)}
-    else:
-        if V is None and method == "oval": raise ValueError("V is required for method 'oval'")
-        # key PCA never looks at the values (eta = 0), so V may be omitted
-        t = basis_summary(K, K if V is None else V, m, rank, 0.0 if method == "keypca" else eta, None if method == "keypca" else G)
-    return PageSummary(method, m, K.shape[2], t)
-
-
-# %% [markdown]
-# ## Scores
-#
-# Queries arrive as `[B, Hq, d]` (one decode step) or `[B, Hq, S, d]` (several queries
-# scored against the same pages). Query head $h G + g$ reads the summaries of KV head $h$,
-# so we view the queries as `[B, Hkv, G, S, 1, d]` against summaries `[B, Hkv, 1, 1, P, ...]`
-# and broadcast. Scores are in the log domain (they are logits or log-masses) and come back
-# as `[B, Hq, P]` or `[B, Hq, S, P]`.
-
-# %%
-#| export
-def _group_queries(q: Tensor, Hkv: int) -> tuple[Tensor, bool]:
-    "q [B, Hq, d] or [B, Hq, S, d] -> [B, Hkv, G, S, 1, d] and whether S was added."
-    if not isinstance(q, Tensor) or not q.is_floating_point(): raise TypeError("q must be a floating-point torch.Tensor")
-    if q.dim() not in (3, 4): raise ValueError(f"q must be [B, Hq, d] or [B, Hq, S, d], got shape {tuple(q.shape)}")
-    single = q.dim() == 3
-    if single: q = q.unsqueeze(2)
-    B, Hq, S, d = q.shape
-    if Hq % Hkv: raise ValueError(f"the query heads ({Hq}) must be a multiple of the summary's KV heads ({Hkv})")
-    return q.reshape(B, Hkv, Hq // Hkv, S, 1, d), single
-
-def _pages(x: Tensor) -> Tensor:
-    "[B, Hkv, P, *] -> [B, Hkv, 1, 1, P, *] to broadcast against grouped queries."
-    return x.unsqueeze(2).unsqueeze(3)
-
-def quest_score(q: Tensor, kmin: Tensor, kmax: Tensor, scale: float) -> Tensor:
-    "Quest upper bound scale * sum_c max(q_c kmin_c, q_c kmax_c): q [..., d], kmin/kmax [..., d] broadcast -> [...]."
-    return torch.maximum(q * kmin, q * kmax).sum(-1) * scale
-
-def arkvale_score(q: Tensor, centre: Tensor, radius: Tensor, scale: float) -> Tensor:
-    "Bounding-ball upper bound scale * (q . c + ||q|| rho): q [..., d], centre [..., d], radius [...] broadcast -> [...]."
-    return ((q * centre).sum(-1) + q.norm(dim=-1) * radius) * scale
-
-def score_pages(method: str, summary: PageSummary, q: Tensor, scale: float | None = None) -> Tensor:
-    "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]) of the summary's pages; scale defaults to 1/sqrt(d)."
-    _check_method(method)
-    if not isinstance(summary, PageSummary): raise TypeError(f"summary must be a PageSummary, got {type(summary).__name__}")
-    if summary.method != method: raise ValueError(f"summary was built for {summary.method!r}, not {method!r}")
-    t = summary.tensors
-    first = next(iter(t.values()))
-    Bsz, Hkv, P = first.shape[:3]
-    qg, single = _group_queries(q, Hkv)
-    d = qg.shape[-1]
-    if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the summary's ({Bsz})")
-    s = 1 / math.sqrt(d) if scale is None else float(scale)
-    wd = torch.promote_types(q.dtype, torch.float32)
-    qg = qg.to(wd)
-    if method == "quest": out = quest_score(qg, _pages(t["kmin"]).to(wd), _pages(t["kmax"]).to(wd), s)
-    elif method == "arkvale": out = arkvale_score(qg, _pages(t["centre"]).to(wd), _pages(t["radius"]).to(wd), s)
-    elif method == "oracle": out = page_lse_exact(qg, _pages(t["K"]), scale=s)
-    else: out = page_score(qg, _pages(t["mu"]), _pages(t["B"]), _pages(t["R"]), scale=s)
-    out = out.reshape(Bsz, -1, out.shape[-2], P)                            # [B, Hq, S, P]
-    return out[:, :, 0] if single else out
-
-
-# %% [markdown]
-# Brute-force references: an explicit loop over batch, query head and page that computes
-# each definition from the original keys of the page (for the bounds) or from the summary
-# tensors (for the basis score).
-
-# %%
-#| export
-def score_pages_reference(method: str, K: Tensor, q: Tensor, summary: PageSummary) -> Tensor:
-    "Loop reference of score_pages for q [B, Hq, d]: Quest/ArkVale/oracle from the keys K [B, Hkv, T, d], basis methods from the summary's tensors."
-    Bsz, Hq, d = q.shape
-    Hkv, m, P = K.shape[1], summary.page_size, summary.n_pages
-    s = 1 / math.sqrt(d)
-    out = torch.empty(Bsz, Hq, P, dtype=torch.float64)
-    for b in range(Bsz):
-        for h in range(Hq):
-            x = q[b, h].double()
-            kv = h // (Hq // Hkv)
-            for p in range(P):
-                Kp = K[b, kv, p * m:(p + 1) * m].double()
-                if method == "quest":
-                    lo, hi = Kp.min(0).values, Kp.max(0).values
-                    out[b, h, p] = s * sum(max(x[c] * lo[c], x[c] * hi[c]) for c in range(d))
-                elif method == "arkvale":
-                    c = Kp.mean(0)
-                    out[b, h, p] = s * (x @ c + x.norm() * max((Kp[t] - c).norm() for t in range(m)))
-                elif method == "oracle":
-                    out[b, h, p] = math.log(sum(math.exp(s * float(Kp[t] @ x)) for t in range(m)))
-                else:
-                    mu, Bb, R = (summary.tensors[n][b, kv, p].double() for n in ("mu", "B", "R"))
-                    out[b, h, p] = math.log(sum(math.exp(s * float(R[t] @ (Bb.T @ x) + mu @ x)) for t in range(m)))
-    return out
-
-
-# %% [markdown]
-# Check every method against its loop on a random GQA cache (2 KV heads, 3 query heads each),
-# with a trailing partial page that must be ignored:
+# The checks below use a random GQA cache (2 KV heads, 3 query heads each, $d = 16$) whose
+# keys have channels of different scales and a shared offset, as in `sparsekv.oval.summaries`.
 
 # %%
 def _random_cache(B=2, Hkv=2, T=4 * 8 + 5, d=16, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    K = torch.randn(B, Hkv, T, d, generator=g, dtype=dtype) * torch.logspace(0, -1, d, dtype=dtype) + torch.randn(d, generator=g, dtype=dtype)
+    K = torch.randn(B, Hkv, T, d, generator=g, dtype=dtype) * torch.logspace(0, -1, d, dtype=dtype)
+    K = K + torch.randn(d, generator=g, dtype=dtype)
     V = torch.randn(B, Hkv, T, d, generator=g, dtype=dtype)
     A = torch.randn(Hkv, d, d, generator=g, dtype=dtype)
     return K, V, A.mT @ A / d
 
-K, V, G = _random_cache()
-q = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-for method in METHODS:
-    summ = build_summaries(method, K, V, page_size=8, rank=3, eta=0.5, G=G)
-    test_eq(summ.n_pages, 4)
-    sc = score_pages(method, summ, q)
-    test_eq(sc.shape, (2, 6, 4))
-    assert_close(sc, score_pages_reference(method, K, q, summ))
-    # several queries at once give the same scores as one at a time
-    assert_close(score_pages(method, summ, torch.stack([q, 2 * q], 2)), torch.stack([sc, score_pages(method, summ, 2 * q)], 2))
-
-# %% [markdown]
-# Quest's and ArkVale's scores are upper bounds on the logit $s\,k_t\cdot q$ of every key in
-# the page, hence also on $\max_t$; and since $\log\sum_t e^{z_t} \le \max_t z_t + \log m$,
-# the oracle's log-mass is bounded by them plus $\log m$. At rank $m-1$ the basis methods
-# represent every centred key exactly ($X$ has rank $\le m-1$), so their score equals the
-# oracle's exact page LSE:
-
-# %%
-logits = torch.einsum("bhgd,bhpmd->bhgpm", q.reshape(2, 2, 3, 16), split_pages(K, 8)).reshape(2, 6, 4, 8) / 4
-oracle = score_pages("oracle", build_summaries("oracle", K, V, 8), q)
-for method in ("quest", "arkvale"):
-    sc = score_pages(method, build_summaries(method, K, V, 8), q)
-    assert (sc.unsqueeze(-1) >= logits - 1e-12).all(), method
-    assert (sc + math.log(8) >= oracle - 1e-12).all(), method
-for method in ("keypca", "oval"):
-    assert_close(score_pages(method, build_summaries(method, K, V, 8, rank=7, G=G), q), oracle)
-    # at a low rank the score is only an approximation
-    assert not torch.allclose(score_pages(method, build_summaries(method, K, V, 8, rank=1, G=G), q), oracle)
 
 # %% [markdown]
 # ## GQA aggregation
@@ -293,7 +80,7 @@ def aggregate_gqa(page_scores: Tensor, num_kv_heads: int, policy: str = "avgSM")
     if policy not in GQA_POLICIES: raise ValueError(f"policy must be one of {GQA_POLICIES}, got {policy!r}")
     if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point(): raise TypeError("page_scores must be a floating-point tensor")
     if page_scores.dim() not in (3, 4): raise ValueError(f"page_scores must be [B, Hq, P] or [B, Hq, S, P], got {tuple(page_scores.shape)}")
-    Hkv = _check_int(num_kv_heads, "num_kv_heads", 1)
+    Hkv = check_int(num_kv_heads, "num_kv_heads", 1)
     B, Hq = page_scores.shape[:2]
     if Hq % Hkv: raise ValueError(f"the query heads ({Hq}) must be a multiple of num_kv_heads ({Hkv})")
     pi = page_scores.softmax(-1).reshape(B, Hkv, Hq // Hkv, *page_scores.shape[2:])
@@ -345,10 +132,10 @@ def always_kept(T: int, page_size: int, sink: int, recent: int) -> tuple[int, in
 def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
     "Complete pages [B, Hkv, (S,) n_p] each KV head keeps, sorted: sink pages, the top-weighted pages within token_budget, recent pages."
     if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point(): raise TypeError("page_scores must be a floating-point tensor")
-    m = _check_int(page_size, "page_size", 1)
-    T = _check_int(T, "T", 1)
-    sink, recent = _check_int(sink, "sink", 0), _check_int(recent, "recent", 0)
-    budget = _check_int(token_budget, "token_budget", 1)
+    m = check_int(page_size, "page_size", 1)
+    T = check_int(T, "T", 1)
+    sink, recent = check_int(sink, "sink", 0), check_int(recent, "recent", 0)
+    budget = check_int(token_budget, "token_budget", 1)
     P = T // m
     if page_scores.dim() < 3 or page_scores.shape[-1] != P:
         raise ValueError(f"page_scores must be [B, Hkv, (S,) P] with P = T // page_size = {P}, got {tuple(page_scores.shape)}")
@@ -364,8 +151,8 @@ def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int,
 
 def page_tokens(pages: Tensor, page_size: int, T: int) -> Tensor:
     "Token indices [..., n_p * m + T % m] of complete pages [..., n_p], followed by the trailing partial page [T - T % m, T)."
-    m = _check_int(page_size, "page_size", 1)
-    tail = torch.arange(T // m * m, _check_int(T, "T", 1), device=pages.device)
+    m = check_int(page_size, "page_size", 1)
+    tail = torch.arange(T // m * m, check_int(T, "T", 1), device=pages.device)
     return torch.cat([(pages.unsqueeze(-1) * m + torch.arange(m, device=pages.device)).flatten(-2), tail.expand(*pages.shape[:-1], -1)], -1)
 
 def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
@@ -412,16 +199,15 @@ test_fail(lambda: select_pages(w, 40, 8, 4, 8, 90), contains="P = T // page_size
 # and KV head. Scalars per page, with $r_{\text{eff}}=\min(r, m-1, d)$:
 # Quest $2d$; ArkVale $d+1$; key PCA and OVAL $d + d\,r_{\text{eff}} + m\,r_{\text{eff}}$
 # ($\mu$, $B$, $R$; the same for both: OVAL uses the values only while building the basis);
-# the oracle reads the page's $m d$ keys, stored nowhere extra.
+# the oracle reads the page's $m d$ keys, stored nowhere extra. Each `PageSummary` counts its own
+# (`scalars`); `summary_scalars` asks the method's.
 
 # %%
 #| export
-def summary_scalars(method: str, page_size: int, head_dim: int, rank: int = 8) -> int:
+def summary_scalars(method: str | PageSummary, page_size: int, head_dim: int, rank: int = 8) -> int:
     "Scalars stored per page and KV head by a method's summary (oracle: the m*d keys it reads)."
-    _check_method(method)
-    m, d = _check_int(page_size, "page_size", 1), _check_int(head_dim, "head_dim", 1)
-    r = min(_check_int(rank, "rank", 1), m - 1, d)
-    return {"quest": 2 * d, "arkvale": d + 1, "keypca": d + d * r + m * r, "oval": d + d * r + m * r, "oracle": m * d}[method]
+    spec = make_summary(method, check_int(rank, "rank", 1))
+    return spec.scalars(check_int(page_size, "page_size", 1), check_int(head_dim, "head_dim", 1))
 
 def storage_table(page_size: int = 32, head_dim: int = 64, rank: int = 8, dtype: torch.dtype = torch.bfloat16) -> pd.DataFrame:
     "Per-page, per-KV-head summary storage of every method: scalars, bytes in dtype, and the ratio to the page's keys."
@@ -443,6 +229,8 @@ for mt in METHODS:
     stored = sum(x[0, 0].numel() for x in summ.tensors.values()) // summ.n_pages  # per page and KV head
     test_eq(stored, summary_scalars(mt, 8, 16, rank=3))
 test_eq(summary_scalars("oval", 4, 64, rank=8), 64 + 64 * 3 + 4 * 3)   # rank cap m - 1
+test_eq(summary_scalars(OVALSummary(rank=3), 8, 16), summary_scalars("oval", 8, 16, rank=3))
+test_fail(lambda: summary_scalars("pq", 8, 16), contains="method must be one of")
 
 
 # %% [markdown]
@@ -457,11 +245,12 @@ test_eq(summary_scalars("oval", 4, 64, rank=8), 64 + 64 * 3 + 4 * 3)   # rank ca
 
 # %%
 #| export
-def retrieval_quality(method: str, q: Tensor, K: Tensor, V: Tensor, page_size: int, token_budget: int, sink: int, recent: int,
-                      rank: int = 8, eta: float = 0.5, G: Tensor | None = None, policy: str = "avgSM") -> tuple[Tensor, Tensor]:
-    "Mass recall and relative output error [B, Hq, S] of page retrieval for the last S queries q [B, Hq, S, d] over the cache K, V [B, Hkv, T, d]."
-    summ = build_summaries(method, K, V, page_size, rank, eta, G)
-    w = aggregate_gqa(score_pages(method, summ, q), K.shape[1], policy)
+def retrieval_quality(method: str | PageSummary, q: Tensor, K: Tensor, V: Tensor, page_size: int, token_budget: int,
+                      sink: int, recent: int, rank: int = 8, eta: float = 0.5, G: Tensor | None = None,
+                      policy: str = "avgSM") -> tuple[Tensor, Tensor]:
+    "Mass recall and relative output error [B, Hq, S] of page retrieval for queries q [B, Hq, S, d] over K, V [B, Hkv, T, d]."
+    summ = make_summary(method, rank, eta, G).summarize(K, V, page_size)
+    w = aggregate_gqa(summ.score(q), K.shape[1], policy)
     idx = select_pages(w, token_budget, page_size, sink, recent, K.shape[2])
     return attention_fidelity(q, K, V, idx)
 
@@ -546,20 +335,14 @@ smol
 # of the packed layout over `score_pages`). At decode a page's summary never changes once
 # built, so `PackedPages` lays it out once, when the page completes, as rows of one matrix per
 # KV head, chosen so that **one GEMM scores every page for every query head of the group**.
-# Each method's score is a function of inner products of a query feature $\phi(q)$ with the
-# page's rows $W_p$ (with $s = 1/\sqrt d > 0$ folded into the query):
-#
-# - **Quest**: since $\ell_c \le u_c$, $\max(q_c\ell_c, q_c u_c) = q_c^+ u_c + q_c^- \ell_c$
-#   with $q^+ = \max(q, 0)$, $q^- = \min(q, 0)$, so the score is $\phi(q)\cdot W_p$ with
-#   $\phi(q) = [s q^+;\ s q^-]$ and one row $W_p = [u;\ \ell]$ of $2d$ scalars;
-# - **ArkVale**: $s(q\cdot c + \lVert q\rVert\rho) = [sq;\ \lVert sq\rVert]\cdot[c;\ \rho]$, one row of $d+1$;
-# - **key PCA / OVAL**: $W_p = [B_p^\top;\ \mu_p^\top]$, $r+1$ rows of $d$: $W_p(sq)$ gives the
-#   page's code $c_p = s B_p^\top q$ and its mean term $s\mu_p\cdot q$ at once. The remaining
-#   $R_p c_p$ ($m \times r$ times $r$) is one small product per page, batched over all pages:
-#
-# $$\text{score}_p(q) = \log\sum_{t=1}^m \exp\big((R_p c_p)_t\big) + s\,\mu_p\cdot q,\qquad c_p = s B_p^\top q ;$$
-#
-# - **oracle**: $W_p = K_p$, $m$ rows; the score is the log-sum-exp of $W_p(sq)$.
+# Each summary's score is a function of inner products of a query feature $\phi(sq)$ with the
+# page's rows $W_p$ ($s = 1/\sqrt d > 0$ folded into the query), and each `PageSummary` defines
+# that layout (see [`sparsekv.oval.summaries`](31_oval_summaries.ipynb)): `rows_per_page`
+# and `pack` give $W_p$, `features` gives $\phi$, `packed_score` turns the products into the
+# page score. Quest: one row $[u;\ \ell]$ of $2d$ against $[sq^+;\ sq^-]$; ArkVale: one row
+# $[c;\ \rho]$ of $d+1$ against $[sq;\ \lVert sq\rVert]$; key PCA and OVAL: the $r+1$ rows
+# $[B_p^\top;\ \mu_p^\top]$, giving the code $c_p = sB_p^\top q$ and the mean term at once, then
+# $\log\sum_t \exp((R_p c_p)_t)$ batched over the pages; the oracle: its $m$ keys, then a log-sum-exp.
 #
 # Stacking the rows of all $P$ pages of a KV head, $W = [W_1; \dots; W_P]$, the products of all
 # pages with the $G$ query heads of the group are the single product $\phi(Q)\,W^\top$,
@@ -578,19 +361,6 @@ smol
 
 # %%
 #| export
-def _rows_per_page(method: str, page_size: int, rank: int) -> int:
-    "Rows of the packed matrix per page: 1 (Quest, ArkVale), rank + 1 (basis: B^T and mu), m (oracle)."
-    if method in ("quest", "arkvale"): return 1
-    return page_size if method == "oracle" else rank + 1
-
-def packed_rows(summary: PageSummary) -> tuple[Tensor, Tensor | None]:
-    "A summary's pages as packed rows [B, Hkv, P, rows, f] (see the text) and, for the basis methods, R [B, Hkv, P, m, r]."
-    t = summary.tensors
-    if summary.method == "quest": return torch.cat([t["kmax"], t["kmin"]], -1).unsqueeze(-2), None
-    if summary.method == "arkvale": return torch.cat([t["centre"], t["radius"].unsqueeze(-1)], -1).unsqueeze(-2), None
-    if summary.method == "oracle": return t["K"], None
-    return torch.cat([t["B"].mT, t["mu"].unsqueeze(-2)], -2), t["R"]
-
 def _reserve(buf: Tensor | None, used: int, need: int, dim: int, like: Tensor) -> Tensor:
     "A buffer with room for `need` entries along dim (capacity doubling), holding buf's first `used` entries."
     if buf is not None and buf.shape[dim] >= need: return buf
@@ -602,25 +372,28 @@ def _reserve(buf: Tensor | None, used: int, need: int, dim: int, like: Tensor) -
 
 
 class PackedPages:
-    "A growing cache's page summaries packed for decode: rows appended once per completed page, every page scored by one GEMM per KV head."
-    def __init__(self, method: str, page_size: int):
-        self.method, self.page_size = _check_method(method), _check_int(page_size, "page_size", 1)
+    "A growing cache's page summaries packed for decode: rows appended once per page, all pages scored by one GEMM per KV head."
+    def __init__(self, method: str | PageSummary, page_size: int):
+        self.spec, self.page_size = make_summary(method), check_int(page_size, "page_size", 1)   # the first append's replaces spec
         self.n_pages, self.heads, self.rank = 0, None, None
-        self.W = self.R = None              # W [B*Hkv, capacity * rows, f]; R [capacity, B*Hkv, m, r] (basis methods)
+        self.W = self.R = None              # W [B*Hkv, capacity * rows, f]; R [capacity, B*Hkv, ...] (basis methods' R)
 
     @property
     def rows(self) -> int:
         "Rows of the packed matrix per page."
-        return _rows_per_page(self.method, self.page_size, self.rank)
+        return self.spec.rows_per_page(self.page_size, self.rank)
 
     def append(self, summary: PageSummary) -> "PackedPages":
         "Append the pages of `summary` (the pages completed since the last append, same batch and KV heads); returns self."
-        if not isinstance(summary, PageSummary): raise TypeError(f"summary must be a PageSummary, got {type(summary).__name__}")
-        if summary.method != self.method or summary.page_size != self.page_size:
-            raise ValueError(f"summary is {summary.method!r} with page_size {summary.page_size}, this store holds {self.method!r} with {self.page_size}")
-        rows, R = packed_rows(summary)
+        if not isinstance(summary, PageSummary) or summary.tensors is None:
+            raise TypeError(f"summary must be a PageSummary holding pages (see summarize), got {type(summary).__name__}")
+        if type(summary) is not type(self.spec) or summary.page_size != self.page_size:
+            raise ValueError(f"summary is {summary.name!r} with page_size {summary.page_size}, "
+                             f"this store holds {self.spec.name!r} with {self.page_size}")
+        rows, R = summary.pack()
         Bsz, Hkv, n, nr, f = rows.shape
-        if self.heads is None: self.heads, self.rank = (Bsz, Hkv), None if R is None else R.shape[-1]
+        if self.heads is None:
+            self.heads, self.rank, self.spec = (Bsz, Hkv), None if R is None else R.shape[-1], summary.with_tensors()
         elif self.heads != (Bsz, Hkv) or (R is not None and R.shape[-1] != self.rank):
             raise ValueError(f"summary has batch, KV heads {(Bsz, Hkv)} and rank {None if R is None else R.shape[-1]}; this store holds {self.heads}, rank {self.rank}")
         wd = torch.promote_types(rows.dtype, torch.float32)
@@ -629,7 +402,7 @@ class PackedPages:
         self.W = _reserve(self.W, P * nr, (P + n) * nr, 1, rows)
         self.W[:, P * nr:(P + n) * nr] = rows
         if R is not None:
-            R = R.to(wd).reshape(BH, n, *R.shape[-2:]).transpose(0, 1)
+            R = R.to(wd).reshape(BH, n, *R.shape[3:]).transpose(0, 1)
             self.R = _reserve(self.R, P, P + n, 0, R)
             self.R[P:P + n] = R
         self.n_pages = P + n
@@ -644,34 +417,23 @@ class PackedPages:
         if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the store's ({Bsz})")
         s = 1 / math.sqrt(d) if scale is None else float(scale)
         if not s > 0: raise ValueError(f"scale must be > 0, got {scale!r}")
-        P, nr, BH, m = self.n_pages, self.rows, Bsz * Hkv, self.page_size
-        x = qg.reshape(BH, G * S, d).to(self.W.dtype) * s
-        if self.method == "quest": x = torch.cat([x.clamp(min=0), x.clamp(max=0)], -1)
-        elif self.method == "arkvale": x = torch.cat([x, x.norm(dim=-1, keepdim=True)], -1)
-        z = torch.bmm(x, self.W[:, :P * nr].mT).view(BH, G * S, P, nr)     # the one GEMM: every page, every query of the group
-        if self.method in ("quest", "arkvale"): out = z[..., 0]
-        elif self.method == "oracle": out = z.logsumexp(-1)
-        else:
-            r = self.rank
-            code = z[..., :r].permute(2, 0, 1, 3).reshape(P * BH, G * S, r)   # c_p per page, [P*BH, GS, r]
-            logits = torch.bmm(code, self.R[:P].view(P * BH, m, r).mT)        # (R_p c_p)_t  [P*BH, GS, m]
-            out = logits.view(P, BH, G * S, m).logsumexp(-1).permute(1, 2, 0) + z[..., r]
-        out = out.reshape(Bsz, Hkv * G, S, P)
+        P, nr, BH = self.n_pages, self.rows, Bsz * Hkv
+        x = self.spec.features(qg.reshape(BH, G * S, d).to(self.W.dtype) * s)
+        z = torch.bmm(x, self.W[:, :P * nr].mT).view(BH, G * S, P, nr)     # the one GEMM: all pages, all queries of the group
+        out = self.spec.packed_score(z, None if self.R is None else self.R[:P]).reshape(Bsz, Hkv * G, S, P)
         return out[:, :, 0] if single else out
 
     @property
     def tensors(self) -> dict:
         "The summary tensors in PageSummary's layout [B, Hkv, P, ...] (views of the packed buffers)."
-        Bsz, Hkv = self.heads
-        P, W = self.n_pages, self.W[:, :self.n_pages * self.rows].view(Bsz, Hkv, self.n_pages, self.rows, -1)
-        if self.method == "quest": return {"kmin": W[..., 0, W.shape[-1] // 2:], "kmax": W[..., 0, :W.shape[-1] // 2]}
-        if self.method == "arkvale": return {"centre": W[..., 0, :-1], "radius": W[..., 0, -1]}
-        if self.method == "oracle": return {"K": W}
-        return {"mu": W[..., -1, :], "B": W[..., :-1, :].mT, "R": self.R[:P].view(P, Bsz, Hkv, *self.R.shape[-2:]).permute(1, 2, 0, 3, 4)}
+        (Bsz, Hkv), P = self.heads, self.n_pages
+        W = self.W[:, :P * self.rows].view(Bsz, Hkv, P, self.rows, -1)
+        R = None if self.R is None else self.R[:P].view(P, Bsz, Hkv, *self.R.shape[2:]).movedim(0, 2)
+        return self.spec.unpack(W, R)
 
     def summary(self) -> PageSummary:
-        "The packed pages as a PageSummary (views), for score_pages and the references."
-        return PageSummary(self.method, self.page_size, self.n_pages * self.page_size, self.tensors)
+        "The packed pages as a PageSummary of the store's kind holding views, for score_pages and the references."
+        return self.spec.with_tensors(self.page_size, self.n_pages * self.page_size, self.tensors)
 
 
 # %% [markdown]
@@ -701,7 +463,7 @@ test_fail(lambda: packed.append(build_summaries("quest", K, V, 8)), contains="th
 def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
     "The complete pages `pages` [B, H, n_p] of x [B, H, T, d] as whole [m, d] blocks, then the trailing partial page: [B, H, n_p*m + T % m, d]."
     _check_cache(x, "x")
-    m = _check_int(page_size, "page_size", 1)
+    m = check_int(page_size, "page_size", 1)
     B, H, T, d = x.shape
     P = T // m
     if pages.dtype != torch.long or pages.dim() != 3 or pages.shape[:2] != (B, H):
@@ -751,9 +513,11 @@ for T in (100, 96, 37):
 # built, so earlier summaries are kept and only new pages are appended to the layer's
 # `PackedPages`; `built` counts the pages summarized), scores every page with the current
 # query by the packed GEMM, aggregates over the group, and attends exactly to the sink,
-# recent and selected pages' original keys (`page_attention`). $G$ for OVAL comes from the
-# layer's `o_proj`. A cache that did not grow or whose first key changed (a new sequence)
-# rebuilds the layer's summaries.
+# recent and selected pages' original keys (`page_attention`). The summary is named
+# (`"oval"` with `rank` and `eta`, as in `build_summaries`) or given as a `PageSummary`
+# (`OVALSummary(rank=8, eta=0.5)`; `rank` and `eta` are then unused). A summary that takes the
+# output metric (OVAL) and was given none gets each layer's $G$ from that layer's `o_proj`. A
+# cache that did not grow or whose first key changed (a new sequence) rebuilds the layer's summaries.
 #
 # Speculative retrieval with correction (the paper's FreeKV setup, D.3: 2 steps, `corr_group avg`,
 # $\tau=0.8$ or $0.9$): with `spec_steps = n > 0` the pages are ranked with the layer's decode
@@ -768,23 +532,27 @@ for T in (100, 96, 37):
 #| export
 class PageRetrievalPolicy(SelectionPolicy):
     "Decode-time page retrieval: dense prefill; at decode, sink + recent + top pages within token_budget per KV head, from `method`'s summaries."
-    def __init__(self, method: str, token_budget: int, page_size: int = 32, sink: int = 32, recent: int = 32, rank: int = 8,
-                 eta: float = 0.5, policy: str = "avgSM", dense_layers: int = 1, spec_steps: int = 0, tau: float = 0.9):
-        _check_method(method)
+    def __init__(self, method: str | PageSummary, token_budget: int, page_size: int = 32, sink: int = 32, recent: int = 32,
+                 rank: int = 8, eta: float = 0.5, policy: str = "avgSM", dense_layers: int = 1, spec_steps: int = 0,
+                 tau: float = 0.9):
+        self.spec = make_summary(method, check_int(rank, "rank", 1), eta)   # unbuilt; pages are summarized per layer
         if policy not in GQA_POLICIES: raise ValueError(f"policy must be one of {GQA_POLICIES}, got {policy!r}")
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau): raise ValueError(f"tau must be a finite number, got {tau!r}")
-        self.method, self.budget, self.page_size = method, _check_int(token_budget, "token_budget", 1), _check_int(page_size, "page_size", 1)
-        self.sink, self.recent, self.rank = _check_int(sink, "sink", 0), _check_int(recent, "recent", 0), _check_int(rank, "rank", 1)
-        self.eta, self.policy, self.dense_layers = eta, policy, _check_int(dense_layers, "dense_layers", 0)
-        self.spec_steps, self.tau = _check_int(spec_steps, "spec_steps", 0), float(tau)
+        self.method, self.budget = self.spec.name, check_int(token_budget, "token_budget", 1)
+        self.page_size = check_int(page_size, "page_size", 1)
+        self.sink, self.recent = check_int(sink, "sink", 0), check_int(recent, "recent", 0)
+        self.policy, self.dense_layers = policy, check_int(dense_layers, "dense_layers", 0)
+        self.spec_steps, self.tau = check_int(spec_steps, "spec_steps", 0), float(tau)
         self.summaries, self.metrics, self.history, self.seen = {}, {}, {}, {}
         self.corrected, self.speculated = 0, 0                               # KV-head decisions re-scored / made speculatively
         self.built = 0                                                       # pages summarized (all heads of a page at once), summed over layers
 
     def metric(self, ctx) -> Tensor | None:
-        "The layer's output metric G [Hkv, d, d] from its o_proj (OVAL only)."
-        if self.method != "oval": return None
-        if ctx.module is None: raise ValueError("OVAL needs the attention module (ctx.module, with o_proj) for its output metric G")
+        "The layer's output metric G [Hkv, d, d] from its o_proj for a summary that takes one and has none (OVAL); else None."
+        if not self.spec.needs_metric or self.spec.G is not None: return None
+        if ctx.module is None:
+            raise ValueError(f"{type(self.spec).__name__} needs the attention module (ctx.module, with o_proj) "
+                             "for its output metric G")
         if ctx.layer_idx not in self.metrics:
             m = ctx.module
             W = m.o_proj.weight.detach()
@@ -807,11 +575,12 @@ class PageRetrievalPolicy(SelectionPolicy):
     def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
         "The layer's packed summaries of every complete page of k, v [B, Hkv, T, d]: only the pages completed since the last call are built and appended."
         i, m, P = ctx.layer_idx, self.page_size, k.shape[2] // self.page_size
-        packed = self.summaries.get(i) or self.summaries.setdefault(i, PackedPages(self.method, m))
+        packed = self.summaries.get(i) or self.summaries.setdefault(i, PackedPages(self.spec, m))
         done = packed.n_pages
         if P > done or packed.heads is None:
-            packed.append(build_summaries(self.method, k[:, :, done * m:P * m], v[:, :, done * m:P * m], m, self.rank, self.eta,
-                                          None if self.method != "oval" else self.metric(ctx).to(k.device)))
+            G = self.metric(ctx)
+            spec = self.spec if G is None else self.spec.with_metric(G.to(k.device))
+            packed.append(spec.summarize(k[:, :, done * m:P * m], v[:, :, done * m:P * m], m))
             self.built += P - done
         return packed
 
@@ -915,3 +684,23 @@ for j, (a, b, c) in enumerate(zip(plain, _steps(never, qs), _steps(always, qs)))
     w = aggregate_gqa(score_pages("quest", build_summaries("quest", kk[:, :, :T], None, 4), qs[j - 2 if j >= 2 else j][:, :, 0], 0.25), 2)
     test_eq(b, select_pages(w, 16, 4, 4, 4, T))
 test_eq((never.corrected, never.speculated, always.corrected, always.speculated), (0, 6, 6, 6))
+
+# %% [markdown]
+# A `PageSummary` in place of the name: `OVALSummary(rank=2, eta=0.5)` gives the outputs of
+# `"oval"` with `rank=2, eta=0.5` bit for bit (each layer's $G$ from its `o_proj`); one given
+# its own $G$ (here the identity) summarizes with that $G$.
+
+# %%
+eye = torch.eye(16).expand(2, 16, 16)
+by_name = PageRetrievalPolicy("oval", 16, 4, 4, 4, rank=2, eta=0.5)
+by_class = PageRetrievalPolicy(OVALSummary(rank=2, eta=0.5), 16, 4, 4, 4)
+fixed = PageRetrievalPolicy(OVALSummary(rank=2, eta=0.5, G=eye), 16, 4, 4, 4)
+for T in (30, 41):
+    qq = torch.randn(1, 4, 1, 16, generator=g)
+    ctx = AttentionContext(layer_idx=1, kind="decode", query_positions=torch.tensor([T - 1]),
+                           key_positions=torch.arange(T).expand(1, 2, T), mask=None, scale=0.25, module=attn)
+    assert torch.equal(by_class(qq, kk[:, :, :T], vv[:, :, :T], ctx), by_name(qq, kk[:, :, :T], vv[:, :, :T], ctx))
+    fixed(qq, kk[:, :, :T], vv[:, :, :T], ctx)
+    for n, x in build_summaries("oval", kk[:, :, :T], vv[:, :, :T], 4, rank=2, eta=0.5, G=eye).tensors.items():
+        assert_close(fixed.summaries[1].tensors[n], x)
+test_eq((by_class.method, fixed.metric(ctx), len(by_class.metrics)), ("oval", None, 1))

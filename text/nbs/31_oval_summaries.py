@@ -1,0 +1,645 @@
+# %% [markdown]
+# # OVAL page summaries
+#
+# > The page summaries the OVAL paper compares (Quest, ArkVale, key PCA, OVAL, the oracle) as `PageSummary` classes: the per-page tensors of a cache, the page score, the packed decode layout and the storage per page.
+
+# %%
+#| default_exp oval.summaries
+
+# %%
+#| export
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import Tensor
+
+from sparsekv.attention import check_int
+from sparsekv.oval.basis import page_basis, page_lse_exact, page_score
+
+# %%
+#| hide
+from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
+
+
+# %% [markdown]
+# A page retriever keeps the full KV cache and, for every decode query, attends exactly to a
+# few *pages* of $m$ consecutive tokens (OVAL §1, D.8). Which pages is decided from a
+# compact *summary* stored beside each completed page. This notebook builds the summaries
+# the OVAL paper compares (§2, §4), one class each; the retrieval itself (GQA aggregation,
+# page selection within a token budget, the decode-time policy) is in
+# [`sparsekv.oval.pages`](32_oval_pages.ipynb).
+#
+# | method | class | summary per page and KV head | page score for a query $q$ (log domain) |
+# |---|---|---|---|
+# | Quest | `QuestSummary` | per-channel min $\ell$ and max $u$ of the keys | $s\sum_c \max(q_c \ell_c,\ q_c u_c)$ |
+# | ArkVale | `ArkValeSummary` | centre $c$ and radius $\rho$ of a ball holding the keys | $s\,(q\cdot c + \lVert q\rVert \rho)$ |
+# | key PCA (LOCKS) | `KeyPCASummary` | $\mu$, $B$, $R$ from `page_basis(..., eta=0)` | $\log\sum_t \exp(s\,(R_t\cdot B^\top q + \mu\cdot q))$ |
+# | OVAL | `OVALSummary` | $\mu$, $B$, $R$ from `page_basis(..., eta)`, $\eta\in(0,1]$ | same as key PCA |
+# | oracle | `OracleSummary` | the keys themselves | $\log\sum_t \exp(s\, k_t\cdot q)$, the exact page LSE |
+#
+# with $s = 1/\sqrt d$. Only complete pages get a summary; the tokens of a trailing
+# partial page are always attended ("recent"). Keys are post-RoPE, laid out `[B, Hkv, T, d]`.
+# The names in the first column are the keys of `SUMMARIES`, which is how the string API
+# (`build_summaries("oval", ...)`, `PageRetrievalPolicy("oval", ...)`) finds the classes.
+
+# %% [markdown]
+# ## Pages
+#
+# `split_pages` views the complete pages of a cache `[B, H, T, d]` as `[B, H, P, m, d]`,
+# $P=\lfloor T/m\rfloor$.
+
+# %%
+#| export
+def _check_cache(x, name: str) -> Tensor:
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point torch.Tensor")
+    if x.dim() != 4: raise ValueError(f"{name} must be [B, Hkv, T, d], got shape {tuple(x.shape)}")
+    return x
+
+def split_pages(x: Tensor, page_size: int) -> Tensor:
+    "The complete pages of a cache x [B, H, T, d] as [B, H, P, m, d], P = T // m (a trailing partial page is left out)."
+    _check_cache(x, "x")
+    m = check_int(page_size, "page_size", 1)
+    B, H, T, d = x.shape
+    P = T // m
+    return x[:, :, : P * m].reshape(B, H, P, m, d)
+
+
+# %%
+x = torch.randn(2, 3, 21, 4, dtype=torch.float64)
+pages = split_pages(x, 5)
+test_eq(pages.shape, (2, 3, 4, 5, 4))
+for p in range(4):
+    for t in range(5): assert torch.equal(pages[:, :, p, t], x[:, :, 5 * p + t])
+test_fail(lambda: split_pages(x, 0), contains="page_size must be an int >= 1")
+test_fail(lambda: split_pages(x[0], 5), contains="[B, Hkv, T, d]")
+
+
+# %% [markdown]
+# ## Queries against pages
+#
+# Queries arrive as `[B, Hq, d]` (one decode step) or `[B, Hq, S, d]` (several queries
+# scored against the same pages). Query head $h G + g$ reads the summaries of KV head $h$,
+# so we view the queries as `[B, Hkv, G, S, 1, d]` against summaries `[B, Hkv, 1, 1, P, ...]`
+# and broadcast. Scores are in the log domain (they are logits or log-masses) and come back
+# as `[B, Hq, P]` or `[B, Hq, S, P]`.
+
+# %%
+#| export
+def _group_queries(q: Tensor, Hkv: int) -> tuple[Tensor, bool]:
+    "q [B, Hq, d] or [B, Hq, S, d] -> [B, Hkv, G, S, 1, d] and whether S was added."
+    if not isinstance(q, Tensor) or not q.is_floating_point():
+        raise TypeError("q must be a floating-point torch.Tensor")
+    if q.dim() not in (3, 4): raise ValueError(f"q must be [B, Hq, d] or [B, Hq, S, d], got shape {tuple(q.shape)}")
+    single = q.dim() == 3
+    if single: q = q.unsqueeze(2)
+    B, Hq, S, d = q.shape
+    if Hq % Hkv: raise ValueError(f"the query heads ({Hq}) must be a multiple of the summary's KV heads ({Hkv})")
+    return q.reshape(B, Hkv, Hq // Hkv, S, 1, d), single
+
+def _pages(x: Tensor) -> Tensor:
+    "[B, Hkv, P, *] -> [B, Hkv, 1, 1, P, *] to broadcast against grouped queries."
+    return x.unsqueeze(2).unsqueeze(3)
+
+
+# %%
+q = torch.randn(2, 6, 5, 8)
+qg, single = _group_queries(q, 2)
+test_eq((qg.shape, single), ((2, 2, 3, 5, 1, 8), False))
+for h in range(6): assert torch.equal(qg[:, h // 3, h % 3, :, 0], q[:, h])
+test_eq(_group_queries(q[:, :, 0], 3)[0].shape, (2, 3, 2, 1, 1, 8))
+test_fail(lambda: _group_queries(q, 4), contains="multiple of the summary's KV heads")
+
+
+# %% [markdown]
+# ## The interface
+#
+# A `PageSummary` is a summary method with its parameters (rank, $\eta$, $G$: constructor
+# arguments of the classes that take them). `summarize(K, V, page_size)` returns a copy that
+# holds the tensors `[B, Hkv, P, ...]` of the complete pages of a cache, and `score(q, scale)`
+# scores them in the log domain. Each class fills in:
+#
+# - `build`: its tensors from the pages; `needs_values` / `needs_metric` say whether it reads
+#   $V$ and takes the output metric $G$ (`output_metric`);
+# - `score_grouped`: the score of grouped queries against the broadcast tensors (`score` does
+#   the grouping, the working dtype, at least float32, and the default scale $1/\sqrt d$);
+# - `reference_page`: the score of one page for one query by explicit sums in float64, from
+#   the page's keys (the bounds) or its tensors (the basis score); `reference` loops it over
+#   batch, query heads and pages — the brute-force check of `score`;
+# - the packed layout of the one-GEMM decode path (`PackedPages` in `sparsekv.oval.pages`):
+#   `pack` lays each page out as `rows_per_page` rows of features (plus a per-page second
+#   factor, the basis methods' $R$), `features` maps the scaled query $sq$ to the vector those
+#   rows multiply, `packed_score` turns the products into page scores, and `unpack` inverts `pack`;
+# - `scalars`: what it stores per page and KV head.
+
+# %%
+#| export
+class PageSummary:
+    "A page summary method (§2, §4) and its parameters; `summarize` returns a copy holding a cache's page summaries."
+    name = None                                 # its key in SUMMARIES
+    needs_values, needs_metric = False, False   # reads V; takes the output metric G
+    G = None
+    page_size, length, tensors = None, 0, None  # set by summarize: m, T and the tensors [B, Hkv, P, ...]
+
+    @classmethod
+    def from_options(cls, rank: int = 8, eta: float = 0.5, G: Tensor | None = None) -> PageSummary:
+        "The summary from build_summaries's shared options, taking those the class uses (here none)."
+        return cls()
+
+    def with_tensors(self, page_size: int | None = None, length: int = 0, tensors: dict | None = None) -> PageSummary:
+        "A copy with the same parameters holding `tensors` of the pages of a cache of `length` tokens (none: unbuilt)."
+        out = copy.copy(self)
+        out.page_size, out.length, out.tensors = page_size, length, tensors
+        return out
+
+    def summarize(self, K: Tensor, V: Tensor | None = None, page_size: int = 32) -> PageSummary:
+        "A copy holding the summaries [B, Hkv, P, ...] of the complete pages of K (and V) [B, Hkv, T, d]."
+        _check_cache(K, "K")
+        m = check_int(page_size, "page_size", 1)
+        return self.with_tensors(m, K.shape[2], self.build(K, V, m))
+
+    @property
+    def n_pages(self) -> int:
+        "Number of summarized (complete) pages P (0 before summarize)."
+        return 0 if self.page_size is None else self.length // self.page_size
+
+    def _built(self) -> dict:
+        if self.tensors is None: raise ValueError(f"this {type(self).__name__} holds no pages: summarize a cache first")
+        return self.tensors
+
+    def score(self, q: Tensor, scale: float | None = None) -> Tensor:
+        "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]); scale defaults to 1/sqrt(d)."
+        t = self._built()
+        Bsz, Hkv, P = next(iter(t.values())).shape[:3]
+        qg, single = _group_queries(q, Hkv)
+        if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the summary's ({Bsz})")
+        s = 1 / math.sqrt(qg.shape[-1]) if scale is None else float(scale)
+        qg = qg.to(torch.promote_types(q.dtype, torch.float32))
+        out = self.score_grouped(qg, {n: _pages(x) for n, x in t.items()}, s)
+        out = out.reshape(Bsz, -1, out.shape[-2], P)                            # [B, Hq, S, P]
+        return out[:, :, 0] if single else out
+
+    def reference(self, K: Tensor, q: Tensor) -> Tensor:
+        "Loop reference of score for q [B, Hq, d] (scale 1/sqrt(d)) over the pages of K [B, Hkv, T, d], float64."
+        t = self._built()
+        Bsz, Hq, d = q.shape
+        Hkv, m, P = K.shape[1], self.page_size, self.n_pages
+        out = torch.empty(Bsz, Hq, P, dtype=torch.float64)
+        for b in range(Bsz):
+            for h in range(Hq):
+                x, kv = q[b, h].double(), h // (Hq // Hkv)
+                for p in range(P):
+                    tp = {n: y[b, kv, p] for n, y in t.items()}
+                    out[b, h, p] = self.reference_page(x, K[b, kv, p * m:(p + 1) * m].double(), tp, 1 / math.sqrt(d))
+        return out
+
+    def build(self, K: Tensor, V: Tensor | None, m: int) -> dict:
+        "The tensors [B, Hkv, P, ...] of the complete pages of size m of K (and V) [B, Hkv, T, d]."
+        raise NotImplementedError
+
+    def score_grouped(self, q: Tensor, t: dict, s: float) -> Tensor:
+        "Scores [B, Hkv, G, S, P] of grouped queries q [B, Hkv, G, S, 1, d] against tensors t [B, Hkv, 1, 1, P, ...]."
+        raise NotImplementedError
+
+    def reference_page(self, x: Tensor, Kp: Tensor, tp: dict, s: float) -> Tensor | float:
+        "Score of one page for one query x [d] from its keys Kp [m, d] or its tensors tp, by explicit sums."
+        raise NotImplementedError(f"{type(self).__name__} has no loop reference")
+
+    @classmethod
+    def rows_per_page(cls, page_size: int, rank: int | None) -> int:
+        "Rows per page of the packed matrix (rank: the basis rank of the summaries, else None)."
+        return 1
+
+    def pack(self) -> tuple[Tensor, Tensor | None]:
+        "The pages as packed rows [B, Hkv, P, rows, f] and a per-page second factor (the basis methods' R) or None."
+        raise NotImplementedError
+
+    @classmethod
+    def unpack(cls, W: Tensor, R: Tensor | None) -> dict:
+        "The tensors (views) of packed rows W [B, Hkv, P, rows, f] and R [B, Hkv, P, ...]: pack's inverse."
+        raise NotImplementedError
+
+    @staticmethod
+    def features(x: Tensor) -> Tensor:
+        "The query feature [..., f] that the packed rows multiply, of scaled queries x = s q [..., d]."
+        return x
+
+    @staticmethod
+    def packed_score(z: Tensor, R: Tensor | None) -> Tensor:
+        "Page scores [BH, GS, P] from the packed products z [BH, GS, P, rows] and R [P, BH, ...] (or None)."
+        return z[..., 0]
+
+    def scalars(self, page_size: int, head_dim: int) -> int:
+        "Scalars stored per page and KV head."
+        raise NotImplementedError
+
+
+# %% [markdown]
+# Each class below is checked against its loop reference on a random GQA cache (2 KV heads, 3
+# query heads each, $d = 16$) of 4 pages of 8 tokens and a trailing partial page that must be
+# ignored, and by the checks every class shares (`_check_summary`): several queries at once
+# give the scores of one at a time; the packed layout, multiplied out with `einsum`, gives the
+# same scores, and `unpack` returns the tensors; the tensors hold `scalars` numbers per page.
+# An unbuilt summary has no pages to score.
+
+# %%
+def _random_cache(B=2, Hkv=2, T=4 * 8 + 5, d=16, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    K = torch.randn(B, Hkv, T, d, generator=g, dtype=dtype) * torch.logspace(0, -1, d, dtype=dtype)
+    K = K + torch.randn(d, generator=g, dtype=dtype)
+    V = torch.randn(B, Hkv, T, d, generator=g, dtype=dtype)
+    A = torch.randn(Hkv, d, d, generator=g, dtype=dtype)
+    return K, V, A.mT @ A / d
+
+def _check_summary(summ, K, q):
+    "The checks every summary shares: batched queries, the packed layout, unpack, the storage count."
+    sc = summ.score(q)
+    assert_close(summ.score(torch.stack([q, 2 * q], 2)), torch.stack([sc, summ.score(2 * q)], 2))
+    rows, R = summ.pack()
+    Bsz, Hkv, P, nr, f = rows.shape
+    test_eq(nr, summ.rows_per_page(summ.page_size, None if R is None else R.shape[-1]))
+    for n, y in summ.unpack(rows, R).items(): assert torch.equal(y, summ.tensors[n]), n
+    x = summ.features(q.reshape(Bsz * Hkv, -1, q.shape[-1]) / math.sqrt(q.shape[-1]))     # [B*Hkv, G, f]
+    z = torch.einsum("agf,aprf->agpr", x, rows.reshape(Bsz * Hkv, P, nr, f))
+    Rp = None if R is None else R.reshape(Bsz * Hkv, P, *R.shape[3:]).transpose(0, 1)
+    assert_close(summ.packed_score(z, Rp).reshape(sc.shape), sc)
+    test_eq(sum(y[0, 0].numel() for y in summ.tensors.values()), P * summ.scalars(summ.page_size, K.shape[-1]))
+
+K, V, G = _random_cache()
+q = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+logits = torch.einsum("bhgd,bhpmd->bhgpm", q.reshape(2, 2, 3, 16), split_pages(K, 8)).reshape(2, 6, 4, 8) / 4  # s k.q
+lse = logits.logsumexp(-1)                                                     # the exact page log-mass
+
+
+# %% [markdown]
+# ## Quest
+#
+# Quest (§2) keeps the per-channel extrema of the page's keys. Its score is an upper bound on
+# the logit $s\,k_t\cdot q$ of every key in the page, channel by channel
+# ($q_c k_c \le \max(q_c\ell_c, q_c u_c)$). Packed: since $\ell_c \le u_c$,
+# $\max(q_c\ell_c, q_c u_c) = q_c^+ u_c + q_c^- \ell_c$ with $q^+ = \max(q, 0)$,
+# $q^- = \min(q, 0)$, so the score is $\phi(q)\cdot W_p$ with $\phi(q) = [s q^+;\ s q^-]$ and
+# one row $W_p = [u;\ \ell]$ of $2d$ scalars.
+
+# %%
+#| export
+class QuestSummary(PageSummary):
+    "Quest (§2): per-channel key min and max of each page, kmin and kmax [B, Hkv, P, d]; the score bounds each logit."
+    name = "quest"
+
+    def build(self, K, V, m):
+        pages = split_pages(K, m)
+        return {"kmin": pages.amin(-2), "kmax": pages.amax(-2)}
+
+    def score_grouped(self, q, t, s):
+        return torch.maximum(q * t["kmin"].to(q.dtype), q * t["kmax"].to(q.dtype)).sum(-1) * s
+
+    def reference_page(self, x, Kp, tp, s):
+        lo, hi = Kp.min(0).values, Kp.max(0).values
+        return s * sum(max(x[c] * lo[c], x[c] * hi[c]) for c in range(len(x)))
+
+    def pack(self):
+        return torch.cat([self.tensors["kmax"], self.tensors["kmin"]], -1).unsqueeze(-2), None
+
+    @classmethod
+    def unpack(cls, W, R):
+        d = W.shape[-1] // 2
+        return {"kmin": W[..., 0, d:], "kmax": W[..., 0, :d]}
+
+    @staticmethod
+    def features(x):
+        return torch.cat([x.clamp(min=0), x.clamp(max=0)], -1)            # q+ u + q- l = max(q u, q l) as l <= u
+
+    def scalars(self, page_size, head_dim): return 2 * head_dim
+
+
+# %% [markdown]
+# Check: the loop reference; the bound on every key's logit, hence
+# $\log\sum_t e^{z_t} \le \max_t z_t + \log m$ bounds the exact page log-mass by the score plus $\log m$.
+
+# %%
+quest = QuestSummary().summarize(K, V, 8)
+test_eq((quest.n_pages, quest.page_size, quest.length), (4, 8, 37))
+sc = quest.score(q)
+test_eq(sc.shape, (2, 6, 4))
+assert_close(sc, quest.reference(K, q))
+assert (sc.unsqueeze(-1) >= logits - 1e-12).all()
+assert (sc + math.log(8) >= lse - 1e-12).all()
+_check_summary(quest, K, q)
+test_fail(lambda: QuestSummary().score(q), contains="holds no pages")
+
+
+# %% [markdown]
+# ## ArkVale
+#
+# **Our reading of ArkVale.** The OVAL paper only says ArkVale "summarizes pages with
+# compact geometric representations" [13]; the issue asks for a centre/radius summary. We
+# use the bounding ball around the page mean, $c=\mu$, $\rho=\max_t\lVert k_t-\mu\rVert$,
+# stored as $d+1$ scalars. By Cauchy–Schwarz, $q\cdot k_t = q\cdot c + q\cdot(k_t-c) \le
+# q\cdot c + \lVert q\rVert\rho$, so like Quest's it is an upper bound on every key's logit
+# in the page. The ArkVale paper itself also considers a bounding cuboid; that variant is
+# Quest's box. Packed: $s(q\cdot c + \lVert q\rVert\rho) = [sq;\ \lVert sq\rVert]\cdot[c;\ \rho]$,
+# one row of $d+1$.
+
+# %%
+#| export
+class ArkValeSummary(PageSummary):
+    "ArkVale as a bounding ball (our reading): centre = page mean [B, Hkv, P, d], radius = max_t ||k_t - centre||."
+    name = "arkvale"
+
+    def build(self, K, V, m):
+        pages = split_pages(K, m)
+        centre = pages.mean(-2)
+        return {"centre": centre, "radius": (pages - centre.unsqueeze(-2)).norm(dim=-1).amax(-1)}
+
+    def score_grouped(self, q, t, s):
+        return ((q * t["centre"].to(q.dtype)).sum(-1) + q.norm(dim=-1) * t["radius"].to(q.dtype)) * s
+
+    def reference_page(self, x, Kp, tp, s):
+        c = Kp.mean(0)
+        return s * (x @ c + x.norm() * max((Kp[t] - c).norm() for t in range(Kp.shape[0])))
+
+    def pack(self):
+        return torch.cat([self.tensors["centre"], self.tensors["radius"].unsqueeze(-1)], -1).unsqueeze(-2), None
+
+    @classmethod
+    def unpack(cls, W, R): return {"centre": W[..., 0, :-1], "radius": W[..., 0, -1]}
+
+    @staticmethod
+    def features(x): return torch.cat([x, x.norm(dim=-1, keepdim=True)], -1)
+
+    def scalars(self, page_size, head_dim): return head_dim + 1
+
+
+# %%
+ark = ArkValeSummary().summarize(K, V, 8)
+sc = ark.score(q)
+test_eq(sc.shape, (2, 6, 4))
+assert_close(sc, ark.reference(K, q))
+assert (sc.unsqueeze(-1) >= logits - 1e-12).all()
+assert (sc + math.log(8) >= lse - 1e-12).all()
+_check_summary(ark, K, q)
+
+
+# %% [markdown]
+# ## Key PCA
+#
+# Key PCA (LOCKS, §2) is the page basis of [`sparsekv.oval.basis`](30_oval_basis.ipynb) at
+# $\eta = 0$: $\mu$, the top-$r$ principal directions $B$ of the centred keys and their
+# coordinates $R = XB$, computed by `page_basis` batched over `[B, Hkv, P]` pages. It never
+# looks at the values, so `V` may be omitted. Packed: $W_p = [B_p^\top;\ \mu_p^\top]$, $r+1$
+# rows of $d$: $W_p(sq)$ gives the page's code $c_p = s B_p^\top q$ and its mean term
+# $s\mu_p\cdot q$ at once. The remaining $R_p c_p$ ($m \times r$ times $r$) is one small product
+# per page, batched over all pages (the second factor of `pack`):
+#
+# $$\text{score}_p(q) = \log\sum_{t=1}^m \exp\big((R_p c_p)_t\big) + s\,\mu_p\cdot q,\qquad c_p = s B_p^\top q .$$
+
+# %%
+#| export
+class KeyPCASummary(PageSummary):
+    "Key PCA (LOCKS, §2): page_basis at eta = 0, no G: mu [B, Hkv, P, d], B [B, Hkv, P, d, r], R [B, Hkv, P, m, r]."
+    name, eta = "keypca", 0.0
+
+    def __init__(self, rank: int = 8): self.rank = check_int(rank, "rank", 1)
+
+    @classmethod
+    def from_options(cls, rank=8, eta=0.5, G=None): return cls(rank)
+
+    def build(self, K, V, m):
+        if V is None and self.needs_values: raise ValueError(f"V is required for method {self.name!r}")
+        V = _check_cache(K if V is None else V, "V")                    # key PCA never looks at the values (eta = 0)
+        if V.shape[:3] != K.shape[:3]:
+            raise ValueError(f"V {tuple(V.shape)} must match K {tuple(K.shape)} in batch, heads and length")
+        G = self.G
+        if G is not None:
+            if not isinstance(G, Tensor) or G.dim() != 3 or G.shape[0] != K.shape[1]:
+                got = getattr(G, "shape", type(G).__name__)
+                raise ValueError(f"G must be [Hkv={K.shape[1]}, dv, dv] (see output_metric), got {got}")
+            G = G[:, None]                                                 # broadcast over pages
+        mu, B, R = page_basis(split_pages(K, m), split_pages(V, m), G, rank=self.rank, eta=self.eta)
+        return {"mu": mu, "B": B, "R": R}
+
+    def score_grouped(self, q, t, s): return page_score(q, t["mu"], t["B"], t["R"], scale=s)
+
+    def reference_page(self, x, Kp, tp, s):
+        mu, B, R = (tp[n].double() for n in ("mu", "B", "R"))
+        return math.log(sum(math.exp(s * float(R[t] @ (B.T @ x) + mu @ x)) for t in range(R.shape[0])))
+
+    @classmethod
+    def rows_per_page(cls, page_size, rank): return rank + 1
+
+    def pack(self): return torch.cat([self.tensors["B"].mT, self.tensors["mu"].unsqueeze(-2)], -2), self.tensors["R"]
+
+    @classmethod
+    def unpack(cls, W, R): return {"mu": W[..., -1, :], "B": W[..., :-1, :].mT, "R": R}
+
+    @staticmethod
+    def packed_score(z, R):
+        (P, BH, m, r), GS = R.shape, z.shape[1]
+        code = z[..., :r].permute(2, 0, 1, 3).reshape(P * BH, GS, r)             # c_p per page, [P*BH, GS, r]
+        logits = torch.bmm(code, R.reshape(P * BH, m, r).mT)                     # (R_p c_p)_t  [P*BH, GS, m]
+        return logits.view(P, BH, GS, m).logsumexp(-1).permute(1, 2, 0) + z[..., r]
+
+    def scalars(self, page_size, head_dim):
+        r = min(self.rank, page_size - 1, head_dim)
+        return head_dim + head_dim * r + page_size * r
+
+
+# %% [markdown]
+# Check: the loop reference (from the summary's tensors); at rank $m-1$ the basis represents
+# every centred key exactly ($X$ has rank $\le m-1$), so the score is the exact page log-mass,
+# and at a low rank it is only an approximation; the values do not matter.
+
+# %%
+pca = KeyPCASummary(rank=3).summarize(K, V, 8)
+sc = pca.score(q)
+test_eq(sc.shape, (2, 6, 4))
+assert_close(sc, pca.reference(K, q))
+_check_summary(pca, K, q)
+assert_close(KeyPCASummary(rank=7).summarize(K, V, 8).score(q), lse)
+assert not torch.allclose(KeyPCASummary(rank=1).summarize(K, V, 8).score(q), lse)
+for V2 in (None, 5 * V.flip(2)): assert_close(KeyPCASummary(rank=3).summarize(K, V2, 8).score(q), sc)
+test_fail(lambda: KeyPCASummary(rank=0), contains="rank must be an int >= 1")
+
+
+# %% [markdown]
+# ## OVAL
+#
+# OVAL (§3.3) is the same summary with the output-aware basis: `page_basis(..., eta)` with the
+# layer's output metric $G$ `[Hkv, d, d]` (from `output_metric`; `None` is the identity),
+# broadcast over batch and pages. It reads the values while building the basis only; the
+# stored tensors, the score and the packed layout are key PCA's.
+
+# %%
+#| export
+class OVALSummary(KeyPCASummary):
+    "OVAL (§3.3): page_basis with eta in [0, 1] and the output metric G [Hkv, d, d] (None: identity); else key PCA."
+    name, needs_values, needs_metric = "oval", True, True
+
+    def __init__(self, rank: int = 8, eta: float = 0.5, G: Tensor | None = None):
+        super().__init__(rank)
+        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
+            raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
+        self.eta, self.G = eta, G
+
+    @classmethod
+    def from_options(cls, rank=8, eta=0.5, G=None): return cls(rank, eta, G)
+
+    def with_metric(self, G: Tensor) -> OVALSummary:
+        "A copy that uses the output metric G [Hkv, d, d]."
+        out = copy.copy(self)
+        out.G = G
+        return out
+
+
+# %% [markdown]
+# Check: the loop reference; $\eta = 0$ is key PCA (whatever $G$); rank $m-1$ is exact at any
+# $\eta$, a low rank is not; $\eta = 1$ gives another basis than key PCA.
+
+# %%
+oval = OVALSummary(rank=3, eta=0.5, G=G).summarize(K, V, 8)
+sc = oval.score(q)
+test_eq(sc.shape, (2, 6, 4))
+assert_close(sc, oval.reference(K, q))
+_check_summary(oval, K, q)
+assert_close(OVALSummary(rank=3, eta=0.0, G=G).summarize(K, V, 8).score(q), pca.score(q))
+assert_close(OVALSummary(rank=7, G=G).summarize(K, V, 8).score(q), lse)
+assert not torch.allclose(OVALSummary(rank=1, G=G).summarize(K, V, 8).score(q), lse)
+assert not torch.allclose(OVALSummary(rank=3, eta=1.0, G=G).summarize(K, V, 8).score(q), pca.score(q))
+assert_close(OVALSummary(rank=3).with_metric(G).summarize(K, V, 8).score(q), sc)
+test_fail(lambda: OVALSummary().summarize(K, None, 8), contains="V is required")
+test_fail(lambda: OVALSummary(G=G[0]).summarize(K, V, 8), contains="G must be [Hkv=2")
+test_fail(lambda: OVALSummary(eta=1.5), contains="eta must be a number in [0, 1]")
+
+
+# %% [markdown]
+# ## Oracle
+#
+# The oracle reads the page's keys themselves; its score is the exact page log-mass, the
+# quantity the other summaries estimate. It stores nothing extra (it reads the resident
+# cache): $m d$ scalars per page. Packed: $W_p = K_p$, $m$ rows; the score is the
+# log-sum-exp of $W_p(sq)$.
+
+# %%
+#| export
+class OracleSummary(PageSummary):
+    "The oracle: the page's keys K [B, Hkv, P, m, d]; the score is the exact page log-mass logsumexp_t(s k_t . q)."
+    name = "oracle"
+
+    def build(self, K, V, m): return {"K": split_pages(K, m)}
+
+    def score_grouped(self, q, t, s): return page_lse_exact(q, t["K"], scale=s)
+
+    def reference_page(self, x, Kp, tp, s):
+        return math.log(sum(math.exp(s * float(Kp[t] @ x)) for t in range(Kp.shape[0])))
+
+    @classmethod
+    def rows_per_page(cls, page_size, rank): return page_size
+
+    def pack(self): return self.tensors["K"], None
+
+    @classmethod
+    def unpack(cls, W, R): return {"K": W}
+
+    @staticmethod
+    def packed_score(z, R): return z.logsumexp(-1)
+
+    def scalars(self, page_size, head_dim): return page_size * head_dim
+
+
+# %%
+orc = OracleSummary().summarize(K, V, 8)
+assert_close(orc.score(q), orc.reference(K, q))
+assert_close(orc.score(q), lse)
+_check_summary(orc, K, q)
+
+# %% [markdown]
+# ## Methods by name
+#
+# `SUMMARIES` maps each method's name to its class. `make_summary` turns a name and the
+# options every method shares (rank, $\eta$, $G$) into an unbuilt summary: each class takes
+# the options it uses (key PCA: rank; OVAL: rank, $\eta$, $G$; the others none). A
+# `PageSummary` passed instead of a name is used as it is, so every function that takes a
+# `method` takes either.
+
+# %%
+#| export
+SUMMARIES = {"quest": QuestSummary, "arkvale": ArkValeSummary, "keypca": KeyPCASummary, "oval": OVALSummary,
+             "oracle": OracleSummary}
+METHODS = tuple(SUMMARIES)
+
+def _check_method(method) -> str:
+    "The name of a method given by name or as a PageSummary."
+    if isinstance(method, PageSummary): return method.name
+    if method not in METHODS: raise ValueError(f"method must be one of {METHODS} or a PageSummary, got {method!r}")
+    return method
+
+def make_summary(method: str | PageSummary, rank: int = 8, eta: float = 0.5, G: Tensor | None = None) -> PageSummary:
+    "The unbuilt summary of a method: SUMMARIES[method] with the options it takes, or a given PageSummary as it is."
+    if isinstance(method, PageSummary): return method.with_tensors()
+    return SUMMARIES[_check_method(method)].from_options(rank=rank, eta=eta, G=G)
+
+
+# %%
+test_eq(METHODS, ("quest", "arkvale", "keypca", "oval", "oracle"))
+for name, cls in SUMMARIES.items():
+    s = make_summary(name, rank=3, eta=0.25, G=G)
+    test_eq((type(s), s.name, s.n_pages), (cls, name, 0))
+    test_eq(type(make_summary(s)), cls)
+test_eq((make_summary("keypca", rank=3, eta=0.25, G=G).eta, make_summary("keypca", G=G).G), (0.0, None))
+test_eq((make_summary("oval", rank=3, eta=0.25).rank, make_summary("oval", eta=0.25).eta), (3, 0.25))
+assert make_summary(oval).tensors is None and oval.tensors is not None        # the given summary is left as it is
+test_fail(lambda: make_summary("pca"), contains="method must be one of")
+
+
+# %% [markdown]
+# The string API: `build_summaries` builds the summaries of a method given by name (or as a
+# `PageSummary`) with the shared options, and `score_pages` / `score_pages_reference` score
+# them after checking that they are the named method's.
+
+# %%
+#| export
+def build_summaries(method: str | PageSummary, K: Tensor, V: Tensor | None, page_size: int, rank: int = 8,
+                    eta: float = 0.5, G: Tensor | None = None) -> PageSummary:
+    "Summaries of the complete pages of K (and V for OVAL) [B, Hkv, T, d] by a method's name (or PageSummary)."
+    return make_summary(method, rank, eta, G).summarize(K, V, page_size)
+
+def _check_summary_of(method, summary) -> PageSummary:
+    name = _check_method(method)
+    if not isinstance(summary, PageSummary):
+        raise TypeError(f"summary must be a PageSummary, got {type(summary).__name__}")
+    if summary.name != name: raise ValueError(f"summary was built for {summary.name!r}, not {name!r}")
+    return summary
+
+def score_pages(method: str | PageSummary, summary: PageSummary, q: Tensor, scale: float | None = None) -> Tensor:
+    "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P]) of the summary's pages; scale defaults to 1/sqrt(d)."
+    return _check_summary_of(method, summary).score(q, scale)
+
+def score_pages_reference(method: str | PageSummary, K: Tensor, q: Tensor, summary: PageSummary) -> Tensor:
+    "Loop reference of score_pages for q [B, Hq, d]: bounds and oracle from the keys K, basis methods from the tensors."
+    return _check_summary_of(method, summary).reference(K, q)
+
+
+# %% [markdown]
+# Check every method by name against its loop, on the cache above: one query at a time and
+# several at once, and the class path gives the same tensors.
+
+# %%
+for method in METHODS:
+    summ = build_summaries(method, K, V, page_size=8, rank=3, eta=0.5, G=G)
+    test_eq(summ.n_pages, 4)
+    sc = score_pages(method, summ, q)
+    test_eq(sc.shape, (2, 6, 4))
+    assert_close(sc, score_pages_reference(method, K, q, summ))
+    # several queries at once give the same scores as one at a time
+    both = torch.stack([sc, score_pages(method, summ, 2 * q)], 2)
+    assert_close(score_pages(method, summ, torch.stack([q, 2 * q], 2)), both)
+    for n, x in make_summary(method, 3, 0.5, G).summarize(K, V, 8).tensors.items():
+        assert torch.equal(summ.tensors[n], x)
+test_fail(lambda: score_pages("arkvale", quest, q), contains="built for 'quest'")
+test_fail(lambda: score_pages("quest", K, q), contains="must be a PageSummary")
+test_fail(lambda: build_summaries("quest", K, V, 0), contains="page_size")
