@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+import operator
 import warnings
 
 import torch
@@ -17,10 +19,12 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 # %% auto #0
-__all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'gather_keys', 'causal_mask', 'check_mask', 'softmax_scale',
-           'attention_scores', 'attention_reference', 'attention_chunked', 'merge_attention', 'causal_mask_mod',
-           'mask_mod_from_bool', 'bias_score_mod', 'block_mask_from_bool', 'causal_block_mask',
-           'compiled_flex_attention', 'flex_attention_lse', 'sdpa_attention_lse', 'masked_attention']
+__all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'IntArgumentError', 'check_int', 'gather_keys', 'and_masks',
+           'or_masks', 'not_mask', 'is_causal', 'in_sinks', 'in_window', 'sink_window_visible', 'evictable',
+           'causal_mask', 'check_mask', 'softmax_scale', 'attention_scores', 'attention_reference', 'attention_chunked',
+           'merge_attention', 'position_mask_mod', 'causal_mask_mod', 'mask_mod_from_bool', 'bias_score_mod',
+           'block_mask_from_bool', 'causal_block_mask', 'compiled_flex_attention', 'flex_attention_lse',
+           'sdpa_attention_lse', 'masked_attention']
 
 # %% ../nbs/00_attention.ipynb #0329d669
 def masked_logsumexp(s: Tensor, dim: int = -1) -> Tensor:
@@ -56,10 +60,57 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor | None = None) -> int:
     if v is not None and v.shape[:3] != k.shape[:3]: raise ValueError(f"k and v must agree in [B, Hkv, Sk], got {tuple(k.shape[:3])} and {tuple(v.shape[:3])}")
     return q.shape[1] // k.shape[1]
 
+# %% ../nbs/00_attention.ipynb #4615aef3
+class IntArgumentError(ValueError, TypeError):
+    "A bad integer argument; a `TypeError` too, since a non-integer is also the wrong type."
+
+def check_int(x, name: str, lo: int = 0, hi: int | None = None) -> int:
+    "`x` as an `int` if it is an integer (not a bool) in [`lo`, `hi`]; else raise naming `name` and the range."
+    msg = f"{name} must be " + (f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]") + f", got {x!r}"
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral): raise IntArgumentError(msg)
+    if x < lo or (hi is not None and x > hi): raise ValueError(msg)
+    return int(x)
+
 # %% ../nbs/00_attention.ipynb #4ced4a4f
 def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
     "The entries `idx` `[B,Hkv,n]` of `x` `[B,Hkv,S,D]` along the sequence, per KV head."
     return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+# %% ../nbs/00_attention.ipynb #9120c1a6
+def and_masks(*preds):
+    "The predicate (p, t) -> bool true where every one of `preds` is true."
+    if not preds: raise ValueError("and_masks needs at least one predicate")
+    return lambda p, t: functools.reduce(operator.and_, (f(p, t) for f in preds))
+
+def or_masks(*preds):
+    "The predicate (p, t) -> bool true where any one of `preds` is true."
+    if not preds: raise ValueError("or_masks needs at least one predicate")
+    return lambda p, t: functools.reduce(operator.or_, (f(p, t) for f in preds))
+
+def not_mask(pred):
+    "The predicate (p, t) -> bool true where `pred` is false."
+    return lambda p, t: ~pred(p, t)
+
+# %% ../nbs/00_attention.ipynb #05b58605
+def is_causal(p, t):
+    "Key position t is at or before query position p."
+    return t <= p
+
+def in_sinks(s: int):
+    "Predicate: key t is one of the first `s` positions (an attention sink), t < s."
+    return lambda p, t: t < s
+
+def in_window(w: int):
+    "Predicate: key t is among the `w` most recent positions of query p (p itself included), p - t < w."
+    return lambda p, t: p - t < w
+
+def sink_window_visible(s: int, w: int):
+    "Predicate of StreamingLLM's pattern (the fixed part of KVpop Eq. (1)): causal and (sink or window)."
+    return and_masks(is_causal, or_masks(in_sinks(s), in_window(w)))
+
+def evictable(s: int, w: int):
+    "Predicate of E(p) = {t : s <= t <= p - w} (KVpop Eq. (4)): causal keys neither sinks nor window protect."
+    return and_masks(is_causal, not_mask(or_masks(in_sinks(s), in_window(w))))
 
 # %% ../nbs/00_attention.ipynb #8d9c3c02
 def causal_mask(Sq: int, Sk: int, device=None, offset: int | None = None) -> Tensor:
@@ -67,7 +118,7 @@ def causal_mask(Sq: int, Sk: int, device=None, offset: int | None = None) -> Ten
     if offset is None: offset = Sk - Sq
     i = torch.arange(Sq, device=device)[:, None]
     j = torch.arange(Sk, device=device)
-    return j <= i + offset
+    return is_causal(i + offset, j)
 
 # %% ../nbs/00_attention.ipynb #85d1ee4c
 def check_mask(mask: Tensor, shape: tuple, device) -> Tensor:
@@ -116,7 +167,7 @@ def attention_chunked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
                       chunk: int = 256) -> tuple[Tensor, Tensor]:
     "`attention_reference` computed `chunk` query rows at a time: same (out, lse), at most [B, Hq, chunk, Sk] scores held."
     G = check_qkv(q, k, v)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1: raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    check_int(chunk, "chunk", 1)
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
     if mask is not None: mask = check_mask(mask, (B, Hq, Sq, Sk), q.device)
@@ -141,10 +192,14 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
     return out.to(out_a.dtype), lse
 
 # %% ../nbs/00_attention.ipynb #96e9804b
+def position_mask_mod(pred, offset: int = 0):
+    "FlexAttention mask_mod of a position predicate `pred(p, t)`: query i sits at position i + offset, key j at j."
+    def mask_mod(b, h, q_idx, kv_idx): return pred(q_idx + offset, kv_idx)
+    return mask_mod
+
 def causal_mask_mod(offset: int = 0):
     "FlexAttention mask_mod of `causal_mask`: query i sees key j iff j <= i + offset."
-    def mask_mod(b, h, q_idx, kv_idx): return kv_idx <= q_idx + offset
-    return mask_mod
+    return position_mask_mod(is_causal, offset)
 
 def mask_mod_from_bool(mask: Tensor):
     "FlexAttention mask_mod reading a captured boolean mask [B, H, Sq, Sk] (True = attend)."

@@ -7,11 +7,16 @@ Docs: https://sparsekv.github.io/sparsekv/eval.html.md"""
 # %% ../nbs/40_eval.ipynb #0108b837
 from __future__ import annotations
 
+import csv
+import hashlib
+import io
 import itertools
+import json
 import math
 import numbers
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -21,14 +26,15 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .attention import check_int
 from .io import write_csv
 
 # %% auto #0
-__all__ = ['WALL_TIME', 'top1_agreement', 'top1_agreement_reference', 'token_kl', 'kl_to_teacher', 'token_kl_reference',
-           'token_nll', 'perplexity', 'token_accuracy', 'perplexity_reference', 'attention_mass_recall',
-           'attention_fidelity_reference', 'relative_output_error', 'per_head_mean', 'attention_fidelity',
-           'oracle_topk', 'retention_recall', 'retention_recall_reference', 'pass_at_k_estimate', 'pass_at_k',
-           'avg_at_k', 'pass_at_k_reference', 'run_grid']
+__all__ = ['WALL_TIME', 'ROW_CHECK', 'top1_agreement', 'top1_agreement_reference', 'token_kl', 'kl_to_teacher',
+           'token_kl_reference', 'token_nll', 'perplexity', 'token_accuracy', 'perplexity_reference',
+           'attention_mass_recall', 'attention_fidelity_reference', 'relative_output_error', 'per_head_mean',
+           'attention_fidelity', 'oracle_topk', 'retention_recall', 'retention_recall_reference', 'pass_at_k_estimate',
+           'pass_at_k', 'avg_at_k', 'pass_at_k_reference', 'run_grid']
 
 # %% ../nbs/40_eval.ipynb #f98d6055
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -60,13 +66,6 @@ def _check_positions(mask, shape, name: str = "mask"):
 def _masked_mean(x: torch.Tensor, mask) -> torch.Tensor:
     "Mean of `x` over the positions where `mask` is True (all positions when `mask` is None)."
     return x.mean() if mask is None else x[mask].mean()
-
-def _check_int(x, name: str, lo: int, hi: int | None = None) -> int:
-    if not isinstance(x, numbers.Integral) or isinstance(x, bool):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < lo or (hi is not None and x > hi):
-        raise ValueError(f"{name} must be in [{lo}, {'inf' if hi is None else hi}], got {x}")
-    return int(x)
 
 # %% ../nbs/40_eval.ipynb #d253f585
 _ROWS = 512
@@ -114,7 +113,7 @@ def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: 
     "Per-position KL(teacher || student) from logits `[..., V]`, on all tokens or on the teacher's `top_k` (renormalized)."
     _check_pair(student_logits, teacher_logits)
     if top_k is None: return _rowwise(_kl_rows, student_logits, teacher_logits)
-    k = _check_int(top_k, "top_k", 1, teacher_logits.shape[-1])
+    k = check_int(top_k, "top_k", 1, teacher_logits.shape[-1])
     return _rowwise(lambda s, t: _topk_kl_rows(s, t, k, renormalize_student), student_logits, teacher_logits)
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
@@ -249,7 +248,7 @@ def _mass(lse_kept: torch.Tensor, lse_all: torch.Tensor) -> torch.Tensor:
 # %% ../nbs/40_eval.ipynb #7bfdfc8a
 def _prepare(q, k, v, keep, mask, scale, chunk):
     G = _check_qk(q, k, v)
-    _check_int(chunk, "chunk", 1)
+    check_int(chunk, "chunk", 1)
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
         raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
     B, Hq, Sq, _ = q.shape
@@ -331,7 +330,7 @@ def attention_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: 
 def oracle_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     "Indices `[..., k]` of the `k` highest `scores` along the last dim, equal scores ordered by lower position first."
     _check_float(scores, "scores", 1)
-    k = _check_int(k, "k", 1, scores.shape[-1])
+    k = check_int(k, "k", 1, scores.shape[-1])
     if scores.isnan().any(): raise ValueError("scores must not contain NaN")
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     if (scores.gather(-1, order) == -math.inf).any():
@@ -365,8 +364,8 @@ def retention_recall_reference(kept_sets: list[set], scores: list[list[float]], 
 # %% ../nbs/40_eval.ipynb #edb81f3d
 def pass_at_k_estimate(n: int, c: int, k: int) -> float:
     "Unbiased pass@k of one problem with `c` correct answers among `n` samples: 1 - C(n-c, k) / C(n, k)."
-    n = _check_int(n, "n", 1)
-    c, k = _check_int(c, "c", 0, n), _check_int(k, "k", 1, n)
+    n = check_int(n, "n", 1)
+    c, k = check_int(c, "c", 0, n), check_int(k, "k", 1, n)
     if n - c < k: return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
@@ -393,7 +392,8 @@ def pass_at_k_reference(correct_row, k: int) -> float:
     return sum(any(s) for s in subsets) / len(subsets)
 
 # %% ../nbs/40_eval.ipynb #78f4727d
-WALL_TIME = "wall_s"
+WALL_TIME, ROW_CHECK = "wall_s", "row_check"
+_RESERVED = (WALL_TIME, ROW_CHECK)
 
 def _cell_text(value, name: str) -> str:
     "The CSV text of a cell key or metric value, in a canonical form that round-trips exactly."
@@ -407,40 +407,101 @@ def _cell_text(value, name: str) -> str:
     if isinstance(value, str): return value
     raise TypeError(f"{name} must be a str, int, float, bool, None or a one-element tensor, got {type(value).__name__}")
 
-def _grid_cells(cells) -> tuple[list[dict], list[str]]:
-    "Validate the cells; return them as dicts and the key columns in first-seen order."
+def _check_keys(d: Mapping, what: str) -> dict:
+    "`d` as a dict, after checking it maps strings other than the reserved column names to values."
+    if not isinstance(d, Mapping): raise TypeError(f"{what} must be a dict of keys to scalars, got {type(d).__name__}")
+    for key in d:
+        if not isinstance(key, str) or key in _RESERVED: raise ValueError(f"{what} keys must be strings other than {_RESERVED}, got {key!r}")
+    return dict(d)
+
+def _grid_cells(cells, params=None) -> tuple[list[dict], dict, list[str]]:
+    "Validate the cells and the run's params; return them as dicts and the key columns (params first) in first-seen order."
     cells = list(cells)
     if not cells: raise ValueError("cells is empty: pass at least one dict of cell keys")
-    for c in cells:
-        if not isinstance(c, Mapping): raise TypeError(f"each cell must be a dict of keys to scalars, got {type(c).__name__}")
-        for key in c:
-            if not isinstance(key, str) or key == WALL_TIME: raise ValueError(f"cell keys must be strings other than {WALL_TIME!r}, got {key!r}")
-    return [dict(c) for c in cells], list(dict.fromkeys(key for c in cells for key in c))
+    cells = [_check_keys(c, "each cell") for c in cells]
+    params = _check_keys({} if params is None else params, "params")
+    if both := sorted({key for c in cells for key in c} & set(params)):
+        raise ValueError(f"params and the cells both set {both}: a setting belongs to one of them")
+    return cells, params, list(dict.fromkeys([*params, *(key for c in cells for key in c)]))
 
-def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str | os.PathLike, desc: str | None = None) -> pd.DataFrame:
-    "Compute `fn(cell)` for every cell not yet in the CSV at `path`, adding one row per cell (keys, metrics, `wall_s`) atomically after each; return the CSV."
-    cells, keys = _grid_cells(cells)
-    texts = [tuple(_cell_text(c.get(key), f"cell[{key!r}]") for key in keys) for c in cells]
+# %% ../nbs/40_eval.ipynb #525e4c96
+def _row_check(row: Mapping[str, str], keys: Iterable[str]) -> str:
+    "Hash of a row's non-empty fields and of the names of its (non-empty) key columns."
+    fields = sorted((c, v) for c, v in row.items() if v != "" and c != ROW_CHECK)
+    return hashlib.sha256(json.dumps([fields, sorted(k for k in keys if row.get(k, ""))]).encode()).hexdigest()[:16]
+
+def _is_wall_time(text: str) -> bool:
+    try: return float(text) >= 0
+    except ValueError: return False
+
+def _read_grid(path: Path) -> tuple[list[dict], list[str], list[int]]:
+    "The well-formed rows of the results file at `path` (as text), its columns, and the line numbers of malformed rows."
+    if not path.exists(): return [], [], []
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            lines = [(reader.line_num, r) for r in reader if r]
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"cannot read the grid results file {path} ({e}); move it away to recompute its cells") from e
+    if not lines: return [], [], []
+    header = lines[0][1]
+    if WALL_TIME not in header or "" in header or len(set(header)) != len(header):
+        raise ValueError(f"{path} has no valid header line (it must name each column once, {WALL_TIME!r} among them; "
+                         f"got {header[:8]}): not a run_grid results file; move it away to recompute its cells")
+    rows, bad = [], []
+    for n, fields in lines[1:]:
+        row = dict(zip(header, fields))
+        if len(fields) == len(header) and _is_wall_time(row[WALL_TIME]): rows.append(row)
+        else: bad.append(n)
+    return rows, header, bad
+
+# %% ../nbs/40_eval.ipynb #835232b7
+def _grid_frame(rows: list[dict], columns: list[str], keys: list[str]) -> pd.DataFrame:
+    "The text `rows` as a DataFrame with pandas' type inference, without `row_check` and columns empty in every row."
+    keep = [c for c in columns if c != ROW_CHECK and (c in keys or any(r.get(c, "") for r in rows))]
+    buf = io.StringIO()
+    pd.DataFrame(rows, columns=keep).to_csv(buf, index=False)
+    buf.seek(0)
+    return pd.read_csv(buf)
+
+def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str | os.PathLike, desc: str | None = None,
+             params: Mapping | None = None) -> pd.DataFrame:
+    "Compute `fn(cell)` for every cell not yet in the CSV at `path` (keys: the cell's and `params`), adding one row per cell atomically; return this grid's rows."
+    cells, params, keys = _grid_cells(cells, params)
+    full = [{**params, **c} for c in cells]
+    texts = [tuple(_cell_text(c.get(key), f"cell[{key!r}]") for key in keys) for c in full]
     if len(set(texts)) != len(texts):
         dup = next(c for c, t in zip(cells, texts) if texts.count(t) > 1)
         raise ValueError(f"cells contains the same cell twice: {dup}")
     path = Path(path)
-    rows = pd.read_csv(path, dtype=str, keep_default_na=False).to_dict("records") if path.exists() else []
-    columns = list(rows[0]) if rows else []
-    done = {tuple(r.get(key, "") for key in keys) for r in rows}
-    todo = [(c, t) for c, t in zip(cells, texts) if t not in done]
+    rows, columns, bad = _read_grid(path)
+    by_key = {}
+    for n, r in enumerate(rows): by_key.setdefault(tuple(r.get(key, "") for key in keys), []).append(n)
+    found, suspect = {}, []
+    for i, text in enumerate(texts):
+        valid = [n for n in by_key.get(text, []) if rows[n].get(ROW_CHECK, "") == _row_check(rows[n], keys)]
+        if valid: found[i] = valid[-1]
+        elif text in by_key: suspect.append(cells[i])
+    if bad or suspect:
+        warnings.warn(f"{path}: damaged results: " + (f"malformed lines {bad} are dropped; " if bad else "")
+                      + (f"the rows of {len(suspect)} cell(s) fail their {ROW_CHECK} (edited, cut, older, or made for other key columns), e.g. {suspect[0]}; "
+                         if suspect else "") + "those cells are computed again")
+    todo = [i for i in range(len(cells)) if i not in found]
     with tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell") as bar:
-        for cell, text in todo:
+        for i in todo:
+            cell, text = cells[i], texts[i]
             bar.set_postfix_str(", ".join(f"{key}={val}" for key, val in cell.items()))
             t0 = time.perf_counter()
-            metrics = fn(cell)
+            metrics = fn(dict(cell))
             wall = time.perf_counter() - t0
             if not isinstance(metrics, Mapping): raise TypeError(f"fn must return a dict of metrics, got {type(metrics).__name__} for cell {cell}")
-            clash = [m for m in metrics if m in keys or m == WALL_TIME or not isinstance(m, str)]
-            if clash: raise ValueError(f"fn returned metric names that are not strings or repeat a cell key or {WALL_TIME!r}: {clash}")
+            clash = [m for m in metrics if m in keys or m in _RESERVED or not isinstance(m, str)]
+            if clash: raise ValueError(f"fn returned metric names that are not strings or repeat a cell key, {WALL_TIME!r} or {ROW_CHECK!r}: {clash}")
             row = {**dict(zip(keys, text)), **{m: _cell_text(x, f"metric {m!r}") for m, x in metrics.items()}, WALL_TIME: repr(wall)}
+            row[ROW_CHECK] = _row_check(row, keys)
+            found[i] = len(rows)
             rows.append(row)
-            columns = list(dict.fromkeys([*columns, *row]))
+            columns = list(dict.fromkeys([*columns, *(c for c in row if c != ROW_CHECK), ROW_CHECK]))
             write_csv(path, pd.DataFrame(rows, columns=columns))
             bar.update()
-    return pd.read_csv(path)
+    return _grid_frame([rows[found[i]] for i in range(len(cells))], columns, keys)

@@ -21,9 +21,9 @@ from .attention import causal_mask, check_qkv, gather_keys
 from .cache import EvictingCache, EvictingLayer
 
 # %% auto #0
-__all__ = ['ATTN_NAME', 'heads_mask', 'dense_attention', 'attend_selected', 'add_chunk_keys', 'AttentionContext',
-           'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy', 'attention_modules', 'patch',
-           'active_patch', 'chunked_prefill']
+__all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'heads_mask', 'dense_attention', 'attend_selected', 'add_chunk_keys',
+           'AttentionContext', 'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy', 'attention_modules',
+           'patch', 'active_patch', 'chunked_prefill', 'Method']
 
 # %% ../nbs/03_hf.ipynb #145809aa
 def heads_mask(mask: Tensor, n_heads: int) -> Tensor:
@@ -302,3 +302,64 @@ def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int,
             out = model(input_ids=input_ids[:, a:a + chunk_size], past_key_values=cache, use_cache=True,
                         cache_position=pos, position_ids=pos.expand(B, -1), logits_to_keep=1)
     return cache, out.logits[:, -1]
+
+# %% ../nbs/03_hf.ipynb #835fa2ff
+METHOD_FAMILIES = ("dense", "eviction", "selection", "retrieval")
+
+
+class Method:
+    "One KV method behind one interface (`patch`, `generate`); a subclass that sets `name` registers itself in `Method.registry`."
+    name: str | None = None
+    family: str = "dense"       # one of METHOD_FAMILIES
+    exact_budget: bool = True   # False: `budget` is a learned target, met on average (DMS)
+    chunk_size: int | None = None  # prefill in chunks of this many tokens (B_CP); None: the whole prompt in one call
+    registry: dict[str, type] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if cls.family not in METHOD_FAMILIES: raise ValueError(f"{cls.__name__}.family must be one of {METHOD_FAMILIES}, got {cls.family!r}")
+        if name is None: return
+        prev = Method.registry.get(name)
+        if prev is not None and prev.__qualname__ != cls.__qualname__:  # re-running a notebook cell redefines the same class
+            raise ValueError(f"method name {name!r} is already taken by {prev.__module__}.{prev.__qualname__}")
+        Method.registry[name] = cls
+
+    def __init__(self, budget: int):
+        self.budget = self.check_budget(budget)
+
+    @classmethod
+    def check_budget(cls, budget) -> int:
+        "`budget` if it is an int >= 1 (KV entries each query may attend to, per KV head)."
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise TypeError(f"budget must be an int >= 1 (KV entries per query and KV head), got {budget!r}")
+        if budget < 1: raise ValueError(f"budget must be an int >= 1 (KV entries per query and KV head), got {budget!r}")
+        return budget
+
+    def policy(self) -> AttentionPolicy:
+        "A fresh attention policy for one run (dense here)."
+        return DensePolicy()
+
+    def cache(self, model: PreTrainedModel) -> Cache | None:
+        "The cache to pass as `past_key_values` for one run, or None for transformers' own."
+        return None
+
+    @contextlib.contextmanager
+    def patch(self, model: PreTrainedModel):
+        "Patch `model` with a fresh `policy()` inside the block and yield the cache to pass (None: none needed)."
+        with patch(model, self.policy()): yield self.cache(model)
+
+    def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+        "Prefill (in chunks of `chunk_size` if set) and decode with `model.generate(**kwargs)` under the method; returns token ids."
+        if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long or input_ids.shape[1] == 0:
+            raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
+        if attention_mask is None: attention_mask = torch.ones_like(input_ids)
+        with torch.no_grad(), self.patch(model) as cache:
+            if self.chunk_size and input_ids.shape[1] > 1:
+                if not bool(attention_mask.all()): raise ValueError(f"attention_mask: {self.name or type(self).__name__} prefills in chunks, which takes unpadded prompts")
+                cache = chunked_prefill(model, input_ids[:, :-1], self.chunk_size, cache=cache)[0]  # generate feeds the last token
+            return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"

@@ -13,14 +13,16 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
+from .attention import check_int
+
 # %% auto #0
-__all__ = ['resolve_budget', 'top_mask', 'top_budget_indices', 'top_budget_indices_reference', 'all_key_indices', 'check_count',
-           'anchor_mask', 'anchored_top_indices', 'anchored_top_indices_reference']
+__all__ = ['resolve_budget', 'top_mask', 'top_budget_indices', 'top_budget_indices_reference', 'all_key_indices', 'anchor_mask',
+           'anchored_top_indices', 'anchored_top_indices_reference']
 
 # %% ../nbs/05_select.ipynb #82a59f99
 def resolve_budget(budget: int | float, T: int) -> int:
     "Keys kept out of `T` cached keys: min(B_SA, T) for an int `budget`, round(budget*T) (halves up, at least 1, at most T) for a float fraction in (0, 1]."
-    if isinstance(T, bool) or not isinstance(T, int) or T < 0: raise ValueError(f"T must be an int >= 0, got {T!r}")
+    check_int(T, "T")
     accepted = "an int >= 1 (B_SA, a number of keys) or a float in (0, 1] (a fraction of the cache)"
     if isinstance(budget, bool) or not isinstance(budget, (int, float)): raise TypeError(f"budget must be {accepted}, got {budget!r}")
     if isinstance(budget, int):
@@ -33,7 +35,7 @@ def resolve_budget(budget: int | float, T: int) -> int:
 def _check_top(scores: Tensor, n: int):
     "Refuse an `n` outside [0, T] and NaN scores (they have no order)."
     T = scores.shape[-1]
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= T: raise ValueError(f"n must be an int in [0, {T}], got {n!r}")
+    check_int(n, "n", 0, T)
     if scores.is_floating_point() and scores.isnan().any(): raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
 
 
@@ -68,16 +70,9 @@ def all_key_indices(B: int, Hkv: int, T: int, device=None) -> Tensor:
     return torch.arange(T, device=device).expand(B, Hkv, T).contiguous()
 
 # %% ../nbs/05_select.ipynb #1e7d63cd
-def check_count(x, name: str) -> int:
-    "`x` if it is an int >= 0 (a number of sinks or recent keys)."
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0: raise ValueError(f"{name} must be an int >= 0, got {x!r}")
-    return x
-
-
 def anchor_mask(T: int, n: int, sinks: int = 0, recent: int = 0, device=None) -> Tensor:
     "Boolean [T]: the first min(sinks, n) keys and the last min(recent, n - those) keys, the anchors a budget of n keys always keeps."
-    check_count(sinks, "sinks"), check_count(recent, "recent")
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= T: raise ValueError(f"n must be an int in [0, T={T}], got {n!r}")
+    check_int(sinks, "sinks"), check_int(recent, "recent"), check_int(n, "n", 0, T)
     s = min(sinks, n)
     r = min(recent, n - s, T - s)
     m = torch.zeros(T, dtype=torch.bool, device=device)

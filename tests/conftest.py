@@ -30,3 +30,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="slow: run with `make test-all` (--run-slow)"))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="gpu: needs a CUDA device"))
+
+
+TINY_MODELS = {"llama": ("tiny-llama", {}), "qwen3": ("tiny-qwen3", {}),
+               "llama-g1": ("tiny-llama", dict(num_kv_heads=4))}
+
+
+@pytest.fixture(scope="module", params=list(TINY_MODELS))
+def tiny_model(request):
+    "Each tiny seeded float32 model: Llama (GQA, G = 2), Qwen3 and Llama with G = 1."
+    from sparsekv.models import load_model
+
+    name, overrides = TINY_MODELS[request.param]
+    return load_model(name, **overrides)[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    "The tiny seeded float32 Llama (GQA, G = 2)."
+    from sparsekv.models import load_model
+
+    return load_model("tiny-llama")[0]

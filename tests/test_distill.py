@@ -1,7 +1,9 @@
 "The distillation loop (with KVpop and StreamingLLM+ students): exact resume, scorer-only freezing, FSDP2 on 2 CPU processes."
 import copy
+import dataclasses
 import itertools
 import os
+import re
 import tempfile
 
 import pandas as pd
@@ -11,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparsekv.kvpop.cache import random_scorers
-from sparsekv.distill import DistillConfig, distill, epoch_batches, full_state, main, rank_slice, shard_for_training
+from sparsekv.distill import (DistillConfig, distill, epoch_batches, full_state, main, new_param_lr, rank_slice, shard_for_training,
+                              student_spec)
 from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
 from sparsekv.models import load_model
 
@@ -142,6 +145,7 @@ def test_fsdp2_two_processes_match_one(mode):
                 # rounding noise, which Adam normalizes to steps of up to ~lr. Only that bound holds across reductions.
                 assert (v - ref[part][k]).abs().max() <= cfg.steps * cfg.new_lr, k
             else: torch.testing.assert_close(v, ref[part][k], rtol=1e-4, atol=1e-6, msg=f"{part}.{k}")
+    assert ckpt["spec"]["student"] == student_spec(student)  # no FSDP wrapper class names: resumable in one process
     for k, v in ckpt["model"].items():  # the checkpoint written under FSDP holds the same full tensors
         part, name = k.split(".", 1)
         assert torch.equal(v, r0[part][name]), k
@@ -153,3 +157,82 @@ def test_main_single_process(tmp_path):
                  "--k", "6", "--n-eval", "1", "--eval-every", "2", "--warmup-steps", "1", "--out", str(tmp_path)])
     assert list(hist.kind) == ["eval", "train", "train", "eval"]
     assert (tmp_path / "history.csv").is_file() and set(torch.load(tmp_path / "trained.pt")) == {"student"}
+
+
+# --- checkpoints answer for one run only (issue 12, item 3) ------------------------------------------------------
+
+def _checkpointed(d, mode="scorer_only", steps=2, **student_kw):
+    "Train `steps` steps with a checkpoint in `d`; return the setup's model, data and config."
+    model, _, data, cfg = setup(mode, steps=steps)
+    torch.manual_seed(0)
+    student = KVpopStudent.for_model(model, **{**dict(sink=2, window=4, k=6, n_boundaries=16), **student_kw})
+    cfg.checkpoint_every = 1
+    distill(model, student, data, cfg, checkpoint_dir=d, progress=False)
+    return model, data, cfg
+
+
+def test_checkpoint_stores_full_config_and_student_budget(tmp_path):
+    model, data, cfg = _checkpointed(tmp_path)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ckpt["config"] == dataclasses.asdict(cfg)
+    spec = ckpt["spec"]["student"]
+    assert spec["type"] == "KVpopStudent" and (spec["settings"]["sink"], spec["settings"]["window"], spec["settings"]["k"]) == (2, 4, 6)
+    assert ckpt["spec"]["model"]["config"]["num_hidden_layers"] == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(window=8), "student.settings.window"),
+    (dict(k=5), "student.settings.k"),
+    (dict(scorer="mlstm"), "student.modules"),
+    (dict(config=dict(new_lr=5e-3)), "config.new_lr"),
+    (dict(config=dict(base_lr=1e-4)), "config.base_lr"),
+    (dict(config=dict(seed=1)), "config.seed"),
+    (dict(config=dict(warmup_steps=1)), "config.warmup_steps"),
+    (dict(model=dict(seed=3)), None),  # same architecture, other weights: allowed in scorer_only (the base is not in the checkpoint)
+    (dict(model=dict(num_layers=3)), "model.config.num_hidden_layers"),
+])
+def test_resume_refuses_another_run(tmp_path, change, field):
+    "Another budget, scorer type, learning rate or model: refused with an error naming the field, before any training."
+    _checkpointed(tmp_path)
+    model, _ = load_model("tiny-llama", **change.get("model", {}))
+    torch.manual_seed(0)
+    kw = {k: v for k, v in change.items() if k not in ("config", "model")}
+    student = KVpopStudent.for_model(model, **{**dict(sink=2, window=4, k=6, n_boundaries=16), **kw})
+    _, _, data, cfg = setup("scorer_only", steps=2)
+    cfg = DistillConfig(**{**dataclasses.asdict(cfg), "checkpoint_every": 1, **change.get("config", {})})
+    if field is None:
+        distill(model, student, data, cfg, checkpoint_dir=tmp_path, progress=False)
+        return
+    with pytest.raises(ValueError, match=f"belongs to another run.*{re.escape(field)}"):
+        distill(model, student, data, cfg, checkpoint_dir=tmp_path, progress=False)
+
+
+def test_resume_refuses_other_mode_and_checkpoint_beyond_steps(tmp_path):
+    model, data, cfg = _checkpointed(tmp_path, steps=3)
+    student = KVpopStudent.for_model(model, sink=2, window=4, k=6, n_boundaries=16)
+    with pytest.raises(ValueError, match=r"config.mode \('scorer_only' in the checkpoint, 'full' now\)"):
+        distill(model, student, data, dataclasses.replace(cfg, mode="full"), checkpoint_dir=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="at step 3, beyond config.steps=2"):
+        distill(model, student, data, dataclasses.replace(cfg, steps=2), checkpoint_dir=tmp_path, progress=False)
+
+
+def test_resume_refuses_checkpoint_without_description(tmp_path):
+    _checkpointed(tmp_path)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    del ckpt["spec"]
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    model, student, data, cfg = setup("scorer_only", steps=2)
+    with pytest.raises(ValueError, match="older version"):
+        distill(model, student, data, cfg, checkpoint_dir=tmp_path, progress=False)
+
+
+def test_extending_steps_resumes_on_the_new_schedule(tmp_path):
+    "steps 2 -> 5: the run resumes at step 2 and its learning rates follow the schedule of 5 steps from the first resumed update."
+    model, _, cfg = _checkpointed(tmp_path, mode="full", steps=2)
+    longer = dataclasses.replace(cfg, steps=5)
+    m2, s2, data, _ = setup("full", steps=5)
+    hist = distill(m2, s2, data, longer, checkpoint_dir=tmp_path, progress=False)
+    assert hist.step.tolist() == [1, 2, 3, 4, 5]
+    assert hist.lr_new.tolist()[2:] == pytest.approx([new_param_lr(i, longer) for i in (2, 3, 4)], rel=1e-12, abs=0)
+    assert (hist.lr_base == cfg.base_lr).all()
+

@@ -1,5 +1,6 @@
 "Tests of sparsekv.eval: metrics against brute-force references on random inputs, and the resumable grid runner."
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -79,7 +80,7 @@ def test_kl_to_teacher_mask_and_dtypes():
 
 @pytest.mark.parametrize("call,msg", [
     (lambda s, t: token_kl(s, t[..., :8]), "same shape"),
-    (lambda s, t: token_kl(s, t, top_k=0), "top_k must be in [1, 9]"),
+    (lambda s, t: token_kl(s, t, top_k=0), "top_k must be an int in [1, 9]"),
     (lambda s, t: token_kl(s, t, top_k=2.0), "top_k must be an int"),
     (lambda s, t: kl_to_teacher(s, t, torch.ones(2, 7)), "mask must be a boolean tensor"),
     (lambda s, t: top1_agreement(s[0, 0], t[0, 0]), "at least 2 dims"),
@@ -320,7 +321,7 @@ def test_pass_at_k_over_problems_and_avg_at_k():
 
 
 def test_pass_at_k_rejects_bad_input():
-    with pytest.raises(ValueError, match=r"k must be in \[1, 3\]"):
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, 3\]"):
         pass_at_k([[True, False, True]], 4)
     with pytest.raises(ValueError, match="2-D"):
         avg_at_k([True, False])
@@ -416,3 +417,91 @@ def test_grid_rejects_bad_input(tmp_path, cells, fn, msg):
     with pytest.raises((ValueError, TypeError)) as e:
         run_grid(cells, fn, tmp_path / "g.csv")
     assert msg in str(e.value)
+
+
+# --- grid runner: every setting is a key, damaged files are recomputed (issue 12, items 3 and 4) ----------------
+
+def counting(calls, fn=metrics_of):
+    return lambda c: (calls.append(dict(c)), fn(c))[1]
+
+
+def test_grid_params_are_part_of_the_key(tmp_path):
+    "Changing a run-level setting (window 4 -> 8) recomputes every cell; each call returns only its own rows."
+    path, cells, calls = tmp_path / "g.csv", grid_cells()[:4], []
+    a = run_grid(cells, counting(calls), path, params={"model": "tiny", "window": 4, "lr": 1e-3})
+    b = run_grid(cells, counting(calls), path, params={"model": "tiny", "window": 8, "lr": 1e-3})
+    assert calls == cells + cells
+    assert len(a) == len(b) == 4 and set(a.window) == {4} and set(b.window) == {8}
+    assert list(a.columns[:3]) == ["model", "window", "lr"]
+    calls.clear()
+    again = run_grid(cells, counting(calls), path, params={"model": "tiny", "window": 4, "lr": 1e-3})
+    assert calls == [] and again.equals(a)
+    run_grid(cells, counting(calls), path, params={"model": "tiny", "window": 4, "lr": 2e-3})
+    assert calls == cells
+    with pytest.raises(ValueError, match=r"both set \['budget'\]"): run_grid(cells, metrics_of, path, params={"budget": 1})
+    with pytest.raises(ValueError, match="params keys"): run_grid(cells, metrics_of, path, params={"row_check": 1})
+    with pytest.raises(TypeError, match="must be a str, int"): run_grid(cells, metrics_of, path, params={"budgets": [1, 2]})
+
+
+def test_grid_row_of_other_keys_is_not_reused(tmp_path):
+    "A row written for cell {x: 1, y: 2} does not answer cell {x: 1} (it was made with another setting y)."
+    path, calls = tmp_path / "g.csv", []
+    run_grid([{"x": 1, "y": 2}], lambda c: {"m": 2.0}, path)
+    with pytest.warns(UserWarning, match="made for other key columns"): df = run_grid([{"x": 1}], counting(calls, lambda c: {"m": 1.0}), path)
+    assert calls == [{"x": 1}] and df.m.tolist() == [1.0] and list(df.columns) == ["x", "m", "wall_s"]
+
+
+def _damage(path, how):
+    lines = path.read_text().splitlines()
+    if how == "cut short": lines[2] = lines[2].rsplit(",", 3)[0]
+    elif how == "cut in the last field": lines[2] = lines[2][:-3]
+    elif how == "extra field": lines[2] += ",surplus"
+    elif how == "key 1 -> 1.0": lines[2] = lines[2].replace(",256,", ",256.0,", 1)
+    elif how == "metric edited": lines[2] = lines[2].replace(",0.256,", ",0.9,", 1)
+    elif how == "empty wall_s":
+        fields = lines[2].split(",")
+        fields[-2] = ""
+        lines[2] = ",".join(fields)
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("how", ["cut short", "cut in the last field", "extra field", "key 1 -> 1.0", "metric edited",
+                                 "empty wall_s"])
+def test_grid_damaged_row_is_recomputed(tmp_path, how):
+    "A damaged row counts as not done: its cell (only) is computed again, and every cell comes back once, complete."
+    path, cells, calls = tmp_path / "g.csv", grid_cells(), []
+    run_grid(cells, metrics_of, path)
+    _damage(path, how)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        df = run_grid(cells, counting(calls), path)
+    if how != "key 1 -> 1.0": assert "damaged results" in str(seen[0].message)  # a rewritten key names no cell of the grid
+    assert calls == [cells[1]]
+    assert df[["method", "budget", "task"]].to_dict("records") == cells
+    assert not df.isna().any().any() and df["acc"].tolist() == [c["budget"] / 1000 for c in cells]
+    calls.clear()
+    df2 = run_grid(cells, counting(calls), path)
+    assert calls == [] and df2.equals(df)
+
+
+def test_grid_lost_header_or_unreadable_file_names_the_path(tmp_path):
+    path, cells = tmp_path / "g.csv", grid_cells()[:3]
+    run_grid(cells, metrics_of, path)
+    path.write_text("\n".join(path.read_text().splitlines()[1:]) + "\n")
+    with pytest.raises(ValueError, match=f"{path} has no valid header line"): run_grid(cells, metrics_of, path)
+    path.write_bytes(b"\xff\xfe\x00garbage\x00\x81")
+    with pytest.raises(ValueError, match=f"cannot read the grid results file {path}"): run_grid(cells, metrics_of, path)
+    path.write_text("")  # an empty file holds no results
+    assert len(run_grid(cells, metrics_of, path)) == 3
+
+
+def test_grid_file_without_row_check_is_recomputed_once(tmp_path):
+    "Rows of an older file (no row_check column) are kept but computed again, once."
+    path, cells, calls = tmp_path / "g.csv", grid_cells()[:2], []
+    pd.DataFrame([{**c, "acc": 0.0, "wall_s": 0.1} for c in cells]).to_csv(path, index=False)
+    with pytest.warns(UserWarning, match="row_check"):
+        df = run_grid(cells, counting(calls), path)
+    assert calls == cells and df.acc.tolist() == [c["budget"] / 1000 for c in cells] and len(pd.read_csv(path)) == 4
+    calls.clear()
+    run_grid(cells, counting(calls), path)
+    assert calls == []

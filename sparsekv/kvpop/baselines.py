@@ -11,13 +11,13 @@ import torch
 from torch import Tensor
 
 from ..attention import check_qkv
-from ..cache import EvictingLayer, EvictionRule, SinkWindowRule, TopScoreRule
-from ..hf import DensePolicy, MaskPolicy, heads_mask, patch
+from ..cache import EvictingCache, EvictingLayer, EvictionRule, SinkWindowRule, TopScoreRule
+from ..hf import DensePolicy, MaskPolicy, Method, heads_mask, patch
 
 # %% auto #0
-__all__ = ['HEAD_REDUCTIONS', 'EVICTION_BASELINES', 'AttentionScoreRule', 'TOVARule', 'H2ORule', 'streaming_llm_rule',
-           'attention_probs', 'reduce_heads', 'AttentionScorePolicy', 'eviction_baseline', 'RowsPolicy',
-           'eviction_reference']
+__all__ = ['HEAD_REDUCTIONS', 'AttentionScoreRule', 'TOVARule', 'H2ORule', 'streaming_llm_rule', 'attention_probs',
+           'reduce_heads', 'AttentionScorePolicy', 'split_budget', 'EvictionMethod', 'StreamingLLM', 'TOVA', 'H2O',
+           'RowsPolicy', 'eviction_reference']
 
 # %% ../../nbs/16_kvpop_baselines.ipynb #1a188878
 HEAD_REDUCTIONS = ("group", "all")
@@ -87,15 +87,66 @@ class AttentionScorePolicy(DensePolicy):
         return super().attend(q, k, v, ctx)
 
 # %% ../../nbs/16_kvpop_baselines.ipynb #69653f43
-EVICTION_BASELINES = ("streaming_llm", "tova", "h2o")
+def split_budget(budget: int, sink: int | None = None, window: int | None = None) -> tuple[int, int, int]:
+    "(sink, window, k) with s + w + k = `budget`; defaults s = 4 and w = round(256 B / 4356) >= 1 (KVpop's w = 256 at B = 4 + 256 + 4096)."
+    B = Method.check_budget(budget)
+    if window is None: window = min(B, max(1, round(256 * B / 4356)))
+    if sink is None: sink = min(4, B - window)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
+    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
+    if sink + window > B: raise ValueError(f"budget={B} must cover sink + window = {sink} + {window}")
+    return sink, window, B - sink - window
 
 
-def eviction_baseline(name: str, sink: int, window: int, k: int, heads: str = "group") -> tuple[EvictionRule, DensePolicy]:
-    "(rule, policy) of the baseline `name` with budget s + w + k per KV head."
-    if name == "streaming_llm": return streaming_llm_rule(sink, window, k), DensePolicy()
-    if name == "tova": return TOVARule(sink, window, k, heads), AttentionScorePolicy()
-    if name == "h2o": return H2ORule(sink, window, k, heads), AttentionScorePolicy()
-    raise ValueError(f"name must be one of {EVICTION_BASELINES}, got {name!r}")
+class EvictionMethod(Method):
+    "Evict while reading: an `EvictingCache` of `rule()` under `policy()` keeps `budget` = sink + window + k entries per KV head."
+    family = "eviction"
+
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, chunk_size: int | None = None):
+        super().__init__(budget)
+        self.sink, self.window, self.k = split_budget(self.budget, sink, window)
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be None (the whole prompt in one call) or an int >= 1, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+
+    def rule(self) -> EvictionRule:
+        "The eviction rule of one run."
+        raise NotImplementedError(f"{type(self).__name__} must implement rule()")
+
+    def cache(self, model) -> EvictingCache:
+        return EvictingCache(self.rule())
+
+
+class StreamingLLM(EvictionMethod):
+    "StreamingLLM (Xiao et al.): the sinks and the window + k most recent tokens."
+    name = "streaming_llm"
+
+    def rule(self) -> SinkWindowRule:
+        return streaming_llm_rule(self.sink, self.window, self.k)
+
+
+class TOVA(EvictionMethod):
+    "TOVA (Oren et al.): the k older entries with the most attention from the latest query; `heads` 'group' or 'all' (the original)."
+    name = "tova"
+    rule_class = TOVARule
+
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, heads: str = "group",
+                 chunk_size: int | None = None):
+        super().__init__(budget, sink, window, chunk_size)
+        if heads not in HEAD_REDUCTIONS: raise ValueError(f"heads must be one of {HEAD_REDUCTIONS}, got {heads!r}")
+        self.heads = heads
+
+    def rule(self) -> AttentionScoreRule:
+        return self.rule_class(self.sink, self.window, self.k, self.heads)
+
+    def policy(self) -> AttentionScorePolicy:
+        return AttentionScorePolicy()
+
+
+class H2O(TOVA):
+    "H2O (Zhang et al.): the k older entries with the most attention accumulated since they were cached."
+    name = "h2o"
+    rule_class = H2ORule
 
 # %% ../../nbs/16_kvpop_baselines.ipynb #12baf0c2
 class RowsPolicy(MaskPolicy):

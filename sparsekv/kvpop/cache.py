@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..attention import check_int, evictable, is_causal
 from ..cache import EvictingCache, EvictingLayer, SinkWindowRule, TopScoreRule
 from ..hf import DensePolicy, MaskPolicy, dense_attention
 from .cutoff import LogDecay, check_budget, topk_cutoff
@@ -28,8 +29,8 @@ class KVpopScorers(nn.Module):
         super().__init__()
         if len(scorers) != len(decays) or not scorers:
             raise ValueError(f"need one scorer and one LogDecay per layer, got {len(scorers)} scorers and {len(decays)} decays")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1: raise ValueError(f"n (the decay step) must be an int >= 1, got {n!r}")
-        self.scorers, self.decays, self.n = nn.ModuleList(scorers), nn.ModuleList(decays), n
+        self.scorers, self.decays = nn.ModuleList(scorers), nn.ModuleList(decays)
+        self.n = check_int(n, "n (the decay step)", 1)
 
     @classmethod
     def mlp(cls, num_layers: int, num_kv_heads: int, head_dim: int, n: int = 1, **decay_kwargs) -> "KVpopScorers":
@@ -61,7 +62,7 @@ class KVpopScorers(nn.Module):
         if not 0 <= layer_idx < len(self.scorers): raise ValueError(f"layer_idx must lie in [0, {len(self.scorers)}), got {layer_idx}")
         return layer_idx
 
-# %% ../../nbs/15_kvpop_cache.ipynb #98bb0046
+# %% ../../nbs/15_kvpop_cache.ipynb #a13b8cab
 class KVpopRule(TopScoreRule):
     "KVpop eviction (Eq. 1): `sink` sinks, a `window` of recent tokens, the `k` best static priorities of older tokens."
 
@@ -91,8 +92,8 @@ class KVpopRule(TopScoreRule):
         "Sinks, window, pending (unread) entries and the k best eligible ones; a row with at most k + 1 eligible entries drops its worst (no sort)."
         t, p = layer.positions[:, :, None, :], query_positions[:, None]
         pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)  # scored later: never eligible yet, kept meanwhile
-        base = SinkWindowRule.visible(self, layer, query_positions) | ((t <= p) & pending)
-        eligible = (t >= self.sink) & (p - t >= self.window) & ~pending
+        base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
+        eligible = evictable(self.sink, self.window)(p, t) & ~pending
         n = eligible.sum(-1, keepdim=True)
         if int(n.max()) <= self.k + 1:  # decode: the k kept entries and the one that just became eligible
             s = layer.scores[:, :, None, :].masked_fill(~eligible, float("inf"))
@@ -144,13 +145,15 @@ class KVpopRule(TopScoreRule):
         return ar.expand(*drop.shape[:2], -1) if not drop.any() else ar + (ar >= drop.to(torch.uint8).argmax(-1, keepdim=True))
 
 
+
+# %% ../../nbs/15_kvpop_cache.ipynb #ebfb5696
 class DelayedReadout:
     "Per-layer state of a recurrent scorer in the cache: the mLSTM state, read features of unread tokens, first unread position."
 
     def __init__(self, state, queue: Tensor):
         self.state, self.queue, self.pending_from = state, queue, 0
 
-
+# %% ../../nbs/15_kvpop_cache.ipynb #98bb0046
 class KVpopLayer(EvictingLayer):
     """An `EvictingLayer` whose keys, values, positions and scores are views of preallocated buffers of s + w + k + 1
     entries per head (more only while a prefill chunk is in): decode writes the new token in place and removes the
@@ -218,6 +221,8 @@ class KVpopLayer(EvictingLayer):
         if self.is_initialized: self._seat(self.positions.shape[-1], max(self.positions.shape[-1], self.rule.budget + 1))
 
 
+
+# %% ../../nbs/15_kvpop_cache.ipynb #2a1e315d
 class KVpopPolicy(DensePolicy):
     "Exact attention over what a `KVpopRule` shows each query, decode included (needed by recurrent scorers)."
 
@@ -235,6 +240,8 @@ class KVpopPolicy(DensePolicy):
         return super().prefill(q, k, v, ctx)
 
 
+
+# %% ../../nbs/15_kvpop_cache.ipynb #e5880f44
 class KVpopCache(EvictingCache):
     "A bounded KVpop cache (use inside `sparsekv.hf.patch`): per KV head s sinks, w recent and k long-range entries, in `KVpopLayer`s."
 

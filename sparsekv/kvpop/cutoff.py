@@ -15,8 +15,10 @@ import time
 import torch
 from torch import Tensor, nn
 
+from ..attention import check_int
+
 # %% auto #0
-__all__ = ['CUTOFF_BACKENDS', 'LogDecay', 'check_log_gamma', 'static_priority', 'effective_score', 'check_priority', 'check_int',
+__all__ = ['CUTOFF_BACKENDS', 'LogDecay', 'check_log_gamma', 'static_priority', 'effective_score', 'check_priority',
            'check_budget', 'priority_rank', 'rank_reference', 'eligible_count', 'cutoff_reference',
            'topk_cutoff_reference', 'Fenwick', 'cutoff_python', 'cutoff_torch', 'triton_interpreted', 'cutoff_triton',
            'topk_cutoff', 'bench_cutoff']
@@ -26,8 +28,7 @@ class LogDecay(nn.Module):
     "Per-head log-decay log(gamma_h) = log g_min + sigmoid(alpha_h) (log g_max - log g_min), Eq. (21)."
     def __init__(self, n_heads: int, gamma_min: float = 0.999, gamma_max: float = 0.999999, alpha_init: float = 0.0):
         super().__init__()
-        if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
-            raise ValueError(f"n_heads must be an int >= 1, got {n_heads!r}")
+        check_int(n_heads, "n_heads", 1)
         if not (0 < gamma_min < gamma_max < 1):
             raise ValueError(f"need 0 < gamma_min < gamma_max < 1, got gamma_min={gamma_min!r}, gamma_max={gamma_max!r}")
         self.log_gamma_min, self.log_gamma_max = math.log(gamma_min), math.log(gamma_max)
@@ -60,7 +61,7 @@ def static_priority(r: Tensor, log_gamma: Tensor | float, n: int = 1) -> Tensor:
     if not isinstance(r, Tensor) or not r.is_floating_point() or r.dim() != 3:
         raise TypeError(f"r must be a 3-D floating-point tensor [B, H, S], got {getattr(r, 'dtype', type(r).__name__)} "
                         f"of shape {tuple(getattr(r, 'shape', ()))}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1: raise ValueError(f"n (the decay step) must be an int >= 1, got {n!r}")
+    check_int(n, "n (the decay step)", 1)
     log_gamma = check_log_gamma(log_gamma, r.shape[1])
     acc = torch.promote_types(r.dtype, torch.float32)  # the decay in float32 at least (App. F)
     if isinstance(log_gamma, Tensor): log_gamma = log_gamma.to(device=r.device, dtype=acc)
@@ -70,7 +71,7 @@ def static_priority(r: Tensor, log_gamma: Tensor | float, n: int = 1) -> Tensor:
 # %% ../../nbs/11_kvpop_cutoff.ipynb #100ebc79
 def effective_score(r: Tensor, log_gamma: Tensor | float, q: int, n: int = 1) -> Tensor:
     "Effective scores r_t + floor((q-t)/n) log(gamma_h) at query q (Eq. 5, 18), [B,H,S]; the reference for `static_priority`."
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1: raise ValueError(f"n (the decay step) must be an int >= 1, got {n!r}")
+    check_int(n, "n (the decay step)", 1)
     log_gamma = check_log_gamma(log_gamma, r.shape[1])
     steps = torch.div(q - torch.arange(r.shape[-1], device=r.device), n, rounding_mode="floor").to(r.dtype)
     return r + steps * log_gamma
@@ -86,20 +87,14 @@ def check_priority(priority: Tensor) -> Tensor:
         raise ValueError("priority contains NaN: rankings need ordered values (+-inf are allowed)")
     return priority
 
-def check_int(name: str, value, least: int) -> int:
-    "Validate an int argument `name` >= `least` (bools rejected); return it."
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-    return value
-
 def check_budget(k: int, sink: int, window: int) -> tuple[int, int, int]:
     "Validate the budget: k >= 1 long-range tokens, sink >= 0 sinks, window >= 1 protected recent tokens (Eq. 1)."
-    return check_int("k", k, 1), check_int("sink", sink, 0), check_int("window", window, 1)
+    return check_int(k, "k", 1), check_int(sink, "sink", 0), check_int(window, "window", 1)
 
 def priority_rank(priority: Tensor, sink: int) -> Tensor:
     "rank[t], int64 [B,H,S]: position of t >= sink by descending priority (0 = best, ties: earlier first); sinks get S."
     priority = check_priority(priority)
-    sink = check_int("sink", sink, 0)
+    sink = check_int(sink, "sink", 0)
     S = priority.shape[-1]
     rank = torch.full(priority.shape, S, dtype=torch.int64, device=priority.device)
     n = max(S - sink, 0)

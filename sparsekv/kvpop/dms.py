@@ -7,6 +7,8 @@ Docs: https://sparsekv.github.io/sparsekv/kvpop_dms.html.md"""
 # %% ../../nbs/18_kvpop_dms.ipynb #f16cef21
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 import weakref
 
@@ -14,18 +16,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import causal_block_mask, check_qkv, flex_attention_lse, gather_keys
+from ..attention import (causal_block_mask, check_int, check_qkv, flex_attention_lse, gather_keys, in_window,
+                                is_causal, sink_window_visible)
 from ..cache import EvictingCache, EvictingLayer, EvictionRule
 from ..hf import AttentionPolicy, dense_attention, patch
-from .scorers import MLPScorer, check_positive_int
+from .scorers import MLPScorer
 from ..distill import DistillStudent
+from .student import TrainedMethod
 from ..models import model_info
 
 # %% auto #0
-__all__ = ['DMS_BACKENDS', 'check_temperature', 'gumbel_logits', 'gumbel_sigmoid', 'gumbel_sigmoid_mean', 'check_window',
-           'dms_mask_bias', 'dms_mask_bias_reference', 'dms_attention', 'dms_visible', 'check_fraction',
-           'ratio_schedule', 'ratio_loss', 'target_for_budget', 'DMSDecisions', 'DMSPolicy', 'DMSRule', 'DMSLayer',
-           'DMSCache', 'DMSStudent', 'eviction_ratios']
+__all__ = ['DMS_BACKENDS', 'check_temperature', 'gumbel_logits', 'gumbel_sigmoid', 'gumbel_sigmoid_mean', 'dms_mask_bias',
+           'dms_mask_bias_reference', 'dms_attention', 'dms_visible', 'check_fraction', 'ratio_schedule', 'ratio_loss',
+           'target_for_budget', 'DMSDecisions', 'DMSPolicy', 'DMSRule', 'DMSLayer', 'DMSCache', 'DMSStudent',
+           'eviction_ratios', 'DMS']
 
 # %% ../../nbs/18_kvpop_dms.ipynb #ae98526e
 def check_temperature(tau) -> float:
@@ -61,14 +65,9 @@ def gumbel_sigmoid_mean(logits: Tensor, tau: float, n: int = 20001) -> Tensor:
     return torch.sigmoid((logits.double()[..., None] + L) / tau).mean(-1)
 
 # %% ../../nbs/18_kvpop_dms.ipynb #e08341c6
-def check_window(window) -> int:
-    "Validate the protected window w (an int >= 1)."
-    return check_positive_int("window", window)
-
-
 def dms_mask_bias(alpha: Tensor | None, window: int, log_keep: Tensor | None = None) -> Tensor:
     "Additive DMS mask [B,Hkv,S,S]: -inf above the diagonal, 0 for i - j < w, log(1 - alpha_j) for i - j >= w (`log_keep` overrides)."
-    window = check_window(window)
+    window = check_int(window, "window", 1)
     if log_keep is None:
         if not isinstance(alpha, Tensor) or not alpha.is_floating_point() or alpha.ndim != 3:
             raise TypeError("alpha must be a floating-point tensor [B,Hkv,S]")
@@ -76,9 +75,9 @@ def dms_mask_bias(alpha: Tensor | None, window: int, log_keep: Tensor | None = N
         log_keep = torch.log1p(-alpha)
     elif log_keep.ndim != 3: raise ValueError(f"log_keep must be [B,Hkv,S], got shape {tuple(log_keep.shape)}")
     pos = torch.arange(log_keep.shape[-1], device=log_keep.device)
-    dist = pos[:, None] - pos[None, :]  # i - j
-    bias = torch.where(dist >= window, log_keep[:, :, None, :], torch.zeros((), dtype=log_keep.dtype, device=log_keep.device))
-    return bias.masked_fill(dist < 0, float("-inf"))
+    i, j, zero = pos[:, None], pos, torch.zeros((), dtype=log_keep.dtype, device=log_keep.device)
+    bias = torch.where(in_window(window)(i, j), zero, log_keep[:, :, None, :])  # log(1 - alpha_j) out of the window
+    return bias.masked_fill(~is_causal(i, j), float("-inf"))
 
 
 def dms_mask_bias_reference(alpha: Tensor, window: int) -> Tensor:
@@ -106,7 +105,7 @@ def dms_attention(q: Tensor, k: Tensor, v: Tensor, log_keep: Tensor, window: int
     G = check_qkv(q, k, v)
     if log_keep.shape != k.shape[:3]: raise ValueError(f"log_keep must be [B,Hkv,S] = {tuple(k.shape[:3])}, got {tuple(log_keep.shape)}")
     if k.shape[2] != q.shape[2]: raise ValueError("dms_attention takes a whole sequence: as many queries as keys")
-    window = check_window(window)
+    window = check_int(window, "window", 1)
     if backend == "auto": backend = "flex" if q.is_cuda and mask is None and not dropout else "sdpa"
     if backend == "sdpa":
         bias = dms_mask_bias(None, window, log_keep)
@@ -116,7 +115,7 @@ def dms_attention(q: Tensor, k: Tensor, v: Tensor, log_keep: Tensor, window: int
     if mask is not None or dropout: raise ValueError("backend='flex' takes no extra mask and no dropout: use backend='sdpa'")
 
     def score_mod(score, b, h, q_idx, kv_idx):  # + log(1 - alpha_j) once the key left the query's window
-        return score + torch.where(q_idx - kv_idx >= window, log_keep[b, h // G, kv_idx], 0.0)
+        return score + torch.where(in_window(window)(q_idx, kv_idx), 0.0, log_keep[b, h // G, kv_idx])
 
     S = q.shape[2]
     return flex_attention_lse(q, k, v, causal_block_mask(S, S, q.device), score_mod, scale, enable_gqa=G > 1)[0]
@@ -127,7 +126,8 @@ def dms_visible(evict: Tensor, window: int, key_positions: Tensor, query_positio
     if evict.dtype != torch.bool: raise TypeError(f"evict must be boolean, got {evict.dtype}")
     if evict.shape != key_positions.shape: raise ValueError(f"evict {tuple(evict.shape)} and key_positions {tuple(key_positions.shape)} must match")
     t, p = key_positions[:, :, None, :], query_positions[:, None]
-    return (t <= p) & ((p - t < check_window(window)) | ~evict[:, :, None, :] | (t < sink))
+    # StreamingLLM's sinks and window, or any causal key not marked for eviction
+    return sink_window_visible(sink, check_int(window, "window", 1))(p, t) | (is_causal(p, t) & ~evict[:, :, None, :])
 
 # %% ../../nbs/18_kvpop_dms.ipynb #13f8ff49
 def check_fraction(name: str, value) -> float:
@@ -139,8 +139,8 @@ def check_fraction(name: str, value) -> float:
 
 def ratio_schedule(step: int, steps: int, target: float) -> float:
     "Target eviction fraction at `step`: rises linearly from 0 to `target` over `steps` steps, then constant."
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0: raise ValueError(f"step must be an int >= 0, got {step!r}")
-    return check_fraction("target", target) * min(1.0, step / check_positive_int("steps", steps))
+    check_int(step, "step")
+    return check_fraction("target", target) * min(1.0, step / check_int(steps, "steps", 1))
 
 
 def ratio_loss(alpha: Tensor, target: float) -> Tensor:
@@ -152,7 +152,7 @@ def ratio_loss(alpha: Tensor, target: float) -> Tensor:
 # %% ../../nbs/18_kvpop_dms.ipynb #f548fb19
 def target_for_budget(budget: int, window: int, seq_len: int) -> float:
     "Eviction fraction rho* whose mean cache after `seq_len` tokens, w + (1 - rho*)(S - w), equals `budget` (KVpop's s + w + k)."
-    budget, window, seq_len = (check_positive_int(n, x) for n, x in (("budget", budget), ("window", window), ("seq_len", seq_len)))
+    budget, window, seq_len = (check_int(x, n, 1) for x, n in ((budget, "budget"), (window, "window"), (seq_len, "seq_len")))
     if not window < budget <= seq_len: raise ValueError(f"need window < budget <= seq_len, got {window}, {budget}, {seq_len}")
     return 1 - (budget - window) / (seq_len - window)
 
@@ -163,7 +163,7 @@ class DMSDecisions(nn.Module):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden: int | None = None,
                  init_logit: float = -5.0, bias_scale: float = 50.0):
         super().__init__()
-        check_positive_int("num_layers", num_layers)
+        check_int(num_layers, "num_layers", 1)
         if not bias_scale > 0: raise ValueError(f"bias_scale must be > 0, got {bias_scale!r}")
         self.scorers = nn.ModuleList([MLPScorer(num_kv_heads, head_dim, hidden) for _ in range(num_layers)])
         self.bias_scale = float(bias_scale)
@@ -215,8 +215,8 @@ class DMSRule(EvictionRule):
 
     def __init__(self, decisions: DMSDecisions, window: int, sink: int = 0):
         if not isinstance(decisions, DMSDecisions): raise TypeError(f"decisions must be DMSDecisions, got {type(decisions).__name__}")
-        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
-        self.decisions, self.window, self.sink = decisions, check_window(window), sink
+        check_int(sink, "sink")
+        self.decisions, self.window, self.sink = decisions, check_int(window, "window", 1), sink
 
     def scores(self, layer, keys, values, positions):
         "The entries' decision logits l (evict iff l > 0)."
@@ -279,10 +279,10 @@ class DMSStudent(DistillStudent):
                  init_logit: float = -5.0, bias_scale: float = 50.0, backend: str = "auto"):
         super().__init__()
         self.decisions = DMSDecisions(num_layers, num_kv_heads, head_dim, hidden, init_logit, bias_scale)
-        self.window, self.target = check_window(window), check_fraction("target", target)
-        self.ramp_steps, self.tau = check_positive_int("ramp_steps", ramp_steps), check_temperature(tau)
+        self.window, self.target = check_int(window, "window", 1), check_fraction("target", target)
+        self.ramp_steps, self.tau = check_int(ramp_steps, "ramp_steps", 1), check_temperature(tau)
         if not weight >= 0: raise ValueError(f"weight must be >= 0, got {weight!r}")
-        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
+        check_int(sink, "sink")
         if backend not in DMS_BACKENDS: raise ValueError(f"backend must be one of {DMS_BACKENDS}, got {backend!r}")
         self.weight, self.hard, self.sink, self.backend = float(weight), bool(hard), sink, backend
         self._captured: list[Tensor] = []
@@ -332,3 +332,29 @@ def eviction_ratios(student: DMSStudent, model, input_ids: Tensor) -> Tensor:
         with torch.no_grad(), patch(model, pol): model(input_ids)
     finally: student.train(mode)
     return torch.stack([pol.evictions[l][..., lo:hi].float().mean(-1) for l in range(student.decisions.num_layers)], 1)
+
+# %% ../../nbs/18_kvpop_dms.ipynb #c2a3e25b
+class DMS(TrainedMethod):
+    "DMS (§4): learned gates; `budget` sets the training target (met on average), `options` go to `DMSStudent`."
+    name, mode, exact_budget = "dms", "full", False
+
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, checkpoint=None,
+                 chunk_size: int | None = None, **options):
+        super().__init__(budget, sink, window, checkpoint, chunk_size)
+        accepted = set(inspect.signature(DMSStudent).parameters) - {"num_layers", "num_kv_heads", "head_dim", "window", "target",
+                                                                    "ramp_steps", "sink"}
+        if set(options) - accepted: raise TypeError(f"unexpected options {sorted(set(options) - accepted)} for dms; accepted: {sorted(accepted)}")
+        self.options = options
+
+    def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> DMSStudent:
+        "A fresh student; its target is `target_for_budget` at `seq_len` (None: 0, for inference), ramped over 3/4 of `steps`."
+        target = 0.0 if seq_len is None else target_for_budget(self.budget, self.window, seq_len)
+        return DMSStudent.for_model(model, self.window, target, max(1, 3 * (steps or 1) // 4), sink=self.sink, **self.options)
+
+    def policy(self):
+        raise NotImplementedError("DMS attends with its student's policy: use patch(model) (or trained_student(model).policy())")
+
+    @contextlib.contextmanager
+    def patch(self, model):
+        st = self.trained_student(model)
+        with patch(model, st.policy()): yield st.inference_cache()

@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..attention import check_int
+
 # %% auto #0
-__all__ = ['NORMALIZERS', 'check_kv', 'scorer_input', 'check_positive_int', 'HeadwiseLinear', 'headwise_linear_reference',
-           'LinearScorer', 'MLPScorer', 'mlp_scorer_reference', 'hedgehog', 'soft_cap', 'MLSTMState',
-           'mlstm_init_state', 'mlstm_step', 'check_normalizer', 'mlstm_readout', 'mlstm_unstabilized_reference',
-           'check_delay', 'readout_positions', 'mlstm_parallel', 'mlstm_recurrent', 'mlstm_chunkwise_immediate',
-           'mlstm_chunkwise', 'MLSTMScorer', 'count_parameters']
+__all__ = ['NORMALIZERS', 'check_kv', 'scorer_input', 'HeadwiseLinear', 'headwise_linear_reference', 'LinearScorer', 'MLPScorer',
+           'mlp_scorer_reference', 'hedgehog', 'soft_cap', 'MLSTMState', 'mlstm_init_state', 'mlstm_step',
+           'check_normalizer', 'mlstm_readout', 'mlstm_unstabilized_reference', 'readout_positions', 'mlstm_parallel',
+           'mlstm_recurrent', 'mlstm_chunkwise_immediate', 'mlstm_chunkwise', 'MLSTMScorer', 'count_parameters']
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #61e82836
 def check_kv(k: Tensor, v: Tensor, num_kv_heads: int | None = None, head_dim: int | None = None) -> None:
@@ -40,20 +41,14 @@ def scorer_input(k: Tensor, v: Tensor) -> Tensor:
     check_kv(k, v)
     return torch.cat([k.detach(), v.detach()], dim=-1)
 
-def check_positive_int(name: str, value) -> int:
-    "Validate an int argument `name` >= 1 (bools rejected); return it."
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
 # %% ../../nbs/14_kvpop_scorers.ipynb #315882fc
 class HeadwiseLinear(nn.Module):
     "Separate linear map per KV head: y[..., h, s, :] = x[..., h, s, :] @ weight[h] + bias[h], one einsum for all heads."
     def __init__(self, num_heads: int, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
-        self.num_heads = check_positive_int("num_heads", num_heads)
-        self.weight = nn.Parameter(torch.zeros(num_heads, check_positive_int("in_features", in_features),
-                                               check_positive_int("out_features", out_features)))
+        self.num_heads = check_int(num_heads, "num_heads", 1)
+        self.weight = nn.Parameter(torch.zeros(num_heads, check_int(in_features, "in_features", 1),
+                                               check_int(out_features, "out_features", 1)))
         self.bias = nn.Parameter(torch.zeros(num_heads, out_features)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -77,7 +72,8 @@ class LinearScorer(nn.Module):
     "Headwise linear scorer r[b,h,t] = w_h . [k;v] + b_h (Eq. 36), zero-initialized (neutral ranking)."
     def __init__(self, num_kv_heads: int, head_dim: int):
         super().__init__()
-        self.num_kv_heads, self.head_dim = check_positive_int("num_kv_heads", num_kv_heads), check_positive_int("head_dim", head_dim)
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
         self.out = HeadwiseLinear(num_kv_heads, 2 * head_dim, 1)
 
     def forward(self, k: Tensor, v: Tensor) -> Tensor:
@@ -90,8 +86,9 @@ class MLPScorer(nn.Module):
     "Headwise two-layer SiLU MLP scorer on [k; v] (Eq. 36); the output layer starts at zero (neutral ranking)."
     def __init__(self, num_kv_heads: int, head_dim: int, hidden: int | None = None):
         super().__init__()
-        self.num_kv_heads, self.head_dim = check_positive_int("num_kv_heads", num_kv_heads), check_positive_int("head_dim", head_dim)
-        hidden = head_dim if hidden is None else check_positive_int("hidden", hidden)
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
+        hidden = head_dim if hidden is None else check_int(hidden, "hidden", 1)
         self.hidden = HeadwiseLinear(num_kv_heads, 2 * head_dim, hidden)
         self.out = HeadwiseLinear(num_kv_heads, hidden, 1)
         with torch.no_grad(): self.hidden.weight.normal_(0.0, (2 * head_dim) ** -0.5)
@@ -179,14 +176,9 @@ def mlstm_unstabilized_reference(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor,
     return h
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #8c7982c3
-def check_delay(delay) -> int:
-    "Validate the readout delay (an int >= 0)."
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0: raise ValueError(f"delay must be an int >= 0, got {delay!r}")
-    return delay
-
 def readout_positions(S: int, delay: int, device=None) -> Tensor:
     "Index of the state each token reads: t(u) = min(u + delay, S - 1) (Eq. 41; the last tokens read the last state)."
-    return torch.clamp(torch.arange(S, device=device) + check_delay(delay), max=S - 1)
+    return torch.clamp(torch.arange(S, device=device) + check_int(delay, "delay"), max=S - 1)
 
 def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
                    normalizer: str = "ratio", eps: float = 1e-6) -> Tensor:
@@ -220,7 +212,7 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
                               eps: float = 1e-6, chunk_size: int = 256) -> tuple[Tensor, MLSTMState]:
     "Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state."
     B, H, S, dk = q.shape
-    dv, L = v.shape[-1], check_positive_int("chunk_size", chunk_size)
+    dv, L = v.shape[-1], check_int(chunk_size, "chunk_size", 1)
     N, pad = -(-S // L), -S % L
     q, k, v = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, N, L, -1) for t in (q, k, v))
     log_i = F.pad(log_i, (0, pad), value=-math.inf).reshape(B, H, N, L)  # padding writes nothing ...
@@ -250,7 +242,7 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
 def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
                     normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 256) -> Tensor:
     "`mlstm_parallel` with memory linear in S: immediate chunkwise readout of the query shifted by `delay`, [B,H,S,dv]."
-    S, w = q.shape[-2], min(check_delay(delay), q.shape[-2])
+    S, w = q.shape[-2], min(check_int(delay, "delay"), q.shape[-2])
     q_read = torch.cat([torch.zeros_like(q[:, :, :w]), q[:, :, :S - w]], dim=2)  # step t reads token t - w
     h, final = mlstm_chunkwise_immediate(q_read, k, v, log_i, log_f, normalizer, eps, chunk_size)
     return torch.cat([h[:, :, w:], mlstm_readout(final, q[:, :, S - w:], normalizer, eps)], dim=2)
@@ -262,12 +254,13 @@ class MLSTMScorer(nn.Module):
                  normalizer: str = "ratio", eps: float = 1e-6, forget_bias: tuple[float, float] = (3.0, 6.0),
                  input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 256):
         super().__init__()
-        self.num_kv_heads, self.head_dim = check_positive_int("num_kv_heads", num_kv_heads), check_positive_int("head_dim", head_dim)
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
         if head_dim % 2: raise ValueError(f"head_dim must be even (Hedgehog halves the projection), got {head_dim}")
         if soft_cap is not None and not soft_cap > 0: raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap!r}")
-        self.delay, self.soft_cap, self.norm = check_delay(delay), soft_cap, bool(norm)
+        self.delay, self.soft_cap, self.norm = check_int(delay, "delay"), soft_cap, bool(norm)
         self.normalizer, self.eps = check_normalizer(normalizer), float(eps)
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.chunk_size = check_int(chunk_size, "chunk_size", 1)
         half = head_dim // 2
         self.q_proj, self.k_proj, self.v_proj = (HeadwiseLinear(num_kv_heads, 2 * head_dim, half, bias=False) for _ in range(3))
         self.gates = HeadwiseLinear(num_kv_heads, 2 * head_dim, 2)  # columns: input, forget pre-activation

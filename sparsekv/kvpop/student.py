@@ -7,14 +7,19 @@ Docs: https://sparsekv.github.io/sparsekv/kvpop_student.html.md"""
 # %% ../../nbs/17_kvpop_student.ipynb #ec3c8582
 from __future__ import annotations
 
+import inspect
+import weakref
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
 
-from ..attention import attention_scores, masked_attention, masked_logsumexp
+from ..attention import attention_scores, check_int, masked_attention, masked_logsumexp, sink_window_visible
 from ..cache import SinkWindowCache
 from ..distill import DistillStudent
 from ..hf import AttentionPolicy, MaskPolicy, dense_attention, heads_mask
-from .cache import KVpopCache, KVpopScorers
+from .baselines import EvictionMethod
+from .cache import KVpopCache, KVpopPolicy, KVpopScorers
 from .cutoff import check_budget, topk_cutoff
 from .loss import retention_loss, retention_recall, sample_boundary_queries
 from .mask import kvpop_attention, kvpop_mask
@@ -22,8 +27,8 @@ from .target import future_attention_target
 from ..models import model_info
 
 # %% auto #0
-__all__ = ['STUDENTS', 'KVpopTrainPolicy', 'step_generator', 'KVpopStudent', 'SinkWindowPolicy', 'SinkWindowStudent',
-           'make_student']
+__all__ = ['KVpopTrainPolicy', 'step_generator', 'KVpopStudent', 'SinkWindowPolicy', 'SinkWindowStudent', 'TrainedMethod',
+           'KVpopMLP', 'KVpopMLSTM', 'StreamingLLMPlus']
 
 # %% ../../nbs/17_kvpop_student.ipynb #fc5acd57
 class KVpopTrainPolicy(AttentionPolicy):
@@ -117,13 +122,11 @@ class SinkWindowPolicy(MaskPolicy):
     "Query p attends to the first `sink` tokens and the `window` most recent ones (itself included)."
 
     def __init__(self, sink: int, window: int):
-        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
-        self.sink, self.window = sink, window
+        self.sink, self.window = check_int(sink, "sink"), check_int(window, "window", 1)
 
     def mask(self, q, k, v, ctx):
         t, p = ctx.key_positions[:, :, None, :], ctx.query_positions[None, None, :, None]
-        return (t <= p) & ((t < self.sink) | (p - t < self.window))
+        return sink_window_visible(self.sink, self.window)(p, t)
 
 
 class SinkWindowStudent(DistillStudent):
@@ -140,12 +143,64 @@ class SinkWindowStudent(DistillStudent):
         return SinkWindowCache(self.sink, self.window + self.k)
 
 # %% ../../nbs/17_kvpop_student.ipynb #8d29bb83
-STUDENTS = ("kvpop", "kvpop-mlstm", "sinkwindow")
+class TrainedMethod(EvictionMethod):
+    """An eviction method trained by `distill`: `student(model)` for training; at inference its cache, from a fresh student
+    (untrained) or the `checkpoint` (`trained.pt` of the distill CLI, its 'student' state)."""
+    mode = "scorer_only"  # the distill mode its paper trains it in
+
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, checkpoint: str | Path | None = None,
+                 chunk_size: int | None = None):
+        super().__init__(budget, sink, window, chunk_size)
+        if self.k < 1: raise ValueError(f"budget={self.budget} leaves no long-range slot after sink={self.sink} and window={self.window}: "
+                                        f"{self.name} needs budget >= sink + window + 1")
+        if checkpoint is not None and not Path(checkpoint).is_file():
+            raise FileNotFoundError(f"checkpoint must be the trained.pt that sparsekv.distill saves, {checkpoint!r} is no file")
+        self.checkpoint, self._students = checkpoint, weakref.WeakKeyDictionary()
+
+    def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> DistillStudent:
+        "A fresh student for `model`, to be trained on `seq_len`-token sequences for `steps` steps (where the method needs them)."
+        raise NotImplementedError(f"{type(self).__name__} must implement student(model, ...)")
+
+    def trained_student(self, model) -> DistillStudent:
+        "The inference student of `model` in eval mode (fresh, or loaded from `checkpoint`), built once per model."
+        if model not in self._students:
+            st = self.student(model)
+            if self.checkpoint is not None:
+                st.load_state_dict(torch.load(self.checkpoint, map_location=next(model.parameters()).device, weights_only=True)["student"])
+            self._students[model] = st.eval()
+        return self._students[model]
+
+    def cache(self, model):
+        return self.trained_student(model).inference_cache()
 
 
-def make_student(name: str, model, sink: int, window: int, k: int, **options) -> DistillStudent:
-    "A fresh student by name: 'kvpop' (MLP scorers), 'kvpop-mlstm' (mLSTM scorers) or 'sinkwindow' (StreamingLLM+)."
-    if name == "kvpop": return KVpopStudent.for_model(model, sink, window, k, scorer="mlp", **options)
-    if name == "kvpop-mlstm": return KVpopStudent.for_model(model, sink, window, k, scorer="mlstm", **options)
-    if name == "sinkwindow": return SinkWindowStudent(sink, window, k)
-    raise ValueError(f"student must be one of {STUDENTS}, got {name!r}")
+class KVpopMLP(TrainedMethod):
+    "KVpop with MLP scorers (§3.3): a `KVpopCache` of s sinks, w recent and the k best static priorities; `options` go to `KVpopStudent`."
+    name, scorer = "kvpop_mlp", "mlp"
+
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, checkpoint: str | Path | None = None,
+                 chunk_size: int | None = None, **options):
+        super().__init__(budget, sink, window, checkpoint, chunk_size)
+        accepted = (set(inspect.signature(KVpopStudent.for_model).parameters) | set(inspect.signature(KVpopStudent).parameters)) \
+            - {"model", "scorers", "sink", "window", "k", "scorer", "seed", "options"}
+        if set(options) - accepted: raise TypeError(f"unexpected options {sorted(set(options) - accepted)} for {self.name}; accepted: {sorted(accepted)}")
+        self.options = options
+
+    def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> KVpopStudent:
+        return KVpopStudent.for_model(model, self.sink, self.window, self.k, scorer=self.scorer, seed=seed, **self.options)
+
+    def policy(self) -> KVpopPolicy:
+        return KVpopPolicy()
+
+
+class KVpopMLSTM(KVpopMLP):
+    "KVpop with mLSTM scorers read out `window` tokens late (§3.3, delayed readout)."
+    name, scorer = "kvpop_mlstm", "mlstm"
+
+
+class StreamingLLMPlus(TrainedMethod):
+    "StreamingLLM+ (§4): StreamingLLM's sinks and window + k recent tokens, the base model fine-tuned under it (full mode)."
+    name, mode = "streaming_llm_plus", "full"
+
+    def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> SinkWindowStudent:
+        return SinkWindowStudent(self.sink, self.window, self.k)

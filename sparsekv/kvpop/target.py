@@ -17,8 +17,8 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..attention import (attention_scores, causal_block_mask, causal_mask, check_qkv, flex_attention_lse,
-                                masked_logsumexp, repeat_kv, softmax_scale)
+from ..attention import (attention_scores, causal_block_mask, causal_mask, check_int, check_qkv,
+                                flex_attention_lse, masked_logsumexp, repeat_kv, softmax_scale)
 
 # %% auto #0
 __all__ = ['AGGS', 'METHODS', 'future_count', 'future_mask', 'check_target_args', 'future_attention_target_reference',
@@ -42,15 +42,11 @@ def future_mask(n_keys: int, n_queries: int, window: int, key_start: int = 0, qu
     return d >= t + window
 
 # %% ../../nbs/10_kvpop_target.ipynb #896a6d4b
-def _check_int(x, name: str, lo: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < lo: raise ValueError(f"{name} must be an int >= {lo}, got {x!r}")
-    return x
-
 def check_target_args(q: Tensor, k: Tensor, window: int, lse: Tensor | None, agg: str, eps: float, normalize: bool) -> int:
     "Validate the arguments of `future_attention_target` (self-attention q [B,Hq,S,D], k [B,Hkv,S,D]); return G."
     G = check_qkv(q, k)
     if q.shape[2] != k.shape[2]: raise ValueError(f"q and k must have the same length S (self-attention), got {q.shape[2]} and {k.shape[2]}")
-    _check_int(window, "window", 1)
+    check_int(window, "window", 1)
     if agg not in AGGS: raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < math.inf):
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
@@ -171,7 +167,7 @@ def future_attention_target(q: Tensor, k: Tensor, window: int, lse: Tensor | Non
     probability the queries d >= t + window give key t, normalized by `lse` [B, Hq, S] (the dense causal LSE when
     None; a sparse one gives Eq. (9)). Keys with no future query get log(eps). No gradient (a label); float32."""
     if method not in METHODS: raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    _check_int(block, "block", 1)
+    check_int(block, "block", 1)
     G = check_target_args(q, k, window, lse, agg, eps, normalize)
     if method == "auto": method = "flex" if q.is_cuda else "chunked"
     with torch.no_grad():

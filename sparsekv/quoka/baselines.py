@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..attention import softmax_scale
+from ..attention import check_int, softmax_scale
 from .select import accumulation_dtype, check_chunk
 from ..select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference, top_mask
 
@@ -75,7 +75,7 @@ def mean_score_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | 
 # %% ../../nbs/21_quoka_baselines.ipynb #c666d8b7
 def sample_query_positions(S: int, n_q: int, seed: int | torch.Generator = 0) -> Tensor:
     "min(n_q, S) chunk positions drawn uniformly without replacement (all S if n_q >= S), ascending, int64 on the CPU."
-    if isinstance(n_q, bool) or not isinstance(n_q, int) or n_q < 1: raise ValueError(f"n_q must be an int >= 1, got {n_q!r}")
+    check_int(n_q, "n_q", 1)
     if isinstance(seed, torch.Generator): gen = seed
     elif isinstance(seed, int) and not isinstance(seed, bool): gen = torch.Generator().manual_seed(seed)
     else: raise TypeError(f"seed must be an int or a CPU torch.Generator, got {type(seed).__name__}")
@@ -106,9 +106,7 @@ def sample_attention_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: 
 # %% ../../nbs/21_quoka_baselines.ipynb #76b87925
 def _check_rank(r: int | None, D: int, name: str = "r") -> int:
     "r, or D // 2 when None; an int in [1, D]."
-    if r is None: return max(1, D // 2)
-    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= D: raise ValueError(f"{name} must be an int in [1, D={D}] or None (D // 2), got {r!r}")
-    return r
+    return max(1, D // 2) if r is None else check_int(r, name, 1, D)
 
 
 def sparq_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,

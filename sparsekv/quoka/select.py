@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention import check_qkv
+from ..attention import check_int, check_qkv
 from ..select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %% auto #0
@@ -56,7 +56,7 @@ def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
 
 
 def _check_quoka_options(n_q: int, query_select: str, query_agg: str):
-    if isinstance(n_q, bool) or not isinstance(n_q, int) or n_q < 1: raise ValueError(f"n_q (N_Q) must be an int >= 1, got {n_q!r}")
+    check_int(n_q, "n_q (N_Q)", 1)
     if query_select not in QUERY_SELECT: raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
     if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
 
@@ -82,8 +82,7 @@ class UnitKeyCache:
 
     def crop(self, n: int):
         "Forget the unit keys from position n on (the KV cache was cropped or a new sequence starts)."
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0: raise ValueError(f"n must be an int >= 0, got {n!r}")
-        self.length = min(self.length, n)
+        self.length = min(self.length, check_int(n, "n"))
 
     def update(self, k_cache: Tensor) -> Tensor:
         "Unit keys [B,Hkv,T,D] of k_cache [B,Hkv,T,D], whose first `length` keys must be those of the previous call."

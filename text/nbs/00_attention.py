@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+import operator
 import warnings
 
 import torch
@@ -21,6 +23,8 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_bloc
 
 # %%
 #| hide
+import itertools
+
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
@@ -182,6 +186,44 @@ test_fail(lambda: check_qkv(q, k, k[:, :, :4]), contains="k and v must agree")
 
 
 # %% [markdown]
+# Every integer argument in the package (a window $w$, sink count $s$, budget $k$, a number of
+# heads, a chunk size) goes through one validator. It takes any integral number (a NumPy int too)
+# except a bool, and refuses anything else with a message naming the argument and the accepted range.
+# The error is a `ValueError`; for a value that is not an integer at all (a bool, a float, a string)
+# it is also a `TypeError`, so callers may catch either.
+
+# %%
+#| export
+class IntArgumentError(ValueError, TypeError):
+    "A bad integer argument; a `TypeError` too, since a non-integer is also the wrong type."
+
+def check_int(x, name: str, lo: int = 0, hi: int | None = None) -> int:
+    "`x` as an `int` if it is an integer (not a bool) in [`lo`, `hi`]; else raise naming `name` and the range."
+    msg = f"{name} must be " + (f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]") + f", got {x!r}"
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral): raise IntArgumentError(msg)
+    if x < lo or (hi is not None and x > hi): raise ValueError(msg)
+    return int(x)
+
+
+# %%
+for lo, hi in ((0, None), (1, None), (0, 12), (-3, 3)):
+    for x in range(-5, 15):
+        if lo <= x and (hi is None or x <= hi): test_eq(check_int(x, "x", lo, hi), x)
+        else: test_fail(lambda: check_int(x, "x", lo, hi), contains="x must be an int")
+test_eq(type(check_int(torch.tensor(3).numpy()[()], "n")), int)
+test_fail(lambda: check_int(0, "window", 1), contains="window must be an int >= 1, got 0")
+test_fail(lambda: check_int(13, "n", 0, 12), contains="n must be an int in [0, 12], got 13")
+for bad in (True, False, 2.0, "3", None, torch.tensor(3)):
+    test_fail(lambda: check_int(bad, "k"), contains="k must be an int >= 0")
+    test_fail(lambda: check_int(bad, "k"), exc=TypeError)
+    test_fail(lambda: check_int(bad, "k"), exc=ValueError)
+for bad in (-1, 13):  # an integer out of range is a ValueError only
+    try: check_int(bad, "n", 0, 12)
+    except ValueError as e: assert not isinstance(e, TypeError)
+    else: raise AssertionError("check_int accepted an out-of-range int")
+
+
+# %% [markdown]
 # Methods that keep a different subset of keys in each KV head index them per head, `idx [B,Hkv,n]`;
 # `gather_keys` takes those entries of keys or values along the sequence:
 
@@ -195,6 +237,89 @@ def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
 # %%
 x, idx = torch.randn(2, 3, 7, 4), torch.randint(0, 7, (2, 3, 5))
 test_eq(gather_keys(x, idx), torch.stack([torch.stack([x[b, h, idx[b, h]] for h in range(3)]) for b in range(2)]))
+
+
+# %% [markdown]
+# ## Visibility as composed predicates
+#
+# The eviction and selection methods all say which key position $t$ a query at position $p$
+# sees by combining a few conditions: causality $t \le p$, the $s$ attention sinks $t < s$, and
+# the window of the $w$ most recent positions $p - t < w$ (the query itself included). StreamingLLM
+# (and the fixed part of KVpop's budget, Eq. (1)) keeps
+#
+# $$\mathrm{visible}(p, t) = [t \le p] \wedge ([t < s] \vee [p - t < w]),$$
+#
+# and the keys a method may evict are the causal ones neither sinks nor window protect,
+# $E(p) = \{t : s \le t \le p - w\}$ (KVpop Eq. (4)). Following attention-gym's mask
+# factories, each condition is written once as a *predicate* of (query position, key position)
+# and the patterns are composed with `and_masks`, `or_masks` and `not_mask`. The predicates
+# work elementwise on broadcastable tensors, so one predicate gives a dense mask (positions
+# `[Sq, 1]` against `[Sk]`, or per-head positions of a cache) and a FlexAttention `mask_mod`
+# (`position_mask_mod` below).
+
+# %%
+#| export
+def and_masks(*preds):
+    "The predicate (p, t) -> bool true where every one of `preds` is true."
+    if not preds: raise ValueError("and_masks needs at least one predicate")
+    return lambda p, t: functools.reduce(operator.and_, (f(p, t) for f in preds))
+
+def or_masks(*preds):
+    "The predicate (p, t) -> bool true where any one of `preds` is true."
+    if not preds: raise ValueError("or_masks needs at least one predicate")
+    return lambda p, t: functools.reduce(operator.or_, (f(p, t) for f in preds))
+
+def not_mask(pred):
+    "The predicate (p, t) -> bool true where `pred` is false."
+    return lambda p, t: ~pred(p, t)
+
+
+# %%
+#| export
+def is_causal(p, t):
+    "Key position t is at or before query position p."
+    return t <= p
+
+def in_sinks(s: int):
+    "Predicate: key t is one of the first `s` positions (an attention sink), t < s."
+    return lambda p, t: t < s
+
+def in_window(w: int):
+    "Predicate: key t is among the `w` most recent positions of query p (p itself included), p - t < w."
+    return lambda p, t: p - t < w
+
+def sink_window_visible(s: int, w: int):
+    "Predicate of StreamingLLM's pattern (the fixed part of KVpop Eq. (1)): causal and (sink or window)."
+    return and_masks(is_causal, or_masks(in_sinks(s), in_window(w)))
+
+def evictable(s: int, w: int):
+    "Predicate of E(p) = {t : s <= t <= p - w} (KVpop Eq. (4)): causal keys neither sinks nor window protect."
+    return and_masks(is_causal, not_mask(or_masks(in_sinks(s), in_window(w))))
+
+
+# %% [markdown]
+# Check the composed predicates against explicit loops over positions, on dense position grids
+# and on per-head positions of a cache that kept a different subset in each head:
+
+# %%
+for s, w in [(0, 1), (2, 1), (0, 4), (3, 5), (9, 2)]:
+    p, t = torch.arange(12)[:, None], torch.arange(12)
+    want_vis = torch.tensor([[t_ <= p_ and (t_ < s or p_ - t_ < w) for t_ in range(12)] for p_ in range(12)])
+    want_evict = torch.tensor([[s <= t_ <= p_ - w for t_ in range(12)] for p_ in range(12)])
+    test_eq(sink_window_visible(s, w)(p, t), want_vis)
+    test_eq(evictable(s, w)(p, t), want_evict)
+    test_eq(want_vis | want_evict, torch.ones(12, 12, dtype=torch.bool).tril())  # the causal keys, split in two
+    pos = torch.randint(0, 30, (2, 3, 7)).sort(-1).values                       # [B, Hkv, N] positions per head
+    qp = torch.tensor([4, 17, 29])
+    got = sink_window_visible(s, w)(qp[:, None], pos[:, :, None, :])              # [B, Hkv, Sq, N]
+    for b, h, i, j in itertools.product(range(2), range(3), range(3), range(7)):
+        tt, pp = pos[b, h, j].item(), qp[i].item()
+        test_eq(got[b, h, i, j].item(), tt <= pp and (tt < s or pp - tt < w))
+a, b = torch.rand(5, 6) > 0.5, torch.rand(5, 6) > 0.5
+fa, fb = (lambda p, t: a[p, t]), (lambda p, t: b[p, t])
+p, t = torch.arange(5)[:, None], torch.arange(6)
+test_eq(and_masks(fa, fb)(p, t), a & b); test_eq(or_masks(fa, fb)(p, t), a | b); test_eq(not_mask(fa)(p, t), ~a)
+test_fail(lambda: and_masks(), contains="at least one predicate")
 
 
 # %% [markdown]
@@ -222,7 +347,7 @@ def causal_mask(Sq: int, Sk: int, device=None, offset: int | None = None) -> Ten
     if offset is None: offset = Sk - Sq
     i = torch.arange(Sq, device=device)[:, None]
     j = torch.arange(Sk, device=device)
-    return j <= i + offset
+    return is_causal(i + offset, j)
 
 
 # %%
@@ -361,7 +486,7 @@ def attention_chunked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
                       chunk: int = 256) -> tuple[Tensor, Tensor]:
     "`attention_reference` computed `chunk` query rows at a time: same (out, lse), at most [B, Hq, chunk, Sk] scores held."
     G = check_qkv(q, k, v)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1: raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    check_int(chunk, "chunk", 1)
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
     if mask is not None: mask = check_mask(mask, (B, Hq, Sq, Sk), q.device)
@@ -480,10 +605,14 @@ test_eq(out[0, :, :2].abs().sum().item(), 0)
 
 # %%
 #| export
+def position_mask_mod(pred, offset: int = 0):
+    "FlexAttention mask_mod of a position predicate `pred(p, t)`: query i sits at position i + offset, key j at j."
+    def mask_mod(b, h, q_idx, kv_idx): return pred(q_idx + offset, kv_idx)
+    return mask_mod
+
 def causal_mask_mod(offset: int = 0):
     "FlexAttention mask_mod of `causal_mask`: query i sees key j iff j <= i + offset."
-    def mask_mod(b, h, q_idx, kv_idx): return kv_idx <= q_idx + offset
-    return mask_mod
+    return position_mask_mod(is_causal, offset)
 
 def mask_mod_from_bool(mask: Tensor):
     "FlexAttention mask_mod reading a captured boolean mask [B, H, Sq, Sk] (True = attend)."
@@ -570,6 +699,12 @@ s = attention_scores(q, k, torch.ones(Sq, Sk, dtype=torch.bool)) + bias
 assert_close(lse, s.logsumexp(-1), rtol=1e-5, atol=1e-5)
 assert_close(out, torch.softmax(s, -1) @ repeat_kv(v, G), rtol=1e-5, atol=1e-5)
 test_fail(lambda: flex_attention_lse(q.clone().requires_grad_(), k, v), contains="no backward on CPU")
+# one predicate, two uses: a position predicate as mask_mod gives the attention of its dense mask
+pred, off = sink_window_visible(3, 5), Sk - Sq
+bm = create_block_mask(position_mask_mod(pred, off), None, None, Sq, Sk, device="cpu")
+want = torch.tensor([[j <= i + off and (j < 3 or i + off - j < 5) for j in range(Sk)] for i in range(Sq)])
+for got, ref in zip(flex_attention_lse(q, k, v, bm), attention_reference(q, k, v, want)):
+    assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 # %% [markdown]

@@ -724,3 +724,100 @@ chunked_prefill(model, ids[:1, :10], 3, cache=cache)
 cache.crop(7)
 test_eq(cache.get_seq_length(), 7)
 test_eq(cache.layers[0].positions[0, 1].tolist(), list(range(7)))
+
+# %% [markdown]
+# ## Methods: one object per method
+#
+# A user picks a method by name and a budget; everything above is how the method runs. `Method` is
+# that object: `policy()` is the attention policy of one run, `cache(model)` the cache to pass as
+# `past_key_values` (None: `transformers`' own), `patch(model)` patches the model with a fresh policy
+# and yields that cache, and `generate` prefills (in chunks of `chunk_size` tokens where the method
+# needs it) and decodes. Each paper package defines its methods as subclasses with a `name`;
+# `__init_subclass__` registers them in `Method.registry`, and `sparsekv.methods` imports the packages so
+# that every method is there. The base is the dense method's behaviour: exact attention, no cache.
+#
+# **Budget.** `budget` is the number of KV entries each query may attend to, per KV head (an int
+# >= 1); each family says how it maps onto its own parameters, and a method whose budget is a
+# learned target met only on average says so with `exact_budget = False`.
+
+# %%
+#| export
+METHOD_FAMILIES = ("dense", "eviction", "selection", "retrieval")
+
+
+class Method:
+    "One KV method behind one interface (`patch`, `generate`); a subclass that sets `name` registers itself in `Method.registry`."
+    name: str | None = None
+    family: str = "dense"       # one of METHOD_FAMILIES
+    exact_budget: bool = True   # False: `budget` is a learned target, met on average (DMS)
+    chunk_size: int | None = None  # prefill in chunks of this many tokens (B_CP); None: the whole prompt in one call
+    registry: dict[str, type] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if cls.family not in METHOD_FAMILIES: raise ValueError(f"{cls.__name__}.family must be one of {METHOD_FAMILIES}, got {cls.family!r}")
+        if name is None: return
+        prev = Method.registry.get(name)
+        if prev is not None and prev.__qualname__ != cls.__qualname__:  # re-running a notebook cell redefines the same class
+            raise ValueError(f"method name {name!r} is already taken by {prev.__module__}.{prev.__qualname__}")
+        Method.registry[name] = cls
+
+    def __init__(self, budget: int):
+        self.budget = self.check_budget(budget)
+
+    @classmethod
+    def check_budget(cls, budget) -> int:
+        "`budget` if it is an int >= 1 (KV entries each query may attend to, per KV head)."
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise TypeError(f"budget must be an int >= 1 (KV entries per query and KV head), got {budget!r}")
+        if budget < 1: raise ValueError(f"budget must be an int >= 1 (KV entries per query and KV head), got {budget!r}")
+        return budget
+
+    def policy(self) -> AttentionPolicy:
+        "A fresh attention policy for one run (dense here)."
+        return DensePolicy()
+
+    def cache(self, model: PreTrainedModel) -> Cache | None:
+        "The cache to pass as `past_key_values` for one run, or None for transformers' own."
+        return None
+
+    @contextlib.contextmanager
+    def patch(self, model: PreTrainedModel):
+        "Patch `model` with a fresh `policy()` inside the block and yield the cache to pass (None: none needed)."
+        with patch(model, self.policy()): yield self.cache(model)
+
+    def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+        "Prefill (in chunks of `chunk_size` if set) and decode with `model.generate(**kwargs)` under the method; returns token ids."
+        if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long or input_ids.shape[1] == 0:
+            raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
+        if attention_mask is None: attention_mask = torch.ones_like(input_ids)
+        with torch.no_grad(), self.patch(model) as cache:
+            if self.chunk_size and input_ids.shape[1] > 1:
+                if not bool(attention_mask.all()): raise ValueError(f"attention_mask: {self.name or type(self).__name__} prefills in chunks, which takes unpadded prompts")
+                cache = chunked_prefill(model, input_ids[:, :-1], self.chunk_size, cache=cache)[0]  # generate feeds the last token
+            return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+# %% [markdown]
+# Check: the base method generates exactly what the unpatched model generates, in one call or in chunks;
+# a subclass with a name registers itself (and a second class cannot take the name); a bad budget is refused.
+
+# %%
+class _ChunkedDense(Method):
+    name, chunk_size = "_chunked_dense", 4
+
+with torch.no_grad(): plain = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+test_eq(Method(8).generate(model, ids, **gen), plain)
+test_eq(Method.registry["_chunked_dense"](8).generate(model, ids, **gen), plain)
+with Method(8).patch(model) as c:
+    test_eq(c, None)
+    test_eq(model.config._attn_implementation, ATTN_NAME)
+test_eq(model.config._attn_implementation, impl)
+test_fail(lambda: type("Other", (Method,), {"name": "_chunked_dense"}), contains="already taken")
+for bad in (0, -3, True, 2.5, "8"): test_fail(lambda: Method(bad), contains="budget must be")
+del Method.registry["_chunked_dense"]

@@ -15,7 +15,7 @@ from torch import Tensor
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
-from sparsekv.attention import gather_keys
+from sparsekv.attention import check_int, evictable, gather_keys, is_causal, sink_window_visible
 
 # %%
 #| hide
@@ -80,7 +80,7 @@ class EvictionRule:
 
     def visible(self, layer: "EvictingLayer", query_positions: Tensor) -> Tensor:
         "Boolean `[B,Hkv,Sq,N]`: which of the layer's entries each query position attends to (monotone in the position)."
-        return layer.positions[:, :, None, :] <= query_positions[:, None]
+        return is_causal(query_positions[:, None], layer.positions[:, :, None, :])
 
     def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
         "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
@@ -95,13 +95,10 @@ class SinkWindowRule(EvictionRule):
     "StreamingLLM: query `p` sees the first `sink` positions and the `window` most recent ones (itself included)."
 
     def __init__(self, sink: int, window: int):
-        if not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
-        if not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
-        self.sink, self.window = sink, window
+        self.sink, self.window = check_int(sink, "sink"), check_int(window, "window", 1)
 
     def visible(self, layer, query_positions):
-        t, p = layer.positions[:, :, None, :], query_positions[:, None]
-        return (t <= p) & ((t < self.sink) | (p - t < self.window))
+        return sink_window_visible(self.sink, self.window)(query_positions[:, None], layer.positions[:, :, None, :])
 
 
 # %% [markdown]
@@ -128,8 +125,7 @@ class TopScoreRule(SinkWindowRule):
 
     def __init__(self, sink: int, window: int, k: int, score_fn=None):
         super().__init__(sink, window)
-        if not isinstance(k, int) or k < 0: raise ValueError(f"k must be an int >= 0, got {k!r}")
-        self.k, self.score_fn = k, score_fn
+        self.k, self.score_fn = check_int(k, "k"), score_fn
 
     def scores(self, layer, keys, values, positions):
         "Scores from `score_fn(layer_idx, keys, values, positions)`, or zeros (keep the earliest) without one."
@@ -139,8 +135,7 @@ class TopScoreRule(SinkWindowRule):
     def visible(self, layer, query_positions):
         base = super().visible(layer, query_positions)
         if self.k == 0: return base
-        t, p = layer.positions[:, :, None, :], query_positions[:, None]
-        eligible = (t >= self.sink) & (p - t >= self.window)
+        eligible = evictable(self.sink, self.window)(query_positions[:, None], layer.positions[:, :, None, :])
         s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
         best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]  # entries are in position order: ties -> earlier
         # KVpop Eq. (1): sinks, window, and the k best of E(p)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import json
 import math
 import os
 import random
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 
 from sparsekv.data import packed_sequences
@@ -277,23 +278,92 @@ def set_rng_state(st: dict) -> None:
 
 
 def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, step: int, history: list[dict]) -> None:
-    "Write the training state after `step` updates to `path` atomically (every rank calls it; rank 0 writes)."
+    "Write the training state after `step` updates, the full config and what identifies the model and student, to `path` atomically (every rank calls it; rank 0 writes)."
     model_sd, opt_sd = get_state_dict(_state_container(model, student, config), opt,
                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if world()[0] == 0:
         ckpt = dict(step=step, batches_consumed=step * config.grad_accum, model=model_sd, optimizer=opt_sd, scheduler=sched.state_dict(),
-                    rng=rng_state(), history=history, config=asdict(config))
+                    rng=rng_state(), history=history, config=asdict(config), spec=dict(model=model_spec(model), student=student_spec(student)))
         with atomic_path(path) as tmp: torch.save(ckpt, tmp)
     if world()[1] > 1: dist.barrier()
 
 
+# %% [markdown]
+# A checkpoint answers for one run only. Resuming checks that the run is the same one: the full `DistillConfig`,
+# the model (its class and config) and the student (its class, its budget and other settings such as `sink`,
+# `window`, `k`, the types of its submodules, e.g. MLP or mLSTM scorers, and its parameter shapes). Any difference
+# is refused with an error naming the differing fields, since training on would silently mix two experiments.
+# Two fields may differ: `checkpoint_every` (it changes nothing that is computed) and `steps`, which may grow
+# (extending a run); a checkpoint beyond `config.steps` is refused. A changed learning rate is refused too (train
+# with another `checkpoint_dir` to try one). When `steps` grows, the rest of the run follows the new schedule (the
+# cosine now ends at the new last step): the learning rates of the next update are recomputed from the current
+# config rather than taken from the optimizer state saved in the checkpoint.
+
+# %%
+#| export
+RESUMABLE_CHANGES = ("steps", "checkpoint_every")
+
+
+def _plain(v) -> bool:
+    "Whether `v` is a JSON-like value (scalars, and lists, tuples or dicts of them)."
+    if isinstance(v, (bool, int, float, str, type(None))): return True
+    if isinstance(v, (list, tuple)): return all(_plain(x) for x in v)
+    return isinstance(v, dict) and all(isinstance(k, str) and _plain(x) for k, x in v.items())
+
+
+def _class_name(m) -> str:
+    "Class name of `m`, without the FSDP wrapper class that `fully_shard` puts in front."
+    return next(c.__name__ for c in type(m).__mro__ if not issubclass(c, FSDPModule))
+
+
+def student_spec(student: nn.Module) -> dict:
+    "What identifies a student: class, plain settings (budget: sink, window, k, ...), submodule classes, parameter shapes."
+    settings = {k: v for k, v in vars(student).items() if not k.startswith("_") and k != "training" and _plain(v)}
+    return dict(type=_class_name(student), settings=settings,
+                modules={n: _class_name(m) for n, m in student.named_modules() if n},
+                shapes={n: list(p.shape) for n, p in student.state_dict().items()})
+
+
+def model_spec(model: nn.Module) -> dict:
+    "What identifies the base model: its class and its config (without the folder it was loaded from)."
+    config = getattr(model, "config", None)
+    config = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")} if config else {}
+    return dict(type=_class_name(model), config=config)
+
+
+def spec_differences(saved, now, prefix: str = "") -> list[str]:
+    "Dotted names of the fields where the nested dicts `saved` and `now` differ (tuples and lists compare equal)."
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return [d for k in sorted(set(saved) | set(now), key=str)
+                for d in spec_differences(saved.get(k), now.get(k), f"{prefix}{k}.")]
+    same = json.dumps(saved, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str)
+    return [] if same else [f"{prefix.rstrip('.')} ({saved!r} in the checkpoint, {now!r} now)"]
+
+
+# %%
+#| export
+def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> None:
+    "Raise a ValueError naming every field in which the run of checkpoint `ckpt` differs from this one (growing `steps` is allowed)."
+    if "spec" not in ckpt: raise ValueError(f"checkpoint {path} was written without its model and student description (an older "
+                                            "version of sparsekv), so resuming it cannot be checked; delete it to train from the start")
+    diffs = spec_differences({k: v for k, v in ckpt["config"].items() if k not in RESUMABLE_CHANGES},
+                             {k: v for k, v in asdict(config).items() if k not in RESUMABLE_CHANGES}, "config.")
+    diffs += spec_differences(ckpt["spec"], dict(model=model_spec(model), student=student_spec(student)))
+    if diffs: raise ValueError(f"checkpoint {path} belongs to another run; it differs in " + "; ".join(diffs)
+                               + ". Use another checkpoint_dir (or delete it) to train this configuration")
+    if ckpt["step"] > config.steps:
+        raise ValueError(f"checkpoint {path} is at step {ckpt['step']}, beyond config.steps={config.steps}; pass steps >= {ckpt['step']}")
+
+
 def load_checkpoint(path, model, student, opt, sched, config: DistillConfig) -> tuple[int, list[dict]]:
-    "Restore the state `save_checkpoint` wrote into model, student, optimizer and scheduler; return (step, history)."
+    "Check that checkpoint `path` belongs to this run (`check_resume`), restore its state into model, student, optimizer and scheduler; return (step, history)."
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if ckpt["config"]["mode"] != config.mode: raise ValueError(f"checkpoint {path} was trained in mode {ckpt['config']['mode']!r}, not {config.mode!r}")
+    check_resume(ckpt, path, model, student, config)
     set_state_dict(_state_container(model, student, config), opt, model_state_dict=ckpt["model"],
                    optim_state_dict=ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
     sched.load_state_dict(ckpt["scheduler"])
+    # the learning rates of the next update come from this config's schedule, not from the saved optimizer state
+    for g, f, base in zip(opt.param_groups, sched.lr_lambdas, sched.base_lrs): g["lr"] = base * f(sched.last_epoch)
     set_rng_state(ckpt["rng"])
     return ckpt["step"], ckpt["history"]
 
@@ -506,6 +576,33 @@ for (n, a), b in zip(itertools.chain(m1.named_parameters(), s1.named_parameters(
     assert torch.equal(a, b), n
 print(resumed[cols].to_string(index=False))
 
+# %% [markdown]
+# A checkpoint records the config and the student's budget, and refuses a resume with another window or another
+# learning rate, or with fewer steps than it has done, naming the fields. Extending the run continues on the new
+# schedule: the learning rates of the resumed updates are those of `new_param_lr` for the new number of steps.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    m0, _ = load_model("tiny-llama")
+    torch.manual_seed(0)
+    s0 = KVpopStudent.for_model(m0, sink=2, window=4, k=8, n_boundaries=16)
+    seqs0 = torch.randint(0, m0.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(3))
+    cfg0 = DistillConfig(steps=2, mode="scorer_only", warmup_steps=1, checkpoint_every=1)
+    distill(m0, s0, epoch_batches(seqs0, 2, 2), cfg0, checkpoint_dir=d, progress=False)
+    ck = torch.load(Path(d)/"checkpoint.pt", weights_only=False)
+    test_eq((ck["step"], ck["config"], ck["spec"]["student"]["settings"]["window"]), (2, asdict(cfg0), 4))
+    other = KVpopStudent.for_model(m0, sink=2, window=8, k=8, n_boundaries=16)
+    test_fail(lambda: distill(m0, other, epoch_batches(seqs0, 2, 2), cfg0, checkpoint_dir=d, progress=False),
+              contains="student.settings.window (4 in the checkpoint, 8 now)")
+    test_fail(lambda: distill(m0, s0, epoch_batches(seqs0, 2, 2), DistillConfig(**{**asdict(cfg0), "new_lr": 2e-3}),
+                              checkpoint_dir=d, progress=False), contains="config.new_lr (0.001 in the checkpoint, 0.002 now)")
+    test_fail(lambda: distill(m0, s0, epoch_batches(seqs0, 2, 1), DistillConfig(**{**asdict(cfg0), "steps": 1}),
+                              checkpoint_dir=d, progress=False), contains="beyond config.steps=1")
+    cfg4 = DistillConfig(**{**asdict(cfg0), "steps": 4})
+    longer = distill(m0, s0, epoch_batches(seqs0, 2, 4), cfg4, checkpoint_dir=d, progress=False)
+    test_eq(longer.step.tolist(), [1, 2, 3, 4])
+    assert_close(torch.tensor(longer.lr_new.tolist()[2:]), torch.tensor([new_param_lr(i, cfg4) for i in (2, 3)]), rtol=0, atol=0)
+
 
 # %% [markdown]
 # ## Several processes: FSDP2 under `torchrun`
@@ -562,10 +659,14 @@ def full_state(module: nn.Module) -> dict[str, Tensor]:
 
 # %%
 #| export
+STUDENT_ALIASES = {"kvpop": "kvpop_mlp", "kvpop-mlstm": "kvpop_mlstm", "sinkwindow": "streaming_llm_plus"}  # the CLI's earlier names
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sparsekv.distill", description="KVpop distillation (torchrun for several processes)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--student", default="kvpop", help="a trained method: kvpop, kvpop-mlstm or sinkwindow")
+    p.add_argument("--student", default="kvpop_mlp", help="a trained method of sparsekv.methods (kvpop_mlp, kvpop_mlstm, "
+                   "streaming_llm_plus, dms; also the earlier names kvpop, kvpop-mlstm, sinkwindow), at budget sink + window + k")
     p.add_argument("--mode", default="scorer_only", choices=MODES)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
@@ -588,8 +689,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> pd.DataFrame:
     "Command-line training (see `parse_args`); under torchrun (WORLD_SIZE > 1) with FSDP2, nccl on CUDA, gloo on CPU."
-    from sparsekv.kvpop.student import make_student  # the students live above this module
+    from sparsekv import methods  # the methods live above this module
     a = parse_args(argv)
+    method = methods.make(STUDENT_ALIASES.get(a.student, a.student), budget=a.sink + a.window + a.k, sink=a.sink, window=a.window)
+    if not hasattr(method, "student"): raise ValueError(f"--student must be a trained method, {a.student!r} is not trained")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = torch.device(a.device)
     if distributed:
@@ -601,7 +704,7 @@ def main(argv=None) -> pd.DataFrame:
         seqs = packed_sequences(tok, a.seq_len, "train", n=n_train, seed=a.seed)
         eval_fn = teacher_eval(model, packed_sequences(tok, a.seq_len, "validation", n=a.n_eval)) if a.n_eval else None
         torch.manual_seed(a.seed)
-        student = make_student(a.student, model, a.sink, a.window, a.k, **({} if a.student == "sinkwindow" else {"seed": a.seed}))
+        student = method.student(model, seed=a.seed, seq_len=a.seq_len, steps=a.steps)
         config = DistillConfig(steps=a.steps, mode=a.mode, new_lr=a.new_lr, new_lr_min=min(8e-5, a.new_lr), warmup_steps=a.warmup_steps,
                                grad_accum=a.grad_accum, checkpoint_every=a.checkpoint_every, seed=a.seed)
         teacher = copy.deepcopy(model) if config.mode == "full" else model

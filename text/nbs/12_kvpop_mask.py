@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from sparsekv.attention import BACKENDS, check_qkv, flex_attention_lse, masked_attention, repeat_kv
-from sparsekv.kvpop.cutoff import check_int, check_budget, check_priority
+from sparsekv.attention import (BACKENDS, check_int, check_qkv, evictable, flex_attention_lse, masked_attention,
+                                repeat_kv, sink_window_visible)
+from sparsekv.kvpop.cutoff import check_budget, check_priority
 
 # %%
 #| hide
@@ -82,9 +83,9 @@ def check_rank_cutoff(rank: Tensor, cutoff: Tensor) -> tuple[int, int, int]:
     return tuple(rank.shape)
 
 def _check_mask_args(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int) -> tuple[int, int, int]:
-    check_int("sink", sink, 0)
-    check_int("window", window, 1)
-    check_int("groups", groups, 1)
+    check_int(sink, "sink", 0)
+    check_int(window, "window", 1)
+    check_int(groups, "groups", 1)
     return check_rank_cutoff(rank, cutoff)
 
 def kvpop_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1) -> Tensor:
@@ -94,10 +95,9 @@ def kvpop_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int
     S = rank.shape[-1]
     q = torch.arange(S, device=rank.device)[:, None]
     t = torch.arange(S, device=rank.device)
-    fixed = (t < sink) | (q - t < window)  # sinks and the protected window
-    eligible = (t >= sink) & (t <= q - window)  # E(q), Eq. (4)
     top = rank[..., None, :] <= cutoff[..., :, None]  # [B, H, S, S]: rank(t) <= tau_q
-    mask = (t <= q) & (fixed | (eligible & top))
+    # causal and (sink or window), or in E(q) (Eq. 4) with rank(t) <= tau_q
+    mask = sink_window_visible(sink, window)(q, t) | (evictable(sink, window)(q, t) & top)
     return repeat_kv(mask, groups)
 
 def kvpop_mask_reference(priority: Tensor, k: int, sink: int, window: int) -> Tensor:
@@ -182,12 +182,12 @@ assert _evictions_permanent(kvpop_mask(rank, cutoff, sink, window), sink, window
 def kvpop_mask_mod(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1):
     "FlexAttention mask_mod of `kvpop_mask` over captured rank/cutoff [B,Hkv,S]; query head h reads KV head h // groups."
     _check_mask_args(rank, cutoff, sink, window, groups)
+    fixed, eligible = sink_window_visible(sink, window), evictable(sink, window)  # the predicates of `kvpop_mask`
 
     def mask_mod(b, h, q_idx, kv_idx):
         kv_head = h // groups
         top = rank[b, kv_head, kv_idx] <= cutoff[b, kv_head, q_idx]
-        eligible = (kv_idx >= sink) & (kv_idx + window <= q_idx)
-        return (kv_idx <= q_idx) & ((kv_idx < sink) | (q_idx - kv_idx < window) | (eligible & top))
+        return fixed(q_idx, kv_idx) | (eligible(q_idx, kv_idx) & top)
 
     return mask_mod
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sparsekv.attention import check_int
+
 # %%
 #| hide
 from fastcore.test import test_eq, test_fail
@@ -58,12 +60,6 @@ def scorer_input(k: Tensor, v: Tensor) -> Tensor:
     check_kv(k, v)
     return torch.cat([k.detach(), v.detach()], dim=-1)
 
-def check_positive_int(name: str, value) -> int:
-    "Validate an int argument `name` >= 1 (bools rejected); return it."
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
 
 # %%
 k, v = torch.randn(2, 3, 5, 4, requires_grad=True), torch.randn(2, 3, 5, 4)
@@ -89,9 +85,9 @@ class HeadwiseLinear(nn.Module):
     "Separate linear map per KV head: y[..., h, s, :] = x[..., h, s, :] @ weight[h] + bias[h], one einsum for all heads."
     def __init__(self, num_heads: int, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
-        self.num_heads = check_positive_int("num_heads", num_heads)
-        self.weight = nn.Parameter(torch.zeros(num_heads, check_positive_int("in_features", in_features),
-                                               check_positive_int("out_features", out_features)))
+        self.num_heads = check_int(num_heads, "num_heads", 1)
+        self.weight = nn.Parameter(torch.zeros(num_heads, check_int(in_features, "in_features", 1),
+                                               check_int(out_features, "out_features", 1)))
         self.bias = nn.Parameter(torch.zeros(num_heads, out_features)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -138,7 +134,8 @@ class LinearScorer(nn.Module):
     "Headwise linear scorer r[b,h,t] = w_h . [k;v] + b_h (Eq. 36), zero-initialized (neutral ranking)."
     def __init__(self, num_kv_heads: int, head_dim: int):
         super().__init__()
-        self.num_kv_heads, self.head_dim = check_positive_int("num_kv_heads", num_kv_heads), check_positive_int("head_dim", head_dim)
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
         self.out = HeadwiseLinear(num_kv_heads, 2 * head_dim, 1)
 
     def forward(self, k: Tensor, v: Tensor) -> Tensor:
@@ -151,8 +148,9 @@ class MLPScorer(nn.Module):
     "Headwise two-layer SiLU MLP scorer on [k; v] (Eq. 36); the output layer starts at zero (neutral ranking)."
     def __init__(self, num_kv_heads: int, head_dim: int, hidden: int | None = None):
         super().__init__()
-        self.num_kv_heads, self.head_dim = check_positive_int("num_kv_heads", num_kv_heads), check_positive_int("head_dim", head_dim)
-        hidden = head_dim if hidden is None else check_positive_int("hidden", hidden)
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
+        hidden = head_dim if hidden is None else check_int(hidden, "hidden", 1)
         self.hidden = HeadwiseLinear(num_kv_heads, 2 * head_dim, hidden)
         self.out = HeadwiseLinear(num_kv_heads, hidden, 1)
         with torch.no_grad(): self.hidden.weight.normal_(0.0, (2 * head_dim) ** -0.5)
@@ -396,14 +394,9 @@ assert torch.isfinite(ours.C).all()
 
 # %%
 #| export
-def check_delay(delay) -> int:
-    "Validate the readout delay (an int >= 0)."
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0: raise ValueError(f"delay must be an int >= 0, got {delay!r}")
-    return delay
-
 def readout_positions(S: int, delay: int, device=None) -> Tensor:
     "Index of the state each token reads: t(u) = min(u + delay, S - 1) (Eq. 41; the last tokens read the last state)."
-    return torch.clamp(torch.arange(S, device=device) + check_delay(delay), max=S - 1)
+    return torch.clamp(torch.arange(S, device=device) + check_int(delay, "delay"), max=S - 1)
 
 def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
                    normalizer: str = "ratio", eps: float = 1e-6) -> Tensor:
@@ -494,7 +487,7 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
                               eps: float = 1e-6, chunk_size: int = 256) -> tuple[Tensor, MLSTMState]:
     "Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state."
     B, H, S, dk = q.shape
-    dv, L = v.shape[-1], check_positive_int("chunk_size", chunk_size)
+    dv, L = v.shape[-1], check_int(chunk_size, "chunk_size", 1)
     N, pad = -(-S // L), -S % L
     q, k, v = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, N, L, -1) for t in (q, k, v))
     log_i = F.pad(log_i, (0, pad), value=-math.inf).reshape(B, H, N, L)  # padding writes nothing ...
@@ -524,7 +517,7 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
 def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
                     normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 256) -> Tensor:
     "`mlstm_parallel` with memory linear in S: immediate chunkwise readout of the query shifted by `delay`, [B,H,S,dv]."
-    S, w = q.shape[-2], min(check_delay(delay), q.shape[-2])
+    S, w = q.shape[-2], min(check_int(delay, "delay"), q.shape[-2])
     q_read = torch.cat([torch.zeros_like(q[:, :, :w]), q[:, :, :S - w]], dim=2)  # step t reads token t - w
     h, final = mlstm_chunkwise_immediate(q_read, k, v, log_i, log_f, normalizer, eps, chunk_size)
     return torch.cat([h[:, :, w:], mlstm_readout(final, q[:, :, S - w:], normalizer, eps)], dim=2)
@@ -582,12 +575,13 @@ class MLSTMScorer(nn.Module):
                  normalizer: str = "ratio", eps: float = 1e-6, forget_bias: tuple[float, float] = (3.0, 6.0),
                  input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 256):
         super().__init__()
-        self.num_kv_heads, self.head_dim = check_positive_int("num_kv_heads", num_kv_heads), check_positive_int("head_dim", head_dim)
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
         if head_dim % 2: raise ValueError(f"head_dim must be even (Hedgehog halves the projection), got {head_dim}")
         if soft_cap is not None and not soft_cap > 0: raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap!r}")
-        self.delay, self.soft_cap, self.norm = check_delay(delay), soft_cap, bool(norm)
+        self.delay, self.soft_cap, self.norm = check_int(delay, "delay"), soft_cap, bool(norm)
         self.normalizer, self.eps = check_normalizer(normalizer), float(eps)
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.chunk_size = check_int(chunk_size, "chunk_size", 1)
         half = head_dim // 2
         self.q_proj, self.k_proj, self.v_proj = (HeadwiseLinear(num_kv_heads, 2 * head_dim, half, bias=False) for _ in range(3))
         self.gates = HeadwiseLinear(num_kv_heads, 2 * head_dim, 2)  # columns: input, forget pre-activation

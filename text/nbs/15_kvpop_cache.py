@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from sparsekv.attention import check_int, evictable, is_causal
 from sparsekv.cache import EvictingCache, EvictingLayer, SinkWindowRule, TopScoreRule
 from sparsekv.hf import DensePolicy, MaskPolicy, dense_attention
 from sparsekv.kvpop.cutoff import LogDecay, check_budget, topk_cutoff
@@ -48,8 +49,8 @@ class KVpopScorers(nn.Module):
         super().__init__()
         if len(scorers) != len(decays) or not scorers:
             raise ValueError(f"need one scorer and one LogDecay per layer, got {len(scorers)} scorers and {len(decays)} decays")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1: raise ValueError(f"n (the decay step) must be an int >= 1, got {n!r}")
-        self.scorers, self.decays, self.n = nn.ModuleList(scorers), nn.ModuleList(decays), n
+        self.scorers, self.decays = nn.ModuleList(scorers), nn.ModuleList(decays)
+        self.n = check_int(n, "n (the decay step)", 1)
 
     @classmethod
     def mlp(cls, num_layers: int, num_kv_heads: int, head_dim: int, n: int = 1, **decay_kwargs) -> "KVpopScorers":
@@ -117,20 +118,13 @@ test_fail(lambda: sc.priority(2, k, v, pos), contains="layer_idx must lie in [0,
 # cache holds $s + (w-1) + k$ entries (the next query fills the window's last slot), during a step
 # $s + w + k$, and during a prefill chunk of $C$ tokens at most $C$ more.
 #
-# At decode this needs no sort. After the previous eviction a head holds at most $k$ eligible
+# At decode `visible` needs no sort. After the previous eviction a head holds at most $k$ eligible
 # entries, and one query later at most one more becomes eligible (the token leaving the window, or
 # with a delayed scorer the pending token just read out). The top $k$ of at most $k + 1$ entries
 # are all of them but the worst: the lowest priority, and among equal ones the later entry (the
 # sort is stable over entries in position order, so ties go to the earlier). `visible` uses this
 # whenever no row has more than $k + 1$ eligible entries, and the stable sort otherwise (prefill
-# chunks). A `KVpopLayer` stores the entries in buffers of $s + w + k + 1$ slots per head allocated
-# once: the new token is written after the kept ones, and the evicted entry is removed by one
-# in-place compaction that keeps position order; a prefill chunk larger than the free slots grows
-# the buffers, and the next eviction gives the extra slots back. A `KVpopLayer` does not even
-# compare positions: every head holds the sinks first and, last, every position after
-# $\min(p - w, u_0 - 1)$ ($u_0$ the first unread token of a delayed scorer; these are the window
-# and the pending tokens, never evicted), so the eligible entries of query $p$ are the same slice of
-# every head (`worst_eligible`), and `KVpopPolicy` masks a decode query with it too.
+# chunks).
 
 # %%
 #| export
@@ -163,8 +157,8 @@ class KVpopRule(TopScoreRule):
         "Sinks, window, pending (unread) entries and the k best eligible ones; a row with at most k + 1 eligible entries drops its worst (no sort)."
         t, p = layer.positions[:, :, None, :], query_positions[:, None]
         pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)  # scored later: never eligible yet, kept meanwhile
-        base = SinkWindowRule.visible(self, layer, query_positions) | ((t <= p) & pending)
-        eligible = (t >= self.sink) & (p - t >= self.window) & ~pending
+        base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
+        eligible = evictable(self.sink, self.window)(p, t) & ~pending
         n = eligible.sum(-1, keepdim=True)
         if int(n.max()) <= self.k + 1:  # decode: the k kept entries and the one that just became eligible
             s = layer.scores[:, :, None, :].masked_fill(~eligible, float("inf"))
@@ -216,6 +210,16 @@ class KVpopRule(TopScoreRule):
         return ar.expand(*drop.shape[:2], -1) if not drop.any() else ar + (ar >= drop.to(torch.uint8).argmax(-1, keepdim=True))
 
 
+
+# %% [markdown]
+# A recurrent (mLSTM) scorer with readout delay $\delta$ scores token $u$ only once it has read the
+# state after token $u + \delta$ (Eq. 41). Until then the token is *pending*: kept, never ranked. The
+# layer keeps the scorer's state, the read features of the pending tokens and the first unread
+# position in a `DelayedReadout`; `KVpopRule.scores` steps it over each new chunk and gives the
+# tokens read out now their static priorities (in place, for entries already cached).
+
+# %%
+#| export
 class DelayedReadout:
     "Per-layer state of a recurrent scorer in the cache: the mLSTM state, read features of unread tokens, first unread position."
 
@@ -223,6 +227,18 @@ class DelayedReadout:
         self.state, self.queue, self.pending_from = state, queue, 0
 
 
+# %% [markdown]
+# A `KVpopLayer` stores the entries in buffers of $s + w + k + 1$ slots per head allocated
+# once: the new token is written after the kept ones, and the evicted entry is removed by one
+# in-place compaction that keeps position order; a prefill chunk larger than the free slots grows
+# the buffers, and the next eviction gives the extra slots back. A `KVpopLayer` does not even
+# compare positions: every head holds the sinks first and, last, every position after
+# $\min(p - w, u_0 - 1)$ ($u_0$ the first unread token of a delayed scorer; these are the window
+# and the pending tokens, never evicted), so the eligible entries of query $p$ are the same slice of
+# every head (`worst_eligible`), and `KVpopPolicy` masks a decode query with it too.
+
+# %%
+#| export
 class KVpopLayer(EvictingLayer):
     """An `EvictingLayer` whose keys, values, positions and scores are views of preallocated buffers of s + w + k + 1
     entries per head (more only while a prefill chunk is in): decode writes the new token in place and removes the
@@ -290,6 +306,16 @@ class KVpopLayer(EvictingLayer):
         if self.is_initialized: self._seat(self.positions.shape[-1], max(self.positions.shape[-1], self.rule.budget + 1))
 
 
+
+# %% [markdown]
+# `KVpopPolicy` runs exact attention over what the rule shows each query. The dispatcher masks
+# prefill chunks with `visible`; at decode the layer may hold one eligible entry more than the query
+# sees (the worst of $k + 1$), which the policy masks with the index from `worst_eligible` (or with
+# the full `visible` mask after a prefill chunk). It also marks the layer as masked: with recurrent
+# scorers `keep` refuses to evict after a decode step that no `KVpopPolicy` masked.
+
+# %%
+#| export
 class KVpopPolicy(DensePolicy):
     "Exact attention over what a `KVpopRule` shows each query, decode included (needed by recurrent scorers)."
 
@@ -307,6 +333,13 @@ class KVpopPolicy(DensePolicy):
         return super().prefill(q, k, v, ctx)
 
 
+
+# %% [markdown]
+# `KVpopCache` puts it together: an `EvictingCache` with one `KVpopRule` whose layers are
+# `KVpopLayer`s. Pass it as `past_key_values` inside `patch(model, KVpopPolicy())`.
+
+# %%
+#| export
 class KVpopCache(EvictingCache):
     "A bounded KVpop cache (use inside `sparsekv.hf.patch`): per KV head s sinks, w recent and k long-range entries, in `KVpopLayer`s."
 

@@ -14,15 +14,14 @@ import torch
 from torch import Tensor
 
 from sparsekv.attention import check_qkv
-from sparsekv.cache import EvictingLayer, EvictionRule, SinkWindowRule, TopScoreRule
-from sparsekv.hf import DensePolicy, MaskPolicy, heads_mask, patch
+from sparsekv.cache import EvictingCache, EvictingLayer, EvictionRule, SinkWindowRule, TopScoreRule
+from sparsekv.hf import DensePolicy, MaskPolicy, Method, heads_mask, patch
 
 # %%
 #| hide
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
-from sparsekv.cache import EvictingCache
 from sparsekv.hf import chunked_prefill
 from sparsekv.models import load_model
 
@@ -140,23 +139,103 @@ ref = torch.stack([torch.softmax((q[0, h] @ k[0, h // 2].T * 0.3).masked_fill(~m
 assert_close(attention_probs(q, k, m, 0.3), ref)
 test_fail(lambda: reduce_heads(p, 2, "max"), contains="heads must be one of")
 
+
 # %% [markdown]
-# ## Baselines by name
+# ## The baselines as methods
 #
-# `eviction_baseline(name, sink, window, k)` gives the rule and the policy to decode with, for
-# `EvictingCache(rule)` inside `patch(model, policy)`.
+# A user gives one number, the budget $B$ of KV entries per KV head; `split_budget` turns it into
+# KVpop's split (Eq. 1), $B = s + w + k$: by default the paper's $s = 4$ sinks and its window scaled
+# with the budget, $w = \mathrm{round}(256\,B / 4356)$ (App. F: $w = 256$ next to $s + k = 4 + 4096$),
+# at least 1; the rest are the $k$ long-range slots. `EvictionMethod` is the family of methods that
+# evict while reading (`sparsekv.hf.Method`): its `cache(model)` is an `EvictingCache` of its `rule()`,
+# used under its `policy()`, so the cache never keeps more than $B$ entries per KV head between
+# steps. Each baseline is one subclass with a `name`, which registers it for `sparsekv.methods`:
+# adding an eviction baseline means adding its rule and one such class here.
 
 # %%
 #| export
-EVICTION_BASELINES = ("streaming_llm", "tova", "h2o")
+def split_budget(budget: int, sink: int | None = None, window: int | None = None) -> tuple[int, int, int]:
+    "(sink, window, k) with s + w + k = `budget`; defaults s = 4 and w = round(256 B / 4356) >= 1 (KVpop's w = 256 at B = 4 + 256 + 4096)."
+    B = Method.check_budget(budget)
+    if window is None: window = min(B, max(1, round(256 * B / 4356)))
+    if sink is None: sink = min(4, B - window)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
+    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
+    if sink + window > B: raise ValueError(f"budget={B} must cover sink + window = {sink} + {window}")
+    return sink, window, B - sink - window
 
 
-def eviction_baseline(name: str, sink: int, window: int, k: int, heads: str = "group") -> tuple[EvictionRule, DensePolicy]:
-    "(rule, policy) of the baseline `name` with budget s + w + k per KV head."
-    if name == "streaming_llm": return streaming_llm_rule(sink, window, k), DensePolicy()
-    if name == "tova": return TOVARule(sink, window, k, heads), AttentionScorePolicy()
-    if name == "h2o": return H2ORule(sink, window, k, heads), AttentionScorePolicy()
-    raise ValueError(f"name must be one of {EVICTION_BASELINES}, got {name!r}")
+class EvictionMethod(Method):
+    "Evict while reading: an `EvictingCache` of `rule()` under `policy()` keeps `budget` = sink + window + k entries per KV head."
+    family = "eviction"
+
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, chunk_size: int | None = None):
+        super().__init__(budget)
+        self.sink, self.window, self.k = split_budget(self.budget, sink, window)
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be None (the whole prompt in one call) or an int >= 1, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+
+    def rule(self) -> EvictionRule:
+        "The eviction rule of one run."
+        raise NotImplementedError(f"{type(self).__name__} must implement rule()")
+
+    def cache(self, model) -> EvictingCache:
+        return EvictingCache(self.rule())
+
+
+class StreamingLLM(EvictionMethod):
+    "StreamingLLM (Xiao et al.): the sinks and the window + k most recent tokens."
+    name = "streaming_llm"
+
+    def rule(self) -> SinkWindowRule:
+        return streaming_llm_rule(self.sink, self.window, self.k)
+
+
+class TOVA(EvictionMethod):
+    "TOVA (Oren et al.): the k older entries with the most attention from the latest query; `heads` 'group' or 'all' (the original)."
+    name = "tova"
+    rule_class = TOVARule
+
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, heads: str = "group",
+                 chunk_size: int | None = None):
+        super().__init__(budget, sink, window, chunk_size)
+        if heads not in HEAD_REDUCTIONS: raise ValueError(f"heads must be one of {HEAD_REDUCTIONS}, got {heads!r}")
+        self.heads = heads
+
+    def rule(self) -> AttentionScoreRule:
+        return self.rule_class(self.sink, self.window, self.k, self.heads)
+
+    def policy(self) -> AttentionScorePolicy:
+        return AttentionScorePolicy()
+
+
+class H2O(TOVA):
+    "H2O (Zhang et al.): the k older entries with the most attention accumulated since they were cached."
+    name = "h2o"
+    rule_class = H2ORule
+
+
+# %% [markdown]
+# The split, by hand: $B = 4356$ gives KVpop's $(4, 256, 4096)$; small budgets keep a window of one and
+# as many sinks as fit; the methods build the rules of their name.
+
+# %%
+test_eq(split_budget(4356), (4, 256, 4096))
+test_eq([split_budget(b) for b in (1, 3, 5, 40)], [(0, 1, 0), (2, 1, 0), (4, 1, 0), (4, 2, 34)])
+test_eq(split_budget(10, sink=1, window=2), (1, 2, 7))
+test_fail(lambda: split_budget(4, sink=2, window=3), contains="budget=4 must cover")
+test_fail(lambda: TOVA(0), contains="budget must be")
+test_fail(lambda: TOVA(8, heads="max"), contains="heads must be one of")
+test_eq(type(StreamingLLM(20, 2, 4).rule()).__name__, "SinkWindowRule")
+test_eq(StreamingLLM(20, 2, 4).rule().window, 4 + 14)
+test_eq([type(Method.registry[n](8).rule()).__name__ for n in ("tova", "h2o")], ["TOVARule", "H2ORule"])
+
+
+def _baseline(name, sink, window, k, heads="group"):
+    "(rule, policy) of baseline `name` at sink + window + k."
+    m = Method.registry[name](sink + window + k, sink, window, **({} if name == "streaming_llm" else {"heads": heads}))
+    return m.rule(), m.policy()
 
 
 # %% [markdown]
@@ -227,7 +306,7 @@ def _decode(model, ids, rule, policy):
 model, _ = load_model("tiny-llama", dtype=torch.float64)
 ids = torch.randint(3, model.config.vocab_size, (1, 14), generator=torch.Generator().manual_seed(0))
 for kind, heads in (("tova", "group"), ("h2o", "group"), ("tova", "all")):
-    rule, pol = eviction_baseline(kind, 1, 2, 3, heads)
+    rule, pol = _baseline(kind, 1, 2, 3, heads)
     got, cache = _decode(model, ids, rule, pol)
     want, kept = eviction_reference(model, ids, kind, 1, 2, 3, heads)
     assert_close(got, want)
@@ -239,10 +318,10 @@ for kind, heads in (("tova", "group"), ("h2o", "group"), ("tova", "all")):
 # The two KV heads of a layer keep different tokens with `heads="group"` and the same with `"all"`:
 
 # %%
-rule, pol = eviction_baseline("tova", 1, 2, 3, "group")
+rule, pol = _baseline("tova", 1, 2, 3, "group")
 pos = _decode(model, ids, rule, pol)[1].layers[1].positions
 assert not torch.equal(pos[0, 0], pos[0, 1])
-rule, pol = eviction_baseline("tova", 1, 2, 3, "all")
+rule, pol = _baseline("tova", 1, 2, 3, "all")
 pos = _decode(model, ids, rule, pol)[1].layers[1].positions
 test_eq(pos[0, 0], pos[0, 1])
 
@@ -252,9 +331,9 @@ test_eq(pos[0, 0], pos[0, 1])
 
 # %%
 with torch.no_grad(): dense = model(ids).logits
-for name in EVICTION_BASELINES:
-    assert_close(_decode(model, ids, *eviction_baseline(name, 2, 4, 20))[0], dense)
-    rule, pol = eviction_baseline(name, 1, 2, 3)
+for name in ("streaming_llm", "tova", "h2o"):
+    assert_close(_decode(model, ids, *_baseline(name, 2, 4, 20))[0], dense)
+    rule, pol = _baseline(name, 1, 2, 3)
     with torch.no_grad(), patch(model, pol):
         out = model.generate(ids[:, :6], attention_mask=torch.ones_like(ids[:, :6]), past_key_values=EvictingCache(rule),
                              max_new_tokens=8, do_sample=False)

@@ -10,14 +10,19 @@
 #| export
 from __future__ import annotations
 
+import inspect
+import weakref
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
 
-from sparsekv.attention import attention_scores, masked_attention, masked_logsumexp
+from sparsekv.attention import attention_scores, check_int, masked_attention, masked_logsumexp, sink_window_visible
 from sparsekv.cache import SinkWindowCache
 from sparsekv.distill import DistillStudent
 from sparsekv.hf import AttentionPolicy, MaskPolicy, dense_attention, heads_mask
-from sparsekv.kvpop.cache import KVpopCache, KVpopScorers
+from sparsekv.kvpop.baselines import EvictionMethod
+from sparsekv.kvpop.cache import KVpopCache, KVpopPolicy, KVpopScorers
 from sparsekv.kvpop.cutoff import check_budget, topk_cutoff
 from sparsekv.kvpop.loss import retention_loss, retention_recall, sample_boundary_queries
 from sparsekv.kvpop.mask import kvpop_attention, kvpop_mask
@@ -277,13 +282,11 @@ class SinkWindowPolicy(MaskPolicy):
     "Query p attends to the first `sink` tokens and the `window` most recent ones (itself included)."
 
     def __init__(self, sink: int, window: int):
-        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
-        self.sink, self.window = sink, window
+        self.sink, self.window = check_int(sink, "sink"), check_int(window, "window", 1)
 
     def mask(self, q, k, v, ctx):
         t, p = ctx.key_positions[:, :, None, :], ctx.query_positions[None, None, :, None]
-        return (t <= p) & ((t < self.sink) | (p - t < self.window))
+        return sink_window_visible(self.sink, self.window)(p, t)
 
 
 class SinkWindowStudent(DistillStudent):
@@ -309,14 +312,107 @@ with torch.no_grad(), patch(model, sw.policy()):
 assert_close(out[:, -1], step_logits[-1], atol=1e-5, rtol=1e-5)  # the training mask = the bounded cache's view
 test_eq(sum(p.numel() for p in sw.parameters()), 0)
 
+
+# %% [markdown]
+# ## The trained methods
+#
+# KVpop and StreamingLLM+ are eviction methods (`sparsekv.kvpop.baselines.EvictionMethod`: the budget
+# $B = s + w + k$ per KV head, split as there) whose student `sparsekv.distill` trains. `TrainedMethod.student`
+# gives a fresh student for training (the CLI `python -m sparsekv.distill --student NAME` picks it by
+# method name); at inference the method uses the student's bounded cache, fresh (untrained: a neutral
+# ranking) unless `checkpoint` names the `trained.pt` the CLI saves. Only the student's state is loaded
+# from it: a full-mode run also saves the fine-tuned model (`"model"`), which is the model's to load.
+
 # %%
 #| export
-STUDENTS = ("kvpop", "kvpop-mlstm", "sinkwindow")
+class TrainedMethod(EvictionMethod):
+    """An eviction method trained by `distill`: `student(model)` for training; at inference its cache, from a fresh student
+    (untrained) or the `checkpoint` (`trained.pt` of the distill CLI, its 'student' state)."""
+    mode = "scorer_only"  # the distill mode its paper trains it in
+
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, checkpoint: str | Path | None = None,
+                 chunk_size: int | None = None):
+        super().__init__(budget, sink, window, chunk_size)
+        if self.k < 1: raise ValueError(f"budget={self.budget} leaves no long-range slot after sink={self.sink} and window={self.window}: "
+                                        f"{self.name} needs budget >= sink + window + 1")
+        if checkpoint is not None and not Path(checkpoint).is_file():
+            raise FileNotFoundError(f"checkpoint must be the trained.pt that sparsekv.distill saves, {checkpoint!r} is no file")
+        self.checkpoint, self._students = checkpoint, weakref.WeakKeyDictionary()
+
+    def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> DistillStudent:
+        "A fresh student for `model`, to be trained on `seq_len`-token sequences for `steps` steps (where the method needs them)."
+        raise NotImplementedError(f"{type(self).__name__} must implement student(model, ...)")
+
+    def trained_student(self, model) -> DistillStudent:
+        "The inference student of `model` in eval mode (fresh, or loaded from `checkpoint`), built once per model."
+        if model not in self._students:
+            st = self.student(model)
+            if self.checkpoint is not None:
+                st.load_state_dict(torch.load(self.checkpoint, map_location=next(model.parameters()).device, weights_only=True)["student"])
+            self._students[model] = st.eval()
+        return self._students[model]
+
+    def cache(self, model):
+        return self.trained_student(model).inference_cache()
 
 
-def make_student(name: str, model, sink: int, window: int, k: int, **options) -> DistillStudent:
-    "A fresh student by name: 'kvpop' (MLP scorers), 'kvpop-mlstm' (mLSTM scorers) or 'sinkwindow' (StreamingLLM+)."
-    if name == "kvpop": return KVpopStudent.for_model(model, sink, window, k, scorer="mlp", **options)
-    if name == "kvpop-mlstm": return KVpopStudent.for_model(model, sink, window, k, scorer="mlstm", **options)
-    if name == "sinkwindow": return SinkWindowStudent(sink, window, k)
-    raise ValueError(f"student must be one of {STUDENTS}, got {name!r}")
+class KVpopMLP(TrainedMethod):
+    "KVpop with MLP scorers (§3.3): a `KVpopCache` of s sinks, w recent and the k best static priorities; `options` go to `KVpopStudent`."
+    name, scorer = "kvpop_mlp", "mlp"
+
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, checkpoint: str | Path | None = None,
+                 chunk_size: int | None = None, **options):
+        super().__init__(budget, sink, window, checkpoint, chunk_size)
+        accepted = (set(inspect.signature(KVpopStudent.for_model).parameters) | set(inspect.signature(KVpopStudent).parameters)) \
+            - {"model", "scorers", "sink", "window", "k", "scorer", "seed", "options"}
+        if set(options) - accepted: raise TypeError(f"unexpected options {sorted(set(options) - accepted)} for {self.name}; accepted: {sorted(accepted)}")
+        self.options = options
+
+    def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> KVpopStudent:
+        return KVpopStudent.for_model(model, self.sink, self.window, self.k, scorer=self.scorer, seed=seed, **self.options)
+
+    def policy(self) -> KVpopPolicy:
+        return KVpopPolicy()
+
+
+class KVpopMLSTM(KVpopMLP):
+    "KVpop with mLSTM scorers read out `window` tokens late (§3.3, delayed readout)."
+    name, scorer = "kvpop_mlstm", "mlstm"
+
+
+class StreamingLLMPlus(TrainedMethod):
+    "StreamingLLM+ (§4): StreamingLLM's sinks and window + k recent tokens, the base model fine-tuned under it (full mode)."
+    name, mode = "streaming_llm_plus", "full"
+
+    def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> SinkWindowStudent:
+        return SinkWindowStudent(self.sink, self.window, self.k)
+
+
+# %% [markdown]
+# Check: the methods build the students the classes above build by hand (same scorers from the same seed),
+# their caches keep s + w + k entries per head while generating, a checkpoint's student state is loaded, and a
+# budget without a long-range slot is refused.
+
+# %%
+m = KVpopMLSTM(2 + 4 + 3, sink=2, window=4)
+torch.manual_seed(0)
+by_hand = KVpopStudent.for_model(model, 2, 4, 3, scorer="mlstm")
+torch.manual_seed(0)
+st = m.student(model)
+test_eq((st.sink, st.window, st.k), (2, 4, 3))
+for a, b in zip(by_hand.state_dict().values(), st.state_dict().values()): assert torch.equal(a, b)
+with m.patch(model) as cache:
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+test_eq(out.shape, (2, 24 + 5))
+test_eq({layer.keys.shape[2] for layer in cache.layers}, {2 + 4 + 3})  # bounded: s + w + k (the mLSTM's unread token included)
+test_eq(type(StreamingLLMPlus(9, 2, 4).cache(model)).__name__, "SinkWindowCache")
+test_eq(StreamingLLMPlus(9, 2, 4).cache(model).rule.window, 4 + 3)
+with tempfile.TemporaryDirectory() as d:
+    for p in st.parameters(): p.data.add_(1.0)
+    torch.save({"student": st.state_dict()}, Path(d)/"trained.pt")
+    loaded = KVpopMLSTM(9, 2, 4, checkpoint=Path(d)/"trained.pt").trained_student(model)
+    for a, b in zip(st.state_dict().values(), loaded.state_dict().values()): assert torch.equal(a, b)
+    test_eq(loaded.training, False)
+test_fail(lambda: KVpopMLP(6, sink=2, window=4), contains="no long-range slot")
+test_fail(lambda: KVpopMLP(9, checkpoint="missing/trained.pt"), contains="no file")
+test_fail(lambda: KVpopMLP(9, tau_typo=1.0), contains="unexpected options")

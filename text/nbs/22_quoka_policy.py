@@ -17,16 +17,18 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from sparsekv.attention import attention_reference, causal_mask
+from sparsekv.attention import attention_reference, causal_mask, check_int
 from sparsekv.quoka.baselines import LessIsMoreSelector
 from sparsekv.hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
                          heads_mask, patch)
 from sparsekv.quoka.select import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, quoka_decode_select, quoka_scores,
                                    quoka_select)
-from sparsekv.select import all_key_indices, anchored_top_indices, check_count, resolve_budget
+from sparsekv.select import all_key_indices, anchored_top_indices, resolve_budget
 
 # %%
 #| hide
+from types import SimpleNamespace
+
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
@@ -93,7 +95,9 @@ from sparsekv.quoka.select import quoka_select_reference
 # `quoka_select`; decode: `quoka_decode_select`; with anchors: the same scores,
 # `quoka_scores`, and `anchored_top_indices`); `select` wraps it for `SelectionPolicy`:
 # None (dense) when there is nothing to select, else the earlier indices plus the
-# block's own keys.
+# block's own keys. That wrapper is the same for the baselines' policies below, so it is
+# written once, in `EarlierKeysPolicy`; each policy only says how it picks the earlier keys
+# (`pick_earlier`).
 #
 # **Unit keys across chunks.** The keys of earlier chunks never change during a chunked
 # prefill, so the policy keeps their unit vectors per layer (`UnitKeyCache`, one per cache
@@ -109,19 +113,71 @@ def _check_budget(budget):
     return budget
 
 
-class QuokaPolicy(SelectionPolicy):
+class EarlierKeysPolicy(SelectionPolicy):
+    """A chunk (or a decode query) attends to the earlier keys `pick_earlier` chooses per KV head plus all its own keys;
+    dense when no earlier key is dropped. Subclasses set `budget` (B_SA) or override `fits`."""
+
+    def __init__(self, decode: bool = True):
+        if not isinstance(decode, bool): raise TypeError(f"decode must be a bool, got {decode!r}")
+        self.decode_sparse = decode
+
+    def fits(self, T: int) -> bool:
+        "Whether the T earlier keys all fit the budget: the chunk then attends densely, `pick_earlier` is not asked."
+        return resolve_budget(self.budget, T) == T
+
+    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
+        "Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] the queries q attend to; None: all."
+        raise NotImplementedError(f"{type(self).__name__} must implement pick_earlier(q, k_earlier, ctx)")
+
+    def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor | None:
+        "Picked earlier keys, then the chunk's own [B,Hkv,n+Sq]; None (dense): none dropped or decode=False at decode."
+        if ctx.kind == "decode" and not self.decode_sparse: return None
+        T = ctx.past_len
+        if self.fits(T): return None
+        idx = self.pick_earlier(q, k[:, :, :T], ctx)
+        if idx is None or idx.shape[-1] == T: return None
+        return add_chunk_keys(idx, k.shape[2], q.shape[2])
+
+
+# %% [markdown]
+# The three policies below differ only in `pick_earlier`. Check the shared part with a policy that
+# picks the first $n$ earlier keys: dense while the cache fits (and on the first chunk), dense at
+# decode with `decode=False`, otherwise the picked keys followed by the chunk's own keys $T, \dots, T+S-1$.
+
+# %%
+class FirstKeys(EarlierKeysPolicy):
+    def __init__(self, budget, decode=True): super().__init__(decode); self.budget = budget
+    def pick_earlier(self, q, k_earlier, ctx):
+        return all_key_indices(2, 3, resolve_budget(self.budget, k_earlier.shape[2]))
+
+def first_keys_select(budget, kind, T, decode=True):
+    S = 1 if kind == "decode" else 4  # a chunk of 4 queries, or one decode query, after T earlier keys
+    q, k = torch.randn(2, 6, S, 8), torch.randn(2, 3, T + S, 8)
+    return FirstKeys(budget, decode).select(q, k, None, SimpleNamespace(kind=kind, past_len=T))
+
+for budget, kind, T in [(10, "prefill", 10), (12, "prefill", 10), (3, "prefill", 0), (1.0, "decode", 10)]:
+    test_eq(first_keys_select(budget, kind, T), None)  # nothing to drop: dense
+test_eq(first_keys_select(3, "decode", 10, decode=False), None)
+test_eq(first_keys_select(3, "prefill", 10), torch.tensor([0, 1, 2, 10, 11, 12, 13]).expand(2, 3, -1))
+test_eq(first_keys_select(0.5, "decode", 10), torch.tensor([0, 1, 2, 3, 4, 10]).expand(2, 3, -1))
+test_fail(lambda: FirstKeys(3, decode=1), contains="decode must be a bool")
+
+
+# %%
+#| export
+class QuokaPolicy(EarlierKeysPolicy):
     "QuoKA (Alg. 2): each prefill chunk attends to the `budget` (B_SA) earlier keys Alg. 1 selects per KV head plus its own keys; decode likewise (§4.4) unless `decode=False`."
 
     def __init__(self, n_q: int = 16, budget: int | float = 1024, query_select: str = "group", query_agg: str = "max",
                  sinks: int = 0, recent: int = 0, decode: bool = True, cache_unit_keys: bool = True):
-        if isinstance(n_q, bool) or not isinstance(n_q, int) or n_q < 1: raise ValueError(f"n_q (N_Q) must be an int >= 1, got {n_q!r}")
+        check_int(n_q, "n_q (N_Q)", 1)
         if query_select not in QUERY_SELECT: raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
         if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
-        if not isinstance(decode, bool): raise TypeError(f"decode must be a bool, got {decode!r}")
+        super().__init__(decode)
         if not isinstance(cache_unit_keys, bool): raise TypeError(f"cache_unit_keys must be a bool, got {cache_unit_keys!r}")
         self.cache_unit_keys, self.unit_caches = cache_unit_keys, weakref.WeakKeyDictionary()  # cache layer -> UnitKeyCache
         self.n_q, self.budget, self.query_select, self.query_agg = n_q, _check_budget(budget), query_select, query_agg
-        self.sinks, self.recent, self.decode_sparse = check_count(sinks, "sinks"), check_count(recent, "recent"), decode
+        self.sinks, self.recent = check_int(sinks, "sinks"), check_int(recent, "recent")
 
     def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill", k_unit: Tensor | None = None) -> Tensor:
         "Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] that the queries q [B,Hq,S,D] attend to (Alg. 1; §4.4 for `kind='decode'`); `k_unit`: their unit keys if at hand."
@@ -137,12 +193,9 @@ class QuokaPolicy(SelectionPolicy):
         if n == T: return all_key_indices(B, Hkv, T, k_earlier.device)
         return anchored_top_indices(s, n, self.sinks, self.recent)
 
-    def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor | None:
-        "The selected earlier keys plus the chunk's own keys, [B,Hkv,n+Sq]; None (dense) at decode when `decode=False` or when the earlier keys fit the budget."
-        if ctx.kind == "decode" and not self.decode_sparse: return None
-        T = ctx.past_len
-        if resolve_budget(self.budget, T) == T: return None
-        return add_chunk_keys(self.earlier_indices(q, k[:, :, :T], ctx.kind, self.unit_keys(k[:, :, :T], ctx)), k.shape[2], q.shape[2])
+    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor:
+        "Alg. 1 (prefill) or §4.4 (decode) over the earlier keys, with this layer's cached unit keys."
+        return self.earlier_indices(q, k_earlier, ctx.kind, self.unit_keys(k_earlier, ctx))
 
     def unit_keys(self, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
         "Unit keys of k_earlier from this cache layer's `UnitKeyCache` (None without a cache or with `cache_unit_keys=False`)."
@@ -257,15 +310,15 @@ out.shape
 
 # %%
 #| export
-class BaselinePolicy(SelectionPolicy):
+class BaselinePolicy(EarlierKeysPolicy):
     "Run `select_fn(q_chunk, k_cache, budget, **options)` (a baseline of `sparsekv.quoka.baselines`) per chunk and layer, as QuokaPolicy runs Alg. 1."
 
     def __init__(self, select_fn, budget: int | float = 1024, decode: bool = True, **options):
         if not callable(select_fn): raise TypeError(f"select_fn must be a selection function, got {type(select_fn).__name__}")
-        if not isinstance(decode, bool): raise TypeError(f"decode must be a bool, got {decode!r}")
+        super().__init__(decode)
         params = inspect.signature(select_fn).parameters
         if "budget" not in params: raise TypeError(f"select_fn must take a `budget` argument, {getattr(select_fn, '__name__', select_fn)} does not")
-        self.select_fn, self.budget, self.decode_sparse, self.options = select_fn, _check_budget(budget), decode, options
+        self.select_fn, self.budget, self.options = select_fn, _check_budget(budget), options
         self.pass_scale = "scale" in params and "scale" not in options
 
     def earlier_indices(self, q: Tensor, k_earlier: Tensor, scale: float | None = None) -> Tensor:
@@ -273,32 +326,37 @@ class BaselinePolicy(SelectionPolicy):
         extra = {"scale": scale} if self.pass_scale else {}
         return self.select_fn(q, k_earlier, budget=self.budget, **self.options, **extra)
 
-    def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor | None:
-        if ctx.kind == "decode" and not self.decode_sparse: return None
-        T = ctx.past_len
-        if resolve_budget(self.budget, T) == T: return None
-        return add_chunk_keys(self.earlier_indices(q, k[:, :, :T], ctx.scale), k.shape[2], q.shape[2])
+    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor:
+        "The keys `select_fn` picks, with the model's softmax scale."
+        return self.earlier_indices(q, k_earlier, ctx.scale)
 
     def __repr__(self):
         name = getattr(self.select_fn, "__name__", repr(self.select_fn))
         return f"BaselinePolicy({name}, budget={self.budget}, decode={self.decode_sparse}, **{self.options})"
 
 
-class LessIsMorePolicy(SelectionPolicy):
+
+# %% [markdown]
+# LessIsMore keeps no budget of its own per call: its selector decides, and a layer that reuses a pick
+# covering all earlier keys attends densely.
+
+# %%
+#| export
+class LessIsMorePolicy(EarlierKeysPolicy):
     "LessIsMore (Yang et al. 2025b) under chunked prefill: a `LessIsMoreSelector` picks at its selection layers, later layers reuse the pick."
 
     def __init__(self, selector: LessIsMoreSelector, decode: bool = True):
         if not isinstance(selector, LessIsMoreSelector): raise TypeError(f"selector must be a LessIsMoreSelector, got {type(selector).__name__}")
-        if not isinstance(decode, bool): raise TypeError(f"decode must be a bool, got {decode!r}")
-        self.selector, self.decode_sparse = selector, decode
+        super().__init__(decode)
+        self.selector = selector
 
-    def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor | None:
-        if ctx.kind == "decode" and not self.decode_sparse: return None
-        T = ctx.past_len
-        if T == 0: return None  # first chunk: every layer is dense, the selector is not consulted
-        idx = self.selector.select(ctx.layer_idx, q, k[:, :, :T])  # called for every layer: it checks the order
-        if idx is None or idx.shape[-1] == T: return None
-        return add_chunk_keys(idx, k.shape[2], q.shape[2])
+    def fits(self, T: int) -> bool:
+        "Only the first chunk (T = 0) is dense without asking: the selector is not consulted there."
+        return T == 0
+
+    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
+        "The selector's pick for this layer (called for every layer: it checks the order); None: dense."
+        return self.selector.select(ctx.layer_idx, q, k_earlier)
 
 
 # %% [markdown]
@@ -336,8 +394,7 @@ assert_close(chunked_prefill(model, ids, 8, lim)[1], dense_last, atol=1e-5, rtol
 #| export
 def last_chunk_logits(model, input_ids: Tensor, chunk_size: int, policy=None) -> Tensor:
     "Logits [B,c,V] at every position of the last chunk (c tokens) of `chunked_prefill(model, input_ids, chunk_size, policy)`."
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_int(chunk_size, "chunk_size", 1)
     if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long or input_ids.shape[1] == 0:
         raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
     S = input_ids.shape[1]

@@ -29,11 +29,16 @@
 #| export
 from __future__ import annotations
 
+import csv
+import hashlib
+import io
 import itertools
+import json
 import math
 import numbers
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -43,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from sparsekv.attention import check_int
 from sparsekv.io import write_csv
 
 # %%
@@ -87,13 +93,6 @@ def _check_positions(mask, shape, name: str = "mask"):
 def _masked_mean(x: torch.Tensor, mask) -> torch.Tensor:
     "Mean of `x` over the positions where `mask` is True (all positions when `mask` is None)."
     return x.mean() if mask is None else x[mask].mean()
-
-def _check_int(x, name: str, lo: int, hi: int | None = None) -> int:
-    if not isinstance(x, numbers.Integral) or isinstance(x, bool):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < lo or (hi is not None and x > hi):
-        raise ValueError(f"{name} must be in [{lo}, {'inf' if hi is None else hi}], got {x}")
-    return int(x)
 
 
 # %% [markdown]
@@ -213,7 +212,7 @@ def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: 
     "Per-position KL(teacher || student) from logits `[..., V]`, on all tokens or on the teacher's `top_k` (renormalized)."
     _check_pair(student_logits, teacher_logits)
     if top_k is None: return _rowwise(_kl_rows, student_logits, teacher_logits)
-    k = _check_int(top_k, "top_k", 1, teacher_logits.shape[-1])
+    k = check_int(top_k, "top_k", 1, teacher_logits.shape[-1])
     return _rowwise(lambda s, t: _topk_kl_rows(s, t, k, renormalize_student), student_logits, teacher_logits)
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
@@ -271,7 +270,7 @@ test_close(kl_to_teacher(s, t, m).item(), token_kl_reference(s, t)[m].mean().ite
 s_req = s.clone().requires_grad_()
 kl_to_teacher(s_req, t, top_k=4).backward()
 assert s_req.grad.abs().sum() > 0 and torch.isfinite(s_req.grad).all()
-test_fail(lambda: token_kl(s, t, top_k=V + 1), contains="top_k must be in [1, 11]")
+test_fail(lambda: token_kl(s, t, top_k=V + 1), contains="top_k must be an int in [1, 11]")
 test_fail(lambda: token_kl(s, t.long()), contains="teacher_logits must be a floating-point tensor")
 
 # %% [markdown]
@@ -478,7 +477,7 @@ def _mass(lse_kept: torch.Tensor, lse_all: torch.Tensor) -> torch.Tensor:
 #| export
 def _prepare(q, k, v, keep, mask, scale, chunk):
     G = _check_qk(q, k, v)
-    _check_int(chunk, "chunk", 1)
+    check_int(chunk, "chunk", 1)
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
         raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
     B, Hq, Sq, _ = q.shape
@@ -581,7 +580,7 @@ test_fail(lambda: attention_mass_recall(q, k, keep[:, :, :, :4]), contains="not 
 test_fail(lambda: attention_mass_recall(q, k, idx + Sk), contains="keep indices must be in [0, 9)")
 test_fail(lambda: attention_mass_recall(q, k, idx[:, :1]), contains="keep indices must have shape")
 test_fail(lambda: attention_mass_recall(q, k, keep.float()), contains="keep must be a boolean mask")
-test_fail(lambda: attention_mass_recall(q, k, keep, chunk=0), contains="chunk must be in [1, inf]")
+test_fail(lambda: attention_mass_recall(q, k, keep, chunk=0), contains="chunk must be an int >= 1")
 
 
 # %% [markdown]
@@ -721,7 +720,7 @@ assert_close(relative_output_error(o_kept, o_dense), err, equal_nan=True, atol=1
 def oracle_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     "Indices `[..., k]` of the `k` highest `scores` along the last dim, equal scores ordered by lower position first."
     _check_float(scores, "scores", 1)
-    k = _check_int(k, "k", 1, scores.shape[-1])
+    k = check_int(k, "k", 1, scores.shape[-1])
     if scores.isnan().any(): raise ValueError("scores must not contain NaN")
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     if (scores.gather(-1, order) == -math.inf).any():
@@ -769,7 +768,7 @@ assert_close(retention_recall(torch.cat([kept_idx, kept_idx], -1), sc, 5), reten
 test_eq(oracle_topk(torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0]), 2).tolist(), [1, 2])
 test_eq(retention_recall(oracle_topk(sc[1:], 4), sc[1:], 4), torch.ones(2, 2))
 test_fail(lambda: retention_recall(kept_idx, sc, 10), contains="exceeds the number of eligible")
-test_fail(lambda: retention_recall(kept_idx, sc, 13), contains="k must be in [1, 12]")
+test_fail(lambda: retention_recall(kept_idx, sc, 13), contains="k must be an int in [1, 12]")
 test_fail(lambda: oracle_topk(torch.tensor([1.0, math.nan]), 1), contains="NaN")
 test_fail(lambda: retention_recall(kept_idx[:2], sc, 3), contains="kept indices must have shape")
 test_fail(lambda: retention_recall(kept_idx + 12, sc, 3), contains="kept indices must be in [0, 12)")
@@ -800,8 +799,8 @@ test_fail(lambda: retention_recall(kept_idx + 12, sc, 3), contains="kept indices
 #| export
 def pass_at_k_estimate(n: int, c: int, k: int) -> float:
     "Unbiased pass@k of one problem with `c` correct answers among `n` samples: 1 - C(n-c, k) / C(n, k)."
-    n = _check_int(n, "n", 1)
-    c, k = _check_int(c, "c", 0, n), _check_int(k, "k", 1, n)
+    n = check_int(n, "n", 1)
+    c, k = check_int(c, "c", 0, n), check_int(k, "k", 1, n)
     if n - c < k: return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
@@ -842,35 +841,53 @@ test_close(pass_at_k(corr, 3), np.mean([pass_at_k_reference(r, 3) for r in corr]
 test_close(pass_at_k(corr, 1), avg_at_k(corr), eps=1e-12)  # pass@1 is the mean accuracy
 test_eq(avg_at_k(torch.tensor([[1, 0, 1, 1]])), 0.75)
 test_close(pass_at_k_estimate(10_000, 3, 5_000), 1 - math.comb(9_997, 5_000) / math.comb(10_000, 5_000), eps=1e-12)  # large n: no overflow
-test_fail(lambda: pass_at_k(corr, 9), contains="k must be in [1, 8]")
-test_fail(lambda: pass_at_k_estimate(4, 5, 1), contains="c must be in [0, 4]")
+test_fail(lambda: pass_at_k(corr, 9), contains="k must be an int in [1, 8]")
+test_fail(lambda: pass_at_k_estimate(4, 5, 1), contains="c must be an int in [0, 4]")
 test_fail(lambda: pass_at_k(np.array([0.5, 1.0])[None], 1), contains="correct must hold booleans")
 test_fail(lambda: pass_at_k([True, False], 1), contains="2-D array")
 
 # %% [markdown]
 # ## The evaluation grid
 #
-# Experiments sweep (policy × budget × task × ...). `run_grid(cells, fn, path)` takes the
+# Experiments sweep (policy × budget × task × ...). `run_grid(cells, fn, path, params=...)` takes the
 # cells as dicts of scalars (`{"method": "quoka", "budget": 1024, "task": "niah"}`), calls
 # `fn(cell)` for each, which returns a dict of metrics, and keeps one **tidy** CSV at `path`:
-# one row per cell, with the cell's keys, its metrics and `wall_s` (seconds spent in
-# `fn`). After every cell the whole CSV is rewritten atomically (`sparsekv.io.write_csv`),
-# so an interrupted run (an exception, a killed process) keeps every finished cell, and a
-# rerun **resumes**: a cell is skipped when a row of the CSV has the same values in every
-# key column of the grid (a key a cell lacks matches an empty field). Rows of the CSV
-# that belong to no cell of this grid are kept as they are. A tqdm bar shows progress,
-# starting at the number of cells already done.
+# one row per cell, with the cell's keys, its metrics, `wall_s` (seconds spent in `fn`) and
+# `row_check` (see below). After every cell the whole CSV is rewritten atomically
+# (`sparsekv.io.write_csv`), so an interrupted run (an exception, a killed process) keeps every
+# finished cell, and a rerun **resumes**: a cell is skipped when a row of the CSV has the same
+# values in every key column of the grid (a key a cell lacks matches an empty field) and a
+# valid `row_check`. Rows of the CSV that belong to no cell of this grid are kept as they are.
+# A tqdm bar shows progress, starting at the number of cells already done.
+#
+# **Every setting that changes a result is part of the key.** A cell holds what varies within
+# the sweep; `params` holds the settings of the whole run (model, dtype, seed, sequence
+# length, window, learning rates, number of training windows, ...), which become key columns
+# of every row. A rerun with a changed setting therefore recomputes every cell (the old rows
+# stay in the file, under their own settings) instead of reusing results made with the old
+# one. `fn` receives the cell alone.
 #
 # Matching compares text, so values are written in a canonical form and old rows are read
 # back as text: `None` is empty, booleans `True`/`False`, integers as digits, floats by
 # `repr` (which round-trips exactly), one-element tensors and NumPy scalars as their Python
 # value. An integer key `1` and a float key `1.0` are different cells. Metric names may not
-# repeat a cell key or `wall_s`. The function returns the whole CSV read with pandas' type
-# inference.
+# repeat a cell key, `wall_s` or `row_check`. The function returns the rows of this grid's
+# cells, one per cell in the order of `cells`, read with pandas' type inference (columns empty
+# in all of them are left out).
+#
+# **Damaged files.** A results file can be edited by hand, cut by a full disk or mangled by a
+# spreadsheet. `row_check` is a hash of the row's non-empty fields and of the names of its key
+# columns, so a row that was cut short, edited (a key `1` rewritten as `1.0`), or written for
+# another set of keys never counts as a finished cell: its cell is computed again (with a
+# warning naming the file and row). Rows with the wrong number of fields or an unreadable
+# `wall_s` are dropped from the file at the next write; rows without a `row_check` (older
+# files) are kept but recomputed. A file without a header line that names `wall_s`, or one
+# that cannot be read as CSV text, raises an error naming the path.
 
 # %%
 #| export
-WALL_TIME = "wall_s"
+WALL_TIME, ROW_CHECK = "wall_s", "row_check"
+_RESERVED = (WALL_TIME, ROW_CHECK)
 
 def _cell_text(value, name: str) -> str:
     "The CSV text of a cell key or metric value, in a canonical form that round-trips exactly."
@@ -884,43 +901,114 @@ def _cell_text(value, name: str) -> str:
     if isinstance(value, str): return value
     raise TypeError(f"{name} must be a str, int, float, bool, None or a one-element tensor, got {type(value).__name__}")
 
-def _grid_cells(cells) -> tuple[list[dict], list[str]]:
-    "Validate the cells; return them as dicts and the key columns in first-seen order."
+def _check_keys(d: Mapping, what: str) -> dict:
+    "`d` as a dict, after checking it maps strings other than the reserved column names to values."
+    if not isinstance(d, Mapping): raise TypeError(f"{what} must be a dict of keys to scalars, got {type(d).__name__}")
+    for key in d:
+        if not isinstance(key, str) or key in _RESERVED: raise ValueError(f"{what} keys must be strings other than {_RESERVED}, got {key!r}")
+    return dict(d)
+
+def _grid_cells(cells, params=None) -> tuple[list[dict], dict, list[str]]:
+    "Validate the cells and the run's params; return them as dicts and the key columns (params first) in first-seen order."
     cells = list(cells)
     if not cells: raise ValueError("cells is empty: pass at least one dict of cell keys")
-    for c in cells:
-        if not isinstance(c, Mapping): raise TypeError(f"each cell must be a dict of keys to scalars, got {type(c).__name__}")
-        for key in c:
-            if not isinstance(key, str) or key == WALL_TIME: raise ValueError(f"cell keys must be strings other than {WALL_TIME!r}, got {key!r}")
-    return [dict(c) for c in cells], list(dict.fromkeys(key for c in cells for key in c))
+    cells = [_check_keys(c, "each cell") for c in cells]
+    params = _check_keys({} if params is None else params, "params")
+    if both := sorted({key for c in cells for key in c} & set(params)):
+        raise ValueError(f"params and the cells both set {both}: a setting belongs to one of them")
+    return cells, params, list(dict.fromkeys([*params, *(key for c in cells for key in c)]))
 
-def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str | os.PathLike, desc: str | None = None) -> pd.DataFrame:
-    "Compute `fn(cell)` for every cell not yet in the CSV at `path`, adding one row per cell (keys, metrics, `wall_s`) atomically after each; return the CSV."
-    cells, keys = _grid_cells(cells)
-    texts = [tuple(_cell_text(c.get(key), f"cell[{key!r}]") for key in keys) for c in cells]
+
+# %% [markdown]
+# Reading the file back: the header, then each row as text, sorting out damaged rows.
+
+# %%
+#| export
+def _row_check(row: Mapping[str, str], keys: Iterable[str]) -> str:
+    "Hash of a row's non-empty fields and of the names of its (non-empty) key columns."
+    fields = sorted((c, v) for c, v in row.items() if v != "" and c != ROW_CHECK)
+    return hashlib.sha256(json.dumps([fields, sorted(k for k in keys if row.get(k, ""))]).encode()).hexdigest()[:16]
+
+def _is_wall_time(text: str) -> bool:
+    try: return float(text) >= 0
+    except ValueError: return False
+
+def _read_grid(path: Path) -> tuple[list[dict], list[str], list[int]]:
+    "The well-formed rows of the results file at `path` (as text), its columns, and the line numbers of malformed rows."
+    if not path.exists(): return [], [], []
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            lines = [(reader.line_num, r) for r in reader if r]
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"cannot read the grid results file {path} ({e}); move it away to recompute its cells") from e
+    if not lines: return [], [], []
+    header = lines[0][1]
+    if WALL_TIME not in header or "" in header or len(set(header)) != len(header):
+        raise ValueError(f"{path} has no valid header line (it must name each column once, {WALL_TIME!r} among them; "
+                         f"got {header[:8]}): not a run_grid results file; move it away to recompute its cells")
+    rows, bad = [], []
+    for n, fields in lines[1:]:
+        row = dict(zip(header, fields))
+        if len(fields) == len(header) and _is_wall_time(row[WALL_TIME]): rows.append(row)
+        else: bad.append(n)
+    return rows, header, bad
+
+
+# %% [markdown]
+# The runner itself.
+
+# %%
+#| export
+def _grid_frame(rows: list[dict], columns: list[str], keys: list[str]) -> pd.DataFrame:
+    "The text `rows` as a DataFrame with pandas' type inference, without `row_check` and columns empty in every row."
+    keep = [c for c in columns if c != ROW_CHECK and (c in keys or any(r.get(c, "") for r in rows))]
+    buf = io.StringIO()
+    pd.DataFrame(rows, columns=keep).to_csv(buf, index=False)
+    buf.seek(0)
+    return pd.read_csv(buf)
+
+def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str | os.PathLike, desc: str | None = None,
+             params: Mapping | None = None) -> pd.DataFrame:
+    "Compute `fn(cell)` for every cell not yet in the CSV at `path` (keys: the cell's and `params`), adding one row per cell atomically; return this grid's rows."
+    cells, params, keys = _grid_cells(cells, params)
+    full = [{**params, **c} for c in cells]
+    texts = [tuple(_cell_text(c.get(key), f"cell[{key!r}]") for key in keys) for c in full]
     if len(set(texts)) != len(texts):
         dup = next(c for c, t in zip(cells, texts) if texts.count(t) > 1)
         raise ValueError(f"cells contains the same cell twice: {dup}")
     path = Path(path)
-    rows = pd.read_csv(path, dtype=str, keep_default_na=False).to_dict("records") if path.exists() else []
-    columns = list(rows[0]) if rows else []
-    done = {tuple(r.get(key, "") for key in keys) for r in rows}
-    todo = [(c, t) for c, t in zip(cells, texts) if t not in done]
+    rows, columns, bad = _read_grid(path)
+    by_key = {}
+    for n, r in enumerate(rows): by_key.setdefault(tuple(r.get(key, "") for key in keys), []).append(n)
+    found, suspect = {}, []
+    for i, text in enumerate(texts):
+        valid = [n for n in by_key.get(text, []) if rows[n].get(ROW_CHECK, "") == _row_check(rows[n], keys)]
+        if valid: found[i] = valid[-1]
+        elif text in by_key: suspect.append(cells[i])
+    if bad or suspect:
+        warnings.warn(f"{path}: damaged results: " + (f"malformed lines {bad} are dropped; " if bad else "")
+                      + (f"the rows of {len(suspect)} cell(s) fail their {ROW_CHECK} (edited, cut, older, or made for other key columns), e.g. {suspect[0]}; "
+                         if suspect else "") + "those cells are computed again")
+    todo = [i for i in range(len(cells)) if i not in found]
     with tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell") as bar:
-        for cell, text in todo:
+        for i in todo:
+            cell, text = cells[i], texts[i]
             bar.set_postfix_str(", ".join(f"{key}={val}" for key, val in cell.items()))
             t0 = time.perf_counter()
-            metrics = fn(cell)
+            metrics = fn(dict(cell))
             wall = time.perf_counter() - t0
             if not isinstance(metrics, Mapping): raise TypeError(f"fn must return a dict of metrics, got {type(metrics).__name__} for cell {cell}")
-            clash = [m for m in metrics if m in keys or m == WALL_TIME or not isinstance(m, str)]
-            if clash: raise ValueError(f"fn returned metric names that are not strings or repeat a cell key or {WALL_TIME!r}: {clash}")
+            clash = [m for m in metrics if m in keys or m in _RESERVED or not isinstance(m, str)]
+            if clash: raise ValueError(f"fn returned metric names that are not strings or repeat a cell key, {WALL_TIME!r} or {ROW_CHECK!r}: {clash}")
             row = {**dict(zip(keys, text)), **{m: _cell_text(x, f"metric {m!r}") for m, x in metrics.items()}, WALL_TIME: repr(wall)}
+            row[ROW_CHECK] = _row_check(row, keys)
+            found[i] = len(rows)
             rows.append(row)
-            columns = list(dict.fromkeys([*columns, *row]))
+            columns = list(dict.fromkeys([*columns, *(c for c in row if c != ROW_CHECK), ROW_CHECK]))
             write_csv(path, pd.DataFrame(rows, columns=columns))
             bar.update()
-    return pd.read_csv(path)
+    return _grid_frame([rows[found[i]] for i in range(len(cells))], columns, keys)
 
 
 # %% [markdown]
@@ -954,3 +1042,48 @@ with tempfile.TemporaryDirectory() as d:
     test_fail(lambda: run_grid(grid + grid[:1], _fn, p), contains="same cell twice")
     test_fail(lambda: run_grid([{"budget": 1}], lambda c: {"budget": 2}, Path(d) / "x.csv"), contains="repeat a cell key")
     test_fail(lambda: run_grid([], _fn, p), contains="cells is empty")
+
+# %% [markdown]
+# The run's settings are keys too: the same cells under another `window` are computed again
+# (the rows of the first run stay in the file), and each call returns its own rows only.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    p = Path(d) / "grid.csv"
+    calls.clear()
+    a = run_grid(grid, _fn, p, params={"model": "tiny-llama", "window": 4})
+    b = run_grid(grid, _fn, p, params={"model": "tiny-llama", "window": 8})
+    test_eq(calls, grid + grid)  # nothing reused across settings
+    test_eq((len(a), len(b), len(pd.read_csv(p))), (4, 4, 8))
+    test_eq((set(a.window), set(b.window)), ({4}, {8}))
+    calls.clear()
+    test_eq(len(run_grid(grid, _fn, p, params={"model": "tiny-llama", "window": 4})), 4)
+    test_eq(calls, [])
+    test_fail(lambda: run_grid(grid, _fn, p, params={"budget": 1}), contains="both set ['budget']")
+
+# %% [markdown]
+# A damaged file: a row cut short, a row with an extra field and a key rewritten from `256` to
+# `256.0` (as a spreadsheet would). The brute-force expectation: exactly the damaged cells are
+# computed again, each cell comes back once and no metric is missing; a lost header is an error
+# naming the file.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    p = Path(d) / "grid.csv"
+    run_grid(grid, _fn, p)
+    lines = p.read_text().splitlines()
+    lines[1] = lines[1].rsplit(",", 2)[0]                                   # dense/256: cut short
+    lines[2] += ",extra"                                                    # dense/512: extra field
+    lines[3] = lines[3].replace("quoka,256,", "quoka,256.0,")               # quoka/256: key rewritten
+    p.write_text("\n".join(lines) + "\n")
+    calls.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        df = run_grid(grid, _fn, p)
+    test_eq(calls, grid[:3])
+    assert "damaged" in str(w[0].message) and str(p) in str(w[0].message)
+    test_eq(df[["method", "budget"]].values.tolist(), [[c["method"], c["budget"]] for c in grid])
+    assert not df.isna().any().any()
+    calls.clear(); run_grid(grid, _fn, p); test_eq(calls, [])
+    p.write_text("\n".join(p.read_text().splitlines()[1:]) + "\n")       # header lost
+    test_fail(lambda: run_grid(grid, _fn, p), contains=f"{p} has no valid header line")

@@ -19,14 +19,21 @@
 # %% [markdown]
 # ## The two commands
 #
-# On a fresh clone (Linux, Python ≥ 3.10, `make`; nothing else), each command creates
-# `.venv` if it is missing, installs the CPU build of torch first from `constraints.txt`,
-# then the package in editable mode:
+# What a fresh clone needs: Linux with Python ≥ 3.10 (with its `venv` module) and GNU make,
+# and for `make test` (and `make docs`) also npm, which fetches MathJax into `.venv/` for the
+# docs site, and Chromium, in which the docs test renders every page headless. Run as root on
+# Debian or Ubuntu (a container, CI), `make test` installs Chromium and npm with apt when they
+# are missing; otherwise it stops with the one `apt-get install` line to run (`make tools`
+# does only this step). Each command creates `.venv` if it is missing and installs the CPU
+# build of torch first from `constraints.txt`, then the package in editable mode, from PyPI:
 #
 # ```sh
 # make reproduce            # run the experiment pipeline (PROFILE=cpu by default)
 # make test                 # export, run every notebook's checks and the pytest suite
 # ```
+#
+# `make test` took 4 min 51 s of wall time on a 2-core machine once `.venv` existed
+# (measured while other jobs shared the machine; the first run adds the installation).
 #
 # `make reproduce` runs the papermill pipeline declared in `reproduce/pipeline.yaml` and
 # writes figures (PNG with the data behind them) to `figures/<profile>/` and a results
@@ -50,52 +57,54 @@
 # %% [markdown]
 # ## Use it
 #
-# Every method patches a Hugging Face `transformers` model through one integration layer,
-# `sparsekv.hf`: `patch(model, policy)` routes each attention call to a policy, and a
-# bounded cache goes in as `past_key_values`. The cells below run on the tiny seeded test
-# model so this page executes in seconds; `load_model("smollm2-135m")` gives the real one
+# Every method, its papers' baselines included, is one object found by name in `sparsekv.methods`;
+# `budget` is the number of KV entries each query may attend to, per KV head, and the method's own
+# parameters are keyword arguments with the papers' defaults. The cells below run on the tiny seeded
+# test model so this page executes in seconds; `load_model("smollm2-135m")` gives the real one
 # (bundled offline, converted once to a HF folder).
 
 # %%
 import torch
 
 # %%
-from sparsekv.hf import chunked_prefill, patch
-from sparsekv.kvpop.cache import KVpopPolicy
-from sparsekv.kvpop.student import KVpopStudent
-from sparsekv.models import load_model
-from sparsekv.oval.pages import PageRetrievalPolicy
-from sparsekv.quoka.policy import QuokaPolicy
+from sparsekv import chunked_prefill, load_model, methods, patch, PageRetrievalPolicy, QuokaPolicy
 
 # %%
 model, tok = load_model("tiny-llama")
-prompt = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+prompt = torch.randint(0, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
 
 # %% [markdown]
-# **KVpop**: a bounded cache of `sink + window + k` entries per KV head, filled by learned
-# scorers (trained with `sparsekv.distill.distill`; fresh ones here rank neutrally).
+# `methods.names()` lists them (`dense`, the eviction methods `streaming_llm`, `tova`, `h2o`,
+# `streaming_llm_plus`, `dms`, `kvpop_mlp`, `kvpop_mlstm`; the prefill-selection methods `quoka`,
+# `mean_scores`, `sample_attention`, `sparq`, `loki`, `lessismore`; the decode-retrieval methods `quest`,
+# `arkvale`, `key_pca`, `oval`, `oracle_pages`). `generate` prefills (in chunks where the method needs it)
+# and decodes; other keywords go to `transformers`' `generate`.
 
 # %%
-student = KVpopStudent.for_model(model, sink=4, window=16, k=32, scorer="mlstm")
-cache = student.inference_cache()  # a KVpopCache
-with torch.no_grad(), patch(model, KVpopPolicy()):
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=40, do_sample=False)
-assert all(layer.keys.shape[2] == 4 + 16 + 32 for layer in cache.layers)  # bounded: 52 entries per head after 135 tokens
+m = methods.make("tova", budget=48)
+out = m.generate(model, prompt, max_new_tokens=20, do_sample=False)
+assert out.shape == (2, 96 + 20)
+out = methods.make("oval", budget=48, page_size=8, sink=8, recent=8, rank=4, eta=0.5).generate(model, prompt, max_new_tokens=20)
 
 # %% [markdown]
-# **QuoKA**: chunked prefill where each chunk attends to `budget` keys of the earlier chunks.
+# A trained method takes `checkpoint=` (the `trained.pt` that `python -m sparsekv.distill` writes; without
+# it the scorers are fresh and rank neutrally). For your own loop, `patch` gives the cache to pass:
+
+# %%
+m = methods.make("kvpop_mlstm", budget=52)  # 4 sinks + a window of 3 + 45 learned long-range slots
+with torch.no_grad(), m.patch(model) as cache:
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=40, do_sample=False)
+assert all(layer.keys.shape[2] == 52 for layer in cache.layers)  # bounded: 52 entries per head after 135 tokens
+
+# %% [markdown]
+# Underneath, `sparsekv.hf` is one integration layer: `patch(model, policy)` routes each attention
+# call to a policy and `chunked_prefill` reads a prompt in chunks, e.g. QuoKA's selection per chunk and
+# OVAL's page retrieval at decode:
 
 # %%
 cache, last_logits = chunked_prefill(model, prompt, chunk_size=16, policy=QuokaPolicy(n_q=4, budget=32))
-
-# %% [markdown]
-# **OVAL**: dense prefill, then at each decode step only the pages whose output-aware
-# summaries score highest (plus sinks and recent tokens) are attended to.
-
-# %%
 with torch.no_grad(), patch(model, PageRetrievalPolicy("oval", token_budget=48, page_size=8, sink=8, recent=8, rank=4, eta=0.5)):
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
-assert out.shape == (1, 96 + 20)
 
 # %% [markdown]
 # ## Layout

@@ -1,0 +1,107 @@
+"""The contract every method of `sparsekv.methods` keeps (as kvpress's test_presses): dense at a large budget, batches,
+bounded caches, clean patches, budget errors."""
+import pytest
+import torch
+
+from sparsekv import methods
+from sparsekv.hf import ATTN_NAME, Method
+from sparsekv.methods import SelectionMethod
+
+ISSUE_NAMES = {"dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "dms", "kvpop_mlp", "kvpop_mlstm",
+               "quoka", "mean_scores", "sample_attention", "sparq", "loki", "lessismore", "quest", "arkvale", "key_pca",
+               "oval", "oracle_pages"}
+# Per family and method, parameters that make 20-token prompts exercise the method (kvpress's default_presses).
+SMALL = {"selection": dict(chunk_size=8), "retrieval": dict(page_size=4, sink=4, recent=4, rank=2)}
+EXTRA = {"quoka": dict(n_q=2), "sample_attention": dict(n_q=2), "lessismore": dict(selection_layers=(1,))}
+PROMPT, NEW = 20, 6
+GEN = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+
+def build(name: str, budget) -> Method:
+    "Method `name` at `budget` with the small-scale parameters above."
+    if name == "prefill_decode":
+        return methods.make(name, budget=budget, prefill=build("quoka", budget), decode=build("oval", budget))
+    return methods.make(name, budget=budget, **SMALL.get(methods.get(name).family, {}), **EXTRA.get(name, {}))
+
+
+def prompt(model, B=2, seed=0):
+    return torch.randint(3, model.config.vocab_size, (B, PROMPT), generator=torch.Generator().manual_seed(seed))
+
+
+def test_every_method_of_the_issue_is_registered():
+    assert ISSUE_NAMES <= set(methods.names())
+    assert all(methods.get(n).family in ("dense", "eviction", "selection", "retrieval") for n in methods.names())
+
+
+@pytest.mark.parametrize("name", methods.names())
+def test_budget_of_the_whole_sequence_is_dense(tiny_model, name):
+    "At a budget of the whole sequence (prompt + new tokens) every method generates the dense tokens and scores."
+    ids, scored = prompt(tiny_model), dict(return_dict_in_generate=True, output_scores=True, **GEN)
+    with torch.no_grad(): want = tiny_model.generate(ids, attention_mask=torch.ones_like(ids), **scored)
+    got = build(name, PROMPT + NEW).generate(tiny_model, ids, **scored)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", methods.names())
+def test_generate_a_batch_of_two_within_the_budget(tiny_llama, name):
+    "A small budget: `generate` gives [2, prompt + new] ids; an eviction cache holds at most the budget between steps."
+    budget, ids = 8, prompt(tiny_llama, seed=1)
+    m = build(name, budget)
+    assert m.generate(tiny_llama, ids, **GEN).shape == (2, PROMPT + NEW)
+    if m.family != "eviction": return
+    held = []
+    with torch.no_grad(), m.patch(tiny_llama) as cache:
+        sizes = lambda *_: held.append(max(layer.keys.shape[2] for layer in cache.layers))  # noqa: E731
+        hook = tiny_llama.register_forward_hook(sizes)
+        try: tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **GEN)
+        finally: hook.remove()
+    assert len(held) == NEW
+    if m.exact_budget: assert max(held) <= budget, held
+    else: assert max(held) <= PROMPT + NEW  # DMS: a learned target, see test_dms_budget_is_a_learned_target
+
+
+def test_dms_budget_is_a_learned_target(tiny_llama):
+    "DMS keeps what its gates say: closed (fresh) gates keep everything, open gates keep only the sinks and the window."
+    m = methods.make("dms", budget=8)
+    assert not m.exact_budget and m.family == "eviction"
+    st = m.trained_student(tiny_llama)
+    ids = prompt(tiny_llama, seed=2)
+    with torch.no_grad(), m.patch(tiny_llama) as cache: tiny_llama(ids, past_key_values=cache)
+    assert cache.live_counts().min() == PROMPT
+    with torch.no_grad():
+        st.decisions.bias.fill_(5.0 / st.decisions.bias_scale)
+        with m.patch(tiny_llama) as cache: tiny_llama(ids, past_key_values=cache)
+    assert cache.live_counts().max() <= m.sink + m.window
+
+
+@pytest.mark.parametrize("name", methods.names())
+def test_patch_restores_the_model(tiny_llama, name):
+    "After the block, also one left by an exception: the same attention implementation, no hooks, the same outputs."
+    ids = prompt(tiny_llama, B=1)
+    impl = tiny_llama.config._attn_implementation
+    with torch.no_grad(): before = tiny_llama(ids).logits
+    m = build(name, 8)
+    with torch.no_grad(), m.patch(tiny_llama) as cache:
+        assert tiny_llama.config._attn_implementation == ATTN_NAME
+        tiny_llama(ids, past_key_values=cache)
+    with pytest.raises(RuntimeError, match="inside"):
+        with m.patch(tiny_llama): raise RuntimeError("inside")
+    assert tiny_llama.config._attn_implementation == impl
+    assert sum(len(mod._forward_pre_hooks) + len(mod._forward_hooks) for mod in tiny_llama.modules()) == 0
+    with torch.no_grad(): assert torch.equal(tiny_llama(ids).logits, before)
+
+
+@pytest.mark.parametrize("name", methods.names())
+def test_bad_budget_is_refused(name):
+    fraction = issubclass(methods.get(name), SelectionMethod) and name != "prefill_decode"
+    bad = [0, -4, True, 2.5, "8", [8]] + ([] if fraction else [0.5])
+    for b in bad:
+        with pytest.raises((TypeError, ValueError), match="budget"): methods.make(name, budget=b)
+    if fraction: assert methods.make(name, budget=0.5).budget == 0.5
+
+
+def test_unknown_names_and_parameters_are_refused():
+    with pytest.raises(ValueError, match="name must be one of"): methods.make("snapkv", budget=8)
+    with pytest.raises(TypeError, match="accepted"): methods.make("oval", budget=64, eta_typo=0.5)
+    with pytest.raises(TypeError, match="accepted"): methods.make("tova", budget=64, eta=0.5)
