@@ -79,6 +79,7 @@ test test-all: export OMP_NUM_THREADS = 1
 # --dist loadgroup: the docs tests share one build of the site, so they run on one worker.
 test: $(STAMP) tools $(MATHJAX)
 	$(BIN)/nbdev-export
+	$(BIN)/ruff check nbs sparsekv tests
 	$(BIN)/nbdev-test --n-workers 2
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 

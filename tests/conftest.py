@@ -32,22 +32,44 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="gpu: needs a CUDA device"))
 
 
+# every tiny model a test uses: (load_model name, config overrides); all share load_model's default seed
 TINY_MODELS = {"llama": ("tiny-llama", {}), "qwen3": ("tiny-qwen3", {}),
-               "llama-g1": ("tiny-llama", dict(num_kv_heads=4))}
+               "llama-g1": ("tiny-llama", dict(num_kv_heads=4)), "llama-g4": ("tiny-llama", dict(num_kv_heads=1))}
+
+
+def _load_tiny(key, dtype="float32"):
+    "A fresh `TINY_MODELS[key]` in `dtype`. Fixtures are module-scoped: tests patch, hook or train their model."
+    from sparsekv.models import load_model
+
+    name, overrides = TINY_MODELS[key]
+    return load_model(name, dtype=dtype, **overrides)[0]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama-g1"])
+def tiny_model(request):
+    "Each tiny seeded float32 model: Llama (GQA, G = 2), Qwen3 and Llama with G = 1."
+    return _load_tiny(request.param)
 
 
 @pytest.fixture(scope="module", params=list(TINY_MODELS))
-def tiny_model(request):
-    "Each tiny seeded float32 model: Llama (GQA, G = 2), Qwen3 and Llama with G = 1."
-    from sparsekv.models import load_model
-
-    name, overrides = TINY_MODELS[request.param]
-    return load_model(name, **overrides)[0]
+def every_tiny_model(request):
+    "The three of `tiny_model` and Llama with G = 4 (one KV head)."
+    return _load_tiny(request.param)
 
 
 @pytest.fixture(scope="module")
 def tiny_llama():
     "The tiny seeded float32 Llama (GQA, G = 2)."
-    from sparsekv.models import load_model
+    return _load_tiny("llama")
 
-    return load_model("tiny-llama")[0]
+
+@pytest.fixture(scope="module")
+def tiny_llama64():
+    "The tiny Llama (G = 2) in float64, for comparisons with brute force at tight tolerance."
+    return _load_tiny("llama", "float64")
+
+
+@pytest.fixture(scope="module", params=["llama", "llama-g1"], ids=["gqa", "mha"])
+def tiny_llama64_gqa_mha(request):
+    "The float64 tiny Llama with G = 2 (GQA) and with G = 1 (MHA)."
+    return _load_tiny(request.param, "float64")

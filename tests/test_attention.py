@@ -1,4 +1,5 @@
-"Every attention backend against `attention_reference`: GQA, odd lengths, decode-like queries, fully masked rows, dtypes, gradients."
+"""Every attention backend against `attention_reference`: GQA, odd lengths, decode-like queries, fully masked rows,
+dtypes, gradients."""
 import math
 
 import pytest
@@ -55,7 +56,8 @@ def test_backends_match_reference(G, Sq, Sk, kind):
 
 
 def test_reference_matches_independent_dense_computation():
-    "The reference against softmax of masked float64 scores and torch.logsumexp (rows with a key), and 0 / -inf (rows without)."
+    """The reference against softmax of masked float64 scores and torch.logsumexp (rows with a key),
+    and 0 / -inf (rows without)."""
     q, k, v = make_qkv(3, 33, 40, seed=7)
     mask = make_mask("random", 2, 6, 33, 40)
     out, lse = attention_reference(q.double(), k.double(), v.double(), mask)
@@ -179,8 +181,10 @@ def test_bad_inputs_are_refused_with_clear_errors():
     with pytest.raises(ValueError, match="k and v must agree"): attention_reference(q, k, v[:, :, :4])
     with pytest.raises(ValueError, match="at least one position"): attention_reference(q, k[:, :, :0], v[:, :, :0])
     with pytest.raises(TypeError, match="torch.bool"): masked_attention(q, k, v, torch.ones(7, 9))
-    with pytest.raises(ValueError, match="does not broadcast"): masked_attention(q, k, v, torch.ones(7, 8, dtype=torch.bool))
-    with pytest.raises(ValueError, match="at most 4 dims"): check_mask(torch.ones(1, 1, 1, 7, 9, dtype=torch.bool), (2, 6, 7, 9), "cpu")
+    with pytest.raises(ValueError, match="does not broadcast"):
+        masked_attention(q, k, v, torch.ones(7, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="at most 4 dims"):
+        check_mask(torch.ones(1, 1, 1, 7, 9, dtype=torch.bool), (2, 6, 7, 9), "cpu")
     with pytest.raises(ValueError, match="backend must be one of"): masked_attention(q, k, v, None, backend="flash")
     with pytest.raises(ValueError, match="scale must be"): masked_attention(q, k, v, None, scale=float("nan"))
     with pytest.raises(ValueError, match="chunk must be"): attention_chunked(q, k, v, chunk=0)
@@ -190,7 +194,8 @@ def test_bad_inputs_are_refused_with_clear_errors():
 def test_causal_mask_matches_loops(Sq, Sk):
     want = torch.tensor([[j <= i + Sk - Sq for j in range(Sk)] for i in range(Sq)])
     assert torch.equal(causal_mask(Sq, Sk), want)
-    assert torch.equal(causal_mask(Sq, Sk, offset=3), torch.tensor([[j <= i + 3 for j in range(Sk)] for i in range(Sq)]))
+    shifted = torch.tensor([[j <= i + 3 for j in range(Sk)] for i in range(Sq)])
+    assert torch.equal(causal_mask(Sq, Sk, offset=3), shifted)
 
 
 @pytest.mark.gpu

@@ -56,8 +56,8 @@ def test_prose_keeps_every_verse_in_order():
 
 
 def test_clean_verse_artefacts():
-    assert clean_verse(" God`s [own]   burnt- offering of first -fruits.    BOOK II      Psalm 42  For the Chief Musician.", 18001001) \
-        == "God's own burnt-offering of first-fruits."
+    raw = " God`s [own]   burnt- offering of first -fruits.    BOOK II      Psalm 42  For the Chief Musician."
+    assert clean_verse(raw, 18001001) == "God's own burnt-offering of first-fruits."
     assert clean_verse(" I will observe your statutes.    Don`t utterly forsake me.  BEIT", 19119008) \
         == "I will observe your statutes. Don't utterly forsake me."
     assert clean_verse(" Say YAHWEH.  AND", 1001001) == "Say YAHWEH. AND"  # stanza letters only in Psalm 119
@@ -119,7 +119,8 @@ def test_fingerprint_tells_tokenizers_apart(tok, tmp_path):
     from transformers import AutoTokenizer
     tok.save_pretrained(tmp_path)
     # stable across loads (so the disk cache is hit by the next process)...
-    assert tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp_path)) == tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp_path))
+    fp = lambda: tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp_path))
+    assert fp() == fp()
     # ...and different for tokenizers that map text differently
     grown = copy.deepcopy(tok)
     grown.add_tokens(["<needle>"])
@@ -182,7 +183,8 @@ def test_reasoning_round_trip(task):
     problems = reasoning_problems(task, 20, seed=11)
     assert problems == reasoning_problems(task, 20, seed=11)
     assert problems != reasoning_problems(task, 20, seed=12)
-    assert all(set(p) == {"question", "answer", "metadata"} and p["metadata"]["source_dataset"] == task for p in problems)
+    assert all(set(p) == {"question", "answer", "metadata"} and p["metadata"]["source_dataset"] == task
+               for p in problems)
     for item in problems:
         assert score_reasoning(task, item, item["answer"]) == 1.0
         assert score_reasoning(task, item, f"Step 1: 2 + 2 = 4.\nSo the final answer is {item['answer']}") == 1.0

@@ -1,4 +1,5 @@
-"The distillation loop (with KVpop and StreamingLLM+ students): exact resume, scorer-only freezing, FSDP2 on 2 CPU processes."
+"""The distillation loop (with KVpop and StreamingLLM+ students): exact resume, scorer-only freezing,
+FSDP2 on 2 CPU processes."""
 import copy
 import dataclasses
 import itertools
@@ -13,12 +14,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparsekv.kvpop.cache import random_scorers
-from sparsekv.distill import (DistillConfig, distill, epoch_batches, full_state, main, new_param_lr, rank_slice, shard_for_training,
-                              student_spec)
+from sparsekv.distill import (DistillConfig, distill, epoch_batches, full_state, main, new_param_lr, rank_slice,
+                              shard_for_training, student_spec)
 from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
 from sparsekv.models import load_model
 
-LOSS_COLS = ["step", "loss", "kl", "method_loss", "retention_loss", "retention_recall", "grad_norm", "lr_base", "lr_new"]
+LOSS_COLS = ["step", "loss", "kl", "method_loss", "retention_loss", "retention_recall", "grad_norm", "lr_base",
+             "lr_new"]
 
 
 def setup(mode="full", seed=0, steps=4, batch=4, scorer="mlp"):
@@ -49,7 +51,8 @@ def test_resume_is_bit_identical():
         m2, s2, _, _ = setup("full", steps=6, batch=2, seed=0)
         teacher = copy.deepcopy(m2)  # the teacher is the original base, not restored from the checkpoint
         with torch.no_grad():
-            for p in itertools.chain(m2.parameters(), s2.parameters()): p.add_(1.0)  # the checkpoint must overwrite all of it
+            # the checkpoint must overwrite all of it
+            for p in itertools.chain(m2.parameters(), s2.parameters()): p.add_(1.0)
         resumed = distill(m2, s2, data, cfg, checkpoint_dir=d, teacher=teacher, progress=False)
     pd.testing.assert_frame_equal(straight[LOSS_COLS], resumed[LOSS_COLS])
     for (n, a), b in zip(itertools.chain(model.named_parameters(), student.named_parameters()),
@@ -94,7 +97,8 @@ def test_grad_accum_equals_one_big_batch():
     distill(m2, s2, [half for b in data for half in b.chunk(2)], cfg, progress=False)
     for (n, a), b in zip(itertools.chain(model.named_parameters(), student.named_parameters()),
                          itertools.chain(m2.parameters(), s2.parameters())):
-        if n.endswith("out.bias"): assert (a - b).abs().max() <= cfg.steps * cfg.new_lr  # noise gradient (see the FSDP test)
+        # out.bias has a noise gradient (see the FSDP test)
+        if n.endswith("out.bias"): assert (a - b).abs().max() <= cfg.steps * cfg.new_lr
         else: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)
 
 
@@ -125,7 +129,8 @@ def _fsdp_worker(rank: int, world: int, tmp: str, mode: str):
 
 @pytest.mark.parametrize("mode", ["full", "scorer_only"])
 def test_fsdp2_two_processes_match_one(mode):
-    "FSDP2 on 2 CPU processes (gloo): identical gathered parameters on both ranks, equal to one process on the global batch."
+    """FSDP2 on 2 CPU processes (gloo): identical gathered parameters on both ranks, equal to one process on the
+    global batch."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_fsdp_worker, args=(2, tmp, mode), nprocs=2, start_method="fork")
         r0, r1 = (torch.load(f"{tmp}/rank{r}.pt", weights_only=False) for r in range(2))
@@ -136,7 +141,8 @@ def test_fsdp2_two_processes_match_one(mode):
     model, student, data, cfg = setup(mode)
     single = distill(model, student, data, cfg, progress=False)
     cols = ["loss", "retention_loss", "grad_norm"] + (["kl"] if mode == "full" else [])
-    torch.testing.assert_close(torch.tensor(r0["history"][cols].values), torch.tensor(single[cols].values), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(r0["history"][cols].values), torch.tensor(single[cols].values),
+                               rtol=1e-4, atol=1e-6)
     ref = dict(model=model.state_dict(), student=student.state_dict())
     for part in ("model", "student"):
         for k, v in r0[part].items():
@@ -153,8 +159,9 @@ def test_fsdp2_two_processes_match_one(mode):
 
 def test_main_single_process(tmp_path):
     "The command line in one process: trains, evaluates agreement, writes history.csv and the weights."
-    hist = main(["--model", "tiny-llama", "--seq-len", "32", "--steps", "2", "--batch-size", "2", "--sink", "2", "--window", "4",
-                 "--k", "6", "--n-eval", "1", "--eval-every", "2", "--warmup-steps", "1", "--out", str(tmp_path)])
+    hist = main(["--model", "tiny-llama", "--seq-len", "32", "--steps", "2", "--batch-size", "2", "--sink", "2",
+                 "--window", "4", "--k", "6", "--n-eval", "1", "--eval-every", "2", "--warmup-steps", "1",
+                 "--out", str(tmp_path)])
     assert list(hist.kind) == ["eval", "train", "train", "eval"]
     assert (tmp_path / "history.csv").is_file() and set(torch.load(tmp_path / "trained.pt")) == {"student"}
 
@@ -176,7 +183,8 @@ def test_checkpoint_stores_full_config_and_student_budget(tmp_path):
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert ckpt["config"] == dataclasses.asdict(cfg)
     spec = ckpt["spec"]["student"]
-    assert spec["type"] == "KVpopStudent" and (spec["settings"]["sink"], spec["settings"]["window"], spec["settings"]["k"]) == (2, 4, 6)
+    st = spec["settings"]
+    assert spec["type"] == "KVpopStudent" and (st["sink"], st["window"], st["k"]) == (2, 4, 6)
     assert ckpt["spec"]["model"]["config"]["num_hidden_layers"] == model.config.num_hidden_layers
 
 
@@ -188,7 +196,8 @@ def test_checkpoint_stores_full_config_and_student_budget(tmp_path):
     (dict(config=dict(base_lr=1e-4)), "config.base_lr"),
     (dict(config=dict(seed=1)), "config.seed"),
     (dict(config=dict(warmup_steps=1)), "config.warmup_steps"),
-    (dict(model=dict(seed=3)), None),  # same architecture, other weights: allowed in scorer_only (the base is not in the checkpoint)
+    # same architecture, other weights: allowed in scorer_only (the base is not in the checkpoint)
+    (dict(model=dict(seed=3)), None),
     (dict(model=dict(num_layers=3)), "model.config.num_hidden_layers"),
 ])
 def test_resume_refuses_another_run(tmp_path, change, field):
@@ -227,7 +236,8 @@ def test_resume_refuses_checkpoint_without_description(tmp_path):
 
 
 def test_extending_steps_resumes_on_the_new_schedule(tmp_path):
-    "steps 2 -> 5: the run resumes at step 2 and its learning rates follow the schedule of 5 steps from the first resumed update."
+    """steps 2 -> 5: the run resumes at step 2 and its learning rates follow the schedule of 5 steps from the first
+    resumed update."""
     model, _, cfg = _checkpointed(tmp_path, mode="full", steps=2)
     longer = dataclasses.replace(cfg, steps=5)
     m2, s2, data, _ = setup("full", steps=5)

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.xdist_group("docs")
 def chromium() -> str:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
-        pytest.fail("Debian's chromium is needed for the docs test: `apt-get install chromium` (`make test` does this as root)")
+        pytest.fail("Debian's chromium is needed for the docs test: `apt-get install chromium` "
+                    "(`make test` does this as root)")
     return exe
 
 
@@ -184,7 +185,8 @@ def exported_symbols() -> list[tuple[str, str, str]]:
 
 
 def test_api_reference_indexes_every_exported_name(site):
-    "Each public function and class is an entry: an anchor on its page, a line of that page's contents, genindex, search."
+    """Each public function and class is an entry: an anchor on its page, a line of that page's contents, genindex,
+    search."""
     dest, _ = site
     genindex, search = (dest/"genindex.html").read_text(), (dest/"searchindex.js").read_text()
     missing = []

@@ -11,10 +11,10 @@ from torch.testing import assert_close
 
 import sparsekv.eval as ev
 from sparsekv.eval import (attention_fidelity, attention_fidelity_reference, attention_mass_recall, avg_at_k,
-                           kl_to_teacher, oracle_topk, pass_at_k, pass_at_k_estimate, pass_at_k_reference, per_head_mean,
-                           perplexity, perplexity_reference, relative_output_error, retention_recall,
-                           retention_recall_reference, run_grid, token_accuracy, token_kl, token_kl_reference, token_nll,
-                           top1_agreement, top1_agreement_reference)
+                           kl_to_teacher, oracle_topk, pass_at_k, pass_at_k_estimate, pass_at_k_reference,
+                           per_head_mean, perplexity, perplexity_reference, relative_output_error, retention_recall,
+                           retention_recall_reference, run_grid, token_accuracy, token_kl, token_kl_reference,
+                           token_nll, top1_agreement, top1_agreement_reference)
 
 
 def gen(seed):
@@ -63,7 +63,8 @@ def test_kl_gradient_is_student_minus_teacher_probabilities():
     s.grad = None
     token_kl(s, t, top_k=3).sum().backward()
     idx = t.topk(3, -1).indices
-    want = torch.zeros_like(t).scatter(-1, idx, F.softmax(s.detach().gather(-1, idx), -1) - F.softmax(t.gather(-1, idx), -1))
+    diff = F.softmax(s.detach().gather(-1, idx), -1) - F.softmax(t.gather(-1, idx), -1)
+    want = torch.zeros_like(t).scatter(-1, idx, diff)
     assert_close(s.grad, want)
 
 
@@ -99,7 +100,8 @@ def test_perplexity_and_accuracy_match_loops(seed, shift):
     y = torch.randint(0, 11, (3, 8), generator=gen(seed + 1))
     y[torch.rand(3, 8, generator=gen(seed + 2)) < 0.25] = -100
     y[0, -1] = 4
-    assert math.log(perplexity(z, y, shift=shift).item()) == pytest.approx(math.log(perplexity_reference(z, y, shift=shift)), rel=1e-5)
+    want = math.log(perplexity_reference(z, y, shift=shift))
+    assert math.log(perplexity(z, y, shift=shift).item()) == pytest.approx(want, rel=1e-5)
     zz, yy = (z[:, :-1], y[:, 1:]) if shift else (z, y)
     pairs = [(p, l) for p, l in zip(zz.argmax(-1).flatten().tolist(), yy.flatten().tolist()) if l != -100]
     assert token_accuracy(z, y, shift=shift).item() == pytest.approx(sum(p == l for p, l in pairs) / len(pairs))
@@ -251,7 +253,8 @@ def test_relative_output_error_definition():
     (lambda q, k, v, keep: attention_mass_recall(q, k, keep[..., :4]), "not broadcastable"),
     (lambda q, k, v, keep: attention_mass_recall(q, k, keep, mask=keep.float()), "mask must be a boolean"),
     (lambda q, k, v, keep: attention_mass_recall(q, k, torch.full((1, 2, 3), 7)), r"keep indices must be in [0, 7)"),
-    (lambda q, k, v, keep: attention_mass_recall(q, k, torch.zeros(1, 5, 3, dtype=torch.long)), "keep indices must have shape"),
+    (lambda q, k, v, keep: attention_mass_recall(q, k, torch.zeros(1, 5, 3, dtype=torch.long)),
+     "keep indices must have shape"),
     (lambda q, k, v, keep: attention_mass_recall(q, k, keep, scale="x"), "scale must be a number"),
     (lambda q, k, v, keep: attention_mass_recall(q[0], k[0], keep), "at least 4 dims"),
 ])
@@ -269,9 +272,11 @@ def test_retention_recall_matches_sets_with_ties(seed):
     S, n = 15, 6
     scores = torch.randint(0, 3, (4, 3, S), generator=gen(seed)).float()
     scores[0, :, :2] = -math.inf  # ineligible positions
-    kept = torch.stack([torch.stack([torch.randperm(S, generator=gen(100 * seed + 3 * r + h))[:n] for h in range(3)]) for r in range(4)])
+    kept = torch.stack([torch.stack([torch.randperm(S, generator=gen(100 * seed + 3 * r + h))[:n] for h in range(3)])
+                        for r in range(4)])
     for k in (1, 6, S - 2):
-        ref = retention_recall_reference([set(x) for x in kept.reshape(-1, n).tolist()], scores.reshape(-1, S).tolist(), k)
+        ref = retention_recall_reference([set(x) for x in kept.reshape(-1, n).tolist()],
+                                         scores.reshape(-1, S).tolist(), k)
         assert_close(retention_recall(kept, scores, k).flatten(), torch.tensor(ref))
 
 
@@ -338,7 +343,8 @@ def metrics_of(cell):
 
 
 def grid_cells():
-    return [{"method": m, "budget": b, "task": t} for m in ("dense", "streaming", "kvpop") for b in (256, 512) for t in ("niah", "vt")]
+    return [{"method": m, "budget": b, "task": t}
+            for m in ("dense", "streaming", "kvpop") for b in (256, 512) for t in ("niah", "vt")]
 
 
 def test_grid_resumes_after_interruption(tmp_path):
@@ -372,7 +378,8 @@ def test_grid_resumes_after_interruption(tmp_path):
 def test_grid_matches_mixed_types_and_keeps_foreign_rows(tmp_path):
     path = tmp_path / "g.csv"
     cells = [{"method": "oval", "eta": 0.1, "rank": 8, "quant": None, "flag": True, "note": 'a, "quoted" note'},
-             {"method": "oval", "eta": np.float64(1 / 3), "rank": np.int64(4), "quant": "bf16", "flag": False, "note": ""},
+             {"method": "oval", "eta": np.float64(1 / 3), "rank": np.int64(4), "quant": "bf16", "flag": False,
+              "note": ""},
              {"method": "quest", "eta": 0.5}]
     run_grid(cells, lambda c: {"mass": 0.5}, path)
     calls = []
@@ -438,16 +445,19 @@ def test_grid_params_are_part_of_the_key(tmp_path):
     assert calls == [] and again.equals(a)
     run_grid(cells, counting(calls), path, params={"model": "tiny", "window": 4, "lr": 2e-3})
     assert calls == cells
-    with pytest.raises(ValueError, match=r"both set \['budget'\]"): run_grid(cells, metrics_of, path, params={"budget": 1})
+    with pytest.raises(ValueError, match=r"both set \['budget'\]"):
+        run_grid(cells, metrics_of, path, params={"budget": 1})
     with pytest.raises(ValueError, match="params keys"): run_grid(cells, metrics_of, path, params={"row_check": 1})
-    with pytest.raises(TypeError, match="must be a str, int"): run_grid(cells, metrics_of, path, params={"budgets": [1, 2]})
+    with pytest.raises(TypeError, match="must be a str, int"):
+        run_grid(cells, metrics_of, path, params={"budgets": [1, 2]})
 
 
 def test_grid_row_of_other_keys_is_not_reused(tmp_path):
     "A row written for cell {x: 1, y: 2} does not answer cell {x: 1} (it was made with another setting y)."
     path, calls = tmp_path / "g.csv", []
     run_grid([{"x": 1, "y": 2}], lambda c: {"m": 2.0}, path)
-    with pytest.warns(UserWarning, match="made for other key columns"): df = run_grid([{"x": 1}], counting(calls, lambda c: {"m": 1.0}), path)
+    with pytest.warns(UserWarning, match="made for other key columns"):
+        df = run_grid([{"x": 1}], counting(calls, lambda c: {"m": 1.0}), path)
     assert calls == [{"x": 1}] and df.m.tolist() == [1.0] and list(df.columns) == ["x", "m", "wall_s"]
 
 
@@ -475,7 +485,8 @@ def test_grid_damaged_row_is_recomputed(tmp_path, how):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         df = run_grid(cells, counting(calls), path)
-    if how != "key 1 -> 1.0": assert "damaged results" in str(seen[0].message)  # a rewritten key names no cell of the grid
+    # a rewritten key names no cell of the grid
+    if how != "key 1 -> 1.0": assert "damaged results" in str(seen[0].message)
     assert calls == [cells[1]]
     assert df[["method", "budget", "task"]].to_dict("records") == cells
     assert not df.isna().any().any() and df["acc"].tolist() == [c["budget"] / 1000 for c in cells]

@@ -10,16 +10,8 @@ from sparsekv.attention import attention_reference
 from sparsekv.cache import EvictingCache, EvictionRule, SinkWindowCache, TopScoreRule
 from sparsekv.hf import (ATTN_NAME, AttentionPolicy, DensePolicy, MaskPolicy, SelectionPolicy, _ACTIVE, active_patch,
                          add_chunk_keys, attend_selected, chunked_prefill, dense_attention, heads_mask, patch)
-from sparsekv.models import load_model
 
-MODELS = {"llama": ("tiny-llama", {}), "qwen3": ("tiny-qwen3", {}), "llama-g1": ("tiny-llama", dict(num_kv_heads=4))}
 ATOL = dict(atol=1e-5, rtol=0)
-
-
-@pytest.fixture(scope="module", params=list(MODELS))
-def model(request):
-    name, overrides = MODELS[request.param]
-    return load_model(name, **overrides)[0]
 
 
 def _ids(B, S, seed, vocab=259):
@@ -65,7 +57,8 @@ def _teacher_forced(model, ids, cache, prefill, chunk, policy=None):
 @pytest.mark.parametrize("sq,sk", [(1, 1), (1, 9), (7, 7), (5, 13)])
 def test_dense_attention_matches_reference(G, sq, sk):
     g = torch.Generator().manual_seed(G * 100 + sq * 10 + sk)
-    q, k, v = torch.randn(2, 2 * G, sq, 8, generator=g), torch.randn(2, 2, sk, 8, generator=g), torch.randn(2, 2, sk, 8, generator=g)
+    q = torch.randn(2, 2 * G, sq, 8, generator=g)
+    k, v = torch.randn(2, 2, sk, 8, generator=g), torch.randn(2, 2, sk, 8, generator=g)
     assert_close(dense_attention(q, k, v), attention_reference(q, k, v)[0])
     for heads in {1, 2, 2 * G}:
         m = torch.rand(2, heads, sq, sk, generator=g) > 0.5
@@ -78,7 +71,8 @@ def test_dense_attention_matches_reference(G, sq, sk):
 def test_attend_selected_is_masked_attention(G, sq):
     g = torch.Generator().manual_seed(G + sq)
     B, H, sk = 2, 2, 11
-    q, k, v = torch.randn(B, H * G, sq, 8, generator=g), torch.randn(B, H, sk, 8, generator=g), torch.randn(B, H, sk, 8, generator=g)
+    q = torch.randn(B, H * G, sq, 8, generator=g)
+    k, v = torch.randn(B, H, sk, 8, generator=g), torch.randn(B, H, sk, 8, generator=g)
     earlier = torch.stack([torch.randperm(sk - sq, generator=g)[:3] for _ in range(B * H)]).view(B, H, 3)
     idx = add_chunk_keys(earlier, sk, sq)
     sel = torch.zeros(B, H, 1, sk, dtype=torch.bool).scatter(3, idx[:, :, None], True)
@@ -86,114 +80,119 @@ def test_attend_selected_is_masked_attention(G, sq):
     assert_close(attend_selected(q, k, v, idx), attention_reference(q, k, v, heads_mask(sel & causal, H * G))[0])
     pad = torch.rand(B, 1, sq, sk, generator=g) > 0.3
     assert_close(attend_selected(q, k, v, idx, pad), attention_reference(q, k, v, heads_mask(sel & pad, H * G))[0])
-    with pytest.raises(ValueError, match="must not repeat"): attend_selected(q, k, v, torch.zeros(B, H, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="must not repeat"):
+        attend_selected(q, k, v, torch.zeros(B, H, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="must lie in"): attend_selected(q, k, v, idx + sk)
     with pytest.raises(TypeError, match="int64"): attend_selected(q, k, v, idx.int())
-    with pytest.raises(ValueError, match="per KV head|Hkv"): attend_selected(q, k, v, idx, torch.ones(B, 3, sq, sk, dtype=torch.bool))
+    with pytest.raises(ValueError, match="per KV head|Hkv"):
+        attend_selected(q, k, v, idx, torch.ones(B, 3, sq, sk, dtype=torch.bool))
 
 
 # --- patch ---------------------------------------------------------------------------------
 
-def test_dense_patch_reproduces_and_restores(model):
+def test_dense_patch_reproduces_and_restores(tiny_model):
     ids = _ids(2, 13, 0)
-    impl = model.config._attn_implementation
+    impl = tiny_model.config._attn_implementation
     with torch.no_grad():
-        ref = model(ids).logits
-        with patch(model, DensePolicy()) as m:
-            assert m is model and model.config._attn_implementation == ATTN_NAME
-            assert_close(model(ids).logits, ref, **ATOL)
-        assert model.config._attn_implementation == impl
-        assert torch.equal(model(ids).logits, ref)
-    assert len(_ACTIVE) == 0 and all(not m._forward_pre_hooks for m in model.modules())
+        ref = tiny_model(ids).logits
+        with patch(tiny_model, DensePolicy()) as m:
+            assert m is tiny_model and tiny_model.config._attn_implementation == ATTN_NAME
+            assert_close(tiny_model(ids).logits, ref, **ATOL)
+        assert tiny_model.config._attn_implementation == impl
+        assert torch.equal(tiny_model(ids).logits, ref)
+    assert len(_ACTIVE) == 0 and all(not m._forward_pre_hooks for m in tiny_model.modules())
 
 
-def test_patch_nesting_and_exceptions(model):
+def test_patch_nesting_and_exceptions(tiny_model):
     ids = _ids(1, 9, 1)
-    impl = model.config._attn_implementation
+    impl = tiny_model.config._attn_implementation
 
     class Zero(AttentionPolicy):
         def attend(self, q, k, v, ctx): return torch.zeros_like(q)
 
     with torch.no_grad():
-        ref = model(ids).logits
-        with patch(model, DensePolicy()):
-            with patch(model, Zero()):
-                zero = model(ids).logits
+        ref = tiny_model(ids).logits
+        with patch(tiny_model, DensePolicy()):
+            with patch(tiny_model, Zero()):
+                zero = tiny_model(ids).logits
                 assert (zero - ref).abs().max() > 1e-3
-            assert_close(model(ids).logits, ref, **ATOL)  # the outer policy is back
+            assert_close(tiny_model(ids).logits, ref, **ATOL)  # the outer policy is back
         with pytest.raises(RuntimeError, match="boom"):
-            with patch(model, DensePolicy()): raise RuntimeError("boom")
-    assert model.config._attn_implementation == impl and active_patch(model) is None
+            with patch(tiny_model, DensePolicy()): raise RuntimeError("boom")
+    assert tiny_model.config._attn_implementation == impl and active_patch(tiny_model) is None
     with pytest.raises(TypeError, match="AttentionPolicy"):
-        with patch(model, lambda q, k, v, ctx: q): pass
+        with patch(tiny_model, lambda q, k, v, ctx: q): pass
     with pytest.raises(TypeError, match="PreTrainedModel"):
         with patch(torch.nn.Linear(2, 2), DensePolicy()): pass
 
 
-def test_policy_output_shape_is_checked(model):
+def test_policy_output_shape_is_checked(tiny_model):
     class Bad(AttentionPolicy):
         def attend(self, q, k, v, ctx): return q[:, :, :1]
-    with torch.no_grad(), patch(model, Bad()), pytest.raises(ValueError, match="returned shape"):
-        model(_ids(1, 5, 2))
+    with torch.no_grad(), patch(tiny_model, Bad()), pytest.raises(ValueError, match="returned shape"):
+        tiny_model(_ids(1, 5, 2))
 
 
-def test_context(model):
+def test_context(tiny_model):
     seen = []
 
     class Rec(AttentionPolicy):
         def attend(self, q, k, v, ctx):
-            seen.append((ctx.layer_idx, ctx.kind, ctx.chunk_index, ctx.query_positions.tolist(), tuple(ctx.key_positions.shape),
-                         ctx.key_positions[0, 0].tolist(), ctx.past_len, ctx.module.layer_idx, ctx.cache_layer is not None))
+            seen.append((ctx.layer_idx, ctx.kind, ctx.chunk_index, ctx.query_positions.tolist(),
+                         tuple(ctx.key_positions.shape), ctx.key_positions[0, 0].tolist(), ctx.past_len,
+                         ctx.module.layer_idx, ctx.cache_layer is not None))
             return super().attend(q, k, v, ctx)
 
-    H = model.config.num_key_value_heads
+    H = tiny_model.config.num_key_value_heads
     ids = _ids(1, 6, 3)
-    cache, _ = chunked_prefill(model, ids[:, :5], 3, Rec())
-    with torch.no_grad(), patch(model, Rec()): model(ids[:, 5:], past_key_values=cache)
+    cache, _ = chunked_prefill(tiny_model, ids[:, :5], 3, Rec())
+    with torch.no_grad(), patch(tiny_model, Rec()): tiny_model(ids[:, 5:], past_key_values=cache)
     layer0 = [s for s in seen if s[0] == 0]
     assert layer0 == [(0, "prefill", 0, [0, 1, 2], (1, H, 3), [0, 1, 2], 0, 0, True),
                       (0, "prefill", 1, [3, 4], (1, H, 5), [0, 1, 2, 3, 4], 3, 0, True),
                       (0, "decode", None, [5], (1, H, 6), list(range(6)), 5, 0, True)]
-    assert len(seen) == 3 * model.config.num_hidden_layers
+    assert len(seen) == 3 * tiny_model.config.num_hidden_layers
 
 
 # --- chunked prefill and generate ----------------------------------------------------------
 
-def test_chunked_prefill_equals_full_forward(model):
+def test_chunked_prefill_equals_full_forward(tiny_model):
     ids = _ids(2, 16, 4)
-    with torch.no_grad(): full = model(ids).logits[:, -1]
+    with torch.no_grad(): full = tiny_model(ids).logits[:, -1]
     for chunk in [1, 3, 7, 16, 20]:
-        cache, last = chunked_prefill(model, ids, chunk)
+        cache, last = chunked_prefill(tiny_model, ids, chunk)
         assert_close(last, full, **ATOL)
         assert cache.get_seq_length() == 16
-    cache, _ = chunked_prefill(model, ids[:, :9], 4)  # continuing a cache
-    _, last = chunked_prefill(model, ids[:, 9:], 4, cache=cache)
+    cache, _ = chunked_prefill(tiny_model, ids[:, :9], 4)  # continuing a cache
+    _, last = chunked_prefill(tiny_model, ids[:, 9:], 4, cache=cache)
     assert_close(last, full, **ATOL)
-    with pytest.raises(ValueError, match="chunk_size"): chunked_prefill(model, ids, 0)
-    with pytest.raises(ValueError, match="input_ids"): chunked_prefill(model, ids.float(), 4)
+    with pytest.raises(ValueError, match="chunk_size"): chunked_prefill(tiny_model, ids, 0)
+    with pytest.raises(ValueError, match="input_ids"): chunked_prefill(tiny_model, ids.float(), 4)
 
 
-def test_generate_with_dense_policy(model):
+def test_generate_with_dense_policy(tiny_model):
     ids = _ids(1, 10, 5)
     with torch.no_grad():
-        plain = _greedy(model, ids)
-        with patch(model, DensePolicy()): assert torch.equal(_greedy(model, ids), plain)
-        cache, _ = chunked_prefill(model, ids[:, :-1], 4)
-        with patch(model, DensePolicy()): assert torch.equal(_greedy(model, ids, past_key_values=cache), plain)
+        plain = _greedy(tiny_model, ids)
+        with patch(tiny_model, DensePolicy()): assert torch.equal(_greedy(tiny_model, ids), plain)
+        cache, _ = chunked_prefill(tiny_model, ids[:, :-1], 4)
+        with patch(tiny_model, DensePolicy()):
+            assert torch.equal(_greedy(tiny_model, ids, past_key_values=cache), plain)
         # a left-padded batch: the model's padding mask reaches the policy
         batch = torch.stack([ids[0], torch.cat([torch.zeros(3, dtype=torch.long), ids[0, 3:]])])
         am = torch.ones_like(batch)
         am[1, :3] = 0
-        plain = _greedy(model, batch, attention_mask=am)
-        with patch(model, DensePolicy()): assert torch.equal(_greedy(model, batch, attention_mask=am), plain)
+        plain = _greedy(tiny_model, batch, attention_mask=am)
+        with patch(tiny_model, DensePolicy()): assert torch.equal(_greedy(tiny_model, batch, attention_mask=am), plain)
 
 
-def test_mask_and_selection_policies_match_reference(model):
+def test_mask_and_selection_policies_match_reference(tiny_model):
     "Each KV head keeps its own random half of the earlier keys plus the chunk; three routes agree."
     def earlier(ctx):
         g = torch.Generator().manual_seed(ctx.layer_idx * 1000 + ctx.past_len)
         B, H, _ = ctx.key_positions.shape
-        return torch.stack([torch.randperm(ctx.past_len, generator=g)[:ctx.past_len // 2] for _ in range(B * H)]).view(B, H, -1)
+        halves = [torch.randperm(ctx.past_len, generator=g)[:ctx.past_len // 2] for _ in range(B * H)]
+        return torch.stack(halves).view(B, H, -1)
 
     def subset(k, ctx):
         m = torch.zeros(ctx.key_positions.shape, dtype=torch.bool).scatter(2, earlier(ctx), True)
@@ -207,11 +206,11 @@ def test_mask_and_selection_policies_match_reference(model):
         def select(self, q, k, v, ctx): return add_chunk_keys(earlier(ctx), k.shape[2], q.shape[2])
 
     ids = _ids(2, 14, 6)
-    last = {n: chunked_prefill(model, ids, 4, p)[1] for n, p in
+    last = {n: chunked_prefill(tiny_model, ids, 4, p)[1] for n, p in
             [("mask", Mask()), ("select", Select()), ("ref", _reference_policy(subset))]}
     assert_close(last["mask"], last["ref"], **ATOL)
     assert_close(last["select"], last["ref"], **ATOL)
-    with torch.no_grad(): dense = model(ids).logits[:, -1]
+    with torch.no_grad(): dense = tiny_model(ids).logits[:, -1]
     assert (last["ref"] - dense).abs().max() > 1e-4
 
 
@@ -233,102 +232,110 @@ def _top_score_mask(s, w, k):
                 for p in range(S):
                     m[b, h, p, :min(s, p + 1)] = True
                     m[b, h, p, max(0, p - w + 1):p + 1] = True
-                    for t in sorted(range(s, p - w + 1), key=lambda t: (-sc[b, h, t].item(), t))[:k]: m[b, h, p, t] = True
+                    top = sorted(range(s, p - w + 1), key=lambda t: (-sc[b, h, t].item(), t))[:k]
+                    for t in top: m[b, h, p, t] = True
         return m
     return mask
 
 
-def test_evicting_cache_equals_dynamic_when_budget_exceeds_sequence(model):
+def test_evicting_cache_equals_dynamic_when_budget_exceeds_sequence(tiny_model):
     ids = _ids(2, 20, 7)
-    dyn = _teacher_forced(model, ids, DynamicCache(), 9, 4)
-    for cache in [SinkWindowCache(2, 64), EvictingCache(TopScoreRule(2, 3, 64, _key_score)), EvictingCache(EvictionRule())]:
-        assert_close(_teacher_forced(model, ids, cache, 9, 4), dyn, **ATOL)
+    dyn = _teacher_forced(tiny_model, ids, DynamicCache(), 9, 4)
+    caches = [SinkWindowCache(2, 64), EvictingCache(TopScoreRule(2, 3, 64, _key_score)), EvictingCache(EvictionRule())]
+    for cache in caches:
+        assert_close(_teacher_forced(tiny_model, ids, cache, 9, 4), dyn, **ATOL)
         assert cache.get_seq_length() == 20 and cache.layers[1].positions.shape[-1] == 20
     prompt = ids[:1, :8]
     with torch.no_grad():
-        plain = _greedy(model, prompt)
-        with patch(model, DensePolicy()): assert torch.equal(_greedy(model, prompt, past_key_values=SinkWindowCache(2, 64)), plain)
+        plain = _greedy(tiny_model, prompt)
+        with patch(tiny_model, DensePolicy()):
+            assert torch.equal(_greedy(tiny_model, prompt, past_key_values=SinkWindowCache(2, 64)), plain)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 7])
-def test_sink_window_cache_matches_masked_reference(model, chunk):
+def test_sink_window_cache_matches_masked_reference(tiny_model, chunk):
     ids = _ids(2, 30, 8)
-    with torch.no_grad(), patch(model, _reference_policy(_sink_window_mask(3, 5))): ref = model(ids).logits
+    with torch.no_grad(), patch(tiny_model, _reference_policy(_sink_window_mask(3, 5))): ref = tiny_model(ids).logits
     cache = SinkWindowCache(3, 5)
-    assert_close(_teacher_forced(model, ids, cache, 15, chunk), ref, **ATOL)
+    assert_close(_teacher_forced(tiny_model, ids, cache, 15, chunk), ref, **ATOL)
     assert cache.layers[0].positions[1, 0].tolist() == [0, 1, 2, 26, 27, 28, 29]
-    with torch.no_grad(): dense = model(ids).logits
+    with torch.no_grad(): dense = tiny_model(ids).logits
     assert (ref - dense)[:, 8:].abs().max() > 1e-4
 
 
-def test_top_score_cache_keeps_per_head_positions(model):
+def test_top_score_cache_keeps_per_head_positions(tiny_model):
     ids = _ids(2, 26, 9)
-    with torch.no_grad(), patch(model, _reference_policy(_top_score_mask(2, 3, 4))): ref = model(ids).logits
+    with torch.no_grad(), patch(tiny_model, _reference_policy(_top_score_mask(2, 3, 4))): ref = tiny_model(ids).logits
     cache = EvictingCache(TopScoreRule(2, 3, 4, _key_score))
-    assert_close(_teacher_forced(model, ids, cache, 11, 4), ref, **ATOL)
+    assert_close(_teacher_forced(tiny_model, ids, cache, 11, 4), ref, **ATOL)
     kept = cache.layers[1].positions
     assert kept.shape[-1] == 2 + 2 + 4
     assert (kept[:, :, :2] == torch.tensor([0, 1])).all() and (kept[:, :, -2:] == torch.tensor([24, 25])).all()
     assert any(not torch.equal(kept[b, 0], kept[b, h]) for b in range(2) for h in range(1, kept.shape[1]))
 
 
-def test_sink_window_generate_matches_reference(model):
+def test_sink_window_generate_matches_reference(tiny_model):
     prompt = _ids(1, 9, 10)
     with torch.no_grad():
-        with patch(model, DensePolicy()): out = _greedy(model, prompt, n=8, past_key_values=SinkWindowCache(2, 4))
+        with patch(tiny_model, DensePolicy()):
+            out = _greedy(tiny_model, prompt, n=8, past_key_values=SinkWindowCache(2, 4))
         seq = prompt
-        with patch(model, _reference_policy(_sink_window_mask(2, 4))):
-            for _ in range(8): seq = torch.cat([seq, model(seq).logits[:, -1:].argmax(-1)], 1)
+        with patch(tiny_model, _reference_policy(_sink_window_mask(2, 4))):
+            for _ in range(8): seq = torch.cat([seq, tiny_model(seq).logits[:, -1:].argmax(-1)], 1)
     assert torch.equal(out, seq)
 
 
-def test_beam_search_with_evicting_cache(model):
+def test_beam_search_with_evicting_cache(tiny_model):
     prompt = _ids(1, 7, 12)
     with torch.no_grad():
-        plain = _greedy(model, prompt, num_beams=3)
-        with patch(model, DensePolicy()): beams = _greedy(model, prompt, num_beams=3, past_key_values=SinkWindowCache(1, 64))
+        plain = _greedy(tiny_model, prompt, num_beams=3)
+        with patch(tiny_model, DensePolicy()):
+            beams = _greedy(tiny_model, prompt, num_beams=3, past_key_values=SinkWindowCache(1, 64))
         assert torch.equal(beams, plain)
-        with patch(model, DensePolicy()): _greedy(model, prompt, num_beams=3, past_key_values=SinkWindowCache(1, 3))
+        with patch(tiny_model, DensePolicy()):
+            _greedy(tiny_model, prompt, num_beams=3, past_key_values=SinkWindowCache(1, 3))
 
 
-def test_evicting_cache_errors(model):
+def test_evicting_cache_errors(tiny_model):
     ids = _ids(2, 8, 13)
     with pytest.raises(RuntimeError, match="only inside sparsekv.hf.patch"):
-        with torch.no_grad(): model(ids, past_key_values=SinkWindowCache(1, 3))
+        with torch.no_grad(): tiny_model(ids, past_key_values=SinkWindowCache(1, 3))
     am = torch.ones_like(ids)
     am[1, :2] = 0
     with pytest.raises(ValueError, match="unpadded"):
-        with torch.no_grad(), patch(model, DensePolicy()): _greedy(model, ids, attention_mask=am, past_key_values=SinkWindowCache(1, 3))
+        with torch.no_grad(), patch(tiny_model, DensePolicy()):
+            _greedy(tiny_model, ids, attention_mask=am, past_key_values=SinkWindowCache(1, 3))
 
     class Ragged(EvictionRule):  # keeps a different number of entries in head 0
         def visible(self, layer, query_positions):
             vis = super().visible(layer, query_positions).clone()
             vis[:, 0, :, 0] = False
             return vis
-    with pytest.raises(ValueError, match="different numbers of entries"): chunked_prefill(model, ids, 4, cache=EvictingCache(Ragged()))
+    with pytest.raises(ValueError, match="different numbers of entries"):
+        chunked_prefill(tiny_model, ids, 4, cache=EvictingCache(Ragged()))
     bad = TopScoreRule(1, 2, 2, lambda i, k, v, p: torch.full(k.shape[:3], float("nan")))
-    with pytest.raises(ValueError, match="finite scores"): chunked_prefill(model, ids, 4, cache=EvictingCache(bad))
+    with pytest.raises(ValueError, match="finite scores"): chunked_prefill(tiny_model, ids, 4, cache=EvictingCache(bad))
     with pytest.raises(ValueError, match="window"): SinkWindowCache(1, 0)
     with pytest.raises(ValueError, match="sink"): SinkWindowCache(-1, 2)
     with pytest.raises(ValueError, match="k must be"): TopScoreRule(1, 2, -1)
     with pytest.raises(TypeError, match="EvictionRule"): EvictingCache("sink")
 
 
-def test_crop(model):
+def test_crop(tiny_model):
     ids = _ids(1, 10, 14)
-    cache, _ = chunked_prefill(model, ids, 3, cache=SinkWindowCache(2, 4))
+    cache, _ = chunked_prefill(tiny_model, ids, 3, cache=SinkWindowCache(2, 4))
     with pytest.raises(ValueError, match="already evicted"): cache.crop(8)
-    cache, _ = chunked_prefill(model, ids, 3, cache=SinkWindowCache(2, 64))
+    cache, _ = chunked_prefill(tiny_model, ids, 3, cache=SinkWindowCache(2, 64))
     cache.crop(-3)
     assert cache.get_seq_length() == 7 and cache.layers[0].positions[0, 0].tolist() == list(range(7))
-    _, last = chunked_prefill(model, ids[:, 7:], 2, cache=cache)
-    with torch.no_grad(): assert_close(last, model(ids).logits[:, -1], **ATOL)
+    _, last = chunked_prefill(tiny_model, ids[:, 7:], 2, cache=cache)
+    with torch.no_grad(): assert_close(last, tiny_model(ids).logits[:, -1], **ATOL)
 
 
 @pytest.mark.gpu
-def test_on_cuda(model):
+def test_on_cuda(tiny_model):
     "The same identities with the model, caches and policies on a CUDA device."
-    m = copy.deepcopy(model).cuda()
+    m = copy.deepcopy(tiny_model).cuda()
     ids = _ids(2, 24, 15).cuda()
     tol = dict(atol=1e-4, rtol=0)
     with torch.no_grad():

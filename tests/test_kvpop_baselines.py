@@ -1,4 +1,5 @@
-"Tests of sparsekv.kvpop.baselines: StreamingLLM, TOVA, H2O against a brute-force simulation, dense equality, generate, kvpress."
+"""Tests of sparsekv.kvpop.baselines: StreamingLLM, TOVA, H2O against a brute-force simulation, dense equality,
+generate, kvpress."""
 import pytest
 import torch
 from torch.testing import assert_close
@@ -8,17 +9,12 @@ from sparsekv import methods
 from sparsekv.kvpop.baselines import attention_probs, eviction_reference, reduce_heads
 from sparsekv.cache import EvictingCache
 from sparsekv.hf import chunked_prefill, patch
-from sparsekv.models import load_model
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny-llama", dtype=torch.float64)[0]
 
 
 def eviction_baseline(name, sink, window, k, heads="group"):
     "(rule, policy) of the registered baseline `name` at budget sink + window + k."
-    m = methods.make(name, budget=sink + window + k, sink=sink, window=window, **({} if name == "streaming_llm" else {"heads": heads}))
+    m = methods.make(name, budget=sink + window + k, sink=sink, window=window,
+                     **({} if name == "streaming_llm" else {"heads": heads}))
     return m.rule(), m.policy()
 
 
@@ -39,11 +35,11 @@ def decode(model, ids, rule, policy):
 @pytest.mark.parametrize("kind,heads,budget", [("streaming_llm", "group", (1, 2, 3)), ("tova", "group", (1, 2, 3)),
                                                ("tova", "all", (0, 1, 4)), ("h2o", "group", (0, 3, 2)),
                                                ("h2o", "all", (2, 1, 3))])
-def test_matches_brute_force(model, kind, heads, budget):
+def test_matches_brute_force(tiny_llama64, kind, heads, budget):
     s, w, k = budget
-    ids = ids_of(model, 13)
-    got, cache, most = decode(model, ids, *eviction_baseline(kind, s, w, k, heads))
-    want, kept = eviction_reference(model, ids, kind, s, w, k, heads)
+    ids = ids_of(tiny_llama64, 13)
+    got, cache, most = decode(tiny_llama64, ids, *eviction_baseline(kind, s, w, k, heads))
+    want, kept = eviction_reference(tiny_llama64, ids, kind, s, w, k, heads)
     assert_close(got, want)
     assert most == s + w + k - 1  # between steps: the next query fills the window's last slot
     for l, layer in enumerate(cache.layers):
@@ -51,21 +47,21 @@ def test_matches_brute_force(model, kind, heads, budget):
 
 
 @pytest.mark.parametrize("name", ["streaming_llm", "tova", "h2o"])
-def test_large_budget_is_dense_and_generate_works(model, name):
-    ids = ids_of(model, 12, seed=1)
-    with torch.no_grad(): dense = model(ids, past_key_values=DynamicCache(config=model.config)).logits
-    assert_close(decode(model, ids, *eviction_baseline(name, 2, 4, 12))[0], dense)
+def test_large_budget_is_dense_and_generate_works(tiny_llama64, name):
+    ids = ids_of(tiny_llama64, 12, seed=1)
+    with torch.no_grad(): dense = tiny_llama64(ids, past_key_values=DynamicCache(config=tiny_llama64.config)).logits
+    assert_close(decode(tiny_llama64, ids, *eviction_baseline(name, 2, 4, 12))[0], dense)
     rule, pol = eviction_baseline(name, 1, 2, 3)
-    with torch.no_grad(), patch(model, pol):
-        out = model.generate(ids[:, :5], attention_mask=torch.ones_like(ids[:, :5]), past_key_values=EvictingCache(rule),
-                             max_new_tokens=6, do_sample=False)
+    with torch.no_grad(), patch(tiny_llama64, pol):
+        out = tiny_llama64.generate(ids[:, :5], attention_mask=torch.ones_like(ids[:, :5]),
+                                    past_key_values=EvictingCache(rule), max_new_tokens=6, do_sample=False)
     seq = ids[:, :5]
-    with torch.no_grad(), patch(model, pol):  # the same greedy decode by hand, one token per call
+    with torch.no_grad(), patch(tiny_llama64, pol):  # the same greedy decode by hand, one token per call
         cache = EvictingCache(rule)
-        nxt = model(seq, past_key_values=cache).logits[:, -1:].argmax(-1)
+        nxt = tiny_llama64(seq, past_key_values=cache).logits[:, -1:].argmax(-1)
         for _ in range(6):
             seq = torch.cat([seq, nxt], 1)
-            nxt = model(nxt, past_key_values=cache).logits[:, -1:].argmax(-1)
+            nxt = tiny_llama64(nxt, past_key_values=cache).logits[:, -1:].argmax(-1)
     assert torch.equal(out, seq)
 
 
@@ -90,27 +86,34 @@ def test_attention_probs_reference():
 
 def kept_positions_by_keys(kept_keys, all_keys):
     "Positions of the rows of kept_keys [Hkv,n,D] in all_keys [Hkv,S,D], per head, sorted."
-    return [sorted((kept_keys[h][:, None] - all_keys[h][None]).abs().sum(-1).argmin(-1).tolist()) for h in range(all_keys.shape[0])]
+    return [sorted((kept_keys[h][:, None] - all_keys[h][None]).abs().sum(-1).argmin(-1).tolist())
+            for h in range(all_keys.shape[0])]
 
 
-def test_against_kvpress(model):
+def test_against_kvpress(tiny_llama64):
     "kvpress compresses once after a dense prefill; ours with a one-chunk prefill does the same for TOVA (heads='all')."
     kvpress = pytest.importorskip("kvpress")
-    ids = ids_of(model, 20, seed=2)
-    with torch.no_grad(): full = model(ids, past_key_values=DynamicCache(config=model.config)).past_key_values
-    # TOVA: kvpress keeps int(S * (1 - ratio)) = 10 entries: the last token + the 9 best by the last query's mean attention
-    theirs = DynamicCache(config=model.config)
-    with torch.no_grad(), kvpress.TOVAPress(compression_ratio=0.5)(model): model(ids, past_key_values=theirs)
+    ids = ids_of(tiny_llama64, 20, seed=2)
+    with torch.no_grad():
+        full = tiny_llama64(ids, past_key_values=DynamicCache(config=tiny_llama64.config)).past_key_values
+    # TOVA: kvpress keeps int(S * (1 - ratio)) = 10 entries:
+    # the last token + the 9 best by the last query's mean attention
+    theirs = DynamicCache(config=tiny_llama64.config)
+    with torch.no_grad(), kvpress.TOVAPress(compression_ratio=0.5)(tiny_llama64):
+        tiny_llama64(ids, past_key_values=theirs)
     rule, pol = eviction_baseline("tova", 0, 2, 9, heads="all")
-    ours, _ = chunked_prefill(model, ids, 20, policy=pol, cache=EvictingCache(rule))
-    for l in range(model.config.num_hidden_layers):
+    ours, _ = chunked_prefill(tiny_llama64, ids, 20, policy=pol, cache=EvictingCache(rule))
+    for l in range(tiny_llama64.config.num_hidden_layers):
         pos = ours.layers[l].positions[0]
         assert kept_positions_by_keys(theirs.layers[l].keys[0], full.layers[l].keys[0]) == pos.tolist()
         assert_close(ours.layers[l].keys[0], full.layers[l].keys[0].gather(1, pos[..., None].expand(-1, -1, 16)))
-    # StreamingLLM: kvpress keeps n_sink first and the last int(S * (1 - ratio)) - n_sink tokens; our prefill is masked
-    # (the sink+window pattern applies within the prompt), so only the kept positions are comparable (layer-0 keys agree)
-    theirs = DynamicCache(config=model.config)
-    with torch.no_grad(), kvpress.StreamingLLMPress(compression_ratio=0.5, n_sink=2)(model): model(ids, past_key_values=theirs)
+    # StreamingLLM: kvpress keeps n_sink first and the last int(S * (1 - ratio)) - n_sink tokens; our prefill is
+    # masked (the sink+window pattern applies within the prompt), so only the kept positions are comparable
+    # (layer-0 keys agree)
+    theirs = DynamicCache(config=tiny_llama64.config)
+    with torch.no_grad(), kvpress.StreamingLLMPress(compression_ratio=0.5, n_sink=2)(tiny_llama64):
+        tiny_llama64(ids, past_key_values=theirs)
     rule, pol = eviction_baseline("streaming_llm", 2, 4, 5)
-    ours, _ = chunked_prefill(model, ids, 20, policy=pol, cache=EvictingCache(rule))
-    assert kept_positions_by_keys(theirs.layers[0].keys[0], full.layers[0].keys[0]) == ours.layers[0].positions[0].tolist()
+    ours, _ = chunked_prefill(tiny_llama64, ids, 20, policy=pol, cache=EvictingCache(rule))
+    kept = kept_positions_by_keys(theirs.layers[0].keys[0], full.layers[0].keys[0])
+    assert kept == ours.layers[0].positions[0].tolist()

@@ -8,14 +8,8 @@ from sparsekv.hf import DensePolicy, chunked_prefill, patch
 from sparsekv.kvpop.cache import KVpopCache, KVpopMaskPolicy, KVpopPolicy, KVpopRule, KVpopScorers, random_scorers
 from sparsekv.kvpop.cutoff import static_priority
 from sparsekv.kvpop.mask import kvpop_mask_reference
-from sparsekv.models import load_model
 
 BUDGETS = [(2, 3, 4), (0, 1, 3), (1, 5, 1)]
-
-
-@pytest.fixture(scope="module", params=[{}, dict(num_kv_heads=4)], ids=["gqa", "mha"])
-def model(request):
-    return load_model("tiny-llama", dtype=torch.float64, **request.param)[0]
 
 
 def ids_of(model, B, S, seed=0):
@@ -35,7 +29,8 @@ def policy_for(kind):
 
 @pytest.mark.parametrize("kind", ["mlp", "mlstm", "mlstm0"])
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_decode_equals_teacher_forced_mask(model, budget, kind):
+def test_decode_equals_teacher_forced_mask(tiny_llama64_gqa_mha, budget, kind):
+    model = tiny_llama64_gqa_mha
     s, w, k = budget
     scorers, ids = make_scorers(model, kind, sum(budget), w), ids_of(model, 2, 20)
     with torch.no_grad(), patch(model, KVpopMaskPolicy(scorers, s, w, k)): want = model(ids).logits
@@ -59,8 +54,10 @@ class RecordingMask(KVpopMaskPolicy):
         return super().mask(q, k, v, ctx)
 
 
-def test_kept_positions_are_the_reference_mask_row(model):
-    "After decoding S tokens each head keeps what the brute-force KVpop mask shows query S (minus itself); scores are priorities."
+def test_kept_positions_are_the_reference_mask_row(tiny_llama64_gqa_mha):
+    """After decoding S tokens each head keeps what the brute-force KVpop mask shows query S (minus itself);
+    scores are priorities."""
+    model = tiny_llama64_gqa_mha
     s, w, k, S = 1, 2, 3, 15
     scorers, ids = random_scorers(model, seed=5), ids_of(model, 1, S + 1, seed=3)
     cache = KVpopCache(scorers, s, w, k)
@@ -75,7 +72,8 @@ def test_kept_positions_are_the_reference_mask_row(model):
 
 
 @pytest.mark.parametrize("kind", ["mlp", "mlstm", "mlstm0"])
-def test_chunked_prefill_then_generate(model, kind):
+def test_chunked_prefill_then_generate(tiny_llama64_gqa_mha, kind):
+    model = tiny_llama64_gqa_mha
     s, w, k = 2, 3, 4
     scorers, ids = make_scorers(model, kind, 1, w), ids_of(model, 1, 16, seed=2)
     with torch.no_grad(), patch(model, KVpopMaskPolicy(scorers, s, w, k)): want = model(ids).logits
@@ -86,8 +84,8 @@ def test_chunked_prefill_then_generate(model, kind):
     assert_close(nxt, want[:, 11:14])  # a second chunk after the prefill
     prompt = ids[:, :6]
     with torch.no_grad(), patch(model, policy_for(kind)):
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=KVpopCache(scorers, s, w, k),
-                             max_new_tokens=9, do_sample=False)
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                             past_key_values=KVpopCache(scorers, s, w, k), max_new_tokens=9, do_sample=False)
     seq = prompt
     with torch.no_grad(), patch(model, KVpopMaskPolicy(scorers, s, w, k)):
         for _ in range(9): seq = torch.cat([seq, model(seq).logits[:, -1:].argmax(-1)], 1)
@@ -105,11 +103,13 @@ def test_priority_is_static_priority_and_mask_is_reference():
     assert_close(sc.priority(0, k[:, :, 5:], v[:, :, 5:], pos[:, :, 5:]), prio[:, :, 5:])
     pol = KVpopMaskPolicy(sc, 1, 2, 3)
     from sparsekv.hf import AttentionContext
-    ctx = AttentionContext(layer_idx=0, kind="prefill", query_positions=torch.arange(12), key_positions=pos, mask=None, scale=0.5)
+    ctx = AttentionContext(layer_idx=0, kind="prefill", query_positions=torch.arange(12), key_positions=pos, mask=None,
+                           scale=0.5)
     assert torch.equal(pol.mask(None, k, v, ctx), kvpop_mask_reference(prio, 3, 1, 2))
 
 
-def test_delayed_scorer_needs_kvpop_policy(model):
+def test_delayed_scorer_needs_kvpop_policy(tiny_llama64_gqa_mha):
+    model = tiny_llama64_gqa_mha
     scorers = make_scorers(model, "mlstm", 0, 3)
     with pytest.raises(RuntimeError, match="only under KVpopPolicy"):
         chunked_prefill(model, ids_of(model, 1, 5), 5, DensePolicy(), KVpopCache(scorers, 1, 3, 2))
@@ -120,14 +120,16 @@ def test_bad_arguments():
     sc = KVpopScorers.mlp(2, 2, 4)
     with pytest.raises(ValueError, match="k must be an int >= 1"): KVpopRule(sc, 1, 2, 0)
     with pytest.raises(TypeError, match="scorers must be a KVpopScorers"): KVpopRule([sc], 1, 2, 3)
-    with pytest.raises(ValueError, match="one scorer and one LogDecay per layer"): KVpopScorers(list(sc.scorers), [sc.decays[0]])
-    with pytest.raises(ValueError, match="layer_idx must lie in"): sc.priority(2, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4),
-                                                                                 torch.zeros(1, 2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="one scorer and one LogDecay per layer"):
+        KVpopScorers(list(sc.scorers), [sc.decays[0]])
+    with pytest.raises(ValueError, match="layer_idx must lie in"):
+        sc.priority(2, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, dtype=torch.long))
 
 
 @pytest.mark.parametrize("recurrent", [False, True])
 def test_visible_equals_stable_sort_reference(recurrent):
-    "KVpopRule.visible (no sort when at most k + 1 entries are eligible) equals the stable-sort reference on random states with ties."
+    """KVpopRule.visible (no sort when at most k + 1 entries are eligible) equals the stable-sort reference on random
+    states with ties."""
     from types import SimpleNamespace
     from sparsekv.kvpop.cache import kvpop_visible_reference
     gen = torch.Generator().manual_seed(7 + recurrent)
@@ -146,17 +148,20 @@ def test_visible_equals_stable_sort_reference(recurrent):
 
 @pytest.mark.parametrize("kind", ["mlp", "mlstm", "mlstm0"])
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_buffered_layers_equal_plain_layers(model, kind, budget):
-    "KVpopCache (KVpopLayer buffers, sort-free eviction) decodes like EvictingCache(KVpopRule) (concatenate, sort, gather), chunks included."
+def test_buffered_layers_equal_plain_layers(tiny_llama64_gqa_mha, kind, budget):
+    """KVpopCache (KVpopLayer buffers, sort-free eviction) decodes like EvictingCache(KVpopRule) (concatenate, sort,
+    gather), chunks included."""
     from sparsekv.cache import EvictingCache
     from sparsekv.kvpop.cache import cache_nbytes
+    model = tiny_llama64_gqa_mha
     s, w, k = budget
     scorers, ids = make_scorers(model, kind, 3, w), ids_of(model, 2, 30, seed=4)
     fast, plain = KVpopCache(scorers, s, w, k), EvictingCache(KVpopRule(scorers, s, w, k))
     pol, sizes, caps = policy_for(kind), [], set()
     with torch.no_grad(), patch(model, pol):
         for a, b in [(0, 5), (5, 6), (6, 13)] + [(t, t + 1) for t in range(13, 30)]:  # chunks, then decode
-            assert_close(model(ids[:, a:b], past_key_values=fast).logits, model(ids[:, a:b], past_key_values=plain).logits)
+            got = model(ids[:, a:b], past_key_values=fast).logits
+            assert_close(got, model(ids[:, a:b], past_key_values=plain).logits)
             for lf, lp in zip(fast.layers, plain.layers):
                 assert torch.equal(lf.positions, lp.positions) and torch.equal(lf.scores, lp.scores)
                 assert torch.equal(lf.keys, lp.keys) and torch.equal(lf.values, lp.values)
@@ -167,9 +172,10 @@ def test_buffered_layers_equal_plain_layers(model, kind, budget):
     assert len(set(sizes[w:])) == 1
 
 
-def test_prefill_chunk_grows_then_gives_back(model):
+def test_prefill_chunk_grows_then_gives_back(tiny_llama64_gqa_mha):
     "A chunk larger than the free slots grows the buffers; the eviction after it returns to s + w + k + 1 slots."
     from sparsekv.kvpop.cache import cache_nbytes
+    model = tiny_llama64_gqa_mha
     s, w, k = 1, 2, 2
     scorers, ids = random_scorers(model, seed=1), ids_of(model, 1, 40, seed=6)
     cache = KVpopCache(scorers, s, w, k)

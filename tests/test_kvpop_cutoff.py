@@ -110,7 +110,8 @@ def configs():
     "Random (S, k, sink, window) with S in 1..300, budgets smaller and larger than S."
     rnd = random.Random(11)
     fixed = [(1, 1, 0, 1), (2, 1, 0, 1), (3, 5, 0, 1), (16, 1, 0, 1), (17, 3, 0, 1), (300, 1, 4, 256), (300, 40, 4, 32)]
-    return fixed + [(S, rnd.randint(1, 40), rnd.randint(0, 6), rnd.randint(1, 30)) for S in rnd.sample(range(1, 301), 12)]
+    return fixed + [(S, rnd.randint(1, 40), rnd.randint(0, 6), rnd.randint(1, 30))
+                    for S in rnd.sample(range(1, 301), 12)]
 
 
 @pytest.mark.parametrize("S,k,sink,window", configs())

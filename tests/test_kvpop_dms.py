@@ -1,4 +1,5 @@
-"Tests of sparsekv.kvpop.dms: Gumbel-sigmoid, the delayed-eviction mask, the student protocol, the bounded cache, eviction ratios, kvpress."
+"""Tests of sparsekv.kvpop.dms: Gumbel-sigmoid, the delayed-eviction mask, the student protocol, the bounded cache,
+eviction ratios, kvpress."""
 import pytest
 import torch
 from torch.testing import assert_close
@@ -26,7 +27,8 @@ def ids_of(S, B=2, seed=0):
 
 @pytest.mark.parametrize("tau", [0.02, 0.2, 1.0, 3.0])
 def test_gumbel_sigmoid_mean(tau):
-    "Hard gates have mean sigmoid(l) at any tau; soft gates the quadrature mean, which differs from sigmoid(l) for large tau."
+    """Hard gates have mean sigmoid(l) at any tau; soft gates the quadrature mean, which differs from sigmoid(l) for
+    large tau."""
     g = torch.Generator().manual_seed(int(tau * 100))
     ell = torch.linspace(-4, 4, 9)
     n = 100_000
@@ -47,7 +49,8 @@ def test_mask_bias_matches_loop(window):
     assert_close(dms_mask_bias(alpha, window), dms_mask_bias_reference(alpha, window))
     hard = alpha > 0.5
     pos = torch.arange(11).expand(2, 2, 11)
-    assert torch.equal(dms_visible(hard, window, pos, torch.arange(11)), torch.isfinite(dms_mask_bias(hard.double(), window)))
+    visible = torch.isfinite(dms_mask_bias(hard.double(), window))
+    assert torch.equal(dms_visible(hard, window, pos, torch.arange(11)), visible)
 
 
 def explicit_dms_attention(q, k, v, log_keep, window):
@@ -94,19 +97,15 @@ def test_schedule_and_ratio_loss():
     assert 20 + (1 - rho) * 980 == pytest.approx(300)
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return load_model("tiny-llama")[0]
-
-
-def test_student_protocol(llama):
-    "method_loss: the ratio loss of the gates captured in training vs the schedule, with gradient to the gates; cleared after."
-    st = DMSStudent.for_model(llama, window=4, target=0.75, ramp_steps=4)
+def test_student_protocol(tiny_llama):
+    """method_loss: the ratio loss of the gates captured in training vs the schedule, with gradient to the gates;
+    cleared after."""
+    st = DMSStudent.for_model(tiny_llama, window=4, target=0.75, ramp_steps=4)
     assert isinstance(st, DistillStudent) and sum(p.numel() for p in st.parameters()) > 0
     ids = ids_of(24)
     st.train()
-    with patch(llama, st.policy()): llama(ids)
-    assert len(st._captured) == llama.config.num_hidden_layers
+    with patch(tiny_llama, st.policy()): tiny_llama(ids)
+    assert len(st._captured) == tiny_llama.config.num_hidden_layers
     mean = torch.stack(st._captured).mean().item()
     loss, m = st.method_loss(2)
     assert m["eviction_target"] == pytest.approx(0.375) and m["eviction_rate"] == pytest.approx(mean)
@@ -115,23 +114,23 @@ def test_student_protocol(llama):
     loss.backward()
     assert st.decisions.bias.grad is not None and (st.decisions.bias.grad < 0).all()  # pushes every head's gates up
     assert st.method_loss(3)[0].item() == 0.0  # capture cleared
-    cache = DynamicCache(config=llama.config)
-    with pytest.raises(ValueError, match="without a cache"), patch(llama, st.policy()):
-        llama(ids[:, :5], past_key_values=cache)
-        llama(ids[:, 5:7], past_key_values=cache)
+    cache = DynamicCache(config=tiny_llama.config)
+    with pytest.raises(ValueError, match="without a cache"), patch(tiny_llama, st.policy()):
+        tiny_llama(ids[:, :5], past_key_values=cache)
+        tiny_llama(ids[:, 5:7], past_key_values=cache)
     st.method_loss(0)  # clears the capture
     st.eval()
-    with torch.no_grad(), patch(llama, st.policy()):
-        a, b = llama(ids).logits, llama(ids).logits
+    with torch.no_grad(), patch(tiny_llama, st.policy()):
+        a, b = tiny_llama(ids).logits, tiny_llama(ids).logits
     assert torch.equal(a, b) and not st._captured  # evaluation: deterministic, nothing captured
 
 
 @pytest.mark.parametrize("hard", [False, True])
-def test_kl_gradient_reaches_decisions(llama, hard):
+def test_kl_gradient_reaches_decisions(tiny_llama, hard):
     "Through the soft (or straight-through) mask, the output's gradient reaches the decision MLP."
     torch.manual_seed(1)
-    st = DMSStudent.for_model(llama, window=3, target=0.5, ramp_steps=10, hard=hard, init_logit=0.0).train()
-    with patch(llama, st.policy()): out = llama(ids_of(16)).logits
+    st = DMSStudent.for_model(tiny_llama, window=3, target=0.5, ramp_steps=10, hard=hard, init_logit=0.0).train()
+    with patch(tiny_llama, st.policy()): out = tiny_llama(ids_of(16)).logits
     out.square().mean().backward()
     assert st.decisions.scorers[0].out.weight.grad.abs().max() > 0
     assert torch.isfinite(st.decisions.bias.grad).all()
@@ -151,7 +150,8 @@ def decode(model, st, ids, prefill=0, chunk=1):
 @pytest.mark.parametrize("name,overrides,window,sink", [("tiny-llama", {}, 4, 0), ("tiny-qwen3", {}, 3, 0),
                                                          ("tiny-llama", {"num_kv_heads": 4}, 5, 2)])
 def test_cache_matches_teacher_forced(name, overrides, window, sink):
-    "Decoding with DMSCache (token by token, and chunked prefill + decode) equals one forward under DMSPolicy in eval mode."
+    """Decoding with DMSCache (token by token, and chunked prefill + decode) equals one forward under DMSPolicy in eval
+    mode."""
     model = load_model(name, **overrides)[0]
     st = random_student(model, window=window, sink=sink)
     ids = ids_of(28, seed=3)
@@ -170,35 +170,37 @@ def test_cache_matches_teacher_forced(name, overrides, window, sink):
     assert counts.max() < 28 and counts.min() < counts.max()
 
 
-def test_generate(llama):
-    st = random_student(llama, window=3, seed=2)
+def test_generate(tiny_llama):
+    st = random_student(tiny_llama, window=3, seed=2)
     prompt = ids_of(7, B=1, seed=4)
-    with torch.no_grad(), patch(llama, st.policy()):
-        out = llama.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=st.inference_cache(),
-                             max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), patch(tiny_llama, st.policy()):
+        out = tiny_llama.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=st.inference_cache(),
+                                  max_new_tokens=8, do_sample=False, pad_token_id=0)
         seq = prompt
-        for _ in range(8): seq = torch.cat([seq, llama(seq).logits[:, -1:].argmax(-1)], 1)
+        for _ in range(8): seq = torch.cat([seq, tiny_llama(seq).logits[:, -1:].argmax(-1)], 1)
     assert torch.equal(out, seq)
 
 
-def test_eviction_ratios_hand_built(llama):
+def test_eviction_ratios_hand_built(tiny_llama):
     "Heads with constant gates give ratio 1 (all long-range tokens evicted) or 0; a mixed head the counted fraction."
-    st = DMSStudent.for_model(llama, window=5, target=0.5, ramp_steps=1, sink=2)
+    st = DMSStudent.for_model(tiny_llama, window=5, target=0.5, ramp_steps=1, sink=2)
     with torch.no_grad():
         st.decisions.bias.copy_(torch.tensor([[4.0, -4.0], [-4.0, -4.0]]) / st.decisions.bias_scale)
-        # layer 1, head 1 through its MLP instead of its bias: zero input weights, hidden bias 1, output 8 -> logit 8 - 4 > 0
+        # layer 1, head 1 through its MLP instead of its bias: zero input weights, hidden bias 1,
+        # output 8 -> logit 8 - 4 > 0
         sc = st.decisions.scorers[1]
         sc.hidden.weight[1].zero_()
         sc.hidden.bias[1].fill_(1.0)
         sc.out.weight[1, 0, 0] = 8.0 / torch.nn.functional.silu(torch.tensor(1.0))
-    r = eviction_ratios(st, llama, ids_of(20))
+    r = eviction_ratios(st, tiny_llama, ids_of(20))
     assert r.shape == (2, 2, 2)
     assert_close(r, torch.tensor([[[1.0, 0.0], [0.0, 1.0]]] * 2))
-    with pytest.raises(ValueError, match="needs more than"): eviction_ratios(st, llama, ids_of(7))
+    with pytest.raises(ValueError, match="needs more than"): eviction_ratios(st, tiny_llama, ids_of(7))
 
 
 def test_against_kvpress():
-    "kvpress DMSPress (threshold on a scorer, window of recent tokens) evicts the same positions as DMSCache, given the same decisions."
+    """kvpress DMSPress (threshold on a scorer, window of recent tokens) evicts the same positions as DMSCache,
+    given the same decisions."""
     kvpress = pytest.importorskip("kvpress")
     model = load_model("tiny-llama")[0]  # its own instance: kvpress leaves state on the attention modules
     window = 4
@@ -208,7 +210,8 @@ def test_against_kvpress():
         def score(self, module, hidden_states, keys, values, attentions, kwargs):
             return -st.decisions(module.layer_idx, keys, values)  # kept iff score >= 0 iff logit <= 0
 
-    # kvpress's window protects `sliding_window_size` tokens besides the query: ours (w keys, the query included) is w - 1
+    # kvpress's window protects `sliding_window_size` tokens besides the query:
+    # ours (w keys, the query included) is w - 1
     press = kvpress.DMSPress(Decisions(), threshold=0.0, sliding_window_size=window - 1, decoding=True)
     ids = ids_of(26, B=1, seed=6)
     theirs = DynamicCache(config=model.config)
@@ -220,10 +223,11 @@ def test_against_kvpress():
     b, h, s = mods[0].masked_key_indices  # layer 0: its keys do not depend on how earlier tokens attended
     for hh, ss in zip(h.tolist(), s.tolist()): masked[hh].add(ss)
     for m in mods: m.masked_key_indices = None
-    # ours: the same tokens, all decoded one by one (kvpress prefills densely; layer-0 decisions are the same either way)
+    # ours: the same tokens, all decoded one by one
+    # (kvpress prefills densely; layer-0 decisions are the same either way)
     _, cache = decode(model, st, ids)
     layer = cache.layers[0]
-    live = [set(layer.positions[0, hh][dms_visible(layer.scores > 0, window, layer.positions, torch.tensor([26]))[0, hh, 0]].tolist())
-            for hh in range(2)]
+    vis = dms_visible(layer.scores > 0, window, layer.positions, torch.tensor([26]))
+    live = [set(layer.positions[0, hh][vis[0, hh, 0]].tolist()) for hh in range(2)]
     for hh in range(2):
         assert masked[hh] and masked[hh] == set(range(26)) - live[hh]

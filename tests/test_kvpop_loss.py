@@ -1,13 +1,14 @@
-"KVpop teacher boundary, query sampler, boundary loss and weights against their brute-force references (Eq. 5-7, 22-25)."
+"""KVpop teacher boundary, query sampler, boundary loss and weights against their brute-force references
+(Eq. 5-7, 22-25)."""
 import math
 
 import pytest
 import torch
 
 from sparsekv.kvpop.cutoff import LogDecay, static_priority, topk_cutoff_reference
-from sparsekv.kvpop.loss import (balance_weight, kept_long_range, margin_weight, retention_loss, retention_loss_reference,
-                                 retention_recall, sample_boundary_queries, teacher_boundary, teacher_boundary_reference,
-                                 teacher_margin)
+from sparsekv.kvpop.loss import (balance_weight, kept_long_range, margin_weight, retention_loss,
+                                 retention_loss_reference, retention_recall, sample_boundary_queries, teacher_boundary,
+                                 teacher_boundary_reference, teacher_margin)
 from sparsekv.kvpop.mask import kvpop_mask_reference
 
 
@@ -23,7 +24,8 @@ def make_priority(B, H, S, kind, seed):
 
 
 # (S, sink, window, k): S up to 300, a single valid query (S = s + w + k + 1), no sinks, k = 1, window 1
-SHAPES = [(300, 4, 16, 32), (97, 3, 7, 10), (53, 4, 16, 32), (20, 0, 1, 1), (12, 2, 3, 6), (40, 0, 5, 1), (64, 1, 1, 30)]
+SHAPES = [(300, 4, 16, 32), (97, 3, 7, 10), (53, 4, 16, 32), (20, 0, 1, 1), (12, 2, 3, 6), (40, 0, 5, 1),
+          (64, 1, 1, 30)]
 
 
 @pytest.mark.parametrize("S,sink,window,k", SHAPES)
@@ -39,7 +41,8 @@ def test_boundary_matches_reference(S, sink, window, k, kind):
 
 @pytest.mark.parametrize("kind", ["normal", "ties"])
 def test_boundary_against_kept_set(kind):
-    "y says whether t_new is in the teacher's kept set (the brute-force mask row); t_bnd is its worst kept token or, when that is t_new, its best dropped one."
+    """y says whether t_new is in the teacher's kept set (the brute-force mask row); t_bnd is its worst kept token or,
+    when that is t_new, its best dropped one."""
     S, sink, window, k = 70, 3, 6, 9
     p = make_priority(2, 2, S, kind, seed=1)
     q = torch.arange(sink + window + k, S)
@@ -66,7 +69,8 @@ def test_boundary_edge_cases():
     # the first valid query is s + w + k; before it |E(q)| <= k and there is no first dropped token
     with pytest.raises(ValueError, match="Eq. 25"): teacher_boundary(p, [sink + window + k - 1], sink, window, k)
     with pytest.raises(ValueError, match="S - 1"): teacher_boundary(p, [30], sink, window, k)
-    with pytest.raises(ValueError, match="Eq. 25"): teacher_boundary(p[..., :10], [10], sink, window, k)  # k > |E(q)| everywhere
+    # k > |E(q)| everywhere
+    with pytest.raises(ValueError, match="Eq. 25"): teacher_boundary(p[..., :10], [10], sink, window, k)
     with pytest.raises(ValueError, match="1-D integer"): teacher_boundary(p, torch.tensor([20.0]), sink, window, k)
     with pytest.raises(ValueError, match="1-D integer"): teacher_boundary(p, [[20]], sink, window, k)
     with pytest.raises(TypeError, match="floating-point"): teacher_boundary(p.long(), [20], sink, window, k)
@@ -76,13 +80,15 @@ def test_boundary_edge_cases():
     empty = teacher_boundary(p, torch.tensor([], dtype=torch.long), sink, window, k)
     assert all(x.shape == (1, 2, 0) for x in empty)
     # a list works like a tensor, repeated positions give repeated answers
-    a, b = teacher_boundary(p, [20, 20, 29], sink, window, k), teacher_boundary(p, torch.tensor([20, 20, 29]), sink, window, k)
+    a = teacher_boundary(p, [20, 20, 29], sink, window, k)
+    b = teacher_boundary(p, torch.tensor([20, 20, 29]), sink, window, k)
     for x, z in zip(a, b): assert torch.equal(x, z) and torch.equal(x[..., 0], x[..., 1])
 
 
 def test_sampler_determinism_and_range():
     S, sink, window, k = 500, 4, 16, 32
-    draw = lambda seed, **kw: sample_boundary_queries(S, 256, sink, window, k, generator=torch.Generator().manual_seed(seed), **kw)
+    draw = lambda seed, **kw: sample_boundary_queries(S, 256, sink, window, k,
+                                                      generator=torch.Generator().manual_seed(seed), **kw)
     assert torch.equal(draw(3), draw(3))
     assert not torch.equal(draw(3), draw(4))
     for late_frac in (0.0, 0.5, 1.0):
@@ -127,7 +133,8 @@ def test_loss_matches_reference(opts, kind):
     r_hat, r_tgt = make_priority(B, H, S, "normal", seed=9), make_priority(B, H, S, kind, seed=10)
     log_gamma = -torch.rand(H, generator=g) * 0.05
     q = sample_boundary_queries(S, 24, sink, window, k, generator=g)
-    got = retention_loss(static_priority(r_hat, log_gamma), static_priority(r_tgt, log_gamma), q, sink, window, k, **opts)
+    got = retention_loss(static_priority(r_hat, log_gamma), static_priority(r_tgt, log_gamma), q, sink, window, k,
+                         **opts)
     want = retention_loss_reference(r_hat, r_tgt, log_gamma, q, sink, window, k, **opts)
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
     per = retention_loss(static_priority(r_hat, log_gamma), static_priority(r_tgt, log_gamma), q, sink, window, k,
@@ -142,7 +149,8 @@ def test_loss_bad_input():
     with pytest.raises(ValueError, match="tau must"): retention_loss(p, p, [30], 2, 4, 5, tau=0.0)
     with pytest.raises(ValueError, match="reduction"): retention_loss(p, p, [30], 2, 4, 5, reduction="sum")
     with pytest.raises(ValueError, match="omega_min"): retention_loss(p, p, [30], 2, 4, 5, omega_min=2.0)
-    with pytest.raises(ValueError, match="c_min"): retention_loss(p, p, [30], 2, 4, 5, balance=True, c_min=2.0, c_max=1.0)
+    with pytest.raises(ValueError, match="c_min"):
+        retention_loss(p, p, [30], 2, 4, 5, balance=True, c_min=2.0, c_max=1.0)
 
 
 def test_margin_weights():
@@ -195,8 +203,8 @@ def test_gradients_reach_only_scorer_and_alpha():
     torch.testing.assert_close(grads[1], torch.zeros(1), atol=1e-7, rtol=0)  # a shared bias cancels in the difference
     assert grads[3] is None
     # the alpha gradient through the student is the reference's
-    want = torch.autograd.grad(retention_loss_reference(scorer(x)[..., 0], r_tgt, decay(), q, sink, window, k, balance=True),
-                               decay.alpha)[0]
+    ref = retention_loss_reference(scorer(x)[..., 0], r_tgt, decay(), q, sink, window, k, balance=True)
+    want = torch.autograd.grad(ref, decay.alpha)[0]
     torch.testing.assert_close(grads[2], want, rtol=1e-4, atol=1e-7)
 
 

@@ -1,4 +1,5 @@
-"The KVpop sparse mask: the definition with loops, budget per row, permanent eviction, FlexAttention and the sparse LSE."
+"""The KVpop sparse mask: the definition with loops, budget per row, permanent eviction, FlexAttention and the sparse
+LSE."""
 import itertools
 import math
 import random
@@ -22,7 +23,8 @@ def configs():
     "(S, k, sink, window) with S in 1..300, including S < s + w + k."
     rnd = random.Random(3)
     fixed = [(1, 1, 0, 1), (2, 1, 1, 1), (4, 9, 2, 3), (12, 1, 0, 1), (300, 30, 4, 64)]
-    return fixed + [(S, rnd.randint(1, 20), rnd.randint(0, 4), rnd.randint(1, 16)) for S in rnd.sample(range(3, 200), 6)]
+    return fixed + [(S, rnd.randint(1, 20), rnd.randint(0, 4), rnd.randint(1, 16))
+                    for S in rnd.sample(range(3, 200), 6)]
 
 
 def row_budget(S, k, sink, window):
@@ -55,7 +57,8 @@ def test_mask_mod_equals_dense(G):
     rank, cutoff = topk_cutoff(random_priority(B, Hkv, S, True, gen), k, sink, window)
     dense = kvpop_mask(rank, cutoff, sink, window, groups=G)
     assert dense.shape == (B, Hkv * G, S, S)
-    b, h, q, kv = torch.meshgrid(torch.arange(B), torch.arange(Hkv * G), torch.arange(S), torch.arange(S), indexing="ij")
+    b, h, q, kv = torch.meshgrid(torch.arange(B), torch.arange(Hkv * G), torch.arange(S), torch.arange(S),
+                                 indexing="ij")
     assert torch.equal(kvpop_mask_mod(rank, cutoff, sink, window, G)(b, h, q, kv), dense)
     per_kv = kvpop_mask(rank, cutoff, sink, window)
     for hq in range(Hkv * G): assert torch.equal(dense[:, hq], per_kv[:, hq // G])
@@ -114,5 +117,7 @@ def test_validation():
     with pytest.raises(ValueError, match="sink must be"): kvpop_mask(rank, cutoff, -1, 2)
     with pytest.raises(ValueError, match="window must be"): kvpop_mask_mod(rank, cutoff, 1, 0)
     with pytest.raises(ValueError, match="groups must be"): kvpop_block_mask(rank, cutoff, 1, 2, groups=0)
-    with pytest.raises(ValueError, match="must be \\[B, Hkv, S\\]"): kvpop_attention(q, k, k, rank[:, :1], cutoff[:, :1], 1, 2)
-    with pytest.raises(ValueError, match="backend must be one of"): kvpop_attention(q, k, k, rank, cutoff, 1, 2, backend="x")
+    with pytest.raises(ValueError, match="must be \\[B, Hkv, S\\]"):
+        kvpop_attention(q, k, k, rank[:, :1], cutoff[:, :1], 1, 2)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kvpop_attention(q, k, k, rank, cutoff, 1, 2, backend="x")

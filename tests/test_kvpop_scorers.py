@@ -1,4 +1,5 @@
-"KVpop scorers: headwise stateless scorers and the mLSTM scorer (parallel vs recurrent, delayed readout, oracles, init)."
+"""KVpop scorers: headwise stateless scorers and the mLSTM scorer (parallel vs recurrent, delayed readout, oracles,
+init)."""
 
 import pytest
 import torch
@@ -7,15 +8,16 @@ from mlstm_kernels.torch.parallel.native.fw import mlstm_parallel_fw
 from mlstm_kernels.torch.recurrent.native_step import mlstm_recurrent_step__native_fw
 from torch.testing import assert_close
 
-from sparsekv.kvpop.scorers import (LinearScorer, MLPScorer, MLSTMScorer, count_parameters, hedgehog, mlp_scorer_reference,
-                                    mlstm_chunkwise, mlstm_parallel, mlstm_readout, mlstm_recurrent, mlstm_step, mlstm_unstabilized_reference,
-                                    mlstm_init_state)
+from sparsekv.kvpop.scorers import (LinearScorer, MLPScorer, MLSTMScorer, count_parameters, hedgehog,
+                                    mlp_scorer_reference, mlstm_chunkwise, mlstm_parallel, mlstm_readout,
+                                    mlstm_recurrent, mlstm_step, mlstm_unstabilized_reference, mlstm_init_state)
 
 
 def make_kv(B, H, S, d, seed, dtype=torch.float32, scale=1.0):
     "Random keys/values [B,H,S,d]."
     g = torch.Generator().manual_seed(seed)
-    return (scale * torch.randn(B, H, S, d, generator=g)).to(dtype), (scale * torch.randn(B, H, S, d, generator=g)).to(dtype)
+    draw = lambda: (scale * torch.randn(B, H, S, d, generator=g)).to(dtype)
+    return draw(), draw()
 
 
 def randomize(module, seed, std=0.3):
@@ -109,8 +111,8 @@ def test_against_mlstm_kernels_parallel_and_step():
     theirs = (ours.C, ours.n, ours.m[..., None])
     for t in range(S):
         ours = mlstm_step(ours, kf[:, :, t], vf[:, :, t], i_pre[..., t], F.logsigmoid(f_pre[..., t]))
-        h_t, theirs = mlstm_recurrent_step__native_fw(*theirs, q[:, :, t], kf[:, :, t], vf[:, :, t], i_pre[..., t, None],
-                                                      f_pre[..., t, None])
+        h_t, theirs = mlstm_recurrent_step__native_fw(*theirs, q[:, :, t], kf[:, :, t], vf[:, :, t],
+                                                      i_pre[..., t, None], f_pre[..., t, None])
         assert_close(mlstm_readout(ours, q[:, :, t], "mlstm"), h_t)
     assert_close(ours.C, theirs[0]); assert_close(ours.n, theirs[1]); assert_close(ours.m, theirs[2][..., 0])
 

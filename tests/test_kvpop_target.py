@@ -29,8 +29,9 @@ CASES = [(1, 1, 1), (3, 1, 4), (4, 2, 1), (3, 5, 8), (1, 64, 64), (4, 65, 64), (
 @pytest.mark.parametrize("method", ["chunked", "flex"])
 def test_methods_equal_dense(G, S, window, method):
     q, k, given = _inputs(G, S, seed=S + G)
+    options = (("max", True), ("mean", False), ("max", False), ("mean", True))
     for lse in (None, given):
-        for agg, normalize in (("max", True), ("mean", False), ("max", False), ("mean", True))[:2 if lse is None else 4]:
+        for agg, normalize in options[:2 if lse is None else 4]:
             want = future_attention_target(q, k, window, lse, agg, normalize=normalize, method="dense")
             got = future_attention_target(q, k, window, lse, agg, normalize=normalize, method=method, block=32)
             assert got.shape == (q.shape[0], k.shape[1], S) and got.dtype == torch.float32
@@ -54,7 +55,8 @@ def test_chunked_block_does_not_change_the_result():
     for given in (None, lse):
         want = future_attention_target(q, k, 10, given, method="chunked", block=61)
         for block in (1, 2, 7, 32, 50, 51, 1000):  # S - window = 51 keys have a future query
-            assert_close(future_attention_target(q, k, 10, given, method="chunked", block=block), want, rtol=1e-6, atol=1e-6)
+            got = future_attention_target(q, k, 10, given, method="chunked", block=block)
+            assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["dense", "chunked", "flex"])
@@ -84,7 +86,8 @@ def test_dense_lse_is_the_default():
     q, k, _ = _inputs(3, 50, seed=4)
     lse = masked_logsumexp(attention_scores(q, k, causal_mask(50, 50)))
     for method in ("dense", "chunked", "flex"):
-        assert_close(future_attention_target(q, k, 7, None, method=method), future_attention_target(q, k, 7, lse, method=method))
+        assert_close(future_attention_target(q, k, 7, None, method=method),
+                     future_attention_target(q, k, 7, lse, method=method))
 
 
 def test_auto_dtypes_and_no_gradient():
@@ -127,7 +130,8 @@ def test_bad_layouts():
     q, k = torch.randn(1, 6, 10, 8), torch.randn(1, 2, 10, 8)
     with pytest.raises(ValueError, match="same length S"): future_attention_target(q, k[:, :, :8], 3)
     with pytest.raises(ValueError, match="multiple of the KV heads"): future_attention_target(q[:, :5], k, 3)
-    with pytest.raises(TypeError, match="floating-point"): future_attention_target(q, k, 3, lse=torch.zeros(1, 6, 10, dtype=torch.long))
+    with pytest.raises(TypeError, match="floating-point"):
+        future_attention_target(q, k, 3, lse=torch.zeros(1, 6, 10, dtype=torch.long))
 
 
 def test_peak_memory_counts_new_storage_only():

@@ -1,5 +1,8 @@
 "Tests of `sparsekv.models`: the bundled SmolLM2 (converted once into the shared cache), tiny models, errors."
+import json
 import os
+import shutil
+import time
 
 import pytest
 import torch
@@ -38,7 +41,8 @@ def test_smollm2_geometry_and_tokenizer(smollm2):
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
     ids = tokenizer("Hello world")["input_ids"]
     assert tokenizer.bos_token_id not in ids and tokenizer.decode(ids) == "Hello world"
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True)
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -77,7 +81,8 @@ def test_conversion_runs_once_into_the_configured_cache(tmp_path, monkeypatch, c
 
 
 def test_real_conversion_reproduces_the_cached_folder(tmp_path, smollm2):
-    "The real GGUF conversion runs in every test session: on a machine whose cache already holds the folder, it is the only check of that path."
+    """The real GGUF conversion runs in every test session: on a machine whose cache already holds the folder, it is
+    the only check of that path."""
     models.convert_gguf_to_hf(models.smollm2_gguf_path(), tmp_path / "m")
     model, tokenizer = load_model(tmp_path / "m")
     for (name, a), (_, b) in zip(model.state_dict().items(), smollm2[0].state_dict().items()):
@@ -147,7 +152,8 @@ def test_hub_id_loads_from_a_local_hf_cache_without_network(tmp_path):
     model, tokenizer = load_model("someone/tiny", cache_dir=tmp_path, local_files_only=True, dtype="bfloat16")
     assert model.dtype == torch.bfloat16 and model_info(model).group_size == 4 and len(tokenizer) == len(tok)
     torch.testing.assert_close(model.lm_head.weight, saved.lm_head.weight.bfloat16(), rtol=0, atol=0)
-    with pytest.raises(OSError, match="offline, use"): load_model("someone/other", cache_dir=tmp_path, local_files_only=True)
+    with pytest.raises(OSError, match="offline, use"):
+        load_model("someone/other", cache_dir=tmp_path, local_files_only=True)
 
 
 def test_model_info_reads_configs_without_head_dim_or_kv_heads():
@@ -157,9 +163,6 @@ def test_model_info_reads_configs_without_head_dim_or_kv_heads():
 
 
 # --- the model cache checks its folders, load errors name them, offline fails fast (issue 12, item 8) ------------
-import json
-import shutil
-import time
 
 
 def tiny_converter(calls):
@@ -184,7 +187,8 @@ def damage(folder, kind):
     else: (folder / kind).unlink()
 
 
-@pytest.mark.parametrize("kind", ["corrupted weights", "truncated weights", "config.json", "tokenizer.json", "no marker", "garbled marker"])
+@pytest.mark.parametrize("kind", ["corrupted weights", "truncated weights", "config.json", "tokenizer.json",
+                                  "no marker", "garbled marker"])
 def test_broken_cached_folder_is_moved_aside_and_reconverted(tmp_path, monkeypatch, capsys, kind):
     monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path))
     calls = []

@@ -21,7 +21,8 @@ def cells(nb) -> list[tuple[str, str]]:
 def test_notebook_is_clean(path):
     nb = nbformat.read(path, as_version=4)
     for c in nb.cells:
-        assert not c.get("outputs") and c.get("execution_count") is None, f"{path.name}: outputs committed (make clean-nbs)"
+        assert not c.get("outputs") and c.get("execution_count") is None, \
+            f"{path.name}: outputs committed (make clean-nbs)"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -1,4 +1,5 @@
-"OVAL page basis (`sparsekv.oval.basis`) against the direct d x d eigenproblem, key PCA, the exact page LSE and loops, on random and degenerate pages."
+"""OVAL page basis (`sparsekv.oval.basis`) against the direct d x d eigenproblem, key PCA, the exact page LSE and loops,
+on random and degenerate pages."""
 import math
 
 import pytest
@@ -13,10 +14,12 @@ F64 = torch.float64
 
 
 def make_pages(lead=(4, 3), m=32, d=64, dv=None, seed=0, dtype=F64, spread=1.0):
-    "Random pages: keys with a decaying spectrum (10**spread from first to last channel) and a shared offset, values, one G per KV head."
+    """Random pages: keys with a decaying spectrum (10**spread from first to last channel) and a shared offset, values,
+    one G per KV head."""
     g = torch.Generator().manual_seed(seed)
     dv = d if dv is None else dv
-    K = torch.randn(*lead, m, d, generator=g, dtype=F64) * torch.logspace(0, -spread, d, dtype=F64) + torch.randn(d, generator=g, dtype=F64)
+    spectrum = torch.logspace(0, -spread, d, dtype=F64)
+    K = torch.randn(*lead, m, d, generator=g, dtype=F64) * spectrum + torch.randn(d, generator=g, dtype=F64)
     V = torch.randn(*lead, m, dv, generator=g, dtype=F64)
     A = torch.randn(lead[-1] if lead else 1, dv, dv, generator=g, dtype=F64)
     G = A.mT @ A / dv
@@ -67,16 +70,18 @@ def test_float32_and_bf16(eta):
 def test_eta0_is_key_pca(dtype):
     K, V, G = make_pages(seed=2, dtype=dtype)
     B = page_basis(K, V, G, rank=8, eta=0.0)[1]
-    assert subspace_distance(B.double(), key_pca(K, 8)).max() < (1e-10 if dtype == F64 else 1e-3)
+    tol = 1e-10 if dtype == F64 else 1e-3
+    assert subspace_distance(B.double(), key_pca(K, 8)).max() < tol
     # G and V play no role at eta = 0
-    assert subspace_distance(B, page_basis(K, torch.randn_like(V), None, rank=8, eta=0.0)[1]).max() < (1e-10 if dtype == F64 else 1e-3)
+    assert subspace_distance(B, page_basis(K, torch.randn_like(V), None, rank=8, eta=0.0)[1]).max() < tol
 
 
 @pytest.mark.parametrize("eta", ETAS)
 @pytest.mark.parametrize("dtype,tol", [(F64, 1e-10), (torch.float32, 2e-4)])
 @pytest.mark.parametrize("spread", [0.0, 3.0])
 def test_rank_m_minus_1_is_exact(eta, dtype, tol, spread):
-    "At rank m-1 the basis contains the row space of X, so the page score is the exact page LSE (also for ill-conditioned keys)."
+    """At rank m-1 the basis contains the row space of X, so the page score is the exact page LSE (also for
+    ill-conditioned keys)."""
     K, V, G = make_pages(seed=3, dtype=dtype, spread=spread)
     mu, B, R = page_basis(K, V, G, rank=31, eta=eta)
     assert B.shape[-1] == 31
@@ -84,7 +89,8 @@ def test_rank_m_minus_1_is_exact(eta, dtype, tol, spread):
     assert_close(page_score(q.to(dtype), mu, B, R).double(), page_lse_exact(q, K.double()), atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("m,d,rank,want", [(32, 64, 8, 8), (5, 64, 8, 4), (9, 64, 8, 8), (32, 3, 8, 3), (2, 5, 8, 1), (1, 4, 8, 0), (32, 64, 40, 31)])
+@pytest.mark.parametrize("m,d,rank,want", [(32, 64, 8, 8), (5, 64, 8, 4), (9, 64, 8, 8), (32, 3, 8, 3), (2, 5, 8, 1),
+                                           (1, 4, 8, 0), (32, 64, 40, 31)])
 def test_rank_cap(m, d, rank, want):
     K, V, G = make_pages(lead=(2,), m=m, d=d, seed=4)
     mu, B, R = page_basis(K, V, G, rank=rank)
@@ -117,11 +123,13 @@ def test_invariances():
         B = page_basis(K, V, G, rank=8, eta=eta)[1]
         for K2, V2, G2 in [(K + shift, V - 3.0, G), (7.0 * K, 0.01 * V, 50.0 * G), (1e-3 * K, 1e3 * V, G)]:
             assert subspace_distance(page_basis(K2, V2, G2, rank=8, eta=eta)[1], B).max() < 1e-8
-    assert subspace_distance(page_basis(K, V, None, rank=8)[1], page_basis(K, V, torch.eye(64, dtype=F64), rank=8)[1]).max() < 1e-10
+    with_identity = page_basis(K, V, torch.eye(64, dtype=F64), rank=8)[1]
+    assert subspace_distance(page_basis(K, V, None, rank=8)[1], with_identity).max() < 1e-10
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["m=1", "identical keys", "zero values", "zero page", "two tokens, one repeated value"])
+@pytest.mark.parametrize("case", ["m=1", "identical keys", "zero values", "zero page",
+                                  "two tokens, one repeated value"])
 def test_degenerate_pages(dtype, case):
     K, V, G = make_pages(lead=(2, 3), m=8, d=16, seed=7)
     if case == "m=1": K, V = K[..., :1, :], V[..., :1, :]
@@ -131,17 +139,19 @@ def test_degenerate_pages(dtype, case):
     if case == "two tokens, one repeated value": K, V = K[..., :2, :], V[..., :1, :].expand(2, 3, 2, 16).clone()
     K, V = K.to(dtype), V.to(dtype)
     q = torch.randn(2, 3, 16, dtype=F64)
+    atol = {F64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     for eta in ETAS:
         mu, B, R = page_basis(K, V, G.float(), rank=8, eta=eta)
         assert all(t.dtype == dtype and torch.isfinite(t.float()).all() for t in (mu, B, R))
         Bw = B.double()
-        assert_close(Bw.mT @ Bw, eye_like(Bw), atol={F64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype], rtol=0)
+        assert_close(Bw.mT @ Bw, eye_like(Bw), atol=atol, rtol=0)
         if dtype == F64:                                          # every degenerate page has rank X <= 7: exact
             assert_close(page_score(q, mu, B, R), page_lse_exact(q, K), atol=1e-10, rtol=0)
 
 
 def test_thread_count_is_restored():
-    "page_basis runs its CPU eigensolvers on one thread (MKL's threaded eigh is slow on tiny matrices) and restores the setting."
+    """page_basis runs its CPU eigensolvers on one thread (MKL's threaded eigh is slow on tiny matrices) and restores
+    the setting."""
     K, V, G = make_pages(lead=(2, 3), m=8, d=16, seed=15)
     n = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -211,7 +221,8 @@ def test_output_metric_against_loop():
         G = output_metric(W, Hq, Hkv, hd)
         assert G.shape == (Hkv, hd, hd)
         for h in range(Hkv):
-            want = sum(W[:, j * hd:(j + 1) * hd].T @ W[:, j * hd:(j + 1) * hd] for j in range(Hq) if j // (Hq // Hkv) == h)
+            want = sum(W[:, j * hd:(j + 1) * hd].T @ W[:, j * hd:(j + 1) * hd]
+                       for j in range(Hq) if j // (Hq // Hkv) == h)
             assert_close(G[h], want)
         assert output_metric(W.bfloat16(), Hq, Hkv, hd).dtype == torch.float32
         assert torch.linalg.eigvalsh(G).min() > -1e-10
@@ -225,13 +236,15 @@ def test_output_metric_from_a_llama_layer():
     attn = LlamaAttention(cfg, layer_idx=0)
     W = attn.o_proj.weight.detach()
     G = output_metric(W, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-    # delta o on the query heads of KV head 1 only: ||o_proj(delta)||^2 = sum_g ||delta_g||^2 in W_g^T W_g, equal deltas -> G_1
+    # delta o on the query heads of KV head 1 only: ||o_proj(delta)||^2 = sum_g ||delta_g||^2 in W_g^T W_g,
+    # equal deltas -> G_1
     delta = torch.randn(8)
     full = torch.zeros(6 * 8)
     for j in (3, 4, 5):                                           # query heads h*G+g of KV head h = 1
         full[j * 8:(j + 1) * 8] = delta
     y = attn.o_proj(full)
-    cross = sum(delta @ W[:, i * 8:(i + 1) * 8].T @ W[:, j * 8:(j + 1) * 8] @ delta for i in (3, 4, 5) for j in (3, 4, 5) if i != j)
+    cross = sum(delta @ W[:, i * 8:(i + 1) * 8].T @ W[:, j * 8:(j + 1) * 8] @ delta
+                for i in (3, 4, 5) for j in (3, 4, 5) if i != j)
     assert_close(y @ y, delta @ G[1] @ delta + cross, rtol=1e-4, atol=1e-4)
 
 
@@ -247,11 +260,14 @@ def test_page_score_against_loop_and_bound():
         for g in range(2):
             for p in range(5):
                 qv = q[h, g, 0]
-                logits = [(float(R[h, p, t] @ (B[h, p].T @ qv)) + float(mu[h, p] @ qv)) / math.sqrt(32) for t in range(16)]
+                logits = [(float(R[h, p, t] @ (B[h, p].T @ qv)) + float(mu[h, p] @ qv)) / math.sqrt(32)
+                          for t in range(16)]
                 mx = max(logits)
-                assert math.isclose(float(got[h, g, p]), mx + math.log(sum(math.exp(x - mx) for x in logits)), rel_tol=1e-12, abs_tol=1e-12)
+                lse = mx + math.log(sum(math.exp(x - mx) for x in logits))
+                assert math.isclose(float(got[h, g, p]), lse, rel_tol=1e-12, abs_tol=1e-12)
     exact = page_lse_exact(q, K[:, None])
-    loop = torch.tensor([[[float(torch.logsumexp(K[h, p] @ q[h, g, 0] / math.sqrt(32), 0)) for p in range(5)] for g in range(2)] for h in range(3)], dtype=F64)
+    loop = torch.tensor([[[float(torch.logsumexp(K[h, p] @ q[h, g, 0] / math.sqrt(32), 0)) for p in range(5)]
+                          for g in range(2)] for h in range(3)], dtype=F64)
     assert_close(exact, loop)
     _, X = centre_page(K)
     XJ = X - X @ B @ B.mT                                          # X (I - P_B)  [Hkv, P, m, d]
@@ -259,8 +275,9 @@ def test_page_score_against_loop_and_bound():
     assert ((got - exact).abs() <= e.abs().amax((-2, -1)) + 1e-12).all()
     # a custom scale: exact at rank m - 1, and the mean term scales with it
     full = page_basis(K, V, G[:, None], rank=15)
-    assert_close(page_score(q, *(t[:, None] for t in full), scale=0.3), page_lse_exact(q, K[:, None], scale=0.3), atol=1e-10, rtol=0)
-    assert_close(page_lse_exact(q, K[:, None], scale=0.3), torch.logsumexp(0.3 * (K[:, None] @ q[..., None]).squeeze(-1), -1))
+    scaled = page_lse_exact(q, K[:, None], scale=0.3)
+    assert_close(page_score(q, *(t[:, None] for t in full), scale=0.3), scaled, atol=1e-10, rtol=0)
+    assert_close(scaled, torch.logsumexp(0.3 * (K[:, None] @ q[..., None]).squeeze(-1), -1))
     assert page_score(q.float(), mu[:, None], B[:, None], R[:, None]).dtype == F64
     assert page_score(q.float(), mu[:, None].float(), B[:, None].float(), R[:, None].float()).dtype == torch.float32
 
@@ -281,7 +298,8 @@ def test_bad_input():
     with pytest.raises(ValueError, match="eta must be"): hybrid_metric(K, V, G, eta=2)
     with pytest.raises(ValueError, match="B must be"): page_risks(K, V, torch.zeros(2, 8, 3, dtype=F64), G)
     with pytest.raises(ValueError, match="need q"): page_score(torch.zeros(2, 15), *page_basis(K, V, G, rank=2))
-    with pytest.raises(ValueError, match="scale must be"): page_score(torch.zeros(2, 16), *page_basis(K, V, G, rank=2), scale=float("nan"))
+    with pytest.raises(ValueError, match="scale must be"):
+        page_score(torch.zeros(2, 16), *page_basis(K, V, G, rank=2), scale=float("nan"))
     with pytest.raises(ValueError, match="need q"): page_lse_exact(torch.zeros(2, 15), K)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"): output_metric(torch.zeros(4, 30), 6, 4, 5)
     with pytest.raises(ValueError, match="o_proj_weight must be"): output_metric(torch.zeros(4, 30), 6, 3, 4)

@@ -1,4 +1,5 @@
-"OVAL page retrieval (`sparsekv.oval.pages`): avgSM/max aggregation, page selection, storage, the packed decode layout and the decode policy, by name or with a PageSummary."
+"""OVAL page retrieval (`sparsekv.oval.pages`): avgSM/max aggregation, page selection, storage, the packed decode
+layout and the decode policy, by name or with a PageSummary."""
 import math
 
 import pytest
@@ -6,21 +7,22 @@ import torch
 from torch.testing import assert_close
 
 from sparsekv.hf import AttentionContext, patch
-from sparsekv.models import load_model
 from sparsekv.oval.basis import output_metric
 from sparsekv.attention import gather_keys
 from sparsekv.hf import attend_selected
-from sparsekv.oval.pages import (GQA_POLICIES, PackedPages, PageRetrievalPolicy, aggregate_gqa, always_kept, gather_pages, page_attention,
-                                 page_tokens, retrieval_quality, select_pages, select_pages_reference, storage_table, summary_scalars, top_pages)
-from sparsekv.oval.summaries import (METHODS, SUMMARIES, KeyPCASummary, OVALSummary, QuestSummary, build_summaries, score_pages,
-                                     score_pages_reference)
+from sparsekv.oval.pages import (GQA_POLICIES, PackedPages, PageRetrievalPolicy, aggregate_gqa, always_kept,
+                                 gather_pages, page_attention, page_tokens, retrieval_quality, select_pages,
+                                 select_pages_reference, storage_table, summary_scalars, top_pages)
+from sparsekv.oval.summaries import (METHODS, SUMMARIES, KeyPCASummary, OVALSummary, QuestSummary, build_summaries,
+                                     score_pages, score_pages_reference)
 
 F64 = torch.float64
 
 
 def cache(B=2, Hkv=2, T=45, d=8, seed=0, dtype=F64):
     g = torch.Generator().manual_seed(seed)
-    K = (torch.randn(B, Hkv, T, d, generator=g, dtype=F64) * torch.logspace(0, -1, d, dtype=F64) + torch.randn(d, generator=g, dtype=F64))
+    spectrum = torch.logspace(0, -1, d, dtype=F64)
+    K = torch.randn(B, Hkv, T, d, generator=g, dtype=F64) * spectrum + torch.randn(d, generator=g, dtype=F64)
     V = torch.randn(B, Hkv, T, d, generator=g, dtype=F64)
     A = torch.randn(Hkv, d, d, generator=g, dtype=F64)
     return K.to(dtype), V.to(dtype), (A.mT @ A / d).to(dtype)
@@ -28,7 +30,8 @@ def cache(B=2, Hkv=2, T=45, d=8, seed=0, dtype=F64):
 
 def queries(B=2, Hq=4, d=8, seed=1, S=None):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, Hq, d, generator=g, dtype=F64) if S is None else torch.randn(B, Hq, S, d, generator=g, dtype=F64)
+    shape = (B, Hq, d) if S is None else (B, Hq, S, d)
+    return torch.randn(*shape, generator=g, dtype=F64)
 
 
 @pytest.mark.parametrize("policy", GQA_POLICIES)
@@ -111,19 +114,14 @@ def test_oracle_selection_maximizes_mass():
     assert_close(err, torch.zeros_like(err))
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-llama")[0]
-
-
 def _ctx(T, attn, layer=1):
     return AttentionContext(layer_idx=layer, kind="decode", query_positions=torch.tensor([T - 1]),
                             key_positions=torch.arange(T).expand(1, 2, T), mask=None, scale=0.25, module=attn)
 
 
 @pytest.mark.parametrize("method,policy", [("quest", "avgSM"), ("keypca", "max"), ("oval", "avgSM"), ("oracle", "max")])
-def test_decode_policy_matches_reference(tiny, method, policy):
-    attn = tiny.model.layers[1].self_attn
+def test_decode_policy_matches_reference(tiny_llama, method, policy):
+    attn = tiny_llama.model.layers[1].self_attn
     g = torch.Generator().manual_seed(2)
     pol = PageRetrievalPolicy(method, token_budget=20, page_size=4, sink=2, recent=5, rank=2, eta=0.75, policy=policy)
     k, v = torch.randn(1, 2, 60, 16, generator=g), torch.randn(1, 2, 60, 16, generator=g)
@@ -144,23 +142,25 @@ def test_decode_policy_matches_reference(tiny, method, policy):
     assert pol.select(q, k, v, _ctx(60, attn, layer=0)) is None
 
 
-def test_decode_policy_generation(tiny):
+def test_decode_policy_generation(tiny_llama):
     ids = torch.randint(3, 250, (1, 37), generator=torch.Generator().manual_seed(4))
-    gen = lambda: tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    gen = lambda: tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                                      pad_token_id=0)
     with torch.no_grad():
         plain = gen()
         for m in METHODS:
-            with patch(tiny, PageRetrievalPolicy(m, token_budget=8, page_size=4, sink=0, recent=64, rank=2)):   # keeps everything
+            # keeps everything
+            with patch(tiny_llama, PageRetrievalPolicy(m, token_budget=8, page_size=4, sink=0, recent=64, rank=2)):
                 assert torch.equal(gen(), plain)
-            with patch(tiny, PageRetrievalPolicy(m, token_budget=16, page_size=4, sink=4, recent=4, rank=2)):
+            with patch(tiny_llama, PageRetrievalPolicy(m, token_budget=16, page_size=4, sink=4, recent=4, rank=2)):
                 assert gen().shape == plain.shape
     with pytest.raises(ValueError, match="method"): PageRetrievalPolicy("pq", 16)
     with pytest.raises(ValueError, match="policy"): PageRetrievalPolicy("quest", 16, policy="min")
 
 
 @pytest.mark.parametrize("method,tau", [("keypca", 0.0), ("oracle", 0.1), ("oval", -0.1)])
-def test_speculative_selection_matches_reference(tiny, method, tau):
-    attn = tiny.model.layers[1].self_attn
+def test_speculative_selection_matches_reference(tiny_llama, method, tau):
+    attn = tiny_llama.model.layers[1].self_attn
     g = torch.Generator().manual_seed(5)
     k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
     qs = [torch.randn(1, 4, 1, 16, generator=g) for _ in range(8)]
@@ -176,7 +176,8 @@ def test_speculative_selection_matches_reference(tiny, method, tau):
             past = qs[j - 3][:, :, 0]
             w = aggregate_gqa(score_pages(method, summ, past, 0.25), 2)
             for h in range(2):
-                cos = [float(torch.dot(past[0, 2 * h + i], q[0, 2 * h + i, 0]) / past[0, 2 * h + i].norm() / q[0, 2 * h + i, 0].norm()) for i in range(2)]
+                pairs = [(past[0, 2 * h + i], q[0, 2 * h + i, 0]) for i in range(2)]
+                cos = [float(torch.dot(a, b) / a.norm() / b.norm()) for a, b in pairs]
                 if sum(cos) / 2 < tau: w[0, h], n_fix = w_now[0, h], n_fix + 1
         else: w = w_now
         assert torch.equal(idx, select_pages(w, 16, 4, 4, 4, T))
@@ -189,7 +190,8 @@ def _packed(method, K, V, G, page_size, chunks, rank=3, eta=0.75):
     "PackedPages of K, V appended chunk by chunk (page boundaries in `chunks`), as pages complete during decode."
     pk = PackedPages(method, page_size)
     for a, b in zip(chunks[:-1], chunks[1:]):
-        pk.append(build_summaries(method, K[:, :, a * page_size:b * page_size], V[:, :, a * page_size:b * page_size], page_size, rank, eta, G))
+        pages = slice(a * page_size, b * page_size)
+        pk.append(build_summaries(method, K[:, :, pages], V[:, :, pages], page_size, rank, eta, G))
     return pk
 
 
@@ -226,7 +228,8 @@ def test_packed_float32_and_bad_input():
     with pytest.raises(ValueError, match="scale"): pk.scores(q, 0.0)
     with pytest.raises(ValueError, match="multiple"): pk.scores(queries(Hq=3).float())
     with pytest.raises(ValueError, match="this store holds"): pk.append(build_summaries("oracle", K, V, 4))
-    with pytest.raises(ValueError, match="this store holds"): pk.append(build_summaries("oracle", K[:, :1], V[:, :1], 8))
+    with pytest.raises(ValueError, match="this store holds"):
+        pk.append(build_summaries("oracle", K[:, :1], V[:, :1], 8))
     with pytest.raises(TypeError, match="PageSummary"): pk.append(K)
     with pytest.raises(ValueError, match="method"): PackedPages("pq", 8)
 
@@ -253,9 +256,10 @@ def test_top_pages_gather_and_attention_match_references(seed):
     with pytest.raises(ValueError, match="one decode query"): page_attention(q.expand(-1, -1, 2, -1), k, v, pages, m)
 
 
-def test_policy_summarizes_pages_incrementally(tiny):
-    "During decode each completed page is summarized once: appended to the layer's PackedPages, earlier pages untouched."
-    attn = tiny.model.layers[1].self_attn
+def test_policy_summarizes_pages_incrementally(tiny_llama):
+    """During decode each completed page is summarized once: appended to the layer's PackedPages, earlier pages
+    untouched."""
+    attn = tiny_llama.model.layers[1].self_attn
     g = torch.Generator().manual_seed(7)
     k, v = torch.randn(1, 2, 80, 16, generator=g), torch.randn(1, 2, 80, 16, generator=g)
     pol = PageRetrievalPolicy("oval", token_budget=16, page_size=4, sink=4, recent=4, rank=2)
@@ -268,30 +272,34 @@ def test_policy_summarizes_pages_incrementally(tiny):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_policy_before_the_first_page_completes(tiny, method):
-    "A cache over the budget but shorter than a page: no summary yet, every token is in the partial page, attention is dense."
-    attn = tiny.model.layers[1].self_attn
+def test_policy_before_the_first_page_completes(tiny_llama, method):
+    """A cache over the budget but shorter than a page: no summary yet, every token is in the partial page, attention
+    is dense."""
+    attn = tiny_llama.model.layers[1].self_attn
     g = torch.Generator().manual_seed(8)
     pol = PageRetrievalPolicy(method, token_budget=8, page_size=32, sink=0, recent=0, rank=2)
     for T in (20, 21):
-        k, v, q = torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g)
+        k, v = torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g)
+        q = torch.randn(1, 4, 1, 16, generator=g)
         out = pol(q, k, v, _ctx(T, attn))
         assert pol.summaries[1].n_pages == 0
         assert_close(out, torch.softmax(q @ k.repeat_interleave(2, 1).mT * 0.25, -1) @ v.repeat_interleave(2, 1))
     if method == "oval":
         ctx = _ctx(40, None)
-        with pytest.raises(ValueError, match="ctx.module"): pol(q, torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), ctx)
+        with pytest.raises(ValueError, match="ctx.module"):
+            pol(q, torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), ctx)
 
 
 @pytest.mark.parametrize("name,summary", [("quest", QuestSummary()), ("keypca", KeyPCASummary(rank=2)),
                                           ("oval", OVALSummary(rank=2, eta=0.75))])
-def test_policy_with_a_summary_instance_equals_the_name(tiny, name, summary):
+def test_policy_with_a_summary_instance_equals_the_name(tiny_llama, name, summary):
     "PageRetrievalPolicy(a PageSummary) gives the outputs and summaries of (name, rank=2, eta=0.75) bit for bit."
-    attn = tiny.model.layers[1].self_attn
+    attn = tiny_llama.model.layers[1].self_attn
     g = torch.Generator().manual_seed(9)
     k, v = torch.randn(1, 2, 50, 16, generator=g), torch.randn(1, 2, 50, 16, generator=g)
     by_name = PageRetrievalPolicy(name, 16, 4, 4, 4, rank=2, eta=0.75, spec_steps=1, tau=0.5)
-    by_class = PageRetrievalPolicy(summary, 16, 4, 4, 4, rank=5, eta=0.1, spec_steps=1, tau=0.5)   # the instance's rank, eta
+    # the instance's rank and eta apply
+    by_class = PageRetrievalPolicy(summary, 16, 4, 4, 4, rank=5, eta=0.1, spec_steps=1, tau=0.5)
     for T in (30, 31, 36, 50):
         q = torch.randn(1, 4, 1, 16, generator=g)
         kt, vt = k[:, :, :T], v[:, :, :T]
@@ -301,9 +309,9 @@ def test_policy_with_a_summary_instance_equals_the_name(tiny, name, summary):
     assert summary.tensors is None                                           # the given summary is not modified
 
 
-def test_policy_keeps_a_given_metric(tiny):
+def test_policy_keeps_a_given_metric(tiny_llama):
     "An OVALSummary given its own G summarizes with it; one without G takes the layer's o_proj metric."
-    attn = tiny.model.layers[1].self_attn
+    attn = tiny_llama.model.layers[1].self_attn
     g = torch.Generator().manual_seed(10)
     k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
     q = torch.randn(1, 4, 1, 16, generator=g)

@@ -1,5 +1,5 @@
-"OVAL page summaries (`sparsekv.oval.summaries`): each class against its loop, bounds, rank m-1, packed layout, string API."
-import math
+"""OVAL page summaries (`sparsekv.oval.summaries`): each class against its loop, bounds, rank m-1, packed layout,
+string API."""
 
 import pytest
 import torch

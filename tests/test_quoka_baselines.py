@@ -1,4 +1,5 @@
-"The selection baselines (`sparsekv.quoka.baselines`) against their brute-force references, identities between them, LessIsMore's layer reuse, bad input."
+"""The selection baselines (`sparsekv.quoka.baselines`) against their brute-force references, identities between them,
+LessIsMore's layer reuse, bad input."""
 import math
 
 import pytest
@@ -19,7 +20,8 @@ CASES = [(12, 45, 10), (12, 7, 10), (12, 10, 10), (1, 45, 6), (12, 45, 0.3), (12
 def make_qk(G, S, T, B=2, Hkv=2, D=16, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     q = (torch.randn(B, Hkv * G, S, D, generator=g, dtype=torch.float64) + 0.3) * 1.5
-    k = torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) * torch.logspace(0, -1.5, D, dtype=torch.float64) + 0.2
+    spectrum = torch.logspace(0, -1.5, D, dtype=torch.float64)
+    k = torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) * spectrum + 0.2
     return q.to(dtype), k.to(dtype)
 
 
@@ -74,7 +76,8 @@ def test_sampling_is_uniform_and_seeded():
 @pytest.mark.parametrize("S,T,budget", CASES)
 def test_sparq_matches_reference(G, S, T, budget):
     q, k = make_qk(G, S, T, seed=G * 100 + S + T + 2)
-    q = q * torch.rand(q.shape, generator=torch.Generator().manual_seed(G), dtype=torch.float64).pow(3) * 4  # heavy-tailed channels
+    # heavy-tailed channels
+    q = q * torch.rand(q.shape, generator=torch.Generator().manual_seed(G), dtype=torch.float64).pow(3) * 4
     for r in (1, 4, None):
         idx = sparq_select(q, k, budget, r)
         same(idx, sparq_select_reference(q, k, budget, r))
@@ -217,6 +220,7 @@ def test_bad_options():
     with pytest.raises(TypeError, match="seed"): sample_attention_select(q, k, 8, seed=1.5)
     with pytest.raises(ValueError, match="r must be"): sparq_select(q, k, 8, r=0)
     with pytest.raises(ValueError, match="r must be"): loki_select(q, k, 8, r=17)
-    with pytest.raises(ValueError, match="basis must be"): loki_select(q, k, 8, 4, basis=torch.eye(16, dtype=torch.float64)[None])
+    with pytest.raises(ValueError, match="basis must be"):
+        loki_select(q, k, 8, 4, basis=torch.eye(16, dtype=torch.float64)[None])
     with pytest.raises(ValueError, match="recent_ratio"): lessismore_select(q, k, 8, recent_ratio=2)
     with pytest.raises(TypeError, match="keys must be"): loki_basis(k[0])

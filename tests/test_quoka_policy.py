@@ -1,4 +1,5 @@
-"Tests of sparsekv.quoka.policy: QuoKA's chunked prefill (Alg. 2) and generation mode, and the baselines under the same loop."
+"""Tests of sparsekv.quoka.policy: QuoKA's chunked prefill (Alg. 2) and generation mode, and the baselines under the
+same loop."""
 import copy
 
 import pytest
@@ -16,20 +17,7 @@ from sparsekv.quoka.policy import (BaselinePolicy, LessIsMorePolicy, QuokaPolicy
                                    selected_attention_reference)
 from sparsekv.select import anchor_mask, anchored_top_indices, anchored_top_indices_reference
 
-MODELS = {"llama": ("tiny-llama", {}), "qwen3": ("tiny-qwen3", {}), "llama-g1": ("tiny-llama", dict(num_kv_heads=4)),
-          "llama-g4": ("tiny-llama", dict(num_kv_heads=1))}
 ATOL = dict(atol=1e-5, rtol=0)
-
-
-@pytest.fixture(scope="module", params=list(MODELS))
-def model(request):
-    name, overrides = MODELS[request.param]
-    return load_model(name, **overrides)[0]
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return load_model("tiny-llama")[0]
 
 
 def _ids(B, S, seed, vocab=259):
@@ -56,22 +44,25 @@ def _dense_last(model, ids, chunk):
 
 # --- QuoKA prefill ---------------------------------------------------------------------------
 
-def test_full_budget_equals_dense(model):
+def test_full_budget_equals_dense(every_tiny_model):
     ids = _ids(2, 23, 0)
-    dense = _dense_last(model, ids, 5)
+    dense = _dense_last(every_tiny_model, ids, 5)
     for policy in [QuokaPolicy(4, 23), QuokaPolicy(4, 1.0), QuokaPolicy(4, 100, "head", "mean", sinks=2, recent=2)]:
-        assert_close(chunked_prefill(model, ids, 5, policy)[1], dense, **ATOL)
+        assert_close(chunked_prefill(every_tiny_model, ids, 5, policy)[1], dense, **ATOL)
 
 
-@pytest.mark.parametrize("options", [dict(n_q=3, budget=6), dict(n_q=2, budget=7, query_select="head", query_agg="mean"),
+@pytest.mark.parametrize("options", [dict(n_q=3, budget=6),
+                                     dict(n_q=2, budget=7, query_select="head", query_agg="mean"),
                                      dict(n_q=16, budget=6)])
-def test_small_budget_matches_brute_force(model, options):
-    "Every call: the selection is the reference Alg. 1 and the output the reference attention over it; the last logits differ from dense."
+def test_small_budget_matches_brute_force(every_tiny_model, options):
+    """Every call: the selection is the reference Alg. 1 and the output the reference attention over it; the last
+    logits differ from dense."""
     ids = _ids(2, 21, 1)
     rec = _recording(QuokaPolicy)(**options)
-    _, last = chunked_prefill(model, ids, 5, rec)
+    _, last = chunked_prefill(every_tiny_model, ids, 5, rec)
     n, checked = options["budget"], 0
-    sel = dict(n_q=options["n_q"], query_select=options.get("query_select", "group"), query_agg=options.get("query_agg", "max"))
+    sel = dict(n_q=options["n_q"], query_select=options.get("query_select", "group"),
+               query_agg=options.get("query_agg", "max"))
     for q, k, v, ctx, idx, out in rec.calls:
         T = ctx.past_len
         assert (idx is None) == (T <= n)
@@ -82,35 +73,38 @@ def test_small_budget_matches_brute_force(model, options):
         assert torch.equal(idx, quoka_select(q, k[:, :, :T], budget=n, **sel))
         assert_close(out, selected_attention_reference(q, k, v, ctx, ref), **ATOL)
         checked += 1
-    assert checked == 3 * model.config.num_hidden_layers  # chunks 2-4 (T = 10, 15, 20) select
-    assert (last - _dense_last(model, ids, 5)).abs().max() > 1e-4
+    assert checked == 3 * every_tiny_model.config.num_hidden_layers  # chunks 2-4 (T = 10, 15, 20) select
+    assert (last - _dense_last(every_tiny_model, ids, 5)).abs().max() > 1e-4
 
 
-def test_unit_key_cache_is_per_kv_cache_and_changes_nothing(llama):
-    "The policy's cached unit keys give the same logits as recomputing them; a second prompt (a new KV cache) gets fresh unit keys."
+def test_unit_key_cache_is_per_kv_cache_and_changes_nothing(tiny_llama):
+    """The policy's cached unit keys give the same logits as recomputing them; a second prompt (a new KV cache) gets
+    fresh unit keys."""
     policy = QuokaPolicy(n_q=3, budget=6)
     for seed in (3, 4):  # the same policy object for two prompts of the same length
         ids = _ids(2, 31, seed)
-        cache, last = chunked_prefill(llama, ids, 5, policy)
-        assert torch.equal(last, chunked_prefill(llama, ids, 5, QuokaPolicy(n_q=3, budget=6, cache_unit_keys=False))[1])
+        cache, last = chunked_prefill(tiny_llama, ids, 5, policy)
+        uncached = QuokaPolicy(n_q=3, budget=6, cache_unit_keys=False)
+        assert torch.equal(last, chunked_prefill(tiny_llama, ids, 5, uncached)[1])
         for layer in cache.layers:  # the unit keys of all but the last chunk's keys
-            assert torch.equal(policy.unit_caches[layer].buffer[:, :, :25], F.normalize(layer.keys[:, :, :25], dim=-1, eps=1e-12))
+            unit = F.normalize(layer.keys[:, :, :25], dim=-1, eps=1e-12)
+            assert torch.equal(policy.unit_caches[layer].buffer[:, :, :25], unit)
     with pytest.raises(TypeError, match="cache_unit_keys"): QuokaPolicy(cache_unit_keys=1)
 
 
-def test_fraction_budget(llama):
+def test_fraction_budget(tiny_llama):
     rec = _recording(QuokaPolicy)(n_q=3, budget=0.25)
-    chunked_prefill(llama, _ids(1, 26, 2), 5, rec)
+    chunked_prefill(tiny_llama, _ids(1, 26, 2), 5, rec)
     for q, k, v, ctx, idx, out in rec.calls:
         n = resolve_budget(0.25, ctx.past_len)
         assert (idx is None) == (n == ctx.past_len)
         if idx is not None: assert idx.shape[-1] == n
 
 
-def test_anchors_count_against_the_budget(llama):
+def test_anchors_count_against_the_budget(tiny_llama):
     ids = _ids(1, 26, 3)
     rec = _recording(QuokaPolicy)(n_q=3, budget=6, sinks=2, recent=3)
-    chunked_prefill(llama, ids, 5, rec)
+    chunked_prefill(tiny_llama, ids, 5, rec)
     selecting = [c for c in rec.calls if c[4] is not None]
     assert selecting
     for q, k, v, ctx, idx, out in selecting:
@@ -129,7 +123,8 @@ def test_anchored_top_indices_reference():
         T = int(torch.randint(1, 12, (1,), generator=g))
         n, s, r = (int(torch.randint(0, m + 1, (1,), generator=g)) for m in (T, 4, 4))
         scores = torch.randint(0, 3, (2, 2, T), generator=g).float()
-        assert anchored_top_indices(scores, n, s, r).reshape(4, n).tolist() == anchored_top_indices_reference(scores, n, s, r)
+        want = anchored_top_indices_reference(scores, n, s, r)
+        assert anchored_top_indices(scores, n, s, r).reshape(4, n).tolist() == want
         assert int(anchor_mask(T, n, s, r).sum()) == min(n, min(s, n) + min(r, T - min(s, n)))
 
 
@@ -141,52 +136,53 @@ def _generate(model, prompt, cache, policy, n=4):
                               do_sample=False, pad_token_id=0)
 
 
-def test_generate_after_quoka_prefill_uses_decode_rule(model):
+def test_generate_after_quoka_prefill_uses_decode_rule(every_tiny_model):
     prompt = _ids(1, 19, 5)
     rec = _recording(QuokaPolicy)(n_q=3, budget=5)
-    cache, _ = chunked_prefill(model, prompt[:, :-1], 6, rec)
-    out = _generate(model, prompt, cache, rec)
+    cache, _ = chunked_prefill(every_tiny_model, prompt[:, :-1], 6, rec)
+    out = _generate(every_tiny_model, prompt, cache, rec)
     assert out.shape == (1, 23)
     decode = [c for c in rec.calls if c[3].kind == "decode"]
-    assert len(decode) == 4 * model.config.num_hidden_layers
+    assert len(decode) == 4 * every_tiny_model.config.num_hidden_layers
     for q, k, v, ctx, idx, o in decode:
         assert torch.equal(idx, quoka_select_reference(q, k[:, :, :ctx.past_len], 1, 5))
         assert_close(o, selected_attention_reference(q, k, v, ctx, idx), **ATOL)
 
 
-def test_decode_off_is_dense(llama):
+def test_decode_off_is_dense(tiny_llama):
     prompt = _ids(1, 19, 6)
-    cache, _ = chunked_prefill(llama, prompt[:, :-1], 6, QuokaPolicy(3, 5))
+    cache, _ = chunked_prefill(tiny_llama, prompt[:, :-1], 6, QuokaPolicy(3, 5))
     rec = _recording(QuokaPolicy)(n_q=3, budget=5, decode=False)
-    off = _generate(llama, prompt, copy.deepcopy(cache), rec)
+    off = _generate(tiny_llama, prompt, copy.deepcopy(cache), rec)
     assert all(c[4] is None for c in rec.calls)
-    assert torch.equal(off, _generate(llama, prompt, copy.deepcopy(cache), DensePolicy()))
-    assert len(rec.calls) == 4 * llama.config.num_hidden_layers
+    assert torch.equal(off, _generate(tiny_llama, prompt, copy.deepcopy(cache), DensePolicy()))
+    assert len(rec.calls) == 4 * tiny_llama.config.num_hidden_layers
 
 
 # --- baselines under the same loop -----------------------------------------------------------
 
 BASELINES = {"mean": (mean_score_select, {}), "mean-logits": (mean_score_select, dict(scores="logits")),
-             "sample": (sample_attention_select, dict(n_q=3)), "sparq": (sparq_select, dict(r=4)), "loki": (loki_select, dict(r=4))}
+             "sample": (sample_attention_select, dict(n_q=3)), "sparq": (sparq_select, dict(r=4)),
+             "loki": (loki_select, dict(r=4))}
 
 
 @pytest.mark.parametrize("name", list(BASELINES))
-def test_baseline_policies(llama, name):
+def test_baseline_policies(tiny_llama, name):
     fn, opts = BASELINES[name]
     ids = _ids(2, 21, 7)
-    dense = _dense_last(llama, ids, 5)
-    assert_close(chunked_prefill(llama, ids, 5, BaselinePolicy(fn, 21, **opts))[1], dense, **ATOL)
+    dense = _dense_last(tiny_llama, ids, 5)
+    assert_close(chunked_prefill(tiny_llama, ids, 5, BaselinePolicy(fn, 21, **opts))[1], dense, **ATOL)
     rec = _recording(BaselinePolicy)(fn, 6, **opts)
-    _, last = chunked_prefill(llama, ids, 5, rec)
+    _, last = chunked_prefill(tiny_llama, ids, 5, rec)
     selecting = [c for c in rec.calls if c[4] is not None]
-    assert len(selecting) == 3 * llama.config.num_hidden_layers
+    assert len(selecting) == 3 * tiny_llama.config.num_hidden_layers
     for q, k, v, ctx, idx, out in selecting:
         assert torch.equal(idx, fn(q, k[:, :, :ctx.past_len], 6, scale=ctx.scale, **opts))
         assert_close(out, selected_attention_reference(q, k, v, ctx, idx), **ATOL)
     assert (last - dense).abs().max() > 1e-4
     prompt = ids[:1, :12]
-    cache, _ = chunked_prefill(llama, prompt[:, :-1], 5, rec)
-    assert _generate(llama, prompt, cache, rec, 2).shape == (1, 14)
+    cache, _ = chunked_prefill(tiny_llama, prompt[:, :-1], 5, rec)
+    assert _generate(tiny_llama, prompt, cache, rec, 2).shape == (1, 14)
 
 
 def test_lessismore_policy():
@@ -202,23 +198,25 @@ def test_lessismore_policy():
         assert layers[0][4] is None and layers[1][4] is None  # below and at the selection layer: dense
         q, k = layers[1][0], layers[1][1]
         T = layers[2][3].past_len
+        # layer 2 reuses layer 1's pick
         if T <= 8: assert layers[2][4] is None
-        else: assert torch.equal(layers[2][4], lessismore_select(q, k[:, :, :T], 8, 0.25))  # layer 2 reuses layer 1's pick
+        else: assert torch.equal(layers[2][4], lessismore_select(q, k[:, :, :T], 8, 0.25))
     assert (last - dense).abs().max() > 1e-4
 
 
 # --- last_chunk_logits and input checks ------------------------------------------------------
 
-def test_last_chunk_logits(llama):
+def test_last_chunk_logits(tiny_llama):
     ids = _ids(2, 17, 9)
-    with torch.no_grad(): full = llama(ids).logits
-    assert_close(last_chunk_logits(llama, ids, 5), full[:, 15:], **ATOL)
-    assert_close(last_chunk_logits(llama, ids, 32), full, **ATOL)
-    assert_close(last_chunk_logits(llama, ids[:, :16], 5), full[:, 15:16], **ATOL)  # a one-token last chunk
+    with torch.no_grad(): full = tiny_llama(ids).logits
+    assert_close(last_chunk_logits(tiny_llama, ids, 5), full[:, 15:], **ATOL)
+    assert_close(last_chunk_logits(tiny_llama, ids, 32), full, **ATOL)
+    assert_close(last_chunk_logits(tiny_llama, ids[:, :16], 5), full[:, 15:16], **ATOL)  # a one-token last chunk
     policy = QuokaPolicy(3, 6)
-    assert_close(last_chunk_logits(llama, ids, 5, policy)[:, -1], chunked_prefill(llama, ids, 5, policy)[1], **ATOL)
-    with pytest.raises(ValueError, match="chunk_size"): last_chunk_logits(llama, ids, 0)
-    with pytest.raises(ValueError, match="input_ids"): last_chunk_logits(llama, ids.float(), 5)
+    assert_close(last_chunk_logits(tiny_llama, ids, 5, policy)[:, -1], chunked_prefill(tiny_llama, ids, 5, policy)[1],
+                 **ATOL)
+    with pytest.raises(ValueError, match="chunk_size"): last_chunk_logits(tiny_llama, ids, 0)
+    with pytest.raises(ValueError, match="input_ids"): last_chunk_logits(tiny_llama, ids.float(), 5)
 
 
 def test_bad_arguments():
@@ -228,7 +226,8 @@ def test_bad_arguments():
         with pytest.raises(ValueError, match=match): QuokaPolicy(**kw)
     with pytest.raises(TypeError, match="budget"): QuokaPolicy(budget="all")
     with pytest.raises(TypeError, match="decode"): QuokaPolicy(decode=1)
-    with pytest.raises(ValueError, match="kind"): QuokaPolicy().earlier_indices(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 5, 4), "x")
+    with pytest.raises(ValueError, match="kind"):
+        QuokaPolicy().earlier_indices(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 5, 4), "x")
     with pytest.raises(ValueError, match="one query"):
         QuokaPolicy(budget=2, sinks=1).earlier_indices(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 5, 4), "decode")
     with pytest.raises(ValueError, match="one query"):

@@ -1,4 +1,5 @@
-"QuoKA's Algorithm 1 (`sparsekv.quoka.select`) against its brute-force reference: GQA, budgets around the cache size, all queries kept, one query, ties, dtypes, invariances, bad input."
+"""QuoKA's Algorithm 1 (`sparsekv.quoka.select`) against its brute-force reference: GQA, budgets around the cache size,
+all queries kept, one query, ties, dtypes, invariances, bad input."""
 import math
 from decimal import ROUND_HALF_UP, Decimal
 
@@ -11,7 +12,8 @@ from sparsekv.quoka.select import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, preag
                                    quoka_select_reference, select_queries, unit_keys)
 from sparsekv.select import resolve_budget, top_budget_indices, top_budget_indices_reference, top_mask
 
-# (S, T, n_q, budget): T > budget, T < budget, T == budget, n_q >= S, a single query, a fraction of the cache, an empty cache
+# (S, T, n_q, budget): T > budget, T < budget, T == budget, n_q >= S, a single query, a fraction of the cache,
+# an empty cache
 CASES = [(16, 50, 4, 12), (16, 9, 4, 12), (16, 12, 4, 12), (16, 50, 16, 12), (16, 50, 40, 12), (1, 50, 4, 12),
          (16, 50, 4, 0.25), (16, 50, 4, 1.0), (7, 33, 3, 1), (16, 0, 4, 12)]
 
@@ -20,7 +22,8 @@ def make_qk(G, S, T, B=2, Hkv=2, D=16, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hkv * G, S, D, generator=g, dtype=torch.float64) + 0.4
     q = q * torch.rand(B, Hkv * G, S, 1, generator=g, dtype=torch.float64) * 3  # queries of different norms
-    k = torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) * torch.rand(B, Hkv, T, 1, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64)
+    k = k * torch.rand(B, Hkv, T, 1, generator=g, dtype=torch.float64)
     return q.to(dtype), k.to(dtype)
 
 
@@ -44,7 +47,8 @@ def test_select_matches_reference(G, mode, S, T, n_q, budget):
 @pytest.mark.parametrize("G", [1, 3, 4])
 @pytest.mark.parametrize("mode", QUERY_SELECT)
 def test_scores_match_head_by_head_reference(G, mode):
-    "Pre-aggregated scores equal the head-by-head float64 loops, in float64 and (to rounding) from float32 and bfloat16 inputs."
+    """Pre-aggregated scores equal the head-by-head float64 loops, in float64 and (to rounding) from float32 and
+    bfloat16 inputs."""
     q, k = make_qk(G, 24, 70, seed=G)
     for agg in QUERY_AGGS:
         want = quoka_scores_reference(q, k, 6, mode, agg)
@@ -53,12 +57,13 @@ def test_scores_match_head_by_head_reference(G, mode):
                                    quoka_scores_reference(q.float(), k.float(), 6, mode, agg), rtol=0, atol=2e-6)
         qb, kb = q.bfloat16(), k.bfloat16()  # same rounded inputs on both sides: only the accumulation differs
         assert quoka_scores(qb, kb, 6, mode, agg).dtype == torch.float32
-        torch.testing.assert_close(quoka_scores(qb, kb, 6, mode, agg).double(), quoka_scores_reference(qb, kb, 6, mode, agg),
-                                   rtol=0, atol=2e-6)
+        torch.testing.assert_close(quoka_scores(qb, kb, 6, mode, agg).double(),
+                                   quoka_scores_reference(qb, kb, 6, mode, agg), rtol=0, atol=2e-6)
 
 
 def test_preaggregation_is_not_mean_of_per_head_max():
-    "The exported order (mean over heads per query, then max) is sigma <= tau (max per head, then mean), and differs for G > 1."
+    """The exported order (mean over heads per query, then max) is sigma <= tau (max per head, then mean), and differs
+    for G > 1."""
     q, k = make_qk(4, 20, 60, seed=3)
     pos = select_queries(q, 5, 4)
     qs = F.normalize(q.gather(2, pos[..., None].expand(-1, -1, -1, 16)), dim=-1)
@@ -79,7 +84,8 @@ def test_ties_go_to_the_lower_index(G, mode):
         q = F.one_hot(torch.randint(0, D, (2, 2 * G, 9), generator=g), D).double()
         k = F.one_hot(torch.randint(0, 2, (2, 2, 30), generator=g), D).double()  # two distinct keys among 30
         for budget in (1, 7, 15, 29):
-            torch.testing.assert_close(quoka_select(q, k, 3, budget, mode), quoka_select_reference(q, k, 3, budget, mode), rtol=0, atol=0)
+            want = quoka_select_reference(q, k, 3, budget, mode)
+            torch.testing.assert_close(quoka_select(q, k, 3, budget, mode), want, rtol=0, atol=0)
     same = quoka_select(torch.ones(1, G, 4, 3), torch.ones(1, 1, 20, 3), 2, 6)
     torch.testing.assert_close(same, torch.arange(6).view(1, 1, 6))
 
@@ -111,7 +117,8 @@ def test_invariant_to_vector_norms():
     g = torch.Generator().manual_seed(0)
     qs = q * (torch.rand(*q.shape[:3], 1, generator=g, dtype=torch.float64) * 10 + 0.1)
     ks = k * (torch.rand(*k.shape[:3], 1, generator=g, dtype=torch.float64) * 10 + 0.1)
-    qh = q * (torch.rand(*q.shape[:2], 1, 1, generator=g, dtype=torch.float64) * 10 + 0.1)  # one factor per head: M_Q scales along
+    # one factor per head: M_Q scales along
+    qh = q * (torch.rand(*q.shape[:2], 1, 1, generator=g, dtype=torch.float64) * 10 + 0.1)
     for mode in QUERY_SELECT:
         want = quoka_select(q, k, 4, 15, mode)
         torch.testing.assert_close(quoka_select(q, ks, 4, 15, mode), want, rtol=0, atol=0)
@@ -159,7 +166,8 @@ def test_top_budget_indices_matches_sort(seed):
     for scores in (torch.randn(3, 2, T, generator=g), torch.randint(0, 4, (3, 2, T), generator=g).float()):
         scores[0, 0, ::2] = -math.inf
         for n in range(T + 1):
-            torch.testing.assert_close(top_budget_indices(scores, n), top_budget_indices_reference(scores, n), rtol=0, atol=0)
+            torch.testing.assert_close(top_budget_indices(scores, n), top_budget_indices_reference(scores, n),
+                                       rtol=0, atol=0)
             assert (top_mask(scores, n).sum(-1) == n).all()
 
 
@@ -193,28 +201,33 @@ def test_bad_input():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_top_budget_indices_fast_path_and_ties_at_the_cut(seed):
-    "Long rows without ties (topk fast path) and the same rows with a tie planted at the cut (mask path) both match the sort."
+    """Long rows without ties (topk fast path) and the same rows with a tie planted at the cut (mask path) both match
+    the sort."""
     g = torch.Generator().manual_seed(seed)
     scores = torch.randn(2, 3, 500, generator=g, dtype=torch.float64)
     for n in (1, 37, 250, 499, 500):
-        torch.testing.assert_close(top_budget_indices(scores, n), top_budget_indices_reference(scores, n), rtol=0, atol=0)
+        torch.testing.assert_close(top_budget_indices(scores, n), top_budget_indices_reference(scores, n),
+                                   rtol=0, atol=0)
         tied = scores.clone()
         if n < 500:
             kth = tied[0, 0].topk(n).values[-1]
             tied[0, 0, tied[0, 0].argsort()[0]] = kth  # a second entry equal to the n-th score, at another position
-            torch.testing.assert_close(top_budget_indices(tied, n), top_budget_indices_reference(tied, n), rtol=0, atol=0)
+            torch.testing.assert_close(top_budget_indices(tied, n), top_budget_indices_reference(tied, n),
+                                       rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_unit_key_cache_gives_the_same_selection(dtype):
-    "Growing the cache chunk by chunk: the cached unit keys equal unit_keys of the whole cache and the selection is unchanged; it matches the reference in float64."
+    """Growing the cache chunk by chunk: the cached unit keys equal unit_keys of the whole cache and the selection is
+    unchanged; it matches the reference in float64."""
     q_all, k_all = make_qk(3, 16 * 12, 16 * 12, seed=dtype.itemsize)
     q_all, k_all = q_all.to(dtype), k_all.to(dtype)
     cache = UnitKeyCache()
     for c in range(1, 12):
         q, k = q_all[:, :, 16 * c:16 * (c + 1)], k_all[:, :, :16 * c]
         unit = cache.update(k)
-        assert torch.equal(unit, unit_keys(k)) and unit.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert torch.equal(unit, unit_keys(k))
+        assert unit.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         idx = quoka_select(q, k, 4, 20, k_unit=unit)
         assert torch.equal(idx, quoka_select(q, k, 4, 20))
         if dtype == torch.float64 and c in (2, 11): assert torch.equal(idx, quoka_select_reference(q, k, 4, 20))

@@ -1,8 +1,16 @@
 "The pipeline's command line runs the demonstration stage of the real pipeline."
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+import sparsekv.reproduce as rp
 from sparsekv.reproduce import find_pipeline, load_stages
 
 ROOT = find_pipeline(Path(__file__).parent).parent.parent
@@ -32,15 +40,6 @@ def test_cli_rejects_unknown_stage():
 
 
 # --- stage bookkeeping and pipeline files (issue 12, items 5 and 7) ----------------------------------------------
-import os
-import signal
-import time
-
-import nbformat
-import pytest
-from nbformat.v4 import new_code_cell, new_notebook
-
-import sparsekv.reproduce as rp
 
 
 def toy_project(root, bodies):
@@ -51,8 +50,8 @@ def toy_project(root, bodies):
         nb = new_notebook(cells=[new_code_cell("#| parameters\nprofile = 'quick'\nfig_dir = out_dir = '.'\nn = 1"),
                                  new_code_cell("from pathlib import Path\n" + body)])
         nbformat.write(nb, root / "reproduce" / f"{name}.ipynb")
-        yaml += [f"  {name}:", f"    notebook: reproduce/{name}.ipynb", "    params: {quick: {n: 1}, cpu: {n: 1}, gpu: {n: 1}}",
-                 f"    outputs: {outputs!r}"]
+        yaml += [f"  {name}:", f"    notebook: reproduce/{name}.ipynb",
+                 "    params: {quick: {n: 1}, cpu: {n: 1}, gpu: {n: 1}}", f"    outputs: {outputs!r}"]
     (root / "reproduce" / "pipeline.yaml").write_text("\n".join(yaml) + "\n")
     return root / "reproduce" / "pipeline.yaml"
 
@@ -63,7 +62,8 @@ TWO = [("a", "Path(fig_dir, 'a.txt').write_text(str(n))", ["figures/{profile}/a.
 
 def summary_rows(root):
     text = (root / "reproduce" / "runs" / "quick" / "summary.md").read_text()
-    return {line.split("|")[1].strip(): line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    return {line.split("|")[1].strip(): line.split("|")[2].strip()
+            for line in text.splitlines() if line.startswith("| ") and "---" not in line}
 
 
 def test_forced_stage_killed_between_outputs_is_redone(tmp_path):
@@ -110,7 +110,8 @@ def test_temporary_notebooks_are_unique_per_run(tmp_path, monkeypatch):
         return real(src, dest, **kw)
     monkeypatch.setattr(papermill, "execute_notebook", recording)
     for _ in range(2): rp.run_pipeline("quick", force=True, pipeline=pipe, progress=False)
-    assert len({s for s, _ in seen}) == 2 and len({d for _, d in seen}) == 2 and ".a.input.ipynb" not in {s for s, _ in seen}
+    sources = {s for s, _ in seen}
+    assert len(sources) == 2 and len({d for _, d in seen}) == 2 and ".a.input.ipynb" not in sources
     assert not list((tmp_path / "reproduce" / "runs" / "quick").glob(".*.ipynb"))
 
 
@@ -124,8 +125,10 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     assert pid_file.exists(), proc.communicate()[1][-2000:]
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip().splitlines()[-1].startswith("sparsekv-reproduce: interrupted"), err[-2000:]
-    assert "reproduce.py" not in err, err[-2000:]  # no traceback of the runner (the kernel may log its own interruption)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("sparsekv-reproduce: interrupted"), err[-2000:]
+    # no traceback of the runner (the kernel may log its own interruption)
+    assert "reproduce.py" not in err, err[-2000:]
     kernel, t0 = int(pid_file.read_text()), time.time()
     while os.path.exists(f"/proc/{kernel}") and time.time() - t0 < 30: time.sleep(0.2)
     assert not os.path.exists(f"/proc/{kernel}"), "the notebook's kernel outlived the runner"
@@ -142,7 +145,8 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     ("stages:\n  a: [1, 2]\n", "must be a mapping with notebook"),
     ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}}\n", "lacks ['outputs']"),
     ("stages:\n  a: {notebook: reproduce/a.ipynb, params: [1], outputs: []}\n", "params must map profiles"),
-    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: figures/a.txt}\n", "outputs must be a list"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: figures/a.txt}\n",
+     "outputs must be a list"),
     ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: ['figures/{prof}/a.txt']}\n",
      "may use only {profile}"),
 ])
@@ -158,7 +162,7 @@ def test_malformed_pipeline_file_is_a_clear_error(tmp_path, text, msg):
 
 
 def test_cli_user_errors_are_one_line(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "sparsekv.reproduce", "--pipeline", str(tmp_path / "nope.yaml"), "--list"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", "sparsekv.reproduce", "--pipeline", str(tmp_path / "nope.yaml"), "--list"]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr and "nope.yaml" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
