@@ -21,7 +21,8 @@
 #   trained with the base model frozen (`scorer_only`: only the scorers and their decays learn), and,
 #   for Fig. 5, the mLSTM with immediate readout (delay 0). Every student is trained by
 #   `sparsekv.distill.distill` (forward KL to the teacher's top-256 logits plus the method's own
-#   loss) and checkpointed under `out_dir`, so a rerun resumes;
+#   loss) and checkpointed under `out_dir`, in a folder named by a hash of every setting that shapes the
+#   student, so a rerun resumes and a run with other settings trains afresh;
 # - **metrics** (Table 1/2 analogue): on the positions where the 75%-compression cache is full (the
 #   last $\tfrac34 S$ positions), top-1 agreement with the teacher's next token ("token accuracy vs
 #   teacher": 1 for the teacher), KL(teacher || student) over the whole vocabulary, perplexity and
@@ -64,6 +65,7 @@ seed = 0
 # %%
 import copy
 import math
+from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 
@@ -73,10 +75,8 @@ import pandas as pd
 import torch
 
 from sparsekv.kvpop.dms import DMSStudent, eviction_ratios, target_for_budget
-from sparsekv.kvpop.baselines import eviction_baseline
 from sparsekv.data import packed_sequences
 from sparsekv.eval import kl_to_teacher, perplexity, run_grid, token_accuracy, top1_agreement
-from sparsekv.cache import EvictingCache
 from sparsekv.hf import AttentionPolicy, DensePolicy, patch
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.kvpop.cache import KVpopScorers
@@ -84,7 +84,9 @@ from sparsekv.kvpop.loss import kept_long_range, retention_recall
 from sparsekv.kvpop.target import future_attention_target
 from sparsekv.distill import DistillConfig, distill, epoch_batches
 from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
+from sparsekv.methods import make as make_method
 from sparsekv.models import load_model, model_info
+from sparsekv.reproduce import fingerprint
 
 # %%
 use_style()
@@ -160,8 +162,8 @@ def window_metrics(logits: torch.Tensor, i: int) -> dict:
 # %%
 m0 = window_metrics(teacher(0)[0], 0)
 assert m0["agreement"] == 1.0 and abs(m0["kl"]) < 1e-6
-rule, pol = eviction_baseline("tova", sink, S, 1)
-torch.testing.assert_close(student_logits(val_ids[:1], pol, EvictingCache(rule), max(S // 4, 1)), teacher(0)[0], atol=2e-3, rtol=1e-3)
+tova = make_method("tova", budget=sink + S + 1, sink=sink, window=S)
+torch.testing.assert_close(student_logits(val_ids[:1], tova.policy(), tova.cache(model), max(S // 4, 1)), teacher(0)[0], atol=2e-3, rtol=1e-3)
 m0
 
 
@@ -174,8 +176,8 @@ m0
 # %%
 def baseline_logits(name: str, cr: float, i: int) -> torch.Tensor:
     "Teacher-forced logits of training-free baseline `name` at compression cr on held-out window i."
-    rule, pol = eviction_baseline(name, sink, window, ks[cr])
-    return student_logits(val_ids[i:i + 1], pol, EvictingCache(rule), S if name == "streaming_llm" else eviction_chunk)
+    m = make_method(name, budget=sink + window + ks[cr], sink=sink, window=window)
+    return student_logits(val_ids[i:i + 1], m.policy(), m.cache(model), S if name == "streaming_llm" else eviction_chunk)
 
 
 # %% [markdown]
@@ -184,10 +186,10 @@ def baseline_logits(name: str, cr: float, i: int) -> torch.Tensor:
 
 # %%
 n_chk = min(S, budgets[max(compressions)] + 8)   # evicts for 8 steps
-rule, pol = eviction_baseline("streaming_llm", sink, window, ks[max(compressions)])
-with torch.no_grad(), patch(model, pol):
-    one_chunk = model(val_ids[:1, :n_chk], past_key_values=EvictingCache(rule), use_cache=True).logits
-    cache, stepped = EvictingCache(rule), []
+sllm = make_method("streaming_llm", budget=sink + window + ks[max(compressions)], sink=sink, window=window)
+with torch.no_grad(), patch(model, sllm.policy()):
+    one_chunk = model(val_ids[:1, :n_chk], past_key_values=sllm.cache(model), use_cache=True).logits
+    cache, stepped = sllm.cache(model), []
     for t in range(n_chk):
         stepped.append(model(val_ids[:1, t:t + 1], past_key_values=cache, use_cache=True).logits)
 torch.testing.assert_close(one_chunk, torch.cat(stepped, 1), atol=2e-3, rtol=1e-3)
@@ -238,6 +240,14 @@ def heldout_eval(net, student) -> dict:
     return window_metrics(student_logits(val_ids[:1], student.policy(), net=net), 0)
 
 
+def run_digest(method: str, cr: float, config: DistillConfig, fig5: bool) -> str:
+    "Hash of every setting that shapes `method`'s trained student at compression cr and its checkpointed history."
+    return fingerprint(dict(config=asdict(config), method=method, model=model_name, dtype=dtype, device=device,
+                            seq_len=S, sink=sink, window=window, k=ks[cr], n_train=n_train, batch_size=batch_size,
+                            data_seed=seed, dms_bias_scale=dms_bias_scale if method == "dms" else None,
+                            fig5_eval=[eval_every, n_scored] if fig5 else None))  # the history's eval rows
+
+
 @lru_cache(maxsize=2)
 def trained(method: str, cr: float):
     "(network, student in eval mode, training history) of `method` at compression cr, trained or resumed from out_dir."
@@ -248,8 +258,8 @@ def trained(method: str, cr: float):
     config = DistillConfig(steps=n, mode=mode, base_lr=base_lr, new_lr=scorer_lr, warmup_steps=max(1, n // 20),
                            checkpoint_every=n, seed=seed)
     fig5 = method in FIG5 and cr == min(compressions)
-    history = distill(net, student, epoch_batches(train_ids, batch_size, n, seed), config,
-                      checkpoint_dir=Path(out_dir)/"kvpop_distill"/f"{method}_S{S}_cr{cr:g}",
+    folder = Path(out_dir)/"kvpop_distill"/f"{method}_S{S}_cr{cr:g}_{run_digest(method, cr, config, fig5)}"
+    history = distill(net, student, epoch_batches(train_ids, batch_size, n, seed), config, checkpoint_dir=folder,
                       eval_fn=heldout_eval if fig5 else None, eval_every=eval_every if fig5 else None, teacher=model)
     return net.eval().requires_grad_(False), student.eval(), history
 
@@ -258,7 +268,10 @@ def trained(method: str, cr: float):
 # ## Table 1/2 analogue
 #
 # One `run_grid` row per (method, compression, held-out window); the dense teacher is the row with
-# compression 0. Rows are written as they finish, so an interrupted run resumes.
+# compression 0. Rows are written as they finish, so an interrupted run resumes. The run's settings
+# (`settings`: model, budgets, data, learning rates, the scored positions) are key columns of every
+# row, so a run with other settings computes its cells again instead of reusing rows of another run;
+# they are left out of the table (the summary states them).
 
 # %%
 BASELINES = ("streaming_llm", "tova", "h2o")
@@ -290,7 +303,13 @@ def cell_metrics(cell: dict) -> dict:
 cells = [{"seq_len": S, "steps": steps, "full_steps": full_steps, "method": "dense", "compression": 0.0, "window": i} for i in range(n_val)]
 cells += [{"seq_len": S, "steps": steps, "full_steps": full_steps, "method": m, "compression": cr, "window": i}
           for m in METHODS[1:] for cr in compressions for i in range(n_val)]
-grid = run_grid(cells, cell_metrics, Path(out_dir)/"kvpop_distill_grid.csv", desc="kvpop distill")
+settings = {"model_name": model_name, "dtype": dtype, "device": device, "sink": sink,
+            "attention_window": window,   # "window" is the cells' held-out window
+            "k_slots": str(k_slots), "n_train": n_train, "batch_size": batch_size, "scorer_lr": scorer_lr,
+            "base_lr": base_lr, "dms_bias_scale": dms_bias_scale, "eviction_chunk": eviction_chunk, "seed": seed,
+            "n_scored": n_scored}
+grid = run_grid(cells, cell_metrics, Path(out_dir)/"kvpop_distill_grid.csv", desc="kvpop distill", params=settings)
+grid = grid.drop(columns=list(settings))
 keys = ["seq_len", "steps", "full_steps", "method", "compression", "window"]
 res = grid.merge(pd.DataFrame(cells), on=keys)
 assert len(res) == len(cells)

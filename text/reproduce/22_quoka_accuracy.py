@@ -43,6 +43,8 @@
 profile = "quick"
 fig_dir = "../figures/quick"
 out_dir = "runs/quick"
+model_name = "smollm2-135m"
+dtype = "float32"
 device = "cpu"
 chunk_size = 128  # B_CP
 n_q = 16  # N_Q
@@ -90,7 +92,7 @@ from sparsekv.quoka.policy import BaselinePolicy, LessIsMorePolicy, QuokaPolicy
 # %%
 use_style()
 torch.set_num_threads(1) if device == "cpu" else None
-model, tok = load_model("smollm2-135m")
+model, tok = load_model(model_name, dtype=dtype)
 model = model.to(device)
 n_layers = model.config.num_hidden_layers
 BASELINES = {"mean_scores": (mean_score_select, {}), "sample_attention": (sample_attention_select, dict(n_q=n_q)),
@@ -197,11 +199,29 @@ for _m in ("quoka", "lessismore"):
     torch.testing.assert_close(prefill(_key, _ids, make_policy(_m, niah_budgets[0]), niah_budgets[0])[1],
                                chunked_prefill(model, _ids, chunk_size, make_policy(_m, niah_budgets[0]))[1], atol=1e-4, rtol=0)
 
-
 # %% [markdown]
 # ## Needle in a haystack (heatmap)
+#
+# Every grid row is keyed by its cell and by the run's settings that change it (model, dtype,
+# device, $B_{CP}$ of the prefill; $N_Q$ and LessIsMore's layers for the selections; the answer
+# length for the answers), so a run with other settings never reuses rows of another.
 
 # %%
+recording = {"model_name": model_name, "dtype": dtype, "device": device, "chunk_size": chunk_size}  # the dense prefill
+selecting = {**recording, "n_q": n_q, "lessismore_layers": str(lessismore_layers)}                # and the selections
+
+
+def answering(task: str) -> dict:
+    "The settings that change the answers of `task`: the selections' and the answer length."
+    return {**selecting, "new_tokens": new_tokens[task]}
+
+
+def grid_rows(cells: list, fn, name: str, desc: str, settings: dict) -> pd.DataFrame:
+    "The rows of `cells` (in order) of the resumable grid `name` in out_dir, keyed by the cells and `settings` (not returned)."
+    rows = run_grid(cells, fn, Path(out_dir)/name, desc=desc, params=settings).drop(columns=list(settings))
+    return rows.merge(pd.DataFrame(cells), on=list(cells[0]))
+
+
 def answer_cells(task: str, length: int, depth, seed: int, budgets: list, names: list) -> list[dict]:
     "Cells of one sample: dense once (budget 0), every other method at every budget."
     base = {"task": task, "length": length, **({} if depth is None else {"depth": depth}), "seed": seed}
@@ -210,9 +230,7 @@ def answer_cells(task: str, length: int, depth, seed: int, budgets: list, names:
 
 niah_cells = [c for L in niah_lengths for d in niah_depths for s in niah_seeds
               for c in answer_cells("niah_single", L, d, s, niah_budgets, niah_methods)]
-niah = run_grid(niah_cells, answer_cell, Path(out_dir)/"quoka_accuracy_niah_grid.csv", desc="niah")
-keys = ["task", "length", "depth", "seed", "method", "budget"]
-niah = niah.merge(pd.DataFrame(niah_cells), on=keys)
+niah = grid_rows(niah_cells, answer_cell, "quoka_accuracy_niah_grid.csv", "niah", answering("niah_single"))
 assert len(niah) == len(niah_cells)
 write_csv(Path(fig_dir)/"quoka_accuracy_niah.csv", niah)
 niah.groupby(["method", "budget"]).score.mean()
@@ -309,17 +327,14 @@ for L in ruler_lengths:
     for task in ruler_tasks:
         for s in ruler_seeds:
             cells = answer_cells(task, L, None, s, ruler_budgets, methods)
-            ruler_frames.append(run_grid(cells, answer_cell, Path(out_dir)/"quoka_accuracy_ruler_grid.csv", desc=f"{task} {L}")
-                                .merge(pd.DataFrame(cells), on=list(cells[0])))
+            ruler_frames.append(grid_rows(cells, answer_cell, "quoka_accuracy_ruler_grid.csv", f"{task} {L}", answering(task)))
             base = {"task": task, "length": L, "seed": s}
             fcells = list({tuple(c.items()): c for c in
                            [{**base, "method": m, "budget": b, "chunk": chunk_size, "layer": l} for m in fid_methods for b in fidelity_budgets for l in range(n_layers)]
                            + [{**base, "method": m, "budget": b, "chunk": c, "layer": l} for m, b, c in abl for l in range(n_layers)]}.values())
-            fid_frames.append(run_grid(fcells, fidelity_cell, Path(out_dir)/"quoka_accuracy_fidelity_grid.csv", desc="fidelity")
-                              .merge(pd.DataFrame(fcells), on=list(fcells[0])))
+            fid_frames.append(grid_rows(fcells, fidelity_cell, "quoka_accuracy_fidelity_grid.csv", "fidelity", selecting))
             scells = [{**base, "layer": l} for l in range(n_layers)]
-            stat_frames.append(run_grid(scells, key_stats_cell, Path(out_dir)/"quoka_accuracy_keystats_grid.csv", desc="key stats")
-                               .merge(pd.DataFrame(scells), on=list(scells[0])))
+            stat_frames.append(grid_rows(scells, key_stats_cell, "quoka_accuracy_keystats_grid.csv", "key stats", recording))
 ruler, fid, stats = pd.concat(ruler_frames), pd.concat(fid_frames), pd.concat(stat_frames)
 assert fid.mass_recall.between(0, 1 + 1e-6).all()
 write_csv(Path(fig_dir)/"quoka_accuracy_ruler.csv", ruler)
@@ -414,7 +429,7 @@ var_tab = fid_goal.loc[["quoka", *variants, "mean_scores"]]
 
 fmt = lambda df: df.round(3).to_markdown()
 lines = [
-    f"SmolLM2-135M, B_CP = {chunk_size}, N_Q = {n_q}, float32, greedy answers after a chunked prefill (selection also at generation).",
+    f"SmolLM2-135M, B_CP = {chunk_size}, N_Q = {n_q}, {dtype}, greedy answers after a chunked prefill (selection also at generation).",
     "", f"**Needle in a haystack** (single needle, lengths {niah_lengths}, depths {niah_depths}, seeds {niah_seeds}): mean exact match",
     "", fmt(niah.groupby(["method", "budget"]).score.mean().to_frame()), "",
     f"**RULER-style tasks** ({ruler_tasks}, lengths {ruler_lengths}, seeds {ruler_seeds}; {len(ruler_seeds)} prompt(s) per task and length): mean score",

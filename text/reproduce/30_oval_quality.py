@@ -9,9 +9,9 @@
 # (captured with `CapturePolicy` during one dense forward pass):
 #
 # - for each layer and window, the last `n_queries` queries (the decode positions of the window's
-#   final page) score every complete page with a method's summary, the per-head page softmaxes are
-#   averaged over each GQA group (avgSM), and the sink, the recent tokens and the top pages that fit
-#   the token budget are kept, per KV head (`sparsekv.oval.pages`);
+#   final page) score every complete page with a method's summary (`sparsekv.oval.summaries`), the
+#   per-head page softmaxes are averaged over each GQA group (avgSM), and the sink, the recent tokens
+#   and the top pages that fit the token budget are kept, per KV head (`sparsekv.oval.pages`);
 # - **mass recall** $\sum_{j \in \text{kept}} p_j$ of the dense attention $p$, and **relative output
 #   error** $\lVert o_{\text{kept}} - o\rVert / \lVert o \rVert$ of exact attention over the kept keys
 #   (`sparsekv.eval.attention_fidelity`), averaged over query heads and queries.
@@ -24,17 +24,20 @@
 # are one page each, so at 2048 tokens and 1/8 the selectable part is 6 of 62 candidate pages.
 #
 # The grid runs through `run_grid` (one CSV row per window, layer, method, eta and budget), so an
-# interrupted run resumes. Calibration windows come from the training part of the prose stream,
-# held-out windows from its validation part (disjoint text). A third pool, `reasoning`, holds
-# windows of math word problems (`reasoning_problems("gsm_symbolic")`, each followed by its answer,
-# concatenated up to the window length): a different domain, on which the prose-calibrated $\eta$
-# is also scored.
+# interrupted run resumes; the run's settings (model, page size, rank, sink, recent, seed) are key
+# columns of every row, so a run with other settings never reuses rows of another. Calibration
+# windows come from the training part of the prose stream, held-out windows from its validation part
+# (disjoint text). A third pool, `reasoning`, holds windows of math word problems
+# (`reasoning_problems("gsm_symbolic")`, each followed by its answer, concatenated up to the window
+# length): a different domain, on which the prose-calibrated $\eta$ is also scored.
 
 # %%
 #| parameters
 profile = "quick"
 fig_dir = "../figures/quick"
 out_dir = "runs/quick"
+model_name = "smollm2-135m"
+dtype = "float32"
 seq_len = 1024
 n_calib = 1
 n_heldout = 1
@@ -63,11 +66,12 @@ from sparsekv.hf import patch
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.models import load_model, model_info
 from sparsekv.oval.basis import output_metric
-from sparsekv.oval.pages import CapturePolicy, aggregate_gqa, build_summaries, score_pages, select_pages
+from sparsekv.oval.pages import CapturePolicy, aggregate_gqa, select_pages
+from sparsekv.oval.summaries import build_summaries, score_pages
 
 use_style()
 torch.manual_seed(seed)
-model, tok = load_model()
+model, tok = load_model(model_name, dtype=dtype)
 info = model_info(model)
 layers = list(range(info.num_layers)) if layers is None else list(layers)
 
@@ -134,7 +138,11 @@ def cell_metrics(cell: dict) -> dict:
 # %%
 cells = [{"seq_len": seq_len, "n_queries": n_queries, "pool": pool, "window": i, "layer": layer, "method": m, "eta": e, "budget": b}
          for pool in windows for i in range(len(windows[pool])) for layer in layers for b in budgets for m, e in ARMS]
-grid = run_grid(cells, cell_metrics, Path(out_dir)/"oval_quality_grid.csv", desc="oval quality")  # resumable, uncommitted
+# the pools' sizes are not settings: window i of a pool is the same whatever their number
+settings = {"model_name": model_name, "dtype": dtype, "seed": seed, "page_size": page_size, "rank": rank, "sink": sink,
+            "recent": recent}
+grid = run_grid(cells, cell_metrics, Path(out_dir)/"oval_quality_grid.csv", desc="oval quality",  # resumable, uncommitted
+                params=settings).drop(columns=list(settings))
 keys = ["seq_len", "n_queries", "pool", "window", "layer", "method", "eta", "budget"]
 res = grid.merge(pd.DataFrame(cells), on=keys)  # this run's cells only (the grid CSV may hold others)
 assert len(res) == len(cells)

@@ -63,7 +63,8 @@ import torch
 from sparsekv.hf import AttentionContext, DensePolicy, attend_selected
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.oval.basis import output_metric
-from sparsekv.oval.pages import PackedPages, PageRetrievalPolicy, aggregate_gqa, build_summaries, score_pages, select_pages
+from sparsekv.oval.pages import PackedPages, PageRetrievalPolicy, aggregate_gqa, select_pages
+from sparsekv.oval.summaries import build_summaries, score_pages
 
 use_style()
 torch.set_num_threads(threads)  # every method gets the same threads

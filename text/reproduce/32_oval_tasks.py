@@ -217,15 +217,17 @@ task_cells = [{"task": t, "context": c, "depth": d, "sample": s, "max_new_tokens
               for t, c, d, s in ITEMS for m, e, f in ARMS]
 gen_cells = [{"context": c, "sample": s, "gen_tokens": gen_tokens, "method": m, "eta": e, "budget_fraction": f}
              for c in gen_contexts for s in range(n_gen) for m, e, f in ARMS]
-# every setting that changes a result is part of a cell's key, so a resumed grid never reuses rows computed under other settings
-common = {"model": model_name, "dtype": dtype, "seed": seed, "chunk_size": chunk_size, "page_size": page_size, "rank": rank,
-          "sink": sink, "recent": recent, "dense_layers": dense_layers, "spec_steps": spec_steps, "tau": tau}
-task_grid = run_grid([{**common, **c} for c in task_cells],
+# every setting that changes a result is a key column of every row (the run's `common` settings, then the cell's), so a
+# resumed grid never reuses rows computed under other settings; the numbers of items are not settings (item i is the
+# same whatever their number)
+common = {"model": model_name, "dtype": dtype, "device": device, "seed": seed, "chunk_size": chunk_size, "page_size": page_size,
+          "rank": rank, "sink": sink, "recent": recent, "dense_layers": dense_layers, "spec_steps": spec_steps, "tau": tau}
+task_grid = run_grid(task_cells,
                      lambda c: item_results(c["task"], c["context"], c["depth"], c["sample"])[(c["method"], c["eta"], c["budget_fraction"])],
-                     Path(out_dir)/"oval_tasks_grid.csv", desc="oval tasks")
-gen_grid = run_grid([{**common, **c} for c in gen_cells],
+                     Path(out_dir)/"oval_tasks_grid.csv", desc="oval tasks", params=common)
+gen_grid = run_grid(gen_cells,
                     lambda c: generation_results(c["context"], c["sample"])[(c["method"], c["eta"], c["budget_fraction"])],
-                    Path(out_dir)/"oval_tasks_generation_grid.csv", desc="oval generation")
+                    Path(out_dir)/"oval_tasks_generation_grid.csv", desc="oval generation", params=common)
 
 def this_run(grid: pd.DataFrame, cells: list) -> pd.DataFrame:
     "The grid rows of this run's cells (the grid CSV may hold others)."
