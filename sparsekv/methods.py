@@ -1,4 +1,4 @@
-"""One object per method, found by name: `methods.make("tova", budget=256)`, then `m.generate(model, input_ids)` or `with m.patch(model) as past_key_values`.
+"""One object per method, found by name: `methods.make("tova", budget=256)`, then `m.generate` or `m.patch`.
 
 Docs: https://sparsekv.github.io/sparsekv/methods.html.md"""
 

@@ -1,4 +1,4 @@
-"""Load a causal LM and its tokenizer: the bundled SmolLM2-135M (offline), tiny random models for tests, or any Hugging Face checkpoint.
+"""Load a causal LM and tokenizer: bundled SmolLM2-135M, tiny random test models, or any Hugging Face checkpoint.
 
 Docs: https://sparsekv.github.io/sparsekv/models.html.md"""
 
@@ -93,11 +93,13 @@ def tokenizer_from_gguf(reader) -> PreTrainedTokenizerFast:
     merges = [tuple(m.split(" ")) for m in _gguf_field(reader, "tokenizer.ggml.merges")]
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if _gguf_field(reader, "tokenizer.ggml.pre") == "smollm": split.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    if _gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
+        split.insert(0, pre_tokenizers.Digits(individual_digits=True))
     backend.pre_tokenizer = pre_tokenizers.Sequence(split)
     backend.decoder = decoders.ByteLevel()
     control = gguf.TokenType.CONTROL
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, kinds) if k == control])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, kinds) if k == control])
     name = lambda key: tokens[_gguf_field(reader, f"tokenizer.ggml.{key}_token_id")]
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=name("bos"), eos_token=name("eos"), unk_token=name("unknown"),
@@ -143,11 +145,12 @@ def smollm2_folder() -> Path:
     return cache_dir()/"models"/f"{SMOLLM2_NAME}-instruct-q4_1-v{CONVERSION_VERSION}"
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
-    "Convert a GGUF checkpoint into a plain Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
+    "Convert a GGUF checkpoint into a Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
     import gguf
     gguf_path, dest = Path(gguf_path), Path(dest)
     with quiet_transformers():
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                          dtype=torch.float32)
     with torch.device("meta"): model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict(), assign=True, strict=True)
     model.tie_weights()
@@ -165,11 +168,13 @@ def conversion_problem(folder: str | os.PathLike) -> str | None:
     "Why `folder` is not a complete conversion (no marker, a file missing, cut short or changed), or None when it is."
     folder = Path(folder)
     try: files = json.loads((folder/COMPLETE_MARKER).read_text())["files"]
-    except FileNotFoundError: return f"no completion marker {COMPLETE_MARKER} (unfinished, or written by an older version)"
+    except FileNotFoundError:
+        return f"no completion marker {COMPLETE_MARKER} (unfinished, or written by an older version)"
     except (OSError, ValueError, KeyError, TypeError) as e: return f"unreadable completion marker ({e})"
     for name, want in files.items():
         if not (folder/name).is_file(): return f"{name} is missing"
-        if (size := (folder/name).stat().st_size) != want["bytes"]: return f"{name} has {size} bytes, not {want['bytes']}"
+        if (size := (folder/name).stat().st_size) != want["bytes"]:
+            return f"{name} has {size} bytes, not {want['bytes']}"
     try: verified = json.loads((folder/VERIFIED_STAMP).read_text())
     except (OSError, ValueError): verified = None
     if verified == _stat_signature(folder, files): return None
@@ -179,7 +184,7 @@ def conversion_problem(folder: str | os.PathLike) -> str | None:
     return None
 
 def ensure_smollm2() -> Path:
-    "The converted SmolLM2 folder, converting the bundled GGUF file the first time, and again when the folder is broken."
+    "The converted SmolLM2 folder, converting the bundled GGUF file the first time and again if the folder is broken."
     dest = smollm2_folder()
     if dest.exists():
         if (problem := conversion_problem(dest)) is None: return dest
@@ -190,7 +195,8 @@ def ensure_smollm2() -> Path:
               file=sys.stderr, flush=True)
     print(f"converting SmolLM2-135M GGUF -> HF folder at {dest} (one time)", file=sys.stderr, flush=True)
     convert_gguf_to_hf(smollm2_gguf_path(), dest)
-    if (problem := conversion_problem(dest)) is not None: raise OSError(f"the converted SmolLM2 folder {dest} is broken: {problem}")
+    if (problem := conversion_problem(dest)) is not None:
+        raise OSError(f"the converted SmolLM2 folder {dest} is broken: {problem}")
     return dest
 
 # %% ../nbs/01_models.ipynb #566cfe43
@@ -200,7 +206,7 @@ GGUF_LLAMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.no
                     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 def hf_name_of_gguf_tensor(name: str) -> str:
-    "Hugging Face Llama parameter name of a llama.cpp tensor name (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)."
+    "Llama parameter name of a llama.cpp tensor (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)."
     parts = name.split(".")
     if parts[0] == "blk": return f"model.layers.{parts[1]}.{GGUF_LLAMA_NAMES[parts[2]]}.{parts[3]}"
     return f"{GGUF_LLAMA_NAMES[parts[0]]}.{parts[1]}"
@@ -227,14 +233,16 @@ def byte_tokenizer(model_max_length: int = 8192) -> PreTrainedTokenizerFast:
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
     endoftext, im_start, im_end = TINY_SPECIAL_TOKENS
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=im_start, eos_token=im_end, pad_token=endoftext,
-                                   unk_token=endoftext, chat_template=CHATML_TEMPLATE, model_max_length=model_max_length)
+                                   unk_token=endoftext, chat_template=CHATML_TEMPLATE,
+                                   model_max_length=model_max_length)
 
 # %% ../nbs/01_models.ipynb #ae88103f
 TINY_CONFIGS = {
     "tiny-llama": ("llama", dict(tie_word_embeddings=False)),
     "tiny-qwen3": ("qwen3", dict(tie_word_embeddings=True)),
 }
-CONFIG_ALIASES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+CONFIG_ALIASES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                  "num_kv_heads": "num_key_value_heads"}
 
 def tiny_config(name: str = "tiny-llama", **overrides) -> transformers.PretrainedConfig:
     "Config of a tiny random model (`tiny-llama` or `tiny-qwen3`): 2 layers, width 64, 4 q / 2 kv heads of dim 16."
@@ -255,7 +263,7 @@ def tiny_config(name: str = "tiny-llama", **overrides) -> transformers.Pretraine
 
 def tiny_model(name: str = "tiny-llama", seed: int = 0, dtype: torch.dtype = torch.float32,
                attn_implementation: str = "sdpa", **overrides):
-    "A seeded tiny random model and its byte tokenizer, saved to a temporary folder and reloaded with `from_pretrained`."
+    "A seeded tiny random model and its byte tokenizer, saved to a temporary folder and reloaded by `from_pretrained`."
     config = tiny_config(name, **overrides)
     tokenizer = byte_tokenizer(config.max_position_embeddings)
     with torch.random.fork_rng(devices=[]):
@@ -273,7 +281,8 @@ def _as_dtype(dtype) -> torch.dtype:
     "`dtype` as a floating torch.dtype (accepts a torch.dtype or its name, e.g. 'bfloat16')."
     if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype): dtype = getattr(torch, dtype)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype or its name (e.g. torch.float32, 'bfloat16'), got {dtype!r}")
+        raise TypeError("dtype must be a floating torch.dtype or its name (e.g. torch.float32, 'bfloat16'), "
+                        f"got {dtype!r}")
     return dtype
 
 def _missing_model_error(name: str, cause: Exception) -> OSError:
@@ -286,19 +295,23 @@ def _looks_local(name: str) -> bool:
     return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "trust_remote_code", "subfolder")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "sentencepiece.bpe.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
+                   "sentencepiece.bpe.model")
 
 @functools.lru_cache(maxsize=None)
 def hub_reachable(timeout: float = 3.0) -> bool:
     "Whether the Hugging Face hub accepts a connection (asked once per process), so that offline machines fail fast."
     url = urlparse(huggingface_hub.constants.ENDPOINT)
     try:
-        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout): return True
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=timeout):
+            return True
     except OSError: return False
 
 def _check_local_folder(name: str, folder: Path) -> None:
     "Raise an error naming `folder` when it lacks the config or any tokenizer file."
-    if not (folder/"config.json").is_file(): raise _missing_model_error(name, FileNotFoundError(f"{folder/'config.json'}"))
+    if not (folder/"config.json").is_file():
+        raise _missing_model_error(name, FileNotFoundError(f"{folder/'config.json'}"))
     if not any((folder/f).is_file() for f in TOKENIZER_FILES):
         raise OSError(f"the model folder {folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there")
 
@@ -314,14 +327,16 @@ def _resolve(name: str, kwargs: dict) -> str:
     if kwargs.get("local_files_only") or huggingface_hub.is_offline_mode():
         cached = huggingface_hub.try_to_load_from_cache(name, "config.json", cache_dir=kwargs.get("cache_dir"),
                                                         revision=kwargs.get("revision"))
-        if not isinstance(cached, str): raise _missing_model_error(name, FileNotFoundError("not in the local Hugging Face cache"))
+        if not isinstance(cached, str):
+            raise _missing_model_error(name, FileNotFoundError("not in the local Hugging Face cache"))
         # transformers does not pass local_files_only on to its PEFT adapter lookup, which then retries the network
         kwargs.setdefault("adapter_kwargs", {"local_files_only": True, "cache_dir": kwargs.get("cache_dir")})
     return name
 
 def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", **kwargs):
-    "Load `(model, tokenizer)` in eval mode: 'smollm2-135m' (offline), 'tiny-llama'/'tiny-qwen3' (`seed`, config overrides), or a hub id / local folder."
+    """Load `(model, tokenizer)` in eval mode: 'smollm2-135m' (offline), 'tiny-llama'/'tiny-qwen3' (`seed`, config
+    overrides), or a hub id / local folder."""
     dtype, device = _as_dtype(dtype), torch.device(device)
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a model name, hub id or folder, got {type(name_or_path).__name__}")

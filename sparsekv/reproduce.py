@@ -71,14 +71,17 @@ def _read_spec(pipeline: Path) -> dict:
 def _check_stage(name, s, pipeline: Path, profile: str) -> None:
     "Raise a ValueError naming the stage and field when stage `name` of `pipeline` is not shaped as documented."
     where = f"stage {name!r} in {pipeline}"
-    if not isinstance(s, dict): raise ValueError(f"{where} must be a mapping with notebook, params and outputs, got {s!r}")
+    if not isinstance(s, dict):
+        raise ValueError(f"{where} must be a mapping with notebook, params and outputs, got {s!r}")
     missing = {"notebook", "params", "outputs"} - set(s)
     if missing: raise ValueError(f"{where} lacks {sorted(missing)}")
     if not isinstance(s["notebook"], str): raise ValueError(f"{where}: notebook must be a path, got {s['notebook']!r}")
-    if not isinstance(s["params"], dict): raise ValueError(f"{where}: params must map profiles to parameters, got {s['params']!r}")
+    if not isinstance(s["params"], dict):
+        raise ValueError(f"{where}: params must map profiles to parameters, got {s['params']!r}")
     if profile not in s["params"]: raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
     if not isinstance(s["params"][profile] or {}, dict):
-        raise ValueError(f"{where}: params.{profile} must be a mapping of parameter names to values, got {s['params'][profile]!r}")
+        raise ValueError(f"{where}: params.{profile} must be a mapping of parameter names to values, got "
+                         f"{s['params'][profile]!r}")
     for key in ("outputs", "inputs"):
         v = s.get(key, [])
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
@@ -91,7 +94,7 @@ def _output_path(root: Path, pattern: str, profile: str, where: str) -> Path:
         raise ValueError(f"{where}: output {pattern!r} may use only {{profile}} ({type(e).__name__}: {e})") from e
 
 def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
-    "Read the stages of `pipeline` with the parameters and outputs of `profile`; a malformed file raises a ValueError naming it."
+    "Read `pipeline`'s stages with `profile`'s parameters and outputs; a malformed file raises a ValueError naming it."
     if profile not in PROFILES: raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
     pipeline = Path(pipeline).resolve()
     if not pipeline.is_file(): raise FileNotFoundError(f"pipeline file {pipeline} not found")
@@ -102,7 +105,8 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
         nb = root/s["notebook"]
         if not nb.is_file(): raise FileNotFoundError(f"stage {name!r}: notebook {nb} not found")
         stages.append(Stage(name=str(name), notebook=nb, params=dict(s["params"][profile] or {}),
-                            outputs=[_output_path(root, o, profile, f"stage {name!r} in {pipeline}") for o in s["outputs"]],
+                            outputs=[_output_path(root, o, profile, f"stage {name!r} in {pipeline}")
+                                     for o in s["outputs"]],
                             inputs=[nb, *_expand_inputs(root, s.get("inputs", []))],
                             description=s.get("description", "")))
     return stages
@@ -222,7 +226,7 @@ def stage_state(stage: Stage, root: Path, profile: str) -> str:
     return f"stale: {reason}"
 
 def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> Path:
-    "Write `reproduce/runs/<profile>/summary.md` from this run's `status`, the other stages' stamps and the stages' own fragments."
+    "Write `reproduce/runs/<profile>/summary.md` from this run's `status`, other stages' stamps and their fragments."
     out_dir = root/"reproduce"/"runs"/profile
     lines = [f"# Reproduction summary: profile `{profile}`", "",
              f"Last run {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit `{_git_commit(root)}`.", "",
@@ -265,7 +269,8 @@ def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = Fa
                 bar.set_postfix_str(s.name)
                 out_dir = root/"reproduce"/"runs"/profile
                 reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb",
-                                                             stamp_path(root, profile, s.name), run_params(s, root, profile))
+                                                             stamp_path(root, profile, s.name),
+                                                             run_params(s, root, profile))
                 if reason is None:
                     status[s.name] = "up to date (skipped)"
                     continue

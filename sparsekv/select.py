@@ -1,4 +1,4 @@
-"""What every selection method shares: a budget as a count or a fraction of the cache, the top-n of a row of scores with a deterministic tie rule, and anchors (sinks, recent keys) that a budget always keeps.
+"""What every selection method shares: budgets, a deterministic top-n of scores, and the anchors a budget keeps.
 
 Docs: https://sparsekv.github.io/sparsekv/select.html.md"""
 
@@ -21,10 +21,12 @@ __all__ = ['resolve_budget', 'top_mask', 'top_budget_indices', 'top_budget_indic
 
 # %% ../nbs/05_select.ipynb #82a59f99
 def resolve_budget(budget: int | float, T: int) -> int:
-    "Keys kept out of `T` cached keys: min(B_SA, T) for an int `budget`, round(budget*T) (halves up, at least 1, at most T) for a float fraction in (0, 1]."
+    """Keys kept out of `T` cached keys: min(B_SA, T) for an int `budget`, round(budget*T) (halves up, at least 1, at
+    most T) for a float fraction in (0, 1]."""
     check_int(T, "T")
     accepted = "an int >= 1 (B_SA, a number of keys) or a float in (0, 1] (a fraction of the cache)"
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)): raise TypeError(f"budget must be {accepted}, got {budget!r}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be {accepted}, got {budget!r}")
     if isinstance(budget, int):
         if budget < 1: raise ValueError(f"budget must be {accepted}, got {budget!r}")
         return min(budget, T)
@@ -36,26 +38,30 @@ def _check_top(scores: Tensor, n: int):
     "Refuse an `n` outside [0, T] and NaN scores (they have no order)."
     T = scores.shape[-1]
     check_int(n, "n", 0, T)
-    if scores.is_floating_point() and scores.isnan().any(): raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
+    if scores.is_floating_point() and scores.isnan().any():
+        raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
 
 
 def top_mask(scores: Tensor, n: int) -> Tensor:
-    "Boolean mask of the `n` largest entries of each row (last dim), exactly n per row; among equal scores the lower index wins."
+    "Boolean mask of the `n` largest entries of each row (last dim), exactly n per row; ties: the lower index wins."
     _check_top(scores, n)
     if n == 0: return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    kth = scores.topk(n, dim=-1).values[..., -1:]  # the n-th largest score of each row, whichever tied entry topk returned
+    # the n-th largest score of each row, whichever tied entry topk returned
+    kth = scores.topk(n, dim=-1).values[..., -1:]
     above, tied = scores > kth, scores == kth
     room = n - above.sum(-1, keepdim=True)  # slots left for the entries tied with the n-th score
     return above | (tied & (tied.cumsum(-1) <= room))
 
 
 def top_budget_indices(scores: Tensor, n: int) -> Tensor:
-    "Indices [..., n] of the `n` largest scores of each row (last dim), sorted ascending; among equal scores the lower index wins."
+    "Indices [..., n], ascending, of the `n` largest scores of each row (last dim); ties: the lower index wins."
     _check_top(scores, n)
     if n and scores.numel():
         vals, idx = scores.topk(n, dim=-1, sorted=False)
-        if ((scores >= vals.amin(-1, keepdim=True)).sum(-1) == n).all(): return idx.sort(-1).values  # no tie at the cut: a unique set
-    return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)  # nonzero lists each row's entries in index order
+        # no tie at the cut: a unique set
+        if ((scores >= vals.amin(-1, keepdim=True)).sum(-1) == n).all(): return idx.sort(-1).values
+    # nonzero lists each row's entries in index order
+    return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)
 
 
 def top_budget_indices_reference(scores: Tensor, n: int) -> Tensor:
@@ -71,7 +77,7 @@ def all_key_indices(B: int, Hkv: int, T: int, device=None) -> Tensor:
 
 # %% ../nbs/05_select.ipynb #1e7d63cd
 def anchor_mask(T: int, n: int, sinks: int = 0, recent: int = 0, device=None) -> Tensor:
-    "Boolean [T]: the first min(sinks, n) keys and the last min(recent, n - those) keys, the anchors a budget of n keys always keeps."
+    "Boolean [T]: the anchors a budget of n keys keeps, the first min(sinks, n) and last min(recent, n - those) keys."
     check_int(sinks, "sinks"), check_int(recent, "recent"), check_int(n, "n", 0, T)
     s = min(sinks, n)
     r = min(recent, n - s, T - s)
@@ -82,9 +88,10 @@ def anchor_mask(T: int, n: int, sinks: int = 0, recent: int = 0, device=None) ->
 
 
 def anchored_top_indices(scores: Tensor, n: int, sinks: int = 0, recent: int = 0) -> Tensor:
-    "Indices [..., n] (ascending) of the anchors (`anchor_mask`) and the best-scored other keys of scores [..., T], ties to the lower index."
+    "Indices [..., n], ascending, of the anchors (`anchor_mask`) and best other keys of [..., T]; ties: lower first."
     a = anchor_mask(scores.shape[-1], n, sinks, recent, scores.device)
-    return top_budget_indices(scores.masked_fill(a, float("inf")), n)  # scores are finite: anchors win every slot they need
+    # scores are finite: anchors win every slot they need
+    return top_budget_indices(scores.masked_fill(a, float("inf")), n)
 
 
 def anchored_top_indices_reference(scores: Tensor, n: int, sinks: int = 0, recent: int = 0) -> list:

@@ -1,4 +1,4 @@
-"""Dynamic Memory Sparsification as the trained eviction baseline of KVpop (§2, §4, App. H): Gumbel-sigmoid eviction gates, a delayed-eviction mask, the compression-ratio schedule and its one-sided loss, and a cache whose per-head memory varies.
+"""Dynamic Memory Sparsification, KVpop's trained eviction baseline (§2, §4, App. H): gates, mask, loss, cache.
 
 Docs: https://sparsekv.github.io/sparsekv/kvpop_dms.html.md"""
 
@@ -40,8 +40,9 @@ def check_temperature(tau) -> float:
 
 
 def gumbel_logits(logits: Tensor, tau: float, noise: bool = True, generator: torch.Generator | None = None) -> Tensor:
-    "Noisy tempered pre-activations z = (l + L) / tau with L standard logistic (a difference of two Gumbels); no noise: l / tau."
-    if not isinstance(logits, Tensor) or not logits.is_floating_point(): raise TypeError("logits must be a floating-point tensor")
+    "Noisy tempered pre-activations z = (l + L) / tau, L standard logistic (a Gumbel difference); no noise: l / tau."
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        raise TypeError("logits must be a floating-point tensor")
     tau = check_temperature(tau)
     if not noise: return logits / tau
     u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float32)
@@ -51,7 +52,7 @@ def gumbel_logits(logits: Tensor, tau: float, noise: bool = True, generator: tor
 
 def gumbel_sigmoid(logits: Tensor, tau: float, hard: bool = False, noise: bool = True,
                    generator: torch.Generator | None = None) -> Tensor:
-    "Relaxed gate alpha = sigmoid((l + L) / tau); `hard`: the 0/1 decision [l + L > 0] with the soft gradient (straight-through)."
+    "Relaxed gate alpha = sigmoid((l + L) / tau); `hard`: decision [l + L > 0], soft gradient (straight-through)."
     z = gumbel_logits(logits, tau, noise, generator)
     soft = torch.sigmoid(z)
     if not hard: return soft
@@ -66,7 +67,7 @@ def gumbel_sigmoid_mean(logits: Tensor, tau: float, n: int = 20001) -> Tensor:
 
 # %% ../../nbs/18_kvpop_dms.ipynb #e08341c6
 def dms_mask_bias(alpha: Tensor | None, window: int, log_keep: Tensor | None = None) -> Tensor:
-    "Additive DMS mask [B,Hkv,S,S]: -inf above the diagonal, 0 for i - j < w, log(1 - alpha_j) for i - j >= w (`log_keep` overrides)."
+    "Additive DMS mask [B,Hkv,S,S]: -inf above the diagonal, 0 if i - j < w, else log(1 - alpha_j) (or `log_keep`)."
     window = check_int(window, "window", 1)
     if log_keep is None:
         if not isinstance(alpha, Tensor) or not alpha.is_floating_point() or alpha.ndim != 3:
@@ -103,16 +104,18 @@ def dms_attention(q: Tensor, k: Tensor, v: Tensor, log_keep: Tensor, window: int
     `mask`: an extra boolean mask (e.g. padding, forces 'sdpa'); backend 'auto' = 'flex' on CUDA, else 'sdpa'."""
     if backend not in DMS_BACKENDS: raise ValueError(f"backend must be one of {DMS_BACKENDS}, got {backend!r}")
     G = check_qkv(q, k, v)
-    if log_keep.shape != k.shape[:3]: raise ValueError(f"log_keep must be [B,Hkv,S] = {tuple(k.shape[:3])}, got {tuple(log_keep.shape)}")
+    if log_keep.shape != k.shape[:3]:
+        raise ValueError(f"log_keep must be [B,Hkv,S] = {tuple(k.shape[:3])}, got {tuple(log_keep.shape)}")
     if k.shape[2] != q.shape[2]: raise ValueError("dms_attention takes a whole sequence: as many queries as keys")
     window = check_int(window, "window", 1)
     if backend == "auto": backend = "flex" if q.is_cuda and mask is None and not dropout else "sdpa"
     if backend == "sdpa":
         bias = dms_mask_bias(None, window, log_keep)
         if mask is not None: bias = bias.masked_fill(~mask, float("-inf"))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.repeat_interleave(G, 1).to(q.dtype), dropout_p=dropout,
-                                              scale=scale, enable_gqa=G > 1)
-    if mask is not None or dropout: raise ValueError("backend='flex' takes no extra mask and no dropout: use backend='sdpa'")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.repeat_interleave(G, 1).to(q.dtype),
+                                              dropout_p=dropout, scale=scale, enable_gqa=G > 1)
+    if mask is not None or dropout:
+        raise ValueError("backend='flex' takes no extra mask and no dropout: use backend='sdpa'")
 
     def score_mod(score, b, h, q_idx, kv_idx):  # + log(1 - alpha_j) once the key left the query's window
         return score + torch.where(in_window(window)(q_idx, kv_idx), 0.0, log_keep[b, h // G, kv_idx])
@@ -122,9 +125,10 @@ def dms_attention(q: Tensor, k: Tensor, v: Tensor, log_keep: Tensor, window: int
 
 # %% ../../nbs/18_kvpop_dms.ipynb #a3a100cd
 def dms_visible(evict: Tensor, window: int, key_positions: Tensor, query_positions: Tensor, sink: int = 0) -> Tensor:
-    "Boolean [B,Hkv,Sq,Sk]: key t (evict flag `evict` [B,Hkv,Sk]) is seen by query p iff t <= p and (p - t < w, t kept or t < sink)."
+    "Boolean [B,Hkv,Sq,Sk]: query p sees key t iff t <= p and (p - t < w, t kept by `evict` [B,Hkv,Sk], or t < sink)."
     if evict.dtype != torch.bool: raise TypeError(f"evict must be boolean, got {evict.dtype}")
-    if evict.shape != key_positions.shape: raise ValueError(f"evict {tuple(evict.shape)} and key_positions {tuple(key_positions.shape)} must match")
+    if evict.shape != key_positions.shape:
+        raise ValueError(f"evict {tuple(evict.shape)} and key_positions {tuple(key_positions.shape)} must match")
     t, p = key_positions[:, :, None, :], query_positions[:, None]
     # StreamingLLM's sinks and window, or any causal key not marked for eviction
     return sink_window_visible(sink, check_int(window, "window", 1))(p, t) | (is_causal(p, t) & ~evict[:, :, None, :])
@@ -151,14 +155,16 @@ def ratio_loss(alpha: Tensor, target: float) -> Tensor:
 
 # %% ../../nbs/18_kvpop_dms.ipynb #f548fb19
 def target_for_budget(budget: int, window: int, seq_len: int) -> float:
-    "Eviction fraction rho* whose mean cache after `seq_len` tokens, w + (1 - rho*)(S - w), equals `budget` (KVpop's s + w + k)."
-    budget, window, seq_len = (check_int(x, n, 1) for x, n in ((budget, "budget"), (window, "window"), (seq_len, "seq_len")))
-    if not window < budget <= seq_len: raise ValueError(f"need window < budget <= seq_len, got {window}, {budget}, {seq_len}")
+    "Eviction fraction rho* whose mean cache w + (1 - rho*)(S - w) after `seq_len` tokens is `budget` (s + w + k)."
+    budget, window, seq_len = (check_int(x, n, 1)
+                               for x, n in ((budget, "budget"), (window, "window"), (seq_len, "seq_len")))
+    if not window < budget <= seq_len:
+        raise ValueError(f"need window < budget <= seq_len, got {window}, {budget}, {seq_len}")
     return 1 - (budget - window) / (seq_len - window)
 
 # %% ../../nbs/18_kvpop_dms.ipynb #ea35d9a9
 class DMSDecisions(nn.Module):
-    "Eviction logits l[b,h,t] = MLP_h([k_t; v_t]) + bias_scale * b_h per layer (an `MLPScorer` per layer, gates closed at init)."
+    "Eviction logits l[b,h,t] = MLP_h([k_t; v_t]) + bias_scale * b_h per layer (an `MLPScorer`, gates closed at init)."
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden: int | None = None,
                  init_logit: float = -5.0, bias_scale: float = 50.0):
@@ -174,7 +180,8 @@ class DMSDecisions(nn.Module):
 
     def forward(self, layer_idx: int, k: Tensor, v: Tensor) -> Tensor:
         "Logits [B,Hkv,S] (float32) of layer `layer_idx` from its post-RoPE keys and values [B,Hkv,S,d] (detached)."
-        if not 0 <= layer_idx < self.num_layers: raise ValueError(f"layer_idx must lie in [0, {self.num_layers}), got {layer_idx}")
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx must lie in [0, {self.num_layers}), got {layer_idx}")
         return self.scorers[layer_idx](k, v) + self.bias_scale * self.bias[layer_idx, :, None].float()
 
 # %% ../../nbs/18_kvpop_dms.ipynb #0174928f
@@ -198,7 +205,8 @@ class DMSPolicy(AttentionPolicy):
             m = dms_visible(evict, s.window, ctx.key_positions, ctx.query_positions, s.sink)
             if ctx.mask is not None: m = m & ctx.mask
             return dense_attention(q, k, v, m, ctx.scale, ctx.dropout)
-        if ctx.past_len: raise ValueError("DMSPolicy trains on whole sequences: call the model without a cache in train mode")
+        if ctx.past_len:
+            raise ValueError("DMSPolicy trains on whole sequences: call the model without a cache in train mode")
         z = gumbel_logits(logits, s.tau)
         alpha, log_keep = torch.sigmoid(z), F.logsigmoid(-z)  # log(1 - alpha) from z: finite where alpha rounds to 1
         if s.hard:  # straight-through: hard gates forward, the soft gates' gradient backward
@@ -214,7 +222,8 @@ class DMSRule(EvictionRule):
     "DMS at inference: an entry whose hard decision says evict is invisible to queries at distance >= `window`."
 
     def __init__(self, decisions: DMSDecisions, window: int, sink: int = 0):
-        if not isinstance(decisions, DMSDecisions): raise TypeError(f"decisions must be DMSDecisions, got {type(decisions).__name__}")
+        if not isinstance(decisions, DMSDecisions):
+            raise TypeError(f"decisions must be DMSDecisions, got {type(decisions).__name__}")
         check_int(sink, "sink")
         self.decisions, self.window, self.sink = decisions, check_int(window, "window", 1), sink
 
@@ -239,14 +248,15 @@ class DMSLayer(EvictingLayer):
 
 
 class DMSCache(EvictingCache):
-    "Bounded DMS cache (use inside `patch(model, student.policy())`): every head keeps its live entries, padded to a common count."
+    "Bounded DMS cache (inside `patch(model, student.policy())`): each head keeps its live entries, padded alike."
 
     def __init__(self, decisions: DMSDecisions, window: int, sink: int = 0):
         super().__init__(DMSRule(decisions, window, sink))
         self.num_layers = decisions.num_layers
 
     def layer(self, layer_idx: int) -> DMSLayer:
-        if layer_idx >= self.num_layers: raise ValueError(f"layer_idx {layer_idx} >= the decisions' num_layers={self.num_layers}")
+        if layer_idx >= self.num_layers:
+            raise ValueError(f"layer_idx {layer_idx} >= the decisions' num_layers={self.num_layers}")
         while len(self.layers) <= layer_idx: self.layers.append(DMSLayer(self.rule, len(self.layers), self))
         return self.layers[layer_idx]
 
@@ -256,17 +266,18 @@ class DMSCache(EvictingCache):
         return [self.rule.visible(l, pos)[:, :, 0] for l in self.layers]
 
     def live_counts(self) -> Tensor:
-        "Entries each head still needs for the next token, [L,B,Hkv] (its logical memory; the tensors hold the maximum)."
+        "Entries each head still needs for the next token, [L,B,Hkv] (logical memory; the tensors hold the maximum)."
         return torch.stack([v.sum(-1) for v in self.live(self.get_seq_length())])
 
     def compact(self, next_position: int) -> None:
-        "Keep in every layer and head its entries visible to `next_position`, padded with dead entries to the largest count."
+        "Keep in each layer and head the entries visible to `next_position`, padded with dead ones to the most."
         if any(not l.is_initialized for l in self.layers): return
         live = self.live(next_position)
         M = max(int(v.sum(-1).max()) for v in live)
         for l, vis in zip(self.layers, live):
             if M == vis.shape[-1]: continue
-            idx = torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M].sort(-1).values  # live first, then padding
+            # live first, then padding
+            idx = torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M].sort(-1).values
             l.keys, l.values = gather_keys(l.keys, idx), gather_keys(l.values, idx)
             l.positions, l.scores = l.positions.gather(2, idx), l.scores.gather(2, idx)
 
@@ -296,7 +307,7 @@ class DMSStudent(DistillStudent):
         return cls(info.num_layers, info.num_kv_heads, info.head_dim, window, target, ramp_steps, **kwargs).to(device)
 
     def capture(self, alpha: Tensor, evict: Tensor) -> None:
-        "Record one layer's gates alpha [B,Hkv,S] and its noise-free decisions [l > 0] (called by the policy in training)."
+        "Record a layer's gates alpha [B,Hkv,S] and noise-free decisions [l > 0] (called by the policy in training)."
         self._captured.append(alpha)
         self._decided.append(evict)
 
@@ -341,18 +352,22 @@ class DMS(TrainedMethod):
     def __init__(self, budget: int, sink: int | None = None, window: int | None = None, checkpoint=None,
                  chunk_size: int | None = None, **options):
         super().__init__(budget, sink, window, checkpoint, chunk_size)
-        accepted = set(inspect.signature(DMSStudent).parameters) - {"num_layers", "num_kv_heads", "head_dim", "window", "target",
-                                                                    "ramp_steps", "sink"}
-        if set(options) - accepted: raise TypeError(f"unexpected options {sorted(set(options) - accepted)} for dms; accepted: {sorted(accepted)}")
+        accepted = set(inspect.signature(DMSStudent).parameters) - {"num_layers", "num_kv_heads", "head_dim",
+                                                                    "window", "target", "ramp_steps", "sink"}
+        if set(options) - accepted:
+            raise TypeError(f"unexpected options {sorted(set(options) - accepted)} for dms; accepted: "
+                            f"{sorted(accepted)}")
         self.options = options
 
     def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> DMSStudent:
-        "A fresh student; its target is `target_for_budget` at `seq_len` (None: 0, for inference), ramped over 3/4 of `steps`."
+        "A fresh student, target `target_for_budget` at `seq_len` (None: 0, for inference), ramped over 3/4 of `steps`."
         target = 0.0 if seq_len is None else target_for_budget(self.budget, self.window, seq_len)
-        return DMSStudent.for_model(model, self.window, target, max(1, 3 * (steps or 1) // 4), sink=self.sink, **self.options)
+        return DMSStudent.for_model(model, self.window, target, max(1, 3 * (steps or 1) // 4), sink=self.sink,
+                                    **self.options)
 
     def policy(self):
-        raise NotImplementedError("DMS attends with its student's policy: use patch(model) (or trained_student(model).policy())")
+        raise NotImplementedError("DMS attends with its student's policy: use patch(model) (or "
+                                  "trained_student(model).policy())")
 
     @contextlib.contextmanager
     def patch(self, model):

@@ -1,4 +1,4 @@
-"""The teacher's keep/drop decision for the newly eligible token, the boundary token it is compared against, the boundary-aware pairwise loss (Eq. 5–7) and its optional weights (Eq. 22–25).
+"""The teacher's keep/drop decision, its boundary token and KVpop's boundary-aware pairwise loss (Eq. 5–7, 22–25).
 
 Docs: https://sparsekv.github.io/sparsekv/kvpop_loss.html.md"""
 
@@ -34,7 +34,8 @@ def boundary_queries(q: Tensor | Sequence[int], S: int, sink: int, window: int, 
     check_budget(k, sink, window)
     q = torch.as_tensor(q, device=device)
     if q.dim() != 1 or q.is_floating_point() or q.dtype == torch.bool:
-        raise ValueError(f"q must be a 1-D integer tensor of query positions, got dtype {q.dtype} and shape {tuple(q.shape)}")
+        raise ValueError(f"q must be a 1-D integer tensor of query positions, got dtype {q.dtype} and shape "
+                         f"{tuple(q.shape)}")
     q = q.long()
     lo = sink + window + k
     if q.numel() and (q.min() < lo or q.max() >= S):
@@ -51,7 +52,7 @@ def _token_of_rank(rank: Tensor, sink: int) -> Tensor:
 
 def teacher_boundary(target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int, k: int
                      ) -> tuple[Tensor, Tensor, Tensor]:
-    "Eq. (6): the newly eligible token `t_new = q - window`, the teacher's boundary token and the label `y` (+1 keep, -1 drop), each int64 `[B, H, len(q)]`."
+    "Eq. (6): new eligible token `q - window`, teacher's boundary token, label `y` (+1 keep, -1 drop), int64 [B,H,|q|]."
     _check_priority(target_priority, "target_priority")
     B, H, S = target_priority.shape
     q = boundary_queries(q, S, sink, window, k, device=target_priority.device)
@@ -89,7 +90,7 @@ def teacher_boundary_reference(target_priority: Tensor, q: Tensor | Sequence[int
 # %% ../../nbs/13_kvpop_loss.ipynb #e69baf3e
 def sample_boundary_queries(S: int, n: int, sink: int, window: int, k: int, late_frac: float = 0.5,
                             generator: torch.Generator | None = None, device=None) -> Tensor:
-    "Eq. (25): `n` sorted query positions in `[sink + window + k, S - 1]`, a fraction `late_frac` of them biased toward the end."
+    "Eq. (25): `n` sorted query positions in `[sink + window + k, S - 1]`, a `late_frac` of them biased to the end."
     check_budget(k, sink, window)
     if not isinstance(n, int) or n < 1: raise ValueError(f"n must be an int >= 1, got {n!r}")
     if not 0.0 <= late_frac <= 1.0: raise ValueError(f"late_frac must lie in [0, 1], got {late_frac!r}")
@@ -127,10 +128,11 @@ def balance_weight(y: Tensor, c_min: float = 0.2, c_max: float = 5.0) -> Tensor:
 def retention_loss(pred_priority: Tensor, target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int,
                    k: int, tau: float = 1.0, margin: bool = True, omega_min: float = 0.1, tau_omega: float = 1.0,
                    balance: bool = False, c_min: float = 0.2, c_max: float = 5.0, reduction: str = "mean") -> Tensor:
-    "Eq. (7): weighted pairwise logistic loss between the newly eligible token and the teacher's boundary token at positions `q`."
+    "Eq. (7): weighted pairwise logistic loss between the new eligible token and the teacher's boundary token at `q`."
     _check_priority(pred_priority, "pred_priority")
     if pred_priority.shape != target_priority.shape:
-        raise ValueError(f"pred_priority {tuple(pred_priority.shape)} and target_priority {tuple(target_priority.shape)} must have the same shape")
+        raise ValueError(f"pred_priority {tuple(pred_priority.shape)} and target_priority "
+                         f"{tuple(target_priority.shape)} must have the same shape")
     if not tau > 0: raise ValueError(f"tau must be > 0, got {tau!r}")
     if reduction not in ("mean", "none"): raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
     t_new, t_bnd, y = teacher_boundary(target_priority, q, sink, window, k)
@@ -147,7 +149,7 @@ def retention_loss_reference(pred_score: Tensor, target_score: Tensor, log_gamma
                              window: int, k: int, n: int = 1, tau: float = 1.0, margin: bool = True,
                              omega_min: float = 0.1, tau_omega: float = 1.0, balance: bool = False,
                              c_min: float = 0.2, c_max: float = 5.0) -> Tensor:
-    "Eq. (5)-(7), (22)-(24) with explicit loops over raw scores `[B, H, S]` and `log_gamma` `[H]`: the reference for `retention_loss`."
+    "Eq. (5)-(7), (22)-(24) by loops over raw scores `[B, H, S]` and `log_gamma` `[H]`: checks `retention_loss`."
     B, H, S = pred_score.shape
     q = boundary_queries(q, S, sink, window, k).tolist()
     lg_t = log_gamma.detach()
@@ -191,6 +193,6 @@ def kept_long_range(priority: Tensor, q: Tensor | Sequence[int], sink: int, wind
 
 def retention_recall(pred_priority: Tensor, target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int,
                      k: int) -> Tensor:
-    "|student kept ∩ teacher kept| / k at positions `q`, per batch row, head and position `[B, H, len(q)]` (§4, Fig. 7)."
+    "`|student kept ∩ teacher kept| / k` at positions `q`, per row, head and position `[B, H, len(q)]` (§4, Fig. 7)."
     both = kept_long_range(pred_priority, q, sink, window, k) & kept_long_range(target_priority, q, sink, window, k)
     return both.sum(-1) / k

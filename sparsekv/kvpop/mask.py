@@ -1,4 +1,4 @@
-"""KVpop's attention mask (Eq. 26): sinks, the protected window and the running top-k of eligible tokens, as a dense boolean mask for the CPU/autograd path and as a FlexAttention mask_mod evaluated on the fly.
+"""KVpop's attention mask (Eq. 26) of sinks, window and running top-k, dense and as a FlexAttention mask_mod.
 
 Docs: https://sparsekv.github.io/sparsekv/kvpop_mask.html.md"""
 
@@ -27,8 +27,10 @@ def check_rank_cutoff(rank: Tensor, cutoff: Tensor) -> tuple[int, int, int]:
         if not isinstance(x, Tensor) or x.dtype != torch.int64 or x.dim() != 3:
             raise TypeError(f"{name} must be an int64 tensor [B, H, S] (from topk_cutoff), got "
                             f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}")
-    if rank.shape != cutoff.shape: raise ValueError(f"rank and cutoff must have one shape, got {tuple(rank.shape)} and {tuple(cutoff.shape)}")
-    if rank.device != cutoff.device: raise ValueError(f"rank and cutoff must be on one device, got {rank.device} and {cutoff.device}")
+    if rank.shape != cutoff.shape:
+        raise ValueError(f"rank and cutoff must have one shape, got {tuple(rank.shape)} and {tuple(cutoff.shape)}")
+    if rank.device != cutoff.device:
+        raise ValueError(f"rank and cutoff must be on one device, got {rank.device} and {cutoff.device}")
     return tuple(rank.shape)
 
 def _check_mask_args(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int) -> tuple[int, int, int]:
@@ -50,7 +52,7 @@ def kvpop_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int
     return repeat_kv(mask, groups)
 
 def kvpop_mask_reference(priority: Tensor, k: int, sink: int, window: int) -> Tensor:
-    "The KVpop mask [B,H,S,S] from the definition, with loops: for each q, sort E(q) by priority (ties: earlier first), keep the top k."
+    "The KVpop mask [B,H,S,S] by definition, with loops: per q, the top k of E(q) by priority (ties: earlier first)."
     priority = check_priority(priority)
     k, sink, window = check_budget(k, sink, window)
     B, H, S = priority.shape
@@ -64,7 +66,7 @@ def kvpop_mask_reference(priority: Tensor, k: int, sink: int, window: int) -> Te
 
 # %% ../../nbs/12_kvpop_mask.ipynb #19054add
 def kvpop_mask_mod(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1):
-    "FlexAttention mask_mod of `kvpop_mask` over captured rank/cutoff [B,Hkv,S]; query head h reads KV head h // groups."
+    "FlexAttention mask_mod of `kvpop_mask` over captured rank/cutoff [B,Hkv,S]; query head h reads KV head h // G."
     _check_mask_args(rank, cutoff, sink, window, groups)
     fixed, eligible = sink_window_visible(sink, window), evictable(sink, window)  # the predicates of `kvpop_mask`
 
@@ -78,7 +80,8 @@ def kvpop_mask_mod(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups:
 def kvpop_block_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1) -> BlockMask:
     "FlexAttention BlockMask of the KVpop mask for B x (Hkv*groups) query heads over S x S positions."
     B, H, S = _check_mask_args(rank, cutoff, sink, window, groups)
-    return create_block_mask(kvpop_mask_mod(rank, cutoff, sink, window, groups), B, H * groups, S, S, device=rank.device)
+    return create_block_mask(kvpop_mask_mod(rank, cutoff, sink, window, groups), B, H * groups, S, S,
+                             device=rank.device)
 
 # %% ../../nbs/12_kvpop_mask.ipynb #53ebe2a6
 def kvpop_attention(q: Tensor, k: Tensor, v: Tensor, rank: Tensor, cutoff: Tensor, sink: int, window: int,
@@ -89,8 +92,11 @@ def kvpop_attention(q: Tensor, k: Tensor, v: Tensor, rank: Tensor, cutoff: Tenso
     G = check_qkv(q, k, v)
     B, Hkv, S = _check_mask_args(rank, cutoff, sink, window, 1)
     if q.shape[2] != S or k.shape[2] != S or (B, Hkv) != tuple(k.shape[:2]):
-        raise ValueError(f"rank/cutoff {tuple(rank.shape)} must be [B, Hkv, S] of k {tuple(k.shape)}, with q {tuple(q.shape)} over the same S")
-    if rank.device != q.device: raise ValueError(f"rank and cutoff must be on {q.device} (with q, k, v), got {rank.device}")
+        raise ValueError(f"rank/cutoff {tuple(rank.shape)} must be [B, Hkv, S] of k {tuple(k.shape)}, with q "
+                         f"{tuple(q.shape)} over the same S")
+    if rank.device != q.device:
+        raise ValueError(f"rank and cutoff must be on {q.device} (with q, k, v), got {rank.device}")
     if backend == "flex" or (backend == "auto" and q.is_cuda):
-        return flex_attention_lse(q, k, v, kvpop_block_mask(rank, cutoff, sink, window, G), scale=scale, enable_gqa=G > 1)
+        return flex_attention_lse(q, k, v, kvpop_block_mask(rank, cutoff, sink, window, G), scale=scale,
+                                  enable_gqa=G > 1)
     return masked_attention(q, k, v, kvpop_mask(rank, cutoff, sink, window, G), scale=scale, backend=backend)

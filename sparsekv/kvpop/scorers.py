@@ -1,4 +1,4 @@
-"""Headwise stateless scorers (linear, two-layer SiLU MLP) and the stateful mLSTM scorer with Hedgehog features and delayed readout (§3.3, Eq. 10–11, 35–42), in parallel and recurrent form.
+"""KVpop's scorers (§3.3, Eq. 10–11, 35–42): headwise linear and MLP scorers and the stateful mLSTM scorer.
 
 Docs: https://sparsekv.github.io/sparsekv/kvpop_scorers.html.md"""
 
@@ -29,10 +29,12 @@ def check_kv(k: Tensor, v: Tensor, num_kv_heads: int | None = None, head_dim: in
         if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() < 2:
             raise TypeError(f"{name} must be a floating-point tensor [B, Hkv, S, d] or [B, Hkv, d], "
                             f"got {getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
-    if k.shape != v.shape: raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     heads_dim = -3 if k.dim() >= 4 else -2
     if num_kv_heads is not None and k.shape[heads_dim] != num_kv_heads:
-        raise ValueError(f"k/v have {k.shape[heads_dim]} KV heads, the scorer was built for num_kv_heads={num_kv_heads}")
+        raise ValueError(f"k/v have {k.shape[heads_dim]} KV heads, the scorer was built for "
+                         f"num_kv_heads={num_kv_heads}")
     if head_dim is not None and k.shape[-1] != head_dim:
         raise ValueError(f"k/v have head dim {k.shape[-1]}, the scorer was built for head_dim={head_dim}")
 
@@ -43,7 +45,7 @@ def scorer_input(k: Tensor, v: Tensor) -> Tensor:
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #315882fc
 class HeadwiseLinear(nn.Module):
-    "Separate linear map per KV head: y[..., h, s, :] = x[..., h, s, :] @ weight[h] + bias[h], one einsum for all heads."
+    "A linear map per KV head: y[..., h, s, :] = x[..., h, s, :] @ weight[h] + bias[h], one einsum for all heads."
     def __init__(self, num_heads: int, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.num_heads = check_int(num_heads, "num_heads", 1)
@@ -54,7 +56,8 @@ class HeadwiseLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         "x [..., H, S, in] -> [..., H, S, out]."
         if x.dim() < 3 or x.shape[-3] != self.num_heads or x.shape[-1] != self.weight.shape[1]:
-            raise ValueError(f"x must be [..., H={self.num_heads}, S, {self.weight.shape[1]}], got shape {tuple(x.shape)}")
+            raise ValueError(f"x must be [..., H={self.num_heads}, S, {self.weight.shape[1]}], got shape "
+                             f"{tuple(x.shape)}")
         y = torch.einsum("...hsi,hio->...hso", x, self.weight)
         return y if self.bias is None else y + self.bias[:, None, :]
 
@@ -130,7 +133,8 @@ class MLSTMState(NamedTuple):
 
 def mlstm_init_state(B: int, H: int, dk: int, dv: int, device=None, dtype=torch.float32) -> MLSTMState:
     "Empty state: C = 0, n = 0, m = -inf (no token yet)."
-    return MLSTMState(torch.zeros(B, H, dk, dv, device=device, dtype=dtype), torch.zeros(B, H, dk, device=device, dtype=dtype),
+    return MLSTMState(torch.zeros(B, H, dk, dv, device=device, dtype=dtype),
+                      torch.zeros(B, H, dk, device=device, dtype=dtype),
                       torch.full((B, H), -math.inf, device=device, dtype=dtype))
 
 def mlstm_step(state: MLSTMState, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor) -> MLSTMState:
@@ -147,17 +151,18 @@ def check_normalizer(normalizer: str) -> str:
     return normalizer
 
 def mlstm_readout(state: MLSTMState, q: Tensor, normalizer: str = "ratio", eps: float = 1e-6) -> Tensor:
-    "Hidden readout h = q C / (q z) from a stabilized state, query features q [B,H,dk] or [B,H,n,dk] (Eq. 41): [B,H,(n,)dv]."
+    "Readout h = q C / (q z) of a stabilized state for features q [B,H,dk] or [B,H,n,dk] (Eq. 41): [B,H,(n,)dv]."
     one = q.dim() == 3
     q = (q[:, :, None] if one else q) * q.shape[-1] ** -0.5
     num, qn = q @ state.C, q @ state.n[..., None]  # [B,H,n,dv], [B,H,n,1]
-    den = qn.abs() if check_normalizer(normalizer) == "ratio" else torch.maximum(qn.abs(), torch.exp(-state.m)[..., None, None])
+    den = (qn.abs() if check_normalizer(normalizer) == "ratio"
+           else torch.maximum(qn.abs(), torch.exp(-state.m)[..., None, None]))
     h = num / (den + eps)
     return h[:, :, 0] if one else h
 
 def mlstm_unstabilized_reference(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
                                  normalizer: str = "ratio") -> Tensor:
-    "Delayed readouts h[u] = q_u C_t / (q_u z_t), t = min(u+delay, S-1), with raw exp gates and explicit loops (no eps)."
+    "Delayed readouts h[u] = q_u C_t / (q_u z_t), t = min(u+delay, S-1), by loops with raw exp gates (no eps)."
     B, H, S, dk = q.shape
     C, z = torch.zeros(B, H, dk, v.shape[-1], dtype=q.dtype), torch.zeros(B, H, dk, dtype=q.dtype)
     states = []
@@ -182,7 +187,7 @@ def readout_positions(S: int, delay: int, device=None) -> Tensor:
 
 def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
                    normalizer: str = "ratio", eps: float = 1e-6) -> Tensor:
-    "Delayed mLSTM readouts h[u] from state t(u) = min(u+delay, S-1), masked quadratic form stabilized per row, [B,H,S,dv]."
+    "Delayed mLSTM readouts h[u] of state min(u+delay, S-1): a masked quadratic form, stabilized per row, [B,H,S,dv]."
     S, dk = q.shape[-2], q.shape[-1]
     t_of_u = readout_positions(S, delay, q.device)
     cum_f = torch.cumsum(log_f, dim=-1)
@@ -249,20 +254,23 @@ def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tenso
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #29e73e36
 class MLSTMScorer(nn.Module):
-    "Headwise mLSTM scorer with Hedgehog features and delayed readout (Eq. 37-42); parallel `forward`, recurrent `step`/`readout`."
-    def __init__(self, num_kv_heads: int, head_dim: int, *, delay: int, soft_cap: float | None = 15.0, norm: bool = False,
-                 normalizer: str = "ratio", eps: float = 1e-6, forget_bias: tuple[float, float] = (3.0, 6.0),
+    "Headwise mLSTM scorer, Hedgehog features, delayed readout (Eq. 37-42); parallel `forward`, recurrent `step`."
+    def __init__(self, num_kv_heads: int, head_dim: int, *, delay: int, soft_cap: float | None = 15.0,
+                 norm: bool = False, normalizer: str = "ratio", eps: float = 1e-6,
+                 forget_bias: tuple[float, float] = (3.0, 6.0),
                  input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 256):
         super().__init__()
         self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = check_int(head_dim, "head_dim", 1)
         if head_dim % 2: raise ValueError(f"head_dim must be even (Hedgehog halves the projection), got {head_dim}")
-        if soft_cap is not None and not soft_cap > 0: raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap!r}")
+        if soft_cap is not None and not soft_cap > 0:
+            raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap!r}")
         self.delay, self.soft_cap, self.norm = check_int(delay, "delay"), soft_cap, bool(norm)
         self.normalizer, self.eps = check_normalizer(normalizer), float(eps)
         self.chunk_size = check_int(chunk_size, "chunk_size", 1)
         half = head_dim // 2
-        self.q_proj, self.k_proj, self.v_proj = (HeadwiseLinear(num_kv_heads, 2 * head_dim, half, bias=False) for _ in range(3))
+        self.q_proj, self.k_proj, self.v_proj = (HeadwiseLinear(num_kv_heads, 2 * head_dim, half, bias=False)
+                                                 for _ in range(3))
         self.gates = HeadwiseLinear(num_kv_heads, 2 * head_dim, 2)  # columns: input, forget pre-activation
         self.score = HeadwiseLinear(num_kv_heads, half, 1)  # a_h, b_h of Eq. (42)
         with torch.no_grad():
@@ -285,7 +293,8 @@ class MLSTMScorer(nn.Module):
     def _input(self, k: Tensor, v: Tensor) -> Tensor:
         "Detached [k; v] as [B,H,S,2d] in the parameter dtype (one token [B,H,d] gets S = 1)."
         check_kv(k, v, self.num_kv_heads, self.head_dim)
-        if k.dim() not in (3, 4): raise ValueError(f"k must be [B, Hkv, S, d] or [B, Hkv, d], got shape {tuple(k.shape)}")
+        if k.dim() not in (3, 4):
+            raise ValueError(f"k must be [B, Hkv, S, d] or [B, Hkv, d], got shape {tuple(k.shape)}")
         x = scorer_input(k, v).to(self.q_proj.weight.dtype)
         return x if k.dim() == 4 else x[:, :, None]
 
@@ -299,7 +308,8 @@ class MLSTMScorer(nn.Module):
     def forward(self, k: Tensor, v: Tensor) -> Tensor:
         "Raw scores r [B,Hkv,S] with the delayed readout, chunkwise-parallel form (training and prefill)."
         if k.dim() != 4: raise ValueError(f"k must be [B, Hkv, S, d] for the parallel form, got shape {tuple(k.shape)}")
-        return self.score_head(mlstm_chunkwise(*self.features(k, v), self.delay, self.normalizer, self.eps, self.chunk_size))
+        return self.score_head(mlstm_chunkwise(*self.features(k, v), self.delay, self.normalizer, self.eps,
+                                               self.chunk_size))
 
     def init_state(self, batch_size: int, device=None) -> MLSTMState:
         "Empty recurrent state for `batch_size` sequences."
@@ -322,7 +332,7 @@ class MLSTMScorer(nn.Module):
         return self.score_head(mlstm_readout(state, q_feature, self.normalizer, self.eps))
 
     def recurrent(self, k: Tensor, v: Tensor) -> Tensor:
-        "`forward` in decode order: step token t, then score token t - delay; the last `delay` tokens read the final state."
+        "`forward` in decode order: step token t, score token t - delay; the last `delay` read the final state."
         B, H, S, _ = k.shape
         state, q = self.init_state(B, k.device), self.query_feature(k, v)
         r = torch.empty(B, H, S, device=k.device)
@@ -333,7 +343,8 @@ class MLSTMScorer(nn.Module):
         return r
 
     def extra_repr(self) -> str:
-        return (f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, delay={self.delay}, soft_cap={self.soft_cap}, "
+        return (f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, delay={self.delay}, "
+                f"soft_cap={self.soft_cap}, "
                 f"norm={self.norm}, normalizer={self.normalizer!r}")
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #c03f8ede

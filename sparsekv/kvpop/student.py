@@ -1,4 +1,4 @@
-"""KVpop's training-time attention and loss as a `DistillStudent` (Alg. 1, §3.3): the KVpop mask from detached priorities, the future-attention target from the sparse LSE, the retention loss at sampled boundaries; StreamingLLM+ at the same budget.
+"""KVpop's training-time attention and loss as a `DistillStudent` (Alg. 1, §3.3), and StreamingLLM+ beside it.
 
 Docs: https://sparsekv.github.io/sparsekv/kvpop_student.html.md"""
 
@@ -32,21 +32,23 @@ __all__ = ['KVpopTrainPolicy', 'step_generator', 'KVpopStudent', 'SinkWindowPoli
 
 # %% ../../nbs/17_kvpop_student.ipynb #fc5acd57
 class KVpopTrainPolicy(AttentionPolicy):
-    "KVpop attention on whole sequences (Eq. 26, exact attention under the mask); in training, records priorities and targets."
+    "KVpop attention on whole sequences (Eq. 26, exact under the mask); in training, records priorities and targets."
 
     def __init__(self, student: "KVpopStudent"):
         self.student = student
 
     def attend(self, q, k, v, ctx):
         st = self.student
-        if ctx.past_len: raise ValueError("KVpop training attention takes whole sequences: call the model without a cache")
+        if ctx.past_len:
+            raise ValueError("KVpop training attention takes whole sequences: call the model without a cache")
         capture = st.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(capture):  # scorer inputs detached: gradients reach only scorers and decays (§3.3)
             pred = st.scorers.priority(ctx.layer_idx, k.detach(), v.detach(), ctx.key_positions)
         rank, cutoff = topk_cutoff(pred.detach(), st.k, st.sink, st.window)  # float32 ranking, no gradient
         if q.is_cuda and ctx.mask is None:  # FlexAttention with the on-the-fly mask: output and LSE in one pass
             out, lse = kvpop_attention(q, k, v, rank, cutoff, st.sink, st.window, scale=ctx.scale)
-        else:  # dense mask (a model mask, e.g. padding, intersected); on CPU: SDPA, and the LSE only when needed, without graph
+        else:
+            # dense mask (a model mask, e.g. padding, intersected); on CPU: SDPA, the LSE only when needed, no graph
             m = kvpop_mask(rank, cutoff, st.sink, st.window, q.shape[1] // k.shape[1])
             if ctx.mask is not None: m = m & heads_mask(ctx.mask, q.shape[1])
             if q.is_cuda: out, lse = masked_attention(q, k, v, m, scale=ctx.scale)
@@ -67,19 +69,21 @@ def step_generator(seed: int, step: int) -> torch.Generator:
 
 
 class KVpopStudent(DistillStudent):
-    "KVpop (Alg. 1): scorer-ranked sparse attention; retention loss (Eq. 7) on the future-attention target of its own sparse pass."
+    "KVpop (Alg. 1): scorer-ranked sparse attention; retention loss (Eq. 7) on its own sparse pass's target."
 
     def __init__(self, scorers: KVpopScorers, sink: int, window: int, k: int, n_boundaries: int = 64,
                  late_frac: float = 0.5, tau: float = 1.0, margin: bool = True, omega_min: float = 0.1,
                  tau_omega: float = 1.0, balance: bool = False, agg: str = "max", eps: float = 1e-6,
                  weight: float = 1.0, seed: int = 0):
         super().__init__()
-        if not isinstance(scorers, KVpopScorers): raise TypeError(f"scorers must be a KVpopScorers, got {type(scorers).__name__}")
+        if not isinstance(scorers, KVpopScorers):
+            raise TypeError(f"scorers must be a KVpopScorers, got {type(scorers).__name__}")
         self.k, self.sink, self.window = check_budget(k, sink, window)
         if isinstance(n_boundaries, bool) or not isinstance(n_boundaries, int) or n_boundaries < 1:
             raise ValueError(f"n_boundaries must be an int >= 1, got {n_boundaries!r}")
         if not weight >= 0: raise ValueError(f"weight must be >= 0, got {weight!r}")
-        self.scorers, self.n_boundaries, self.late_frac, self.weight, self.seed = scorers, n_boundaries, late_frac, weight, seed
+        self.scorers, self.n_boundaries, self.late_frac = scorers, n_boundaries, late_frac
+        self.weight, self.seed = weight, seed
         self.loss_options = dict(tau=tau, margin=margin, omega_min=omega_min, tau_omega=tau_omega, balance=balance)
         self.agg, self.eps = agg, eps
         self.captured: list[tuple[Tensor, Tensor]] = []
@@ -87,11 +91,12 @@ class KVpopStudent(DistillStudent):
     @classmethod
     def for_model(cls, model, sink: int, window: int, k: int, scorer: str = "mlp", n: int = 1, gamma_min: float = 0.999,
                   gamma_max: float = 0.999999, **options) -> "KVpopStudent":
-        "Fresh scorers for `model`'s layers ('mlp', or 'mlstm' with readout delay = window, §3.3) in float32, Table 3 decays."
+        "Fresh float32 scorers for `model`'s layers ('mlp', or 'mlstm' with delay = window, §3.3), Table 3 decays."
         info = model_info(model)
         args = info.num_layers, info.num_kv_heads, info.head_dim
         if scorer == "mlp": sc = KVpopScorers.mlp(*args, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
-        elif scorer == "mlstm": sc = KVpopScorers.mlstm(*args, delay=window, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
+        elif scorer == "mlstm":
+            sc = KVpopScorers.mlstm(*args, delay=window, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
         else: raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {scorer!r}")
         return cls(sc.to(next(model.parameters()).device), sink, window, k, **options)
 
@@ -103,7 +108,8 @@ class KVpopStudent(DistillStudent):
         return [*self.scorers.scorers, *self.scorers.decays]
 
     def method_loss(self, step: int) -> tuple[Tensor, dict[str, float]]:
-        if not self.captured: raise RuntimeError("method_loss needs a training forward under policy() in train() mode first")
+        if not self.captured:
+            raise RuntimeError("method_loss needs a training forward under policy() in train() mode first")
         captured, self.captured = self.captured, []
         S = captured[0][0].shape[-1]
         q = sample_boundary_queries(S, self.n_boundaries, self.sink, self.window, self.k, self.late_frac,
@@ -130,7 +136,7 @@ class SinkWindowPolicy(MaskPolicy):
 
 
 class SinkWindowStudent(DistillStudent):
-    "StreamingLLM+ (§4): sinks `sink` and a recent window of `window + k`, the KVpop budget s + w + k; no new parameters."
+    "StreamingLLM+ (§4): `sink` sinks and a recent window of `window + k`, KVpop's budget s + w + k; no new parameters."
 
     def __init__(self, sink: int, window: int, k: int):
         super().__init__()
@@ -144,21 +150,24 @@ class SinkWindowStudent(DistillStudent):
 
 # %% ../../nbs/17_kvpop_student.ipynb #8d29bb83
 class TrainedMethod(EvictionMethod):
-    """An eviction method trained by `distill`: `student(model)` for training; at inference its cache, from a fresh student
-    (untrained) or the `checkpoint` (`trained.pt` of the distill CLI, its 'student' state)."""
+    """An eviction method trained by `distill`: `student(model)` for training; at inference its cache, from a fresh
+    student (untrained) or the `checkpoint` (`trained.pt` of the distill CLI, its 'student' state)."""
     mode = "scorer_only"  # the distill mode its paper trains it in
 
-    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, checkpoint: str | Path | None = None,
-                 chunk_size: int | None = None):
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None,
+                 checkpoint: str | Path | None = None, chunk_size: int | None = None):
         super().__init__(budget, sink, window, chunk_size)
-        if self.k < 1: raise ValueError(f"budget={self.budget} leaves no long-range slot after sink={self.sink} and window={self.window}: "
+        if self.k < 1:
+            raise ValueError(f"budget={self.budget} leaves no long-range slot after sink={self.sink} and "
+                             f"window={self.window}: "
                                         f"{self.name} needs budget >= sink + window + 1")
         if checkpoint is not None and not Path(checkpoint).is_file():
-            raise FileNotFoundError(f"checkpoint must be the trained.pt that sparsekv.distill saves, {checkpoint!r} is no file")
+            raise FileNotFoundError(f"checkpoint must be the trained.pt that sparsekv.distill saves, {checkpoint!r} "
+                                    "is no file")
         self.checkpoint, self._students = checkpoint, weakref.WeakKeyDictionary()
 
     def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> DistillStudent:
-        "A fresh student for `model`, to be trained on `seq_len`-token sequences for `steps` steps (where the method needs them)."
+        "A fresh student for `model`; a method may use the training's sequence length `seq_len` and `steps` steps."
         raise NotImplementedError(f"{type(self).__name__} must implement student(model, ...)")
 
     def trained_student(self, model) -> DistillStudent:
@@ -166,7 +175,8 @@ class TrainedMethod(EvictionMethod):
         if model not in self._students:
             st = self.student(model)
             if self.checkpoint is not None:
-                st.load_state_dict(torch.load(self.checkpoint, map_location=next(model.parameters()).device, weights_only=True)["student"])
+                device = next(model.parameters()).device
+                st.load_state_dict(torch.load(self.checkpoint, map_location=device, weights_only=True)["student"])
             self._students[model] = st.eval()
         return self._students[model]
 
@@ -175,19 +185,23 @@ class TrainedMethod(EvictionMethod):
 
 
 class KVpopMLP(TrainedMethod):
-    "KVpop with MLP scorers (§3.3): a `KVpopCache` of s sinks, w recent and the k best static priorities; `options` go to `KVpopStudent`."
+    "KVpop with MLP scorers (§3.3): a `KVpopCache` of s sinks, w recent, k best priorities; options: `KVpopStudent`."
     name, scorer = "kvpop_mlp", "mlp"
 
-    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, checkpoint: str | Path | None = None,
-                 chunk_size: int | None = None, **options):
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None,
+                 checkpoint: str | Path | None = None, chunk_size: int | None = None, **options):
         super().__init__(budget, sink, window, checkpoint, chunk_size)
-        accepted = (set(inspect.signature(KVpopStudent.for_model).parameters) | set(inspect.signature(KVpopStudent).parameters)) \
-            - {"model", "scorers", "sink", "window", "k", "scorer", "seed", "options"}
-        if set(options) - accepted: raise TypeError(f"unexpected options {sorted(set(options) - accepted)} for {self.name}; accepted: {sorted(accepted)}")
+        accepted = ((set(inspect.signature(KVpopStudent.for_model).parameters)
+                     | set(inspect.signature(KVpopStudent).parameters))
+                    - {"model", "scorers", "sink", "window", "k", "scorer", "seed", "options"})
+        if set(options) - accepted:
+            raise TypeError(f"unexpected options {sorted(set(options) - accepted)} for {self.name}; accepted: "
+                            f"{sorted(accepted)}")
         self.options = options
 
     def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> KVpopStudent:
-        return KVpopStudent.for_model(model, self.sink, self.window, self.k, scorer=self.scorer, seed=seed, **self.options)
+        return KVpopStudent.for_model(model, self.sink, self.window, self.k, scorer=self.scorer, seed=seed,
+                                      **self.options)
 
     def policy(self) -> KVpopPolicy:
         return KVpopPolicy()
@@ -199,7 +213,7 @@ class KVpopMLSTM(KVpopMLP):
 
 
 class StreamingLLMPlus(TrainedMethod):
-    "StreamingLLM+ (§4): StreamingLLM's sinks and window + k recent tokens, the base model fine-tuned under it (full mode)."
+    "StreamingLLM+ (§4): StreamingLLM's sinks and window + k recent tokens, the base model fine-tuned (full mode)."
     name, mode = "streaming_llm_plus", "full"
 
     def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> SinkWindowStudent:

@@ -1,4 +1,4 @@
-"""KVpop's supervision signal (Eq. (2), (3), (8), (31)): the mean attention a key receives from future queries once it has left the protected window, computed by a transposed attention pass that never holds the S x S matrix.
+"""KVpop's supervision signal (Eq. (2), (3), (8), (31)): the future attention a key gets, without S x S memory.
 
 Docs: https://sparsekv.github.io/sparsekv/kvpop_target.html.md"""
 
@@ -35,17 +35,20 @@ def future_count(S: int, window: int, normalize: bool = True, device=None) -> Te
     if not normalize: return torch.ones_like(t)
     return (S - (t + window)).clamp(min=1)
 
-def future_mask(n_keys: int, n_queries: int, window: int, key_start: int = 0, query_start: int = 0, device=None) -> Tensor:
-    "Bool [n_keys, n_queries]: True where query d = query_start + j is at least `window` after key t = key_start + i (d >= t + w)."
+def future_mask(n_keys: int, n_queries: int, window: int, key_start: int = 0, query_start: int = 0,
+                device=None) -> Tensor:
+    "Bool [n_keys, n_queries]: True where query d = query_start + j and key t = key_start + i have d >= t + window."
     t = torch.arange(key_start, key_start + n_keys, device=device)[:, None]
     d = torch.arange(query_start, query_start + n_queries, device=device)
     return d >= t + window
 
 # %% ../../nbs/10_kvpop_target.ipynb #896a6d4b
-def check_target_args(q: Tensor, k: Tensor, window: int, lse: Tensor | None, agg: str, eps: float, normalize: bool) -> int:
+def check_target_args(q: Tensor, k: Tensor, window: int, lse: Tensor | None, agg: str, eps: float,
+                      normalize: bool) -> int:
     "Validate the arguments of `future_attention_target` (self-attention q [B,Hq,S,D], k [B,Hkv,S,D]); return G."
     G = check_qkv(q, k)
-    if q.shape[2] != k.shape[2]: raise ValueError(f"q and k must have the same length S (self-attention), got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have the same length S (self-attention), got {q.shape[2]} and {k.shape[2]}")
     check_int(window, "window", 1)
     if agg not in AGGS: raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < math.inf):
@@ -53,16 +56,19 @@ def check_target_args(q: Tensor, k: Tensor, window: int, lse: Tensor | None, agg
     if not isinstance(normalize, bool): raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
     if lse is not None:
         if not isinstance(lse, Tensor) or not lse.is_floating_point():
-            raise TypeError(f"lse must be a floating-point tensor [B, Hq, S] or None, got {getattr(lse, 'dtype', type(lse).__name__)}")
-        if lse.shape != q.shape[:3]: raise ValueError(f"lse must have shape [B, Hq, S] = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
+            raise TypeError("lse must be a floating-point tensor [B, Hq, S] or None, got "
+                            f"{getattr(lse, 'dtype', type(lse).__name__)}")
+        if lse.shape != q.shape[:3]:
+            raise ValueError(f"lse must have shape [B, Hq, S] = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
         if lse.device != q.device: raise ValueError(f"lse must be on {q.device} (with q and k), got {lse.device}")
-        if not torch.isfinite(lse).all(): raise ValueError("lse must be finite: every query needs at least one attended key (no NaN, no -inf)")
+        if not torch.isfinite(lse).all():
+            raise ValueError("lse must be finite: every query needs at least one attended key (no NaN, no -inf)")
     return G
 
 # %% ../../nbs/10_kvpop_target.ipynb #7ed28781
 def future_attention_target_reference(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None, agg: str = "max",
                                       eps: float = 1e-6, normalize: bool = True, scale: float | None = None) -> Tensor:
-    "Eq. (2)-(3) by explicit loops in Python float64 (softmax of each causal row, sums over future queries): [B, Hkv, S] float64."
+    "Eq. (2)-(3) by loops in Python float64 (softmax per causal row, sums over future queries): [B, Hkv, S] float64."
     G = check_target_args(q, k, window, lse, agg, eps, normalize)
     B, Hq, S, D = q.shape
     c = softmax_scale(scale, D)
@@ -95,7 +101,8 @@ def aggregate_target(log_mass: Tensor, G: int, agg: str = "max", eps: float = 1e
     B, Hq, S = log_mass.shape
     x = log_mass.view(B, Hq // G, G, S)
     log_eps = torch.full((), math.log(eps), dtype=x.dtype, device=x.device)
-    if agg == "max": return torch.logaddexp(log_eps, x.amax(2))  # log increasing: max_g log(eps + m_g) = log(eps + max_g m_g)
+    # log increasing: max_g log(eps + m_g) = log(eps + max_g m_g)
+    if agg == "max": return torch.logaddexp(log_eps, x.amax(2))
     return torch.logaddexp(log_eps, torch.logsumexp(x, 2) - math.log(G))  # probability-space mean (Eq. (15))
 
 def causal_lse(q: Tensor, k: Tensor, block: int | None = None, scale: float | None = None) -> Tensor:
@@ -105,7 +112,8 @@ def causal_lse(q: Tensor, k: Tensor, block: int | None = None, scale: float | No
     lse = []
     for a in range(0, S, block):
         e = min(a + block, S)  # rows a..e-1 see keys 0..e-1 only
-        lse.append(masked_logsumexp(attention_scores(q[:, :, a:e], k[:, :, :e], causal_mask(e - a, e, q.device, offset=a), scale)))
+        lse.append(masked_logsumexp(attention_scores(q[:, :, a:e], k[:, :, :e],
+                                                     causal_mask(e - a, e, q.device, offset=a), scale)))
     return torch.cat(lse, -1)
 
 # %% ../../nbs/10_kvpop_target.ipynb #ca44175d
@@ -115,12 +123,13 @@ def transposed_score_mod(lse: Tensor):
     return score_mod
 
 def future_mask_mod(window: int):
-    "FlexAttention mask_mod of the transposed pass: transposed query t (a key) sees transposed key d (a query) iff d >= t + window."
+    "FlexAttention mask_mod of the transposed pass: transposed query t (a key) sees d (a query) iff d >= t + window."
     def mask_mod(b, h, t_idx, d_idx): return d_idx >= t_idx + window
     return mask_mod
 
 # %% ../../nbs/10_kvpop_target.ipynb #f5bb4583
-def future_log_mass_dense(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None, scale: float | None = None) -> Tensor:
+def future_log_mass_dense(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None,
+                          scale: float | None = None) -> Tensor:
     "log m_bar_t per query head [B, Hq, S] (Eq. (30)) from the materialized [B, Hq, S, S] probabilities: the reference."
     S = q.shape[2]
     l = attention_scores(q, k, torch.ones(S, S, dtype=torch.bool, device=q.device), scale)  # l[b, h, d, t]
@@ -131,7 +140,7 @@ def future_log_mass_dense(q: Tensor, k: Tensor, window: int, lse: Tensor | None 
 
 def future_log_mass_chunked(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None, scale: float | None = None,
                             block: int = 256) -> Tensor:
-    "log m_bar_t per query head [B, Hq, S] (Eq. (31)): the transposed pass in blocks of `block` keys, at most [B, Hq, block, S] scores."
+    "log m_bar_t per query head [B, Hq, S] (Eq. (31)): the transposed pass by `block` keys, [B, Hq, block, S] scores."
     G = q.shape[1] // k.shape[1]
     B, Hq, S, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -149,14 +158,16 @@ def future_log_mass_chunked(q: Tensor, k: Tensor, window: int, lse: Tensor | Non
         out[:, :, a:e] = masked_logsumexp(x)
     return out
 
-def future_log_mass_flex(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None, scale: float | None = None) -> Tensor:
-    "log m_bar_t per query head [B, Hq, S] (Eq. (31)): one transposed FlexAttention pass (App. D.2), compiled on CUDA, eager on CPU."
+def future_log_mass_flex(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None,
+                         scale: float | None = None) -> Tensor:
+    "log m_bar_t per query head [B, Hq, S] (Eq. (31)): a transposed FlexAttention pass (App. D.2), compiled on CUDA."
     G = q.shape[1] // k.shape[1]
     S = q.shape[2]
     if lse is None: lse = flex_attention_lse(q, k, k, causal_block_mask(S, S, q.device), scale=scale)[1]  # Eq. (28)
     block_mask = create_block_mask(future_mask_mod(window), None, None, S, S, device=q.device)
     # Transposed queries: the KV heads repeated per query head; transposed keys (and the unused values): the queries.
-    _, log_mbar = flex_attention_lse(repeat_kv(k, G), q, q, block_mask, score_mod=transposed_score_mod(lse.float()), scale=scale)
+    _, log_mbar = flex_attention_lse(repeat_kv(k, G), q, q, block_mask, score_mod=transposed_score_mod(lse.float()),
+                                     scale=scale)
     return log_mbar.to(torch.promote_types(q.dtype, torch.float32))
 
 # %% ../../nbs/10_kvpop_target.ipynb #7f599aa5
@@ -192,7 +203,8 @@ class _StorageTracker(TorchDispatchMode):
         "Count storage `st` until it is freed."
         self.live[id(st)] = st.nbytes()
         self.now += st.nbytes()
-        weakref.finalize(st, self._free, id(st))  # storages keep their Python object: this runs when the memory is freed
+        # storages keep their Python object: this runs when the memory is freed
+        weakref.finalize(st, self._free, id(st))
         self.peak = max(self.peak, self.now)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -207,8 +219,9 @@ class _StorageTracker(TorchDispatchMode):
         return out
 
 def peak_memory(fn, *args, device=None, held=(), **kwargs) -> tuple[object, int]:
-    """Run fn(*args, **kwargs): (its result, peak bytes of tensor memory allocated during the call beyond what existed before,
-    plus the storages `held`, which existed before and count until the call frees them, e.g. a cache a decode step replaces)."""
+    """Run fn(*args, **kwargs): (its result, peak bytes of tensor memory allocated during the call beyond what
+    existed before, plus the storages `held`, which existed before and count until the call frees them, e.g. a
+    cache a decode step replaces)."""
     held = list(held)
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -234,7 +247,8 @@ def bench_target(S: int = 8192, B: int = 1, Hkv: int = 1, G: int = 3, D: int = 6
     q = torch.randn(B, Hkv * G, S, D, device=device, generator=gen)
     k = torch.randn(B, Hkv, S, D, device=device, generator=gen)
     lse = causal_lse(q, k, block) if given_lse else None  # in training the sparse attention pass provides it
-    res, outs = dict(S=S, B=B, Hkv=Hkv, G=G, D=D, window=window, block=block, given_lse=given_lse, device=str(device)), {}
+    res = dict(S=S, B=B, Hkv=Hkv, G=G, D=D, window=window, block=block, given_lse=given_lse, device=str(device))
+    outs = {}
     for m in methods:
         run = lambda: future_attention_target(q, k, window, lse, method=m, block=block)
         run()  # warm-up (compilation on CUDA)

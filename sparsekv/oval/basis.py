@@ -1,4 +1,4 @@
-"""Why a page summary should preserve the key directions that move the attention *output* (OVAL §3, App. A), every identity checked numerically, and the batched page basis (§3.3, App. D.3) with its page score.
+"""Why a page summary should preserve the key directions that move the attention *output* (OVAL §3, App. A).
 
 Docs: https://sparsekv.github.io/sparsekv/oval_basis.html.md"""
 
@@ -29,36 +29,43 @@ def _check_tensor(x, name: str) -> None:
     if not x.is_floating_point(): raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
 def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
-    "Validate a batch of pages K [..., m, d], V [..., m, dv] and a metric G [..., dv, dv] broadcastable to their leading dims (or None)."
+    "Check pages K [..., m, d], V [..., m, dv] and a metric G [..., dv, dv] broadcastable to their batch (or None)."
     _check_tensor(K, "K"); _check_tensor(V, "V")
-    if K.dim() < 2 or K.shape[-2] < 1 or K.shape[-1] < 1: raise ValueError(f"K must be [..., m, d] with m, d >= 1, got shape {tuple(K.shape)}")
+    if K.dim() < 2 or K.shape[-2] < 1 or K.shape[-1] < 1:
+        raise ValueError(f"K must be [..., m, d] with m, d >= 1, got shape {tuple(K.shape)}")
     if V.dim() != K.dim() or V.shape[:-1] != K.shape[:-1] or V.shape[-1] < 1:
-        raise ValueError(f"V must be [..., m, dv] with the leading dims and m of K {tuple(K.shape[:-1])}, got shape {tuple(V.shape)}")
+        raise ValueError(f"V must be [..., m, dv] with the leading dims and m of K {tuple(K.shape[:-1])}, got shape "
+                         f"{tuple(V.shape)}")
     if V.device != K.device: raise ValueError(f"V must be on K's device {K.device}, got {V.device}")
     if G is None: return
     _check_tensor(G, "G")
     dv = V.shape[-1]
-    if G.dim() < 2 or G.shape[-2:] != (dv, dv): raise ValueError(f"G must be [..., dv, dv] with dv = {dv}, got shape {tuple(G.shape)}")
+    if G.dim() < 2 or G.shape[-2:] != (dv, dv):
+        raise ValueError(f"G must be [..., dv, dv] with dv = {dv}, got shape {tuple(G.shape)}")
     try: lead = torch.broadcast_shapes(G.shape[:-2], K.shape[:-2])
     except RuntimeError: lead = None
-    if lead != K.shape[:-2]: raise ValueError(f"G's leading dims {tuple(G.shape[:-2])} must broadcast to the pages' {tuple(K.shape[:-2])}")
+    if lead != K.shape[:-2]:
+        raise ValueError(f"G's leading dims {tuple(G.shape[:-2])} must broadcast to the pages' {tuple(K.shape[:-2])}")
     if G.device != K.device: raise ValueError(f"G must be on K's device {K.device}, got {G.device}")
 
 def _check_rank(rank) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1: raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
 
 def _check_eta(eta) -> None:
-    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1: raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
+        raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
 
 # %% ../../nbs/30_oval_basis.ipynb #4c9563e0
 def _trace(M: Tensor) -> Tensor: return M.diagonal(dim1=-2, dim2=-1).sum(-1)
 
 def page_risks(K: Tensor, V: Tensor, B: Tensor, G: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    "Trace forms (§3.1) of R_key(B) = tr(J X^T X J)/d and R_out(B) = tr(J M_out J)/(m^2 d), J = I - BB^T, G = I if None: each [...]."
+    "Trace forms (§3.1) R_key(B) = tr(J X^T X J)/d, R_out(B) = tr(J M_out J)/(m^2 d), J = I - BB^T (G = I if None)."
     check_page(K, V, G)
     _check_tensor(B, "B")
     m, d = K.shape[-2:]
-    if B.dim() < 2 or B.shape[-2] != d: raise ValueError(f"B must be [..., d, r] with d = {d}, got shape {tuple(B.shape)}")
+    if B.dim() < 2 or B.shape[-2] != d:
+        raise ValueError(f"B must be [..., d, r] with d = {d}, got shape {tuple(B.shape)}")
     _, X = centre_page(K)
     _, Y = centre_page(V)
     XJ = X - (X @ B) @ B.mT                                 # X (I - P_B)
@@ -71,7 +78,7 @@ EPS_TRACE = 1e-30   # App. D.3: traces (and mean diagonals) are clamped here
 EPS_SIGMA = 1e-10   # App. D.3: singular values are clamped here before dividing by them
 
 def hybrid_metric(K: Tensor, V: Tensor, G: Tensor | None = None, eta: float = 0.5) -> Tensor:
-    "M_eta = (1-eta) c_key X^T X + eta c_out X^T Y G Y^T X with c = 1/max(trace, 1e-30) (§3.2), directly in d x d: [..., d, d]."
+    "M_eta = (1-eta) c_key X^T X + eta c_out X^T Y G Y^T X, c = 1/max(trace, 1e-30) (§3.2), in d x d: [..., d, d]."
     check_page(K, V, G)
     _check_eta(eta)
     _, X = centre_page(K)
@@ -111,7 +118,8 @@ def _psd_sqrt(A: Tensor) -> Tensor:
     return (U * lam.clamp_min(0).sqrt().unsqueeze(-2)) @ U.mT
 
 def _gram_right_singular(C: Tensor, r: int) -> tuple[Tensor, Tensor]:
-    "Top-r right singular vectors of C [..., m, d] via the m x m Gram matrix C C^T ([..., d, r], zero beyond the numerical rank) and which are kept [..., r]."
+    """Top-r right singular vectors of C [..., m, d] via the m x m Gram matrix C C^T ([..., d, r], zero beyond the
+    numerical rank) and which are kept [..., r]."""
     gram = C @ C.mT
     s = _mean_diag(gram).clamp_min(EPS_TRACE)
     lam, U = torch.linalg.eigh(gram / s[..., None, None])
@@ -122,7 +130,7 @@ def _gram_right_singular(C: Tensor, r: int) -> tuple[Tensor, Tensor]:
     return cols * keep.unsqueeze(-2), keep
 
 def _orthonormalize(cols: Tensor, keep: Tensor, r: int) -> Tensor:
-    "r orthonormal columns spanning the kept columns of cols [..., d, n] (in order), completed arbitrarily (Householder QR)."
+    "r orthonormal columns spanning the kept columns of cols [..., d, n] (in order), completed by Householder QR."
     order = torch.argsort((~keep).to(torch.int64), dim=-1, stable=True)       # kept columns first
     cols = cols.gather(-1, order.unsqueeze(-2).expand_as(cols))
     Q, Rq = torch.linalg.qr(cols)
@@ -131,7 +139,7 @@ def _orthonormalize(cols: Tensor, keep: Tensor, r: int) -> Tensor:
 
 # %% ../../nbs/30_oval_basis.ipynb #5749a0f0
 def _gram_basis(X: Tensor, Y: Tensor, G: Tensor | None, r: int, eta: float) -> Tensor:
-    "The Gram-domain construction of §3.3 / App. D.3 on centred X [..., m, d], Y [..., m, dv]: orthonormal B [..., d, r], r >= 1."
+    "The Gram-domain construction (§3.3, App. D.3) on centred X [..., m, d], Y [..., m, dv]: orthonormal B [..., d, r]."
     m = X.shape[-2]
     YG = Y if G is None else Y @ G
     T = _unit_mean_diag(X @ X.mT)
@@ -142,14 +150,17 @@ def _gram_basis(X: Tensor, Y: Tensor, G: Tensor | None, r: int, eta: float) -> T
     A = _unit_mean_diag((1 - eta) * c_key[..., None, None] * eye + eta * c_out[..., None, None] * W)
     C = _psd_sqrt(A) @ X                                                      # C^T C = M_eta (up to a factor)
     cols, keep = _gram_right_singular(C, r)
-    if not bool(keep.all()):                                                  # rank C < r: complete with key PCA of the rest
+    # rank C < r: complete with key PCA of the rest
+    if not bool(keep.all()):
         D, keep_d = _gram_right_singular(X - (X @ cols) @ cols.mT, r)
         cols, keep = torch.cat([cols, D], -1), torch.cat([keep, keep_d], -1)
     return _orthonormalize(cols, keep, r)
 
 # %% ../../nbs/30_oval_basis.ipynb #128bdb2b
-def page_basis(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8, eta: float = 0.5) -> tuple[Tensor, Tensor, Tensor]:
-    "OVAL page summary (§3.3, App. D.3): mu [..., d], orthonormal B [..., d, r] (top eigenspace of M_eta) and R = X B [..., m, r], r = min(rank, m-1, d), in K's dtype."
+def page_basis(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8,
+               eta: float = 0.5) -> tuple[Tensor, Tensor, Tensor]:
+    """OVAL page summary (§3.3, App. D.3): mu [..., d], orthonormal B [..., d, r] (top eigenspace of M_eta) and
+    R = X B [..., m, r], r = min(rank, m-1, d), in K's dtype."""
     check_page(K, V, G)
     _check_rank(rank); _check_eta(eta)
     m, d = K.shape[-2:]
@@ -165,7 +176,8 @@ def page_basis(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8, eta
     return mu.to(K.dtype), B.to(K.dtype), (X @ B).to(K.dtype)
 
 # %% ../../nbs/30_oval_basis.ipynb #055f5e78
-def page_basis_reference(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8, eta: float = 0.5) -> tuple[Tensor, Tensor, Tensor]:
+def page_basis_reference(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8,
+                         eta: float = 0.5) -> tuple[Tensor, Tensor, Tensor]:
     "page_basis by the direct d x d eigenproblem of M_eta (torch.linalg.eigh), float64: (mu, B, R)."
     check_page(K, V, G)
     _check_rank(rank); _check_eta(eta)
@@ -178,7 +190,7 @@ def page_basis_reference(K: Tensor, V: Tensor, G: Tensor | None = None, rank: in
     return mu, B, X @ B
 
 def subspace_distance(B1: Tensor, B2: Tensor) -> Tensor:
-    "||B1 B1^T - B2 B2^T||_2 for orthonormal B1, B2 [..., d, r]: the sine of the largest principal angle between their spans, [...]."
+    "||B1 B1^T - B2 B2^T||_2 for orthonormal B1, B2 [..., d, r]: sine of the largest principal angle of their spans."
     if B1.shape[-2] != B2.shape[-2] or B1.shape[-1] != B2.shape[-1]:
         raise ValueError(f"B1 and B2 must both be [..., d, r], got {tuple(B1.shape)} and {tuple(B2.shape)}")
     with _one_cpu_thread(B1.device):
@@ -186,13 +198,17 @@ def subspace_distance(B1: Tensor, B2: Tensor) -> Tensor:
 
 # %% ../../nbs/30_oval_basis.ipynb #e75fb33a
 def output_metric(o_proj_weight: Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> Tensor:
-    "G_h = sum over query heads j = h*G+g of W_{O,j}^T W_{O,j}, W_{O,j} = o_proj.weight[:, j*d:(j+1)*d] (§4): [Hkv, d, d], float32 (float64 for float64 weights)."
+    """G_h = sum over query heads j = h*G+g of W_{O,j}^T W_{O,j}, W_{O,j} = o_proj.weight[:, j*d:(j+1)*d] (§4):
+    [Hkv, d, d], float32 (float64 for float64 weights)."""
     _check_tensor(o_proj_weight, "o_proj_weight")
     for name, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if num_heads % num_kv_heads: raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if o_proj_weight.dim() != 2 or o_proj_weight.shape[1] != num_heads * head_dim:
-        raise ValueError(f"o_proj_weight must be [hidden, num_heads * head_dim = {num_heads * head_dim}], got shape {tuple(o_proj_weight.shape)}")
+        raise ValueError(f"o_proj_weight must be [hidden, num_heads * head_dim = {num_heads * head_dim}], got shape "
+                         f"{tuple(o_proj_weight.shape)}")
     W = o_proj_weight.to(_work_dtype(o_proj_weight)).reshape(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
     return torch.einsum("ohgi,ohgj->hij", W, W)
 
@@ -204,7 +220,8 @@ def _scale(scale: float | None, d: int) -> float:
     return float(scale)
 
 def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None = None) -> Tensor:
-    "Page score logsumexp_t((R_t . B^T q + mu . q) * scale) from the summary (§3.3): q [..., d], mu [..., d], B [..., d, r], R [..., m, r] broadcast -> [...]."
+    """Page score logsumexp_t((R_t . B^T q + mu . q) * scale) from the summary (§3.3): q [..., d], mu [..., d],
+    B [..., d, r], R [..., m, r] broadcast -> [...]."""
     for name, x in (("q", q), ("mu", mu), ("B", B), ("R", R)): _check_tensor(x, name)
     d = q.shape[-1]
     if mu.shape[-1] != d or B.dim() < 2 or B.shape[-2] != d or R.dim() < 2 or R.shape[-1] != B.shape[-1]:
@@ -218,9 +235,10 @@ def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None 
     return torch.logsumexp(logits * c, -1) + (mu * q).sum(-1) * c
 
 def page_lse_exact(q: Tensor, K: Tensor, scale: float | None = None) -> Tensor:
-    "Exact page log-mass logsumexp_t(k_t . q * scale) from the original keys: q [..., d], K [..., m, d] broadcast -> [...]."
+    "Exact page log-mass logsumexp_t(k_t . q * scale) of the keys: q [..., d], K [..., m, d] broadcast -> [...]."
     _check_tensor(q, "q"); _check_tensor(K, "K")
-    if K.dim() < 2 or K.shape[-1] != q.shape[-1]: raise ValueError(f"need q [..., d] and K [..., m, d] with one d, got {tuple(q.shape)} and {tuple(K.shape)}")
+    if K.dim() < 2 or K.shape[-1] != q.shape[-1]:
+        raise ValueError(f"need q [..., d] and K [..., m, d] with one d, got {tuple(q.shape)} and {tuple(K.shape)}")
     wd = _work_dtype(q, K)
     logits = (K.to(wd) @ q.to(wd).unsqueeze(-1)).squeeze(-1)
     return torch.logsumexp(logits * _scale(scale, q.shape[-1]), -1)

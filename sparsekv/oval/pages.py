@@ -1,4 +1,4 @@
-"""Page retrieval from the page summaries: GQA aggregation, page selection within a token budget, storage cost, retrieval quality, the packed decode layout and the decode-time retrieval policy.
+"""Page retrieval from page summaries: GQA aggregation, budgeted selection, cost, quality and the decode policy.
 
 Docs: https://sparsekv.github.io/sparsekv/oval_pages.html.md"""
 
@@ -19,7 +19,7 @@ from ..hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
 from .basis import output_metric
 from .summaries import METHODS, PageSummary, _check_cache, _group_queries, make_summary
 # the string API of the summaries, importable from here too
-from .summaries import build_summaries, score_pages, score_pages_reference, split_pages
+from .summaries import build_summaries, score_pages, score_pages_reference, split_pages  # noqa: F401
 
 # %% auto #0
 __all__ = ['GQA_POLICIES', 'aggregate_gqa', 'always_kept', 'top_pages', 'page_tokens', 'select_pages', 'select_pages_reference',
@@ -30,10 +30,12 @@ __all__ = ['GQA_POLICIES', 'aggregate_gqa', 'always_kept', 'top_pages', 'page_to
 GQA_POLICIES = ("avgSM", "max")
 
 def aggregate_gqa(page_scores: Tensor, num_kv_heads: int, policy: str = "avgSM") -> Tensor:
-    "Per-KV-head page weights [B, Hkv, (S,) P] from [B, Hq, (S,) P] log scores: softmax over pages, then mean ('avgSM') or max over the group."
+    "Per-KV-head page weights [B, Hkv, (S,) P] of log scores [B, Hq, (S,) P]: page softmax, group mean ('avgSM')/max."
     if policy not in GQA_POLICIES: raise ValueError(f"policy must be one of {GQA_POLICIES}, got {policy!r}")
-    if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point(): raise TypeError("page_scores must be a floating-point tensor")
-    if page_scores.dim() not in (3, 4): raise ValueError(f"page_scores must be [B, Hq, P] or [B, Hq, S, P], got {tuple(page_scores.shape)}")
+    if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point():
+        raise TypeError("page_scores must be a floating-point tensor")
+    if page_scores.dim() not in (3, 4):
+        raise ValueError(f"page_scores must be [B, Hq, P] or [B, Hq, S, P], got {tuple(page_scores.shape)}")
     Hkv = check_int(num_kv_heads, "num_kv_heads", 1)
     B, Hq = page_scores.shape[:2]
     if Hq % Hkv: raise ValueError(f"the query heads ({Hq}) must be a multiple of num_kv_heads ({Hkv})")
@@ -49,15 +51,17 @@ def always_kept(T: int, page_size: int, sink: int, recent: int) -> tuple[int, in
     return sink_end, recent_start
 
 def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
-    "Complete pages [B, Hkv, (S,) n_p] each KV head keeps, sorted: sink pages, the top-weighted pages within token_budget, recent pages."
-    if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point(): raise TypeError("page_scores must be a floating-point tensor")
+    "Sorted complete pages [B, Hkv, (S,) n_p] a KV head keeps: sinks, the top pages within token_budget, recent pages."
+    if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point():
+        raise TypeError("page_scores must be a floating-point tensor")
     m = check_int(page_size, "page_size", 1)
     T = check_int(T, "T", 1)
     sink, recent = check_int(sink, "sink", 0), check_int(recent, "recent", 0)
     budget = check_int(token_budget, "token_budget", 1)
     P = T // m
     if page_scores.dim() < 3 or page_scores.shape[-1] != P:
-        raise ValueError(f"page_scores must be [B, Hkv, (S,) P] with P = T // page_size = {P}, got {tuple(page_scores.shape)}")
+        raise ValueError(f"page_scores must be [B, Hkv, (S,) P] with P = T // page_size = {P}, got "
+                         f"{tuple(page_scores.shape)}")
     if page_scores.isnan().any(): raise ValueError("page_scores must not contain NaN")
     lead, dev = page_scores.shape[:-1], page_scores.device
     if T <= budget: return torch.arange(P, device=dev).expand(*lead, P)
@@ -69,16 +73,18 @@ def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int,
                       torch.arange(last, P, device=dev).expand(*lead, -1)], -1)
 
 def page_tokens(pages: Tensor, page_size: int, T: int) -> Tensor:
-    "Token indices [..., n_p * m + T % m] of complete pages [..., n_p], followed by the trailing partial page [T - T % m, T)."
+    "Token indices [..., n_p * m + T % m] of complete pages [..., n_p], then the partial page [T - T % m, T)."
     m = check_int(page_size, "page_size", 1)
     tail = torch.arange(T // m * m, check_int(T, "T", 1), device=pages.device)
-    return torch.cat([(pages.unsqueeze(-1) * m + torch.arange(m, device=pages.device)).flatten(-2), tail.expand(*pages.shape[:-1], -1)], -1)
+    return torch.cat([(pages.unsqueeze(-1) * m + torch.arange(m, device=pages.device)).flatten(-2),
+                      tail.expand(*pages.shape[:-1], -1)], -1)
 
 def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
-    "Token indices [B, Hkv, (S,) n] per KV head: sink and recent pages plus the top-weighted pages that fit in token_budget."
+    "Token indices [B, Hkv, (S,) n] per KV head: sink and recent pages and the top pages that fit in token_budget."
     return page_tokens(top_pages(page_scores, token_budget, page_size, sink, recent, T), page_size, T)
 
-def select_pages_reference(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> list:
+def select_pages_reference(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int,
+                           T: int) -> list:
     "Loop reference of select_pages for [B, Hkv, P] scores: a nested list of sorted kept positions."
     m, P = page_size, T // page_size
     out = []
@@ -101,7 +107,8 @@ def summary_scalars(method: str | PageSummary, page_size: int, head_dim: int, ra
     spec = make_summary(method, check_int(rank, "rank", 1))
     return spec.scalars(check_int(page_size, "page_size", 1), check_int(head_dim, "head_dim", 1))
 
-def storage_table(page_size: int = 32, head_dim: int = 64, rank: int = 8, dtype: torch.dtype = torch.bfloat16) -> pd.DataFrame:
+def storage_table(page_size: int = 32, head_dim: int = 64, rank: int = 8,
+                  dtype: torch.dtype = torch.bfloat16) -> pd.DataFrame:
     "Per-page, per-KV-head summary storage of every method: scalars, bytes in dtype, and the ratio to the page's keys."
     itemsize = torch.empty((), dtype=dtype).element_size()
     keys = page_size * head_dim
@@ -113,7 +120,7 @@ def storage_table(page_size: int = 32, head_dim: int = 64, rank: int = 8, dtype:
 def retrieval_quality(method: str | PageSummary, q: Tensor, K: Tensor, V: Tensor, page_size: int, token_budget: int,
                       sink: int, recent: int, rank: int = 8, eta: float = 0.5, G: Tensor | None = None,
                       policy: str = "avgSM") -> tuple[Tensor, Tensor]:
-    "Mass recall and relative output error [B, Hq, S] of page retrieval for queries q [B, Hq, S, d] over K, V [B, Hkv, T, d]."
+    "Mass recall and relative output error [B, Hq, S] of page retrieval for q [B, Hq, S, d], K, V [B, Hkv, T, d]."
     summ = make_summary(method, rank, eta, G).summarize(K, V, page_size)
     w = aggregate_gqa(summ.score(q), K.shape[1], policy)
     idx = select_pages(w, token_budget, page_size, sink, recent, K.shape[2])
@@ -140,9 +147,10 @@ def _reserve(buf: Tensor | None, used: int, need: int, dim: int, like: Tensor) -
 
 
 class PackedPages:
-    "A growing cache's page summaries packed for decode: rows appended once per page, all pages scored by one GEMM per KV head."
+    "A growing cache's page summaries packed for decode: rows appended per page, scored by one GEMM per KV head."
     def __init__(self, method: str | PageSummary, page_size: int):
-        self.spec, self.page_size = make_summary(method), check_int(page_size, "page_size", 1)   # the first append's replaces spec
+        # the first append's replaces spec
+        self.spec, self.page_size = make_summary(method), check_int(page_size, "page_size", 1)
         self.n_pages, self.heads, self.rank = 0, None, None
         self.W = self.R = None              # W [B*Hkv, capacity * rows, f]; R [capacity, B*Hkv, ...] (basis methods' R)
 
@@ -152,9 +160,10 @@ class PackedPages:
         return self.spec.rows_per_page(self.page_size, self.rank)
 
     def append(self, summary: PageSummary) -> "PackedPages":
-        "Append the pages of `summary` (the pages completed since the last append, same batch and KV heads); returns self."
+        "Append the pages of `summary` (those completed since the last append, same batch and KV heads); returns self."
         if not isinstance(summary, PageSummary) or summary.tensors is None:
-            raise TypeError(f"summary must be a PageSummary holding pages (see summarize), got {type(summary).__name__}")
+            raise TypeError("summary must be a PageSummary holding pages (see summarize), "
+                            f"got {type(summary).__name__}")
         if type(summary) is not type(self.spec) or summary.page_size != self.page_size:
             raise ValueError(f"summary is {summary.name!r} with page_size {summary.page_size}, "
                              f"this store holds {self.spec.name!r} with {self.page_size}")
@@ -163,7 +172,8 @@ class PackedPages:
         if self.heads is None:
             self.heads, self.rank, self.spec = (Bsz, Hkv), None if R is None else R.shape[-1], summary.with_tensors()
         elif self.heads != (Bsz, Hkv) or (R is not None and R.shape[-1] != self.rank):
-            raise ValueError(f"summary has batch, KV heads {(Bsz, Hkv)} and rank {None if R is None else R.shape[-1]}; this store holds {self.heads}, rank {self.rank}")
+            raise ValueError(f"summary has batch, KV heads {(Bsz, Hkv)} and rank "
+                             f"{None if R is None else R.shape[-1]}; this store holds {self.heads}, rank {self.rank}")
         wd = torch.promote_types(rows.dtype, torch.float32)
         P, BH = self.n_pages, Bsz * Hkv
         rows = rows.to(wd).reshape(BH, n * nr, f)
@@ -177,7 +187,8 @@ class PackedPages:
         return self
 
     def scores(self, q: Tensor, scale: float | None = None) -> Tensor:
-        "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]), equal to score_pages's up to rounding; scale > 0, default 1/sqrt(d)."
+        """Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]), equal to score_pages's up to
+        rounding; scale > 0, default 1/sqrt(d)."""
         if self.heads is None: raise ValueError("no pages appended yet")
         Bsz, Hkv = self.heads
         qg, single = _group_queries(q, Hkv)                                  # [B, Hkv, G, S, 1, d]
@@ -187,7 +198,8 @@ class PackedPages:
         if not s > 0: raise ValueError(f"scale must be > 0, got {scale!r}")
         P, nr, BH = self.n_pages, self.rows, Bsz * Hkv
         x = self.spec.features(qg.reshape(BH, G * S, d).to(self.W.dtype) * s)
-        z = torch.bmm(x, self.W[:, :P * nr].mT).view(BH, G * S, P, nr)     # the one GEMM: all pages, all queries of the group
+        # the one GEMM: all pages, all queries of the group
+        z = torch.bmm(x, self.W[:, :P * nr].mT).view(BH, G * S, P, nr)
         out = self.spec.packed_score(z, None if self.R is None else self.R[:P]).reshape(Bsz, Hkv * G, S, P)
         return out[:, :, 0] if single else out
 
@@ -205,7 +217,7 @@ class PackedPages:
 
 # %% ../../nbs/32_oval_pages.ipynb #de003903
 def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
-    "The complete pages `pages` [B, H, n_p] of x [B, H, T, d] as whole [m, d] blocks, then the trailing partial page: [B, H, n_p*m + T % m, d]."
+    "Pages `pages` [B, H, n_p] of x [B, H, T, d] as [m, d] blocks, then the partial page: [B, H, n_p*m + T % m, d]."
     _check_cache(x, "x")
     m = check_int(page_size, "page_size", 1)
     B, H, T, d = x.shape
@@ -220,32 +232,38 @@ def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
     out[:, :, n * m:] = x[:, :, P * m:]
     return out
 
-def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int, scale: float | None = None, dropout: float = 0.0) -> Tensor:
-    "Decode attention [B, Hq, 1, d] of q over the complete pages `pages` [B, Hkv, n_p] of k, v plus the trailing partial page."
-    if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] != 1: raise ValueError(f"q must be one decode query [B, Hq, 1, d], got {getattr(q, 'shape', type(q).__name__)}")
+def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int, scale: float | None = None,
+                   dropout: float = 0.0) -> Tensor:
+    "Decode attention [B, Hq, 1, d] of q over complete pages `pages` [B, Hkv, n_p] of k, v and the partial page."
+    if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"q must be one decode query [B, Hq, 1, d], got {getattr(q, 'shape', type(q).__name__)}")
     ks, vs = gather_pages(k, pages, page_size), gather_pages(v, pages, page_size)
-    return torch.nn.functional.scaled_dot_product_attention(q, ks, vs, dropout_p=dropout, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return torch.nn.functional.scaled_dot_product_attention(q, ks, vs, dropout_p=dropout, scale=scale,
+                                                            enable_gqa=q.shape[1] != k.shape[1])
 
 # %% ../../nbs/32_oval_pages.ipynb #30b6dfd3
 class PageRetrievalPolicy(SelectionPolicy):
-    "Decode-time page retrieval: dense prefill; at decode, sink + recent + top pages within token_budget per KV head, from `method`'s summaries."
-    def __init__(self, method: str | PageSummary, token_budget: int, page_size: int = 32, sink: int = 32, recent: int = 32,
-                 rank: int = 8, eta: float = 0.5, policy: str = "avgSM", dense_layers: int = 1, spec_steps: int = 0,
-                 tau: float = 0.9):
+    "Page retrieval: dense prefill; decode over sink, recent and top pages within token_budget per KV head (`method`)."
+    def __init__(self, method: str | PageSummary, token_budget: int, page_size: int = 32, sink: int = 32,
+                 recent: int = 32, rank: int = 8, eta: float = 0.5, policy: str = "avgSM", dense_layers: int = 1,
+                 spec_steps: int = 0, tau: float = 0.9):
         self.spec = make_summary(method, check_int(rank, "rank", 1), eta)   # unbuilt; pages are summarized per layer
         if policy not in GQA_POLICIES: raise ValueError(f"policy must be one of {GQA_POLICIES}, got {policy!r}")
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau): raise ValueError(f"tau must be a finite number, got {tau!r}")
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau):
+            raise ValueError(f"tau must be a finite number, got {tau!r}")
         self.method, self.budget = self.spec.name, check_int(token_budget, "token_budget", 1)
         self.page_size = check_int(page_size, "page_size", 1)
         self.sink, self.recent = check_int(sink, "sink", 0), check_int(recent, "recent", 0)
         self.policy, self.dense_layers = policy, check_int(dense_layers, "dense_layers", 0)
         self.spec_steps, self.tau = check_int(spec_steps, "spec_steps", 0), float(tau)
         self.summaries, self.metrics, self.history, self.seen = {}, {}, {}, {}
-        self.corrected, self.speculated = 0, 0                               # KV-head decisions re-scored / made speculatively
-        self.built = 0                                                       # pages summarized (all heads of a page at once), summed over layers
+        # KV-head decisions re-scored / made speculatively
+        self.corrected, self.speculated = 0, 0
+        # pages summarized (all heads of a page at once), summed over layers
+        self.built = 0
 
     def metric(self, ctx) -> Tensor | None:
-        "The layer's output metric G [Hkv, d, d] from its o_proj for a summary that takes one and has none (OVAL); else None."
+        "The layer's output metric G [Hkv, d, d] from o_proj if the summary takes one and has none (OVAL), else None."
         if not self.spec.needs_metric or self.spec.G is not None: return None
         if ctx.module is None:
             raise ValueError(f"{type(self.spec).__name__} needs the attention module (ctx.module, with o_proj) "
@@ -253,11 +271,12 @@ class PageRetrievalPolicy(SelectionPolicy):
         if ctx.layer_idx not in self.metrics:
             m = ctx.module
             W = m.o_proj.weight.detach()
-            self.metrics[ctx.layer_idx] = output_metric(W, m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim)
+            self.metrics[ctx.layer_idx] = output_metric(W, m.config.num_attention_heads,
+                                                        m.config.num_key_value_heads, m.head_dim)
         return self.metrics[ctx.layer_idx]
 
     def track(self, q: Tensor, k: Tensor, ctx) -> Tensor | None:
-        "Record this decode query [B, Hq, d]; return the layer's query from spec_steps calls ago (None if none). A new sequence resets the layer."
+        "Record decode query [B, Hq, d]; return the one of spec_steps calls ago (or None); a new sequence resets."
         i, T = ctx.layer_idx, k.shape[2]
         first, last_T = self.seen.get(i, (None, 0))
         if first is None or last_T >= T or not torch.equal(first, k[:, :, :1]):  # the cache restarted
@@ -270,7 +289,7 @@ class PageRetrievalPolicy(SelectionPolicy):
         return hist[0] if self.spec_steps and len(hist) == self.spec_steps + 1 else None
 
     def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
-        "The layer's packed summaries of every complete page of k, v [B, Hkv, T, d]: only the pages completed since the last call are built and appended."
+        "The layer's packed summaries of all complete pages of k, v [B, Hkv, T, d]; only new pages are built."
         i, m, P = ctx.layer_idx, self.page_size, k.shape[2] // self.page_size
         packed = self.summaries.get(i) or self.summaries.setdefault(i, PackedPages(self.spec, m))
         done = packed.n_pages
@@ -286,16 +305,18 @@ class PageRetrievalPolicy(SelectionPolicy):
         return aggregate_gqa(summ.scores(q, scale), Hkv, self.policy)
 
     def select(self, q, k, v, ctx):
-        "Token indices [B, Hkv, n] for a decode query; None (dense) at prefill, in the dense layers and when the cache fits the budget."
+        "Token indices [B, Hkv, n] for a decode query; None (dense) at prefill, in dense layers, when the cache fits."
         pages = self.page_ids(q, k, v, ctx)
         return None if pages is None else page_tokens(pages, self.page_size, k.shape[2])
 
     def attend(self, q, k, v, ctx):
-        "Decode: page_attention over the kept pages (attend_selected under a mask or with several queries); otherwise dense."
+        "Decode: page_attention over kept pages (attend_selected under a mask or for several queries); else dense."
         pages = self.page_ids(q, k, v, ctx)
         if pages is None: return dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout)
-        if ctx.mask is None and q.shape[2] == 1: return page_attention(q, k, v, pages, self.page_size, ctx.scale, ctx.dropout)
-        return attend_selected(q, k, v, page_tokens(pages, self.page_size, k.shape[2]), ctx.mask, ctx.scale, ctx.dropout)
+        if ctx.mask is None and q.shape[2] == 1:
+            return page_attention(q, k, v, pages, self.page_size, ctx.scale, ctx.dropout)
+        return attend_selected(q, k, v, page_tokens(pages, self.page_size, k.shape[2]), ctx.mask, ctx.scale,
+                               ctx.dropout)
 
     def page_ids(self, q, k, v, ctx):
         "The complete pages [B, Hkv, n_p] a decode query keeps (see top_pages); None when select would return None."
@@ -306,7 +327,8 @@ class PageRetrievalPolicy(SelectionPolicy):
         summ, now = self.summary(k, v, ctx), q[:, :, -1]
         if past is None: w = self.weights(summ, now, Hkv, ctx.scale)
         else:
-            # speculative: score with the query from spec_steps ago; re-score a KV head whose group-average cosine fell below tau
+            # speculative: score with the query from spec_steps ago;
+            # re-score a KV head whose group-average cosine fell below tau
             cos = torch.nn.functional.cosine_similarity(past.float(), now.float(), dim=-1)
             fix = cos.reshape(cos.shape[0], Hkv, -1).mean(-1) < self.tau
             w = self.weights(summ, past, Hkv, ctx.scale)

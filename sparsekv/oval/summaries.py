@@ -1,4 +1,4 @@
-"""The page summaries the OVAL paper compares (Quest, ArkVale, key PCA, OVAL, the oracle) as `PageSummary` classes: the per-page tensors of a cache, the page score, the packed decode layout and the storage per page.
+"""The page summaries OVAL compares (Quest, ArkVale, key PCA, OVAL, the oracle) as `PageSummary` classes.
 
 Docs: https://sparsekv.github.io/sparsekv/oval_summaries.html.md"""
 

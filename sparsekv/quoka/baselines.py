@@ -1,4 +1,4 @@
-"""The KV-selection methods QuoKA is compared with (§4), each choosing B_SA cached keys per KV head for a chunk of queries: mean of scores, SampleAttention, SparQ, Loki and LessIsMore, with brute-force references.
+"""The KV selection methods QuoKA compares with (§4): mean of scores, SampleAttention, SparQ, Loki, LessIsMore.
 
 Docs: https://sparsekv.github.io/sparsekv/quoka_baselines.html.md"""
 
@@ -24,16 +24,17 @@ __all__ = ['MEAN_SCORES', 'grouped_products', 'mean_score_select', 'mean_score_s
 
 # %% ../../nbs/21_quoka_baselines.ipynb #9d4bf32b
 def grouped_products(q: Tensor, k: Tensor) -> Tensor:
-    "Dot products [B,Hkv,G,S,T] of every query q [B,Hq,S,D] with every key k [B,Hkv,T,D] of its KV head (no copy of the keys)."
+    "Dot products [B,Hkv,G,S,T] of each query q [B,Hq,S,D] with each key k [B,Hkv,T,D] of its head (no key copy)."
     B, Hq, S, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     acc = accumulation_dtype(q)
-    s = q.to(acc).reshape(B, Hkv, Hq // Hkv * S, D) @ k.to(acc).transpose(-1, -2)  # head hG+g is row block g of KV head h
+    # head hG+g is row block g of KV head h
+    s = q.to(acc).reshape(B, Hkv, Hq // Hkv * S, D) @ k.to(acc).transpose(-1, -2)
     return s.view(B, Hkv, Hq // Hkv, S, T)
 
 
 def _reference_scores(q_chunk: Tensor, k_cache: Tensor, per_query, positions=None, reduce: str = "mean") -> Tensor:
-    "Mean (or sum) over the G query heads of each KV head and over the chunk positions of per_query(q [D], K [T,D], b, h) -> [T], by loops in float64."
+    "Mean (or sum) over a KV head's G query heads and the chunk of per_query(q [D], K [T,D], b, h) -> [T]; loops."
     G = check_chunk(q_chunk, k_cache)
     q, k = q_chunk.double(), k_cache.double()
     B, _, S, _ = q.shape
@@ -52,7 +53,7 @@ MEAN_SCORES = ("softmax", "logits")
 
 def mean_score_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, scores: str = "softmax",
                       scale: float | None = None) -> Tensor:
-    "Keys [B,Hkv,min(B_SA,T)] of largest attention probability (or logit) averaged over all chunk queries and the heads of a group."
+    "Keys [B,Hkv,min(B_SA,T)] of largest attention probability (or logit) averaged over the chunk and a group's heads."
     if scores not in MEAN_SCORES: raise ValueError(f"scores must be one of {MEAN_SCORES}, got {scores!r}")
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, D = k_cache.shape
@@ -70,7 +71,8 @@ def mean_score_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | 
     def per_query(q, K, b, h):
         logits = c * (K @ q)
         return torch.softmax(logits, 0) if scores == "softmax" else logits
-    return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query), resolve_budget(budget, k_cache.shape[2]))
+    return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query),
+                                        resolve_budget(budget, k_cache.shape[2]))
 
 # %% ../../nbs/21_quoka_baselines.ipynb #c666d8b7
 def sample_query_positions(S: int, n_q: int, seed: int | torch.Generator = 0) -> Tensor:
@@ -85,11 +87,13 @@ def sample_query_positions(S: int, n_q: int, seed: int | torch.Generator = 0) ->
 
 def sample_attention_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, n_q: int = 16,
                             seed: int | torch.Generator = 0, scale: float | None = None) -> Tensor:
-    "SampleAttention (Zhu et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention probability summed over n_q uniformly sampled queries and the heads of a group."
+    """SampleAttention (Zhu et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention probability summed over n_q
+    uniformly sampled queries and the heads of a group."""
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, D = k_cache.shape
     c, n = softmax_scale(scale, D), resolve_budget(budget, T)
-    pos = sample_query_positions(q_chunk.shape[2], n_q, seed)  # drawn even when every key is kept, so a Generator advances per chunk
+    # drawn even when every key is kept, so a Generator advances per chunk
+    pos = sample_query_positions(q_chunk.shape[2], n_q, seed)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)
     p = (c * grouped_products(q_chunk[:, :, pos.to(q_chunk.device)], k_cache)).softmax(-1)
     return top_budget_indices(p.sum((2, 3)), n)
@@ -111,7 +115,8 @@ def _check_rank(r: int | None, D: int, name: str = "r") -> int:
 
 def sparq_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
                  scale: float | None = None) -> Tensor:
-    "SparQ (Ribar et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest approximate attention from each query's top-r channels, averaged over queries and heads."
+    """SparQ (Ribar et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest approximate attention from each query's top-r
+    channels, averaged over queries and heads."""
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, D = k_cache.shape
     c, n, r = softmax_scale(scale, D), resolve_budget(budget, T), _check_rank(r, D)
@@ -120,7 +125,8 @@ def sparq_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r
     mag = q.abs()
     keep = top_mask(mag, r)  # i_1 per query: its r largest channels
     total = mag.sum(-1)
-    share = torch.where(total > 0, (mag * keep).sum(-1) / total.clamp_min(torch.finfo(q.dtype).tiny), 1.0)  # ||q[i1]||_1 / ||q||_1
+    # ||q[i1]||_1 / ||q||_1
+    share = torch.where(total > 0, (mag * keep).sum(-1) / total.clamp_min(torch.finfo(q.dtype).tiny), 1.0)
     temp = (c / share.sqrt()).view(B, Hkv, -1, q.shape[2], 1)  # per-query softmax scale
     p = (temp * grouped_products(q * keep, k_cache)).softmax(-1)
     return top_budget_indices(p.mean((2, 3)), n)
@@ -128,7 +134,7 @@ def sparq_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r
 
 def sparq_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
                            scale: float | None = None) -> Tensor:
-    "`sparq_select` by loops in float64: per query, its top-r channels by a Python sort, the scores from those columns of K."
+    "`sparq_select` by loops in float64: per query its top-r channels by a Python sort, scores from those columns."
     D = q_chunk.shape[-1]
     c, r = softmax_scale(scale, D), _check_rank(r, D)
     def per_query(q, K, b, h):
@@ -136,13 +142,15 @@ def sparq_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float
         ch = sorted(range(D), key=lambda i: (-mag[i], i))[:r]
         share = sum(mag[i] for i in ch) / sum(mag) if sum(mag) > 0 else 1.0
         return torch.softmax(K[:, ch] @ q[ch] * (c / math.sqrt(share)), 0)
-    return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query), resolve_budget(budget, k_cache.shape[2]))
+    return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query),
+                                        resolve_budget(budget, k_cache.shape[2]))
 
 # %% ../../nbs/21_quoka_baselines.ipynb #bf9c8162
 def loki_basis(keys: Tensor, center: bool = False) -> Tensor:
-    "Principal directions of keys [B,Hkv,S,D] pooled over batch and positions, per KV head: [Hkv,D,D], columns by decreasing eigenvalue."
+    "Principal directions [Hkv,D,D] of keys [B,Hkv,S,D] pooled over batch and positions, by decreasing eigenvalue."
     if not isinstance(keys, Tensor) or keys.dim() != 4 or not keys.is_floating_point():
-        raise TypeError(f"keys must be a floating-point tensor [B,Hkv,S,D], got {getattr(keys, 'shape', type(keys).__name__)}")
+        raise TypeError("keys must be a floating-point tensor [B,Hkv,S,D], got "
+                        f"{getattr(keys, 'shape', type(keys).__name__)}")
     B, Hkv, S, D = keys.shape
     x = keys.to(accumulation_dtype(keys)).transpose(0, 1).reshape(Hkv, B * S, D)
     if not x.isfinite().all(): raise ValueError("keys contain NaN or inf: no principal directions")
@@ -152,22 +160,25 @@ def loki_basis(keys: Tensor, center: bool = False) -> Tensor:
 
 def _check_basis(basis: Tensor, B: int, Hkv: int, D: int, r: int):
     "Validate a Loki basis: [Hkv,D,R] or [B (or 1),Hkv,D,R] with R >= r."
-    if not isinstance(basis, Tensor) or not basis.is_floating_point() or basis.dim() not in (3, 4) or basis.shape[-3:-1] != (Hkv, D) \
-            or basis.shape[-1] < r or (basis.dim() == 4 and basis.shape[0] not in (1, B)):
+    if not isinstance(basis, Tensor) or not basis.is_floating_point() or basis.dim() not in (3, 4) \
+            or basis.shape[-3:-1] != (Hkv, D) or basis.shape[-1] < r \
+            or (basis.dim() == 4 and basis.shape[0] not in (1, B)):
         raise ValueError(f"basis must be a floating-point [Hkv={Hkv}, D={D}, R] or [B={B}, Hkv, D, R] with R >= r={r}, "
                          f"got {getattr(basis, 'shape', type(basis).__name__)}")
 
 
 def _loki_projection(k_cache: Tensor, r: int, basis: Tensor | None, center: bool) -> Tensor:
     "The first r basis columns, [B or 1, Hkv, D, r]: from `basis` [Hkv,D,R] / [B,Hkv,D,R], or the cache's own PCA."
-    if basis is None: return torch.stack([loki_basis(k_cache[b:b + 1], center) for b in range(k_cache.shape[0])])[..., :r]
+    if basis is None:
+        return torch.stack([loki_basis(k_cache[b:b + 1], center) for b in range(k_cache.shape[0])])[..., :r]
     basis = basis if basis.dim() == 4 else basis[None]
     return basis[..., :r].to(accumulation_dtype(k_cache))
 
 
 def loki_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
                 basis: Tensor | None = None, center: bool = False, scale: float | None = None) -> Tensor:
-    "Loki (Singhania et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention approximated in the top-r principal subspace of the keys, averaged over queries and heads."
+    """Loki (Singhania et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention approximated in the top-r principal
+    subspace of the keys, averaged over queries and heads."""
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, D = k_cache.shape
     c, n, r = softmax_scale(scale, D), resolve_budget(budget, T), _check_rank(r, D)
@@ -184,7 +195,7 @@ def loki_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r:
 
 def loki_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
                           basis: Tensor | None = None, center: bool = False, scale: float | None = None) -> Tensor:
-    "`loki_select` by loops in float64, the subspace from an SVD of each head's keys (or `basis`), scores as q^T P_r P_r^T k."
+    "`loki_select` by loops in float64, subspace from an SVD of each head's keys (or `basis`), scores q^T P_r P_r^T k."
     B, Hkv, T, D = k_cache.shape
     c, r = softmax_scale(scale, D), _check_rank(r, D)
     proj = {}
@@ -211,17 +222,19 @@ def lessismore_split(n: int, recent_ratio: float) -> tuple[int, int]:
 
 def lessismore_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, recent_ratio: float = 0.25,
                       scale: float | None = None) -> Tensor:
-    "LessIsMore (Yang et al. 2025b): one key set for all heads, [B,Hkv,min(B_SA,T)]: the heads' top keys merged rank by rank, plus the most recent keys."
+    "LessIsMore (Yang et al. 2025b): one key set for all heads, their top keys merged rank by rank, plus recent keys."
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, D = k_cache.shape
     c, n = softmax_scale(scale, D), resolve_budget(budget, T)
     n_mid, n_rec = lessismore_split(n, recent_ratio)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)
     t_mid = T - n_rec  # keys before the recent window compete for the n_mid slots
-    p = (c * grouped_products(q_chunk, k_cache)).softmax(-1).mean(3)  # [B,Hkv,G,T]: each head's mean probability over the chunk
+    # [B,Hkv,G,T]: each head's mean probability over the chunk
+    p = (c * grouped_products(q_chunk, k_cache)).softmax(-1).mean(3)
     p = p.reshape(B, -1, T)[..., :t_mid]  # [B,Hq,t_mid], heads in the package order h*G+g
     if p.isnan().any(): raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
-    ranked = p.sort(dim=-1, descending=True, stable=True).indices[..., :n_mid]  # stable: equal scores keep the lower index first
+    # stable: equal scores keep the lower index first
+    ranked = p.sort(dim=-1, descending=True, stable=True).indices[..., :n_mid]
     merged = ranked.transpose(1, 2).reshape(B, -1)  # rank-major: rank 0 of every head, then rank 1, ...
     order = torch.arange(merged.shape[1], device=merged.device).expand(B, -1)
     first = torch.full((B, t_mid), merged.shape[1], dtype=torch.long, device=merged.device)
@@ -232,9 +245,9 @@ def lessismore_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 10
     return idx[:, None].expand(B, Hkv, n).contiguous()
 
 
-def lessismore_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, recent_ratio: float = 0.25,
-                                scale: float | None = None) -> Tensor:
-    "`lessismore_select` by loops in float64: Python rankings per head, a rank-by-rank merge with a dict, the recent window."
+def lessismore_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024,
+                                recent_ratio: float = 0.25, scale: float | None = None) -> Tensor:
+    "`lessismore_select` by loops in float64: Python rankings per head, a rank-by-rank merge by dict, recent window."
     G = check_chunk(q_chunk, k_cache)
     q, k = q_chunk.double(), k_cache.double()
     B, Hq, S, D = q.shape
@@ -255,13 +268,17 @@ def lessismore_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | 
 
 # %% ../../nbs/21_quoka_baselines.ipynb #c3f6e98b
 class LessIsMoreSelector:
-    "LessIsMore across the layers of a forward pass: dense below the first selection layer and at selection layers (which pick the keys); later layers reuse the last pick."
+    """LessIsMore across the layers of a forward pass: dense below the first selection layer and at selection layers
+    (which pick the keys); later layers reuse the last pick."""
 
-    def __init__(self, budget: int | float = 1024, selection_layers=(2,), recent_ratio: float = 0.25, scale: float | None = None):
+    def __init__(self, budget: int | float = 1024, selection_layers=(2,), recent_ratio: float = 0.25,
+                 scale: float | None = None):
         resolve_budget(budget, 0)  # validates the budget
         layers = tuple(selection_layers)
-        if not layers or any(isinstance(l, bool) or not isinstance(l, int) or l < 0 for l in layers) or list(layers) != sorted(set(layers)):
-            raise ValueError(f"selection_layers must be a non-empty increasing sequence of layer indices >= 0, got {selection_layers!r}")
+        if (not layers or any(isinstance(l, bool) or not isinstance(l, int) or l < 0 for l in layers)
+                or list(layers) != sorted(set(layers))):
+            raise ValueError("selection_layers must be a non-empty increasing sequence of layer indices >= 0, got "
+                             f"{selection_layers!r}")
         lessismore_split(0, recent_ratio)  # validates the ratio
         self.budget, self.selection_layers, self.recent_ratio, self.scale = budget, layers, recent_ratio, scale
         self.reset()
@@ -280,7 +297,8 @@ class LessIsMoreSelector:
         check_chunk(q_chunk, k_cache)
         below = max(l for l in self.selection_layers if l < layer_idx)
         if self.selection is None or self.selected_at != below or self.shape != tuple(k_cache.shape[:3]):
-            raise RuntimeError(f"layer {layer_idx} reuses the pick of selection layer {below} of this forward pass, but the stored pick is "
-                               f"{'missing' if self.selection is None else f'from layer {self.selected_at} for keys {self.shape}'}; "
+            stored = "missing" if self.selection is None else f"from layer {self.selected_at} for keys {self.shape}"
+            raise RuntimeError(f"layer {layer_idx} reuses the pick of selection layer {below} of this forward pass, "
+                               f"but the stored pick is {stored}; "
                                f"call select for every layer in order (keys now {tuple(k_cache.shape[:3])})")
         return self.selection

@@ -1,4 +1,4 @@
-"""Algorithm 2 of QuoKA through `sparsekv.hf`: each prefill chunk attends to the B_SA earlier keys that Algorithm 1 selects plus its own keys causally; the same rule at generation (§4.4); every selection baseline under the same loop.
+"""Algorithm 2 of QuoKA through `sparsekv.hf`: chunked prefill and generation over the selected keys (§4.4).
 
 Docs: https://sparsekv.github.io/sparsekv/quoka_policy.html.md"""
 
@@ -60,30 +60,38 @@ class EarlierKeysPolicy(SelectionPolicy):
 
 # %% ../../nbs/22_quoka_policy.ipynb #7b1da022
 class QuokaPolicy(EarlierKeysPolicy):
-    "QuoKA (Alg. 2): each prefill chunk attends to the `budget` (B_SA) earlier keys Alg. 1 selects per KV head plus its own keys; decode likewise (§4.4) unless `decode=False`."
+    """QuoKA (Alg. 2): each prefill chunk attends to the `budget` (B_SA) earlier keys Alg. 1 selects per KV head plus
+    its own keys; decode likewise (§4.4) unless `decode=False`."""
 
     def __init__(self, n_q: int = 16, budget: int | float = 1024, query_select: str = "group", query_agg: str = "max",
                  sinks: int = 0, recent: int = 0, decode: bool = True, cache_unit_keys: bool = True):
         check_int(n_q, "n_q (N_Q)", 1)
-        if query_select not in QUERY_SELECT: raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
+        if query_select not in QUERY_SELECT:
+            raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
         if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
         super().__init__(decode)
-        if not isinstance(cache_unit_keys, bool): raise TypeError(f"cache_unit_keys must be a bool, got {cache_unit_keys!r}")
-        self.cache_unit_keys, self.unit_caches = cache_unit_keys, weakref.WeakKeyDictionary()  # cache layer -> UnitKeyCache
+        if not isinstance(cache_unit_keys, bool):
+            raise TypeError(f"cache_unit_keys must be a bool, got {cache_unit_keys!r}")
+        # cache layer -> UnitKeyCache
+        self.cache_unit_keys, self.unit_caches = cache_unit_keys, weakref.WeakKeyDictionary()
         self.n_q, self.budget, self.query_select, self.query_agg = n_q, _check_budget(budget), query_select, query_agg
         self.sinks, self.recent = check_int(sinks, "sinks"), check_int(recent, "recent")
 
-    def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill", k_unit: Tensor | None = None) -> Tensor:
-        "Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] that the queries q [B,Hq,S,D] attend to (Alg. 1; §4.4 for `kind='decode'`); `k_unit`: their unit keys if at hand."
+    def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill",
+                        k_unit: Tensor | None = None) -> Tensor:
+        """Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] that the queries q [B,Hq,S,D] attend
+        to (Alg. 1; §4.4 for `kind='decode'`); `k_unit`: their unit keys if at hand."""
         if kind not in ("prefill", "decode"): raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
         if not (self.sinks or self.recent):
             if kind == "decode": return quoka_decode_select(q, k_earlier, self.budget, k_unit)
             return quoka_select(q, k_earlier, self.n_q, self.budget, self.query_select, self.query_agg, k_unit)
-        if kind == "decode" and q.shape[2] != 1: raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got {tuple(q.shape)}")
+        if kind == "decode" and q.shape[2] != 1:
+            raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got {tuple(q.shape)}")
         B, Hkv, T, _ = k_earlier.shape
         n = resolve_budget(self.budget, T)
         n_q = 1 if kind == "decode" else self.n_q
-        s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg, k_unit)  # validates shapes even when n == T
+        # validates shapes even when n == T
+        s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg, k_unit)
         if n == T: return all_key_indices(B, Hkv, T, k_earlier.device)
         return anchored_top_indices(s, n, self.sinks, self.recent)
 
@@ -92,19 +100,20 @@ class QuokaPolicy(EarlierKeysPolicy):
         return self.earlier_indices(q, k_earlier, ctx.kind, self.unit_keys(k_earlier, ctx))
 
     def unit_keys(self, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
-        "Unit keys of k_earlier from this cache layer's `UnitKeyCache` (None without a cache or with `cache_unit_keys=False`)."
+        "Unit keys of k_earlier from this layer's `UnitKeyCache` (None: no cache, or `cache_unit_keys=False`)."
         layer = ctx.cache_layer
         if not self.cache_unit_keys or layer is None: return None
         if layer not in self.unit_caches: self.unit_caches[layer] = UnitKeyCache()
         return self.unit_caches[layer].update(k_earlier)
 
     def __repr__(self):
-        return (f"QuokaPolicy(n_q={self.n_q}, budget={self.budget}, query_select={self.query_select!r}, query_agg={self.query_agg!r}, "
+        return (f"QuokaPolicy(n_q={self.n_q}, budget={self.budget}, query_select={self.query_select!r}, "
+                f"query_agg={self.query_agg!r}, "
                 f"sinks={self.sinks}, recent={self.recent}, decode={self.decode_sparse})")
 
 # %% ../../nbs/22_quoka_policy.ipynb #8c37a4a9
 def selected_attention_reference(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, earlier: Tensor) -> Tensor:
-    "Attention over the earlier keys `earlier` [B,Hkv,n] and the chunk's own keys (causally), by an explicit mask and `attention_reference`."
+    "Attention over earlier keys `earlier` [B,Hkv,n] and the chunk's own (causal) by a mask and `attention_reference`."
     B, Hkv, Sk, _ = k.shape
     Sq, T = q.shape[2], ctx.past_len
     m = torch.zeros(B, Hkv, Sq, Sk, dtype=torch.bool)
@@ -114,13 +123,16 @@ def selected_attention_reference(q: Tensor, k: Tensor, v: Tensor, ctx: Attention
 
 # %% ../../nbs/22_quoka_policy.ipynb #85a3addb
 class BaselinePolicy(EarlierKeysPolicy):
-    "Run `select_fn(q_chunk, k_cache, budget, **options)` (a baseline of `sparsekv.quoka.baselines`) per chunk and layer, as QuokaPolicy runs Alg. 1."
+    "Run baseline `select_fn(q_chunk, k_cache, budget, **options)` per chunk and layer, as QuokaPolicy runs Alg. 1."
 
     def __init__(self, select_fn, budget: int | float = 1024, decode: bool = True, **options):
-        if not callable(select_fn): raise TypeError(f"select_fn must be a selection function, got {type(select_fn).__name__}")
+        if not callable(select_fn):
+            raise TypeError(f"select_fn must be a selection function, got {type(select_fn).__name__}")
         super().__init__(decode)
         params = inspect.signature(select_fn).parameters
-        if "budget" not in params: raise TypeError(f"select_fn must take a `budget` argument, {getattr(select_fn, '__name__', select_fn)} does not")
+        if "budget" not in params:
+            raise TypeError(f"select_fn must take a `budget` argument, {getattr(select_fn, '__name__', select_fn)} "
+                            "does not")
         self.select_fn, self.budget, self.options = select_fn, _check_budget(budget), options
         self.pass_scale = "scale" in params and "scale" not in options
 
@@ -141,10 +153,11 @@ class BaselinePolicy(EarlierKeysPolicy):
 
 # %% ../../nbs/22_quoka_policy.ipynb #6336aea6
 class LessIsMorePolicy(EarlierKeysPolicy):
-    "LessIsMore (Yang et al. 2025b) under chunked prefill: a `LessIsMoreSelector` picks at its selection layers, later layers reuse the pick."
+    "LessIsMore (Yang et al. 2025b) in chunked prefill: a `LessIsMoreSelector` picks at selection layers, others reuse."
 
     def __init__(self, selector: LessIsMoreSelector, decode: bool = True):
-        if not isinstance(selector, LessIsMoreSelector): raise TypeError(f"selector must be a LessIsMoreSelector, got {type(selector).__name__}")
+        if not isinstance(selector, LessIsMoreSelector):
+            raise TypeError(f"selector must be a LessIsMoreSelector, got {type(selector).__name__}")
         super().__init__(decode)
         self.selector = selector
 
@@ -158,13 +171,15 @@ class LessIsMorePolicy(EarlierKeysPolicy):
 
 # %% ../../nbs/22_quoka_policy.ipynb #dcbb4ce8
 def last_chunk_logits(model, input_ids: Tensor, chunk_size: int, policy=None) -> Tensor:
-    "Logits [B,c,V] at every position of the last chunk (c tokens) of `chunked_prefill(model, input_ids, chunk_size, policy)`."
+    "Logits [B,c,V] at each position of the last chunk (c tokens) of `chunked_prefill(model, input_ids, ...)`."
     check_int(chunk_size, "chunk_size", 1)
-    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long or input_ids.shape[1] == 0:
+    if (not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long
+            or input_ids.shape[1] == 0):
         raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
     S = input_ids.shape[1]
     start = (S - 1) // chunk_size * chunk_size  # where chunked_prefill's last chunk starts
-    cache = chunked_prefill(model, input_ids[:, :start], chunk_size, policy)[0] if start else DynamicCache(config=model.config)
+    cache = (chunked_prefill(model, input_ids[:, :start], chunk_size, policy)[0] if start
+             else DynamicCache(config=model.config))
     pos = torch.arange(start, S, device=input_ids.device)
     with torch.no_grad(), patch(model, policy or DensePolicy()):
         state = active_patch(model)

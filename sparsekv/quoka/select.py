@@ -1,4 +1,4 @@
-"""Algorithm 1 of QuoKA reconstructed from §3.1–3.4: keep the chunk queries least similar to the mean query, score every cached key by its cosine with them, take the max over queries and the mean over the query heads of a KV group (computed by pre-aggregation), keep the top B_SA keys per KV head.
+"""Algorithm 1 of QuoKA (§3.1–3.4): score the cached keys by the chunk's least typical queries, keep the top B_SA.
 
 Docs: https://sparsekv.github.io/sparsekv/quoka_select.html.md"""
 
@@ -38,17 +38,18 @@ def query_dissimilarity(q_chunk: Tensor) -> Tensor:
 
 
 def select_queries(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group") -> Tensor:
-    "Chunk positions [B,Hq,n] (n = min(n_q, S), ascending) of the queries each query head keeps (§3.1); 'group' gives a KV group's heads the same positions."
+    "Positions [B,Hq,n], n = min(n_q, S), ascending, of each head's kept queries (§3.1); 'group': same for a KV group."
     B, Hq, S, _ = q_chunk.shape
     if n_q >= S: return torch.arange(S, device=q_chunk.device).expand(B, Hq, S)  # keep every query
     d = query_dissimilarity(q_chunk)
     if query_select == "head": return top_budget_indices(d, n_q)
-    pos = top_budget_indices(d.view(B, Hq // G, G, S).mean(2), n_q)  # one ranking per KV head, by the group-mean dissimilarity
+    # one ranking per KV head, by the group-mean dissimilarity
+    pos = top_budget_indices(d.view(B, Hq // G, G, S).mean(2), n_q)
     return pos.repeat_interleave(G, dim=1)  # query head hG+g reads KV head h's positions
 
 # %% ../../nbs/20_quoka_select.ipynb #fc5832af
 def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
-    "Q̄ [B,Hkv,n,D]: row r is the mean over a group's G heads of their r-th kept query (positions `pos` [B,Hq,n]), each normalized first (§3.3)."
+    "Q̄ [B,Hkv,n,D]: row r the mean over a group's G heads of their r-th kept query (`pos`), each normalized (§3.3)."
     B, Hq, _, D = q_chunk.shape
     q = q_chunk.to(accumulation_dtype(q_chunk)).gather(2, pos[..., None].expand(-1, -1, -1, D))
     q = F.normalize(q, dim=-1, eps=EPS)  # normalize, then average: the mean of cosines is linear in the unit queries
@@ -57,14 +58,16 @@ def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
 
 def _check_quoka_options(n_q: int, query_select: str, query_agg: str):
     check_int(n_q, "n_q (N_Q)", 1)
-    if query_select not in QUERY_SELECT: raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
+    if query_select not in QUERY_SELECT:
+        raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
     if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
 
 
 def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
-    "Validate a chunk's queries q_chunk [B,Hq,S,D] and the earlier keys k_cache [B,Hkv,T,D] (T = 0 allowed); return G = Hq // Hkv."
+    "Check a chunk's queries q_chunk [B,Hq,S,D] and earlier keys k_cache [B,Hkv,T,D] (T = 0 allowed): G = Hq // Hkv."
     if isinstance(k_cache, Tensor) and k_cache.dim() == 4 and k_cache.shape[2] == 0:
-        k_cache = k_cache.new_zeros(*k_cache.shape[:2], 1, k_cache.shape[3])  # an empty cache is valid; its other dims are still checked
+        # an empty cache is valid; its other dims are still checked
+        k_cache = k_cache.new_zeros(*k_cache.shape[:2], 1, k_cache.shape[3])
     try: return check_qkv(q_chunk, k_cache)
     except (TypeError, ValueError) as e: raise type(e)(f"q_chunk (as q) / k_cache (as k): {e}") from None
 
@@ -75,7 +78,7 @@ def unit_keys(k: Tensor) -> Tensor:
 
 
 class UnitKeyCache:
-    "Unit keys of one layer's growing cache: `update(k_cache)` normalizes only the keys added since the last call (earlier keys never change)."
+    "Unit keys of a layer's growing cache: `update(k_cache)` normalizes only the keys added since the last call."
 
     def __init__(self):
         self.buffer, self.length = None, 0
@@ -87,15 +90,17 @@ class UnitKeyCache:
     def update(self, k_cache: Tensor) -> Tensor:
         "Unit keys [B,Hkv,T,D] of k_cache [B,Hkv,T,D], whose first `length` keys must be those of the previous call."
         if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():
-            raise TypeError(f"k_cache must be a floating-point tensor [B,Hkv,T,D], got {getattr(k_cache, 'shape', type(k_cache).__name__)}")
+            raise TypeError("k_cache must be a floating-point tensor [B,Hkv,T,D], got "
+                            f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
         B, Hkv, T, D = k_cache.shape
         dtype = accumulation_dtype(k_cache)
-        if self.buffer is not None and (self.buffer.shape[:2] + self.buffer.shape[3:] != (B, Hkv, D) or self.buffer.dtype != dtype
-                                        or self.buffer.device != k_cache.device):
+        if self.buffer is not None and (self.buffer.shape[:2] + self.buffer.shape[3:] != (B, Hkv, D)
+                                        or self.buffer.dtype != dtype or self.buffer.device != k_cache.device):
             self.buffer, self.length = None, 0  # another shape: start over
         self.length = min(self.length, T)
         if self.buffer is None or self.buffer.shape[2] < T:  # grow by doubling: amortized O(new keys) per call
-            grown = k_cache.new_empty(B, Hkv, max(T, 2 * (0 if self.buffer is None else self.buffer.shape[2])), D, dtype=dtype)
+            size = max(T, 2 * (0 if self.buffer is None else self.buffer.shape[2]))
+            grown = k_cache.new_empty(B, Hkv, size, D, dtype=dtype)
             if self.length: grown[:, :, :self.length] = self.buffer[:, :, :self.length]
             self.buffer = grown
         self.buffer[:, :, self.length:T] = unit_keys(k_cache[:, :, self.length:T])
@@ -105,13 +110,15 @@ class UnitKeyCache:
 
 def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max",
                  k_unit: Tensor | None = None) -> Tensor:
-    "QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂ (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand."
+    """QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂
+    (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand."""
     _check_quoka_options(n_q, query_select, query_agg)
     G = check_chunk(q_chunk, k_cache)
     qbar = preaggregated_queries(q_chunk, select_queries(q_chunk, n_q, G, query_select), G)
     if k_unit is None: k_unit = unit_keys(k_cache)
     elif not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != qbar.dtype:
-        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {qbar.dtype} (`unit_keys(k_cache)`), "
+        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {qbar.dtype} "
+                         "(`unit_keys(k_cache)`), "
                          f"got {getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}")
     s = qbar @ k_unit.transpose(-1, -2)  # [B,Hkv,n,T]: group-mean cosines
     return s.amax(2) if query_agg == "max" else s.mean(2)
@@ -138,7 +145,7 @@ def _ranked(values: list, n: int) -> list:
 
 def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group",
                            query_agg: str = "max") -> Tensor:
-    "`quoka_scores` by explicit loops over batch, KV head, query head and kept query in float64, head by head (no pre-aggregation)."
+    "`quoka_scores` by loops over batch, KV head, query head and kept query in float64 (no pre-aggregation)."
     _check_quoka_options(n_q, query_select, query_agg)
     G = check_chunk(q_chunk, k_cache)
     q, k = q_chunk.double(), k_cache.double()
@@ -162,7 +169,8 @@ def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, quer
             khat = torch.stack([unit(k[b, h, j]) for j in range(T)]) if T else k.new_zeros(0, D)
             rows = []
             for r in range(n):
-                per_head = [khat @ unit(q[b, hq, kept[hq][r]]) for hq in heads]  # cosines of all keys with head hq's r-th kept query
+                # cosines of all keys with head hq's r-th kept query
+                per_head = [khat @ unit(q[b, hq, kept[hq][r]]) for hq in heads]
                 rows.append(sum(per_head) / G)
             rows = torch.stack(rows)
             out[b, h] = rows.amax(0) if query_agg == "max" else rows.mean(0)
@@ -177,7 +185,8 @@ def quoka_select_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budg
 
 # %% ../../nbs/20_quoka_select.ipynb #4ed0feb3
 def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024, k_unit: Tensor | None = None) -> Tensor:
-    "Generation mode (§4.4): indices [B,Hkv,min(B_SA,T)] for one new query per head q [B,Hq,1,D]; no query subselection, the same scoring."
+    "Generation (§4.4): indices [B,Hkv,min(B_SA,T)] for one query per head q [B,Hq,1,D], no subselection, same scoring."
     if isinstance(q, Tensor) and q.dim() == 4 and q.shape[2] != 1:
-        raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got shape {tuple(q.shape)}; use quoka_select for a chunk")
+        raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got shape {tuple(q.shape)}; use "
+                         "quoka_select for a chunk")
     return quoka_select(q, k_cache, 1, budget, k_unit=k_unit)

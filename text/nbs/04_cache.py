@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Evicting caches
 #
-# > Caches that keep a bounded set of entries per KV head: an `EvictionRule` says which entries each query sees, an `EvictingLayer` keeps them with their positions and scores.
+# > Caches that keep a bounded set of entries per KV head, chosen by an `EvictionRule`, held by an `EvictingLayer`.
 
 # %%
 #| default_exp cache
@@ -79,7 +79,7 @@ class EvictionRule:
         return torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
 
     def visible(self, layer: "EvictingLayer", query_positions: Tensor) -> Tensor:
-        "Boolean `[B,Hkv,Sq,N]`: which of the layer's entries each query position attends to (monotone in the position)."
+        "Boolean `[B,Hkv,Sq,N]`: the layer's entries each query position attends to (monotone in the position)."
         return is_causal(query_positions[:, None], layer.positions[:, :, None, :])
 
     def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
@@ -137,7 +137,8 @@ class TopScoreRule(SinkWindowRule):
         if self.k == 0: return base
         eligible = evictable(self.sink, self.window)(query_positions[:, None], layer.positions[:, :, None, :])
         s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
-        best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]  # entries are in position order: ties -> earlier
+        # entries are in position order: ties -> earlier
+        best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]
         # KVpop Eq. (1): sinks, window, and the k best of E(p)
         return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
 
@@ -170,22 +171,28 @@ class EvictingLayer(DynamicLayer):
         "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
         self.armed = True
 
-    def scored_entries(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
-        "Positions [B,H,s] and rule scores of the entries an armed `update` receives (checks the call; disarms the layer)."
-        if not self.armed: raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts after attention")
+    def scored_entries(self, key_states: Tensor, value_states: Tensor,
+                       cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+        "Positions [B,H,s] and rule scores of the entries an armed `update` gets (checks the call, disarms the layer)."
+        if not self.armed:
+            raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts "
+                               "after attention")
         self.armed = False
         if not self.is_initialized: self.lazy_initialization(key_states, value_states)
         s = key_states.shape[2]
         pos = (cache_kwargs or {}).get("cache_position")
         if pos is not None and (pos.shape[0] != s or int(pos[0]) != self.seen):
-            raise ValueError(f"cache_position must continue the sequence at {self.seen} for {s} tokens, got {pos.tolist()}")
+            raise ValueError(f"cache_position must continue the sequence at {self.seen} for {s} tokens, got "
+                             f"{pos.tolist()}")
         pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
         sc = self.rule.scores(self, key_states, value_states, pos)
         if sc.shape != pos.shape or not torch.isfinite(sc).all():
-            raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape {tuple(pos.shape)}, got {tuple(sc.shape)}")
+            raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape "
+                             f"{tuple(pos.shape)}, got {tuple(sc.shape)}")
         return pos, sc
 
-    def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+    def update(self, key_states: Tensor, value_states: Tensor,
+               cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
         "Append the new entries with their positions and scores; return all entries' keys and values."
         pos, sc = self.scored_entries(key_states, value_states, cache_kwargs)
         s = key_states.shape[2]
@@ -219,10 +226,11 @@ class EvictingLayer(DynamicLayer):
     def _apply(self, fn) -> None:
         "Apply `fn` to keys, values, positions and scores."
         if self.is_initialized:
-            self.keys, self.values, self.positions, self.scores = map(fn, (self.keys, self.values, self.positions, self.scores))
+            self.keys, self.values, self.positions, self.scores = map(
+                fn, (self.keys, self.values, self.positions, self.scores))
 
     def crop(self, max_length: int) -> None:
-        "Forget the tokens from position `max_length` on (negative: drop that many); fails if an earlier one was evicted."
+        "Forget the tokens from position `max_length` on (negative: drop that many); fails if an earlier was evicted."
         if max_length < 0: max_length = self.seen + max_length
         if self.seen <= max_length: return
         if self.is_initialized and ((self.positions < max_length).sum(-1) != max_length).any():
@@ -247,10 +255,11 @@ class EvictingLayer(DynamicLayer):
 # %%
 #| export
 class EvictingCache(Cache):
-    "A `transformers` cache of `EvictingLayer`s (created as layers are used) sharing one `EvictionRule`; use inside `patch`."
+    "A `transformers` cache of `EvictingLayer`s (made as layers are used) sharing one `EvictionRule`; use in `patch`."
 
     def __init__(self, rule: EvictionRule):
-        if not isinstance(rule, EvictionRule): raise TypeError(f"rule must be an EvictionRule, got {type(rule).__name__}")
+        if not isinstance(rule, EvictionRule):
+            raise TypeError(f"rule must be an EvictionRule, got {type(rule).__name__}")
         super().__init__(layers=[])
         self.rule = rule
 

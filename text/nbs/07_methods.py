@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Methods
 #
-# > One object per method, found by name: `methods.make("tova", budget=256)`, then `m.generate(model, input_ids)` or `with m.patch(model) as past_key_values`.
+# > One object per method, found by name: `methods.make("tova", budget=256)`, then `m.generate` or `m.patch`.
 
 # %%
 #| default_exp methods

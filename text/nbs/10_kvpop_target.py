@@ -1,7 +1,7 @@
 # %% [markdown]
 # # The future-attention target
 #
-# > KVpop's supervision signal (Eq. (2), (3), (8), (31)): the mean attention a key receives from future queries once it has left the protected window, computed by a transposed attention pass that never holds the S x S matrix.
+# > KVpop's supervision signal (Eq. (2), (3), (8), (31)): the future attention a key gets, without S x S memory.
 
 # %%
 #| default_exp kvpop.target
@@ -82,8 +82,9 @@ def future_count(S: int, window: int, normalize: bool = True, device=None) -> Te
     if not normalize: return torch.ones_like(t)
     return (S - (t + window)).clamp(min=1)
 
-def future_mask(n_keys: int, n_queries: int, window: int, key_start: int = 0, query_start: int = 0, device=None) -> Tensor:
-    "Bool [n_keys, n_queries]: True where query d = query_start + j is at least `window` after key t = key_start + i (d >= t + w)."
+def future_mask(n_keys: int, n_queries: int, window: int, key_start: int = 0, query_start: int = 0,
+                device=None) -> Tensor:
+    "Bool [n_keys, n_queries]: True where query d = query_start + j and key t = key_start + i have d >= t + window."
     t = torch.arange(key_start, key_start + n_keys, device=device)[:, None]
     d = torch.arange(query_start, query_start + n_queries, device=device)
     return d >= t + window
@@ -91,10 +92,12 @@ def future_mask(n_keys: int, n_queries: int, window: int, key_start: int = 0, qu
 
 # %%
 #| export
-def check_target_args(q: Tensor, k: Tensor, window: int, lse: Tensor | None, agg: str, eps: float, normalize: bool) -> int:
+def check_target_args(q: Tensor, k: Tensor, window: int, lse: Tensor | None, agg: str, eps: float,
+                      normalize: bool) -> int:
     "Validate the arguments of `future_attention_target` (self-attention q [B,Hq,S,D], k [B,Hkv,S,D]); return G."
     G = check_qkv(q, k)
-    if q.shape[2] != k.shape[2]: raise ValueError(f"q and k must have the same length S (self-attention), got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have the same length S (self-attention), got {q.shape[2]} and {k.shape[2]}")
     check_int(window, "window", 1)
     if agg not in AGGS: raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < math.inf):
@@ -102,10 +105,13 @@ def check_target_args(q: Tensor, k: Tensor, window: int, lse: Tensor | None, agg
     if not isinstance(normalize, bool): raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
     if lse is not None:
         if not isinstance(lse, Tensor) or not lse.is_floating_point():
-            raise TypeError(f"lse must be a floating-point tensor [B, Hq, S] or None, got {getattr(lse, 'dtype', type(lse).__name__)}")
-        if lse.shape != q.shape[:3]: raise ValueError(f"lse must have shape [B, Hq, S] = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
+            raise TypeError("lse must be a floating-point tensor [B, Hq, S] or None, got "
+                            f"{getattr(lse, 'dtype', type(lse).__name__)}")
+        if lse.shape != q.shape[:3]:
+            raise ValueError(f"lse must have shape [B, Hq, S] = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
         if lse.device != q.device: raise ValueError(f"lse must be on {q.device} (with q and k), got {lse.device}")
-        if not torch.isfinite(lse).all(): raise ValueError("lse must be finite: every query needs at least one attended key (no NaN, no -inf)")
+        if not torch.isfinite(lse).all():
+            raise ValueError("lse must be finite: every query needs at least one attended key (no NaN, no -inf)")
     return G
 
 
@@ -113,7 +119,7 @@ def check_target_args(q: Tensor, k: Tensor, window: int, lse: Tensor | None, agg
 #| export
 def future_attention_target_reference(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None, agg: str = "max",
                                       eps: float = 1e-6, normalize: bool = True, scale: float | None = None) -> Tensor:
-    "Eq. (2)-(3) by explicit loops in Python float64 (softmax of each causal row, sums over future queries): [B, Hkv, S] float64."
+    "Eq. (2)-(3) by loops in Python float64 (softmax per causal row, sums over future queries): [B, Hkv, S] float64."
     G = check_target_args(q, k, window, lse, agg, eps, normalize)
     B, Hq, S, D = q.shape
     c = softmax_scale(scale, D)
@@ -174,7 +180,8 @@ q, k = torch.randn(1, 1, 10, 8), torch.randn(1, 1, 10, 8)
 p = torch.softmax(attention_scores(q.double(), k.double()), -1)
 total = torch.exp(future_attention_target_reference(q, k, 1, eps=1e-300, normalize=False)).sum()   # sum_t m_bar_t
 assert_close(total, (1 - p[0, 0].diagonal()).sum())
-test_eq(future_attention_target_reference(q[..., :4, :], k[..., :4, :], 4), torch.full((1, 1, 4), math.log(1e-6), dtype=torch.float64))
+test_eq(future_attention_target_reference(q[..., :4, :], k[..., :4, :], 4),
+        torch.full((1, 1, 4), math.log(1e-6), dtype=torch.float64))
 test_eq(future_count(10, 3).tolist(), [7, 6, 5, 4, 3, 2, 1, 1, 1, 1])
 
 
@@ -210,7 +217,8 @@ def aggregate_target(log_mass: Tensor, G: int, agg: str = "max", eps: float = 1e
     B, Hq, S = log_mass.shape
     x = log_mass.view(B, Hq // G, G, S)
     log_eps = torch.full((), math.log(eps), dtype=x.dtype, device=x.device)
-    if agg == "max": return torch.logaddexp(log_eps, x.amax(2))  # log increasing: max_g log(eps + m_g) = log(eps + max_g m_g)
+    # log increasing: max_g log(eps + m_g) = log(eps + max_g m_g)
+    if agg == "max": return torch.logaddexp(log_eps, x.amax(2))
     return torch.logaddexp(log_eps, torch.logsumexp(x, 2) - math.log(G))  # probability-space mean (Eq. (15))
 
 def causal_lse(q: Tensor, k: Tensor, block: int | None = None, scale: float | None = None) -> Tensor:
@@ -220,7 +228,8 @@ def causal_lse(q: Tensor, k: Tensor, block: int | None = None, scale: float | No
     lse = []
     for a in range(0, S, block):
         e = min(a + block, S)  # rows a..e-1 see keys 0..e-1 only
-        lse.append(masked_logsumexp(attention_scores(q[:, :, a:e], k[:, :, :e], causal_mask(e - a, e, q.device, offset=a), scale)))
+        lse.append(masked_logsumexp(attention_scores(q[:, :, a:e], k[:, :, :e],
+                                                     causal_mask(e - a, e, q.device, offset=a), scale)))
     return torch.cat(lse, -1)
 
 
@@ -249,7 +258,8 @@ for G, S, w in [(1, 20, 3), (3, 17, 5), (4, 8, 8)]:
             log_m = log_mbar - future_count(S, w, normalize).log()                       # Eq. (8)
             for agg in AGGS:
                 assert_close(aggregate_target(log_m, G, agg).double(),
-                             future_attention_target_reference(q, k, w, lse, agg, 1e-6, normalize), rtol=1e-5, atol=1e-5)
+                             future_attention_target_reference(q, k, w, lse, agg, 1e-6, normalize),
+                             rtol=1e-5, atol=1e-5)
     for block in (1, 3, 16):
         assert_close(causal_lse(q, k, block), masked_logsumexp(attention_scores(q, k)))
 
@@ -301,7 +311,7 @@ def transposed_score_mod(lse: Tensor):
     return score_mod
 
 def future_mask_mod(window: int):
-    "FlexAttention mask_mod of the transposed pass: transposed query t (a key) sees transposed key d (a query) iff d >= t + window."
+    "FlexAttention mask_mod of the transposed pass: transposed query t (a key) sees d (a query) iff d >= t + window."
     def mask_mod(b, h, t_idx, d_idx): return d_idx >= t_idx + window
     return mask_mod
 
@@ -343,7 +353,8 @@ for G, S, w in [(1, 40, 3), (3, 33, 7), (4, 9, 9)]:
 
 # %%
 #| export
-def future_log_mass_dense(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None, scale: float | None = None) -> Tensor:
+def future_log_mass_dense(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None,
+                          scale: float | None = None) -> Tensor:
     "log m_bar_t per query head [B, Hq, S] (Eq. (30)) from the materialized [B, Hq, S, S] probabilities: the reference."
     S = q.shape[2]
     l = attention_scores(q, k, torch.ones(S, S, dtype=torch.bool, device=q.device), scale)  # l[b, h, d, t]
@@ -354,7 +365,7 @@ def future_log_mass_dense(q: Tensor, k: Tensor, window: int, lse: Tensor | None 
 
 def future_log_mass_chunked(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None, scale: float | None = None,
                             block: int = 256) -> Tensor:
-    "log m_bar_t per query head [B, Hq, S] (Eq. (31)): the transposed pass in blocks of `block` keys, at most [B, Hq, block, S] scores."
+    "log m_bar_t per query head [B, Hq, S] (Eq. (31)): the transposed pass by `block` keys, [B, Hq, block, S] scores."
     G = q.shape[1] // k.shape[1]
     B, Hq, S, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -372,14 +383,16 @@ def future_log_mass_chunked(q: Tensor, k: Tensor, window: int, lse: Tensor | Non
         out[:, :, a:e] = masked_logsumexp(x)
     return out
 
-def future_log_mass_flex(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None, scale: float | None = None) -> Tensor:
-    "log m_bar_t per query head [B, Hq, S] (Eq. (31)): one transposed FlexAttention pass (App. D.2), compiled on CUDA, eager on CPU."
+def future_log_mass_flex(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None,
+                         scale: float | None = None) -> Tensor:
+    "log m_bar_t per query head [B, Hq, S] (Eq. (31)): a transposed FlexAttention pass (App. D.2), compiled on CUDA."
     G = q.shape[1] // k.shape[1]
     S = q.shape[2]
     if lse is None: lse = flex_attention_lse(q, k, k, causal_block_mask(S, S, q.device), scale=scale)[1]  # Eq. (28)
     block_mask = create_block_mask(future_mask_mod(window), None, None, S, S, device=q.device)
     # Transposed queries: the KV heads repeated per query head; transposed keys (and the unused values): the queries.
-    _, log_mbar = flex_attention_lse(repeat_kv(k, G), q, q, block_mask, score_mod=transposed_score_mod(lse.float()), scale=scale)
+    _, log_mbar = flex_attention_lse(repeat_kv(k, G), q, q, block_mask, score_mod=transposed_score_mod(lse.float()),
+                                     scale=scale)
     return log_mbar.to(torch.promote_types(q.dtype, torch.float32))
 
 
@@ -431,7 +444,8 @@ for G, S, w in [(1, 150, 16), (3, 100, 1), (4, 130, 64), (3, 40, 64)]:
         test_eq(want.shape, (2, 2, S))
         test_eq(want.dtype, torch.float32)
         for method, block in [("flex", 256), ("chunked", 256), ("chunked", 7), ("chunked", 1)]:
-            assert_close(future_attention_target(q, k, w, lse, "mean", method=method, block=block), want, rtol=1e-5, atol=1e-5)
+            assert_close(future_attention_target(q, k, w, lse, "mean", method=method, block=block), want,
+                         rtol=1e-5, atol=1e-5)
         if S <= w: test_eq(want, torch.full_like(want, math.log(1e-6)))
 
 # %%
@@ -446,8 +460,10 @@ test_fail(lambda: future_attention_target(q, k, 2, normalize=1), contains="norma
 test_fail(lambda: future_attention_target(q, k[:, :, :9], 2), contains="same length S")
 test_fail(lambda: future_attention_target(q[:, :5], k, 2), contains="multiple of the KV heads")
 test_fail(lambda: future_attention_target(q, k, 2, lse=torch.zeros(1, 2, 10)), contains="lse must have shape")
-test_fail(lambda: future_attention_target(q, k, 2, lse=torch.full((1, 6, 10), -math.inf)), contains="lse must be finite")
-test_fail(lambda: future_attention_target(q, k, 2, lse=torch.zeros(1, 6, 10, dtype=torch.long)), contains="floating-point")
+test_fail(lambda: future_attention_target(q, k, 2, lse=torch.full((1, 6, 10), -math.inf)),
+          contains="lse must be finite")
+test_fail(lambda: future_attention_target(q, k, 2, lse=torch.zeros(1, 6, 10, dtype=torch.long)),
+          contains="floating-point")
 
 
 # %% [markdown]
@@ -482,7 +498,7 @@ test_fail(lambda: future_attention_target(q, k, 2, lse=torch.zeros(1, 6, 10, dty
 
 # %%
 def _topk_mask(priority, sink, window, k):
-    "Bool [B, H, S, S]: query q keeps t < sink, q - t < window and the k eligible tokens of highest `priority` [B, H, S]."
+    "Bool [B, H, S, S]: query q keeps t < sink, q - t < window and the k eligible tokens of top `priority` [B, H, S]."
     B, H, S = priority.shape
     q, t = torch.arange(S)[:, None], torch.arange(S)
     eligible = (t >= sink) & (t <= q - window)                        # E(q), Eq. (4)
@@ -496,7 +512,8 @@ m = _topk_mask(prio, 3, 5, 7)
 n_eligible = (torch.arange(50) - 5 - 3 + 1).clamp(min=0)            # |E(q)|
 test_eq(m.sum(-1), torch.minimum(torch.arange(50) + 1, 3 + 5 + n_eligible.clamp(max=7)).expand(1, 2, 50))
 test_eq(m & ~causal_mask(50, 50), torch.zeros_like(m))
-for q_ in (20, 49):                                                  # the kept eligible tokens are the top-7 by priority
+# the kept eligible tokens are the top-7 by priority
+for q_ in (20, 49):
     e = torch.arange(3, q_ - 5 + 1)
     test_eq(set(torch.nonzero(m[0, 1, q_, 3:q_ - 4]).flatten().add(3).tolist()),
             set(e[prio[0, 1, e].topk(7).indices].tolist()))
@@ -615,7 +632,8 @@ class _StorageTracker(TorchDispatchMode):
         "Count storage `st` until it is freed."
         self.live[id(st)] = st.nbytes()
         self.now += st.nbytes()
-        weakref.finalize(st, self._free, id(st))  # storages keep their Python object: this runs when the memory is freed
+        # storages keep their Python object: this runs when the memory is freed
+        weakref.finalize(st, self._free, id(st))
         self.peak = max(self.peak, self.now)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -630,8 +648,9 @@ class _StorageTracker(TorchDispatchMode):
         return out
 
 def peak_memory(fn, *args, device=None, held=(), **kwargs) -> tuple[object, int]:
-    """Run fn(*args, **kwargs): (its result, peak bytes of tensor memory allocated during the call beyond what existed before,
-    plus the storages `held`, which existed before and count until the call frees them, e.g. a cache a decode step replaces)."""
+    """Run fn(*args, **kwargs): (its result, peak bytes of tensor memory allocated during the call beyond what
+    existed before, plus the storages `held`, which existed before and count until the call frees them, e.g. a
+    cache a decode step replaces)."""
     held = list(held)
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -683,7 +702,8 @@ def bench_target(S: int = 8192, B: int = 1, Hkv: int = 1, G: int = 3, D: int = 6
     q = torch.randn(B, Hkv * G, S, D, device=device, generator=gen)
     k = torch.randn(B, Hkv, S, D, device=device, generator=gen)
     lse = causal_lse(q, k, block) if given_lse else None  # in training the sparse attention pass provides it
-    res, outs = dict(S=S, B=B, Hkv=Hkv, G=G, D=D, window=window, block=block, given_lse=given_lse, device=str(device)), {}
+    res = dict(S=S, B=B, Hkv=Hkv, G=G, D=D, window=window, block=block, given_lse=given_lse, device=str(device))
+    outs = {}
     for m in methods:
         run = lambda: future_attention_target(q, k, window, lse, method=m, block=block)
         run()  # warm-up (compilation on CUDA)
@@ -740,4 +760,5 @@ for G, S, w in [(1, 1, 1), (3, 300, 16), (4, 1000, 64), (3, 2048, 1)]:
             want = future_attention_target(q, k, w, lse, agg, method="dense")
             assert_close(future_attention_target(q, k, w, lse, agg), want, rtol=1e-4, atol=1e-4)
             assert_close(future_attention_target(q, k, w, lse, agg, method="chunked"), want, rtol=1e-4, atol=1e-4)
-bench_target(S=8192, Hkv=1, G=3, D=64, window=64, block=256, methods=("dense", "chunked", "flex"), repeat=3, device="cuda")
+bench_target(S=8192, Hkv=1, G=3, D=64, window=64, block=256, methods=("dense", "chunked", "flex"), repeat=3,
+             device="cuda")

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Static priorities and the running top-k cutoff
 #
-# > KVpop's learned per-head decay, the static priority that turns query-dependent effective scores into one ranking, and the Fenwick-tree cutoff of Alg. 2 (python, torch and triton backends).
+# > KVpop's learned per-head decay, the static priority it induces, and the Fenwick-tree cutoff of Alg. 2.
 
 # %%
 #| default_exp kvpop.cutoff
@@ -67,7 +67,8 @@ class LogDecay(nn.Module):
         super().__init__()
         check_int(n_heads, "n_heads", 1)
         if not (0 < gamma_min < gamma_max < 1):
-            raise ValueError(f"need 0 < gamma_min < gamma_max < 1, got gamma_min={gamma_min!r}, gamma_max={gamma_max!r}")
+            raise ValueError(f"need 0 < gamma_min < gamma_max < 1, got gamma_min={gamma_min!r}, "
+                             f"gamma_max={gamma_max!r}")
         self.log_gamma_min, self.log_gamma_max = math.log(gamma_min), math.log(gamma_max)
         self.alpha = nn.Parameter(torch.full((n_heads,), float(alpha_init)))
 
@@ -77,7 +78,8 @@ class LogDecay(nn.Module):
         return self.log_gamma_min + torch.sigmoid(self.alpha) * span
 
     def extra_repr(self) -> str:
-        return f"n_heads={self.alpha.numel()}, gamma_min={math.exp(self.log_gamma_min):g}, gamma_max={math.exp(self.log_gamma_max):g}"
+        return (f"n_heads={self.alpha.numel()}, gamma_min={math.exp(self.log_gamma_min):g}, "
+                f"gamma_max={math.exp(self.log_gamma_max):g}")
 
 
 # %% [markdown]
@@ -157,18 +159,24 @@ test_fail(lambda: LogDecay(0), contains="n_heads must be an int >= 1")
 def check_log_gamma(log_gamma: Tensor | float, H: int) -> Tensor | float:
     "Validate a log-decay: a finite number <= 0, or a tensor of them broadcastable to [H] (one per head)."
     if isinstance(log_gamma, Tensor):
-        if not log_gamma.is_floating_point(): raise TypeError(f"log_gamma must be a floating-point tensor, got {log_gamma.dtype}")
+        if not log_gamma.is_floating_point():
+            raise TypeError(f"log_gamma must be a floating-point tensor, got {log_gamma.dtype}")
         if log_gamma.dim() > 1 or log_gamma.numel() not in (1, H):
-            raise ValueError(f"log_gamma must be a number, a 0-d tensor or a tensor of shape [H]={H}, got shape {tuple(log_gamma.shape)}")
+            raise ValueError(f"log_gamma must be a number, a 0-d tensor or a tensor of shape [H]={H}, got shape "
+                             f"{tuple(log_gamma.shape)}")
         bad = ~torch.isfinite(log_gamma) | (log_gamma > 0)
-        if bad.any(): raise ValueError(f"log_gamma must be finite and <= 0 (gamma in (0, 1]), got {log_gamma.detach().cpu().tolist()}")
+        if bad.any():
+            raise ValueError("log_gamma must be finite and <= 0 (gamma in (0, 1]), got "
+                             f"{log_gamma.detach().cpu().tolist()}")
         return log_gamma.reshape(-1, 1)  # [H or 1, 1]: broadcasts over positions
-    if isinstance(log_gamma, bool) or not isinstance(log_gamma, (int, float)) or not math.isfinite(log_gamma) or log_gamma > 0:
-        raise ValueError(f"log_gamma must be a finite number <= 0 (gamma in (0, 1]) or a tensor of them, got {log_gamma!r}")
+    if (isinstance(log_gamma, bool) or not isinstance(log_gamma, (int, float)) or not math.isfinite(log_gamma)
+            or log_gamma > 0):
+        raise ValueError("log_gamma must be a finite number <= 0 (gamma in (0, 1]) or a tensor of them, got "
+                         f"{log_gamma!r}")
     return float(log_gamma)
 
 def static_priority(r: Tensor, log_gamma: Tensor | float, n: int = 1) -> Tensor:
-    "Static priority r_t - floor(t/n) log(gamma_h) of raw scores r [B,H,S]: Eq. (20) for n=1, age buckets of n tokens for n>1."
+    "Static priority r_t - floor(t/n) log(gamma_h) of raw scores r [B,H,S]: Eq. (20) for n=1, n-token age buckets."
     if not isinstance(r, Tensor) or not r.is_floating_point() or r.dim() != 3:
         raise TypeError(f"r must be a 3-D floating-point tensor [B, H, S], got {getattr(r, 'dtype', type(r).__name__)} "
                         f"of shape {tuple(getattr(r, 'shape', ()))}")
@@ -183,7 +191,7 @@ def static_priority(r: Tensor, log_gamma: Tensor | float, n: int = 1) -> Tensor:
 # %%
 #| export
 def effective_score(r: Tensor, log_gamma: Tensor | float, q: int, n: int = 1) -> Tensor:
-    "Effective scores r_t + floor((q-t)/n) log(gamma_h) at query q (Eq. 5, 18), [B,H,S]; the reference for `static_priority`."
+    "Effective scores r_t + floor((q-t)/n) log(gamma_h) at query q (Eq. 5, 18), [B,H,S]: checks `static_priority`."
     check_int(n, "n (the decay step)", 1)
     log_gamma = check_log_gamma(log_gamma, r.shape[1])
     steps = torch.div(q - torch.arange(r.shape[-1], device=r.device), n, rounding_mode="floor").to(r.dtype)
@@ -227,7 +235,7 @@ for q, t, n in itertools.product(range(30), range(30), (1, 2, 3, 7)):
     test_eq((q - t) // n, q // n - t // n - int(q % n < t % n))
 
 def _ranking_error(r, log_gamma, n, s, w, k):
-    "(fraction of discordant eligible pairs, fraction of (q, head) whose top-k set differs) between exact and bucketed rankings."
+    "(share of discordant eligible pairs, share of (q, head) whose top-k set differs), exact vs bucketed rankings."
     pri = static_priority(r, log_gamma, n)
     pairs = bad_pairs = sets = bad_sets = 0
     for q in range(s + w, r.shape[-1]):
@@ -287,9 +295,11 @@ test_fail(lambda: static_priority(r.long(), -0.1), contains="floating-point")
 def check_priority(priority: Tensor) -> Tensor:
     "Validate priorities: a real [B,H,S] tensor with S >= 1 and no NaN."
     if not isinstance(priority, Tensor) or priority.dim() != 3 or priority.dtype == torch.bool or priority.is_complex():
-        raise TypeError(f"priority must be a 3-D real tensor [B, H, S], got {getattr(priority, 'dtype', type(priority).__name__)} "
+        raise TypeError("priority must be a 3-D real tensor [B, H, S], got "
+                        f"{getattr(priority, 'dtype', type(priority).__name__)} "
                         f"of shape {tuple(getattr(priority, 'shape', ()))}")
-    if priority.shape[-1] < 1: raise ValueError(f"priority needs at least one position, got shape {tuple(priority.shape)}")
+    if priority.shape[-1] < 1:
+        raise ValueError(f"priority needs at least one position, got shape {tuple(priority.shape)}")
     if priority.is_floating_point() and torch.isnan(priority).any():
         raise ValueError("priority contains NaN: rankings need ordered values (+-inf are allowed)")
     return priority
@@ -306,12 +316,14 @@ def priority_rank(priority: Tensor, sink: int) -> Tensor:
     rank = torch.full(priority.shape, S, dtype=torch.int64, device=priority.device)
     n = max(S - sink, 0)
     if n == 0: return rank
-    order = torch.sort(priority[..., sink:], dim=-1, descending=True, stable=True).indices  # stable: ties keep time order
-    rank[..., sink:] = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
+    # stable: ties keep time order
+    order = torch.sort(priority[..., sink:], dim=-1, descending=True, stable=True).indices
+    rank[..., sink:] = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(n, device=order.device).expand_as(order))
     return rank
 
 def rank_reference(priority: Tensor, sink: int) -> Tensor:
-    "`priority_rank` by counting, for each eligible token, the tokens that beat it (higher priority, or equal and earlier)."
+    "`priority_rank` by counting per eligible token the tokens that beat it (higher priority, or equal and earlier)."
     priority = check_priority(priority)
     S = priority.shape[-1]
     rank = torch.full(priority.shape, S, dtype=torch.int64, device=priority.device)
@@ -361,7 +373,7 @@ def eligible_count(S: int, sink: int, window: int, device=None) -> Tensor:
     return (torch.arange(S, device=device) - window - sink + 1).clamp(0, max(S - sink, 0))
 
 def cutoff_reference(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
-    "Brute-force cutoff: for each q, sort the ranks of E(q) = {sink <= t <= q - window}, take the k-th smallest (S if |E(q)| < k)."
+    "Brute-force cutoff: per q, sort the ranks in E(q) = {sink <= t <= q - window}, take the k-th (S if |E(q)| < k)."
     B, H, S = rank.shape
     cutoff = torch.full((B, H, S), S, dtype=torch.int64, device=rank.device)
     for q in range(S):
@@ -370,7 +382,7 @@ def cutoff_reference(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
     return cutoff
 
 def topk_cutoff_reference(priority: Tensor, k: int, sink: int, window: int) -> tuple[Tensor, Tensor]:
-    "(rank, cutoff) by brute force: ranks by counting (`rank_reference`), cutoffs by sorting per query (`cutoff_reference`)."
+    "(rank, cutoff) by brute force: ranks by counting (`rank_reference`), cutoffs by sorting (`cutoff_reference`)."
     k, sink, window = check_budget(k, sink, window)
     rank = rank_reference(priority, sink)
     return rank, cutoff_reference(rank, k, sink, window)
@@ -608,7 +620,7 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 def cutoff_triton(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
-    "Cutoffs [B,H,S] by the Triton kernel of Alg. 2 (one program per (batch, head)); CUDA, or CPU under TRITON_INTERPRET=1."
+    "Cutoffs [B,H,S] by the Triton kernel of Alg. 2 (a program per (batch, head)) on CUDA, or with TRITON_INTERPRET=1."
     if not rank.is_cuda and not triton_interpreted():
         raise ValueError(f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
                          f"to run on {rank.device.type}; use backend='torch' there")
@@ -658,8 +670,9 @@ for S, k, sink, window in ((1, 1, 0, 1), (2, 1, 0, 1), (7, 2, 1, 2), (17, 4, 1, 
 CUTOFF_BACKENDS = ("torch", "triton", "python")
 
 def topk_cutoff(priority: Tensor, k: int, sink: int, window: int, backend: str = "torch") -> tuple[Tensor, Tensor]:
-    """(rank, cutoff), int64 [B,H,S]: rank of each token t >= sink by descending priority (ties: earlier first; sinks: S),
-    and cutoff[q] = the k-th smallest rank in E(q) = {sink <= t <= q - window}, or S when |E(q)| < k (Alg. 2)."""
+    """(rank, cutoff), int64 [B,H,S]: rank of each token t >= sink by descending priority (ties: earlier first;
+    sinks: S), and cutoff[q] = the k-th smallest rank in E(q) = {sink <= t <= q - window}, or S when |E(q)| < k
+    (Alg. 2)."""
     if backend not in CUTOFF_BACKENDS: raise ValueError(f"backend must be one of {CUTOFF_BACKENDS}, got {backend!r}")
     k, sink, window = check_budget(k, sink, window)
     rank = priority_rank(priority, sink)  # validates priority
@@ -722,7 +735,8 @@ def bench_cutoff(S: int, BH: int = 8, k: int = 2016, sink: int = 4, window: int 
     if not torch.equal(cutoff, want): raise AssertionError("the torch backend disagrees with the brute force")
     return {"S": S, "BH": BH, "k": k, "sink": sink, "window": window, "device": str(priority.device),
             "torch_s": torch_s, "brute_s": brute_s, "ratio": brute_s / torch_s,
-            "torch_bytes_per_head": 8 * (2 * (S - sink) + 6 * S),  # at most: keys + sorted keys; p, rest, node, m, rank, cutoff
+            # at most: keys + sorted keys; p, rest, node, m, rank, cutoff
+            "torch_bytes_per_head": 8 * (2 * (S - sink) + 6 * S),
             "cuda_peak_bytes": peak}
 
 

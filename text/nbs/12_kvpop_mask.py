@@ -1,7 +1,7 @@
 # %% [markdown]
 # # The fixed-budget sparse mask
 #
-# > KVpop's attention mask (Eq. 26): sinks, the protected window and the running top-k of eligible tokens, as a dense boolean mask for the CPU/autograd path and as a FlexAttention mask_mod evaluated on the fly.
+# > KVpop's attention mask (Eq. 26) of sinks, window and running top-k, dense and as a FlexAttention mask_mod.
 
 # %%
 #| default_exp kvpop.mask
@@ -78,8 +78,10 @@ def check_rank_cutoff(rank: Tensor, cutoff: Tensor) -> tuple[int, int, int]:
         if not isinstance(x, Tensor) or x.dtype != torch.int64 or x.dim() != 3:
             raise TypeError(f"{name} must be an int64 tensor [B, H, S] (from topk_cutoff), got "
                             f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}")
-    if rank.shape != cutoff.shape: raise ValueError(f"rank and cutoff must have one shape, got {tuple(rank.shape)} and {tuple(cutoff.shape)}")
-    if rank.device != cutoff.device: raise ValueError(f"rank and cutoff must be on one device, got {rank.device} and {cutoff.device}")
+    if rank.shape != cutoff.shape:
+        raise ValueError(f"rank and cutoff must have one shape, got {tuple(rank.shape)} and {tuple(cutoff.shape)}")
+    if rank.device != cutoff.device:
+        raise ValueError(f"rank and cutoff must be on one device, got {rank.device} and {cutoff.device}")
     return tuple(rank.shape)
 
 def _check_mask_args(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int) -> tuple[int, int, int]:
@@ -101,7 +103,7 @@ def kvpop_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int
     return repeat_kv(mask, groups)
 
 def kvpop_mask_reference(priority: Tensor, k: int, sink: int, window: int) -> Tensor:
-    "The KVpop mask [B,H,S,S] from the definition, with loops: for each q, sort E(q) by priority (ties: earlier first), keep the top k."
+    "The KVpop mask [B,H,S,S] by definition, with loops: per q, the top k of E(q) by priority (ties: earlier first)."
     priority = check_priority(priority)
     k, sink, window = check_budget(k, sink, window)
     B, H, S = priority.shape
@@ -180,7 +182,7 @@ assert _evictions_permanent(kvpop_mask(rank, cutoff, sink, window), sink, window
 # %%
 #| export
 def kvpop_mask_mod(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1):
-    "FlexAttention mask_mod of `kvpop_mask` over captured rank/cutoff [B,Hkv,S]; query head h reads KV head h // groups."
+    "FlexAttention mask_mod of `kvpop_mask` over captured rank/cutoff [B,Hkv,S]; query head h reads KV head h // G."
     _check_mask_args(rank, cutoff, sink, window, groups)
     fixed, eligible = sink_window_visible(sink, window), evictable(sink, window)  # the predicates of `kvpop_mask`
 
@@ -194,7 +196,8 @@ def kvpop_mask_mod(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups:
 def kvpop_block_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1) -> BlockMask:
     "FlexAttention BlockMask of the KVpop mask for B x (Hkv*groups) query heads over S x S positions."
     B, H, S = _check_mask_args(rank, cutoff, sink, window, groups)
-    return create_block_mask(kvpop_mask_mod(rank, cutoff, sink, window, groups), B, H * groups, S, S, device=rank.device)
+    return create_block_mask(kvpop_mask_mod(rank, cutoff, sink, window, groups), B, H * groups, S, S,
+                             device=rank.device)
 
 
 # %% [markdown]
@@ -204,7 +207,8 @@ def kvpop_block_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, group
 # %%
 def _eval_mask_mod(mask_mod, B, Hq, S):
     "A mask_mod evaluated on every (b, h, q, kv), [B, Hq, S, S]."
-    b, h, q, kv = (torch.arange(n).reshape([-1 if i == j else 1 for j in range(4)]) for i, n in enumerate((B, Hq, S, S)))
+    b, h, q, kv = (torch.arange(n).reshape([-1 if i == j else 1 for j in range(4)])
+                   for i, n in enumerate((B, Hq, S, S)))
     return mask_mod(b, h, q, kv).expand(B, Hq, S, S)
 
 torch.manual_seed(1)
@@ -214,7 +218,8 @@ for G, (S, k, sink, window) in itertools.product((1, 3, 4), ((1, 1, 0, 1), (13, 
     dense = kvpop_mask(rank, cutoff, sink, window, groups=G)
     test_eq(dense.shape, (2, 2 * G, S, S))
     test_eq(_eval_mask_mod(kvpop_mask_mod(rank, cutoff, sink, window, G), 2, 2 * G, S), dense)
-    for h in range(2 * G): test_eq(dense[:, h], kvpop_mask(rank, cutoff, sink, window)[:, h // G])  # query head h <- KV head h // G
+    # query head h <- KV head h // G
+    for h in range(2 * G): test_eq(dense[:, h], kvpop_mask(rank, cutoff, sink, window)[:, h // G])
 
 
 # %% [markdown]
@@ -239,10 +244,13 @@ def kvpop_attention(q: Tensor, k: Tensor, v: Tensor, rank: Tensor, cutoff: Tenso
     G = check_qkv(q, k, v)
     B, Hkv, S = _check_mask_args(rank, cutoff, sink, window, 1)
     if q.shape[2] != S or k.shape[2] != S or (B, Hkv) != tuple(k.shape[:2]):
-        raise ValueError(f"rank/cutoff {tuple(rank.shape)} must be [B, Hkv, S] of k {tuple(k.shape)}, with q {tuple(q.shape)} over the same S")
-    if rank.device != q.device: raise ValueError(f"rank and cutoff must be on {q.device} (with q, k, v), got {rank.device}")
+        raise ValueError(f"rank/cutoff {tuple(rank.shape)} must be [B, Hkv, S] of k {tuple(k.shape)}, with q "
+                         f"{tuple(q.shape)} over the same S")
+    if rank.device != q.device:
+        raise ValueError(f"rank and cutoff must be on {q.device} (with q, k, v), got {rank.device}")
     if backend == "flex" or (backend == "auto" and q.is_cuda):
-        return flex_attention_lse(q, k, v, kvpop_block_mask(rank, cutoff, sink, window, G), scale=scale, enable_gqa=G > 1)
+        return flex_attention_lse(q, k, v, kvpop_block_mask(rank, cutoff, sink, window, G), scale=scale,
+                                  enable_gqa=G > 1)
     return masked_attention(q, k, v, kvpop_mask(rank, cutoff, sink, window, G), scale=scale, backend=backend)
 
 
@@ -257,7 +265,8 @@ def _sparse_lse_loops(q, k, mask, G):
     B, Hq, S, D = q.shape
     lse = torch.empty(B, Hq, S, dtype=torch.float64)
     for b, h, d in itertools.product(range(B), range(Hq), range(S)):
-        logits = [float(q[b, h, d].double() @ k[b, h // G, t].double()) / math.sqrt(D) for t in range(S) if mask[b, h, d, t]]
+        logits = [float(q[b, h, d].double() @ k[b, h // G, t].double()) / math.sqrt(D)
+                  for t in range(S) if mask[b, h, d, t]]
         m = max(logits)
         lse[b, h, d] = m + math.log(sum(math.exp(x - m) for x in logits))
     return lse
@@ -274,7 +283,8 @@ for G in (1, 3, 4):
         out, lse = kvpop_attention(q, kk, v, rank, cutoff, sink, window, backend=backend)
         assert_close(out, want_out, rtol=1e-5, atol=1e-5)
         assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
-test_fail(lambda: kvpop_attention(q, kk, v, rank[..., :-1], cutoff[..., :-1], sink, window), contains="must be [B, Hkv, S]")
+test_fail(lambda: kvpop_attention(q, kk, v, rank[..., :-1], cutoff[..., :-1], sink, window),
+          contains="must be [B, Hkv, S]")
 test_fail(lambda: kvpop_mask(rank.int(), cutoff, sink, window), contains="int64 tensor")
 test_fail(lambda: kvpop_mask(rank, cutoff, sink, 0), contains="window must be an int >= 1")
 test_fail(lambda: kvpop_mask(rank, cutoff, sink, window, groups=0), contains="groups must be an int >= 1")

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # KVpop: teacher boundary and retention loss
 #
-# > The teacher's keep/drop decision for the newly eligible token, the boundary token it is compared against, the boundary-aware pairwise loss (Eq. 5–7) and its optional weights (Eq. 22–25).
+# > The teacher's keep/drop decision, its boundary token and KVpop's boundary-aware pairwise loss (Eq. 5–7, 22–25).
 
 # %%
 #| default_exp kvpop.loss
@@ -150,7 +150,8 @@ def boundary_queries(q: Tensor | Sequence[int], S: int, sink: int, window: int, 
     check_budget(k, sink, window)
     q = torch.as_tensor(q, device=device)
     if q.dim() != 1 or q.is_floating_point() or q.dtype == torch.bool:
-        raise ValueError(f"q must be a 1-D integer tensor of query positions, got dtype {q.dtype} and shape {tuple(q.shape)}")
+        raise ValueError(f"q must be a 1-D integer tensor of query positions, got dtype {q.dtype} and shape "
+                         f"{tuple(q.shape)}")
     q = q.long()
     lo = sink + window + k
     if q.numel() and (q.min() < lo or q.max() >= S):
@@ -169,7 +170,7 @@ def _token_of_rank(rank: Tensor, sink: int) -> Tensor:
 
 def teacher_boundary(target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int, k: int
                      ) -> tuple[Tensor, Tensor, Tensor]:
-    "Eq. (6): the newly eligible token `t_new = q - window`, the teacher's boundary token and the label `y` (+1 keep, -1 drop), each int64 `[B, H, len(q)]`."
+    "Eq. (6): new eligible token `q - window`, teacher's boundary token, label `y` (+1 keep, -1 drop), int64 [B,H,|q|]."
     _check_priority(target_priority, "target_priority")
     B, H, S = target_priority.shape
     q = boundary_queries(q, S, sink, window, k, device=target_priority.device)
@@ -271,7 +272,7 @@ test_fail(lambda: teacher_boundary(p.long(), q, sink, window, k), contains="floa
 #| export
 def sample_boundary_queries(S: int, n: int, sink: int, window: int, k: int, late_frac: float = 0.5,
                             generator: torch.Generator | None = None, device=None) -> Tensor:
-    "Eq. (25): `n` sorted query positions in `[sink + window + k, S - 1]`, a fraction `late_frac` of them biased toward the end."
+    "Eq. (25): `n` sorted query positions in `[sink + window + k, S - 1]`, a `late_frac` of them biased to the end."
     check_budget(k, sink, window)
     if not isinstance(n, int) or n < 1: raise ValueError(f"n must be an int >= 1, got {n!r}")
     if not 0.0 <= late_frac <= 1.0: raise ValueError(f"late_frac must lie in [0, 1], got {late_frac!r}")
@@ -383,7 +384,8 @@ def balance_weight(y: Tensor, c_min: float = 0.2, c_max: float = 5.0) -> Tensor:
 
 
 # %%
-_y = torch.where(torch.rand(2, 3, 40, generator=torch.Generator().manual_seed(0)) < torch.tensor([0.2, 0.5, 0.7])[:, None], 1, -1)
+_y = torch.where(torch.rand(2, 3, 40, generator=torch.Generator().manual_seed(0))
+                 < torch.tensor([0.2, 0.5, 0.7])[:, None], 1, -1)
 _w = balance_weight(_y, c_min=1e-3, c_max=1e3)  # no clipping
 for h in range(3):
     assert_close(_w[:, h][_y[:, h] > 0].sum(), _w[:, h][_y[:, h] < 0].sum())  # keep and drop weigh the same
@@ -407,10 +409,11 @@ assert_close(_w.mean(), torch.tensor(1.0))
 def retention_loss(pred_priority: Tensor, target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int,
                    k: int, tau: float = 1.0, margin: bool = True, omega_min: float = 0.1, tau_omega: float = 1.0,
                    balance: bool = False, c_min: float = 0.2, c_max: float = 5.0, reduction: str = "mean") -> Tensor:
-    "Eq. (7): weighted pairwise logistic loss between the newly eligible token and the teacher's boundary token at positions `q`."
+    "Eq. (7): weighted pairwise logistic loss between the new eligible token and the teacher's boundary token at `q`."
     _check_priority(pred_priority, "pred_priority")
     if pred_priority.shape != target_priority.shape:
-        raise ValueError(f"pred_priority {tuple(pred_priority.shape)} and target_priority {tuple(target_priority.shape)} must have the same shape")
+        raise ValueError(f"pred_priority {tuple(pred_priority.shape)} and target_priority "
+                         f"{tuple(target_priority.shape)} must have the same shape")
     if not tau > 0: raise ValueError(f"tau must be > 0, got {tau!r}")
     if reduction not in ("mean", "none"): raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
     t_new, t_bnd, y = teacher_boundary(target_priority, q, sink, window, k)
@@ -436,7 +439,7 @@ def retention_loss_reference(pred_score: Tensor, target_score: Tensor, log_gamma
                              window: int, k: int, n: int = 1, tau: float = 1.0, margin: bool = True,
                              omega_min: float = 0.1, tau_omega: float = 1.0, balance: bool = False,
                              c_min: float = 0.2, c_max: float = 5.0) -> Tensor:
-    "Eq. (5)-(7), (22)-(24) with explicit loops over raw scores `[B, H, S]` and `log_gamma` `[H]`: the reference for `retention_loss`."
+    "Eq. (5)-(7), (22)-(24) by loops over raw scores `[B, H, S]` and `log_gamma` `[H]`: checks `retention_loss`."
     B, H, S = pred_score.shape
     q = boundary_queries(q, S, sink, window, k).tolist()
     lg_t = log_gamma.detach()
@@ -475,7 +478,8 @@ r_hat, r_tgt = torch.randn(B, H, S, generator=_g), torch.randn(B, H, S, generato
 log_gamma = -torch.rand(H, generator=_g) * 0.1
 q = sample_boundary_queries(S, 16, sink, window, k, generator=_g)
 for opts in [dict(margin=False), dict(), dict(balance=True), dict(balance=True, c_max=1.2, tau=0.5, omega_min=0.3)]:
-    got = retention_loss(static_priority(r_hat, log_gamma), static_priority(r_tgt, log_gamma), q, sink, window, k, **opts)
+    got = retention_loss(static_priority(r_hat, log_gamma), static_priority(r_tgt, log_gamma), q, sink, window, k,
+                         **opts)
     assert_close(got, retention_loss_reference(r_hat, r_tgt, log_gamma, q, sink, window, k, **opts).float())
 
 # %% [markdown]
@@ -493,7 +497,8 @@ decay = LogDecay(H, gamma_min=0.9, gamma_max=0.999)  # Eq. (21); alpha = decay.a
 r_hat = torch.randn(B, H, S, generator=_g, requires_grad=True)
 r_tgt = torch.randn(B, H, S, generator=_g, requires_grad=True)
 log_gamma = decay()
-loss = retention_loss(static_priority(r_hat, log_gamma), static_priority(r_tgt, log_gamma), q, sink, window, k, balance=True)
+loss = retention_loss(static_priority(r_hat, log_gamma), static_priority(r_tgt, log_gamma), q, sink, window, k,
+                      balance=True)
 loss.backward()
 assert r_tgt.grad is None
 assert decay.alpha.grad.abs().min() > 0
@@ -532,7 +537,7 @@ def kept_long_range(priority: Tensor, q: Tensor | Sequence[int], sink: int, wind
 
 def retention_recall(pred_priority: Tensor, target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int,
                      k: int) -> Tensor:
-    "|student kept ∩ teacher kept| / k at positions `q`, per batch row, head and position `[B, H, len(q)]` (§4, Fig. 7)."
+    "`|student kept ∩ teacher kept| / k` at positions `q`, per row, head and position `[B, H, len(q)]` (§4, Fig. 7)."
     both = kept_long_range(pred_priority, q, sink, window, k) & kept_long_range(target_priority, q, sink, window, k)
     return both.sum(-1) / k
 
@@ -572,7 +577,7 @@ def toy_teacher_problem(B=4, H=2, S=160, D=8, seed=0):
     return x, u, torch.einsum("bhsd,hd->bhs", x, u)
 
 def train_toy_scorer(x, r_tgt, log_gamma, sink=2, window=8, k=24, steps=200, n_q=32, lr=0.05, tau=0.1, seed=0):
-    "Fit a linear scorer `(v, b)` to the teacher's boundary decisions with Adam on `retention_loss` (cosine learning rate)."
+    "Fit a linear scorer `(v, b)` to the teacher's boundary decisions: Adam on `retention_loss`, cosine learning rate."
     B, H, S, D = x.shape
     g = torch.Generator().manual_seed(seed)
     v, b = torch.zeros(H, D, requires_grad=True), torch.zeros(H, 1, requires_grad=True)
@@ -605,6 +610,7 @@ results = {}
 for tau in (0.1, 1.0):
     v, b = train_toy_scorer(x, r_tgt, log_gamma, tau=tau)
     results[tau] = toy_recall(x, r_tgt, v, b, log_gamma), v.norm(dim=1) / u.norm(dim=1)
-    print(f"tau={tau}: retention recall {start:.3f} -> {results[tau][0]:.3f}, |v|/|u| per head {results[tau][1].tolist()}")
+    print(f"tau={tau}: retention recall {start:.3f} -> {results[tau][0]:.3f}, "
+          f"|v|/|u| per head {results[tau][1].tolist()}")
 assert start < 0.8 and results[0.1][0] > 0.97 and (results[0.1][1] - 1).abs().max() < 0.1
 assert results[1.0][0] < results[0.1][0] and results[1.0][1].min() > 1.1  # tau ~ target spread: inflated scale

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # KVpop: bounded-cache inference
 #
-# > A `transformers` cache holding per KV head exactly `s` sinks, a ring of `w` recent tokens and `k` long-range slots; tokens leaving the window are kept by their learned static priority (§3, §4 "Inference efficiency", App. C).
+# > A `transformers` cache of `s` sinks, `w` recent tokens and `k` priority slots per KV head (§3, App. C).
 
 # %%
 #| default_exp kvpop.cache
@@ -43,12 +43,13 @@ from sparsekv.models import load_model
 # %%
 #| export
 class KVpopScorers(nn.Module):
-    "Per layer one scorer (raw scores from [k; v]) and one `LogDecay`; `priority` gives static priorities at absolute positions."
+    "Per layer a scorer (raw scores from [k; v]) and a `LogDecay`; `priority` gives static priorities at positions."
 
     def __init__(self, scorers: list[nn.Module], decays: list[LogDecay], n: int = 1):
         super().__init__()
         if len(scorers) != len(decays) or not scorers:
-            raise ValueError(f"need one scorer and one LogDecay per layer, got {len(scorers)} scorers and {len(decays)} decays")
+            raise ValueError(f"need one scorer and one LogDecay per layer, got {len(scorers)} scorers and "
+                             f"{len(decays)} decays")
         self.scorers, self.decays = nn.ModuleList(scorers), nn.ModuleList(decays)
         self.n = check_int(n, "n (the decay step)", 1)
 
@@ -59,7 +60,8 @@ class KVpopScorers(nn.Module):
                    [LogDecay(num_kv_heads, **decay_kwargs) for _ in range(num_layers)], n)
 
     @classmethod
-    def mlstm(cls, num_layers: int, num_kv_heads: int, head_dim: int, delay: int, n: int = 1, **decay_kwargs) -> "KVpopScorers":
+    def mlstm(cls, num_layers: int, num_kv_heads: int, head_dim: int, delay: int, n: int = 1,
+              **decay_kwargs) -> "KVpopScorers":
         "mLSTM scorers with readout delay `delay` (= the window w in KVpop) and default decays for every layer."
         return cls([MLSTMScorer(num_kv_heads, head_dim, delay=delay) for _ in range(num_layers)],
                    [LogDecay(num_kv_heads, **decay_kwargs) for _ in range(num_layers)], n)
@@ -69,7 +71,7 @@ class KVpopScorers(nn.Module):
         return self.scorers[self._layer(layer_idx)](k, v).float()
 
     def priority(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
-        "Static priorities r_t - floor(t/n) log(gamma_h), float32 [B,Hkv,S], of entries at absolute `positions` [B,Hkv,S]."
+        "Static priorities r_t - floor(t/n) log(gamma_h), float32 [B,Hkv,S], at absolute `positions` [B,Hkv,S]."
         return self.decayed(layer_idx, self.raw(layer_idx, k, v), positions)
 
     def decayed(self, layer_idx: int, r: Tensor, positions: Tensor) -> Tensor:
@@ -79,7 +81,8 @@ class KVpopScorers(nn.Module):
         return r.float() - torch.div(positions, self.n, rounding_mode="floor").float() * log_gamma
 
     def _layer(self, layer_idx: int) -> int:
-        if not 0 <= layer_idx < len(self.scorers): raise ValueError(f"layer_idx must lie in [0, {len(self.scorers)}), got {layer_idx}")
+        if not 0 <= layer_idx < len(self.scorers):
+            raise ValueError(f"layer_idx must lie in [0, {len(self.scorers)}), got {layer_idx}")
         return layer_idx
 
 
@@ -133,7 +136,8 @@ class KVpopRule(TopScoreRule):
 
     def __init__(self, scorers: KVpopScorers, sink: int, window: int, k: int):
         check_budget(k, sink, window)
-        if not isinstance(scorers, KVpopScorers): raise TypeError(f"scorers must be a KVpopScorers, got {type(scorers).__name__}")
+        if not isinstance(scorers, KVpopScorers):
+            raise TypeError(f"scorers must be a KVpopScorers, got {type(scorers).__name__}")
         delays = {getattr(s, "delay", 0) for s in scorers.scorers}
         if len(delays) != 1 or max(delays) > window:
             raise ValueError(f"the scorers' readout delays must be one value <= window={window}, got {sorted(delays)}")
@@ -148,15 +152,16 @@ class KVpopRule(TopScoreRule):
         return self.sink + self.window + self.k
 
     def scores(self, layer, keys, values, positions):
-        "Static priorities of the new entries; a delayed scorer also scores the older entries read out now (see `DelayedReadout`)."
+        "Static priorities of new entries; a delayed scorer also scores the older ones read now (`DelayedReadout`)."
         with torch.no_grad():
             if not self.recurrent: return self.kvpop.priority(layer.layer_idx, keys, values, positions)
             return self._recurrent_scores(layer, keys, values, positions)
 
     def visible(self, layer, query_positions):
-        "Sinks, window, pending (unread) entries and the k best eligible ones; a row with at most k + 1 eligible entries drops its worst (no sort)."
+        "Sinks, window, pending (unread), the k best eligible; a row of <= k + 1 eligible drops its worst (no sort)."
         t, p = layer.positions[:, :, None, :], query_positions[:, None]
-        pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)  # scored later: never eligible yet, kept meanwhile
+        # scored later: never eligible yet, kept meanwhile
+        pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)
         base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
         eligible = evictable(self.sink, self.window)(p, t) & ~pending
         n = eligible.sum(-1, keepdim=True)
@@ -165,11 +170,12 @@ class KVpopRule(TopScoreRule):
             worst = t.shape[-1] - 1 - s.flip(-1).argmin(-1, keepdim=True)  # lowest priority, ties -> the later entry
             return (base | eligible) & ~torch.zeros_like(eligible).scatter(-1, worst, n > self.k)
         s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
-        best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]  # ties -> earlier (entries in position order)
+        # ties -> earlier (entries in position order)
+        best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]
         return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
 
     def _recurrent_scores(self, layer, keys, values, positions):
-        "Step the layer's mLSTM over the new tokens, read out tokens u = t - delay and give them their static priorities."
+        "Step the layer's mLSTM over new tokens, read out tokens u = t - delay, give them their static priorities."
         scorer, start, S = self.kvpop.scorers[layer.layer_idx], layer.seen, keys.shape[2]
         if start == 0 or getattr(layer, "kvpop_readout", None) is None:  # a new sequence
             layer.kvpop_readout = DelayedReadout(scorer.init_state(keys.shape[0], keys.device),
@@ -184,11 +190,13 @@ class KVpopRule(TopScoreRule):
                 raw.append(scorer.readout(ro.state, ro.queue[:, :, 0]))
                 ro.queue = ro.queue[:, :, 1:]
         read = torch.arange(ro.pending_from, ro.pending_from + len(raw), device=keys.device)
-        new = torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)  # pending: never ranked before it is read
+        # pending: never ranked before it is read
+        new = torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)
         if raw:
             prio = self.kvpop.decayed(layer.layer_idx, torch.stack(raw, -1), read.expand(*positions.shape[:2], -1))
             old = layer.positions[..., None] == read  # [B,H,N,R]: cached entries read now
-            layer.scores.copy_(torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores))  # in place (buffers)
+            # in place (buffers)
+            layer.scores.copy_(torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores))
             fresh = positions[..., None] == read
             new = torch.where(fresh.any(-1), (fresh * prio[:, :, None]).sum(-1), new)
         ro.pending_from = max(start + S - self.delay, 0)
@@ -197,7 +205,8 @@ class KVpopRule(TopScoreRule):
     def check_masked(self, layer) -> None:
         "Before an eviction: a recurrent scorer's pending token must have been masked by `KVpopPolicy` at decode."
         if self.recurrent and not getattr(layer, "kvpop_masked", False):
-            raise RuntimeError("a KVpop cache with recurrent (mLSTM) scorers decodes only under KVpopPolicy (it masks decode queries)")
+            raise RuntimeError("a KVpop cache with recurrent (mLSTM) scorers decodes only under KVpopPolicy (it masks "
+                               "decode queries)")
         layer.kvpop_masked = False
 
     def keep(self, layer, next_position):
@@ -207,7 +216,8 @@ class KVpopRule(TopScoreRule):
         nd = drop.sum(-1)
         if int(nd.max()) > 1 or bool((nd != nd.flatten()[0]).any()): return super().keep(layer, next_position)
         ar = torch.arange(drop.shape[-1] - int(nd.flatten()[0]), device=drop.device)
-        return ar.expand(*drop.shape[:2], -1) if not drop.any() else ar + (ar >= drop.to(torch.uint8).argmax(-1, keepdim=True))
+        if not drop.any(): return ar.expand(*drop.shape[:2], -1)
+        return ar + (ar >= drop.to(torch.uint8).argmax(-1, keepdim=True))
 
 
 
@@ -221,7 +231,7 @@ class KVpopRule(TopScoreRule):
 # %%
 #| export
 class DelayedReadout:
-    "Per-layer state of a recurrent scorer in the cache: the mLSTM state, read features of unread tokens, first unread position."
+    "Per-layer state of a recurrent scorer in the cache: mLSTM state, features of unread tokens, first unread position."
 
     def __init__(self, state, queue: Tensor):
         self.state, self.queue, self.pending_from = state, queue, 0
@@ -258,8 +268,9 @@ class KVpopLayer(EvictingLayer):
     def _view(self, n: int) -> None:
         self.keys, self.values, self.positions, self.scores = (b[:, :, :n] for b in self._buffers)
 
-    def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
-        "Write the new entries with their positions and scores after the kept ones; return all entries' keys and values."
+    def update(self, key_states: Tensor, value_states: Tensor,
+               cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+        "Write new entries with positions and scores after the kept ones; return all entries' keys and values."
         pos, sc = self.scored_entries(key_states, value_states, cache_kwargs)
         s, n = key_states.shape[2], self.positions.shape[-1]
         if n + s > self._buffers[0].shape[2]: self._seat(n, n + s)
@@ -281,7 +292,7 @@ class KVpopLayer(EvictingLayer):
         return i1 - 1 - self.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
 
     def evict(self, next_position: int | None = None) -> None:
-        "Keep only the entries the rule shows to `next_position` (default: the next token), compacted in place in position order."
+        "Keep the entries the rule shows to `next_position` (default: the next token), compacted in position order."
         if not self.is_initialized: return
         p = self.seen if next_position is None else next_position
         worst = self.worst_eligible(p) if p == self.seen else False
@@ -293,7 +304,8 @@ class KVpopLayer(EvictingLayer):
             idx = ar + (ar >= worst)
         (B, H, m), cap = idx.shape, self._buffers[0].shape[2]
         if m == self.positions.shape[-1]: return
-        rows = (idx + torch.arange(B * H, device=idx.device).view(B, H, 1) * cap).flatten()  # flat row of each kept entry
+        # flat row of each kept entry
+        rows = (idx + torch.arange(B * H, device=idx.device).view(B, H, 1) * cap).flatten()
         for b in self._buffers:
             flat = b.view(B * H * cap, -1)
             b[:, :, :m] = flat.index_select(0, rows).view(B, H, m, *b.shape[3:])
@@ -303,7 +315,8 @@ class KVpopLayer(EvictingLayer):
     def _apply(self, fn) -> None:
         "Apply `fn` to keys, values, positions and scores, then move them into buffers again."
         super()._apply(fn)
-        if self.is_initialized: self._seat(self.positions.shape[-1], max(self.positions.shape[-1], self.rule.budget + 1))
+        if self.is_initialized:
+            self._seat(self.positions.shape[-1], max(self.positions.shape[-1], self.rule.budget + 1))
 
 
 
@@ -321,15 +334,18 @@ class KVpopPolicy(DensePolicy):
 
     def decode(self, q, k, v, ctx):
         layer = ctx.cache_layer
-        if not isinstance(layer, EvictingLayer) or not isinstance(layer.rule, KVpopRule): return super().decode(q, k, v, ctx)
+        if not isinstance(layer, EvictingLayer) or not isinstance(layer.rule, KVpopRule):
+            return super().decode(q, k, v, ctx)
         layer.kvpop_masked = True
         worst = layer.worst_eligible(layer.seen - 1) if isinstance(layer, KVpopLayer) else False
         if worst is False: mask = layer.rule.visible(layer, ctx.query_positions)
-        else: mask = None if worst is None else ~torch.zeros_like(layer.positions, dtype=torch.bool).scatter(-1, worst, True)[:, :, None]
+        elif worst is None: mask = None
+        else: mask = ~torch.zeros_like(layer.positions, dtype=torch.bool).scatter(-1, worst, True)[:, :, None]
         return dense_attention(q, k, v, mask, ctx.scale, ctx.dropout)
 
     def prefill(self, q, k, v, ctx):
-        if isinstance(ctx.cache_layer, EvictingLayer): ctx.cache_layer.kvpop_masked = True  # the dispatcher masks chunks itself
+        # the dispatcher masks chunks itself
+        if isinstance(ctx.cache_layer, EvictingLayer): ctx.cache_layer.kvpop_masked = True
         return super().prefill(q, k, v, ctx)
 
 
@@ -341,7 +357,7 @@ class KVpopPolicy(DensePolicy):
 # %%
 #| export
 class KVpopCache(EvictingCache):
-    "A bounded KVpop cache (use inside `sparsekv.hf.patch`): per KV head s sinks, w recent and k long-range entries, in `KVpopLayer`s."
+    "A bounded KVpop cache (inside `sparsekv.hf.patch`): per KV head s sinks, w recent, k long-range entries."
 
     def __init__(self, scorers: KVpopScorers, sink: int, window: int, k: int):
         super().__init__(KVpopRule(scorers, sink, window, k))
@@ -362,7 +378,7 @@ class KVpopCache(EvictingCache):
 # %%
 #| export
 class KVpopMaskPolicy(MaskPolicy):
-    "Teacher-forced KVpop: each layer masks its attention with `kvpop_mask` from its scorers' priorities on the whole sequence."
+    "Teacher-forced KVpop: each layer masks attention by `kvpop_mask` of its scorers' priorities on the sequence."
 
     def __init__(self, scorers: KVpopScorers, sink: int, window: int, k: int):
         self.k, self.sink, self.window = check_budget(k, sink, window)
@@ -492,7 +508,8 @@ with torch.no_grad(), patch(model, KVpopMaskPolicy(ms, s, w, kk)):
     for _ in range(10): seq = torch.cat([seq, model(seq).logits[:, -1:].argmax(-1)], 1)
 test_eq(out, seq)
 test_fail(lambda: KVpopRule(ms, s, w - 1, kk), contains="delays must be one value <= window")
-test_fail(lambda: chunked_prefill(model, ids[:, :4], 4, DensePolicy(), KVpopCache(ms, s, w, kk)), contains="only under KVpopPolicy")
+test_fail(lambda: chunked_prefill(model, ids[:, :4], 4, DensePolicy(), KVpopCache(ms, s, w, kk)),
+          contains="only under KVpopPolicy")
 
 # %%
 test_fail(lambda: KVpopCache(scorers, 0, 3, 0), contains="k must be an int >= 1")
@@ -511,7 +528,7 @@ test_fail(lambda: KVpopRule(object(), 1, 2, 4), contains="scorers must be a KVpo
 #| export
 def kvpop_visible_reference(positions: Tensor, scores: Tensor, query_positions: Tensor, sink: int, window: int, k: int,
                             pending_from: int) -> Tensor:
-    "Boolean [B,H,Sq,N]: sinks, window, pending entries (t >= pending_from) and the k best eligible by a stable sort, per query."
+    "Boolean [B,H,Sq,N]: sinks, window, pending (t >= pending_from), the k best eligible by a stable sort, per query."
     t, p = positions[:, :, None, :], query_positions[:, None]
     pending = t >= pending_from
     eligible = (t >= sink) & (p - t >= window) & ~pending
@@ -592,5 +609,6 @@ hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_head
 with torch.no_grad(): dyn = model(ids, use_cache=True).past_key_values
 test_eq(cache_nbytes(dyn), 2 * cfg.num_hidden_layers * 2 * S * cfg.num_key_value_heads * hd * 8)
 slot = 2 * hd * 8 + 8 + 4  # keys and values in float64, an int64 position and a float32 priority
-test_eq(cache_nbytes(fast_cache) - sum(cache_nbytes(SimpleNamespace(layers=[l.kvpop_readout])) for l in fast_cache.layers),
+readout_bytes = sum(cache_nbytes(SimpleNamespace(layers=[l.kvpop_readout])) for l in fast_cache.layers)
+test_eq(cache_nbytes(fast_cache) - readout_bytes,
         cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (s + w + kk + 1) * slot)

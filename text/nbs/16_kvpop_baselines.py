@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Training-free eviction baselines
 #
-# > StreamingLLM, TOVA and H2O as `EvictionRule`s with KVpop's budget interface (sinks, window, k long-range slots), and the policy that feeds attention-based rules the current attention.
+# > StreamingLLM, TOVA and H2O as `EvictionRule`s with KVpop's budget interface, and the policy that feeds them.
 
 # %%
 #| default_exp kvpop.baselines
@@ -22,7 +22,6 @@ from sparsekv.hf import DensePolicy, MaskPolicy, Method, heads_mask, patch
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
-from sparsekv.hf import chunked_prefill
 from sparsekv.models import load_model
 
 # %% [markdown]
@@ -64,7 +63,8 @@ class AttentionScoreRule(TopScoreRule):
         self.heads = heads
 
     def visible(self, layer, query_positions):
-        if query_positions.shape[0] > 1: return EvictionRule.visible(self, layer, query_positions)  # a chunk: dense, evict after it
+        # a chunk: dense, evict after it
+        if query_positions.shape[0] > 1: return EvictionRule.visible(self, layer, query_positions)
         return super().visible(layer, query_positions)
 
     def observe(self, layer: EvictingLayer, probs: Tensor) -> None:
@@ -101,7 +101,7 @@ def streaming_llm_rule(sink: int, window: int, k: int) -> SinkWindowRule:
 # %%
 #| export
 def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    "Softmax probabilities [B,Hq,Sq,N] of queries q [B,Hq,Sq,D] over keys k [B,Hkv,N,D]; `mask` boolean (True = attend) or None."
+    "Softmax probabilities [B,Hq,Sq,N] of q [B,Hq,Sq,D] over k [B,Hkv,N,D]; `mask` boolean (True = attend) or None."
     G = q.shape[1] // k.shape[1]
     logits = (q @ k.repeat_interleave(G, 1).transpose(-1, -2)).float() * scale
     if mask is not None: logits = logits.masked_fill(~heads_mask(mask, q.shape[1]), float("-inf"))
@@ -109,7 +109,7 @@ def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> 
 
 
 def reduce_heads(probs: Tensor, n_kv_heads: int, heads: str = "group") -> Tensor:
-    "Per-KV-head attention [B,Hkv,Sq,N] from [B,Hq,Sq,N]: mean over each group ('group') or over all query heads ('all')."
+    "Per-KV-head attention [B,Hkv,Sq,N] from [B,Hq,Sq,N]: mean per group ('group') or over all heads ('all')."
     if heads not in HEAD_REDUCTIONS: raise ValueError(f"heads must be one of {HEAD_REDUCTIONS}, got {heads!r}")
     B, Hq, Sq, N = probs.shape
     if heads == "all": return probs.mean(1, keepdim=True).expand(B, n_kv_heads, Sq, N)
@@ -135,7 +135,8 @@ assert_close(reduce_heads(p, 3, "all")[:, 2], p.mean(1))
 q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8)
 m = torch.rand(1, 2, 2, 5) > 0.3
 m[..., 0] = True
-ref = torch.stack([torch.softmax((q[0, h] @ k[0, h // 2].T * 0.3).masked_fill(~m[0, h // 2], -torch.inf), -1) for h in range(4)])[None]
+ref = torch.stack([torch.softmax((q[0, h] @ k[0, h // 2].T * 0.3).masked_fill(~m[0, h // 2], -torch.inf), -1)
+                   for h in range(4)])[None]
 assert_close(attention_probs(q, k, m, 0.3), ref)
 test_fail(lambda: reduce_heads(p, 2, "max"), contains="heads must be one of")
 
@@ -155,25 +156,29 @@ test_fail(lambda: reduce_heads(p, 2, "max"), contains="heads must be one of")
 # %%
 #| export
 def split_budget(budget: int, sink: int | None = None, window: int | None = None) -> tuple[int, int, int]:
-    "(sink, window, k) with s + w + k = `budget`; defaults s = 4 and w = round(256 B / 4356) >= 1 (KVpop's w = 256 at B = 4 + 256 + 4096)."
+    "(sink, window, k), s + w + k = `budget`; default s = 4, w = round(256 B / 4356) >= 1 (KVpop: w = 256 at B = 4356)."
     B = Method.check_budget(budget)
     if window is None: window = min(B, max(1, round(256 * B / 4356)))
     if sink is None: sink = min(4, B - window)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1: raise ValueError(f"window must be an int >= 1, got {window!r}")
-    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0: raise ValueError(f"sink must be an int >= 0, got {sink!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+        raise ValueError(f"sink must be an int >= 0, got {sink!r}")
     if sink + window > B: raise ValueError(f"budget={B} must cover sink + window = {sink} + {window}")
     return sink, window, B - sink - window
 
 
 class EvictionMethod(Method):
-    "Evict while reading: an `EvictingCache` of `rule()` under `policy()` keeps `budget` = sink + window + k entries per KV head."
+    "Evict while reading: an `EvictingCache` of `rule()` under `policy()` keeps sink + window + k entries per KV head."
     family = "eviction"
 
     def __init__(self, budget: int, sink: int | None = None, window: int | None = None, chunk_size: int | None = None):
         super().__init__(budget)
         self.sink, self.window, self.k = split_budget(self.budget, sink, window)
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be None (the whole prompt in one call) or an int >= 1, got {chunk_size!r}")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                       or chunk_size < 1):
+            raise ValueError("chunk_size must be None (the whole prompt in one call) or an int >= 1, got "
+                             f"{chunk_size!r}")
         self.chunk_size = chunk_size
 
     def rule(self) -> EvictionRule:
@@ -193,7 +198,7 @@ class StreamingLLM(EvictionMethod):
 
 
 class TOVA(EvictionMethod):
-    "TOVA (Oren et al.): the k older entries with the most attention from the latest query; `heads` 'group' or 'all' (the original)."
+    "TOVA (Oren et al.): the k older entries most attended by the latest query; `heads` 'group' or 'all' (original)."
     name = "tova"
     rule_class = TOVARule
 
@@ -250,21 +255,22 @@ def _baseline(name, sink, window, k, heads="group"):
 # %%
 #| export
 class RowsPolicy(MaskPolicy):
-    "Row r of layer l, KV head h sees the positions `rows[l][h][r]`; records the last row's probabilities per layer and query head."
+    "Row r of layer l, KV head h sees positions `rows[l][h][r]`; records the last row's probabilities per query head."
     def __init__(self, rows): self.rows, self.probs = rows, {}
 
     def mask(self, q, k, v, ctx):
         S, rows = k.shape[2], self.rows[ctx.layer_idx]
         m = torch.tensor([[[t in rows[h][r] for t in range(S)] for r in range(S)] for h in range(len(rows))])[None]
         G = q.shape[1] // k.shape[1]
-        logits = torch.einsum("jd,jsd->js", q[0, :, -1], k[0].repeat_interleave(G, 0)) * ctx.scale  # explicit, not attention_probs
+        # explicit, not attention_probs
+        logits = torch.einsum("jd,jsd->js", q[0, :, -1], k[0].repeat_interleave(G, 0)) * ctx.scale
         self.probs[ctx.layer_idx] = [torch.softmax(logits[j].masked_fill(~m[0, j // G, -1], -torch.inf), -1)
                                      for j in range(q.shape[1])]
         return m
 
 
 def eviction_reference(model, ids, kind: str, sink: int, window: int, k: int, heads: str = "group"):
-    "Brute-force StreamingLLM/TOVA/H2O on a batch of one: per-step logits `[1,S,V]` and the kept positions per layer and KV head."
+    "Brute-force StreamingLLM/TOVA/H2O on one sequence: step logits `[1,S,V]`, kept positions per layer and KV head."
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
     Hq, S = model.config.num_attention_heads, ids.shape[1]
     G = Hq // H
@@ -335,6 +341,7 @@ for name in ("streaming_llm", "tova", "h2o"):
     assert_close(_decode(model, ids, *_baseline(name, 2, 4, 20))[0], dense)
     rule, pol = _baseline(name, 1, 2, 3)
     with torch.no_grad(), patch(model, pol):
-        out = model.generate(ids[:, :6], attention_mask=torch.ones_like(ids[:, :6]), past_key_values=EvictingCache(rule),
+        out = model.generate(ids[:, :6], attention_mask=torch.ones_like(ids[:, :6]),
+                             past_key_values=EvictingCache(rule),
                              max_new_tokens=8, do_sample=False)
     test_eq(out.shape, (1, 14))

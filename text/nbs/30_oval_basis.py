@@ -1,7 +1,7 @@
 # %% [markdown]
 # # OVAL: theory and the output-aware page basis
 #
-# > Why a page summary should preserve the key directions that move the attention *output* (OVAL §3, App. A), every identity checked numerically, and the batched page basis (§3.3, App. D.3) with its page score.
+# > Why a page summary should preserve the key directions that move the attention *output* (OVAL §3, App. A).
 
 # %%
 #| default_exp oval.basis
@@ -85,26 +85,32 @@ def _check_tensor(x, name: str) -> None:
     if not x.is_floating_point(): raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
 def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
-    "Validate a batch of pages K [..., m, d], V [..., m, dv] and a metric G [..., dv, dv] broadcastable to their leading dims (or None)."
+    "Check pages K [..., m, d], V [..., m, dv] and a metric G [..., dv, dv] broadcastable to their batch (or None)."
     _check_tensor(K, "K"); _check_tensor(V, "V")
-    if K.dim() < 2 or K.shape[-2] < 1 or K.shape[-1] < 1: raise ValueError(f"K must be [..., m, d] with m, d >= 1, got shape {tuple(K.shape)}")
+    if K.dim() < 2 or K.shape[-2] < 1 or K.shape[-1] < 1:
+        raise ValueError(f"K must be [..., m, d] with m, d >= 1, got shape {tuple(K.shape)}")
     if V.dim() != K.dim() or V.shape[:-1] != K.shape[:-1] or V.shape[-1] < 1:
-        raise ValueError(f"V must be [..., m, dv] with the leading dims and m of K {tuple(K.shape[:-1])}, got shape {tuple(V.shape)}")
+        raise ValueError(f"V must be [..., m, dv] with the leading dims and m of K {tuple(K.shape[:-1])}, got shape "
+                         f"{tuple(V.shape)}")
     if V.device != K.device: raise ValueError(f"V must be on K's device {K.device}, got {V.device}")
     if G is None: return
     _check_tensor(G, "G")
     dv = V.shape[-1]
-    if G.dim() < 2 or G.shape[-2:] != (dv, dv): raise ValueError(f"G must be [..., dv, dv] with dv = {dv}, got shape {tuple(G.shape)}")
+    if G.dim() < 2 or G.shape[-2:] != (dv, dv):
+        raise ValueError(f"G must be [..., dv, dv] with dv = {dv}, got shape {tuple(G.shape)}")
     try: lead = torch.broadcast_shapes(G.shape[:-2], K.shape[:-2])
     except RuntimeError: lead = None
-    if lead != K.shape[:-2]: raise ValueError(f"G's leading dims {tuple(G.shape[:-2])} must broadcast to the pages' {tuple(K.shape[:-2])}")
+    if lead != K.shape[:-2]:
+        raise ValueError(f"G's leading dims {tuple(G.shape[:-2])} must broadcast to the pages' {tuple(K.shape[:-2])}")
     if G.device != K.device: raise ValueError(f"G must be on K's device {K.device}, got {G.device}")
 
 def _check_rank(rank) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1: raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
 
 def _check_eta(eta) -> None:
-    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1: raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
+        raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
 
 
 # %%
@@ -405,11 +411,12 @@ assert abs(slope - 1) < 0.05 and gaps[0] < 1e-3 * lin.norm()
 def _trace(M: Tensor) -> Tensor: return M.diagonal(dim1=-2, dim2=-1).sum(-1)
 
 def page_risks(K: Tensor, V: Tensor, B: Tensor, G: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    "Trace forms (§3.1) of R_key(B) = tr(J X^T X J)/d and R_out(B) = tr(J M_out J)/(m^2 d), J = I - BB^T, G = I if None: each [...]."
+    "Trace forms (§3.1) R_key(B) = tr(J X^T X J)/d, R_out(B) = tr(J M_out J)/(m^2 d), J = I - BB^T (G = I if None)."
     check_page(K, V, G)
     _check_tensor(B, "B")
     m, d = K.shape[-2:]
-    if B.dim() < 2 or B.shape[-2] != d: raise ValueError(f"B must be [..., d, r] with d = {d}, got shape {tuple(B.shape)}")
+    if B.dim() < 2 or B.shape[-2] != d:
+        raise ValueError(f"B must be [..., d, r] with d = {d}, got shape {tuple(B.shape)}")
     _, X = centre_page(K)
     _, Y = centre_page(V)
     XJ = X - (X @ B) @ B.mT                                 # X (I - P_B)
@@ -565,7 +572,8 @@ assert_close(X2.T @ X2, torch.diag(torch.tensor([s1**2, s2**2], dtype=torch.floa
 assert_close(X2.T @ Y2 @ Y2.T @ X2, torch.diag(torch.tensor([0.0, s2**2], dtype=torch.float64)), atol=1e-15, rtol=0)
 for Bk, key_risk, out_risk in [(e1, s2**2 / 2, s2**2 / (m2**2 * 2)), (e2, s1**2 / 2, 0.0)]:
     rk, ro = page_risks(K2, V2, Bk, G2)
-    assert_close(rk, torch.tensor(key_risk, dtype=torch.float64)); assert_close(ro, torch.tensor(out_risk, dtype=torch.float64), atol=1e-15, rtol=0)
+    assert_close(rk, torch.tensor(key_risk, dtype=torch.float64))
+    assert_close(ro, torch.tensor(out_risk, dtype=torch.float64), atol=1e-15, rtol=0)
 
 q2 = torch.randn(20_000, 2, dtype=torch.float64)
 def errors_2d(Bk, t):
@@ -577,7 +585,8 @@ def errors_2d(Bk, t):
 
 for t in (0.01, 0.1, 1.0):
     (mk, ok), (mo, oo) = errors_2d(e1, t), errors_2d(e2, t)
-    print(f"t={t:<5} log-mass error / output error:  key PCA (keep e1) {mk:.2e} / {ok:.2e}   output basis (keep e2) {mo:.2e} / {oo:.2e}")
+    print(f"t={t:<5} log-mass error / output error:  key PCA (keep e1) {mk:.2e} / {ok:.2e}   "
+          f"output basis (keep e2) {mo:.2e} / {oo:.2e}")
     assert oo < ok and mo > mk                                                # better output, worse page mass
 ts = torch.tensor([0.005, 0.01, 0.02, 0.04], dtype=torch.float64)
 slope_e1 = loglog_slope(ts, torch.tensor([errors_2d(e1, t)[1] for t in ts]))
@@ -627,7 +636,7 @@ EPS_TRACE = 1e-30   # App. D.3: traces (and mean diagonals) are clamped here
 EPS_SIGMA = 1e-10   # App. D.3: singular values are clamped here before dividing by them
 
 def hybrid_metric(K: Tensor, V: Tensor, G: Tensor | None = None, eta: float = 0.5) -> Tensor:
-    "M_eta = (1-eta) c_key X^T X + eta c_out X^T Y G Y^T X with c = 1/max(trace, 1e-30) (§3.2), directly in d x d: [..., d, d]."
+    "M_eta = (1-eta) c_key X^T X + eta c_out X^T Y G Y^T X, c = 1/max(trace, 1e-30) (§3.2), in d x d: [..., d, d]."
     check_page(K, V, G)
     _check_eta(eta)
     _, X = centre_page(K)
@@ -861,7 +870,8 @@ def _psd_sqrt(A: Tensor) -> Tensor:
     return (U * lam.clamp_min(0).sqrt().unsqueeze(-2)) @ U.mT
 
 def _gram_right_singular(C: Tensor, r: int) -> tuple[Tensor, Tensor]:
-    "Top-r right singular vectors of C [..., m, d] via the m x m Gram matrix C C^T ([..., d, r], zero beyond the numerical rank) and which are kept [..., r]."
+    """Top-r right singular vectors of C [..., m, d] via the m x m Gram matrix C C^T ([..., d, r], zero beyond the
+    numerical rank) and which are kept [..., r]."""
     gram = C @ C.mT
     s = _mean_diag(gram).clamp_min(EPS_TRACE)
     lam, U = torch.linalg.eigh(gram / s[..., None, None])
@@ -872,7 +882,7 @@ def _gram_right_singular(C: Tensor, r: int) -> tuple[Tensor, Tensor]:
     return cols * keep.unsqueeze(-2), keep
 
 def _orthonormalize(cols: Tensor, keep: Tensor, r: int) -> Tensor:
-    "r orthonormal columns spanning the kept columns of cols [..., d, n] (in order), completed arbitrarily (Householder QR)."
+    "r orthonormal columns spanning the kept columns of cols [..., d, n] (in order), completed by Householder QR."
     order = torch.argsort((~keep).to(torch.int64), dim=-1, stable=True)       # kept columns first
     cols = cols.gather(-1, order.unsqueeze(-2).expand_as(cols))
     Q, Rq = torch.linalg.qr(cols)
@@ -883,7 +893,7 @@ def _orthonormalize(cols: Tensor, keep: Tensor, r: int) -> Tensor:
 # %%
 #| export
 def _gram_basis(X: Tensor, Y: Tensor, G: Tensor | None, r: int, eta: float) -> Tensor:
-    "The Gram-domain construction of §3.3 / App. D.3 on centred X [..., m, d], Y [..., m, dv]: orthonormal B [..., d, r], r >= 1."
+    "The Gram-domain construction (§3.3, App. D.3) on centred X [..., m, d], Y [..., m, dv]: orthonormal B [..., d, r]."
     m = X.shape[-2]
     YG = Y if G is None else Y @ G
     T = _unit_mean_diag(X @ X.mT)
@@ -894,7 +904,8 @@ def _gram_basis(X: Tensor, Y: Tensor, G: Tensor | None, r: int, eta: float) -> T
     A = _unit_mean_diag((1 - eta) * c_key[..., None, None] * eye + eta * c_out[..., None, None] * W)
     C = _psd_sqrt(A) @ X                                                      # C^T C = M_eta (up to a factor)
     cols, keep = _gram_right_singular(C, r)
-    if not bool(keep.all()):                                                  # rank C < r: complete with key PCA of the rest
+    # rank C < r: complete with key PCA of the rest
+    if not bool(keep.all()):
         D, keep_d = _gram_right_singular(X - (X @ cols) @ cols.mT, r)
         cols, keep = torch.cat([cols, D], -1), torch.cat([keep, keep_d], -1)
     return _orthonormalize(cols, keep, r)
@@ -902,8 +913,10 @@ def _gram_basis(X: Tensor, Y: Tensor, G: Tensor | None, r: int, eta: float) -> T
 
 # %%
 #| export
-def page_basis(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8, eta: float = 0.5) -> tuple[Tensor, Tensor, Tensor]:
-    "OVAL page summary (§3.3, App. D.3): mu [..., d], orthonormal B [..., d, r] (top eigenspace of M_eta) and R = X B [..., m, r], r = min(rank, m-1, d), in K's dtype."
+def page_basis(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8,
+               eta: float = 0.5) -> tuple[Tensor, Tensor, Tensor]:
+    """OVAL page summary (§3.3, App. D.3): mu [..., d], orthonormal B [..., d, r] (top eigenspace of M_eta) and
+    R = X B [..., m, r], r = min(rank, m-1, d), in K's dtype."""
     check_page(K, V, G)
     _check_rank(rank); _check_eta(eta)
     m, d = K.shape[-2:]
@@ -927,7 +940,8 @@ def page_basis(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8, eta
 
 # %%
 #| export
-def page_basis_reference(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8, eta: float = 0.5) -> tuple[Tensor, Tensor, Tensor]:
+def page_basis_reference(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8,
+                         eta: float = 0.5) -> tuple[Tensor, Tensor, Tensor]:
     "page_basis by the direct d x d eigenproblem of M_eta (torch.linalg.eigh), float64: (mu, B, R)."
     check_page(K, V, G)
     _check_rank(rank); _check_eta(eta)
@@ -940,7 +954,7 @@ def page_basis_reference(K: Tensor, V: Tensor, G: Tensor | None = None, rank: in
     return mu, B, X @ B
 
 def subspace_distance(B1: Tensor, B2: Tensor) -> Tensor:
-    "||B1 B1^T - B2 B2^T||_2 for orthonormal B1, B2 [..., d, r]: the sine of the largest principal angle between their spans, [...]."
+    "||B1 B1^T - B2 B2^T||_2 for orthonormal B1, B2 [..., d, r]: sine of the largest principal angle of their spans."
     if B1.shape[-2] != B2.shape[-2] or B1.shape[-1] != B2.shape[-1]:
         raise ValueError(f"B1 and B2 must both be [..., d, r], got {tuple(B1.shape)} and {tuple(B2.shape)}")
     with _one_cpu_thread(B1.device):
@@ -956,7 +970,8 @@ def subspace_distance(B1: Tensor, B2: Tensor) -> Tensor:
 
 # %%
 torch.manual_seed(6)
-Kb = torch.randn(5, 3, 32, 64, dtype=torch.float64) * torch.logspace(0, -1, 64, dtype=torch.float64) + torch.randn(64, dtype=torch.float64)
+Kb = (torch.randn(5, 3, 32, 64, dtype=torch.float64) * torch.logspace(0, -1, 64, dtype=torch.float64)
+      + torch.randn(64, dtype=torch.float64))
 Vb = torch.randn(5, 3, 32, 64, dtype=torch.float64)
 Gb = (lambda A: A.mT @ A / 64)(torch.randn(3, 64, 64, dtype=torch.float64))   # one metric per KV head
 for eta in etas:
@@ -978,7 +993,8 @@ assert subspace_distance(page_basis(Kb, Vb, Gb, rank=8, eta=0.0)[1], pca).max() 
 cosines = torch.linalg.svdvals(B_.mT @ B_ref)
 assert_close(dist, (1 - cosines.min(-1).values ** 2).clamp_min(0).sqrt(), atol=1e-7, rtol=0)
 B_far = random_stiefel(64, 8)
-assert_close(subspace_distance(B_far, B_ref[0, 0]), (1 - torch.linalg.svdvals(B_far.mT @ B_ref[0, 0]).min() ** 2).sqrt())
+assert_close(subspace_distance(B_far, B_ref[0, 0]),
+             (1 - torch.linalg.svdvals(B_far.mT @ B_ref[0, 0]).min() ** 2).sqrt())
 
 # %% [markdown]
 # Bad input gets a clear error; the rank cap, bf16 in/out and degenerate pages:
@@ -1001,7 +1017,8 @@ for Kd, Vd in [(Kb[..., :1, :], Vb[..., :1, :]),                                
     for eta in etas:
         out = page_basis(Kd.float(), Vd.float(), Gb.float(), rank=8, eta=eta)
         assert all(torch.isfinite(t).all() for t in out)
-        assert_close(out[1].mT @ out[1], torch.eye(out[1].shape[-1]).expand(*out[1].shape[:-2], -1, -1), atol=1e-5, rtol=0)
+        assert_close(out[1].mT @ out[1], torch.eye(out[1].shape[-1]).expand(*out[1].shape[:-2], -1, -1),
+                     atol=1e-5, rtol=0)
 # zero values at eta = 1: no output information, the completion falls back to key PCA
 assert subspace_distance(page_basis(Kb, torch.zeros_like(Vb), Gb, rank=8, eta=1.0)[1], pca).max() < 1e-10
 
@@ -1041,13 +1058,17 @@ for eta, want in ((0.0, e1), (0.25, e1), (0.4, e1), (0.5, e2), (0.75, e2), (1.0,
 # %%
 #| export
 def output_metric(o_proj_weight: Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> Tensor:
-    "G_h = sum over query heads j = h*G+g of W_{O,j}^T W_{O,j}, W_{O,j} = o_proj.weight[:, j*d:(j+1)*d] (§4): [Hkv, d, d], float32 (float64 for float64 weights)."
+    """G_h = sum over query heads j = h*G+g of W_{O,j}^T W_{O,j}, W_{O,j} = o_proj.weight[:, j*d:(j+1)*d] (§4):
+    [Hkv, d, d], float32 (float64 for float64 weights)."""
     _check_tensor(o_proj_weight, "o_proj_weight")
     for name, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if num_heads % num_kv_heads: raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if o_proj_weight.dim() != 2 or o_proj_weight.shape[1] != num_heads * head_dim:
-        raise ValueError(f"o_proj_weight must be [hidden, num_heads * head_dim = {num_heads * head_dim}], got shape {tuple(o_proj_weight.shape)}")
+        raise ValueError(f"o_proj_weight must be [hidden, num_heads * head_dim = {num_heads * head_dim}], got shape "
+                         f"{tuple(o_proj_weight.shape)}")
     W = o_proj_weight.to(_work_dtype(o_proj_weight)).reshape(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
     return torch.einsum("ohgi,ohgj->hij", W, W)
 
@@ -1105,7 +1126,8 @@ def _scale(scale: float | None, d: int) -> float:
     return float(scale)
 
 def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None = None) -> Tensor:
-    "Page score logsumexp_t((R_t . B^T q + mu . q) * scale) from the summary (§3.3): q [..., d], mu [..., d], B [..., d, r], R [..., m, r] broadcast -> [...]."
+    """Page score logsumexp_t((R_t . B^T q + mu . q) * scale) from the summary (§3.3): q [..., d], mu [..., d],
+    B [..., d, r], R [..., m, r] broadcast -> [...]."""
     for name, x in (("q", q), ("mu", mu), ("B", B), ("R", R)): _check_tensor(x, name)
     d = q.shape[-1]
     if mu.shape[-1] != d or B.dim() < 2 or B.shape[-2] != d or R.dim() < 2 or R.shape[-1] != B.shape[-1]:
@@ -1119,9 +1141,10 @@ def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None 
     return torch.logsumexp(logits * c, -1) + (mu * q).sum(-1) * c
 
 def page_lse_exact(q: Tensor, K: Tensor, scale: float | None = None) -> Tensor:
-    "Exact page log-mass logsumexp_t(k_t . q * scale) from the original keys: q [..., d], K [..., m, d] broadcast -> [...]."
+    "Exact page log-mass logsumexp_t(k_t . q * scale) of the keys: q [..., d], K [..., m, d] broadcast -> [...]."
     _check_tensor(q, "q"); _check_tensor(K, "K")
-    if K.dim() < 2 or K.shape[-1] != q.shape[-1]: raise ValueError(f"need q [..., d] and K [..., m, d] with one d, got {tuple(q.shape)} and {tuple(K.shape)}")
+    if K.dim() < 2 or K.shape[-1] != q.shape[-1]:
+        raise ValueError(f"need q [..., d] and K [..., m, d] with one d, got {tuple(q.shape)} and {tuple(K.shape)}")
     wd = _work_dtype(q, K)
     logits = (K.to(wd) @ q.to(wd).unsqueeze(-1)).squeeze(-1)
     return torch.logsumexp(logits * _scale(scale, q.shape[-1]), -1)
@@ -1150,8 +1173,8 @@ mu_, B_, R_ = page_basis(Kb.transpose(0, 1), Vb.transpose(0, 1), Gb[:, None], ra
 qg = torch.randn(3, 4, 1, 64, dtype=torch.float64)
 sc = page_score(qg, mu_[:, None], B_[:, None], R_[:, None])
 test_eq(sc.shape, (3, 4, 5))
-loop = torch.tensor([[[float(page_score(qg[h, g, 0], mu_[h, p], B_[h, p], R_[h, p])) for p in range(5)] for g in range(4)] for h in range(3)],
-                    dtype=torch.float64)
+loop = torch.tensor([[[float(page_score(qg[h, g, 0], mu_[h, p], B_[h, p], R_[h, p])) for p in range(5)]
+                      for g in range(4)] for h in range(3)], dtype=torch.float64)
 assert_close(sc, loop)
 test_fail(lambda: page_score(qg, mu_[:, None], B_[:, None], R_[:, None, :, :, :4]), contains="need q")
 test_fail(lambda: page_lse_exact(qg, Kb[..., :8]), contains="need q")

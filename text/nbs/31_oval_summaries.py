@@ -1,7 +1,7 @@
 # %% [markdown]
 # # OVAL page summaries
 #
-# > The page summaries the OVAL paper compares (Quest, ArkVale, key PCA, OVAL, the oracle) as `PageSummary` classes: the per-page tensors of a cache, the page score, the packed decode layout and the storage per page.
+# > The page summaries OVAL compares (Quest, ArkVale, key PCA, OVAL, the oracle) as `PageSummary` classes.
 
 # %%
 #| default_exp oval.summaries

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Evaluation metrics and the evaluation grid
 #
-# > Metrics shared by every method (agreement and KL to the dense teacher, perplexity, attention-mass recall, output error, retention recall, pass@k) and a resumable grid runner.
+# > Metrics shared by every method (agreement, KL, perplexity, recalls, output error, pass@k) and a grid runner.
 
 # %%
 #| default_exp eval
@@ -79,13 +79,15 @@ def _check_float(x, name: str, min_dim: int = 1) -> torch.Tensor:
 def _check_pair(student, teacher, names=("student_logits", "teacher_logits"), min_dim: int = 2):
     _check_float(student, names[0], min_dim), _check_float(teacher, names[1], min_dim)
     if student.shape != teacher.shape:
-        raise ValueError(f"{names[0]} {tuple(student.shape)} and {names[1]} {tuple(teacher.shape)} must have the same shape")
+        raise ValueError(f"{names[0]} {tuple(student.shape)} and {names[1]} {tuple(teacher.shape)} must have the same "
+                         "shape")
 
 def _check_positions(mask, shape, name: str = "mask"):
     "Validate an optional boolean mask of valid positions of the given shape."
     if mask is None: return None
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise TypeError(f"{name} must be a boolean tensor of shape {tuple(shape)} or None, got {getattr(mask, 'dtype', type(mask).__name__)}")
+        raise TypeError(f"{name} must be a boolean tensor of shape {tuple(shape)} or None, got "
+                        f"{getattr(mask, 'dtype', type(mask).__name__)}")
     if mask.shape != shape: raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(mask.shape)}")
     if not mask.any(): raise ValueError(f"{name} selects no position")
     return mask
@@ -105,7 +107,7 @@ def _masked_mean(x: torch.Tensor, mask) -> torch.Tensor:
 _ROWS = 512
 
 def _rowwise(fn: Callable, *xs: torch.Tensor) -> torch.Tensor:
-    "Apply `fn` to blocks of `_ROWS` rows of `xs` (leading dims of `xs[0]` flattened); one value per row, shaped like those dims."
+    "Apply `fn` to blocks of `_ROWS` rows of `xs` (leading dims of `xs[0]` flattened): a value per row, in those dims."
     lead = xs[0].shape[:-1]
     flat = [x.reshape(-1, *x.shape[len(lead):]) for x in xs]
     out = [fn(*(f[i:i + _ROWS] for f in flat)) for i in range(0, flat[0].shape[0], _ROWS)]
@@ -122,7 +124,8 @@ def _rowwise(fn: Callable, *xs: torch.Tensor) -> torch.Tensor:
 
 # %%
 #| export
-def top1_agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def top1_agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
     "Fraction of valid positions where the student's and the teacher's most likely next tokens agree."
     _check_pair(student_logits, teacher_logits)
     mask = _check_positions(mask, teacher_logits.shape[:-1])
@@ -131,7 +134,8 @@ def top1_agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor, m
 
 def top1_agreement_reference(student_logits, teacher_logits, mask=None) -> float:
     "Brute-force `top1_agreement`: a Python loop over positions."
-    s, t = student_logits.reshape(-1, student_logits.shape[-1]).tolist(), teacher_logits.reshape(-1, teacher_logits.shape[-1]).tolist()
+    s = student_logits.reshape(-1, student_logits.shape[-1]).tolist()
+    t = teacher_logits.reshape(-1, teacher_logits.shape[-1]).tolist()
     m = [True] * len(s) if mask is None else mask.reshape(-1).tolist()
     hits = [s_.index(max(s_)) == t_.index(max(t_)) for s_, t_, ok in zip(s, t, m) if ok]
     return sum(hits) / len(hits)
@@ -209,7 +213,7 @@ def _topk_kl_rows(s: torch.Tensor, t: torch.Tensor, k: int, renormalize_student:
 
 def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: int | None = None,
              renormalize_student: bool = True) -> torch.Tensor:
-    "Per-position KL(teacher || student) from logits `[..., V]`, on all tokens or on the teacher's `top_k` (renormalized)."
+    "Per-position KL(teacher || student) of logits `[..., V]`, on all tokens or the teacher's `top_k` (renormalized)."
     _check_pair(student_logits, teacher_logits)
     if top_k is None: return _rowwise(_kl_rows, student_logits, teacher_logits)
     k = check_int(top_k, "top_k", 1, teacher_logits.shape[-1])
@@ -309,28 +313,35 @@ def _shifted(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, shif
     if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got {getattr(labels, 'dtype', type(labels).__name__)}")
     if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}")
+        raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got "
+                         f"{tuple(labels.shape)}")
     V = logits.shape[-1]
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
-    if bad.any(): raise ValueError(f"labels must be in [0, {V}) or ignore_index={ignore_index}, got {labels[bad][0].item()}")
+    if bad.any():
+        raise ValueError(f"labels must be in [0, {V}) or ignore_index={ignore_index}, got {labels[bad][0].item()}")
     if shift:
-        if logits.shape[-2] < 2: raise ValueError(f"shift=True needs at least 2 positions, got logits of shape {tuple(logits.shape)}")
+        if logits.shape[-2] < 2:
+            raise ValueError(f"shift=True needs at least 2 positions, got logits of shape {tuple(logits.shape)}")
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     return logits, labels, labels != ignore_index
 
-def token_nll(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    "Per-position negative log-likelihood of the (next-token) labels, 0 where not scored, and the mask of scored positions."
+def token_nll(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+              shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    "Per-position negative log-likelihood of the (next-token) labels, 0 where not scored, and the scored mask."
     logits, labels, valid = _shifted(logits, labels, ignore_index, shift)
-    nll = _rowwise(lambda z, y: F.cross_entropy(_f32(z), y, ignore_index=ignore_index, reduction="none"), logits, labels)
+    nll = _rowwise(lambda z, y: F.cross_entropy(_f32(z), y, ignore_index=ignore_index, reduction="none"),
+                   logits, labels)
     return nll, valid
 
-def perplexity(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, shift: bool = True) -> torch.Tensor:
+def perplexity(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+               shift: bool = True) -> torch.Tensor:
     "exp of the mean next-token negative log-likelihood over the scored positions."
     nll, valid = token_nll(logits, labels, ignore_index, shift)
     if not valid.any(): raise ValueError(f"labels has no position to score (all equal ignore_index={ignore_index})")
     return (nll.sum() / valid.sum()).exp()
 
-def token_accuracy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, shift: bool = True) -> torch.Tensor:
+def token_accuracy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                   shift: bool = True) -> torch.Tensor:
     "Fraction of scored positions where the most likely (next) token equals the label."
     logits, labels, valid = _shifted(logits, labels, ignore_index, shift)
     if not valid.any(): raise ValueError(f"labels has no position to score (all equal ignore_index={ignore_index})")
@@ -353,12 +364,14 @@ y[0, 3] = y[1, 0] = y[1, 7] = -100
 test_close(perplexity(z, y).log().item(), math.log(perplexity_reference(z, y)), eps=1e-5)
 test_close(perplexity(z, y, shift=False).log().item(), math.log(perplexity_reference(z, y, shift=False)), eps=1e-5)
 # independent check with torch's own mean cross-entropy on explicitly shifted tensors
-test_close(perplexity(z, y).log().item(), F.cross_entropy(z[:, :-1].reshape(-1, 13), y[:, 1:].reshape(-1)).item(), eps=1e-5)
+test_close(perplexity(z, y).log().item(), F.cross_entropy(z[:, :-1].reshape(-1, 13), y[:, 1:].reshape(-1)).item(),
+           eps=1e-5)
 nll, valid = token_nll(z, y)
 test_eq(valid, y[:, 1:] != -100)
 test_eq(nll[~valid], torch.zeros(int((~valid).sum())))
 pred, lab = z[:, :-1].argmax(-1), y[:, 1:]
-acc_ref = sum(int(p == l) for p, l in zip(pred.flatten().tolist(), lab.flatten().tolist()) if l != -100) / int((lab != -100).sum())
+acc_ref = (sum(int(p == l) for p, l in zip(pred.flatten().tolist(), lab.flatten().tolist()) if l != -100)
+           / int((lab != -100).sum()))
 test_close(token_accuracy(z, y).item(), acc_ref, eps=1e-6)
 # a model that puts all its mass on the right next token: perplexity 1, accuracy 1
 perfect = F.one_hot(y.roll(-1, 1).clamp_min(0), 13).float() * 100
@@ -408,35 +421,47 @@ test_fail(lambda: perplexity(z, y.float()), contains="labels must be an integer 
 def _check_qk(q, k, v=None) -> int:
     "Validate the attention layout; return the group size G = Hq / Hkv."
     _check_float(q, "q", 4), _check_float(k, "k", 4)
-    if q.dim() != 4 or k.dim() != 4: raise ValueError(f"q and k must be 4-D [B, H, S, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be 4-D [B, H, S, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     (B, Hq, _, D), (Bk, Hkv, _, Dk) = q.shape, k.shape
-    if (B, D) != (Bk, Dk): raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and head dim")
+    if (B, D) != (Bk, Dk):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and head dim")
     if Hq % Hkv: raise ValueError(f"the query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
     if v is not None:
         _check_float(v, "v", 4)
-        if v.shape[:3] != k.shape[:3]: raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)} in batch, heads and length")
+        if v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)} in batch, heads and length")
     return Hq // Hkv
 
 def _broadcast_mask(m: torch.Tensor, name: str, B: int, Hq: int, G: int, Sq: int, Sk: int) -> torch.Tensor:
     "A boolean mask made broadcastable to [B, Hq, Sq, Sk], expanding a KV-head dim to its query heads."
-    if m.dim() != 4: raise ValueError(f"{name} must be a 4-D boolean mask broadcastable to [B, Hq, Sq, Sk] = {[B, Hq, Sq, Sk]}, got shape {tuple(m.shape)}")
+    if m.dim() != 4:
+        raise ValueError(f"{name} must be a 4-D boolean mask broadcastable to [B, Hq, Sq, Sk] = {[B, Hq, Sq, Sk]}, "
+                         f"got shape {tuple(m.shape)}")
     if G > 1 and m.shape[1] == Hq // G: m = m.repeat_interleave(G, dim=1)
     try:
         ok = torch.broadcast_shapes(m.shape, (B, Hq, Sq, Sk)) == (B, Hq, Sq, Sk)
     except RuntimeError:
         ok = False
-    if not ok: raise ValueError(f"{name} of shape {tuple(m.shape)} is not broadcastable to [B, Hq, Sq, Sk] = {[B, Hq, Sq, Sk]}")
+    if not ok:
+        raise ValueError(f"{name} of shape {tuple(m.shape)} is not broadcastable to "
+                         f"[B, Hq, Sq, Sk] = {[B, Hq, Sq, Sk]}")
     return m
 
 def _keep_mask(keep, B: int, Hq: int, G: int, Sq: int, Sk: int) -> torch.Tensor:
     "The kept keys as a boolean mask broadcastable to [B, Hq, Sq, Sk], from a mask or from indices."
-    if not isinstance(keep, torch.Tensor): raise TypeError(f"keep must be a boolean mask or an integer index tensor, got {type(keep).__name__}")
+    if not isinstance(keep, torch.Tensor):
+        raise TypeError(f"keep must be a boolean mask or an integer index tensor, got {type(keep).__name__}")
     if keep.dtype == torch.bool: return _broadcast_mask(keep, "keep", B, Hq, G, Sq, Sk)
-    if keep.is_floating_point() or keep.is_complex(): raise TypeError(f"keep must be a boolean mask or an integer index tensor, got {keep.dtype}")
+    if keep.is_floating_point() or keep.is_complex():
+        raise TypeError(f"keep must be a boolean mask or an integer index tensor, got {keep.dtype}")
     Hkv = Hq // G
-    if keep.dim() not in (3, 4) or keep.shape[0] != B or keep.shape[1] not in (Hkv, Hq) or (keep.dim() == 4 and keep.shape[2] != Sq):
-        raise ValueError(f"keep indices must have shape [B, H, n] or [B, H, Sq, n] with B={B}, H in {{{Hkv}, {Hq}}}, Sq={Sq}; got {tuple(keep.shape)}")
-    if keep.numel() and (keep.min() < 0 or keep.max() >= Sk): raise ValueError(f"keep indices must be in [0, {Sk}), got [{keep.min().item()}, {keep.max().item()}]")
+    if (keep.dim() not in (3, 4) or keep.shape[0] != B or keep.shape[1] not in (Hkv, Hq)
+            or (keep.dim() == 4 and keep.shape[2] != Sq)):
+        raise ValueError(f"keep indices must have shape [B, H, n] or [B, H, Sq, n] with B={B}, H in {{{Hkv}, {Hq}}}, "
+                         f"Sq={Sq}; got {tuple(keep.shape)}")
+    if keep.numel() and (keep.min() < 0 or keep.max() >= Sk):
+        raise ValueError(f"keep indices must be in [0, {Sk}), got [{keep.min().item()}, {keep.max().item()}]")
     idx = keep if keep.dim() == 4 else keep[:, :, None]
     m = torch.zeros(*idx.shape[:3], Sk, dtype=torch.bool, device=keep.device).scatter_(-1, idx.long(), True)
     return m.repeat_interleave(G, dim=1) if m.shape[1] != Hq else m
@@ -447,14 +472,15 @@ def _allowed_mask(mask, B: int, Hq: int, G: int, Sq: int, Sk: int, device) -> to
         i, j = torch.arange(Sq, device=device)[:, None], torch.arange(Sk, device=device)
         return (j <= i + (Sk - Sq))[None, None]
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a boolean tensor (True = attend) or None, got {getattr(mask, 'dtype', type(mask).__name__)}")
+        raise TypeError("mask must be a boolean tensor (True = attend) or None, got "
+                        f"{getattr(mask, 'dtype', type(mask).__name__)}")
     return _broadcast_mask(mask, "mask", B, Hq, G, Sq, Sk)
 
 def _query_rows(m: torch.Tensor, sl: slice) -> torch.Tensor:
     return m[:, :, sl] if m.shape[2] > 1 else m
 
 def _score_blocks(q, k, scale, chunk: int):
-    "Yield (query slice, scores [B, Hq, c, Sk] in float32+) for blocks of `chunk` queries, without repeating k per group."
+    "Yield (query slice, scores [B, Hq, c, Sk] in float32+) per block of `chunk` queries, k not repeated per group."
     B, Hq, Sq, D = q.shape
     Hkv, G = k.shape[1], q.shape[1] // k.shape[1]
     scale = 1 / math.sqrt(D) if scale is None else scale
@@ -482,11 +508,12 @@ def _prepare(q, k, v, keep, mask, scale, chunk):
         raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
-    return (_keep_mask(keep, B, Hq, G, Sq, Sk).to(q.device), _allowed_mask(mask, B, Hq, G, Sq, Sk, q.device).to(q.device))
+    return (_keep_mask(keep, B, Hq, G, Sq, Sk).to(q.device),
+            _allowed_mask(mask, B, Hq, G, Sq, Sk, q.device).to(q.device))
 
 def attention_mass_recall(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor | None = None,
                           scale: float | None = None, chunk: int = 512) -> torch.Tensor:
-    "Fraction of each query's dense attention probability that falls on the kept keys, `[B, Hq, Sq]` (NaN where no key is allowed)."
+    "Fraction of each query's dense attention on the kept keys, `[B, Hq, Sq]` (NaN where no key is allowed)."
     kept, allowed = _prepare(q, k, None, keep, mask, scale, chunk)
     out = []
     for sl, s in _score_blocks(q, k, scale, chunk):
@@ -503,11 +530,12 @@ def attention_mass_recall(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, 
 # %%
 #| export
 def attention_fidelity_reference(q, k, v, keep, allowed, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    "Brute-force attention-mass recall and relative output error of the kept keys, per (batch, query head, query); full masks `[B, Hq, Sq, Sk]`."
+    "Brute-force mass recall and relative output error of kept keys per (batch, head, query); masks `[B,Hq,Sq,Sk]`."
     B, Hq, Sq, D = q.shape
     G = Hq // k.shape[1]
     scale = 1 / math.sqrt(D) if scale is None else scale
-    mass, err = torch.full((B, Hq, Sq), math.nan, dtype=torch.float64), torch.full((B, Hq, Sq), math.nan, dtype=torch.float64)
+    mass, err = (torch.full((B, Hq, Sq), math.nan, dtype=torch.float64),
+                 torch.full((B, Hq, Sq), math.nan, dtype=torch.float64))
     for b in range(B):
         for h in range(Hq):
             kh, vh = k[b, h // G].double(), v[b, h // G].double()
@@ -541,7 +569,8 @@ keep = torch.rand(B, Hq, Sq, Sk, generator=torch.Generator().manual_seed(1)) > 0
 mass_ref, _ = attention_fidelity_reference(q, k, v, keep, causal)
 assert_close(attention_mass_recall(q, k, keep), mass_ref.float())
 assert_close(attention_mass_recall(q, k, keep, chunk=2), mass_ref.float())  # chunking over queries changes nothing
-assert_close(attention_mass_recall(q, k, keep, scale=0.3), attention_fidelity_reference(q, k, v, keep, causal, scale=0.3)[0].float())
+assert_close(attention_mass_recall(q, k, keep, scale=0.3),
+             attention_fidelity_reference(q, k, v, keep, causal, scale=0.3)[0].float())
 # keeping every key recalls all the mass; keeping none, nothing
 assert_close(attention_mass_recall(q, k, torch.ones(1, 1, 1, Sk, dtype=torch.bool)), torch.ones(B, Hq, Sq))
 assert_close(attention_mass_recall(q, k, torch.zeros(1, 1, 1, Sk, dtype=torch.bool)), torch.zeros(B, Hq, Sq))
@@ -552,7 +581,8 @@ assert_close(attention_mass_recall(q, k, torch.zeros(1, 1, 1, Sk, dtype=torch.bo
 
 # %%
 n = 4
-idx = torch.stack([torch.stack([torch.randperm(Sk, generator=torch.Generator().manual_seed(10 * b + h))[:n] for h in range(Hkv)]) for b in range(B)])
+idx = torch.stack([torch.stack([torch.randperm(Sk, generator=torch.Generator().manual_seed(10 * b + h))[:n]
+                                 for h in range(Hkv)]) for b in range(B)])
 hand = torch.zeros(B, Hq, Sq, Sk, dtype=torch.bool)
 for b in range(B):
     for h in range(Hq):
@@ -634,9 +664,10 @@ def _attend(s: torch.Tensor, m: torch.Tensor, lse: torch.Tensor, v: torch.Tensor
     B, Hq, c, Sk = p.shape
     return torch.einsum("bhgqk,bhkd->bhgqd", p.reshape(B, Hq // G, G, c, Sk), v).reshape(B, Hq, c, -1)
 
-def attention_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor | None = None,
-                       scale: float | None = None, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    "Attention-mass recall and relative output error of exact attention over the kept keys vs dense, each `[B, Hq, Sq]`."
+def attention_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                       mask: torch.Tensor | None = None, scale: float | None = None,
+                       chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    "Attention-mass recall and relative output error of exact attention over the kept keys vs dense, `[B, Hq, Sq]`."
     kept, allowed = _prepare(q, k, v, keep, mask, scale, chunk)
     G = q.shape[1] // k.shape[1]
     vf = _f32(v).to(torch.promote_types(_f32(q).dtype, _f32(k).dtype))
@@ -663,7 +694,8 @@ loop = torch.tensor([[[((x - y).norm() / y.norm()).item() if y.norm() > 0 else m
                       for xr, yr in zip(xh, yh)] for xh, yh in zip(a_, b_)])
 assert_close(relative_output_error(a_, b_), loop, equal_nan=True)
 e = relative_output_error(a_, b_)
-assert_close(per_head_mean(e), torch.tensor([[e[:, h].flatten()[~e[:, h].flatten().isnan()].mean().item() for h in range(3)]]).squeeze(0))
+assert_close(per_head_mean(e),
+             torch.tensor([[e[:, h].flatten()[~e[:, h].flatten().isnan()].mean().item() for h in range(3)]]).squeeze(0))
 
 q, k, v = _rand_qkv(Dv=6, seed=5)
 mass, err = attention_fidelity(q, k, v, keep)
@@ -732,14 +764,18 @@ def retention_recall(kept: torch.Tensor, scores: torch.Tensor, k: int) -> torch.
     _check_float(scores, "scores", 1)
     S = scores.shape[-1]
     if not isinstance(kept, torch.Tensor) or kept.is_floating_point():
-        raise TypeError(f"kept must be a boolean mask [..., S] or integer indices [..., n], got {getattr(kept, 'dtype', type(kept).__name__)}")
+        raise TypeError("kept must be a boolean mask [..., S] or integer indices [..., n], got "
+                        f"{getattr(kept, 'dtype', type(kept).__name__)}")
     if kept.dtype == torch.bool:
-        if kept.shape != scores.shape: raise ValueError(f"kept mask must have the shape of scores {tuple(scores.shape)}, got {tuple(kept.shape)}")
+        if kept.shape != scores.shape:
+            raise ValueError(f"kept mask must have the shape of scores {tuple(scores.shape)}, got {tuple(kept.shape)}")
         mask = kept
     else:
         if kept.shape[:-1] != scores.shape[:-1]:
-            raise ValueError(f"kept indices must have shape [..., n] with ... = {tuple(scores.shape[:-1])}, got {tuple(kept.shape)}")
-        if kept.numel() and (kept.min() < 0 or kept.max() >= S): raise ValueError(f"kept indices must be in [0, {S}), got [{kept.min().item()}, {kept.max().item()}]")
+            raise ValueError(f"kept indices must have shape [..., n] with ... = {tuple(scores.shape[:-1])}, got "
+                             f"{tuple(kept.shape)}")
+        if kept.numel() and (kept.min() < 0 or kept.max() >= S):
+            raise ValueError(f"kept indices must be in [0, {S}), got [{kept.min().item()}, {kept.max().item()}]")
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, kept.long(), True)  # duplicates count once
     return mask.gather(-1, oracle_topk(scores, k)).float().mean(-1)
 
@@ -759,11 +795,13 @@ sc[0, 0, :3] = -math.inf
 kept_idx = torch.stack([torch.stack([torch.randperm(12, generator=g)[:5] for _ in range(2)]) for _ in range(3)])
 for kk in (1, 5, 9):
     got = retention_recall(kept_idx, sc, kk)
-    ref = retention_recall_reference([set(r) for r in kept_idx.reshape(-1, 5).tolist()], sc.reshape(-1, 12).tolist(), kk)
+    ref = retention_recall_reference([set(r) for r in kept_idx.reshape(-1, 5).tolist()], sc.reshape(-1, 12).tolist(),
+                                     kk)
     assert_close(got.flatten(), torch.tensor(ref))
 kept_mask = torch.zeros(3, 2, 12, dtype=torch.bool).scatter(-1, kept_idx, True)
 assert_close(retention_recall(kept_mask, sc, 5), retention_recall(kept_idx, sc, 5))
-assert_close(retention_recall(torch.cat([kept_idx, kept_idx], -1), sc, 5), retention_recall(kept_idx, sc, 5))  # duplicates count once
+# duplicates count once
+assert_close(retention_recall(torch.cat([kept_idx, kept_idx], -1), sc, 5), retention_recall(kept_idx, sc, 5))
 # ties go to the lower position, whatever the row's order in memory
 test_eq(oracle_topk(torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0]), 2).tolist(), [1, 2])
 test_eq(retention_recall(oracle_topk(sc[1:], 4), sc[1:], 4), torch.ones(2, 2))
@@ -807,7 +845,8 @@ def pass_at_k_estimate(n: int, c: int, k: int) -> float:
 def _correct_matrix(correct) -> np.ndarray:
     if isinstance(correct, torch.Tensor): correct = correct.detach().cpu().numpy()
     a = np.asarray(correct)
-    if a.ndim != 2 or a.size == 0: raise ValueError(f"correct must be a non-empty 2-D array [problems, n], got shape {a.shape}")
+    if a.ndim != 2 or a.size == 0:
+        raise ValueError(f"correct must be a non-empty 2-D array [problems, n], got shape {a.shape}")
     if a.dtype != bool and not (np.issubdtype(a.dtype, np.integer) and np.isin(a, (0, 1)).all()):
         raise TypeError(f"correct must hold booleans (or 0/1 integers), got dtype {a.dtype}")
     return a.astype(bool)
@@ -835,12 +874,14 @@ def pass_at_k_reference(correct_row, k: int) -> float:
 for n_ in range(1, 9):
     for c_ in range(n_ + 1):
         for k_ in range(1, n_ + 1):
-            test_close(pass_at_k_estimate(n_, c_, k_), pass_at_k_reference([True] * c_ + [False] * (n_ - c_), k_), eps=1e-12)
+            test_close(pass_at_k_estimate(n_, c_, k_), pass_at_k_reference([True] * c_ + [False] * (n_ - c_), k_),
+                       eps=1e-12)
 corr = np.random.default_rng(0).random((6, 8)) < 0.3
 test_close(pass_at_k(corr, 3), np.mean([pass_at_k_reference(r, 3) for r in corr]), eps=1e-12)
 test_close(pass_at_k(corr, 1), avg_at_k(corr), eps=1e-12)  # pass@1 is the mean accuracy
 test_eq(avg_at_k(torch.tensor([[1, 0, 1, 1]])), 0.75)
-test_close(pass_at_k_estimate(10_000, 3, 5_000), 1 - math.comb(9_997, 5_000) / math.comb(10_000, 5_000), eps=1e-12)  # large n: no overflow
+# large n: no overflow
+test_close(pass_at_k_estimate(10_000, 3, 5_000), 1 - math.comb(9_997, 5_000) / math.comb(10_000, 5_000), eps=1e-12)
 test_fail(lambda: pass_at_k(corr, 9), contains="k must be an int in [1, 8]")
 test_fail(lambda: pass_at_k_estimate(4, 5, 1), contains="c must be an int in [0, 4]")
 test_fail(lambda: pass_at_k(np.array([0.5, 1.0])[None], 1), contains="correct must hold booleans")
@@ -905,11 +946,12 @@ def _check_keys(d: Mapping, what: str) -> dict:
     "`d` as a dict, after checking it maps strings other than the reserved column names to values."
     if not isinstance(d, Mapping): raise TypeError(f"{what} must be a dict of keys to scalars, got {type(d).__name__}")
     for key in d:
-        if not isinstance(key, str) or key in _RESERVED: raise ValueError(f"{what} keys must be strings other than {_RESERVED}, got {key!r}")
+        if not isinstance(key, str) or key in _RESERVED:
+            raise ValueError(f"{what} keys must be strings other than {_RESERVED}, got {key!r}")
     return dict(d)
 
 def _grid_cells(cells, params=None) -> tuple[list[dict], dict, list[str]]:
-    "Validate the cells and the run's params; return them as dicts and the key columns (params first) in first-seen order."
+    "Check the cells and the run's params; return both as dicts and the key columns (params first), first-seen order."
     cells = list(cells)
     if not cells: raise ValueError("cells is empty: pass at least one dict of cell keys")
     cells = [_check_keys(c, "each cell") for c in cells]
@@ -970,7 +1012,8 @@ def _grid_frame(rows: list[dict], columns: list[str], keys: list[str]) -> pd.Dat
 
 def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str | os.PathLike, desc: str | None = None,
              params: Mapping | None = None) -> pd.DataFrame:
-    "Compute `fn(cell)` for every cell not yet in the CSV at `path` (keys: the cell's and `params`), adding one row per cell atomically; return this grid's rows."
+    """Compute `fn(cell)` for every cell not yet in the CSV at `path` (keys: the cell's and `params`), adding one row
+    per cell atomically; return this grid's rows."""
     cells, params, keys = _grid_cells(cells, params)
     full = [{**params, **c} for c in cells]
     texts = [tuple(_cell_text(c.get(key), f"cell[{key!r}]") for key in keys) for c in full]
@@ -988,7 +1031,8 @@ def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str 
         elif text in by_key: suspect.append(cells[i])
     if bad or suspect:
         warnings.warn(f"{path}: damaged results: " + (f"malformed lines {bad} are dropped; " if bad else "")
-                      + (f"the rows of {len(suspect)} cell(s) fail their {ROW_CHECK} (edited, cut, older, or made for other key columns), e.g. {suspect[0]}; "
+                      + (f"the rows of {len(suspect)} cell(s) fail their {ROW_CHECK} (edited, cut, older, or made for "
+                         f"other key columns), e.g. {suspect[0]}; "
                          if suspect else "") + "those cells are computed again")
     todo = [i for i in range(len(cells)) if i not in found]
     with tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell") as bar:
@@ -998,10 +1042,14 @@ def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str 
             t0 = time.perf_counter()
             metrics = fn(dict(cell))
             wall = time.perf_counter() - t0
-            if not isinstance(metrics, Mapping): raise TypeError(f"fn must return a dict of metrics, got {type(metrics).__name__} for cell {cell}")
+            if not isinstance(metrics, Mapping):
+                raise TypeError(f"fn must return a dict of metrics, got {type(metrics).__name__} for cell {cell}")
             clash = [m for m in metrics if m in keys or m in _RESERVED or not isinstance(m, str)]
-            if clash: raise ValueError(f"fn returned metric names that are not strings or repeat a cell key, {WALL_TIME!r} or {ROW_CHECK!r}: {clash}")
-            row = {**dict(zip(keys, text)), **{m: _cell_text(x, f"metric {m!r}") for m, x in metrics.items()}, WALL_TIME: repr(wall)}
+            if clash:
+                raise ValueError(f"fn returned metric names that are not strings or repeat a cell key, {WALL_TIME!r} "
+                                 f"or {ROW_CHECK!r}: {clash}")
+            row = {**dict(zip(keys, text)), **{m: _cell_text(x, f"metric {m!r}") for m, x in metrics.items()},
+                   WALL_TIME: repr(wall)}
             row[ROW_CHECK] = _row_check(row, keys)
             found[i] = len(rows)
             rows.append(row)
@@ -1040,7 +1088,8 @@ with tempfile.TemporaryDirectory() as d:
     test_eq(calls, [])
     test_eq(sorted(x.name for x in Path(d).iterdir()), ["grid.csv"])
     test_fail(lambda: run_grid(grid + grid[:1], _fn, p), contains="same cell twice")
-    test_fail(lambda: run_grid([{"budget": 1}], lambda c: {"budget": 2}, Path(d) / "x.csv"), contains="repeat a cell key")
+    test_fail(lambda: run_grid([{"budget": 1}], lambda c: {"budget": 2}, Path(d) / "x.csv"),
+              contains="repeat a cell key")
     test_fail(lambda: run_grid([], _fn, p), contains="cells is empty")
 
 # %% [markdown]

@@ -84,7 +84,8 @@ prompt = torch.randint(0, model.config.vocab_size, (2, 96), generator=torch.Gene
 m = methods.make("tova", budget=48)
 out = m.generate(model, prompt, max_new_tokens=20, do_sample=False)
 assert out.shape == (2, 96 + 20)
-out = methods.make("oval", budget=48, page_size=8, sink=8, recent=8, rank=4, eta=0.5).generate(model, prompt, max_new_tokens=20)
+m = methods.make("oval", budget=48, page_size=8, sink=8, recent=8, rank=4, eta=0.5)
+out = m.generate(model, prompt, max_new_tokens=20)
 
 # %% [markdown]
 # A trained method takes `checkpoint=` (the `trained.pt` that `python -m sparsekv.distill` writes; without
@@ -93,7 +94,8 @@ out = methods.make("oval", budget=48, page_size=8, sink=8, recent=8, rank=4, eta
 # %%
 m = methods.make("kvpop_mlstm", budget=52)  # 4 sinks + a window of 3 + 45 learned long-range slots
 with torch.no_grad(), m.patch(model) as cache:
-    model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=40, do_sample=False)
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=40,
+                   do_sample=False)
 assert all(layer.keys.shape[2] == 52 for layer in cache.layers)  # bounded: 52 entries per head after 135 tokens
 
 # %% [markdown]
@@ -103,7 +105,8 @@ assert all(layer.keys.shape[2] == 52 for layer in cache.layers)  # bounded: 52 e
 
 # %%
 cache, last_logits = chunked_prefill(model, prompt, chunk_size=16, policy=QuokaPolicy(n_q=4, budget=32))
-with torch.no_grad(), patch(model, PageRetrievalPolicy("oval", token_budget=48, page_size=8, sink=8, recent=8, rank=4, eta=0.5)):
+policy = PageRetrievalPolicy("oval", token_budget=48, page_size=8, sink=8, recent=8, rank=4, eta=0.5)
+with torch.no_grad(), patch(model, policy):
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
 
 # %% [markdown]
