@@ -22,6 +22,8 @@
 
 # %%
 #| export
+# Over 400 lines on purpose: every offline data source and synthetic task generator, each small, shares one
+# tokenization and one seeding convention; split by task they would repeat both.
 from __future__ import annotations
 
 import ast
@@ -77,7 +79,6 @@ def read_bible_constants(
     # the titles dict is keyed by `Book.X` names, which literal_eval cannot read: keep its values, in order
     titles = [ast.literal_eval(v) for v in short_titles.values]
     return ast.literal_eval(content), ast.literal_eval(starts), ast.literal_eval(ends), titles
-
 
 # %%
 from fastcore.test import test_eq, test_fail, test_close
@@ -135,7 +136,6 @@ def prose_text() -> str:
     return "\n\n".join("\n\n".join([title, *(" ".join(ch) for ch in chapters.values())])
                        for title, chapters in zip(titles, books.values()))
 
-
 # %% [markdown]
 # Checks: the cleaned text starts where Genesis starts, keeps every book title, and none of the
 # artefacts above survive; a verse from the middle of the source appears, cleaned, in the
@@ -182,7 +182,6 @@ def prose_clauses() -> tuple[np.ndarray, np.ndarray]:
         sentence.append(before in ".!?" or "\n\n" in m.group())
     return np.array(starts + [len(text)], dtype=np.int64), np.array(sentence)
 
-
 # %%
 starts, sentence = prose_clauses()
 clauses = [text[a:b] for a, b in zip(starts[:-1], starts[1:])]
@@ -194,7 +193,6 @@ print(clauses[1:6], sentence[1:6])
 for i in random.Random(0).sample(range(1, len(clauses)), 200):
     ends_sentence = re.search(r"[.!?][\"']?$", text[starts[i] - 3:starts[i]]) is not None
     test_eq(bool(sentence[i]), ends_sentence or clauses[i].startswith("\n\n"))
-
 
 # %% [markdown]
 # ## Token streams, cached per tokenizer
@@ -266,7 +264,6 @@ def token_stream(tokenizer, text: str | None = None) -> torch.Tensor:
     if not isinstance(text, str): raise TypeError(f"text must be a str or None, got {type(text).__name__}")
     return torch.tensor(encode(tokenizer, [text])[0], dtype=torch.long)
 
-
 # %% [markdown]
 # For the checks we use the SmolLM2 tokenizer of the converted checkpoint (`sparsekv.models`
 # builds it from the GGUF metadata, as llama.cpp reads it). Any Hugging Face tokenizer works.
@@ -337,7 +334,6 @@ def packed_sequences(tokenizer, seq_len: int, split: str = "train", val_fraction
     "Token ids `[n, seq_len]` of packed windows of the prose stream (see `packed_positions`)."
     stream = token_stream(tokenizer)
     return stream[packed_positions(len(stream), seq_len, split, val_fraction, n, seed)]
-
 
 # %%
 pos_tr = packed_positions(1000, 64, "train", 0.1)
@@ -435,7 +431,6 @@ def score_reasoning(task: str, item: dict, completion: str) -> float:
     source = item.get("metadata", {}).get("source_dataset", task)
     if source != task: raise ValueError(f"item comes from {source!r}, not from task {task!r}")
     return float(_scorer(task)(extract_final_answer(completion), item))
-
 
 # %% [markdown]
 # Checks: the extraction on hand-written completions, then the round trip on generated
@@ -549,7 +544,6 @@ def weave(pieces: list[str], needles: list[str], at: list[int]) -> str:
         out += by_point.get(j, [])
         if j < len(pieces): out.append(pieces[j])
     return "".join(out).strip()
-
 
 # %% [markdown]
 # A check of the pieces on their own: they are the corpus' tokens exactly (decoding the cut
@@ -694,7 +688,6 @@ def variable_tracking(tokenizer, context_tokens: int, seed: int, n_chains: int =
     return {"task": "variable_tracking", "seed": seed, "depth": None, "answer": names[:n_hops + 1],
             "answer_prefix": answer_prefix, **item}
 
-
 # %% [markdown]
 # **Common words.** The vocabulary is every distinct lowercase word of 4 to 9 letters in the
 # prose (about 7,500 words). A seeded permutation picks `n_common` common words, repeated
@@ -748,7 +741,6 @@ def common_words(tokenizer, context_tokens: int, seed: int, n_common: int = 10,
             "context_tokens": n, "target_tokens": context_tokens, "common_repeats": common_repeats,
             "rare_repeats": rare_repeats, "n_rare": n_rare}
 
-
 # %% [markdown]
 # ## Scoring and the task registry
 #
@@ -788,7 +780,6 @@ def make_task(name: str, tokenizer, context_tokens: int, seed: int, depth: float
         options["depth"] = depth
     return SYNTHETIC_TASKS[name](tokenizer, context_tokens, seed, **options)
 
-
 # %% [markdown]
 # An example of each task at 400 tokens, then the checks: the prompt has the target length, the
 # answer is in the prompt, the scorer accepts the answer and rejects a wrong one, the same seed
@@ -813,7 +804,6 @@ for name in SYNTHETIC_TASKS:
         assert all(a in item["prompt"] for a in answers)
         test_eq(score_exact(f"{item['answer_prefix']} {', '.join(answers)}.", item["answer"]), 1.0)
         test_eq(score_exact("I do not know.", item["answer"]), 0.0)
-
 
 # %% [markdown]
 # The depth check: the needle is found by searching the prompt, its token position counted by

@@ -8,6 +8,8 @@
 
 # %%
 #| export
+# Over 400 lines on purpose: the loop, its checkpoints (full config, resume checks) and FSDP sharding share one
+# state layout, and resuming exactly depends on all three agreeing.
 from __future__ import annotations
 
 import argparse
@@ -48,7 +50,6 @@ from sparsekv.eval import token_kl, top1_agreement
 from sparsekv.kvpop.cache import random_scorers
 from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
 
-
 # %% [markdown]
 # ## The student protocol
 #
@@ -79,7 +80,6 @@ class DistillStudent(nn.Module):
     def fsdp_units(self) -> list[nn.Module]:
         "Submodules the policy calls, each one FSDP2 unit (see `shard_for_training`); default: children with params."
         return [m for m in self.children() if any(True for _ in m.parameters())]
-
 
 # %%
 #| hide
@@ -156,7 +156,6 @@ def new_param_lr(i: int, config: DistillConfig) -> float:
     frac = min(1.0, (i - W) / max(1, T - W))
     return config.new_lr_min + 0.5 * (config.new_lr - config.new_lr_min) * (1 + math.cos(math.pi * frac))
 
-
 # %%
 #| export
 def trainable_groups(model: nn.Module, student: DistillStudent, config: DistillConfig) -> list[dict]:
@@ -178,7 +177,6 @@ def make_optimizer(model: nn.Module, student: DistillStudent, config: DistillCon
     lambdas = [(lambda i: 1.0) if g["name"] == "base" else (lambda i: new_param_lr(i, config) / config.new_lr)
                for g in groups]
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
-
 
 # %% [markdown]
 # Check: the schedule the optimizer applies, stepped as in training, against the formula written out
@@ -202,7 +200,6 @@ test_fail(lambda: DistillConfig(mode="lora"), contains="mode")
 test_fail(lambda: trainable_groups(lin, SinkWindowStudent(2, 4, 3), DistillConfig(mode="scorer_only")),
           contains="nothing to train")
 
-
 # %% [markdown]
 # ## The distillation loss
 #
@@ -218,12 +215,10 @@ def distill_kl(student_logits: Tensor, teacher_logits: Tensor, top_k: int = 256,
     return kl_to_teacher(student_logits / T, teacher_logits.detach() / T,
                          top_k=min(top_k, teacher_logits.shape[-1])) * T * T
 
-
 # %%
 zs, zt = torch.randn(2, 5, 40), torch.randn(2, 5, 40)
 assert_close(distill_kl(zs, zt, top_k=8), token_kl(zs, zt, top_k=8).mean())
 assert_close(distill_kl(zs, zt, top_k=8, temperature=2.0), 4 * token_kl(zs / 2, zt / 2, top_k=8).mean())
-
 
 # %% [markdown]
 # ## Data, checkpoints and the loop
@@ -267,7 +262,6 @@ def rank_slice(batch: Tensor) -> Tensor:
         raise ValueError(f"the global batch size {batch.shape[0]} must be divisible by the world size {n}")
     return batch.chunk(n)[rank] if n > 1 else batch
 
-
 # %%
 #| export
 def _state_container(model: nn.Module, student: DistillStudent, config: DistillConfig) -> nn.Module:
@@ -299,7 +293,6 @@ def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, ste
                     spec=dict(model=model_spec(model), student=student_spec(student)))
         with atomic_path(path) as tmp: torch.save(ckpt, tmp)
     if world()[1] > 1: dist.barrier()
-
 
 # %% [markdown]
 # A checkpoint answers for one run only. Resuming checks that the run is the same one: the full `DistillConfig`,
@@ -353,7 +346,6 @@ def spec_differences(saved, now, prefix: str = "") -> list[str]:
     same = json.dumps(saved, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str)
     return [] if same else [f"{prefix.rstrip('.')} ({saved!r} in the checkpoint, {now!r} now)"]
 
-
 # %%
 #| export
 def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> None:
@@ -382,7 +374,6 @@ def load_checkpoint(path, model, student, opt, sched, config: DistillConfig) -> 
     for g, f, base in zip(opt.param_groups, sched.lr_lambdas, sched.base_lrs): g["lr"] = base * f(sched.last_epoch)
     set_rng_state(ckpt["rng"])
     return ckpt["step"], ckpt["history"]
-
 
 # %% [markdown]
 # The loop. `distill` returns the history as a DataFrame: one `kind="train"` row per update (`step` = updates
@@ -481,7 +472,6 @@ def distill(model, student: DistillStudent, batches, config: DistillConfig, chec
     model.eval(); student.eval()
     return pd.DataFrame(history)
 
-
 # %% [markdown]
 # ### Held-out agreement with the teacher
 #
@@ -511,7 +501,6 @@ def teacher_eval(model, sequences: Tensor, top_k: int = 256, batch_size: int = 1
         return dict(agreement=agree / n, kl=kl / n)
     return eval_fn
 
-
 # %% [markdown]
 # Check against `eval.top1_agreement` and `eval.token_kl` computed from full logits.
 
@@ -523,7 +512,6 @@ with patch(model, student.policy()): sparse_logits = model(input_ids=ids).logits
 res = ev(model, student)
 assert_close(torch.tensor(res["agreement"]), top1_agreement(sparse_logits, dense_logits).float())
 assert_close(torch.tensor(res["kl"]), token_kl(sparse_logits, dense_logits, top_k=16).mean(), atol=1e-5, rtol=1e-5)
-
 
 # %% [markdown]
 # ## Scorer-only training on a tiny model
@@ -555,7 +543,6 @@ print(f"retention loss at step 0: {before:.4f}, after {cfg.steps} steps: {after:
 print(train_rows[["step", "retention_loss", "retention_recall", "lr_new"]].iloc[::5].to_string(index=False))
 assert after < before - 0.01, (before, after)
 assert not any(p.requires_grad for p in model.parameters())  # scorer-only: the base stayed frozen
-
 
 # %% [markdown]
 # ## Checkpoint and resume
@@ -630,7 +617,6 @@ with tempfile.TemporaryDirectory() as d:
     assert_close(torch.tensor(longer.lr_new.tolist()[2:]), torch.tensor([new_param_lr(i, cfg4) for i in (2, 3)]),
                  rtol=0, atol=0)
 
-
 # %% [markdown]
 # ## Several processes: FSDP2 under `torchrun`
 #
@@ -677,7 +663,6 @@ def full_state(module: nn.Module) -> dict[str, Tensor]:
     "The full (gathered) parameters and buffers of a possibly sharded module, on the CPU, on every rank."
     sd = module.state_dict()
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in sd.items()}
-
 
 # %% [markdown]
 # `main` is the command line: `torchrun --nproc_per_node N -m sparsekv.distill --model ... --steps ...`
@@ -755,7 +740,6 @@ def main(argv=None) -> pd.DataFrame:
         return history
     finally:
         if distributed: dist.destroy_process_group()
-
 
 # %%
 #| export
