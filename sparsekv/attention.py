@@ -19,12 +19,12 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 # %% auto #0
-__all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'IntArgumentError', 'check_int', 'gather_keys', 'and_masks',
-           'or_masks', 'not_mask', 'is_causal', 'in_sinks', 'in_window', 'sink_window_visible', 'evictable',
-           'causal_mask', 'check_mask', 'softmax_scale', 'attention_scores', 'attention_reference', 'attention_chunked',
-           'merge_attention', 'position_mask_mod', 'causal_mask_mod', 'mask_mod_from_bool', 'bias_score_mod',
-           'block_mask_from_bool', 'causal_block_mask', 'compiled_flex_attention', 'flex_attention_lse',
-           'sdpa_attention_lse', 'masked_attention']
+__all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'require_finite', 'IntArgumentError', 'check_int',
+           'gather_keys', 'and_masks', 'or_masks', 'not_mask', 'is_causal', 'in_sinks', 'in_window',
+           'sink_window_visible', 'evictable', 'causal_mask', 'check_mask', 'softmax_scale', 'attention_scores',
+           'attention_reference', 'attention_chunked', 'merge_attention', 'position_mask_mod', 'causal_mask_mod',
+           'mask_mod_from_bool', 'bias_score_mod', 'block_mask_from_bool', 'causal_block_mask',
+           'compiled_flex_attention', 'flex_attention_lse', 'sdpa_attention_lse', 'masked_attention']
 
 # %% ../nbs/00_attention.ipynb #0329d669
 def masked_logsumexp(s: Tensor, dim: int = -1) -> Tensor:
@@ -66,6 +66,13 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor | None = None) -> int:
     if v is not None and v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k and v must agree in [B, Hkv, Sk], got {tuple(k.shape[:3])} and {tuple(v.shape[:3])}")
     return q.shape[1] // k.shape[1]
+
+# %% ../nbs/00_attention.ipynb #3673b570
+def require_finite(name: str, x: Tensor | None, neg_inf: bool = False) -> None:
+    "Raise ValueError if x holds NaN or inf (`neg_inf=True` allows -inf, e.g. masked logits); None, meta: no check."
+    if x is None or x.device.type == "meta": return
+    ok = (x < math.inf).all() if neg_inf else torch.isfinite(x).all()
+    if not ok: raise ValueError(f"{name} contains NaN or {'+inf' if neg_inf else 'inf'}")
 
 # %% ../nbs/00_attention.ipynb #4615aef3
 class IntArgumentError(ValueError, TypeError):
@@ -161,11 +168,17 @@ def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: fl
 
 # %% ../nbs/00_attention.ipynb #6c1885d6
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                        scale: float | None = None) -> tuple[Tensor, Tensor]:
+                        scale: float | None = None, check_finite: bool = True) -> tuple[Tensor, Tensor]:
     """Dense softmax attention: (out [B,Hq,Sq,Dv] in q's dtype, lse [B,Hq,Sq] natural log).
     `mask`: boolean, True = attend, broadcastable to [B,Hq,Sq,Sk]; None = causal with the queries
-    at the last Sq positions. A fully masked row gives out = 0 and lse = -inf."""
+    at the last Sq positions (so Sq <= Sk). A fully masked row gives out = 0 and lse = -inf.
+    `check_finite`: refuse NaN or inf in q, k, v."""
     G = check_qkv(q, k, v)
+    if mask is None and q.shape[2] > k.shape[2]:
+        raise ValueError(f"more queries (Sq={q.shape[2]}) than keys (Sk={k.shape[2]}) with mask=None: the causal "
+                         "queries align to the last keys, so the first ones would see none; pass a mask")
+    if check_finite:
+        for name, x in (("q", q), ("k", k), ("v", v)): require_finite(name, x)
     s = attention_scores(q, k, mask, scale)  # s_ij, -inf where masked
     lse = masked_logsumexp(s)  # KVpop Eq. (28)
     p = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0)[..., None])  # Eq. (29); a fully masked row is all 0
@@ -174,10 +187,12 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = N
 
 # %% ../nbs/00_attention.ipynb #a1cd6fd5
 def attention_chunked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
-                      chunk: int = 256) -> tuple[Tensor, Tensor]:
+                      chunk: int = 256, check_finite: bool = True) -> tuple[Tensor, Tensor]:
     "`attention_reference` computed `chunk` query rows at a time: same (out, lse), at most [B, Hq, chunk, Sk] scores."
     G = check_qkv(q, k, v)
     check_int(chunk, "chunk", 1)
+    if check_finite:  # once, not per chunk
+        for name, x in (("q", q), ("k", k), ("v", v)): require_finite(name, x)
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
     if mask is not None: mask = check_mask(mask, (B, Hq, Sq, Sk), q.device)
@@ -187,7 +202,7 @@ def attention_chunked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
         e = min(a + chunk, Sq)
         if mask is None: rows = causal_mask(e - a, Sk, q.device, offset=Sk - Sq + a)
         else: rows = mask[:, :, a:e] if mask.shape[2] > 1 else mask
-        out, lse = attention_reference(q[:, :, a:e], k, v, rows, scale)
+        out, lse = attention_reference(q[:, :, a:e], k, v, rows, scale, check_finite=False)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2)
@@ -298,8 +313,11 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
         raise ValueError(f"backend='flex' has no backward on {q.device.type}: use backend='sdpa' (or 'auto') when "
                          "gradients are needed")
     with torch.set_grad_enabled(need_grad):
-        if backend == "reference": return attention_reference(q, k, v, mask, scale)
-        if backend == "chunked": return attention_chunked(q, k, v, mask, scale)
+        # as on every backend: no finiteness check; mask=None with Sq > Sk gives rows with no key
+        if backend == "reference":
+            return attention_reference(q, k, v, causal_mask(Sq, Sk, q.device) if mask is None else mask, scale,
+                                       check_finite=False)
+        if backend == "chunked": return attention_chunked(q, k, v, mask, scale, check_finite=False)
         if backend == "sdpa": return sdpa_attention_lse(q, k, v, mask, scale)
         block_mask = (causal_block_mask(Sq, Sk, q.device) if mask is None
                       else block_mask_from_bool(mask, (B, Hq, Sq, Sk)))

@@ -15,7 +15,8 @@ from transformers.cache_utils import DynamicLayer
 from .attention import check_int, evictable, gather_keys, is_causal, sink_window_visible
 
 # %% auto #0
-__all__ = ['EvictionRule', 'SinkWindowRule', 'TopScoreRule', 'EvictingLayer', 'EvictingCache', 'SinkWindowCache']
+__all__ = ['BATCH_OPS', 'EvictionRule', 'SinkWindowRule', 'TopScoreRule', 'row_map', 'hooked_layer_class', 'follow_batch_ops',
+           'EvictingLayer', 'EvictingCache', 'SinkWindowCache']
 
 # %% ../nbs/04_cache.ipynb #40ccaa34
 class EvictionRule:
@@ -69,6 +70,52 @@ class TopScoreRule(SinkWindowRule):
         best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]
         # KVpop Eq. (1): sinks, window, and the k best of E(p)
         return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
+
+# %% ../nbs/04_cache.ipynb #d2ae2e46
+BATCH_OPS = ("reorder_cache", "batch_repeat_interleave", "batch_select_indices")
+
+
+def row_map(op: str, arg):
+    "The map [B, ...] -> [B', ...] that the cache batch operation `op`(arg) applies to the batch rows of a tensor."
+    if op == "reorder_cache": return lambda x: x.index_select(0, arg.to(x.device))
+    if op == "batch_repeat_interleave": return lambda x: x.repeat_interleave(arg, dim=0)
+    if op == "batch_select_indices": return lambda x: x[arg.to(x.device) if isinstance(arg, Tensor) else arg]
+    raise ValueError(f"op must be one of {BATCH_OPS}, got {op!r}")
+
+# %% ../nbs/04_cache.ipynb #429babe3
+def hooked_layer_class(cls: type) -> type:
+    "The subclass of cache layer class `cls` whose batch operations then call every `row_hooks` entry with the row map."
+    class Hooked(cls):
+        def _moved(self, op: str, arg) -> None:
+            for hook in list(self.row_hooks.values()): hook(row_map(op, arg))
+
+        def reorder_cache(self, beam_idx):
+            super().reorder_cache(beam_idx)
+            self._moved("reorder_cache", beam_idx)
+
+        def batch_repeat_interleave(self, repeats):
+            super().batch_repeat_interleave(repeats)
+            self._moved("batch_repeat_interleave", repeats)
+
+        def batch_select_indices(self, indices):
+            super().batch_select_indices(indices)
+            self._moved("batch_select_indices", indices)
+
+    Hooked.__name__ = Hooked.__qualname__ = f"Hooked{cls.__name__}"
+    return Hooked
+
+
+_HOOKED = {}  # layer class -> its hooked subclass
+
+
+def follow_batch_ops(layer, owner: int, apply_rows) -> None:
+    """After each batch operation (BATCH_OPS) of the cache `layer`, call `apply_rows(row_map(op, arg))`; one hook per
+    `owner` (an int id: a copied layer keeps its hooks, and re-registering replaces them)."""
+    if not hasattr(layer, "row_hooks"):
+        cls = type(layer)
+        if cls not in _HOOKED: _HOOKED[cls] = hooked_layer_class(cls)
+        layer.__class__, layer.row_hooks = _HOOKED[cls], {}  # the same layout: the class can be swapped
+    layer.row_hooks[owner] = apply_rows
 
 # %% ../nbs/04_cache.ipynb #5dbe29ff
 class EvictingLayer(DynamicLayer):
@@ -162,14 +209,18 @@ class EvictingLayer(DynamicLayer):
         self._apply(lambda x: x[:, :, :0])
         self.seen = 0
 
+    def apply_rows(self, fn) -> None:
+        "Apply the batch-row map `fn` (see `row_map`) to all per-row state (here: keys, values, positions, scores)."
+        self._apply(fn)
+
     def reorder_cache(self, beam_idx: Tensor) -> None:
-        self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
+        self.apply_rows(row_map("reorder_cache", beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply(lambda x: x.repeat_interleave(repeats, dim=0))
+        self.apply_rows(row_map("batch_repeat_interleave", repeats))
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        self._apply(lambda x: x[indices])
+        self.apply_rows(row_map("batch_select_indices", indices))
 
 # %% ../nbs/04_cache.ipynb #e098ce81
 class EvictingCache(Cache):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .attention import check_int
+from .attention import check_int, require_finite
 from .io import write_csv
 
 # %% auto #0
@@ -116,8 +116,11 @@ def _topk_kl_rows(s: torch.Tensor, t: torch.Tensor, k: int, renormalize_student:
 
 def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: int | None = None,
              renormalize_student: bool = True) -> torch.Tensor:
-    "Per-position KL(teacher || student) of logits `[..., V]`, on all tokens or the teacher's `top_k` (renormalized)."
+    """Per-position KL(teacher || student) of logits `[..., V]`, on all tokens or the teacher's `top_k` (renormalized);
+    -inf logits (masked tokens) are allowed, NaN and +inf refused."""
     _check_pair(student_logits, teacher_logits)
+    require_finite("student_logits", student_logits, neg_inf=True)
+    require_finite("teacher_logits", teacher_logits, neg_inf=True)
     if top_k is None: return _rowwise(_kl_rows, student_logits, teacher_logits)
     k = check_int(top_k, "top_k", 1, teacher_logits.shape[-1])
     return _rowwise(lambda s, t: _topk_kl_rows(s, t, k, renormalize_student), student_logits, teacher_logits)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, Cache, DynamicCache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import causal_mask, check_qkv, gather_keys
+from .attention import causal_mask, check_int, check_qkv, gather_keys
 from .cache import EvictingCache, EvictingLayer
 
 # %% auto #0
@@ -301,8 +301,7 @@ def _patched(model: PreTrainedModel, policy: AttentionPolicy | None):
 def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int,
                     policy: AttentionPolicy | None = None, cache: Cache | None = None) -> tuple[Cache, Tensor]:
     "Prefill `input_ids` `[B,S]` in chunks of `chunk_size` (B_CP) under `policy`: the cache and last logits `[B,V]`."
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_int(chunk_size, "chunk_size", 1)  # refuses a bool (True would run as 1)
     if (not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long
             or input_ids.shape[1] == 0):
         raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")

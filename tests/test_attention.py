@@ -34,6 +34,11 @@ def make_mask(kind, B, Hq, Sq, Sk, seed=0, device="cpu"):
     return mask.to(device)
 
 
+def reference(q, k, v, mask):
+    "attention_reference with mask=None made explicit (causal_mask), which it needs for Sq > Sk (the empty rows)."
+    return attention_reference(q, k, v, causal_mask(q.shape[2], k.shape[2], q.device) if mask is None else mask)
+
+
 def assert_same(got, want, dtype):
     tol = TOL[dtype]
     torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
@@ -49,7 +54,7 @@ def test_backends_match_reference(G, Sq, Sk, kind):
     mask = make_mask(kind, q.shape[0], q.shape[1], Sq, Sk)
     for dtype in (torch.float32, torch.bfloat16) if kind in ("causal", "random") else (torch.float32,):
         qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
-        want = attention_reference(qd, kd, vd, mask)
+        want = reference(qd, kd, vd, mask)
         for backend in BACKENDS:
             assert_same(masked_attention(qd, kd, vd, mask, backend=backend), want, dtype)
         assert_same(attention_chunked(qd, kd, vd, mask, chunk=32), want, dtype)
@@ -207,12 +212,32 @@ def test_compiled_flex_on_cuda(G, Sq, Sk):
         mask = make_mask(kind, 2, 2 * G, Sq, Sk, device="cuda")
         for dtype in (torch.float32, torch.bfloat16):
             qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
-            want = attention_reference(qd, kd, vd, mask)
+            want = reference(qd, kd, vd, mask)
             assert_same(masked_attention(qd, kd, vd, mask), want, dtype)  # auto = compiled flex on CUDA
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         masked_attention(*leaves, mask, backend="flex")[0].square().sum().backward()
-        attention_reference(*ref_leaves, mask)[0].square().sum().backward()
+        reference(*ref_leaves, mask)[0].square().sum().backward()
         for g, w in zip(leaves, ref_leaves):
             assert torch.isfinite(g.grad).all()
             torch.testing.assert_close(g.grad, w.grad, rtol=1e-4, atol=1e-4)
+
+
+# --- non-finite input and more queries than keys (issue 12) ---------------------------------
+
+@pytest.mark.parametrize("name, value", [("q", math.nan), ("k", math.inf), ("v", -math.inf)])
+def test_attention_reference_refuses_non_finite(name, value):
+    "One NaN or inf would make NaN rows: refused, naming the tensor; check_finite=False skips the check."
+    args = dict(q=torch.randn(1, 4, 5, 8), k=torch.randn(1, 2, 5, 8), v=torch.randn(1, 2, 5, 8))
+    args[name] = args[name].index_fill(2, torch.tensor([1]), value)
+    with pytest.raises(ValueError, match=f"{name} contains NaN or inf"): attention_reference(**args)
+    with pytest.raises(ValueError, match=f"{name} contains NaN or inf"): attention_chunked(**args, chunk=2)
+    assert attention_reference(**args, check_finite=False)[0].isnan().any()
+
+
+def test_attention_reference_more_queries_than_keys():
+    "mask=None aligns the queries to the last keys: more queries than keys is refused; a mask may allow it."
+    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"more queries \(Sq=6\) than keys \(Sk=3\)"): attention_reference(q, k, v)
+    out, lse = attention_reference(q, k, v, torch.ones(6, 3, dtype=torch.bool))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))

@@ -516,3 +516,13 @@ def test_grid_file_without_row_check_is_recomputed_once(tmp_path):
     calls.clear()
     run_grid(cells, counting(calls), path)
     assert calls == []
+
+
+def test_kl_refuses_nan_and_inf_logits():
+    "NaN or +inf logits would give a NaN KL: refused, naming the tensor; -inf (a masked token) stays allowed."
+    s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    with pytest.raises(ValueError, match="student_logits contains NaN"):
+        kl_to_teacher(s.index_fill(-1, torch.tensor([2]), math.nan), t)
+    with pytest.raises(ValueError, match="teacher_logits contains NaN or \\+inf"):
+        kl_to_teacher(s, t.index_fill(-1, torch.tensor([0]), math.inf))
+    assert torch.isfinite(kl_to_teacher(s, t.index_fill(-1, torch.tensor([0]), -math.inf)))

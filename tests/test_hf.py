@@ -344,3 +344,28 @@ def test_on_cuda(tiny_model):
         assert_close(chunked_prefill(m, ids, 5)[1], ref[:, -1], **tol)
         with patch(m, _reference_policy(_sink_window_mask(3, 5))): ref_sw = m(ids).logits
     assert_close(_teacher_forced(m, ids, SinkWindowCache(3, 5), 12, 4), ref_sw, **tol)
+
+
+def test_chunked_prefill_refuses_a_bool_chunk_size(tiny_model):
+    "chunk_size=True would run as 1: refused like any non-int."
+    for bad in (True, False, 2.0):
+        with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
+            chunked_prefill(tiny_model, _ids(1, 6, 1), bad)
+
+
+def test_follow_batch_ops_moves_side_state_once_and_per_copy():
+    "A hooked layer moves its side state with its rows; one hook per owner; a deep copy moves only its own rows."
+    from transformers.cache_utils import DynamicLayer
+
+    from sparsekv.cache import follow_batch_ops
+    layer, side, k = DynamicLayer(), {}, torch.randn(3, 2, 4, 8)
+    layer.update(k, k)
+    side["x"] = k.clone()
+    for _ in range(2): follow_batch_ops(layer, 7, lambda fn: side.update(x=fn(side["x"])))
+    layer.reorder_cache(torch.tensor([1, 2, 0]))
+    layer.batch_repeat_interleave(3)
+    layer.batch_select_indices(torch.tensor([0, 8]))
+    assert torch.equal(layer.keys, k[[1, 0]]) and torch.equal(side["x"], layer.keys)
+    twin = copy.deepcopy(layer)
+    twin.reorder_cache(torch.tensor([1, 1]))
+    assert torch.equal(twin.keys, k[[0, 0]]) and torch.equal(layer.keys, k[[1, 0]])

@@ -46,6 +46,30 @@ def test_decode_equals_teacher_forced_mask(tiny_llama64_gqa_mha, budget, kind):
     assert (dense - want).abs().max() > 1e-3  # the budget binds: the agreement is not the dense one
 
 
+@pytest.mark.parametrize("kind", ["mlp", "mlstm", "mlstm0"])
+def test_batch_operations_move_the_scorer_state(tiny_llama64_gqa_mha, kind):
+    """Beam search's `reorder_cache`, then `batch_repeat_interleave` and `batch_select_indices`, move the entries and a
+    recurrent scorer's state and queue: decoding on equals a cache fed the moved rows from the start."""
+    model = tiny_llama64_gqa_mha
+    s, w, k = 1, 3, 3
+    scorers, ids = make_scorers(model, kind, 4, w), ids_of(model, 3, 18, seed=6)
+    rows = torch.tensor([2, 0, 1])[[1, 2]]  # reorder [2, 0, 1], repeat 2, select [2, 5] (the 2nd and 3rd rows)
+    moved, ref, ref3 = (KVpopCache(scorers, s, w, k) for _ in range(3))
+    got, want, want3 = [], [], []
+    with torch.no_grad(), patch(model, policy_for(kind)):
+        for t in range(ids.shape[1]):
+            if t == 9: moved.reorder_cache(torch.tensor([2, 0, 1]))
+            if t == 12:
+                moved.batch_repeat_interleave(2)
+                moved.batch_select_indices(torch.tensor([2, 5]))
+            order = torch.arange(3) if t < 9 else torch.tensor([2, 0, 1]) if t < 12 else rows
+            got.append(model(ids[order, t:t + 1], past_key_values=moved).logits)
+            want.append(model(ids[rows, t:t + 1], past_key_values=ref).logits)
+            want3.append(model(ids[[2, 0, 1], t:t + 1], past_key_values=ref3).logits)
+    assert_close(torch.cat(got[9:12], 1), torch.cat(want3[9:12], 1))
+    assert_close(torch.cat(got[12:], 1), torch.cat(want[12:], 1))
+
+
 class RecordingMask(KVpopMaskPolicy):
     "KVpopMaskPolicy that records each layer's static priorities."
     def mask(self, q, k, v, ctx):

@@ -121,3 +121,19 @@ def test_validation():
         kvpop_attention(q, k, k, rank[:, :1], cutoff[:, :1], 1, 2)
     with pytest.raises(ValueError, match="backend must be one of"):
         kvpop_attention(q, k, k, rank, cutoff, 1, 2, backend="x")
+
+
+def test_ranks_for_another_sink_or_window_refused():
+    "Ranks and cutoffs built for another sink or window, or negative ranks, are refused rather than masking wrongly."
+    p = torch.randn(2, 2, 40, generator=torch.Generator().manual_seed(3))
+    rank, cutoff = topk_cutoff(p, 4, 2, 3)
+    assert torch.equal(kvpop_mask(rank, cutoff, 2, 3), kvpop_mask_reference(p, 4, 2, 3))
+    with pytest.raises(ValueError, match="negative"):
+        kvpop_mask(rank.index_fill(2, torch.tensor([7]), -2), cutoff, 2, 3)
+    for s in (0, 1, 3, 5):
+        with pytest.raises(ValueError, match="another sink"): kvpop_mask(rank, cutoff, s, 3)
+        with pytest.raises(ValueError, match="another sink"): kvpop_mask_mod(rank, cutoff, s, 3)
+    for w in (1, 2, 4, 5, 8):
+        with pytest.raises(ValueError, match="window"): kvpop_mask(rank, cutoff, 2, w)
+    with pytest.raises(ValueError, match="window=3"): kvpop_mask_mod(*topk_cutoff(p, 1, 2, 1), 2, 3)
+    with pytest.raises(ValueError, match="cutoff must be in"): kvpop_mask(rank, cutoff.clamp(max=5), 2, 3)

@@ -156,3 +156,13 @@ def test_flex_compiled_on_cuda_equals_dense():
                 want = future_attention_target(q, k, w, given, agg, method="dense")
                 assert_close(future_attention_target(q, k, w, given, agg), want, rtol=1e-4, atol=1e-4)  # auto = flex
                 assert_close(future_attention_target(q, k, w, given, agg, method="chunked"), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["dense", "chunked"])
+def test_non_finite_input_refused(method):
+    "A NaN in q or an inf in k would give NaN targets: refused, naming the tensor (check_finite=False skips it)."
+    q, k = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8)
+    bad_q, bad_k = q.index_fill(2, torch.tensor([3]), math.nan), k.index_fill(2, torch.tensor([0]), math.inf)
+    with pytest.raises(ValueError, match="q contains NaN or inf"): future_attention_target(bad_q, k, 2, method=method)
+    with pytest.raises(ValueError, match="k contains NaN or inf"): future_attention_target(q, bad_k, 2, method=method)
+    assert future_attention_target(q, bad_k, 2, method=method, check_finite=False).isnan().any()

@@ -305,3 +305,13 @@ def test_bad_input():
     with pytest.raises(ValueError, match="o_proj_weight must be"): output_metric(torch.zeros(4, 30), 6, 3, 4)
     with pytest.raises(ValueError, match="num_heads must be"): output_metric(torch.zeros(4, 30), 0, 3, 5)
     with pytest.raises(ValueError, match="B1 and B2"): subspace_distance(torch.zeros(4, 2), torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize("name", ["K", "V", "G"])
+def test_page_basis_refuses_non_finite(name):
+    "A NaN or inf would fail inside eigh ('ill-conditioned'): refused up front, naming the tensor."
+    g = torch.Generator().manual_seed(0)
+    args = dict(K=torch.randn(3, 8, 6, generator=g), V=torch.randn(3, 8, 6, generator=g), G=torch.eye(6))
+    args[name] = args[name].index_fill(-1, torch.tensor([1]), math.nan if name != "V" else math.inf)
+    for fn in (page_basis, page_basis_reference):
+        with pytest.raises(ValueError, match=f"{name} contains NaN or inf"): fn(**args, rank=2)

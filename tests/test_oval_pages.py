@@ -158,6 +158,29 @@ def test_decode_policy_generation(tiny_llama):
     with pytest.raises(ValueError, match="policy"): PageRetrievalPolicy("quest", 16, policy="min")
 
 
+class _Rebuilding(PageRetrievalPolicy):
+    "The stateless reference: summaries rebuilt from the cache at every decode call."
+    def summary(self, k, v, ctx):
+        self.summaries.pop(ctx.layer_idx, None)
+        return super().summary(k, v, ctx)
+
+
+@pytest.mark.parametrize("method", ["oval", "quest"])
+def test_beam_search_moves_page_summaries(tiny_llama, method):
+    "With 3 beams the summaries follow the cache's reordered rows: the same as rebuilding them at every step."
+    ids = torch.randint(3, 250, (1, 13), generator=torch.Generator().manual_seed(5))
+    def beams(policy):
+        with torch.no_grad(), patch(tiny_llama, policy):
+            out = tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, num_beams=3,
+                                      do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                                      output_scores=True)
+        return out.sequences, torch.stack(out.scores)
+    kw = dict(token_budget=12, page_size=4, sink=4, recent=4, rank=2)
+    (seq, scores), (ref_seq, ref_scores) = beams(PageRetrievalPolicy(method, **kw)), beams(_Rebuilding(method, **kw))
+    assert torch.equal(seq, ref_seq)
+    assert_close(scores, ref_scores, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("method,tau", [("keypca", 0.0), ("oracle", 0.1), ("oval", -0.1)])
 def test_speculative_selection_matches_reference(tiny_llama, method, tau):
     attn = tiny_llama.model.layers[1].self_attn
@@ -336,3 +359,9 @@ def test_packed_pages_of_a_summary_instance():
     with pytest.raises(TypeError, match="holding pages"): PackedPages("quest", 8).append(QuestSummary())
     with pytest.raises(ValueError, match="this store holds 'oval'"):
         PackedPages(OVALSummary(), 8).append(build_summaries("keypca", K, V, 8))
+
+
+@pytest.mark.parametrize("eta", [2.0, -0.1, math.nan, True])
+def test_policy_refuses_bad_eta_at_construction(eta):
+    "eta outside [0, 1] is refused when the policy is built, not in the middle of generate."
+    with pytest.raises(ValueError, match="eta must be"): PageRetrievalPolicy("oval", 16, eta=eta)

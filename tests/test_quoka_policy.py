@@ -149,6 +149,23 @@ def test_generate_after_quoka_prefill_uses_decode_rule(every_tiny_model):
         assert_close(o, selected_attention_reference(q, k, v, ctx, idx), **ATOL)
 
 
+def _beams(model, prompt, policy, n=6):
+    "Beam search (3 beams) under `policy`: the sequences and each step's scores."
+    with torch.no_grad(), patch(model, policy):
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, num_beams=3,
+                             do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    return out.sequences, torch.stack(out.scores)
+
+
+def test_beam_search_moves_cached_unit_keys(tiny_llama):
+    "With 3 beams the cached unit keys follow the cache's reordered rows: the same as recomputing them every call."
+    prompt = _ids(1, 17, 8)
+    seq, scores = _beams(tiny_llama, prompt, QuokaPolicy(n_q=3, budget=5))
+    ref_seq, ref_scores = _beams(tiny_llama, prompt, QuokaPolicy(n_q=3, budget=5, cache_unit_keys=False))
+    assert torch.equal(seq, ref_seq)
+    assert_close(scores, ref_scores, atol=1e-6, rtol=0)
+
+
 def test_decode_off_is_dense(tiny_llama):
     prompt = _ids(1, 19, 6)
     cache, _ = chunked_prefill(tiny_llama, prompt[:, :-1], 6, QuokaPolicy(3, 5))

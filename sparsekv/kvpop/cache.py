@@ -233,6 +233,12 @@ class KVpopLayer(EvictingLayer):
         if self.is_initialized:
             self._seat(self.positions.shape[-1], max(self.positions.shape[-1], self.rule.budget + 1))
 
+    def apply_rows(self, fn) -> None:
+        "Apply the batch-row map `fn` to the entries and to a recurrent scorer's state and queue (`DelayedReadout`)."
+        super().apply_rows(fn)
+        ro = getattr(self, "kvpop_readout", None)
+        if ro is not None: ro.state, ro.queue = type(ro.state)(*map(fn, ro.state)), fn(ro.queue)
+
 
 
 # %% ../../nbs/15_kvpop_cache.ipynb #2a1e315d

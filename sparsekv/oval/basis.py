@@ -13,6 +13,8 @@ import math
 import torch
 from torch import Tensor
 
+from ..attention import require_finite
+
 # %% auto #0
 __all__ = ['EPS_TRACE', 'EPS_SIGMA', 'centre_page', 'check_page', 'page_risks', 'hybrid_metric', 'page_basis',
            'page_basis_reference', 'subspace_distance', 'output_metric', 'page_score', 'page_lse_exact']
@@ -29,8 +31,10 @@ def _check_tensor(x, name: str) -> None:
     if not x.is_floating_point(): raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
 def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
-    "Check pages K [..., m, d], V [..., m, dv] and a metric G [..., dv, dv] broadcastable to their batch (or None)."
+    """Check pages K [..., m, d], V [..., m, dv] and a metric G [..., dv, dv] broadcastable to their batch (or None),
+    all finite."""
     _check_tensor(K, "K"); _check_tensor(V, "V")
+    require_finite("K", K), require_finite("V", V)
     if K.dim() < 2 or K.shape[-2] < 1 or K.shape[-1] < 1:
         raise ValueError(f"K must be [..., m, d] with m, d >= 1, got shape {tuple(K.shape)}")
     if V.dim() != K.dim() or V.shape[:-1] != K.shape[:-1] or V.shape[-1] < 1:
@@ -39,6 +43,7 @@ def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
     if V.device != K.device: raise ValueError(f"V must be on K's device {K.device}, got {V.device}")
     if G is None: return
     _check_tensor(G, "G")
+    require_finite("G", G)
     dv = V.shape[-1]
     if G.dim() < 2 or G.shape[-2:] != (dv, dv):
         raise ValueError(f"G must be [..., dv, dv] with dv = {dv}, got shape {tuple(G.shape)}")

@@ -8,12 +8,14 @@ Docs: https://sparsekv.github.io/sparsekv/oval_pages.html.md"""
 from __future__ import annotations
 
 import math
+import weakref
 
 import pandas as pd
 import torch
 from torch import Tensor
 
 from ..attention import check_int
+from ..cache import follow_batch_ops
 from ..eval import attention_fidelity
 from ..hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
 from .basis import output_metric
@@ -257,6 +259,8 @@ class PageRetrievalPolicy(SelectionPolicy):
         self.policy, self.dense_layers = policy, check_int(dense_layers, "dense_layers", 0)
         self.spec_steps, self.tau = check_int(spec_steps, "spec_steps", 0), float(tau)
         self.summaries, self.metrics, self.history, self.seen = {}, {}, {}, {}
+        # cache layers whose batch operations (beam search) move this policy's per-row state
+        self.followed = weakref.WeakSet()
         # KV-head decisions re-scored / made speculatively
         self.corrected, self.speculated = 0, 0
         # pages summarized (all heads of a page at once), summed over layers
@@ -278,6 +282,10 @@ class PageRetrievalPolicy(SelectionPolicy):
     def track(self, q: Tensor, k: Tensor, ctx) -> Tensor | None:
         "Record decode query [B, Hq, d]; return the one of spec_steps calls ago (or None); a new sequence resets."
         i, T = ctx.layer_idx, k.shape[2]
+        layer = ctx.cache_layer
+        if layer is not None and layer not in self.followed:
+            self.followed.add(layer)
+            follow_batch_ops(layer, id(self), lambda fn, i=i: self.apply_rows(i, fn))
         first, last_T = self.seen.get(i, (None, 0))
         if first is None or last_T >= T or not torch.equal(first, k[:, :, :1]):  # the cache restarted
             self.summaries.pop(i, None)
@@ -287,6 +295,12 @@ class PageRetrievalPolicy(SelectionPolicy):
         hist.append(q[:, :, -1])
         del hist[: -self.spec_steps - 1]
         return hist[0] if self.spec_steps and len(hist) == self.spec_steps + 1 else None
+
+    def apply_rows(self, i: int, fn) -> None:
+        "Layer i's cache moved its batch rows by `fn` (beam search): move the queries kept, rebuild the summaries."
+        self.summaries.pop(i, None)
+        if i in self.history: self.history[i] = [fn(h) for h in self.history[i]]
+        if i in self.seen: self.seen[i] = (fn(self.seen[i][0]), self.seen[i][1])
 
     def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
         "The layer's packed summaries of all complete pages of k, v [B, Hkv, T, d]; only new pages are built."

@@ -15,6 +15,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from ..attention import attention_reference, causal_mask, check_int
+from ..cache import follow_batch_ops
 from .baselines import LessIsMoreSelector
 from ..hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
                          heads_mask, patch)
@@ -103,7 +104,10 @@ class QuokaPolicy(EarlierKeysPolicy):
         "Unit keys of k_earlier from this layer's `UnitKeyCache` (None: no cache, or `cache_unit_keys=False`)."
         layer = ctx.cache_layer
         if not self.cache_unit_keys or layer is None: return None
-        if layer not in self.unit_caches: self.unit_caches[layer] = UnitKeyCache()
+        if layer not in self.unit_caches:
+            self.unit_caches[layer] = UnitKeyCache()
+            # beam search moves the layer's rows: move the unit keys with them
+            follow_batch_ops(layer, id(self), self.unit_caches[layer].apply_rows)
         return self.unit_caches[layer].update(k_earlier)
 
     def __repr__(self):

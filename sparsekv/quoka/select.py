@@ -87,6 +87,10 @@ class UnitKeyCache:
         "Forget the unit keys from position n on (the KV cache was cropped or a new sequence starts)."
         self.length = min(self.length, check_int(n, "n"))
 
+    def apply_rows(self, fn):
+        "Apply the batch-row map `fn` (beam search's reorder etc., `sparsekv.cache.row_map`) to the cached unit keys."
+        if self.buffer is not None: self.buffer = fn(self.buffer)
+
     def update(self, k_cache: Tensor) -> Tensor:
         "Unit keys [B,Hkv,T,D] of k_cache [B,Hkv,T,D], whose first `length` keys must be those of the previous call."
         if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():

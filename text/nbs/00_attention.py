@@ -193,6 +193,29 @@ test_fail(lambda: check_qkv(q, k, k[:, :, :4]), contains="k and v must agree")
 
 
 # %% [markdown]
+# One NaN or infinity in an input spreads through a softmax to whole rows of output. The entry
+# points check their inputs with `require_finite` (one pass over the tensor), naming the tensor;
+# where `-inf` is part of the contract (masked logits) it can be allowed.
+
+# %%
+#| export
+def require_finite(name: str, x: Tensor | None, neg_inf: bool = False) -> None:
+    "Raise ValueError if x holds NaN or inf (`neg_inf=True` allows -inf, e.g. masked logits); None, meta: no check."
+    if x is None or x.device.type == "meta": return
+    ok = (x < math.inf).all() if neg_inf else torch.isfinite(x).all()
+    if not ok: raise ValueError(f"{name} contains NaN or {'+inf' if neg_inf else 'inf'}")
+
+
+# %%
+require_finite("q", q)
+require_finite("logits", torch.tensor([0.0, -math.inf]), neg_inf=True)
+test_fail(lambda: require_finite("q", q.index_fill(2, torch.tensor([1]), math.nan)), contains="q contains NaN or inf")
+test_fail(lambda: require_finite("k", torch.tensor([-math.inf])), contains="k contains NaN or inf")
+test_fail(lambda: require_finite("t", torch.tensor([math.inf]), neg_inf=True), contains="t contains NaN or +inf")
+test_fail(lambda: require_finite("t", torch.tensor([math.nan]), neg_inf=True), contains="t contains NaN or +inf")
+
+
+# %% [markdown]
 # Every integer argument in the package (a window $w$, sink count $s$, budget $k$, a number of
 # heads, a chunk size) goes through one validator. It takes any integral number (a NumPy int too)
 # except a bool, and refuses anything else with a message naming the argument and the accepted range.
@@ -420,11 +443,17 @@ def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: fl
 # %%
 #| export
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                        scale: float | None = None) -> tuple[Tensor, Tensor]:
+                        scale: float | None = None, check_finite: bool = True) -> tuple[Tensor, Tensor]:
     """Dense softmax attention: (out [B,Hq,Sq,Dv] in q's dtype, lse [B,Hq,Sq] natural log).
     `mask`: boolean, True = attend, broadcastable to [B,Hq,Sq,Sk]; None = causal with the queries
-    at the last Sq positions. A fully masked row gives out = 0 and lse = -inf."""
+    at the last Sq positions (so Sq <= Sk). A fully masked row gives out = 0 and lse = -inf.
+    `check_finite`: refuse NaN or inf in q, k, v."""
     G = check_qkv(q, k, v)
+    if mask is None and q.shape[2] > k.shape[2]:
+        raise ValueError(f"more queries (Sq={q.shape[2]}) than keys (Sk={k.shape[2]}) with mask=None: the causal "
+                         "queries align to the last keys, so the first ones would see none; pass a mask")
+    if check_finite:
+        for name, x in (("q", q), ("k", k), ("v", v)): require_finite(name, x)
     s = attention_scores(q, k, mask, scale)  # s_ij, -inf where masked
     lse = masked_logsumexp(s)  # KVpop Eq. (28)
     p = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0)[..., None])  # Eq. (29); a fully masked row is all 0
@@ -461,6 +490,9 @@ for B, Hkv, G, Sq, Sk in [(2, 2, 3, 7, 7), (1, 1, 4, 1, 9), (2, 3, 1, 5, 12), (1
     q, k, v = torch.randn(B, Hkv * G, Sq, 8), torch.randn(B, Hkv, Sk, 8), torch.randn(B, Hkv, Sk, 8)
     for mask in (None, torch.rand(B, Hkv * G, Sq, Sk) > 0.6):
         full = causal_mask(Sq, Sk).expand(B, Hkv * G, Sq, Sk) if mask is None else mask
+        if mask is None and Sq > Sk:  # more queries than keys: only with a mask saying what each sees
+            test_fail(lambda: attention_reference(q, k, v), contains="more queries (Sq=6) than keys (Sk=3)")
+            mask = full
         out, lse = attention_reference(q, k, v, mask)
         want_out, want_lse = _attention_loops(q, k, v, full, 8 ** -0.5)
         assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
@@ -479,6 +511,11 @@ assert_close(attention_reference(q, k, v, mask)[0],
 assert_close(attention_reference(q, k, v)[0], F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 assert_close(attention_reference(q, k, v, scale=0.3)[1], attention_scores(q, k, scale=0.3).logsumexp(-1))
 test_fail(lambda: attention_reference(q, k, v, scale="big"), contains="scale must be")
+for name, bad in (("q", q.index_put((torch.tensor(1), torch.tensor(2)), torch.tensor(math.nan))),
+                  ("k", k.index_put((torch.tensor(0), torch.tensor(1)), torch.tensor(math.inf)))):
+    args = dict(q=q, k=k, v=v) | {name: bad}
+    test_fail(lambda: attention_reference(**args), contains=f"{name} contains NaN or inf")
+    assert attention_reference(**args, check_finite=False)[0].isnan().any()  # what the check prevents
 
 
 # %% [markdown]
@@ -495,10 +532,12 @@ test_fail(lambda: attention_reference(q, k, v, scale="big"), contains="scale mus
 # %%
 #| export
 def attention_chunked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
-                      chunk: int = 256) -> tuple[Tensor, Tensor]:
+                      chunk: int = 256, check_finite: bool = True) -> tuple[Tensor, Tensor]:
     "`attention_reference` computed `chunk` query rows at a time: same (out, lse), at most [B, Hq, chunk, Sk] scores."
     G = check_qkv(q, k, v)
     check_int(chunk, "chunk", 1)
+    if check_finite:  # once, not per chunk
+        for name, x in (("q", q), ("k", k), ("v", v)): require_finite(name, x)
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
     if mask is not None: mask = check_mask(mask, (B, Hq, Sq, Sk), q.device)
@@ -508,7 +547,7 @@ def attention_chunked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
         e = min(a + chunk, Sq)
         if mask is None: rows = causal_mask(e - a, Sk, q.device, offset=Sk - Sq + a)
         else: rows = mask[:, :, a:e] if mask.shape[2] > 1 else mask
-        out, lse = attention_reference(q[:, :, a:e], k, v, rows, scale)
+        out, lse = attention_reference(q[:, :, a:e], k, v, rows, scale, check_finite=False)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2)
@@ -776,8 +815,11 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
         raise ValueError(f"backend='flex' has no backward on {q.device.type}: use backend='sdpa' (or 'auto') when "
                          "gradients are needed")
     with torch.set_grad_enabled(need_grad):
-        if backend == "reference": return attention_reference(q, k, v, mask, scale)
-        if backend == "chunked": return attention_chunked(q, k, v, mask, scale)
+        # as on every backend: no finiteness check; mask=None with Sq > Sk gives rows with no key
+        if backend == "reference":
+            return attention_reference(q, k, v, causal_mask(Sq, Sk, q.device) if mask is None else mask, scale,
+                                       check_finite=False)
+        if backend == "chunked": return attention_chunked(q, k, v, mask, scale, check_finite=False)
         if backend == "sdpa": return sdpa_attention_lse(q, k, v, mask, scale)
         block_mask = (causal_block_mask(Sq, Sk, q.device) if mask is None
                       else block_mask_from_bool(mask, (B, Hq, Sq, Sk)))

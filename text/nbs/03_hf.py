@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, Cache, DynamicCache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sparsekv.attention import causal_mask, check_qkv, gather_keys
+from sparsekv.attention import causal_mask, check_int, check_qkv, gather_keys
 from sparsekv.cache import EvictingCache, EvictingLayer
 
 # %%
@@ -518,8 +518,7 @@ def _patched(model: PreTrainedModel, policy: AttentionPolicy | None):
 def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int,
                     policy: AttentionPolicy | None = None, cache: Cache | None = None) -> tuple[Cache, Tensor]:
     "Prefill `input_ids` `[B,S]` in chunks of `chunk_size` (B_CP) under `policy`: the cache and last logits `[B,V]`."
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_int(chunk_size, "chunk_size", 1)  # refuses a bool (True would run as 1)
     if (not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long
             or input_ids.shape[1] == 0):
         raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
@@ -543,6 +542,7 @@ for cs in [1, 4, 5, 13, 64]:  # 1, non-divisors of 13, the whole prompt, more th
     assert_close(last, full, atol=1e-5, rtol=0)
     test_eq(cache.get_seq_length(), ids.shape[1])
 test_fail(lambda: chunked_prefill(model, ids, 0), contains="chunk_size must be")
+test_fail(lambda: chunked_prefill(model, ids, True), contains="chunk_size must be")
 
 rec = _Recorder()
 chunked_prefill(model, ids[:1, :7], 3, rec)

@@ -144,6 +144,90 @@ class TopScoreRule(SinkWindowRule):
 
 
 # %% [markdown]
+# `generate` moves batch rows with three cache-layer operations: beam search reorders them
+# (`reorder_cache`), and `batch_repeat_interleave` / `batch_select_indices` repeat or pick them.
+# `row_map` gives the map each one applies to a tensor whose first dimension is the batch; state a
+# policy keeps *beside* a cache layer follows the layer's rows when it is hooked with
+# `follow_batch_ops` (otherwise beam search would silently score one beam's keys with another's
+# summaries).
+
+# %%
+#| export
+BATCH_OPS = ("reorder_cache", "batch_repeat_interleave", "batch_select_indices")
+
+
+def row_map(op: str, arg):
+    "The map [B, ...] -> [B', ...] that the cache batch operation `op`(arg) applies to the batch rows of a tensor."
+    if op == "reorder_cache": return lambda x: x.index_select(0, arg.to(x.device))
+    if op == "batch_repeat_interleave": return lambda x: x.repeat_interleave(arg, dim=0)
+    if op == "batch_select_indices": return lambda x: x[arg.to(x.device) if isinstance(arg, Tensor) else arg]
+    raise ValueError(f"op must be one of {BATCH_OPS}, got {op!r}")
+
+
+# %%
+#| export
+def hooked_layer_class(cls: type) -> type:
+    "The subclass of cache layer class `cls` whose batch operations then call every `row_hooks` entry with the row map."
+    class Hooked(cls):
+        def _moved(self, op: str, arg) -> None:
+            for hook in list(self.row_hooks.values()): hook(row_map(op, arg))
+
+        def reorder_cache(self, beam_idx):
+            super().reorder_cache(beam_idx)
+            self._moved("reorder_cache", beam_idx)
+
+        def batch_repeat_interleave(self, repeats):
+            super().batch_repeat_interleave(repeats)
+            self._moved("batch_repeat_interleave", repeats)
+
+        def batch_select_indices(self, indices):
+            super().batch_select_indices(indices)
+            self._moved("batch_select_indices", indices)
+
+    Hooked.__name__ = Hooked.__qualname__ = f"Hooked{cls.__name__}"
+    return Hooked
+
+
+_HOOKED = {}  # layer class -> its hooked subclass
+
+
+def follow_batch_ops(layer, owner: int, apply_rows) -> None:
+    """After each batch operation (BATCH_OPS) of the cache `layer`, call `apply_rows(row_map(op, arg))`; one hook per
+    `owner` (an int id: a copied layer keeps its hooks, and re-registering replaces them)."""
+    if not hasattr(layer, "row_hooks"):
+        cls = type(layer)
+        if cls not in _HOOKED: _HOOKED[cls] = hooked_layer_class(cls)
+        layer.__class__, layer.row_hooks = _HOOKED[cls], {}  # the same layout: the class can be swapped
+    layer.row_hooks[owner] = apply_rows
+
+
+# %% [markdown]
+# Check: a `DynamicLayer` hooked to a side tensor keeps it in step with its keys under all three;
+# registering again for the same owner replaces the hook (no double move), and a deep copy of the
+# layer moves its own rows, not the original's.
+
+# %%
+import copy
+
+_lay, _side = DynamicLayer(), {}
+_k = torch.randn(3, 2, 4, 8)
+_lay.update(_k, _k)
+_side["x"] = _k.clone()
+for _ in range(2): follow_batch_ops(_lay, 0, lambda fn: _side.update(x=fn(_side["x"])))
+_lay.reorder_cache(torch.tensor([2, 0, 0]))
+_lay.batch_repeat_interleave(2)
+_lay.batch_select_indices(torch.tensor([1, 4]))
+test_eq(_side["x"], _lay.keys)
+test_eq(_lay.keys, _k[[2, 0]])
+assert isinstance(_lay, DynamicLayer)
+_copy = copy.deepcopy(_lay)
+_copy.reorder_cache(torch.tensor([1, 1]))
+test_eq(_copy.keys, _k[[0, 0]])
+test_eq(_lay.keys, _k[[2, 0]])
+test_fail(lambda: row_map("crop", 1), contains="op must be one of")
+
+
+# %% [markdown]
 # The layer stores keys, values, positions and scores; `update` appends, `evict` gathers the kept
 # entries (all four tensors), `crop` undoes the last tokens as long as nothing before the cut was
 # evicted, and the batch operations `generate` uses (beam search, `batch_select_indices`) carry
@@ -242,14 +326,18 @@ class EvictingLayer(DynamicLayer):
         self._apply(lambda x: x[:, :, :0])
         self.seen = 0
 
+    def apply_rows(self, fn) -> None:
+        "Apply the batch-row map `fn` (see `row_map`) to all per-row state (here: keys, values, positions, scores)."
+        self._apply(fn)
+
     def reorder_cache(self, beam_idx: Tensor) -> None:
-        self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
+        self.apply_rows(row_map("reorder_cache", beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply(lambda x: x.repeat_interleave(repeats, dim=0))
+        self.apply_rows(row_map("batch_repeat_interleave", repeats))
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        self._apply(lambda x: x[indices])
+        self.apply_rows(row_map("batch_select_indices", indices))
 
 
 # %%

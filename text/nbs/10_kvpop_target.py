@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from sparsekv.attention import (attention_scores, causal_block_mask, causal_mask, check_int, check_qkv,
-                                flex_attention_lse, masked_logsumexp, repeat_kv, softmax_scale)
+                                flex_attention_lse, masked_logsumexp, repeat_kv, require_finite, softmax_scale)
 
 # %%
 #| hide
@@ -400,13 +400,15 @@ def future_log_mass_flex(q: Tensor, k: Tensor, window: int, lse: Tensor | None =
 #| export
 def future_attention_target(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None, agg: str = "max",
                             eps: float = 1e-6, normalize: bool = True, method: str = "auto", block: int = 256,
-                            scale: float | None = None) -> Tensor:
+                            scale: float | None = None, check_finite: bool = True) -> Tensor:
     """KVpop's future-attention target r_tgt [B, Hkv, S] (Eq. (2), (3), (8)): Agg_g log(eps + m_t), m_t the mean
     probability the queries d >= t + window give key t, normalized by `lse` [B, Hq, S] (the dense causal LSE when
-    None; a sparse one gives Eq. (9)). Keys with no future query get log(eps). No gradient (a label); float32."""
+    None; a sparse one gives Eq. (9)). Keys with no future query get log(eps). No gradient (a label); float32.
+    `check_finite`: refuse NaN or inf in q and k."""
     if method not in METHODS: raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_int(block, "block", 1)
     G = check_target_args(q, k, window, lse, agg, eps, normalize)
+    if check_finite: require_finite("q", q), require_finite("k", k)
     if method == "auto": method = "flex" if q.is_cuda else "chunked"
     with torch.no_grad():
         q, k = q.detach(), k.detach()
@@ -464,6 +466,12 @@ test_fail(lambda: future_attention_target(q, k, 2, lse=torch.full((1, 6, 10), -m
           contains="lse must be finite")
 test_fail(lambda: future_attention_target(q, k, 2, lse=torch.zeros(1, 6, 10, dtype=torch.long)),
           contains="floating-point")
+# one NaN in q or inf in k would make NaN targets
+test_fail(lambda: future_attention_target(q.index_fill(2, torch.tensor([3]), math.nan), k, 2),
+          contains="q contains NaN or inf")
+test_fail(lambda: future_attention_target(q, k.index_fill(2, torch.tensor([0]), math.inf), 2),
+          contains="k contains NaN or inf")
+assert future_attention_target(q, k.index_fill(2, torch.tensor([0]), math.inf), 2, check_finite=False).isnan().any()
 
 
 # %% [markdown]

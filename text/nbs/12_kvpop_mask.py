@@ -90,17 +90,42 @@ def _check_mask_args(rank: Tensor, cutoff: Tensor, sink: int, window: int, group
     check_int(groups, "groups", 1)
     return check_rank_cutoff(rank, cutoff)
 
+def check_ranks(rank: Tensor, cutoff: Tensor, sink: int, window: int) -> None:
+    """Necessary conditions, O(S) per head, for rank and cutoff to come from `topk_cutoff(., k, sink, window)`: rank S
+    at the sinks and in [0, S) after them; cutoff in [0, S], and S while E(q) is empty (q < sink + window)."""
+    S, s = rank.shape[-1], min(sink, rank.shape[-1])
+    if (rank[..., :s] != S).any() or ((rank[..., s:] < 0) | (rank[..., s:] >= S)).any():
+        raise ValueError(f"rank must be S={S} at the sinks and in [0, S) after them, as topk_cutoff gives for "
+                         f"sink={sink}: ranks built for another sink, or negative, are refused")
+    if ((cutoff < 0) | (cutoff > S)).any() or (cutoff[..., :sink + window] != S).any():
+        raise ValueError(f"cutoff must be in [0, S={S}], and S for the first sink + window = {sink + window} queries "
+                         f"(no eligible key), as topk_cutoff gives for sink={sink}, window={window}")
+
+
+# %%
+#| export
 def kvpop_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1) -> Tensor:
     """Dense KVpop mask (Eq. 26), bool [B, H*groups, S, S], True = attend: causal and (sink, or in the window,
     or eligible with rank[t] <= cutoff[q]). Query head h*groups+g uses KV head h."""
     _check_mask_args(rank, cutoff, sink, window, groups)
+    check_ranks(rank, cutoff, sink, window)
     S = rank.shape[-1]
     q = torch.arange(S, device=rank.device)[:, None]
     t = torch.arange(S, device=rank.device)
     top = rank[..., None, :] <= cutoff[..., :, None]  # [B, H, S, S]: rank(t) <= tau_q
     # causal and (sink or window), or in E(q) (Eq. 4) with rank(t) <= tau_q
-    mask = sink_window_visible(sink, window)(q, t) | (evictable(sink, window)(q, t) & top)
-    return repeat_kv(mask, groups)
+    kept = evictable(sink, window)(q, t) & top
+    _check_kept(kept.sum(-1), cutoff < S, sink, window)
+    return repeat_kv(sink_window_visible(sink, window)(q, t) | kept, groups)
+
+
+def _check_kept(n: Tensor, full: Tensor, sink: int, window: int) -> None:
+    "Rows with a cutoff < S keep one number k of eligible keys per head, and exactly those rows have |E(q)| >= k."
+    size = (torch.arange(n.shape[-1], device=n.device) - sink - window + 1).clamp(min=0)   # |E(q)|
+    k = n.masked_fill(~full, 0).amax(-1, keepdim=True)
+    if ((n != k) & full).any() or (full != (size >= k) & full.any(-1, keepdim=True)).any():
+        raise ValueError(f"rank and cutoff do not keep the same k eligible keys at every full row: built for another "
+                         f"sink or window than sink={sink}, window={window}?")
 
 def kvpop_mask_reference(priority: Tensor, k: int, sink: int, window: int) -> Tensor:
     "The KVpop mask [B,H,S,S] by definition, with loops: per q, the top k of E(q) by priority (ties: earlier first)."
@@ -184,6 +209,7 @@ assert _evictions_permanent(kvpop_mask(rank, cutoff, sink, window), sink, window
 def kvpop_mask_mod(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1):
     "FlexAttention mask_mod of `kvpop_mask` over captured rank/cutoff [B,Hkv,S]; query head h reads KV head h // G."
     _check_mask_args(rank, cutoff, sink, window, groups)
+    check_ranks(rank, cutoff, sink, window)
     fixed, eligible = sink_window_visible(sink, window), evictable(sink, window)  # the predicates of `kvpop_mask`
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -288,3 +314,20 @@ test_fail(lambda: kvpop_attention(q, kk, v, rank[..., :-1], cutoff[..., :-1], si
 test_fail(lambda: kvpop_mask(rank.int(), cutoff, sink, window), contains="int64 tensor")
 test_fail(lambda: kvpop_mask(rank, cutoff, sink, 0), contains="window must be an int >= 1")
 test_fail(lambda: kvpop_mask(rank, cutoff, sink, window, groups=0), contains="groups must be an int >= 1")
+
+# %% [markdown]
+# Ranks and cutoffs built for another sink or window, or negative ranks, are refused (`check_ranks` in $O(S)$, and
+# the dense mask checks that its full rows keep one number $k$ of eligible keys).
+
+# %%
+p = torch.randn(2, 2, 30)
+rank, cutoff = topk_cutoff(p, 4, 2, 3)
+test_eq(kvpop_mask(rank, cutoff, 2, 3), kvpop_mask_reference(p, 4, 2, 3))
+test_fail(lambda: kvpop_mask(rank.index_fill(2, torch.tensor([5]), -1), cutoff, 2, 3), contains="negative")
+for s, w in ((1, 3), (3, 3)):   # another sink
+    test_fail(lambda: kvpop_mask(rank, cutoff, s, w), contains="another sink")
+for s, w in ((2, 1), (2, 6), (2, 5)):   # another window
+    test_fail(lambda: kvpop_mask(rank, cutoff, s, w), contains="window")
+# the mask_mod checks in O(S) only: another sink, or a window larger than the ranks were built for (small k)
+test_fail(lambda: kvpop_mask_mod(rank, cutoff, 1, 3), contains="another sink")
+test_fail(lambda: kvpop_mask_mod(*topk_cutoff(p, 1, 2, 1), 2, 3), contains="window=3")

@@ -318,9 +318,20 @@ class KVpopLayer(EvictingLayer):
         if self.is_initialized:
             self._seat(self.positions.shape[-1], max(self.positions.shape[-1], self.rule.budget + 1))
 
+    def apply_rows(self, fn) -> None:
+        "Apply the batch-row map `fn` to the entries and to a recurrent scorer's state and queue (`DelayedReadout`)."
+        super().apply_rows(fn)
+        ro = getattr(self, "kvpop_readout", None)
+        if ro is not None: ro.state, ro.queue = type(ro.state)(*map(fn, ro.state)), fn(ro.queue)
+
 
 
 # %% [markdown]
+# Beam search is supported: the batch operations `generate` uses (`reorder_cache`,
+# `batch_repeat_interleave`, `batch_select_indices`) move a recurrent scorer's state and queue
+# with the entries (`apply_rows`), so decoding on equals a cache fed the moved rows from the
+# start (tests/test_kvpop_cache.py).
+#
 # `KVpopPolicy` runs exact attention over what the rule shows each query. The dispatcher masks
 # prefill chunks with `visible`; at decode the layer may hold one eligible entry more than the query
 # sees (the worst of $k + 1$), which the policy masks with the index from `worst_eligible` (or with

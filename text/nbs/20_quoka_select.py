@@ -283,6 +283,10 @@ class UnitKeyCache:
         "Forget the unit keys from position n on (the KV cache was cropped or a new sequence starts)."
         self.length = min(self.length, check_int(n, "n"))
 
+    def apply_rows(self, fn):
+        "Apply the batch-row map `fn` (beam search's reorder etc., `sparsekv.cache.row_map`) to the cached unit keys."
+        if self.buffer is not None: self.buffer = fn(self.buffer)
+
     def update(self, k_cache: Tensor) -> Tensor:
         "Unit keys [B,Hkv,T,D] of k_cache [B,Hkv,T,D], whose first `length` keys must be those of the previous call."
         if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():
@@ -499,6 +503,13 @@ q, k = _qk(3, 8, 20)
 test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k)[:, :, :5]), contains="k_unit")
 test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k).float()), contains="k_unit")
 test_fail(lambda: UnitKeyCache().update(k[0]), contains="k_cache")
+# beam search reorders the cache's rows (apply_rows with the same map): the unit keys follow
+kb = torch.randn(3, 2, 12, 8, generator=g)
+cache = UnitKeyCache()
+cache.update(kb)
+cache.apply_rows(lambda x: x[[2, 0, 0]])
+kb = torch.cat([kb[[2, 0, 0]], kb[:, :, :1]], 2)   # the moved rows and one new key each
+test_eq(cache.update(kb), unit_keys(kb))
 
 # %% [markdown]
 # Ties: one-hot queries and keys make every quantity exact, and many keys repeat, so equal

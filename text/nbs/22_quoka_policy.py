@@ -18,6 +18,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from sparsekv.attention import attention_reference, causal_mask, check_int
+from sparsekv.cache import follow_batch_ops
 from sparsekv.quoka.baselines import LessIsMoreSelector
 from sparsekv.hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
                          heads_mask, patch)
@@ -209,7 +210,10 @@ class QuokaPolicy(EarlierKeysPolicy):
         "Unit keys of k_earlier from this layer's `UnitKeyCache` (None: no cache, or `cache_unit_keys=False`)."
         layer = ctx.cache_layer
         if not self.cache_unit_keys or layer is None: return None
-        if layer not in self.unit_caches: self.unit_caches[layer] = UnitKeyCache()
+        if layer not in self.unit_caches:
+            self.unit_caches[layer] = UnitKeyCache()
+            # beam search moves the layer's rows: move the unit keys with them
+            follow_batch_ops(layer, id(self), self.unit_caches[layer].apply_rows)
         return self.unit_caches[layer].update(k_earlier)
 
     def __repr__(self):
@@ -220,7 +224,9 @@ class QuokaPolicy(EarlierKeysPolicy):
 
 # %% [markdown]
 # The attribute is `decode_sparse` because `decode` is the `AttentionPolicy` method for
-# generation calls.
+# generation calls. Beam search is supported: the cached unit keys follow the cache layer's
+# batch operations (`follow_batch_ops`), so `generate(num_beams=3)` equals the same policy with
+# `cache_unit_keys=False` (tests/test_quoka_policy.py).
 #
 # ## Checks on a tiny model
 #

@@ -23,12 +23,14 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import pandas as pd
 import torch
 from torch import Tensor
 
 from sparsekv.attention import check_int
+from sparsekv.cache import follow_batch_ops
 from sparsekv.eval import attention_fidelity
 from sparsekv.hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
 from sparsekv.oval.basis import output_metric
@@ -564,6 +566,8 @@ class PageRetrievalPolicy(SelectionPolicy):
         self.policy, self.dense_layers = policy, check_int(dense_layers, "dense_layers", 0)
         self.spec_steps, self.tau = check_int(spec_steps, "spec_steps", 0), float(tau)
         self.summaries, self.metrics, self.history, self.seen = {}, {}, {}, {}
+        # cache layers whose batch operations (beam search) move this policy's per-row state
+        self.followed = weakref.WeakSet()
         # KV-head decisions re-scored / made speculatively
         self.corrected, self.speculated = 0, 0
         # pages summarized (all heads of a page at once), summed over layers
@@ -585,6 +589,10 @@ class PageRetrievalPolicy(SelectionPolicy):
     def track(self, q: Tensor, k: Tensor, ctx) -> Tensor | None:
         "Record decode query [B, Hq, d]; return the one of spec_steps calls ago (or None); a new sequence resets."
         i, T = ctx.layer_idx, k.shape[2]
+        layer = ctx.cache_layer
+        if layer is not None and layer not in self.followed:
+            self.followed.add(layer)
+            follow_batch_ops(layer, id(self), lambda fn, i=i: self.apply_rows(i, fn))
         first, last_T = self.seen.get(i, (None, 0))
         if first is None or last_T >= T or not torch.equal(first, k[:, :, :1]):  # the cache restarted
             self.summaries.pop(i, None)
@@ -594,6 +602,12 @@ class PageRetrievalPolicy(SelectionPolicy):
         hist.append(q[:, :, -1])
         del hist[: -self.spec_steps - 1]
         return hist[0] if self.spec_steps and len(hist) == self.spec_steps + 1 else None
+
+    def apply_rows(self, i: int, fn) -> None:
+        "Layer i's cache moved its batch rows by `fn` (beam search): move the queries kept, rebuild the summaries."
+        self.summaries.pop(i, None)
+        if i in self.history: self.history[i] = [fn(h) for h in self.history[i]]
+        if i in self.seen: self.seen[i] = (fn(self.seen[i][0]), self.seen[i][1])
 
     def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
         "The layer's packed summaries of all complete pages of k, v [B, Hkv, T, d]; only new pages are built."
@@ -645,6 +659,12 @@ class PageRetrievalPolicy(SelectionPolicy):
 
 
 # %% [markdown]
+# Beam search is supported: the policy hooks each cache layer it decodes with
+# (`follow_batch_ops`); when `generate` reorders, repeats or selects the cache's batch rows, the
+# kept decode queries and first keys follow the rows and the layer's summaries are rebuilt from
+# the moved cache at the next step, so `num_beams=3` equals rebuilding them at every step
+# (tests/test_oval_pages.py).
+#
 # Checks on a tiny random model: when sink and recent cover the sequence (the retrieval path
 # runs but keeps every token), generation equals dense generation; with a small budget,
 # each decode step's output equals dense attention restricted to the tokens `select_pages`

@@ -50,12 +50,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from sparsekv.attention import check_int
+from sparsekv.attention import check_int, require_finite
 from sparsekv.io import write_csv
 
 # %%
 from fastcore.test import test_eq, test_fail, test_close
 from torch.testing import assert_close
+
 
 # %% [markdown]
 # ## Input checks
@@ -97,6 +98,7 @@ def _masked_mean(x: torch.Tensor, mask) -> torch.Tensor:
     "Mean of `x` over the positions where `mask` is True (all positions when `mask` is None)."
     return x.mean() if mask is None else x[mask].mean()
 
+
 # %% [markdown]
 # Logits of long sequences are large (`[8192, 49152]` is 1.6 GB in float32), and a softmax
 # makes several copies. The per-position metrics therefore run over blocks of rows of the
@@ -112,6 +114,7 @@ def _rowwise(fn: Callable, *xs: torch.Tensor) -> torch.Tensor:
     flat = [x.reshape(-1, *x.shape[len(lead):]) for x in xs]
     out = [fn(*(f[i:i + _ROWS] for f in flat)) for i in range(0, flat[0].shape[0], _ROWS)]
     return torch.cat(out).reshape(lead)
+
 
 # %% [markdown]
 # ## Next-token agreement with the teacher
@@ -139,6 +142,7 @@ def top1_agreement_reference(student_logits, teacher_logits, mask=None) -> float
     hits = [s_.index(max(s_)) == t_.index(max(t_)) for s_, t_, ok in zip(s, t, m) if ok]
     return sum(hits) / len(hits)
 
+
 # %%
 torch.manual_seed(0)
 t = torch.randn(3, 7, 5)
@@ -150,6 +154,7 @@ test_eq(top1_agreement(t, t).item(), 1.0)
 test_fail(lambda: top1_agreement(s, t[:, :6]), contains="same shape")
 test_fail(lambda: top1_agreement(s, t, m[:, :6]), contains="mask must have shape")
 test_fail(lambda: top1_agreement(s, t, torch.zeros(3, 7, dtype=torch.bool)), contains="selects no position")
+
 
 # %% [markdown]
 # ## KL divergence to the teacher
@@ -210,8 +215,11 @@ def _topk_kl_rows(s: torch.Tensor, t: torch.Tensor, k: int, renormalize_student:
 
 def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: int | None = None,
              renormalize_student: bool = True) -> torch.Tensor:
-    "Per-position KL(teacher || student) of logits `[..., V]`, on all tokens or the teacher's `top_k` (renormalized)."
+    """Per-position KL(teacher || student) of logits `[..., V]`, on all tokens or the teacher's `top_k` (renormalized);
+    -inf logits (masked tokens) are allowed, NaN and +inf refused."""
     _check_pair(student_logits, teacher_logits)
+    require_finite("student_logits", student_logits, neg_inf=True)
+    require_finite("teacher_logits", teacher_logits, neg_inf=True)
     if top_k is None: return _rowwise(_kl_rows, student_logits, teacher_logits)
     k = check_int(top_k, "top_k", 1, teacher_logits.shape[-1])
     return _rowwise(lambda s, t: _topk_kl_rows(s, t, k, renormalize_student), student_logits, teacher_logits)
@@ -221,6 +229,7 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, ma
     "Mean over valid positions of KL(teacher || student) (see `token_kl`)."
     mask = _check_positions(mask, teacher_logits.shape[:-1])
     return _masked_mean(token_kl(student_logits, teacher_logits, top_k, renormalize_student), mask)
+
 
 # %% [markdown]
 # The brute-force reference works one position at a time in float64 with explicit
@@ -239,6 +248,7 @@ def token_kl_reference(student_logits, teacher_logits, top_k=None, renormalize_s
         ps = s[idx].exp() / (s[idx] if renormalize_student else s).exp().sum()
         out.append(sum(p * (p.log() - q.log()) for p, q in zip(pt, ps) if p > 0))
     return torch.stack(out).reshape(teacher_logits.shape[:-1])
+
 
 # %% [markdown]
 # Checks: both variants against the reference; $k = V$ gives the full KL; the identity
@@ -271,6 +281,10 @@ kl_to_teacher(s_req, t, top_k=4).backward()
 assert s_req.grad.abs().sum() > 0 and torch.isfinite(s_req.grad).all()
 test_fail(lambda: token_kl(s, t, top_k=V + 1), contains="top_k must be an int in [1, 11]")
 test_fail(lambda: token_kl(s, t.long()), contains="teacher_logits must be a floating-point tensor")
+# NaN or +inf logits would give a NaN KL; -inf (a masked token) is allowed, see below
+nan_s, inf_t = s.index_fill(-1, torch.tensor([2]), math.nan), t.index_fill(-1, torch.tensor([0]), math.inf)
+test_fail(lambda: kl_to_teacher(nan_s, t), contains="student_logits contains NaN")
+test_fail(lambda: kl_to_teacher(s, inf_t), contains="teacher_logits contains NaN")
 
 # %% [markdown]
 # A teacher that gives some tokens probability exactly zero (logit $-\infty$) contributes
@@ -282,6 +296,7 @@ assert torch.isfinite(token_kl(s, t_inf)).all()
 assert_close(token_kl(s, t_inf), token_kl_reference(s, t_inf).float(), rtol=1e-5, atol=1e-6)
 assert_close(token_kl(s.bfloat16(), t.bfloat16()), token_kl(s.bfloat16().float(), t.bfloat16().float()))
 test_eq(token_kl(s.bfloat16(), t.bfloat16()).dtype, torch.float32)
+
 
 # %% [markdown]
 # ## Perplexity and token accuracy
@@ -349,6 +364,7 @@ def perplexity_reference(logits, labels, ignore_index=-100, shift=True) -> float
             for z, y in zip(z2.reshape(-1, z2.shape[-1]), y2.reshape(-1).tolist()) if y != ignore_index]
     return math.exp(sum(nlls) / len(nlls))
 
+
 # %%
 torch.manual_seed(2)
 z = 3 * torch.randn(2, 9, 13)
@@ -376,6 +392,7 @@ test_fail(lambda: perplexity(z, torch.full_like(y, -100)), contains="no position
 test_fail(lambda: perplexity(z, y.clamp_min(0) + 13), contains="labels must be in [0, 13)")
 test_fail(lambda: perplexity(z, y[:, :8]), contains="labels must have shape")
 test_fail(lambda: perplexity(z, y.float()), contains="labels must be an integer tensor")
+
 
 # %% [markdown]
 # ## Attention-mass recall
@@ -490,6 +507,7 @@ def _mass(lse_kept: torch.Tensor, lse_all: torch.Tensor) -> torch.Tensor:
     "exp(lse_kept - lse_all), NaN where no key is allowed."
     return torch.where(torch.isfinite(lse_all), (lse_kept - lse_all).exp(), math.nan)
 
+
 # %%
 #| export
 def _prepare(q, k, v, keep, mask, scale, chunk):
@@ -511,6 +529,7 @@ def attention_mass_recall(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, 
         a = _query_rows(allowed, sl)
         out.append(_mass(_masked_lse(s, a & _query_rows(kept, sl)), _masked_lse(s, a)))
     return torch.cat(out, dim=2)
+
 
 # %% [markdown]
 # The reference loops over batch, query head and query, builds each probability row with an
@@ -544,6 +563,7 @@ def attention_fidelity_reference(q, k, v, keep, allowed, scale=None) -> tuple[to
                 n = o_dense.norm()
                 if n > 0: err[b, h, i] = (o_kept - o_dense).norm() / n
     return mass, err
+
 
 # %%
 def _rand_qkv(B=2, Hkv=2, G=3, Sq=5, Sk=9, D=4, Dv=None, seed=0):
@@ -600,6 +620,7 @@ test_fail(lambda: attention_mass_recall(q, k, idx + Sk), contains="keep indices 
 test_fail(lambda: attention_mass_recall(q, k, idx[:, :1]), contains="keep indices must have shape")
 test_fail(lambda: attention_mass_recall(q, k, keep.float()), contains="keep must be a boolean mask")
 test_fail(lambda: attention_mass_recall(q, k, keep, chunk=0), contains="chunk must be an int >= 1")
+
 
 # %% [markdown]
 # ## Relative attention-output error
@@ -668,6 +689,7 @@ def attention_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: 
         err.append(relative_output_error(_attend(s, kk, lse_kept, vf, G), _attend(s, a, lse_all, vf, G)))
     return torch.cat(mass, dim=2), torch.cat(err, dim=2)
 
+
 # %% [markdown]
 # Checks: `relative_output_error` against a loop; `attention_fidelity` against the
 # reference (with a value dim different from the key dim); the decomposition above; the
@@ -716,6 +738,7 @@ from sparsekv.attention import attention_reference
 o_dense, _ = attention_reference(q, k, v)
 o_kept, _ = attention_reference(q, k, v, mask=causal & keep)
 assert_close(relative_output_error(o_kept, o_dense), err, equal_nan=True, atol=1e-5, rtol=1e-4)
+
 
 # %% [markdown]
 # ## Retention recall against an oracle
@@ -773,6 +796,7 @@ def retention_recall_reference(kept_sets: list[set], scores: list[list[float]], 
         out.append(len(set(kept) & set(oracle)) / k)
     return out
 
+
 # %%
 g = torch.Generator().manual_seed(6)
 sc = torch.randint(0, 4, (3, 2, 12), generator=g).float()  # few distinct values: many ties
@@ -795,6 +819,7 @@ test_fail(lambda: retention_recall(kept_idx, sc, 13), contains="k must be an int
 test_fail(lambda: oracle_topk(torch.tensor([1.0, math.nan]), 1), contains="NaN")
 test_fail(lambda: retention_recall(kept_idx[:2], sc, 3), contains="kept indices must have shape")
 test_fail(lambda: retention_recall(kept_idx + 12, sc, 3), contains="kept indices must be in [0, 12)")
+
 
 # %% [markdown]
 # ## pass@k and avg@k
@@ -848,6 +873,7 @@ def pass_at_k_reference(correct_row, k: int) -> float:
     "Brute-force pass@k of one problem: the fraction of all k-subsets of its samples that contain a correct one."
     subsets = list(itertools.combinations(list(correct_row), k))
     return sum(any(s) for s in subsets) / len(subsets)
+
 
 # %% [markdown]
 # The reference enumerates every $k$-subset of the $n$ samples, for every $n \le 8$ and
@@ -943,6 +969,7 @@ def _grid_cells(cells, params=None) -> tuple[list[dict], dict, list[str]]:
         raise ValueError(f"params and the cells both set {both}: a setting belongs to one of them")
     return cells, params, list(dict.fromkeys([*params, *(key for c in cells for key in c)]))
 
+
 # %% [markdown]
 # Reading the file back: the header, then each row as text, sorting out damaged rows.
 
@@ -977,6 +1004,7 @@ def _read_grid(path: Path) -> tuple[list[dict], list[str], list[int]]:
         if len(fields) == len(header) and _is_wall_time(row[WALL_TIME]): rows.append(row)
         else: bad.append(n)
     return rows, header, bad
+
 
 # %% [markdown]
 # The runner itself.
@@ -1038,6 +1066,7 @@ def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str 
             write_csv(path, pd.DataFrame(rows, columns=columns))
             bar.update()
     return _grid_frame([rows[found[i]] for i in range(len(cells))], columns, keys)
+
 
 # %% [markdown]
 # A grid interrupted by an exception at its third cell keeps the two finished cells; the
