@@ -11,6 +11,7 @@ import inspect
 
 from torch import Tensor
 
+from .attention import check_int
 from .hf import AttentionContext, AttentionPolicy, Method
 # The eviction methods live with KVpop: importing them registers them and makes them reachable from this module.
 from .kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
@@ -64,8 +65,7 @@ class SelectionMethod(Method):
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True):
         super().__init__(budget)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size (B_CP) must be an int >= 1, got {chunk_size!r}")
+        check_int(chunk_size, "chunk_size", 1)
         if not isinstance(decode, bool): raise TypeError(f"decode must be a bool, got {decode!r}")
         self.chunk_size, self.decode = chunk_size, decode
 

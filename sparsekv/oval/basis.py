@@ -13,10 +13,10 @@ import math
 import torch
 from torch import Tensor
 
-from ..attention import require_finite
+from ..attention import check_int, require_finite
 
 # %% auto #0
-__all__ = ['EPS_TRACE', 'EPS_SIGMA', 'centre_page', 'check_page', 'page_risks', 'hybrid_metric', 'page_basis',
+__all__ = ['EPS_TRACE', 'EPS_SIGMA', 'centre_page', 'check_page', 'check_eta', 'page_risks', 'hybrid_metric', 'page_basis',
            'page_basis_reference', 'subspace_distance', 'output_metric', 'page_score', 'page_lse_exact']
 
 # %% ../../nbs/30_oval_basis.ipynb #8473ce3d
@@ -53,11 +53,8 @@ def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
         raise ValueError(f"G's leading dims {tuple(G.shape[:-2])} must broadcast to the pages' {tuple(K.shape[:-2])}")
     if G.device != K.device: raise ValueError(f"G must be on K's device {K.device}, got {G.device}")
 
-def _check_rank(rank) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
-
-def _check_eta(eta) -> None:
+def check_eta(eta) -> None:
+    "Refuse an `eta` outside [0, 1] (the hybrid's mix of key fidelity and output sensitivity, §3.2)."
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
         raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
 
@@ -85,7 +82,7 @@ EPS_SIGMA = 1e-10   # App. D.3: singular values are clamped here before dividing
 def hybrid_metric(K: Tensor, V: Tensor, G: Tensor | None = None, eta: float = 0.5) -> Tensor:
     "M_eta = (1-eta) c_key X^T X + eta c_out X^T Y G Y^T X, c = 1/max(trace, 1e-30) (§3.2), in d x d: [..., d, d]."
     check_page(K, V, G)
-    _check_eta(eta)
+    check_eta(eta)
     _, X = centre_page(K)
     _, Y = centre_page(V)
     YtX = Y.mT @ X
@@ -167,7 +164,7 @@ def page_basis(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8,
     """OVAL page summary (§3.3, App. D.3): mu [..., d], orthonormal B [..., d, r] (top eigenspace of M_eta) and
     R = X B [..., m, r], r = min(rank, m-1, d), in K's dtype."""
     check_page(K, V, G)
-    _check_rank(rank); _check_eta(eta)
+    check_int(rank, "rank", 1); check_eta(eta)
     m, d = K.shape[-2:]
     r = min(rank, m - 1, d)
     wd = _work_dtype(K, V)
@@ -185,7 +182,7 @@ def page_basis_reference(K: Tensor, V: Tensor, G: Tensor | None = None, rank: in
                          eta: float = 0.5) -> tuple[Tensor, Tensor, Tensor]:
     "page_basis by the direct d x d eigenproblem of M_eta (torch.linalg.eigh), float64: (mu, B, R)."
     check_page(K, V, G)
-    _check_rank(rank); _check_eta(eta)
+    check_int(rank, "rank", 1); check_eta(eta)
     m, d = K.shape[-2:]
     K, V = K.double(), V.double()
     mu, X = centre_page(K)

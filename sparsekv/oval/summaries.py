@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..attention import check_int
-from .basis import page_basis, page_lse_exact, page_score
+from .basis import check_eta, page_basis, page_lse_exact, page_score
 
 # %% auto #0
 __all__ = ['SUMMARIES', 'METHODS', 'split_pages', 'PageSummary', 'QuestSummary', 'ArkValeSummary', 'KeyPCASummary', 'OVALSummary',
@@ -265,8 +265,7 @@ class OVALSummary(KeyPCASummary):
 
     def __init__(self, rank: int = 8, eta: float = 0.5, G: Tensor | None = None):
         super().__init__(rank)
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
-            raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
+        check_eta(eta)
         self.eta, self.G = eta, G
 
     @classmethod

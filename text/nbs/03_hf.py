@@ -792,11 +792,7 @@ class Method:
     @classmethod
     def check_budget(cls, budget) -> int:
         "`budget` if it is an int >= 1 (KV entries each query may attend to, per KV head)."
-        if isinstance(budget, bool) or not isinstance(budget, int):
-            raise TypeError(f"budget must be an int >= 1 (KV entries per query and KV head), got {budget!r}")
-        if budget < 1:
-            raise ValueError(f"budget must be an int >= 1 (KV entries per query and KV head), got {budget!r}")
-        return budget
+        return check_int(budget, "budget", 1)
 
     def policy(self) -> AttentionPolicy:
         "A fresh attention policy for one run (dense here)."

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparsekv.attention import check_qkv
+from sparsekv.attention import check_int, check_qkv
 from sparsekv.cache import EvictingCache, EvictingLayer, EvictionRule, SinkWindowRule, TopScoreRule
 from sparsekv.hf import DensePolicy, MaskPolicy, Method, heads_mask, patch
 
@@ -160,10 +160,7 @@ def split_budget(budget: int, sink: int | None = None, window: int | None = None
     B = Method.check_budget(budget)
     if window is None: window = min(B, max(1, round(256 * B / 4356)))
     if sink is None: sink = min(4, B - window)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
-    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
-        raise ValueError(f"sink must be an int >= 0, got {sink!r}")
+    check_int(window, "window", 1), check_int(sink, "sink", 0)
     if sink + window > B: raise ValueError(f"budget={B} must cover sink + window = {sink} + {window}")
     return sink, window, B - sink - window
 
@@ -175,10 +172,7 @@ class EvictionMethod(Method):
     def __init__(self, budget: int, sink: int | None = None, window: int | None = None, chunk_size: int | None = None):
         super().__init__(budget)
         self.sink, self.window, self.k = split_budget(self.budget, sink, window)
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                       or chunk_size < 1):
-            raise ValueError("chunk_size must be None (the whole prompt in one call) or an int >= 1, got "
-                             f"{chunk_size!r}")
+        if chunk_size is not None: check_int(chunk_size, "chunk_size", 1)  # None: the whole prompt in one call
         self.chunk_size = chunk_size
 
     def rule(self) -> EvictionRule:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from sparsekv.attention import check_int
-from sparsekv.oval.basis import page_basis, page_lse_exact, page_score
+from sparsekv.oval.basis import check_eta, page_basis, page_lse_exact, page_score
 
 # %%
 #| hide
@@ -482,8 +482,7 @@ class OVALSummary(KeyPCASummary):
 
     def __init__(self, rank: int = 8, eta: float = 0.5, G: Tensor | None = None):
         super().__init__(rank)
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
-            raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
+        check_eta(eta)
         self.eta, self.G = eta, G
 
     @classmethod
