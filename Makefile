@@ -21,6 +21,7 @@ LAB_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 help:
 	@echo "make reproduce [PROFILE=quick|cpu|gpu]  run the experiment pipeline (default PROFILE=cpu)"
+	@echo "  ARGS=\"--only STAGE\" (one stage), \"--force\" (rerun up-to-date stages), \"--list\" (list the stages)"
 	@echo "make test                             export, run the notebooks' checks and the pytest suite"
 	@echo "make test-all                         also run the slow (and, with a GPU, the gpu) checks"
 	@echo "make docs                             build the offline docs site into _docs/"

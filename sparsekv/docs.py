@@ -24,16 +24,19 @@ import yaml
 from nbdev.process import Processor
 
 from .io import write_text
+from .reproduce import Stage, demote_headings, format_duration, load_stages, read_stamp
 
 # %% auto #0
-__all__ = ['SKIP_FLAGS', 'PROFILE_PREFERENCE', 'SPHINX_CONF', 'project_root', 'library_digest', 'execute_notebook',
-           'reproduce_notebooks', 'myst_cells', 'page_name', 'module_index', 'SiteLinks', 'signature_text',
-           'literal_md', 'api_entry', 'api_entries', 'docs_processors', 'process_notebook', 'toctree', 'build_docs',
-           'readme_text', 'write_readme', 'main']
+__all__ = ['SKIP_FLAGS', 'PROFILE_PREFERENCE', 'RESULTS_PROFILE', 'RESULTS_INTRO', 'SPHINX_CONF', 'project_root',
+           'library_digest', 'execute_notebook', 'pipeline_stages', 'reproduce_notebooks', 'myst_cells', 'page_name',
+           'module_index', 'SiteLinks', 'signature_text', 'literal_md', 'api_entry', 'api_entries', 'docs_processors',
+           'process_notebook', 'stage_results', 'results_page', 'write_results_page', 'toctree', 'note_profile',
+           'build_docs', 'readme_text', 'write_readme', 'main']
 
 # %% ../nbs/92_docs.ipynb #3b79e87a
 SKIP_FLAGS = ("notest", "slow", "gpu")
-PROFILE_PREFERENCE = ("gpu", "cpu", "quick")
+PROFILE_PREFERENCE = ("cpu", "gpu", "quick")  # the committed cpu run first: what every reader can reproduce
+RESULTS_PROFILE = "cpu"
 
 def project_root(start: str | os.PathLike | None = None) -> Path:
     "The nearest folder at or above `start` holding a `pyproject.toml` with `[tool.nbdev]`."
@@ -69,14 +72,17 @@ def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
     return dest
 
 # %% ../nbs/92_docs.ipynb #bd707e19
-def reproduce_notebooks(root: Path) -> dict[Path, Path]:
-    "Map each pipeline notebook to its latest executed copy (or to itself when no profile has run it)."
-    spec = yaml.safe_load((root/"reproduce"/"pipeline.yaml").read_text()) or {}
+def pipeline_stages(root: Path) -> list[Stage]:
+    "The stages of the project's pipeline, with the paths of the `cpu` profile (the one the docs show)."
+    return load_stages(root/"reproduce"/"pipeline.yaml", RESULTS_PROFILE)
+
+def reproduce_notebooks(root: Path, runs: Path | None = None) -> dict[Path, Path]:
+    "Map each pipeline notebook to its executed copy in `runs` (default `reproduce/runs/`), or to itself when none."
+    runs = runs or root/"reproduce"/"runs"
     res = {}
-    for name, s in (spec.get("stages") or {}).items():
-        src = root/s["notebook"]
-        runs = [root/"reproduce"/"runs"/p/f"{name}.ipynb" for p in PROFILE_PREFERENCE]
-        res[src] = next((r for r in runs if r.exists()), src)
+    for s in pipeline_stages(root):
+        executed = [runs/p/f"{s.name}.ipynb" for p in PROFILE_PREFERENCE]
+        res[s.notebook] = next((r for r in executed if r.exists()), s.notebook)
     return res
 
 # %% ../nbs/92_docs.ipynb #cd7db736
@@ -294,6 +300,63 @@ def process_notebook(src: Path, dest: Path, root: Path, links=None) -> Path:
     return dest
 
 # %% ../nbs/92_docs.ipynb #7e9a22fc
+def _figure(path: str, caption: str) -> str:
+    "A MyST figure of the image at `path` (relative to the page) with `caption` as caption and alt text."
+    alt = " ".join(re.sub(r"[`*$]", "", caption).split())
+    return "\n".join([f":::{{figure}} {path}", f":alt: {alt}", ":width: 100%", "", caption, ":::"])
+
+def stage_results(stage: Stage, runs: Path, page: str | None = None) -> str:
+    "The Results section of `stage` from the run folder `runs` (`reproduce/runs/cpu`); `page`: its experiment page."
+    rel = lambda p: p.relative_to(stage.root).as_posix()
+    frag = f"reproduce/runs/{RESULTS_PROFILE}/{stage.name}.md"
+    lines = [f"## {stage.name}", "", stage.description or "(no description)"]
+    if page: lines += ["", f"The executed notebook, with every step: [{page}]({page}.ipynb)."]
+    for png in (p for p in stage.outputs if p.suffix == ".png"):
+        caption = stage.captions.get(png) or stage.description or png.name
+        lines += ["", _figure(rel(png), caption) if png.exists() else
+                  f"**Figure missing:** `{rel(png)}` has not been generated yet ({caption})."]
+    summary = runs/f"{stage.name}.md"
+    if summary.exists(): lines += ["", demote_headings(summary.read_text().strip(), 3)]
+    else: lines += ["", f"**No `{RESULTS_PROFILE}` results for this stage yet:** `{frag}` is not committed; "
+                        "the command below makes it."]
+    took = (read_stamp(runs/".stamps"/f"{stage.name}.json") or {}).get("seconds")
+    when = f" (its last `{RESULTS_PROFILE}` run took {format_duration(took)} on 2 cores)" if took else ""
+    return "\n".join([*lines, "", f"Regenerate it{when}:", "", "```bash",
+                      f'make reproduce ARGS="--only {stage.name}"', "```"])
+
+# %% ../nbs/92_docs.ipynb #fddf4823
+RESULTS_INTRO = """# Results
+
+> Every figure and table the pipeline reproduces, beside the paper's numbers.
+
+Each section below is one stage of `reproduce/pipeline.yaml`, as run by the `cpu` profile (the default of
+`make reproduce`): SmolLM2-135M on two CPU cores, with the papers' compression ratios at a smaller scale. Each
+figure's caption names the paper's figure or table it reproduces; each stage's summary holds its tables, with the
+paper's numbers beside ours. `make reproduce` regenerates everything; the command under each section, one stage."""
+
+def results_page(root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> str:
+    "The Results page (MyST) from the `cpu` run in `runs` (default `reproduce/runs/cpu`); links to those of `pages`."
+    runs = runs or root/"reproduce"/"runs"/RESULTS_PROFILE
+    sections = []
+    for s in pipeline_stages(root):
+        page = page_name(s.notebook.relative_to(root))
+        sections.append(stage_results(s, runs, page if page in pages else None))
+    return "\n\n".join([RESULTS_INTRO, *sections]) + "\n"
+
+def write_results_page(site: Path, root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> Path:
+    "Write the Results page into Sphinx's source folder `site`, with a copy of every figure it shows."
+    import nbformat
+    from nbformat.v4 import new_markdown_cell, new_notebook
+    for s in pipeline_stages(root):
+        for png in (p for p in s.outputs if p.suffix == ".png" and p.exists()):
+            (site/png.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(png, site/png.relative_to(root))
+    nb = new_notebook(cells=[new_markdown_cell(results_page(root, runs, pages))])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, site/"results.ipynb")
+    return site/"results.ipynb"
+
+# %% ../nbs/92_docs.ipynb #c235c29d
 SPHINX_CONF = '''\
 project = "sparsekv"
 author = "sparsekv developers"
@@ -321,14 +384,24 @@ def toctree(caption: str, pages: list[str]) -> str:
     "A hidden MyST toctree: the sidebar section `caption` listing `pages`."
     return "\n".join(["```{toctree}", ":hidden:", f":caption: {caption}", "", *pages, "```"])
 
+def note_profile(page: Path, executed: Path) -> Path:
+    "Say under the title of the experiment page `page` (a MyST notebook) which run, `executed`, it shows."
+    import nbformat
+    from nbformat.v4 import new_markdown_cell
+    nb, profile = nbformat.read(page, as_version=4), executed.parent.name
+    nb.cells.insert(1, new_markdown_cell(f"*Shown as executed by the pipeline's `{profile}` profile "
+                                         f"(`reproduce/runs/{profile}/{executed.name}`).*"))
+    nbformat.write(nb, page)
+    return page
 
 
-# %% ../nbs/92_docs.ipynb #fddf4823
+
+# %% ../nbs/92_docs.ipynb #a291a116
 def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | None = None,
                mathjax: str | os.PathLike | None = None, execute: bool | list[str] = True,
-               only: list[str] | None = None) -> Path:
+               only: list[str] | None = None, runs: str | os.PathLike | None = None) -> Path:
     """Build the static site into `dest` (default `_docs/`) from all notebooks or `only` these (by file stem or page
-    name); `execute` may name the only ones to run."""
+    name); `execute` may name the only ones to run; `runs`: the pipeline's runs folder (default `reproduce/runs`)."""
     import nbformat
     from nbformat.v4 import new_markdown_cell
     root = project_root(root)
@@ -347,14 +420,21 @@ def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | 
         if not wanted(src): continue
         run = execute is True or (execute and src.stem in execute)
         pages[page_name(src.relative_to(root))] = execute_notebook(src, exec_dir/src.name, digest) if run else src
-    for src, executed in reproduce_notebooks(root).items():
+    runs = Path(runs) if runs else root/"reproduce"/"runs"
+    for src, executed in reproduce_notebooks(root, runs).items():
         if wanted(src): pages[page_name(src.relative_to(root))] = executed
     links = SiteLinks(root)
-    for page, src in pages.items(): process_notebook(src, site/f"{page}.ipynb", root, partial(links, here=page))
+    for page, src in pages.items():
+        process_notebook(src, site/f"{page}.ipynb", root, partial(links, here=page))
+        if src.parent.parent == runs: note_profile(site/f"{page}.ipynb", src)
+    write_results_page(site, root, runs/RESULTS_PROFILE, set(pages))
     index = nbformat.read(site/"index.ipynb", as_version=4)
     library = [p for p in pages if not p.startswith("reproduce/") and p != "index"]
     experiments = [p for p in pages if p.startswith("reproduce/")]
-    index.cells.append(new_markdown_cell(toctree("Library", library) + "\n\n" + toctree("Experiments", experiments)))
+    index.cells.insert(1, new_markdown_cell("**[Results](results.ipynb)**: every figure and table the pipeline "
+                                            "reproduces, beside the paper's numbers, and the command that remakes it."))
+    index.cells.append(new_markdown_cell("\n\n".join([toctree("Results", ["results"]), toctree("Library", library),
+                                                       toctree("Experiments", experiments)])))
     nbformat.write(index, site/"index.ipynb")
     write_text(site/"conf.py", SPHINX_CONF)
     shutil.copytree(mathjax.parent, site/"_static"/"mathjax")

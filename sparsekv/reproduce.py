@@ -8,6 +8,7 @@ Docs: https://sparsekv.github.io/sparsekv/reproduce.html.md"""
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime as dt
 import glob
@@ -25,14 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from tqdm.auto import tqdm
 
 from .io import atomic_path, write_json, write_text
 
 # %% auto #0
-__all__ = ['PROFILES', 'Stage', 'find_pipeline', 'load_stages', 'run_params', 'fingerprint', 'input_hashes', 'read_stamp',
-           'stale_reason', 'tag_parameters_cell', 'StageFailed', 'stamp_path', 'run_stage', 'stage_state',
-           'write_summary', 'sigterm_as_interrupt', 'run_pipeline', 'main']
+__all__ = ['PROFILES', 'STAGE_KEYS', 'RUNNER_PARAMS', 'Stage', 'find_pipeline', 'notebook_parameters', 'load_stages',
+           'run_params', 'injected_params', 'fingerprint', 'input_hashes', 'read_stamp', 'stale_reason',
+           'tag_parameters_cell', 'StageFailed', 'clean_executed', 'stamp_path', 'run_stage', 'stage_state',
+           'demote_headings', 'status_rows', 'write_summary', 'last_seconds', 'format_duration', 'progress_line',
+           'outputs_report', 'format_table', 'sigterm_as_interrupt', 'run_pipeline', 'report', 'main']
 
 # %% ../nbs/91_reproduce.ipynb #7bdba193
 PROFILES = ("quick", "cpu", "gpu")
@@ -44,8 +46,10 @@ class Stage:
     notebook: Path
     params: dict
     outputs: list[Path]
+    root: Path  # the repository: stamps name inputs relative to it, so a clone elsewhere reads them
     inputs: list[Path] = field(default_factory=list)
     description: str = ""
+    captions: dict[Path, str] = field(default_factory=dict)  # output PNG -> the paper figure/table it reproduces
 
 # %% ../nbs/91_reproduce.ipynb #bd75308f
 def find_pipeline(start: str | os.PathLike | None = None) -> Path:
@@ -58,26 +62,46 @@ def find_pipeline(start: str | os.PathLike | None = None) -> Path:
 def _expand_inputs(root: Path, patterns: list[str]) -> list[Path]:
     return sorted({Path(p) for pat in patterns for p in glob.glob(str(root/pat), recursive=True)})
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    "YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last silently)."
+
+def _unique_mapping(loader, node, deep=False):
+    keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
+    dup = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if dup is not None: raise yaml.constructor.ConstructorError(None, None, f"key {dup!r} given twice", node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
 def _read_spec(pipeline: Path) -> dict:
     "The `stages` mapping of `pipeline`, after checking the file's overall shape."
-    try: spec = yaml.safe_load(pipeline.read_text())
+    try: spec = yaml.load(pipeline.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e: raise ValueError(f"{pipeline} is not valid YAML: {' '.join(str(e).split())}") from e
     stages = spec.get("stages") if isinstance(spec, dict) else None
     if not isinstance(stages, dict) or not stages:
         raise ValueError(f"{pipeline} must hold `stages:`, a mapping of at least one stage name to "
                          f"{{notebook, params, outputs}}; found {'an empty file' if spec is None else repr(spec)[:80]}")
+    if unknown := sorted(map(str, set(spec) - {"stages"})):
+        raise ValueError(f"{pipeline}: unknown top-level key(s) {unknown}; the file holds only `stages:`")
     return stages
+
+# %% ../nbs/91_reproduce.ipynb #3d9fa264
+STAGE_KEYS = ("notebook", "params", "outputs", "inputs", "description", "captions")
 
 def _check_stage(name, s, pipeline: Path, profile: str) -> None:
     "Raise a ValueError naming the stage and field when stage `name` of `pipeline` is not shaped as documented."
     where = f"stage {name!r} in {pipeline}"
     if not isinstance(s, dict):
         raise ValueError(f"{where} must be a mapping with notebook, params and outputs, got {s!r}")
+    if unknown := sorted(map(str, set(s) - set(STAGE_KEYS))):
+        raise ValueError(f"{where}: unknown key(s) {unknown}; a stage may hold {list(STAGE_KEYS)}")
     missing = {"notebook", "params", "outputs"} - set(s)
     if missing: raise ValueError(f"{where} lacks {sorted(missing)}")
     if not isinstance(s["notebook"], str): raise ValueError(f"{where}: notebook must be a path, got {s['notebook']!r}")
     if not isinstance(s["params"], dict):
         raise ValueError(f"{where}: params must map profiles to parameters, got {s['params']!r}")
+    if unknown := sorted(map(str, set(s["params"]) - set(PROFILES))):
+        raise ValueError(f"{where}: params has unknown profile(s) {unknown}; profiles are {list(PROFILES)}")
     if profile not in s["params"]: raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
     if not isinstance(s["params"][profile] or {}, dict):
         raise ValueError(f"{where}: params.{profile} must be a mapping of parameter names to values, got "
@@ -87,12 +111,71 @@ def _check_stage(name, s, pipeline: Path, profile: str) -> None:
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise ValueError(f"{where}: {key} must be a list of paths, got {v!r}")
     if not isinstance(s.get("description", ""), str): raise ValueError(f"{where}: description must be text")
+    _check_captions(s.get("captions", {}), s["outputs"], where)
+
+def _check_captions(captions, outputs: list[str], where: str) -> None:
+    "Each caption names a PNG among `outputs` (as written there) and is one line of text."
+    if not isinstance(captions, dict):
+        raise ValueError(f"{where}: captions must map output PNGs to one-line captions, got {captions!r}")
+    for path, text in captions.items():
+        if path not in outputs or not str(path).endswith(".png"):
+            raise ValueError(f"{where}: captions names {path!r}, which is not a PNG among its outputs "
+                             f"{[o for o in outputs if o.endswith('.png')]}")
+        if not isinstance(text, str) or not text.strip() or "\n" in text.strip():
+            raise ValueError(f"{where}: the caption of {path!r} must be one line of text, got {text!r}")
 
 def _output_path(root: Path, pattern: str, profile: str, where: str) -> Path:
     try: return root/pattern.format(profile=profile)
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"{where}: output {pattern!r} may use only {{profile}} ({type(e).__name__}: {e})") from e
 
+# %% ../nbs/91_reproduce.ipynb #afe8edae
+_re_params = re.compile(r"^\s*#\|\s*parameters\s*$", re.MULTILINE)
+RUNNER_PARAMS = ("profile", "fig_dir", "out_dir")
+
+def _parameters_cell(nb, nb_path: Path):
+    "The one code cell of notebook `nb` (read from `nb_path`) marked `#| parameters`."
+    cells = [c for c in nb.cells if c.cell_type == "code" and _re_params.search(c.source)]
+    if len(cells) != 1: raise ValueError(f"{nb_path} must have exactly one `#| parameters` cell, found {len(cells)}")
+    return cells[0]
+
+def notebook_parameters(nb_path: Path) -> dict:
+    "The parameters notebook `nb_path` declares, with their defaults (`...` for a default that is not a literal)."
+    import nbformat
+    try: nb = nbformat.read(nb_path, as_version=4)
+    except (OSError, ValueError, nbformat.ValidationError) as e:
+        raise ValueError(f"{nb_path} is not a readable notebook: {' '.join(str(e).split())[:200]}") from e
+    try: tree = ast.parse(_parameters_cell(nb, nb_path).source)
+    except SyntaxError as e: raise ValueError(f"{nb_path}: its parameters cell is not valid Python: {e}") from e
+    res = {}
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None: continue
+        try: value = ast.literal_eval(node.value)
+        except ValueError: value = ...
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        res.update({t.id: value for t in targets if isinstance(t, ast.Name)})
+    return res
+
+def _fits(value, default) -> bool:
+    "Whether `value` may stand for a parameter whose default is `default`."
+    if value is None or default is None or default is ...: return True
+    if isinstance(value, bool) or isinstance(default, bool): return type(value) is type(default)
+    if isinstance(default, float): return isinstance(value, (int, float))
+    if isinstance(default, (list, tuple)): return isinstance(value, (list, tuple))
+    return isinstance(value, type(default))
+
+def _check_params(params: dict, declared: dict, where: str) -> None:
+    "Raise a ValueError naming the first of `params` its notebook does not declare, or of the wrong type."
+    for k, v in params.items():
+        if k in RUNNER_PARAMS: raise ValueError(f"{where}: {k} is set by the runner, not by params")
+        if k not in declared:
+            raise ValueError(f"{where}: {k} is not a parameter of the notebook (it declares "
+                             f"{sorted(set(declared) - set(RUNNER_PARAMS))})")
+        if not _fits(v, declared[k]):
+            raise ValueError(f"{where}: {k} must be like the notebook's default {declared[k]!r} "
+                             f"({type(declared[k]).__name__}), got {v!r}")
+
+# %% ../nbs/91_reproduce.ipynb #b1cb65ce
 def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     "Read `pipeline`'s stages with `profile`'s parameters and outputs; a malformed file raises a ValueError naming it."
     if profile not in PROFILES: raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
@@ -102,28 +185,36 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     stages = []
     for name, s in _read_spec(pipeline).items():
         _check_stage(name, s, pipeline, profile)
+        where = f"stage {name!r} in {pipeline}"
         nb = root/s["notebook"]
         if not nb.is_file(): raise FileNotFoundError(f"stage {name!r}: notebook {nb} not found")
-        stages.append(Stage(name=str(name), notebook=nb, params=dict(s["params"][profile] or {}),
-                            outputs=[_output_path(root, o, profile, f"stage {name!r} in {pipeline}")
-                                     for o in s["outputs"]],
+        params = dict(s["params"][profile] or {})
+        _check_params(params, notebook_parameters(nb), f"{where}: params.{profile}")
+        stages.append(Stage(name=str(name), notebook=nb, params=params, root=root,
+                            outputs=[_output_path(root, o, profile, where) for o in s["outputs"]],
                             inputs=[nb, *_expand_inputs(root, s.get("inputs", []))],
-                            description=s.get("description", "")))
+                            description=s.get("description", ""),
+                            captions={_output_path(root, o, profile, where): c.strip()
+                                      for o, c in s.get("captions", {}).items()}))
     return stages
 
-# %% ../nbs/91_reproduce.ipynb #afe8edae
-def run_params(stage: Stage, root: Path, profile: str) -> dict:
-    "The parameters papermill injects into `stage`'s notebook."
-    return {**stage.params, "profile": profile, "fig_dir": str(root/"figures"/profile),
-            "out_dir": str(root/"reproduce"/"runs"/profile)}
+# %% ../nbs/91_reproduce.ipynb #15d7af78
+def run_params(stage: Stage, profile: str) -> dict:
+    "The parameters of `stage` for `profile` as stamped: its folders relative to the repository."
+    return {**stage.params, "profile": profile, "fig_dir": f"figures/{profile}", "out_dir": f"reproduce/runs/{profile}"}
+
+def injected_params(params: dict, root: Path) -> dict:
+    "`params` as papermill injects them: the folders absolute (the notebook runs in `reproduce/`)."
+    return {**params, "fig_dir": str(root/params["fig_dir"]), "out_dir": str(root/params["out_dir"])}
 
 def fingerprint(params: dict) -> str:
     "A short hash of `params`, stable across runs."
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 def input_hashes(stage: Stage) -> dict[str, str]:
-    "Content hash of each input of `stage`, by path."
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in stage.inputs}
+    "Content hash of each input of `stage`, by its path relative to the repository."
+    return {p.relative_to(stage.root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+            for p in stage.inputs}
 
 def read_stamp(stamp: Path) -> dict | None:
     "The stamp a finished stage wrote, or None (none, or unreadable)."
@@ -143,15 +234,11 @@ def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str
     return f"input changed: {changed[0]}" if changed else None
 
 # %% ../nbs/91_reproduce.ipynb #106c9ed0
-_re_params = re.compile(r"^\s*#\|\s*parameters\s*$", re.MULTILINE)
-
 def tag_parameters_cell(nb_path: Path, dest: Path) -> Path:
     "Copy notebook `nb_path` to `dest` with its `#| parameters` cell tagged for papermill."
     import nbformat
     nb = nbformat.read(nb_path, as_version=4)
-    cells = [c for c in nb.cells if c.cell_type == "code" and _re_params.search(c.source)]
-    if len(cells) != 1: raise ValueError(f"{nb_path} must have exactly one `#| parameters` cell, found {len(cells)}")
-    cells[0].metadata.setdefault("tags", []).append("parameters")
+    _parameters_cell(nb, nb_path).metadata.setdefault("tags", []).append("parameters")
     nb.metadata.setdefault("kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"})
     with atomic_path(dest) as tmp: nbformat.write(nb, tmp)
     return dest
@@ -164,6 +251,44 @@ class StageFailed(RuntimeError):
         super().__init__(f"stage {stage!r} failed: {reason}{where}")
 
 # %% ../nbs/91_reproduce.ipynb #dbf496b5
+_WIDGET = "application/vnd.jupyter.widget-view+json"
+
+def _local_paths(root: Path) -> list[tuple[str, str]]:
+    "(local path, replacement) pairs, longest first: the repository becomes relative, the home folder `~`."
+    return [(f"{root}/", ""), (str(root), "."), (f"{Path.home()}/", "~/")]
+
+def _unlocal(text, pairs):
+    "`text` (a string or a list of lines) with each local path replaced."
+    if isinstance(text, list): return [_unlocal(t, pairs) for t in text]
+    if not isinstance(text, str): return text
+    for old, new in pairs: text = text.replace(old, new)
+    return text
+
+def _published(output: dict, pairs) -> bool:
+    "Whether a cell `output` is kept (not a stderr stream, not a widget); its text is made relative in place."
+    if output.get("output_type") == "stream":
+        if output.get("name") == "stderr": return False
+        output["text"] = _unlocal(output["text"], pairs)
+    data = output.get("data", {})
+    if _WIDGET in data: return False
+    for mime, v in data.items():
+        if mime.startswith("text/"): data[mime] = _unlocal(v, pairs)
+    if "traceback" in output: output["traceback"] = _unlocal(output["traceback"], pairs)
+    return True
+
+def clean_executed(nb_path: Path, root: Path) -> Path:
+    "Clean the executed notebook `nb_path` in place: no stderr, widgets, local paths or run-to-run metadata."
+    import nbformat
+    nb, pairs = nbformat.read(nb_path, as_version=4), _local_paths(root)
+    for key in ("papermill", "widgets"): nb.metadata.pop(key, None)
+    for c in nb.cells:
+        for key in ("papermill", "execution", "ExecuteTime"): c.metadata.pop(key, None)
+        c.source = _unlocal(c.source, pairs)
+        if c.cell_type == "code": c.outputs = [o for o in c.outputs if _published(o, pairs)]
+    with atomic_path(nb_path) as tmp: nbformat.write(nb, tmp)
+    return nb_path
+
+# %% ../nbs/91_reproduce.ipynb #7c89987a
 def stamp_path(root: Path, profile: str, name: str) -> Path:
     "Where stage `name` of `profile` keeps its stamp."
     return root/"reproduce"/"runs"/profile/".stamps"/f"{name}.json"
@@ -175,13 +300,24 @@ def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
     src = Path(src)
     return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
 
+@contextlib.contextmanager
+def _environment(**env: str):
+    "Within the block, the environment variables `env` are set (for the kernels started in it)."
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try: yield
+    finally:
+        for k, v in old.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+
 def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> float:
     "Execute `stage` with papermill (its stamp removed first, written last); return its wall time in seconds."
     import papermill as pm
     out_dir = root/"reproduce"/"runs"/profile
     out_dir.mkdir(parents=True, exist_ok=True)
     (root/"figures"/profile).mkdir(parents=True, exist_ok=True)
-    params = run_params(stage, root, profile)
+    params = run_params(stage, profile)
     stamp = stamp_path(root, profile, stage.name)
     stamp.unlink(missing_ok=True)  # from here on the old outputs no longer count as one run's
     executed, failed = out_dir/f"{stage.name}.ipynb", out_dir/f"{stage.name}.failed.ipynb"
@@ -190,8 +326,9 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     start = time.time()
     try:
         tag_parameters_cell(stage.notebook, src)
-        pm.execute_notebook(src, partial, parameters=params, kernel_name="python3", cwd=stage.notebook.parent,
-                            progress_bar=progress, log_output=False)
+        with _environment(TQDM_DISABLE="1"):  # the kernel inherits it: no progress bars in the notebook
+            pm.execute_notebook(src, partial, parameters=injected_params(params, root), kernel_name="python3",
+                                cwd=stage.notebook.parent, progress_bar=progress, log_output=False)
     except BaseException as e:
         if partial.exists(): os.replace(partial, failed)
         if isinstance(e, KeyboardInterrupt): raise
@@ -203,13 +340,13 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     if stale:
         os.replace(partial, failed)
         raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
-    os.replace(partial, executed)
+    os.replace(clean_executed(partial, root), executed)
     seconds = time.time() - start
     write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": input_hashes(stage),
                        "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1)})
     return seconds
 
-# %% ../nbs/91_reproduce.ipynb #c343f825
+# %% ../nbs/91_reproduce.ipynb #fa29a2ab
 def _git_commit(root: Path) -> str:
     try: return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                text=True, check=True).stdout.strip()
@@ -219,11 +356,26 @@ def stage_state(stage: Stage, root: Path, profile: str) -> str:
     "The state of `stage` from its stamp and outputs: up to date (when made), stale (why) or not run."
     out_dir = root/"reproduce"/"runs"/profile
     stamp = stamp_path(root, profile, stage.name)
-    reason = stale_reason(stage, out_dir/f"{stage.name}.ipynb", stamp, run_params(stage, root, profile))
+    reason = stale_reason(stage, out_dir/f"{stage.name}.ipynb", stamp, run_params(stage, profile))
     made = read_stamp(stamp)
     if reason is None: return f"up to date (made {made.get('finished', 'earlier')})"
     if made is None and not (out_dir/f"{stage.name}.ipynb").exists(): return "not run"
     return f"stale: {reason}"
+
+_re_heading = re.compile(r"^(#{1,6})(?=\s)", re.MULTILINE)
+
+def demote_headings(md: str, top: int) -> str:
+    "`md` with its headings moved down so that the highest is of level `top` (at most 6); code blocks untouched."
+    parts = re.split(r"(^```.*?^```[^\n]*$)", md, flags=re.MULTILINE | re.DOTALL)  # odd parts: fenced code
+    levels = [len(h) for p in parts[::2] for h in _re_heading.findall(p)]
+    shift = max(0, top - min(levels, default=top))
+    shifted = (_re_heading.sub(lambda m: "#" * min(6, len(m.group(1)) + shift), p) if i % 2 == 0 else p
+               for i, p in enumerate(parts))
+    return "".join(shifted)
+
+def status_rows(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> list[tuple[str, str]]:
+    "(stage, state) of every stage: what this run did to it, else what its stamp and outputs say."
+    return [(s.name, status.get(s.name) or stage_state(s, root, profile)) for s in stages]
 
 def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> Path:
     "Write `reproduce/runs/<profile>/summary.md` from this run's `status`, other stages' stamps and their fragments."
@@ -231,13 +383,49 @@ def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[st
     lines = [f"# Reproduction summary: profile `{profile}`", "",
              f"Last run {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit `{_git_commit(root)}`.", "",
              "| stage | status | outputs |", "|---|---|---|"]
-    for s in stages:
+    for s, (_, state) in zip(stages, status_rows(root, profile, stages, status)):
         outs = ", ".join(f"`{p.relative_to(root)}`" for p in s.outputs)
-        lines.append(f"| {s.name} | {status.get(s.name) or stage_state(s, root, profile)} | {outs} |")
+        lines.append(f"| {s.name} | {state} | {outs} |")
     for s in stages:
         frag = out_dir/f"{s.name}.md"
-        if frag.exists(): lines += ["", f"## {s.name}", "", frag.read_text().strip()]
+        if frag.exists(): lines += ["", f"## {s.name}", "", demote_headings(frag.read_text().strip(), 3)]
     return write_text(out_dir/"summary.md", "\n".join(lines) + "\n")
+
+# %% ../nbs/91_reproduce.ipynb #6f4b63fa
+def last_seconds(root: Path, profile: str, name: str) -> float | None:
+    "How long the last finished run of stage `name` of `profile` took, from its stamp (None: unknown)."
+    secs = (read_stamp(stamp_path(root, profile, name)) or {}).get("seconds")
+    return float(secs) if isinstance(secs, (int, float)) and not isinstance(secs, bool) and secs >= 0 else None
+
+def format_duration(seconds: float) -> str:
+    "`seconds` the way a person says it: `~40 s`, `~12 min`, `~1 h 05 min`."
+    if seconds < 90: return f"~{max(1, round(seconds))} s"
+    minutes = round(seconds / 60)
+    return f"~{minutes} min" if minutes < 60 else f"~{minutes // 60} h {minutes % 60:02d} min"
+
+def progress_line(i: int, n: int, name: str, expected: list[float | None]) -> str:
+    "The line announcing stage `name`, `i` of `n`; `expected[j]` is the estimate of the j-th stage still to run."
+    here = "no estimate yet" if expected[0] is None else f"expected {format_duration(expected[0])}"
+    known, unknown = [e for e in expected if e is not None], sum(e is None for e in expected)
+    if not known: return f"[{i}/{n}] {name}: {here}, no estimate yet for the run"
+    more = f" and {unknown} stage{'s' * (unknown > 1)} with no estimate yet" if unknown else ""
+    return f"[{i}/{n}] {name}: {here}, {format_duration(sum(known))} left for the run{more}"
+
+# %% ../nbs/91_reproduce.ipynb #35b86780
+def outputs_report(root: Path, profile: str, stages: list[Stage]) -> list[str]:
+    "Lines naming, per stage, each output it has (relative paths), its executed notebook, and the summary."
+    out_dir = root/"reproduce"/"runs"/profile
+    lines = []
+    for s in stages:
+        files = [p for p in (*s.outputs, out_dir/f"{s.name}.ipynb") if p.exists()]
+        lines += [f"{s.name}:", *(f"  {p.relative_to(root).as_posix()}" for p in files)] if files else []
+    return lines + [f"summary: {(out_dir/'summary.md').relative_to(root).as_posix()}"]
+
+def format_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    "`rows` under `header` as plain text columns, for a terminal."
+    widths = [max(len(str(r[j])) for r in (header, *rows)) for j in range(len(header))]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
+    return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
 
 # %% ../nbs/91_reproduce.ipynb #fe64d92f
 @contextlib.contextmanager
@@ -251,6 +439,16 @@ def sigterm_as_interrupt():
     try: yield
     finally: signal.signal(signal.SIGTERM, old)
 
+def _plan(stages: list[Stage], root: Path, profile: str, force: bool) -> list[tuple[Stage, str | None, float | None]]:
+    "(stage, why it runs or None to skip, its estimate) for each of `stages`, decided before the first one runs."
+    out_dir = root/"reproduce"/"runs"/profile
+    plan = []
+    for s in stages:
+        reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb", stamp_path(root, profile, s.name),
+                                                     run_params(s, profile))
+        plan.append((s, reason, last_seconds(root, profile, s.name)))
+    return plan
+
 def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = False,
                  pipeline: str | os.PathLike | None = None, progress: bool = True) -> dict[str, str]:
     "Run the stages of `pipeline` for `profile` (all, or `only` the named one); return each stage's status."
@@ -260,21 +458,18 @@ def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = Fa
     if only is not None:
         names = [s.name for s in stages]
         if only not in names: raise ValueError(f"only must name a stage of {pipeline}: {names}, got {only!r}")
-    todo = [s for s in stages if only in (None, s.name)]
+    plan = _plan([s for s in stages if only in (None, s.name)], root, profile, force)
+    say = print if progress else (lambda *a, **k: None)
     status: dict[str, str] = {}
-    bar = tqdm(todo, desc=f"pipeline [{profile}]", unit="stage", disable=not progress)
     try:
         with sigterm_as_interrupt():
-            for s in bar:
-                bar.set_postfix_str(s.name)
-                out_dir = root/"reproduce"/"runs"/profile
-                reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb",
-                                                             stamp_path(root, profile, s.name),
-                                                             run_params(s, root, profile))
+            for i, (s, reason, _) in enumerate(plan, 1):
                 if reason is None:
+                    say(f"[{i}/{len(plan)}] {s.name}: up to date, skipped", flush=True)
                     status[s.name] = "up to date (skipped)"
                     continue
-                tqdm.write(f"[{s.name}] running ({reason}): {s.notebook.relative_to(root)}")
+                expected = [e for _, r, e in plan[i - 1:] if r is not None]
+                say(f"{progress_line(i, len(plan), s.name, expected)} ({reason})", flush=True)
                 try: secs = run_stage(s, root, profile, progress=progress)
                 except StageFailed as e:
                     status[s.name] = f"FAILED: see `{e.notebook.relative_to(root) if e.notebook else s.notebook}`"
@@ -288,6 +483,20 @@ def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = Fa
     return status
 
 # %% ../nbs/91_reproduce.ipynb #148a1271
+def report(pipeline: str | os.PathLike | None, profile: str, status: dict[str, str]) -> str:
+    "What the command line prints after a run: where the outputs of the stages in `status` went, and the stages."
+    pipeline = Path(pipeline) if pipeline else find_pipeline()
+    root = pipeline.resolve().parent.parent
+    stages = load_stages(pipeline, profile)
+    ran = [s for s in stages if s.name in status]
+    table = format_table(status_rows(root, profile, stages, status), ("stage", "status"))
+    return "\n".join(["", "Outputs:", *outputs_report(root, profile, ran), "", table])
+
+def _stage_error(e: StageFailed) -> str:
+    "The error a failed stage's notebook raised (papermill's message holds the cell's traceback), or ''."
+    cause = e.__cause__
+    return "" if cause is None or isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}".strip()
+
 def main(argv: list[str] | None = None) -> int:
     "Command line: `python -m sparsekv.reproduce [--profile P] [--only STAGE] [--force] [--list]`."
     ap = argparse.ArgumentParser(prog="sparsekv-reproduce", description="Run the sparsekv reproduction pipeline.")
@@ -302,16 +511,16 @@ def main(argv: list[str] | None = None) -> int:
             for s in load_stages(a.pipeline or find_pipeline(), a.profile): print(f"{s.name}: {s.description}")
             return 0
         status = run_pipeline(a.profile, a.only, a.force, a.pipeline)
-    except StageFailed as e:
-        print(f"\n{e}", file=sys.stderr)
+        print(report(a.pipeline, a.profile, status))
+    except StageFailed as e:  # a real error: the notebook's traceback, then one line saying where to look
+        print(f"\n{_stage_error(e)}\n\n{e}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:  # a user error (bad pipeline file, unknown stage): one line, no traceback
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        print(f"{ap.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\n{ap.prog}: interrupted; finished stages are kept, rerun to continue", file=sys.stderr)
         return 130
-    for name, st in status.items(): print(f"{name}: {st}")
     return 0
 
 # %% ../nbs/91_reproduce.ipynb #79f4a5f1

@@ -1,6 +1,7 @@
 """The docs site builds offline: every page renders its math in headless Chromium, every relative link and anchor
 resolves, and every exported function and class is an indexed API entry that reads as its docstring."""
 import ast
+import base64
 import functools
 import html
 import http.server
@@ -15,7 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from sparsekv.docs import build_docs, module_index, page_name, project_root
+from sparsekv.docs import build_docs, module_index, page_name, pipeline_stages, project_root
 
 ROOT = project_root(Path(__file__).parent)
 # Pages checked in depth (screenshot, sidebar): the home page, a derivation page, an experiment page.
@@ -230,3 +231,66 @@ def test_readme_links_exist():
             if not urlsplit(u).scheme and not (ROOT/unquote(urlsplit(u).path)).exists()]
     assert not dead, f"README links to paths that do not exist: {dead}"
     assert module_index(ROOT)["settings"]["doc_host"] not in readme
+
+
+# --- the Results page and the executed runs (issue 13, item 3) -----------------------------------------------------
+
+
+def article(page_html: str) -> str:
+    "The main content of a built page (not the sidebar, header or footer)."
+    return page_html[page_html.index("<article"):page_html.index("</article>")]
+
+
+def images(fragment: str) -> dict[str, str]:
+    "Image file name -> alt text of each image in an HTML fragment."
+    found = re.findall(r'<img alt="([^"]*)" src="([^"]+)"', fragment)
+    return {Path(src).name: html.unescape(alt) for alt, src in found}
+
+
+def plain(fragment: str) -> str:
+    "The text of an HTML fragment as it reads (tags dropped, entities decoded, spaces collapsed)."
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", "", fragment)).split())
+
+
+def test_results_page_shows_every_figure_under_its_caption(site):
+    dest, _ = site
+    main = article((dest/"results.html").read_text())
+    shown, text = images(main), plain(main)
+    for stage in pipeline_stages(ROOT):
+        assert f'make reproduce ARGS="--only {stage.name}"' in text, f"no command for {stage.name}"
+        for png in (p for p in stage.outputs if p.suffix == ".png"):
+            caption = stage.captions.get(png) or stage.description
+            if png.exists(): assert shown.get(png.name) == " ".join(re.sub(r"[`*$]", "", caption).split()), png
+            else: assert f"{png.relative_to(ROOT).as_posix()} has not been generated yet" in text, png
+        if not (ROOT/"reproduce"/"runs"/"cpu"/f"{stage.name}.md").exists():
+            assert f"reproduce/runs/cpu/{stage.name}.md is not committed" in text, stage.name
+    links = re.findall(r'(?:href|src)="([^"]+)"', main)
+    assert links and not [u for u in links if urlsplit(u).scheme or u.startswith("/")], "absolute links"
+    assert 'href="results.html"' in article((dest/"index.html").read_text())
+
+
+def test_a_committed_run_fills_its_experiment_page_and_results(tmp_path):
+    "With a cpu run (made up here) the experiment page shows its figure and the Results page its summary."
+    import nbformat
+    from nbformat.v4 import new_output
+    demo = next(s for s in pipeline_stages(ROOT) if s.name == "demo")
+    png = next(p for p in demo.outputs if p.suffix == ".png")
+    runs = tmp_path/"runs"
+    (runs/"cpu"/".stamps").mkdir(parents=True)
+    nb = nbformat.read(demo.notebook, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "parameters" not in c.source)
+    cell.outputs = [new_output("display_data", data={"image/png": base64.b64encode(png.read_bytes()).decode()})]
+    nbformat.write(nb, runs/"cpu"/"demo.ipynb")
+    (runs/"cpu"/"demo.md").write_text("# Paper vs ours\n\n| quantity | paper | ours |\n|---|---|---|\n"
+                                      "| keys holding 90% | 1% | 0.2% |\n")
+    (runs/"cpu"/".stamps"/"demo.json").write_text('{"seconds": 75}')
+    dest = build_docs(ROOT, dest=tmp_path/"site", execute=False, only=["00_demo"], runs=runs)
+    page = article((dest/"reproduce"/"demo.html").read_text())
+    assert images(page) and "reproduce/runs/cpu/demo.ipynb" in plain(page)
+    results = article((dest/"results.html").read_text())
+    split = results.index('<section id="smollm2-baseline">')
+    section, rest = results[results.index('<section id="demo">'):split], results[split:]
+    assert "<table" in section and "keys holding 90%" in plain(section) and "<h3>Paper vs ours" in section
+    assert "is not committed" not in plain(section) and "took ~75 s" in plain(section)
+    assert 'href="reproduce/demo.html"' in section and png.name in images(section)
+    assert "is not committed" in plain(rest)

@@ -1,5 +1,8 @@
 "The pipeline's command line runs the demonstration stage of the real pipeline."
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,11 +29,17 @@ def test_cli_runs_demo_stage_quick():
     cmd = [sys.executable, "-m", "sparsekv.reproduce", "--profile", "quick", "--only", "demo", "--force"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "demo: ran in" in res.stdout
+    assert res.stdout.startswith("[1/1] demo: "), res.stdout
+    outputs = res.stdout[res.stdout.index("Outputs:"):]
+    assert re.search(r"^demo +ran in \d+ s$", outputs, re.M), outputs  # the table of stages
     for out in load_stages(ROOT/"reproduce"/"pipeline.yaml", "quick")[0].outputs:
         assert out.is_file(), out
+        assert f"  {out.relative_to(ROOT).as_posix()}\n" in outputs  # where every output went, relative
+    assert "summary: reproduce/runs/quick/summary.md" in outputs
     summary = (ROOT/"reproduce"/"runs"/"quick"/"summary.md").read_text()
     assert "| demo | ran in" in summary and "Random Gaussian attention" in summary
+    executed = (ROOT/"reproduce"/"runs"/"quick"/"demo.ipynb").read_text()
+    assert str(ROOT) not in executed and '"papermill"' not in executed and '"iopub.' not in executed
 
 
 def test_cli_rejects_unknown_stage():
@@ -149,6 +158,34 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
      "outputs must be a list"),
     ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: ['figures/{prof}/a.txt']}\n",
      "may use only {profile}"),
+    ("- a\n- b\n", "must hold `stages:`"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: []}\nstage: {}\n",
+     "unknown top-level key(s) ['stage']"),
+    ("stages:\n  a: {notebok: reproduce/a.ipynb, notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: []}\n",
+     "unknown key(s) ['notebok']"),
+    ("stages:\n  a: {params: {quick: {n: 1}}, outputs: []}\n", "lacks ['notebook']"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quik: {n: 1}}, outputs: []}\n",
+     "unknown profile(s) ['quik']"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {m: 1}}, outputs: []}\n",
+     "params.quick: m is not a parameter of the notebook"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: '1'}}, outputs: []}\n",
+     "params.quick: n must be like the notebook's default 1 (int), got '1'"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: [1, 2]}}, outputs: []}\n",
+     "params.quick: n must be like the notebook's default 1"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {out_dir: x}}, outputs: []}\n",
+     "out_dir is set by the runner"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: ['figures/{profile}/a.png'],\n"
+     "      captions: {'figures/{profile}/b.png': Fig. 1}}\n", "captions names 'figures/{profile}/b.png'"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: ['figures/{profile}/a.csv'],\n"
+     "      captions: {'figures/{profile}/a.csv': Table 1}}\n", "which is not a PNG among its outputs"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: ['figures/{profile}/a.png'],\n"
+     "      captions: {'figures/{profile}/a.png': [Fig. 1]}}\n", "must be one line of text"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: ['figures/{profile}/a.png'],\n"
+     "      captions: [Fig. 1]}\n", "captions must map output PNGs"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: []}\n"
+     "  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 2}}, outputs: []}\n", "key 'a' given twice"),
+    ("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: []\n", "is not valid YAML"),
+    ("\tstages: {}\n", "is not valid YAML"),
 ])
 def test_malformed_pipeline_file_is_a_clear_error(tmp_path, text, msg):
     pipe = toy_project(tmp_path, TWO[:1])
@@ -166,3 +203,103 @@ def test_cli_user_errors_are_one_line(tmp_path):
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr and "nope.yaml" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_params_may_be_null_or_int_for_float(tmp_path):
+    "None stands for any default, an int for a float; a caption naming a PNG output is kept by path."
+    pipe = toy_project(tmp_path, TWO[:1])
+    nb = tmp_path / "reproduce" / "a.ipynb"
+    nb.write_text(nb.read_text().replace("n = 1", "n = 1\\nlr = 0.5\\nk = None"))
+    pipe.write_text("stages:\n  a:\n    notebook: reproduce/a.ipynb\n"
+                    "    params: {quick: {n: null, lr: 1, k: [1, 2]}}\n    outputs: ['figures/{profile}/a.png']\n"
+                    "    captions: {'figures/{profile}/a.png': '  Fig. 3 of the paper  '}\n")
+    (stage,) = rp.load_stages(pipe, "quick")
+    assert stage.params == {"n": None, "lr": 1, "k": [1, 2]}
+    assert stage.captions == {tmp_path / "figures" / "quick" / "a.png": "Fig. 3 of the paper"}
+
+
+# --- progress, estimates and the report at the end (issue 13, item 2) ----------------------------------------------
+
+
+def test_estimates_come_from_the_last_run(tmp_path, capsys):
+    pipe = toy_project(tmp_path, TWO)
+    rp.run_pipeline("quick", pipeline=pipe)
+    first = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert first[0].startswith("[1/2] a: no estimate yet, no estimate yet for the run"), first
+    stamps = {s: json.loads((tmp_path / "reproduce/runs/quick/.stamps" / f"{s}.json").read_text()) for s in "ab"}
+    assert all(st["seconds"] > 0 for st in stamps.values())
+    rp.run_pipeline("quick", pipeline=pipe)
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")] == [
+        "[1/2] a: up to date, skipped", "[2/2] b: up to date, skipped"]
+    rp.run_pipeline("quick", force=True, pipeline=pipe)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    secs = rp.format_duration(stamps["a"]["seconds"])
+    assert lines[0].startswith(f"[1/2] a: expected {secs}, ") and lines[0].endswith("left for the run (forced)")
+    left = rp.format_duration(stamps["a"]["seconds"] + stamps["b"]["seconds"])
+    assert f", {left} left for the run" in lines[0], lines
+
+
+def test_a_run_copied_elsewhere_stays_up_to_date(tmp_path):
+    "Stamps name paths relative to the repository: a committed run holds in a clone at another path."
+    (tmp_path / "one").mkdir()
+    pipe = toy_project(tmp_path / "one", TWO)
+    rp.run_pipeline("quick", pipeline=pipe, progress=False)
+    shutil.copytree(tmp_path / "one", tmp_path / "two")
+    st = rp.run_pipeline("quick", pipeline=tmp_path / "two" / "reproduce" / "pipeline.yaml", progress=False)
+    assert set(st.values()) == {"up to date (skipped)"}, st
+    stamp = (tmp_path / "two" / "reproduce/runs/quick/.stamps/a.json").read_text()
+    assert str(tmp_path) not in stamp and '"reproduce/a.ipynb"' in stamp
+
+
+def test_report_names_every_output_and_each_stage(tmp_path):
+    pipe = toy_project(tmp_path, TWO)
+    status = rp.run_pipeline("quick", only="a", pipeline=pipe, progress=False)
+    text = rp.report(pipe, "quick", status)
+    assert "a:\n  figures/quick/a.txt\n  reproduce/runs/quick/a.ipynb\n" in text and "b.txt" not in text
+    assert re.search(r"^a +ran in \d+ s$", text, re.M) and re.search(r"^b +not run$", text, re.M), text
+
+
+# --- executed notebooks fit to commit (issue 13, item 3) -------------------------------------------------------------
+
+
+def test_executed_notebook_has_no_noise(tmp_path):
+    body = ("import os, sys, warnings\nfrom tqdm.auto import tqdm\n"
+            "print('tqdm disabled:', os.environ.get('TQDM_DISABLE'))\n"
+            "print('wrote', Path(fig_dir, 'a.txt').resolve())\n"
+            "Path(fig_dir, 'a.txt').write_text('1')\n"
+            "warnings.warn('a warning')\nprint('to stderr', file=sys.stderr)\n"
+            "for _ in tqdm(range(3)): pass\n"
+            "Path(fig_dir).resolve()")
+    pipe = toy_project(tmp_path, [("a", body, ["figures/{profile}/a.txt"])])
+    rp.run_pipeline("quick", pipeline=pipe, progress=False)
+    nb = nbformat.read(tmp_path / "reproduce/runs/quick/a.ipynb", as_version=4)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    streams = [o for o in outputs if o.output_type == "stream"]
+    assert {o.name for o in streams} == {"stdout"}, outputs  # no warning, no progress bar
+    assert "".join(o.text for o in streams) == "tqdm disabled: 1\nwrote figures/quick/a.txt\n"
+    assert outputs[-1].data["text/plain"] == "PosixPath('figures/quick')"
+    assert str(tmp_path) not in nbformat.writes(nb) and "papermill" not in nb.metadata
+    assert not [c.metadata for c in nb.cells if set(c.metadata) - {"tags"}]  # no timings
+    assert 'fig_dir = "figures/quick"' in "\n".join(c.source for c in nb.cells)  # the injected parameters, relative
+
+
+def test_gitignore_keeps_the_cpu_run_and_nothing_else():
+    if shutil.which("git") is None or not (ROOT / ".git").exists(): pytest.skip("not a git checkout")
+    kept = ["demo.ipynb", "demo.md", "summary.md", ".stamps/demo.json"]
+    ignored = [".stamps/.demo.x1.partial.json", ".demo.x1.input.ipynb", ".demo.x1.partial.ipynb",
+               ".summary.x1.partial.md", "demo.failed.ipynb", "oval_tasks_grid.csv", ".oval_tasks_grid.x1.partial.csv",
+               "kvpop_distill/kvpop_mlp_S512_cr0.75_abc/state.pt", "kvpop_distill/notes.md"]
+    paths = [f"reproduce/runs/cpu/{p}" for p in kept + ignored] + ["reproduce/runs/quick/demo.ipynb",
+                                                                   "reproduce/runs/gpu/summary.md"]
+    res = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert set(res.stdout.split()) == set(paths[len(kept):]), res.stdout
+
+
+def test_failing_stage_prints_its_traceback_then_one_line(tmp_path):
+    pipe = toy_project(tmp_path, [("a", "def f(): raise ValueError('boom')\nf()", [])])
+    res = subprocess.run([sys.executable, "-m", "sparsekv.reproduce", "--profile", "quick", "--pipeline", str(pipe)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1
+    assert "ValueError: boom" in res.stderr and "raise ValueError('boom')" in res.stderr, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("stage 'a' failed: PapermillExecutionError; executed notebook:"), last

@@ -17,7 +17,10 @@
 # - `params`: the parameters per profile (`quick` for smoke tests in minutes, `cpu` for
 #   this machine at small scale, `gpu` for the papers' scale);
 # - `outputs`: the files the stage promises, with `{profile}` standing for the profile;
-# - `inputs` (optional): further files (globs) whose change makes the stage stale.
+# - `inputs` (optional): further files (globs) whose change makes the stage stale;
+# - `description` (optional): one line on what the stage reproduces;
+# - `captions` (optional): for a PNG of `outputs` (written exactly as there, with `{profile}`),
+#   the one-line caption naming the paper's figure or table it reproduces (the docs' Results page).
 #
 # Besides its own parameters every notebook receives `profile`, `fig_dir`
 # (`figures/<profile>/`) and `out_dir` (`reproduce/runs/<profile>/`), as absolute paths;
@@ -29,12 +32,18 @@
 # succeeds; a failing stage stops the run and its executed notebook is kept as
 # `<stage>.failed.ipynb` for inspection. Each stage may write a Markdown fragment
 # `out_dir/<stage>.md`; the runner collects them into `reproduce/runs/<profile>/summary.md`.
+#
+# Before each stage the runner prints `[i/N] stage: expected ~T, ~R left for the run`, from the
+# durations the last run of the profile recorded; at the end, where every output went and the
+# table of stages. The executed notebooks are cleaned as they are written (no progress bars,
+# warnings, local paths or timings), so the `cpu` profile's runs can be committed and shown in the docs.
 
 # %%
 #| export
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime as dt
 import glob
@@ -52,7 +61,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from tqdm.auto import tqdm
 
 from sparsekv.io import atomic_path, write_json, write_text
 
@@ -67,8 +75,10 @@ class Stage:
     notebook: Path
     params: dict
     outputs: list[Path]
+    root: Path  # the repository: stamps name inputs relative to it, so a clone elsewhere reads them
     inputs: list[Path] = field(default_factory=list)
     description: str = ""
+    captions: dict[Path, str] = field(default_factory=dict)  # output PNG -> the paper figure/table it reproduces
 
 
 # %%
@@ -83,26 +93,48 @@ def find_pipeline(start: str | os.PathLike | None = None) -> Path:
 def _expand_inputs(root: Path, patterns: list[str]) -> list[Path]:
     return sorted({Path(p) for pat in patterns for p in glob.glob(str(root/pat), recursive=True)})
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    "YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last silently)."
+
+def _unique_mapping(loader, node, deep=False):
+    keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
+    dup = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if dup is not None: raise yaml.constructor.ConstructorError(None, None, f"key {dup!r} given twice", node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
 def _read_spec(pipeline: Path) -> dict:
     "The `stages` mapping of `pipeline`, after checking the file's overall shape."
-    try: spec = yaml.safe_load(pipeline.read_text())
+    try: spec = yaml.load(pipeline.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e: raise ValueError(f"{pipeline} is not valid YAML: {' '.join(str(e).split())}") from e
     stages = spec.get("stages") if isinstance(spec, dict) else None
     if not isinstance(stages, dict) or not stages:
         raise ValueError(f"{pipeline} must hold `stages:`, a mapping of at least one stage name to "
                          f"{{notebook, params, outputs}}; found {'an empty file' if spec is None else repr(spec)[:80]}")
+    if unknown := sorted(map(str, set(spec) - {"stages"})):
+        raise ValueError(f"{pipeline}: unknown top-level key(s) {unknown}; the file holds only `stages:`")
     return stages
+
+
+# %%
+#| export
+STAGE_KEYS = ("notebook", "params", "outputs", "inputs", "description", "captions")
 
 def _check_stage(name, s, pipeline: Path, profile: str) -> None:
     "Raise a ValueError naming the stage and field when stage `name` of `pipeline` is not shaped as documented."
     where = f"stage {name!r} in {pipeline}"
     if not isinstance(s, dict):
         raise ValueError(f"{where} must be a mapping with notebook, params and outputs, got {s!r}")
+    if unknown := sorted(map(str, set(s) - set(STAGE_KEYS))):
+        raise ValueError(f"{where}: unknown key(s) {unknown}; a stage may hold {list(STAGE_KEYS)}")
     missing = {"notebook", "params", "outputs"} - set(s)
     if missing: raise ValueError(f"{where} lacks {sorted(missing)}")
     if not isinstance(s["notebook"], str): raise ValueError(f"{where}: notebook must be a path, got {s['notebook']!r}")
     if not isinstance(s["params"], dict):
         raise ValueError(f"{where}: params must map profiles to parameters, got {s['params']!r}")
+    if unknown := sorted(map(str, set(s["params"]) - set(PROFILES))):
+        raise ValueError(f"{where}: params has unknown profile(s) {unknown}; profiles are {list(PROFILES)}")
     if profile not in s["params"]: raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
     if not isinstance(s["params"][profile] or {}, dict):
         raise ValueError(f"{where}: params.{profile} must be a mapping of parameter names to values, got "
@@ -112,12 +144,82 @@ def _check_stage(name, s, pipeline: Path, profile: str) -> None:
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise ValueError(f"{where}: {key} must be a list of paths, got {v!r}")
     if not isinstance(s.get("description", ""), str): raise ValueError(f"{where}: description must be text")
+    _check_captions(s.get("captions", {}), s["outputs"], where)
+
+def _check_captions(captions, outputs: list[str], where: str) -> None:
+    "Each caption names a PNG among `outputs` (as written there) and is one line of text."
+    if not isinstance(captions, dict):
+        raise ValueError(f"{where}: captions must map output PNGs to one-line captions, got {captions!r}")
+    for path, text in captions.items():
+        if path not in outputs or not str(path).endswith(".png"):
+            raise ValueError(f"{where}: captions names {path!r}, which is not a PNG among its outputs "
+                             f"{[o for o in outputs if o.endswith('.png')]}")
+        if not isinstance(text, str) or not text.strip() or "\n" in text.strip():
+            raise ValueError(f"{where}: the caption of {path!r} must be one line of text, got {text!r}")
 
 def _output_path(root: Path, pattern: str, profile: str, where: str) -> Path:
     try: return root/pattern.format(profile=profile)
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"{where}: output {pattern!r} may use only {{profile}} ({type(e).__name__}: {e})") from e
 
+
+# %% [markdown]
+# A stage's parameters must be parameters its notebook declares, of the type of their default
+# there: papermill would run a misspelt name with the default (a silently different experiment),
+# and a scalar where the notebook loops over a list fails deep inside the run. `None` (in the
+# file or as the default) and a default that is not a literal accept anything; an integer
+# stands for a float. `profile`, `fig_dir` and `out_dir` are the runner's.
+
+# %%
+#| export
+_re_params = re.compile(r"^\s*#\|\s*parameters\s*$", re.MULTILINE)
+RUNNER_PARAMS = ("profile", "fig_dir", "out_dir")
+
+def _parameters_cell(nb, nb_path: Path):
+    "The one code cell of notebook `nb` (read from `nb_path`) marked `#| parameters`."
+    cells = [c for c in nb.cells if c.cell_type == "code" and _re_params.search(c.source)]
+    if len(cells) != 1: raise ValueError(f"{nb_path} must have exactly one `#| parameters` cell, found {len(cells)}")
+    return cells[0]
+
+def notebook_parameters(nb_path: Path) -> dict:
+    "The parameters notebook `nb_path` declares, with their defaults (`...` for a default that is not a literal)."
+    import nbformat
+    try: nb = nbformat.read(nb_path, as_version=4)
+    except (OSError, ValueError, nbformat.ValidationError) as e:
+        raise ValueError(f"{nb_path} is not a readable notebook: {' '.join(str(e).split())[:200]}") from e
+    try: tree = ast.parse(_parameters_cell(nb, nb_path).source)
+    except SyntaxError as e: raise ValueError(f"{nb_path}: its parameters cell is not valid Python: {e}") from e
+    res = {}
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None: continue
+        try: value = ast.literal_eval(node.value)
+        except ValueError: value = ...
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        res.update({t.id: value for t in targets if isinstance(t, ast.Name)})
+    return res
+
+def _fits(value, default) -> bool:
+    "Whether `value` may stand for a parameter whose default is `default`."
+    if value is None or default is None or default is ...: return True
+    if isinstance(value, bool) or isinstance(default, bool): return type(value) is type(default)
+    if isinstance(default, float): return isinstance(value, (int, float))
+    if isinstance(default, (list, tuple)): return isinstance(value, (list, tuple))
+    return isinstance(value, type(default))
+
+def _check_params(params: dict, declared: dict, where: str) -> None:
+    "Raise a ValueError naming the first of `params` its notebook does not declare, or of the wrong type."
+    for k, v in params.items():
+        if k in RUNNER_PARAMS: raise ValueError(f"{where}: {k} is set by the runner, not by params")
+        if k not in declared:
+            raise ValueError(f"{where}: {k} is not a parameter of the notebook (it declares "
+                             f"{sorted(set(declared) - set(RUNNER_PARAMS))})")
+        if not _fits(v, declared[k]):
+            raise ValueError(f"{where}: {k} must be like the notebook's default {declared[k]!r} "
+                             f"({type(declared[k]).__name__}), got {v!r}")
+
+
+# %%
+#| export
 def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     "Read `pipeline`'s stages with `profile`'s parameters and outputs; a malformed file raises a ValueError naming it."
     if profile not in PROFILES: raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
@@ -127,13 +229,17 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     stages = []
     for name, s in _read_spec(pipeline).items():
         _check_stage(name, s, pipeline, profile)
+        where = f"stage {name!r} in {pipeline}"
         nb = root/s["notebook"]
         if not nb.is_file(): raise FileNotFoundError(f"stage {name!r}: notebook {nb} not found")
-        stages.append(Stage(name=str(name), notebook=nb, params=dict(s["params"][profile] or {}),
-                            outputs=[_output_path(root, o, profile, f"stage {name!r} in {pipeline}")
-                                     for o in s["outputs"]],
+        params = dict(s["params"][profile] or {})
+        _check_params(params, notebook_parameters(nb), f"{where}: params.{profile}")
+        stages.append(Stage(name=str(name), notebook=nb, params=params, root=root,
+                            outputs=[_output_path(root, o, profile, where) for o in s["outputs"]],
                             inputs=[nb, *_expand_inputs(root, s.get("inputs", []))],
-                            description=s.get("description", "")))
+                            description=s.get("description", ""),
+                            captions={_output_path(root, o, profile, where): c.strip()
+                                      for o, c in s.get("captions", {}).items()}))
     return stages
 
 
@@ -145,7 +251,9 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
 # rewrites every module of the library (so `make reproduce`, which exports first, would
 # rerun everything), and a fresh `git clone` gives every file a new time. So each run stores
 # a stamp beside its executed notebook with the hash of its parameters and of each input
-# file; an edited input or a new parameter makes the stage stale, and the reason names it.
+# file, and the run's duration (for the next run's estimates); an edited input or a new
+# parameter makes the stage stale, and the reason names it. Paths in a stamp are relative to
+# the repository, so the stamps of a committed run hold in any clone.
 #
 # The stamp is deleted **before** a stage runs and written only after all its outputs are: a
 # stage killed half-way (even a forced rerun of an up-to-date stage) has no stamp, so the next
@@ -153,18 +261,22 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
 
 # %%
 #| export
-def run_params(stage: Stage, root: Path, profile: str) -> dict:
-    "The parameters papermill injects into `stage`'s notebook."
-    return {**stage.params, "profile": profile, "fig_dir": str(root/"figures"/profile),
-            "out_dir": str(root/"reproduce"/"runs"/profile)}
+def run_params(stage: Stage, profile: str) -> dict:
+    "The parameters of `stage` for `profile` as stamped: its folders relative to the repository."
+    return {**stage.params, "profile": profile, "fig_dir": f"figures/{profile}", "out_dir": f"reproduce/runs/{profile}"}
+
+def injected_params(params: dict, root: Path) -> dict:
+    "`params` as papermill injects them: the folders absolute (the notebook runs in `reproduce/`)."
+    return {**params, "fig_dir": str(root/params["fig_dir"]), "out_dir": str(root/params["out_dir"])}
 
 def fingerprint(params: dict) -> str:
     "A short hash of `params`, stable across runs."
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 def input_hashes(stage: Stage) -> dict[str, str]:
-    "Content hash of each input of `stage`, by path."
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in stage.inputs}
+    "Content hash of each input of `stage`, by its path relative to the repository."
+    return {p.relative_to(stage.root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+            for p in stage.inputs}
 
 def read_stamp(stamp: Path) -> dict | None:
     "The stamp a finished stage wrote, or None (none, or unreadable)."
@@ -192,15 +304,11 @@ def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str
 
 # %%
 #| export
-_re_params = re.compile(r"^\s*#\|\s*parameters\s*$", re.MULTILINE)
-
 def tag_parameters_cell(nb_path: Path, dest: Path) -> Path:
     "Copy notebook `nb_path` to `dest` with its `#| parameters` cell tagged for papermill."
     import nbformat
     nb = nbformat.read(nb_path, as_version=4)
-    cells = [c for c in nb.cells if c.cell_type == "code" and _re_params.search(c.source)]
-    if len(cells) != 1: raise ValueError(f"{nb_path} must have exactly one `#| parameters` cell, found {len(cells)}")
-    cells[0].metadata.setdefault("tags", []).append("parameters")
+    _parameters_cell(nb, nb_path).metadata.setdefault("tags", []).append("parameters")
     nb.metadata.setdefault("kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"})
     with atomic_path(dest) as tmp: nbformat.write(nb, tmp)
     return dest
@@ -211,6 +319,81 @@ class StageFailed(RuntimeError):
         self.stage, self.notebook = stage, notebook
         where = f"; executed notebook: {notebook}" if notebook else ""
         super().__init__(f"stage {stage!r} failed: {reason}{where}")
+
+
+# %% [markdown]
+# ### Executed notebooks fit to publish
+#
+# The executed notebook of a stage is what the docs show on its experiment page, and the `cpu`
+# profile's are committed: they must read the same on every machine and change only when the
+# results do. The kernel runs with `TQDM_DISABLE=1` (no progress bars), and the notebook is
+# cleaned before it is kept: standard-error streams (warnings) are dropped, and so are widget
+# outputs; the repository's absolute path becomes relative (`figures/cpu/x.png`) and the home
+# folder `~`; the timings papermill and Jupyter record per cell and per run are removed.
+
+# %%
+#| export
+_WIDGET = "application/vnd.jupyter.widget-view+json"
+
+def _local_paths(root: Path) -> list[tuple[str, str]]:
+    "(local path, replacement) pairs, longest first: the repository becomes relative, the home folder `~`."
+    return [(f"{root}/", ""), (str(root), "."), (f"{Path.home()}/", "~/")]
+
+def _unlocal(text, pairs):
+    "`text` (a string or a list of lines) with each local path replaced."
+    if isinstance(text, list): return [_unlocal(t, pairs) for t in text]
+    if not isinstance(text, str): return text
+    for old, new in pairs: text = text.replace(old, new)
+    return text
+
+def _published(output: dict, pairs) -> bool:
+    "Whether a cell `output` is kept (not a stderr stream, not a widget); its text is made relative in place."
+    if output.get("output_type") == "stream":
+        if output.get("name") == "stderr": return False
+        output["text"] = _unlocal(output["text"], pairs)
+    data = output.get("data", {})
+    if _WIDGET in data: return False
+    for mime, v in data.items():
+        if mime.startswith("text/"): data[mime] = _unlocal(v, pairs)
+    if "traceback" in output: output["traceback"] = _unlocal(output["traceback"], pairs)
+    return True
+
+def clean_executed(nb_path: Path, root: Path) -> Path:
+    "Clean the executed notebook `nb_path` in place: no stderr, widgets, local paths or run-to-run metadata."
+    import nbformat
+    nb, pairs = nbformat.read(nb_path, as_version=4), _local_paths(root)
+    for key in ("papermill", "widgets"): nb.metadata.pop(key, None)
+    for c in nb.cells:
+        for key in ("papermill", "execution", "ExecuteTime"): c.metadata.pop(key, None)
+        c.source = _unlocal(c.source, pairs)
+        if c.cell_type == "code": c.outputs = [o for o in c.outputs if _published(o, pairs)]
+    with atomic_path(nb_path) as tmp: nbformat.write(nb, tmp)
+    return nb_path
+
+
+# %% [markdown]
+# The cleaning, on a notebook holding each kind of noise:
+
+# %%
+import nbformat as _nbf
+from fastcore.test import test_eq
+from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d)
+    cell = new_code_cell(f"fig_dir = '{d}/figures/cpu'", metadata={"execution": {"iopub.status.idle": "t"},
+                                                                     "papermill": {"duration": 1.0}, "tags": ["x"]})
+    cell.outputs = [new_output("stream", name="stderr", text="TqdmWarning: ...\n"),
+                    new_output("stream", name="stdout", text=f"wrote {d}/figures/cpu/a.png\n"),
+                    new_output("display_data", data={_WIDGET: {"model_id": "m"}, "text/plain": "bar"}),
+                    new_output("execute_result", data={"text/plain": f"PosixPath('{d}')"}, execution_count=1)]
+    nb = new_notebook(cells=[cell], metadata={"papermill": {"duration": 3.0}, "widgets": {}})
+    _nbf.write(nb, d/"x.ipynb")
+    got = _nbf.read(clean_executed(d/"x.ipynb", d), as_version=4)
+    test_eq(dict(got.metadata), {})
+    test_eq((got.cells[0].source, dict(got.cells[0].metadata)), ("fig_dir = 'figures/cpu'", {"tags": ["x"]}))
+    test_eq([(o.output_type, o.get("text") or o.data["text/plain"]) for o in got.cells[0].outputs],
+            [("stream", "wrote figures/cpu/a.png\n"), ("execute_result", "PosixPath('.')")])
 
 
 # %%
@@ -226,13 +409,24 @@ def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
     src = Path(src)
     return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
 
+@contextlib.contextmanager
+def _environment(**env: str):
+    "Within the block, the environment variables `env` are set (for the kernels started in it)."
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try: yield
+    finally:
+        for k, v in old.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+
 def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> float:
     "Execute `stage` with papermill (its stamp removed first, written last); return its wall time in seconds."
     import papermill as pm
     out_dir = root/"reproduce"/"runs"/profile
     out_dir.mkdir(parents=True, exist_ok=True)
     (root/"figures"/profile).mkdir(parents=True, exist_ok=True)
-    params = run_params(stage, root, profile)
+    params = run_params(stage, profile)
     stamp = stamp_path(root, profile, stage.name)
     stamp.unlink(missing_ok=True)  # from here on the old outputs no longer count as one run's
     executed, failed = out_dir/f"{stage.name}.ipynb", out_dir/f"{stage.name}.failed.ipynb"
@@ -241,8 +435,9 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     start = time.time()
     try:
         tag_parameters_cell(stage.notebook, src)
-        pm.execute_notebook(src, partial, parameters=params, kernel_name="python3", cwd=stage.notebook.parent,
-                            progress_bar=progress, log_output=False)
+        with _environment(TQDM_DISABLE="1"):  # the kernel inherits it: no progress bars in the notebook
+            pm.execute_notebook(src, partial, parameters=injected_params(params, root), kernel_name="python3",
+                                cwd=stage.notebook.parent, progress_bar=progress, log_output=False)
     except BaseException as e:
         if partial.exists(): os.replace(partial, failed)
         if isinstance(e, KeyboardInterrupt): raise
@@ -254,7 +449,7 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     if stale:
         os.replace(partial, failed)
         raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
-    os.replace(partial, executed)
+    os.replace(clean_executed(partial, root), executed)
     seconds = time.time() - start
     write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": input_hashes(stage),
                        "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1)})
@@ -265,10 +460,10 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
 # ## The summary
 #
 # `summary.md` lists every stage of the profile with its state, then the Markdown fragment each
-# stage wrote about its results. A stage this run visited says what happened to it (ran,
-# skipped, failed, interrupted); any other stage (outside `--only`, or not reached before an
-# interruption) is described from its stamp and outputs, as `stale_reason` sees them: up to
-# date (and when it was made), stale (and why), or not run.
+# stage wrote about its results (its headings moved below the stage's). A stage this run
+# visited says what happened to it (ran, skipped, failed, interrupted); any other stage
+# (outside `--only`, or not reached before an interruption) is described from its stamp and
+# outputs, as `stale_reason` sees them: up to date (and when it was made), stale (and why), or not run.
 
 # %%
 #| export
@@ -281,11 +476,26 @@ def stage_state(stage: Stage, root: Path, profile: str) -> str:
     "The state of `stage` from its stamp and outputs: up to date (when made), stale (why) or not run."
     out_dir = root/"reproduce"/"runs"/profile
     stamp = stamp_path(root, profile, stage.name)
-    reason = stale_reason(stage, out_dir/f"{stage.name}.ipynb", stamp, run_params(stage, root, profile))
+    reason = stale_reason(stage, out_dir/f"{stage.name}.ipynb", stamp, run_params(stage, profile))
     made = read_stamp(stamp)
     if reason is None: return f"up to date (made {made.get('finished', 'earlier')})"
     if made is None and not (out_dir/f"{stage.name}.ipynb").exists(): return "not run"
     return f"stale: {reason}"
+
+_re_heading = re.compile(r"^(#{1,6})(?=\s)", re.MULTILINE)
+
+def demote_headings(md: str, top: int) -> str:
+    "`md` with its headings moved down so that the highest is of level `top` (at most 6); code blocks untouched."
+    parts = re.split(r"(^```.*?^```[^\n]*$)", md, flags=re.MULTILINE | re.DOTALL)  # odd parts: fenced code
+    levels = [len(h) for p in parts[::2] for h in _re_heading.findall(p)]
+    shift = max(0, top - min(levels, default=top))
+    shifted = (_re_heading.sub(lambda m: "#" * min(6, len(m.group(1)) + shift), p) if i % 2 == 0 else p
+               for i, p in enumerate(parts))
+    return "".join(shifted)
+
+def status_rows(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> list[tuple[str, str]]:
+    "(stage, state) of every stage: what this run did to it, else what its stamp and outputs say."
+    return [(s.name, status.get(s.name) or stage_state(s, root, profile)) for s in stages]
 
 def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> Path:
     "Write `reproduce/runs/<profile>/summary.md` from this run's `status`, other stages' stamps and their fragments."
@@ -293,13 +503,87 @@ def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[st
     lines = [f"# Reproduction summary: profile `{profile}`", "",
              f"Last run {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit `{_git_commit(root)}`.", "",
              "| stage | status | outputs |", "|---|---|---|"]
-    for s in stages:
+    for s, (_, state) in zip(stages, status_rows(root, profile, stages, status)):
         outs = ", ".join(f"`{p.relative_to(root)}`" for p in s.outputs)
-        lines.append(f"| {s.name} | {status.get(s.name) or stage_state(s, root, profile)} | {outs} |")
+        lines.append(f"| {s.name} | {state} | {outs} |")
     for s in stages:
         frag = out_dir/f"{s.name}.md"
-        if frag.exists(): lines += ["", f"## {s.name}", "", frag.read_text().strip()]
+        if frag.exists(): lines += ["", f"## {s.name}", "", demote_headings(frag.read_text().strip(), 3)]
     return write_text(out_dir/"summary.md", "\n".join(lines) + "\n")
+
+
+# %%
+test_eq(demote_headings("# A\ntext\n## B\n```\n# a comment\n```\n#not a heading", 3),
+        "### A\ntext\n#### B\n```\n# a comment\n```\n#not a heading")
+test_eq(demote_headings("#### deep enough\n###### six", 3), "#### deep enough\n###### six")
+test_eq(demote_headings("# one\n###### six", 3), "### one\n###### six")
+
+
+# %% [markdown]
+# ## Progress and estimates
+#
+# Each stage is announced with the time its last run of this profile took (its stamp's
+# `seconds`) and the time left for the whole run: the stages still to run, those up to date
+# counting nothing. A stage never run has no estimate yet; the line says so, and the time left
+# counts only the stages that have one. The committed `cpu` run carries its stamps, so a fresh
+# clone has estimates for the default profile.
+
+# %%
+#| export
+def last_seconds(root: Path, profile: str, name: str) -> float | None:
+    "How long the last finished run of stage `name` of `profile` took, from its stamp (None: unknown)."
+    secs = (read_stamp(stamp_path(root, profile, name)) or {}).get("seconds")
+    return float(secs) if isinstance(secs, (int, float)) and not isinstance(secs, bool) and secs >= 0 else None
+
+def format_duration(seconds: float) -> str:
+    "`seconds` the way a person says it: `~40 s`, `~12 min`, `~1 h 05 min`."
+    if seconds < 90: return f"~{max(1, round(seconds))} s"
+    minutes = round(seconds / 60)
+    return f"~{minutes} min" if minutes < 60 else f"~{minutes // 60} h {minutes % 60:02d} min"
+
+def progress_line(i: int, n: int, name: str, expected: list[float | None]) -> str:
+    "The line announcing stage `name`, `i` of `n`; `expected[j]` is the estimate of the j-th stage still to run."
+    here = "no estimate yet" if expected[0] is None else f"expected {format_duration(expected[0])}"
+    known, unknown = [e for e in expected if e is not None], sum(e is None for e in expected)
+    if not known: return f"[{i}/{n}] {name}: {here}, no estimate yet for the run"
+    more = f" and {unknown} stage{'s' * (unknown > 1)} with no estimate yet" if unknown else ""
+    return f"[{i}/{n}] {name}: {here}, {format_duration(sum(known))} left for the run{more}"
+
+
+# %%
+test_eq([format_duration(x) for x in (0.2, 40, 89, 91, 720, 3599, 3900)],
+        ["~1 s", "~40 s", "~89 s", "~2 min", "~12 min", "~1 h 00 min", "~1 h 05 min"])
+test_eq(progress_line(3, 11, "kvpop_decode", [240.0, None, 1500.0]),
+        "[3/11] kvpop_decode: expected ~4 min, ~29 min left for the run and 1 stage with no estimate yet")
+test_eq(progress_line(1, 2, "demo", [None, None]), "[1/2] demo: no estimate yet, no estimate yet for the run")
+test_eq(progress_line(2, 2, "demo", [5.0]), "[2/2] demo: expected ~5 s, ~5 s left for the run")
+
+
+# %% [markdown]
+# At the end the command line prints where every output of the stages it visited went
+# (relative paths, grouped by stage) and the table of stages and states, as in `summary.md`.
+
+# %%
+#| export
+def outputs_report(root: Path, profile: str, stages: list[Stage]) -> list[str]:
+    "Lines naming, per stage, each output it has (relative paths), its executed notebook, and the summary."
+    out_dir = root/"reproduce"/"runs"/profile
+    lines = []
+    for s in stages:
+        files = [p for p in (*s.outputs, out_dir/f"{s.name}.ipynb") if p.exists()]
+        lines += [f"{s.name}:", *(f"  {p.relative_to(root).as_posix()}" for p in files)] if files else []
+    return lines + [f"summary: {(out_dir/'summary.md').relative_to(root).as_posix()}"]
+
+def format_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    "`rows` under `header` as plain text columns, for a terminal."
+    widths = [max(len(str(r[j])) for r in (header, *rows)) for j in range(len(header))]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
+    return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
+
+
+# %%
+test_eq(format_table([("demo", "ran in 5 s"), ("kvpop_distill", "not run")], ("stage", "status")),
+        "stage          status\n-------------  ----------\ndemo           ran in 5 s\nkvpop_distill  not run")
 
 
 # %% [markdown]
@@ -322,6 +606,16 @@ def sigterm_as_interrupt():
     try: yield
     finally: signal.signal(signal.SIGTERM, old)
 
+def _plan(stages: list[Stage], root: Path, profile: str, force: bool) -> list[tuple[Stage, str | None, float | None]]:
+    "(stage, why it runs or None to skip, its estimate) for each of `stages`, decided before the first one runs."
+    out_dir = root/"reproduce"/"runs"/profile
+    plan = []
+    for s in stages:
+        reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb", stamp_path(root, profile, s.name),
+                                                     run_params(s, profile))
+        plan.append((s, reason, last_seconds(root, profile, s.name)))
+    return plan
+
 def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = False,
                  pipeline: str | os.PathLike | None = None, progress: bool = True) -> dict[str, str]:
     "Run the stages of `pipeline` for `profile` (all, or `only` the named one); return each stage's status."
@@ -331,21 +625,18 @@ def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = Fa
     if only is not None:
         names = [s.name for s in stages]
         if only not in names: raise ValueError(f"only must name a stage of {pipeline}: {names}, got {only!r}")
-    todo = [s for s in stages if only in (None, s.name)]
+    plan = _plan([s for s in stages if only in (None, s.name)], root, profile, force)
+    say = print if progress else (lambda *a, **k: None)
     status: dict[str, str] = {}
-    bar = tqdm(todo, desc=f"pipeline [{profile}]", unit="stage", disable=not progress)
     try:
         with sigterm_as_interrupt():
-            for s in bar:
-                bar.set_postfix_str(s.name)
-                out_dir = root/"reproduce"/"runs"/profile
-                reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb",
-                                                             stamp_path(root, profile, s.name),
-                                                             run_params(s, root, profile))
+            for i, (s, reason, _) in enumerate(plan, 1):
                 if reason is None:
+                    say(f"[{i}/{len(plan)}] {s.name}: up to date, skipped", flush=True)
                     status[s.name] = "up to date (skipped)"
                     continue
-                tqdm.write(f"[{s.name}] running ({reason}): {s.notebook.relative_to(root)}")
+                expected = [e for _, r, e in plan[i - 1:] if r is not None]
+                say(f"{progress_line(i, len(plan), s.name, expected)} ({reason})", flush=True)
                 try: secs = run_stage(s, root, profile, progress=progress)
                 except StageFailed as e:
                     status[s.name] = f"FAILED: see `{e.notebook.relative_to(root) if e.notebook else s.notebook}`"
@@ -361,6 +652,20 @@ def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = Fa
 
 # %%
 #| export
+def report(pipeline: str | os.PathLike | None, profile: str, status: dict[str, str]) -> str:
+    "What the command line prints after a run: where the outputs of the stages in `status` went, and the stages."
+    pipeline = Path(pipeline) if pipeline else find_pipeline()
+    root = pipeline.resolve().parent.parent
+    stages = load_stages(pipeline, profile)
+    ran = [s for s in stages if s.name in status]
+    table = format_table(status_rows(root, profile, stages, status), ("stage", "status"))
+    return "\n".join(["", "Outputs:", *outputs_report(root, profile, ran), "", table])
+
+def _stage_error(e: StageFailed) -> str:
+    "The error a failed stage's notebook raised (papermill's message holds the cell's traceback), or ''."
+    cause = e.__cause__
+    return "" if cause is None or isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}".strip()
+
 def main(argv: list[str] | None = None) -> int:
     "Command line: `python -m sparsekv.reproduce [--profile P] [--only STAGE] [--force] [--list]`."
     ap = argparse.ArgumentParser(prog="sparsekv-reproduce", description="Run the sparsekv reproduction pipeline.")
@@ -375,16 +680,16 @@ def main(argv: list[str] | None = None) -> int:
             for s in load_stages(a.pipeline or find_pipeline(), a.profile): print(f"{s.name}: {s.description}")
             return 0
         status = run_pipeline(a.profile, a.only, a.force, a.pipeline)
-    except StageFailed as e:
-        print(f"\n{e}", file=sys.stderr)
+        print(report(a.pipeline, a.profile, status))
+    except StageFailed as e:  # a real error: the notebook's traceback, then one line saying where to look
+        print(f"\n{_stage_error(e)}\n\n{e}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:  # a user error (bad pipeline file, unknown stage): one line, no traceback
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        print(f"{ap.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\n{ap.prog}: interrupted; finished stages are kept, rerun to continue", file=sys.stderr)
         return 130
-    for name, st in status.items(): print(f"{name}: {st}")
     return 0
 
 
@@ -446,7 +751,7 @@ with tempfile.TemporaryDirectory() as d:
     nbformat.write(nb, d/"reproduce"/"a.ipynb")
     test_eq(stale_reason(load_stages(pipe, "quick")[0], d/"reproduce"/"runs"/"quick"/"a.ipynb",
                          d/"reproduce"/"runs"/"quick"/".stamps"/"a.json",
-                         run_params(load_stages(pipe, "quick")[0], d, "quick")), "input changed: a.ipynb")
+                         run_params(load_stages(pipe, "quick")[0], "quick")), "input changed: a.ipynb")
     st = run_pipeline("quick", pipeline=pipe, progress=False)
     assert st["a"].startswith("ran") and st["b"] == "up to date (skipped)", st
     pipe.write_text(pipe.read_text().replace("quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n    outputs: []",
@@ -504,3 +809,31 @@ with tempfile.TemporaryDirectory() as d:
         pipe.write_text(text)
         test_fail(lambda: load_stages(pipe, "quick"), contains=msg)
         test_fail(lambda: load_stages(pipe, "quick"), contains=str(pipe))
+
+# %% [markdown]
+# So is a stage with a key it does not know, a caption for a file that is not one of its
+# PNG outputs, a parameter its notebook does not declare or of another type than the
+# notebook's default, and a stage or key given twice:
+
+# %%
+_stage = "stages:\n  a:\n    notebook: reproduce/a.ipynb\n    outputs: ['figures/{profile}/a.png']\n"
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); pipe = _toy_project(d)
+    for text, msg in [(_stage + "    params: {quick: {n: 2}}\n    ouputs: []\n", "unknown key(s) ['ouputs']"),
+                      (_stage + "    params: {qick: {n: 2}}\n", "unknown profile(s) ['qick']"),
+                      (_stage + "    params: {quick: {m: 2}}\n", "m is not a parameter of the notebook"),
+                      (_stage + "    params: {quick: {n: [2]}}\n", "n must be like the notebook's default 1"),
+                      (_stage + "    params: {quick: {n: 2.5}}\n", "n must be like the notebook's default 1"),
+                      (_stage + "    params: {quick: {fig_dir: x}}\n", "fig_dir is set by the runner"),
+                      (_stage + "    params: {quick: {n: 2}}\n    captions: {'figures/quick/a.png': A}\n",
+                       "captions names 'figures/quick/a.png'"),
+                      (_stage + "    params: {quick: {n: 2}}\n    captions: {'figures/{profile}/a.png': ''}\n",
+                       "must be one line of text"),
+                      (_stage + "    params: {quick: {n: 2}, quick: {n: 3}}\n", "key 'quick' given twice"),
+                      (_stage + "    params: {quick: {n: 2}}\nextra: 1\n", "unknown top-level key(s) ['extra']")]:
+        pipe.write_text(text)
+        test_fail(lambda: load_stages(pipe, "quick"), contains=msg)
+        test_fail(lambda: load_stages(pipe, "quick"), contains=str(pipe))
+    pipe.write_text(_stage + "    params: {quick: {n: 2}}\n"
+                    "    captions: {'figures/{profile}/a.png': Fig. 1 of the paper}\n")
+    test_eq(load_stages(pipe, "quick")[0].captions, {d/"figures"/"quick"/"a.png": "Fig. 1 of the paper"})

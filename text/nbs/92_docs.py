@@ -21,14 +21,17 @@
 #    `slow`/`gpu`/`notest` cells) into a mirror folder `_build/exec/`. Executed copies are
 #    cached by a hash of the notebook and of the library's sources. Notebooks of
 #    `reproduce/` are taken already executed from the pipeline's last run
-#    (`reproduce/runs/<profile>/`, preferring `gpu`, then `cpu`, then `quick`), or shown
-#    unexecuted when the pipeline has not run.
+#    (`reproduce/runs/<profile>/`, preferring the committed `cpu` run, then `gpu`, then
+#    `quick`), or shown unexecuted when the pipeline has not run.
 # 2. **Process.** nbdev's `FilterDefaults` processors turn each notebook into a docs page.
 #    We keep the exported code visible (this is a reference implementation: the code is
 #    meant to be read), so `rm_export` is skipped. Quarto-only markup is translated for
 #    MyST-NB: the YAML front matter becomes the page title, `#| echo: false` becomes the
 #    `remove-input` tag.
-# 3. **Render.** Sphinx builds `_docs/`, with a sidebar listing every notebook.
+# 3. **Results.** A Results page gathers, stage by stage, every figure of the `cpu` profile
+#    with the caption naming the paper's figure or table it reproduces, the stage's summary
+#    (its "Paper vs ours" table) and the command that regenerates it.
+# 4. **Render.** Sphinx builds `_docs/`, with a sidebar listing every notebook.
 
 # %%
 #| export
@@ -51,11 +54,13 @@ import yaml
 from nbdev.process import Processor
 
 from sparsekv.io import write_text
+from sparsekv.reproduce import Stage, demote_headings, format_duration, load_stages, read_stamp
 
 # %%
 #| export
 SKIP_FLAGS = ("notest", "slow", "gpu")
-PROFILE_PREFERENCE = ("gpu", "cpu", "quick")
+PROFILE_PREFERENCE = ("cpu", "gpu", "quick")  # the committed cpu run first: what every reader can reproduce
+RESULTS_PROFILE = "cpu"
 
 def project_root(start: str | os.PathLike | None = None) -> Path:
     "The nearest folder at or above `start` holding a `pyproject.toml` with `[tool.nbdev]`."
@@ -98,14 +103,17 @@ def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
 
 # %%
 #| export
-def reproduce_notebooks(root: Path) -> dict[Path, Path]:
-    "Map each pipeline notebook to its latest executed copy (or to itself when no profile has run it)."
-    spec = yaml.safe_load((root/"reproduce"/"pipeline.yaml").read_text()) or {}
+def pipeline_stages(root: Path) -> list[Stage]:
+    "The stages of the project's pipeline, with the paths of the `cpu` profile (the one the docs show)."
+    return load_stages(root/"reproduce"/"pipeline.yaml", RESULTS_PROFILE)
+
+def reproduce_notebooks(root: Path, runs: Path | None = None) -> dict[Path, Path]:
+    "Map each pipeline notebook to its executed copy in `runs` (default `reproduce/runs/`), or to itself when none."
+    runs = runs or root/"reproduce"/"runs"
     res = {}
-    for name, s in (spec.get("stages") or {}).items():
-        src = root/s["notebook"]
-        runs = [root/"reproduce"/"runs"/p/f"{name}.ipynb" for p in PROFILE_PREFERENCE]
-        res[src] = next((r for r in runs if r.exists()), src)
+    for s in pipeline_stages(root):
+        executed = [runs/p/f"{s.name}.ipynb" for p in PROFILE_PREFERENCE]
+        res[s.notebook] = next((r for r in executed if r.exists()), s.notebook)
     return res
 
 
@@ -453,7 +461,100 @@ def process_notebook(src: Path, dest: Path, root: Path, links=None) -> Path:
 
 
 # %% [markdown]
-# ## 3. Sphinx
+# ## 3. The Results page
+#
+# One section per stage of the pipeline, from what the `cpu` profile's run left: the stage's
+# description, each PNG it promises (from `figures/cpu/`) under the caption `pipeline.yaml`
+# gives it (else the stage's description), the stage's summary `reproduce/runs/cpu/STAGE.md`
+# (its headings moved below the section's), a link to the executed notebook, and the command that
+# regenerates it with the time its last run took. What is missing is said plainly.
+
+# %%
+#| export
+def _figure(path: str, caption: str) -> str:
+    "A MyST figure of the image at `path` (relative to the page) with `caption` as caption and alt text."
+    alt = " ".join(re.sub(r"[`*$]", "", caption).split())
+    return "\n".join([f":::{{figure}} {path}", f":alt: {alt}", ":width: 100%", "", caption, ":::"])
+
+def stage_results(stage: Stage, runs: Path, page: str | None = None) -> str:
+    "The Results section of `stage` from the run folder `runs` (`reproduce/runs/cpu`); `page`: its experiment page."
+    rel = lambda p: p.relative_to(stage.root).as_posix()
+    frag = f"reproduce/runs/{RESULTS_PROFILE}/{stage.name}.md"
+    lines = [f"## {stage.name}", "", stage.description or "(no description)"]
+    if page: lines += ["", f"The executed notebook, with every step: [{page}]({page}.ipynb)."]
+    for png in (p for p in stage.outputs if p.suffix == ".png"):
+        caption = stage.captions.get(png) or stage.description or png.name
+        lines += ["", _figure(rel(png), caption) if png.exists() else
+                  f"**Figure missing:** `{rel(png)}` has not been generated yet ({caption})."]
+    summary = runs/f"{stage.name}.md"
+    if summary.exists(): lines += ["", demote_headings(summary.read_text().strip(), 3)]
+    else: lines += ["", f"**No `{RESULTS_PROFILE}` results for this stage yet:** `{frag}` is not committed; "
+                        "the command below makes it."]
+    took = (read_stamp(runs/".stamps"/f"{stage.name}.json") or {}).get("seconds")
+    when = f" (its last `{RESULTS_PROFILE}` run took {format_duration(took)} on 2 cores)" if took else ""
+    return "\n".join([*lines, "", f"Regenerate it{when}:", "", "```bash",
+                      f'make reproduce ARGS="--only {stage.name}"', "```"])
+
+
+# %%
+#| export
+RESULTS_INTRO = """# Results
+
+> Every figure and table the pipeline reproduces, beside the paper's numbers.
+
+Each section below is one stage of `reproduce/pipeline.yaml`, as run by the `cpu` profile (the default of
+`make reproduce`): SmolLM2-135M on two CPU cores, with the papers' compression ratios at a smaller scale. Each
+figure's caption names the paper's figure or table it reproduces; each stage's summary holds its tables, with the
+paper's numbers beside ours. `make reproduce` regenerates everything; the command under each section, one stage."""
+
+def results_page(root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> str:
+    "The Results page (MyST) from the `cpu` run in `runs` (default `reproduce/runs/cpu`); links to those of `pages`."
+    runs = runs or root/"reproduce"/"runs"/RESULTS_PROFILE
+    sections = []
+    for s in pipeline_stages(root):
+        page = page_name(s.notebook.relative_to(root))
+        sections.append(stage_results(s, runs, page if page in pages else None))
+    return "\n\n".join([RESULTS_INTRO, *sections]) + "\n"
+
+def write_results_page(site: Path, root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> Path:
+    "Write the Results page into Sphinx's source folder `site`, with a copy of every figure it shows."
+    import nbformat
+    from nbformat.v4 import new_markdown_cell, new_notebook
+    for s in pipeline_stages(root):
+        for png in (p for p in s.outputs if p.suffix == ".png" and p.exists()):
+            (site/png.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(png, site/png.relative_to(root))
+    nb = new_notebook(cells=[new_markdown_cell(results_page(root, runs, pages))])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, site/"results.ipynb")
+    return site/"results.ipynb"
+
+
+# %% [markdown]
+# The section of a stage with its summary committed shows each figure under its caption and the
+# summary's tables; without, it says so. (A stage from the real pipeline, a run folder made up here.)
+
+# %%
+import tempfile
+
+_demo = next(s for s in pipeline_stages(_root) if s.name == "demo")
+with tempfile.TemporaryDirectory() as _d:
+    _runs = Path(_d)
+    _missing = stage_results(_demo, _runs)
+    assert "**No `cpu` results for this stage yet:** `reproduce/runs/cpu/demo.md`" in _missing, _missing
+    (_runs/"demo.md").write_text("# Paper vs ours\n\n| n | paper | ours |\n|---|---|---|\n| 64 | 0.6 | 0.62 |\n")
+    (_runs/".stamps").mkdir()
+    (_runs/".stamps"/"demo.json").write_text('{"seconds": 14.2}')
+    _done = stage_results(_demo, _runs, page="reproduce/demo")
+for _png in (p for p in _demo.outputs if p.suffix == ".png"):
+    _caption = _demo.captions.get(_png) or _demo.description
+    assert f":::{{figure}} {_png.relative_to(_root).as_posix()}" in _done and f"\n{_caption}\n:::" in _done, _done
+assert "### Paper vs ours" in _done and "| 64 | 0.6 | 0.62 |" in _done and "No `cpu` results" not in _done
+assert "[reproduce/demo](reproduce/demo.ipynb)" in _done and 'make reproduce ARGS="--only demo"' in _done
+assert "took ~14 s on 2 cores" in _done
+
+# %% [markdown]
+# ## 4. Sphinx
 
 # %%
 #| export
@@ -484,15 +585,25 @@ def toctree(caption: str, pages: list[str]) -> str:
     "A hidden MyST toctree: the sidebar section `caption` listing `pages`."
     return "\n".join(["```{toctree}", ":hidden:", f":caption: {caption}", "", *pages, "```"])
 
+def note_profile(page: Path, executed: Path) -> Path:
+    "Say under the title of the experiment page `page` (a MyST notebook) which run, `executed`, it shows."
+    import nbformat
+    from nbformat.v4 import new_markdown_cell
+    nb, profile = nbformat.read(page, as_version=4), executed.parent.name
+    nb.cells.insert(1, new_markdown_cell(f"*Shown as executed by the pipeline's `{profile}` profile "
+                                         f"(`reproduce/runs/{profile}/{executed.name}`).*"))
+    nbformat.write(nb, page)
+    return page
+
 
 
 # %%
 #| export
 def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | None = None,
                mathjax: str | os.PathLike | None = None, execute: bool | list[str] = True,
-               only: list[str] | None = None) -> Path:
+               only: list[str] | None = None, runs: str | os.PathLike | None = None) -> Path:
     """Build the static site into `dest` (default `_docs/`) from all notebooks or `only` these (by file stem or page
-    name); `execute` may name the only ones to run."""
+    name); `execute` may name the only ones to run; `runs`: the pipeline's runs folder (default `reproduce/runs`)."""
     import nbformat
     from nbformat.v4 import new_markdown_cell
     root = project_root(root)
@@ -511,14 +622,21 @@ def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | 
         if not wanted(src): continue
         run = execute is True or (execute and src.stem in execute)
         pages[page_name(src.relative_to(root))] = execute_notebook(src, exec_dir/src.name, digest) if run else src
-    for src, executed in reproduce_notebooks(root).items():
+    runs = Path(runs) if runs else root/"reproduce"/"runs"
+    for src, executed in reproduce_notebooks(root, runs).items():
         if wanted(src): pages[page_name(src.relative_to(root))] = executed
     links = SiteLinks(root)
-    for page, src in pages.items(): process_notebook(src, site/f"{page}.ipynb", root, partial(links, here=page))
+    for page, src in pages.items():
+        process_notebook(src, site/f"{page}.ipynb", root, partial(links, here=page))
+        if src.parent.parent == runs: note_profile(site/f"{page}.ipynb", src)
+    write_results_page(site, root, runs/RESULTS_PROFILE, set(pages))
     index = nbformat.read(site/"index.ipynb", as_version=4)
     library = [p for p in pages if not p.startswith("reproduce/") and p != "index"]
     experiments = [p for p in pages if p.startswith("reproduce/")]
-    index.cells.append(new_markdown_cell(toctree("Library", library) + "\n\n" + toctree("Experiments", experiments)))
+    index.cells.insert(1, new_markdown_cell("**[Results](results.ipynb)**: every figure and table the pipeline "
+                                            "reproduces, beside the paper's numbers, and the command that remakes it."))
+    index.cells.append(new_markdown_cell("\n\n".join([toctree("Results", ["results"]), toctree("Library", library),
+                                                       toctree("Experiments", experiments)])))
     nbformat.write(index, site/"index.ipynb")
     write_text(site/"conf.py", SPHINX_CONF)
     shutil.copytree(mathjax.parent, site/"_static"/"mathjax")
