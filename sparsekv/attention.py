@@ -19,8 +19,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 # %% auto #0
-__all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'require_finite', 'IntArgumentError', 'check_int',
-           'gather_keys', 'and_masks', 'or_masks', 'not_mask', 'is_causal', 'in_sinks', 'in_window',
+__all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'require_finite', 'require_data', 'IntArgumentError',
+           'check_int', 'gather_keys', 'and_masks', 'or_masks', 'not_mask', 'is_causal', 'in_sinks', 'in_window',
            'sink_window_visible', 'evictable', 'causal_mask', 'check_mask', 'softmax_scale', 'attention_scores',
            'attention_reference', 'attention_chunked', 'merge_attention', 'position_mask_mod', 'causal_mask_mod',
            'mask_mod_from_bool', 'bias_score_mod', 'block_mask_from_bool', 'causal_block_mask',
@@ -73,6 +73,13 @@ def require_finite(name: str, x: Tensor | None, neg_inf: bool = False) -> None:
     if x is None or x.device.type == "meta": return
     ok = (x < math.inf).all() if neg_inf else torch.isfinite(x).all()
     if not ok: raise ValueError(f"{name} contains NaN or {'+inf' if neg_inf else 'inf'}")
+
+# %% ../nbs/00_attention.ipynb #f5ecaf8f
+def require_data(name: str, x: Tensor | None) -> None:
+    "Raise ValueError if x is a `meta` tensor (a shape without data); None passes."
+    if x is not None and x.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (a shape without data): this needs a tensor with data "
+                         "(e.g. on cpu or cuda)")
 
 # %% ../nbs/00_attention.ipynb #4615aef3
 class IntArgumentError(ValueError, TypeError):

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,11 +38,11 @@ from .io import atomic_path, write_csv
 from .models import load_model
 
 # %% auto #0
-__all__ = ['MODES', 'RESUMABLE_CHANGES', 'STUDENT_ALIASES', 'DistillStudent', 'DistillConfig', 'new_param_lr', 'trainable_groups',
-           'make_optimizer', 'distill_kl', 'epoch_batches', 'world', 'rank_slice', 'rng_state', 'set_rng_state',
-           'save_checkpoint', 'student_spec', 'model_spec', 'spec_differences', 'check_resume', 'load_checkpoint',
-           'distill', 'teacher_eval', 'decoder_layers', 'shard_model', 'shard_for_training', 'full_state', 'parse_args',
-           'main']
+__all__ = ['MODES', 'RESUMABLE_CHANGES', 'STUDENT_ALIASES', 'USER_ERRORS', 'DistillStudent', 'DistillConfig', 'new_param_lr',
+           'trainable_groups', 'make_optimizer', 'distill_kl', 'epoch_batches', 'world', 'rank_slice', 'rng_state',
+           'set_rng_state', 'save_checkpoint', 'student_spec', 'model_spec', 'spec_differences', 'check_resume',
+           'load_checkpoint', 'distill', 'teacher_eval', 'decoder_layers', 'shard_model', 'shard_for_training',
+           'full_state', 'parse_args', 'main', 'train_from_args']
 
 # %% ../nbs/06_distill.ipynb #65dc5ebf
 class DistillStudent(nn.Module):
@@ -440,17 +441,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="folder for history.csv, the checkpoint and the trained weights")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error in the arguments or files")
     return p.parse_args(argv)
 
 
+# the errors of bad arguments or files (a missing model, a wrong budget): one line, no traceback
+USER_ERRORS = (ValueError, TypeError, OSError)
+
+
 def main(argv=None) -> pd.DataFrame:
-    "Command-line training (see `parse_args`); under torchrun (WORLD_SIZE > 1) with FSDP2, nccl on CUDA, gloo on CPU."
-    from sparsekv import methods  # the methods live above this module
+    """Command-line training (see `parse_args`): the history. An error in the arguments or files (`USER_ERRORS`) prints
+    one line and exits with status 2 (with `--debug`: raised, with its traceback); any other error is raised."""
     a = parse_args(argv)
-    method = methods.make(STUDENT_ALIASES.get(a.student, a.student), budget=a.sink + a.window + a.k, sink=a.sink,
-                          window=a.window)
-    if not hasattr(method, "student"):
-        raise ValueError(f"--student must be a trained method, {a.student!r} is not trained")
+    try: return train_from_args(a)
+    except USER_ERRORS as e:
+        if a.debug: raise
+        print(f"python -m sparsekv.distill: error: {e} (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def train_from_args(a: argparse.Namespace) -> pd.DataFrame:
+    "Train as `main`'s parsed arguments say; under torchrun (WORLD_SIZE > 1) with FSDP2, nccl on CUDA, gloo on CPU."
+    from sparsekv import methods  # the methods live above this module
+    name = STUDENT_ALIASES.get(a.student, a.student)
+    trained = [n for n in methods.names() if hasattr(methods.get(n), "student")]
+    if name not in trained: raise ValueError(f"--student must be a trained method, one of {trained}, got {a.student!r}")
+    method = methods.make(name, budget=a.sink + a.window + a.k, sink=a.sink, window=a.window)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = torch.device(a.device)
     if distributed:
@@ -472,7 +488,8 @@ def main(argv=None) -> pd.DataFrame:
         history = distill(model, student, epoch_batches(seqs, a.batch_size, a.steps * a.grad_accum, a.seed), config,
                           checkpoint_dir=out if a.checkpoint_every else None, eval_fn=eval_fn, eval_every=a.eval_every,
                           teacher=teacher)
-        weights = dict(student=full_state(student), **({"model": full_state(model)} if config.mode == "full" else {}))
+        weights = dict(student=full_state(student), spec=dict(method=name, student=student_spec(student)),
+                       **({"model": full_state(model)} if config.mode == "full" else {}))
         if out is not None and world()[0] == 0:
             write_csv(out / "history.csv", history)
             with atomic_path(out / "trained.pt") as tmp: torch.save(weights, tmp)

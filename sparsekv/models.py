@@ -17,6 +17,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 from urllib.parse import urlparse
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,7 +289,9 @@ def _as_dtype(dtype) -> torch.dtype:
 def _missing_model_error(name: str, cause: Exception) -> OSError:
     "The error raised when `name` is neither a built-in model, a local folder nor a reachable hub id."
     return OSError(f"could not load {name!r} (no local folder and no cached or reachable hub checkpoint: {cause}); "
-                   f"offline, use load_model({SMOLLM2_NAME!r}) or a tiny model ({', '.join(map(repr, TINY_CONFIGS))})")
+                   f"offline, use load_model({SMOLLM2_NAME!r}) or a tiny model ({', '.join(map(repr, TINY_CONFIGS))}), "
+                   "a local folder with config.json and a tokenizer (a path: '/...', './...' or '~/...'), or a hub id "
+                   f"already in the Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE})")
 
 def _looks_local(name: str) -> bool:
     "Whether `name` names a local folder rather than a hub id ('org/model' or 'model')."
@@ -298,15 +301,23 @@ HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "trust_remot
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
                    "sentencepiece.bpe.model")
 
+def _connects(host: str, port: int, timeout: float) -> bool:
+    "Whether a TCP connection to (host, port) opens within `timeout` seconds."
+    try:
+        with socket.create_connection((host, port), timeout=timeout): return True
+    except OSError: return False
+
 @functools.lru_cache(maxsize=None)
 def hub_reachable(timeout: float = 3.0) -> bool:
     "Whether the Hugging Face hub accepts a connection (asked once per process), so that offline machines fail fast."
     url = urlparse(huggingface_hub.constants.ENDPOINT)
-    try:
-        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                                      timeout=timeout):
-            return True
-    except OSError: return False
+    port = url.port or (443 if url.scheme == "https" else 80)
+    # in a daemon thread: the name lookup inside create_connection ignores `timeout` (a dead resolver can hang for
+    # minutes), so we stop waiting after `timeout` seconds and leave the thread behind
+    answer = []
+    probe = threading.Thread(target=lambda: answer.append(_connects(url.hostname, port, timeout)), daemon=True)
+    probe.start(); probe.join(timeout)
+    return bool(answer and answer[0])
 
 def _check_local_folder(name: str, folder: Path) -> None:
     "Raise an error naming `folder` when it lacks the config or any tokenizer file."

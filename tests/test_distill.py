@@ -163,7 +163,43 @@ def test_main_single_process(tmp_path):
                  "--window", "4", "--k", "6", "--n-eval", "1", "--eval-every", "2", "--warmup-steps", "1",
                  "--out", str(tmp_path)])
     assert list(hist.kind) == ["eval", "train", "train", "eval"]
-    assert (tmp_path / "history.csv").is_file() and set(torch.load(tmp_path / "trained.pt")) == {"student"}
+    trained = torch.load(tmp_path / "trained.pt")
+    # scorer-only: no model weights; the student with its method and description (see test_kvpop_student)
+    assert (tmp_path / "history.csv").is_file() and set(trained) == {"student", "spec"}
+    assert trained["spec"]["method"] == "kvpop_mlp" and trained["spec"]["student"]["type"] == "KVpopStudent"
+
+
+# --- the command line: a user error is one line, a bug keeps its traceback (issue 12, unclear errors) -------------
+
+@pytest.mark.parametrize("args,msg", [
+    (["--student", "quoka"], "--student must be a trained method, one of"),
+    (["--student", "nope"], "--student must be a trained method"),
+    (["--model", "tiny-llama", "--window", "0"], "window must be an int >= 1, got 0"),
+    (["--model", "tiny-llama", "--sink", "-1"], "sink must be an int >= 0, got -1"),
+    (["--model", "./no-such-folder"], "could not load './no-such-folder'"),
+])
+def test_cli_user_error_is_one_line(args, msg, capsys):
+    with pytest.raises(SystemExit) as e: main(args + ["--steps", "1", "--seq-len", "16"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("python -m sparsekv.distill: error: ") and msg in err and "--debug" in err
+    with pytest.raises((ValueError, OSError), match=re.escape(msg)):
+        main(args + ["--steps", "1", "--seq-len", "16", "--debug"])
+
+
+def test_cli_keeps_the_traceback_of_a_bug(monkeypatch):
+    import sparsekv.distill as d
+    monkeypatch.setattr(d, "load_model", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"): main(["--model", "tiny-llama", "--steps", "1"])
+
+
+def test_cli_as_a_process_prints_one_line(tmp_path):
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-m", "sparsekv.distill", "--student", "quoka"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        res.stderr.strip()] and "--student must be a trained method" in res.stderr, res.stderr
 
 
 # --- checkpoints answer for one run only (issue 12, item 3) ------------------------------------------------------

@@ -174,3 +174,10 @@ def test_bench_cutoff_paper_size():
     r = bench_cutoff(4096)
     print(r)
     assert r["ratio"] > 1
+
+
+def test_meta_priority_is_refused_by_name():
+    "A meta tensor (a shape, no values) failed deep inside on Tensor.item(); refused up front, naming the argument."
+    for fn in (lambda p: topk_cutoff(p, 3, 1, 2), lambda p: priority_rank(p, 1)):
+        with pytest.raises(ValueError, match="priority is a meta tensor .* needs a tensor with data"):
+            fn(torch.empty(1, 2, 16, device="meta"))

@@ -266,3 +266,28 @@ def test_unknown_hub_id_fails_fast_on_this_machine(monkeypatch):
     t0 = time.perf_counter()
     with pytest.raises(OSError, match="no-such-org/no-such-model"): load_model("no-such-org/no-such-model")
     assert time.perf_counter() - t0 < 20
+
+
+def test_missing_model_says_which_names_and_folders_work_offline(monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError) as e: load_model("no-such-org/no-such-model")
+    msg = str(e.value)
+    for part in ("'smollm2-135m'", "'tiny-llama'", "'tiny-qwen3'", "a local folder with config.json and a tokenizer",
+                 "already in the Hugging Face cache"):
+        assert part in msg, (part, msg)
+    import huggingface_hub
+    assert huggingface_hub.constants.HF_HUB_CACHE in msg
+
+
+def test_hub_probe_is_bounded_when_the_name_lookup_hangs(monkeypatch):
+    "socket.create_connection's timeout does not cover the name lookup: a hanging resolver must not hang the probe."
+    import socket
+    def hanging(*args, **kwargs):
+        time.sleep(5)
+        raise socket.gaierror("the resolver gave up")
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    models.hub_reachable.cache_clear()
+    t0 = time.perf_counter()
+    try: assert models.hub_reachable(timeout=0.5) is False
+    finally: models.hub_reachable.cache_clear()
+    assert time.perf_counter() - t0 < 3

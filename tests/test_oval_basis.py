@@ -315,3 +315,13 @@ def test_page_basis_refuses_non_finite(name):
     args[name] = args[name].index_fill(-1, torch.tensor([1]), math.nan if name != "V" else math.inf)
     for fn in (page_basis, page_basis_reference):
         with pytest.raises(ValueError, match=f"{name} contains NaN or inf"): fn(**args, rank=2)
+
+
+@pytest.mark.parametrize("name", ["K", "V", "G"])
+def test_page_basis_refuses_meta_tensors(name):
+    "A meta tensor (a shape, no values) failed deep inside on Tensor.item(); refused up front, naming it."
+    args = dict(K=torch.randn(3, 8, 6), V=torch.randn(3, 8, 6), G=torch.eye(6))
+    args = {n: x.to("meta") if n == name or (name == "V" and n == "K") else x for n, x in args.items()}
+    want = "K" if name == "V" else name  # V on meta with K on cpu is a device mismatch; both on meta: K named first
+    for fn in (page_basis, page_basis_reference):
+        with pytest.raises(ValueError, match=f"{want} is a meta tensor .* needs a tensor with data"): fn(**args, rank=2)

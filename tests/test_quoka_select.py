@@ -232,3 +232,13 @@ def test_unit_key_cache_gives_the_same_selection(dtype):
         assert torch.equal(idx, quoka_select(q, k, 4, 20))
         if dtype == torch.float64 and c in (2, 11): assert torch.equal(idx, quoka_select_reference(q, k, 4, 20))
     assert cache.buffer.shape[2] < 2 * 16 * 11 + 1  # grown by doubling, not per call
+
+
+def test_meta_tensors_are_refused_by_name():
+    "Meta tensors (shapes, no values) failed deep inside on Tensor.item(); refused up front, naming the argument."
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 32, 16)
+    with pytest.raises(ValueError, match="q_chunk is a meta tensor .* needs a tensor with data"):
+        quoka_select(q.to("meta"), k.to("meta"), 4, 8)
+    with pytest.raises(ValueError, match="q_chunk is a meta tensor"): quoka_scores(q.to("meta"), k.to("meta"), 4)
+    with pytest.raises(ValueError, match=r"k_unit must be the unit keys .* on cpu .* on meta"):
+        quoka_select(q, k, 4, 8, k_unit=unit_keys(k).to("meta"))

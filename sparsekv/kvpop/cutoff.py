@@ -15,7 +15,7 @@ import time
 import torch
 from torch import Tensor, nn
 
-from ..attention import check_int
+from ..attention import check_int, require_data
 
 # %% auto #0
 __all__ = ['CUTOFF_BACKENDS', 'LogDecay', 'check_log_gamma', 'static_priority', 'effective_score', 'check_priority',
@@ -93,6 +93,7 @@ def check_priority(priority: Tensor) -> Tensor:
                         f"of shape {tuple(getattr(priority, 'shape', ()))}")
     if priority.shape[-1] < 1:
         raise ValueError(f"priority needs at least one position, got shape {tuple(priority.shape)}")
+    require_data("priority", priority)  # ranking reads values
     if priority.is_floating_point() and torch.isnan(priority).any():
         raise ValueError("priority contains NaN: rankings need ordered values (+-inf are allowed)")
     return priority

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..attention import attention_scores, check_int, masked_attention, masked_logsumexp, sink_window_visible
 from ..cache import SinkWindowCache
-from ..distill import DistillStudent
+from ..distill import DistillStudent, student_spec
 from ..hf import AttentionPolicy, MaskPolicy, dense_attention, heads_mask
 from .baselines import EvictionMethod
 from .cache import KVpopCache, KVpopPolicy, KVpopScorers
@@ -27,8 +27,8 @@ from .target import future_attention_target
 from ..models import model_info
 
 # %% auto #0
-__all__ = ['KVpopTrainPolicy', 'step_generator', 'KVpopStudent', 'SinkWindowPolicy', 'SinkWindowStudent', 'TrainedMethod',
-           'KVpopMLP', 'KVpopMLSTM', 'StreamingLLMPlus']
+__all__ = ['KVpopTrainPolicy', 'step_generator', 'KVpopStudent', 'SinkWindowPolicy', 'SinkWindowStudent', 'check_trained',
+           'TrainedMethod', 'KVpopMLP', 'KVpopMLSTM', 'StreamingLLMPlus']
 
 # %% ../../nbs/17_kvpop_student.ipynb #fc5acd57
 class KVpopTrainPolicy(AttentionPolicy):
@@ -149,6 +149,37 @@ class SinkWindowStudent(DistillStudent):
         return SinkWindowCache(self.sink, self.window + self.k)
 
 # %% ../../nbs/17_kvpop_student.ipynb #8d29bb83
+def _modules(spec: dict) -> set[str]:
+    "The classes of a student spec's submodules that are not plain torch.nn modules (its scorers, decays, ...)."
+    return {c for c in spec["modules"].values() if not hasattr(nn, c)}
+
+
+def check_trained(ckpt, path, name: str, student: nn.Module) -> None:
+    "Raise a ValueError unless `ckpt` (a loaded trained.pt) holds a student state for method `name`'s `student`."
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("student"), dict):
+        raise ValueError(f"checkpoint {path} holds no 'student' state: pass the trained.pt that sparsekv.distill saves")
+    now, saved = student_spec(student), ckpt.get("spec", {}).get("student")
+    if saved is None:  # no description (saved by hand): compare parameter names and shapes
+        saved = dict(type="a student", modules={}, shapes={k: list(v.shape) for k, v in ckpt["student"].items()})
+    elif (saved["type"], _modules(saved)) != (now["type"], _modules(now)):
+        was = ckpt.get("spec", {}).get("method", "another method")
+        raise ValueError(f"checkpoint {path} holds a {was} student ({saved['type']}: "
+                         f"{', '.join(sorted(_modules(saved))) or 'no submodules'}), not one of {name} "
+                         f"({now['type']}: {', '.join(sorted(_modules(now))) or 'no submodules'})")
+    missing = sorted(set(now["shapes"]) - set(saved["shapes"]))
+    extra = sorted(set(saved["shapes"]) - set(now["shapes"]))
+    if missing or extra:
+        raise ValueError(f"checkpoint {path} holds another student than {name}'s ({now['type']}: "
+                         f"{', '.join(sorted(_modules(now))) or 'no submodules'}): it lacks {len(missing)} of its "
+                         f"entries {missing[:2]} and has {len(extra)} others {extra[:2]} "
+                         "(another method or scorer type)")
+    shapes = [f"{k} {saved['shapes'][k]} (now {v})" for k, v in now["shapes"].items()
+              if saved["shapes"][k] != v]
+    if shapes:
+        raise ValueError(f"checkpoint {path} was trained on another model: the {name} student's shapes differ, "
+                         + ", ".join(shapes[:3]))
+
+# %% ../../nbs/17_kvpop_student.ipynb #817b966b
 class TrainedMethod(EvictionMethod):
     """An eviction method trained by `distill`: `student(model)` for training; at inference its cache, from a fresh
     student (untrained) or the `checkpoint` (`trained.pt` of the distill CLI, its 'student' state)."""
@@ -175,8 +206,9 @@ class TrainedMethod(EvictionMethod):
         if model not in self._students:
             st = self.student(model)
             if self.checkpoint is not None:
-                device = next(model.parameters()).device
-                st.load_state_dict(torch.load(self.checkpoint, map_location=device, weights_only=True)["student"])
+                ckpt = torch.load(self.checkpoint, map_location=next(model.parameters()).device, weights_only=True)
+                check_trained(ckpt, self.checkpoint, self.name, st)
+                st.load_state_dict(ckpt["student"])
             self._students[model] = st.eval()
         return self._students[model]
 

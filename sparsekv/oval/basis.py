@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..attention import check_int, require_finite
+from ..attention import check_int, require_data, require_finite
 
 # %% auto #0
 __all__ = ['EPS_TRACE', 'EPS_SIGMA', 'centre_page', 'check_page', 'check_eta', 'page_risks', 'hybrid_metric', 'page_basis',
@@ -34,6 +34,7 @@ def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
     """Check pages K [..., m, d], V [..., m, dv] and a metric G [..., dv, dv] broadcastable to their batch (or None),
     all finite."""
     _check_tensor(K, "K"); _check_tensor(V, "V")
+    require_data("K", K), require_data("V", V)  # the basis reads values (eigh)
     require_finite("K", K), require_finite("V", V)
     if K.dim() < 2 or K.shape[-2] < 1 or K.shape[-1] < 1:
         raise ValueError(f"K must be [..., m, d] with m, d >= 1, got shape {tuple(K.shape)}")
@@ -43,6 +44,7 @@ def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
     if V.device != K.device: raise ValueError(f"V must be on K's device {K.device}, got {V.device}")
     if G is None: return
     _check_tensor(G, "G")
+    require_data("G", G)
     require_finite("G", G)
     dv = V.shape[-1]
     if G.dim() < 2 or G.shape[-2:] != (dv, dv):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention import check_int, check_qkv
+from ..attention import check_int, check_qkv, require_data
 from ..select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %% auto #0
@@ -68,8 +68,10 @@ def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
     if isinstance(k_cache, Tensor) and k_cache.dim() == 4 and k_cache.shape[2] == 0:
         # an empty cache is valid; its other dims are still checked
         k_cache = k_cache.new_zeros(*k_cache.shape[:2], 1, k_cache.shape[3])
-    try: return check_qkv(q_chunk, k_cache)
+    try: G = check_qkv(q_chunk, k_cache)
     except (TypeError, ValueError) as e: raise type(e)(f"q_chunk (as q) / k_cache (as k): {e}") from None
+    require_data("q_chunk", q_chunk); require_data("k_cache", k_cache)  # selection reads values
+    return G
 
 
 def unit_keys(k: Tensor) -> Tensor:
@@ -120,10 +122,11 @@ def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: 
     G = check_chunk(q_chunk, k_cache)
     qbar = preaggregated_queries(q_chunk, select_queries(q_chunk, n_q, G, query_select), G)
     if k_unit is None: k_unit = unit_keys(k_cache)
-    elif not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != qbar.dtype:
-        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {qbar.dtype} "
-                         "(`unit_keys(k_cache)`), "
-                         f"got {getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}")
+    elif (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != qbar.dtype
+          or k_unit.device != k_cache.device):
+        got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
+        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {qbar.dtype} on "
+                         f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
     s = qbar @ k_unit.transpose(-1, -2)  # [B,Hkv,n,T]: group-mean cosines
     return s.amax(2) if query_agg == "max" else s.mean(2)
 

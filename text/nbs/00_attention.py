@@ -216,6 +216,25 @@ test_fail(lambda: require_finite("t", torch.tensor([math.nan]), neg_inf=True), c
 
 
 # %% [markdown]
+# A `meta` tensor has a shape and no data: shape checks pass on it, but a step that reads values (a sort, a
+# threshold, an eigendecomposition) fails deep inside with `Tensor.item() cannot be called on meta tensors`.
+# Entry points that need values say so up front with `require_data`.
+
+# %%
+#| export
+def require_data(name: str, x: Tensor | None) -> None:
+    "Raise ValueError if x is a `meta` tensor (a shape without data); None passes."
+    if x is not None and x.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (a shape without data): this needs a tensor with data "
+                         "(e.g. on cpu or cuda)")
+
+
+# %%
+require_data("q", q); require_data("mask", None)
+test_fail(lambda: require_data("priority", torch.empty(2, 3, device="meta")), contains="priority is a meta tensor")
+
+
+# %% [markdown]
 # Every integer argument in the package (a window $w$, sink count $s$, budget $k$, a number of
 # heads, a chunk size) goes through one validator. It takes any integral number (a NumPy int too)
 # except a bool, and refuses anything else with a message naming the argument and the accepted range.

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from sparsekv.eval import token_kl, top1_agreement
 from sparsekv.kvpop.cache import random_scorers
 from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
 
+
 # %% [markdown]
 # ## The student protocol
 #
@@ -80,6 +82,7 @@ class DistillStudent(nn.Module):
     def fsdp_units(self) -> list[nn.Module]:
         "Submodules the policy calls, each one FSDP2 unit (see `shard_for_training`); default: children with params."
         return [m for m in self.children() if any(True for _ in m.parameters())]
+
 
 # %%
 #| hide
@@ -156,6 +159,7 @@ def new_param_lr(i: int, config: DistillConfig) -> float:
     frac = min(1.0, (i - W) / max(1, T - W))
     return config.new_lr_min + 0.5 * (config.new_lr - config.new_lr_min) * (1 + math.cos(math.pi * frac))
 
+
 # %%
 #| export
 def trainable_groups(model: nn.Module, student: DistillStudent, config: DistillConfig) -> list[dict]:
@@ -177,6 +181,7 @@ def make_optimizer(model: nn.Module, student: DistillStudent, config: DistillCon
     lambdas = [(lambda i: 1.0) if g["name"] == "base" else (lambda i: new_param_lr(i, config) / config.new_lr)
                for g in groups]
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+
 
 # %% [markdown]
 # Check: the schedule the optimizer applies, stepped as in training, against the formula written out
@@ -200,6 +205,7 @@ test_fail(lambda: DistillConfig(mode="lora"), contains="mode")
 test_fail(lambda: trainable_groups(lin, SinkWindowStudent(2, 4, 3), DistillConfig(mode="scorer_only")),
           contains="nothing to train")
 
+
 # %% [markdown]
 # ## The distillation loss
 #
@@ -215,10 +221,12 @@ def distill_kl(student_logits: Tensor, teacher_logits: Tensor, top_k: int = 256,
     return kl_to_teacher(student_logits / T, teacher_logits.detach() / T,
                          top_k=min(top_k, teacher_logits.shape[-1])) * T * T
 
+
 # %%
 zs, zt = torch.randn(2, 5, 40), torch.randn(2, 5, 40)
 assert_close(distill_kl(zs, zt, top_k=8), token_kl(zs, zt, top_k=8).mean())
 assert_close(distill_kl(zs, zt, top_k=8, temperature=2.0), 4 * token_kl(zs / 2, zt / 2, top_k=8).mean())
+
 
 # %% [markdown]
 # ## Data, checkpoints and the loop
@@ -262,6 +270,7 @@ def rank_slice(batch: Tensor) -> Tensor:
         raise ValueError(f"the global batch size {batch.shape[0]} must be divisible by the world size {n}")
     return batch.chunk(n)[rank] if n > 1 else batch
 
+
 # %%
 #| export
 def _state_container(model: nn.Module, student: DistillStudent, config: DistillConfig) -> nn.Module:
@@ -293,6 +302,7 @@ def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, ste
                     spec=dict(model=model_spec(model), student=student_spec(student)))
         with atomic_path(path) as tmp: torch.save(ckpt, tmp)
     if world()[1] > 1: dist.barrier()
+
 
 # %% [markdown]
 # A checkpoint answers for one run only. Resuming checks that the run is the same one: the full `DistillConfig`,
@@ -346,6 +356,7 @@ def spec_differences(saved, now, prefix: str = "") -> list[str]:
     same = json.dumps(saved, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str)
     return [] if same else [f"{prefix.rstrip('.')} ({saved!r} in the checkpoint, {now!r} now)"]
 
+
 # %%
 #| export
 def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> None:
@@ -374,6 +385,7 @@ def load_checkpoint(path, model, student, opt, sched, config: DistillConfig) -> 
     for g, f, base in zip(opt.param_groups, sched.lr_lambdas, sched.base_lrs): g["lr"] = base * f(sched.last_epoch)
     set_rng_state(ckpt["rng"])
     return ckpt["step"], ckpt["history"]
+
 
 # %% [markdown]
 # The loop. `distill` returns the history as a DataFrame: one `kind="train"` row per update (`step` = updates
@@ -472,6 +484,7 @@ def distill(model, student: DistillStudent, batches, config: DistillConfig, chec
     model.eval(); student.eval()
     return pd.DataFrame(history)
 
+
 # %% [markdown]
 # ### Held-out agreement with the teacher
 #
@@ -501,6 +514,7 @@ def teacher_eval(model, sequences: Tensor, top_k: int = 256, batch_size: int = 1
         return dict(agreement=agree / n, kl=kl / n)
     return eval_fn
 
+
 # %% [markdown]
 # Check against `eval.top1_agreement` and `eval.token_kl` computed from full logits.
 
@@ -512,6 +526,7 @@ with patch(model, student.policy()): sparse_logits = model(input_ids=ids).logits
 res = ev(model, student)
 assert_close(torch.tensor(res["agreement"]), top1_agreement(sparse_logits, dense_logits).float())
 assert_close(torch.tensor(res["kl"]), token_kl(sparse_logits, dense_logits, top_k=16).mean(), atol=1e-5, rtol=1e-5)
+
 
 # %% [markdown]
 # ## Scorer-only training on a tiny model
@@ -543,6 +558,7 @@ print(f"retention loss at step 0: {before:.4f}, after {cfg.steps} steps: {after:
 print(train_rows[["step", "retention_loss", "retention_recall", "lr_new"]].iloc[::5].to_string(index=False))
 assert after < before - 0.01, (before, after)
 assert not any(p.requires_grad for p in model.parameters())  # scorer-only: the base stayed frozen
+
 
 # %% [markdown]
 # ## Checkpoint and resume
@@ -617,6 +633,7 @@ with tempfile.TemporaryDirectory() as d:
     assert_close(torch.tensor(longer.lr_new.tolist()[2:]), torch.tensor([new_param_lr(i, cfg4) for i in (2, 3)]),
                  rtol=0, atol=0)
 
+
 # %% [markdown]
 # ## Several processes: FSDP2 under `torchrun`
 #
@@ -664,12 +681,16 @@ def full_state(module: nn.Module) -> dict[str, Tensor]:
     sd = module.state_dict()
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in sd.items()}
 
+
 # %% [markdown]
 # `main` is the command line: `torchrun --nproc_per_node N -m sparsekv.distill --model ... --steps ...`
 # (or plain `python -m sparsekv.distill` for one process). It trains on packed prose sequences
 # (`data.packed_sequences`, train split), evaluates agreement with the teacher on held-out ones, and writes the
-# history CSV and the trained student (and model, in full mode) to `--out`. `tests/test_distill.py` runs two
-# CPU processes with the `gloo` backend and compares them with one process on the same global batches.
+# history CSV and the trained student (and model, in full mode) to `--out`, the student with its method's name and
+# `student_spec`, so that loading it into another method fails clearly (`kvpop.student.check_trained`).
+# `tests/test_distill.py` runs two CPU processes with the `gloo` backend and compares them with one process on the
+# same global batches. A mistake in the arguments or files (an unknown method or model, a budget out of range)
+# prints one line, as argparse does for an unknown option; `--debug` shows its traceback.
 
 # %%
 #| export
@@ -701,17 +722,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="folder for history.csv, the checkpoint and the trained weights")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error in the arguments or files")
     return p.parse_args(argv)
 
 
+# the errors of bad arguments or files (a missing model, a wrong budget): one line, no traceback
+USER_ERRORS = (ValueError, TypeError, OSError)
+
+
 def main(argv=None) -> pd.DataFrame:
-    "Command-line training (see `parse_args`); under torchrun (WORLD_SIZE > 1) with FSDP2, nccl on CUDA, gloo on CPU."
-    from sparsekv import methods  # the methods live above this module
+    """Command-line training (see `parse_args`): the history. An error in the arguments or files (`USER_ERRORS`) prints
+    one line and exits with status 2 (with `--debug`: raised, with its traceback); any other error is raised."""
     a = parse_args(argv)
-    method = methods.make(STUDENT_ALIASES.get(a.student, a.student), budget=a.sink + a.window + a.k, sink=a.sink,
-                          window=a.window)
-    if not hasattr(method, "student"):
-        raise ValueError(f"--student must be a trained method, {a.student!r} is not trained")
+    try: return train_from_args(a)
+    except USER_ERRORS as e:
+        if a.debug: raise
+        print(f"python -m sparsekv.distill: error: {e} (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def train_from_args(a: argparse.Namespace) -> pd.DataFrame:
+    "Train as `main`'s parsed arguments say; under torchrun (WORLD_SIZE > 1) with FSDP2, nccl on CUDA, gloo on CPU."
+    from sparsekv import methods  # the methods live above this module
+    name = STUDENT_ALIASES.get(a.student, a.student)
+    trained = [n for n in methods.names() if hasattr(methods.get(n), "student")]
+    if name not in trained: raise ValueError(f"--student must be a trained method, one of {trained}, got {a.student!r}")
+    method = methods.make(name, budget=a.sink + a.window + a.k, sink=a.sink, window=a.window)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = torch.device(a.device)
     if distributed:
@@ -733,13 +769,31 @@ def main(argv=None) -> pd.DataFrame:
         history = distill(model, student, epoch_batches(seqs, a.batch_size, a.steps * a.grad_accum, a.seed), config,
                           checkpoint_dir=out if a.checkpoint_every else None, eval_fn=eval_fn, eval_every=a.eval_every,
                           teacher=teacher)
-        weights = dict(student=full_state(student), **({"model": full_state(model)} if config.mode == "full" else {}))
+        weights = dict(student=full_state(student), spec=dict(method=name, student=student_spec(student)),
+                       **({"model": full_state(model)} if config.mode == "full" else {}))
         if out is not None and world()[0] == 0:
             write_csv(out / "history.csv", history)
             with atomic_path(out / "trained.pt") as tmp: torch.save(weights, tmp)
         return history
     finally:
         if distributed: dist.destroy_process_group()
+
+
+# %% [markdown]
+# Check: each mistake gives one line naming it and exit status 2, no traceback; with `--debug` the error itself.
+
+# %%
+import contextlib
+import io
+
+for args, said in [(["--student", "quoka"], "--student must be a trained method"),
+                   (["--model", "tiny-llama", "--window", "0"], "window must be an int >= 1, got 0"),
+                   (["--model", "./no-such-folder"], "could not load './no-such-folder'")]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err): test_fail(lambda: main(args + ["--steps", "1"]), exc=SystemExit)
+    test_eq(err.getvalue().count("\n"), 1)
+    assert err.getvalue().startswith("python -m sparsekv.distill: error: ") and said in err.getvalue(), err.getvalue()
+test_fail(lambda: main(["--student", "quoka", "--debug"]), contains="--student must be a trained method")
 
 # %%
 #| export

@@ -18,7 +18,7 @@ import time
 import torch
 from torch import Tensor, nn
 
-from sparsekv.attention import check_int
+from sparsekv.attention import check_int, require_data
 
 # %%
 #| hide
@@ -300,6 +300,7 @@ def check_priority(priority: Tensor) -> Tensor:
                         f"of shape {tuple(getattr(priority, 'shape', ()))}")
     if priority.shape[-1] < 1:
         raise ValueError(f"priority needs at least one position, got shape {tuple(priority.shape)}")
+    require_data("priority", priority)  # ranking reads values
     if priority.is_floating_point() and torch.isnan(priority).any():
         raise ValueError("priority contains NaN: rankings need ordered values (+-inf are allowed)")
     return priority
@@ -695,6 +696,7 @@ test_fail(lambda: topk_cutoff(p, 3, 2, 0), contains="window must be an int >= 1"
 test_fail(lambda: topk_cutoff(p, 3.0, 2, 5), contains="k must be an int")
 test_fail(lambda: topk_cutoff(p, 3, 2, 5, backend="cuda"), contains="backend must be one of")
 test_fail(lambda: topk_cutoff(p.masked_fill(p == 0, math.nan), 3, 2, 5), contains="NaN")
+test_fail(lambda: topk_cutoff(p.to("meta"), 3, 2, 5), contains="priority is a meta tensor")  # a shape, no values
 
 
 # %% [markdown]

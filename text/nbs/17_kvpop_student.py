@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from sparsekv.attention import attention_scores, check_int, masked_attention, masked_logsumexp, sink_window_visible
 from sparsekv.cache import SinkWindowCache
-from sparsekv.distill import DistillStudent
+from sparsekv.distill import DistillStudent, student_spec
 from sparsekv.hf import AttentionPolicy, MaskPolicy, dense_attention, heads_mask
 from sparsekv.kvpop.baselines import EvictionMethod
 from sparsekv.kvpop.cache import KVpopCache, KVpopPolicy, KVpopScorers
@@ -326,6 +326,67 @@ test_eq(sum(p.numel() for p in sw.parameters()), 0)
 # ranking) unless `checkpoint` names the `trained.pt` the CLI saves. Only the student's state is loaded
 # from it: a full-mode run also saves the fine-tuned model (`"model"`), which is the model's to load.
 
+# %% [markdown]
+# A `trained.pt` must hold a student of the method that loads it. The CLI stores beside the student's state the
+# method's name and `distill.student_spec` (class, submodule classes, parameter shapes), so a checkpoint of
+# another method or scorer type (an MLP KVpop checkpoint loaded into `kvpop_mlstm`, a KVpop one into `dms`)
+# is refused with an error naming both, and one trained on another model names the differing shapes. A file
+# without that description (saved by hand) is still checked against the student's parameter names and shapes.
+
+# %%
+#| export
+def _modules(spec: dict) -> set[str]:
+    "The classes of a student spec's submodules that are not plain torch.nn modules (its scorers, decays, ...)."
+    return {c for c in spec["modules"].values() if not hasattr(nn, c)}
+
+
+def check_trained(ckpt, path, name: str, student: nn.Module) -> None:
+    "Raise a ValueError unless `ckpt` (a loaded trained.pt) holds a student state for method `name`'s `student`."
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("student"), dict):
+        raise ValueError(f"checkpoint {path} holds no 'student' state: pass the trained.pt that sparsekv.distill saves")
+    now, saved = student_spec(student), ckpt.get("spec", {}).get("student")
+    if saved is None:  # no description (saved by hand): compare parameter names and shapes
+        saved = dict(type="a student", modules={}, shapes={k: list(v.shape) for k, v in ckpt["student"].items()})
+    elif (saved["type"], _modules(saved)) != (now["type"], _modules(now)):
+        was = ckpt.get("spec", {}).get("method", "another method")
+        raise ValueError(f"checkpoint {path} holds a {was} student ({saved['type']}: "
+                         f"{', '.join(sorted(_modules(saved))) or 'no submodules'}), not one of {name} "
+                         f"({now['type']}: {', '.join(sorted(_modules(now))) or 'no submodules'})")
+    missing = sorted(set(now["shapes"]) - set(saved["shapes"]))
+    extra = sorted(set(saved["shapes"]) - set(now["shapes"]))
+    if missing or extra:
+        raise ValueError(f"checkpoint {path} holds another student than {name}'s ({now['type']}: "
+                         f"{', '.join(sorted(_modules(now))) or 'no submodules'}): it lacks {len(missing)} of its "
+                         f"entries {missing[:2]} and has {len(extra)} others {extra[:2]} "
+                         "(another method or scorer type)")
+    shapes = [f"{k} {saved['shapes'][k]} (now {v})" for k, v in now["shapes"].items()
+              if saved["shapes"][k] != v]
+    if shapes:
+        raise ValueError(f"checkpoint {path} was trained on another model: the {name} student's shapes differ, "
+                         + ", ".join(shapes[:3]))
+
+
+# %% [markdown]
+# Check: a student's own state passes, with or without its description; an MLP checkpoint refuses an mLSTM
+# student naming both, with and without the description; a student of another model is refused by its shapes.
+
+# %%
+mlp, mlstm = (KVpopStudent.for_model(model, 2, 4, 3, scorer=s) for s in ("mlp", "mlstm"))
+ck = dict(student=mlp.state_dict(), spec=dict(method="kvpop_mlp", student=student_spec(mlp)))
+check_trained(ck, "t.pt", "kvpop_mlp", KVpopStudent.for_model(model, 2, 4, 3))
+check_trained(dict(student=mlp.state_dict()), "t.pt", "kvpop_mlp", KVpopStudent.for_model(model, 2, 4, 3))
+test_fail(lambda: check_trained(ck, "t.pt", "kvpop_mlstm", mlstm),
+          contains="holds a kvpop_mlp student (KVpopStudent: HeadwiseLinear, KVpopScorers, LogDecay, MLPScorer), "
+                   "not one of kvpop_mlstm (KVpopStudent: HeadwiseLinear, KVpopScorers, LogDecay, MLSTMScorer)")
+test_fail(lambda: check_trained(dict(student=mlp.state_dict()), "t.pt", "kvpop_mlstm", mlstm),
+          contains="holds another student than kvpop_mlstm's (KVpopStudent: HeadwiseLinear, KVpopScorers, LogDecay, "
+                   "MLSTMScorer)")
+other_model = load_model("tiny-llama", num_layers=2, num_kv_heads=1)[0]
+test_fail(lambda: check_trained(ck, "t.pt", "kvpop_mlp", KVpopStudent.for_model(other_model, 2, 4, 3)),
+          contains="trained on another model")
+test_fail(lambda: check_trained({"model": {}}, "t.pt", "kvpop_mlp", mlp), contains="holds no 'student' state")
+
+
 # %%
 #| export
 class TrainedMethod(EvictionMethod):
@@ -354,8 +415,9 @@ class TrainedMethod(EvictionMethod):
         if model not in self._students:
             st = self.student(model)
             if self.checkpoint is not None:
-                device = next(model.parameters()).device
-                st.load_state_dict(torch.load(self.checkpoint, map_location=device, weights_only=True)["student"])
+                ckpt = torch.load(self.checkpoint, map_location=next(model.parameters()).device, weights_only=True)
+                check_trained(ckpt, self.checkpoint, self.name, st)
+                st.load_state_dict(ckpt["student"])
             self._students[model] = st.eval()
         return self._students[model]
 

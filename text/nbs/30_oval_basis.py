@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from sparsekv.attention import check_int, require_finite
+from sparsekv.attention import check_int, require_data, require_finite
 
 # %%
 #| hide
@@ -90,6 +90,7 @@ def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
     """Check pages K [..., m, d], V [..., m, dv] and a metric G [..., dv, dv] broadcastable to their batch (or None),
     all finite."""
     _check_tensor(K, "K"); _check_tensor(V, "V")
+    require_data("K", K), require_data("V", V)  # the basis reads values (eigh)
     require_finite("K", K), require_finite("V", V)
     if K.dim() < 2 or K.shape[-2] < 1 or K.shape[-1] < 1:
         raise ValueError(f"K must be [..., m, d] with m, d >= 1, got shape {tuple(K.shape)}")
@@ -99,6 +100,7 @@ def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
     if V.device != K.device: raise ValueError(f"V must be on K's device {K.device}, got {V.device}")
     if G is None: return
     _check_tensor(G, "G")
+    require_data("G", G)
     require_finite("G", G)
     dv = V.shape[-1]
     if G.dim() < 2 or G.shape[-2:] != (dv, dv):
@@ -1012,6 +1014,7 @@ test_fail(lambda: page_basis(Kb.numpy(), Vb, Gb), contains="torch.Tensor")
 test_fail(lambda: page_basis(Kb.index_fill(-2, torch.tensor([2]), math.nan), Vb, Gb), contains="K contains NaN or inf")
 test_fail(lambda: page_basis(Kb, Vb.index_fill(-1, torch.tensor([0]), math.inf), Gb), contains="V contains NaN or inf")
 test_fail(lambda: page_basis(Kb, Vb, Gb.index_fill(-1, torch.tensor([0]), math.nan)), contains="G contains NaN or inf")
+test_fail(lambda: page_basis(Kb.to("meta"), Vb.to("meta")), contains="K is a meta tensor")  # a shape, no values
 test_eq(page_basis(Kb[..., :5, :], Vb[..., :5, :], Gb, rank=8)[1].shape, (5, 3, 64, 4))       # m - 1 < r
 test_eq(page_basis(Kb[..., :3], Vb, None, rank=8)[1].shape, (5, 3, 3, 3))                     # d < r
 mu_h, B_h, R_h = page_basis(Kb.bfloat16(), Vb.bfloat16(), Gb.float(), rank=8, eta=0.5)
