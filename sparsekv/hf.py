@@ -21,9 +21,9 @@ from .attention import causal_mask, check_int, check_qkv, gather_keys
 from .cache import EvictingCache, EvictingLayer
 
 # %% auto #0
-__all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'heads_mask', 'dense_attention', 'attend_selected', 'add_chunk_keys',
-           'AttentionContext', 'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy', 'attention_modules',
-           'patch', 'active_patch', 'chunked_prefill', 'Method']
+__all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'heads_mask', 'dense_attention', 'attend_selected', 'chosen_indices', 'attend_chosen',
+           'add_chunk_keys', 'AttentionContext', 'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy',
+           'attention_modules', 'patch', 'active_patch', 'check_input_ids', 'left_padding', 'chunked_prefill', 'Method']
 
 # %% ../nbs/03_hf.ipynb #145809aa
 def heads_mask(mask: Tensor, n_heads: int) -> Tensor:
@@ -75,12 +75,29 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: Tensor |
     return dense_attention(q, gather_keys(k, idx), gather_keys(v, idx), sel, scale, dropout)
 
 
+def chosen_indices(chosen: Tensor) -> Tensor:
+    "Indices [B,Hkv,n], ascending, of the chosen keys of `chosen` [B,Hkv,Sk] (bool), n the largest count, and fillers."
+    n = int(chosen.sum(-1).max()) if chosen.numel() else 0
+    # stable: the chosen keys first in index order, then the lowest unchosen ones fill rows that chose fewer
+    return (~chosen).to(torch.uint8).argsort(dim=-1, stable=True)[..., :n].sort(-1).values
+
+
+def attend_chosen(q: Tensor, k: Tensor, v: Tensor, chosen: Tensor, mask: Tensor | None = None,
+                  scale: float | None = None, dropout: float = 0.0) -> Tensor:
+    "`attend_selected` over the keys `chosen` [B,Hkv,Sk] (bool; counts may differ per row) under `mask` (None: causal)."
+    if chosen.dtype != torch.bool or chosen.shape != k.shape[:3]:
+        raise ValueError(f"chosen must be boolean [B,Hkv,Sk] = {tuple(k.shape[:3])}, got {chosen.dtype} "
+                         f"{tuple(chosen.shape)}")
+    base = causal_mask(q.shape[2], k.shape[2], k.device)[None, None] if mask is None else mask
+    return attend_selected(q, k, v, chosen_indices(chosen), base & chosen[:, :, None], scale, dropout)
+
+
 def add_chunk_keys(idx: Tensor, k_len: int, q_len: int) -> Tensor:
     "Append to `idx` `[B,Hkv,n]` (earlier keys) the indices of the chunk's own keys, the last `q_len` of `k_len`."
     own = torch.arange(k_len - q_len, k_len, device=idx.device).expand(*idx.shape[:2], q_len)
     return torch.cat([idx, own], dim=-1)
 
-# %% ../nbs/03_hf.ipynb #e9414c14
+# %% ../nbs/03_hf.ipynb #b4f76af1
 @dataclass
 class AttentionContext:
     "What a policy knows about one attention call besides q, k, v."
@@ -95,6 +112,8 @@ class AttentionContext:
     chunk_index: int | None = None
     cache: Cache | None = None
     dropout: float = 0.0
+    # the batch row this context describes on its own (a padded batch, row by row); None: the whole batch
+    row: int | None = None
 
     @property
     def past_len(self) -> int:
@@ -113,7 +132,22 @@ class AttentionContext:
         return causal_mask(self.query_positions.shape[0], self.key_positions.shape[-1],
                            self.key_positions.device)[None, None]
 
-# %% ../nbs/03_hf.ipynb #b4f76af1
+    def real_keys(self) -> Tensor | None:
+        "Boolean [B,Sk]: the keys some query may see (not padding); None when every key is seen (nothing padded)."
+        if self.mask is None or isinstance(self.cache_layer, EvictingLayer): return None  # eviction: no padding
+        real = self.mask.any(-2).any(1).expand(self.key_positions.shape[0], -1)
+        return None if bool(real.all()) else real
+
+    def row_context(self, b: int, n_keys: int, n_queries: int) -> AttentionContext:
+        """The context of row `b` alone, as if run unpadded: its `n_keys` real keys numbered from 0, the last
+        `n_queries` of them this call's queries; causal (no mask), no cache."""
+        pos = torch.arange(n_keys, device=self.key_positions.device)
+        return AttentionContext(layer_idx=self.layer_idx, kind=self.kind, query_positions=pos[n_keys - n_queries:],
+                                key_positions=pos.expand(1, self.key_positions.shape[1], n_keys), mask=None,
+                                scale=self.scale, module=self.module, chunk_index=self.chunk_index,
+                                dropout=self.dropout, row=b)
+
+# %% ../nbs/03_hf.ipynb #7cf3efbb
 class AttentionPolicy:
     "Base class of attention policies: the output `[B,Hq,Sq,D]` of each attention call; dense unless overridden."
 
@@ -160,6 +194,7 @@ class SelectionPolicy(AttentionPolicy):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         idx = self.select(q, k, v, ctx)
         if idx is None: return super().attend(q, k, v, ctx)
+        if idx.dtype == torch.bool: return attend_chosen(q, k, v, idx, ctx.mask, ctx.scale, ctx.dropout)
         return attend_selected(q, k, v, idx, ctx.mask, ctx.scale, ctx.dropout)
 
 # %% ../nbs/03_hf.ipynb #a8d6ada6
@@ -212,7 +247,7 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
     if isinstance(layer, EvictingLayer):
         if mask is not None and not (mask == causal_mask(sq, sk, key.device)).all():
             raise ValueError("evicting caches support unpadded batches of full-attention layers only: the model's "
-                             "mask hides keys")
+                             "mask hides keys (padding?); generate each prompt alone or batch prompts of equal length")
         key_positions = layer.positions
         # a decode query sees every kept entry by construction (see `EvictionRule.keep`)
         mask = layer.rule.visible(layer, cache_position) if sq > 1 else None
@@ -243,6 +278,21 @@ AttentionInterface.register(ATTN_NAME, _sparsekv_attention)
 AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 # %% ../nbs/03_hf.ipynb #a27d780f
+def _checked_prepare(prepare):
+    "Wrap `prepare_inputs_for_generation`: refuse, clearly, a cache that already holds every token of `input_ids`."
+    def wrapped(input_ids, *args, **kwargs):
+        pos, cache = kwargs.get("cache_position"), kwargs.get("past_key_values")
+        if cache is not None and pos is not None and pos.numel() == 0:
+            raise ValueError(
+                f"past_key_values already holds {cache.get_seq_length()} tokens and input_ids {input_ids.shape[1]}: "
+                "generate has no new token to feed. To generate after chunked_prefill, prefill all but the last "
+                "prompt token (chunked_prefill(model, ids[:, :-1], ...)) and pass the whole prompt, or call "
+                "Method.generate(model, ids), which does both; for a new prompt, pass a fresh cache (each "
+                "Method.patch block yields one)")
+        return prepare(input_ids, *args, **kwargs)
+    return wrapped
+
+
 def _record_call(state: _Patch):
     "Forward pre-hook recording the cache and query positions of an attention module's call."
     def hook(module, args, kwargs):
@@ -261,8 +311,9 @@ def patch(model: PreTrainedModel, policy: AttentionPolicy):
         raise TypeError(f"policy must be an AttentionPolicy, got {type(policy).__name__}")
     modules, state = attention_modules(model), _Patch(policy)
     saved = [(c, c._attn_implementation_internal) for c in _configs(model)]
-    hooks = []
+    hooks, own_prepare = [], model.__dict__.get("prepare_inputs_for_generation")
     try:
+        model.prepare_inputs_for_generation = _checked_prepare(model.prepare_inputs_for_generation)
         for m in modules:
             _ACTIVE.setdefault(m, []).append(state)
             hooks.append(m.register_forward_pre_hook(_record_call(state), with_kwargs=True))
@@ -272,6 +323,8 @@ def patch(model: PreTrainedModel, policy: AttentionPolicy):
                              "(AttentionInterface)")
         yield model
     finally:
+        if own_prepare is None: model.__dict__.pop("prepare_inputs_for_generation", None)
+        else: model.prepare_inputs_for_generation = own_prepare
         for h in hooks: h.remove()
         for m in modules:
             stack = _ACTIVE.get(m, [])
@@ -286,6 +339,35 @@ def active_patch(model: nn.Module) -> _Patch | None:
     return stack[-1] if stack else None
 
 # %% ../nbs/03_hf.ipynb #a18923f0
+def check_input_ids(model: PreTrainedModel, input_ids: Tensor) -> Tensor:
+    "`input_ids` if it is a non-empty int64 tensor [B,S] of token ids of `model`'s vocabulary."
+    if (not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long
+            or input_ids.shape[1] == 0):
+        raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
+    emb = model.get_input_embeddings()
+    V = emb.num_embeddings if emb is not None else model.config.vocab_size
+    lo, hi = (int(x) for x in input_ids.aminmax())
+    if lo < 0 or hi >= V:
+        raise ValueError(f"input_ids must be token ids in [0, {V}) (the model's vocabulary), got ids from {lo} to {hi}")
+    return input_ids
+
+
+def left_padding(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor | None:
+    "Padding tokens per row [B] of a left-padded 0/1 `attention_mask` [B,S], or None when nothing is padded."
+    if attention_mask is None: return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must be a tensor [B,S] = {tuple(input_ids.shape)} like input_ids, got "
+                         f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask!r}")
+    if attention_mask.is_floating_point() or not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask must hold integers or booleans, 0 (padding) and 1 (token)")
+    m = attention_mask.bool()
+    pads = (~m).sum(-1)
+    if not torch.equal(m, torch.arange(m.shape[1], device=m.device) >= pads[:, None]):
+        raise ValueError("attention_mask must pad on the left (0s before the tokens of each row), as generate pads "
+                         "decoder-only prompts")
+    return pads if bool(pads.any()) else None
+
+# %% ../nbs/03_hf.ipynb #895bd629
 @contextlib.contextmanager
 def _patched(model: PreTrainedModel, policy: AttentionPolicy | None):
     "Patch with `policy`; with None keep an active patch or patch densely. Yields the patch state."
@@ -298,24 +380,67 @@ def _patched(model: PreTrainedModel, policy: AttentionPolicy | None):
         with patch(model, policy or DensePolicy()): yield active_patch(model)
 
 
-def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int,
-                    policy: AttentionPolicy | None = None, cache: Cache | None = None) -> tuple[Cache, Tensor]:
-    "Prefill `input_ids` `[B,S]` in chunks of `chunk_size` (B_CP) under `policy`: the cache and last logits `[B,V]`."
-    check_int(chunk_size, "chunk_size", 1)  # refuses a bool (True would run as 1)
-    if (not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long
-            or input_ids.shape[1] == 0):
-        raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
+def _prefill_chunks(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, policy: AttentionPolicy | None,
+                    cache: Cache, attention_mask: Tensor | None = None) -> Tensor:
+    "The chunk loop of `chunked_prefill` (one grid of chunks for all rows): fills `cache`, returns last logits [B,V]."
     B, S = input_ids.shape
-    cache = DynamicCache(config=model.config) if cache is None else cache
     start = cache.get_seq_length()
+    if attention_mask is not None:  # positions as transformers computes them: tokens before, minus one
+        mask = attention_mask.long()
+        row_pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with torch.no_grad(), _patched(model, policy) as state:
         state.kind = "prefill"
         for c, a in enumerate(range(0, S, chunk_size)):
-            state.chunk_index = c
-            pos = torch.arange(start + a, start + min(a + chunk_size, S), device=input_ids.device)
-            out = model(input_ids=input_ids[:, a:a + chunk_size], past_key_values=cache, use_cache=True,
-                        cache_position=pos, position_ids=pos.expand(B, -1), logits_to_keep=1)
-    return cache, out.logits[:, -1]
+            state.chunk_index, e = c, min(a + chunk_size, S)
+            pos = torch.arange(start + a, start + e, device=input_ids.device)
+            rows = (dict(position_ids=pos.expand(B, -1)) if attention_mask is None
+                    else dict(position_ids=row_pos[:, a:e], attention_mask=mask[:, :e]))
+            out = model(input_ids=input_ids[:, a:e], past_key_values=cache, use_cache=True, cache_position=pos,
+                        logits_to_keep=1, **rows)
+    return out.logits[:, -1]
+
+# %% ../nbs/03_hf.ipynb #e79d7e71
+def _join_rows(cache: Cache, parts: list, B: int, S: int) -> None:
+    "Fill empty `cache` with `parts` (rows, first column, cache of those rows from that column), zeros elsewhere."
+    for i in range(len(parts[0][2].layers)):
+        k0, v0 = parts[0][2].layers[i].keys, parts[0][2].layers[i].values
+        K, V = k0.new_zeros(B, k0.shape[1], S, k0.shape[3]), v0.new_zeros(B, v0.shape[1], S, v0.shape[3])
+        for rows, cut, part in parts: K[rows, :, cut:], V[rows, :, cut:] = part.layers[i].keys, part.layers[i].values
+        cache.update(K, V, i)
+
+
+def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, policy: AttentionPolicy | None = None,
+                    cache: Cache | None = None, attention_mask: Tensor | None = None) -> tuple[Cache, Tensor]:
+    """Prefill `input_ids` `[B,S]` in chunks of `chunk_size` (B_CP) under `policy`: the cache and last logits `[B,V]`;
+    `attention_mask` [B,S]: left padding, each row computes what it computes alone (a row of padding only: 0 logits)."""
+    check_int(chunk_size, "chunk_size", 1)  # refuses a bool (True would run as 1)
+    check_input_ids(model, input_ids)
+    pads = left_padding(attention_mask, input_ids)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    if pads is None: return cache, _prefill_chunks(model, input_ids, chunk_size, policy, cache)
+    B, S = input_ids.shape
+    if isinstance(cache, EvictingCache):
+        raise ValueError("attention_mask: evicting caches take unpadded batches only; prefill each prompt alone or "
+                         "batch prompts of equal length")
+    if cache.get_seq_length():
+        raise ValueError(f"attention_mask: a padded prompt needs an empty cache, this one holds "
+                         f"{cache.get_seq_length()} tokens; pass a fresh cache (or none)")
+    if bool((pads == S).all()): raise ValueError("attention_mask must mark at least one token (1)")
+    # rows whose padding leaves the same remainder share the chunk boundaries of their runs alone
+    groups = [(pads % chunk_size == r).nonzero()[:, 0] for r in (pads % chunk_size).unique().tolist()]
+    cuts = [int(pads[rows].min()) for rows in groups]  # columns of padding in every row of the group
+    if len(groups) == 1 and cuts[0] == 0:
+        return cache, _prefill_chunks(model, input_ids, chunk_size, policy, cache, attention_mask)
+    parts, last = [], None
+    for rows, cut in zip(groups, cuts):
+        if cut == S: continue  # rows of padding only: nothing to compute
+        part = DynamicCache(config=model.config)
+        logits = _prefill_chunks(model, input_ids[rows, cut:], chunk_size, policy, part, attention_mask[rows, cut:])
+        if last is None: last = logits.new_zeros(B, logits.shape[-1])
+        last[rows] = logits
+        parts.append((rows, cut, part))
+    _join_rows(cache, parts, B, S)
+    return cache, last
 
 # %% ../nbs/03_hf.ipynb #835fa2ff
 METHOD_FAMILIES = ("dense", "eviction", "selection", "retrieval")
@@ -364,18 +489,31 @@ class Method:
 
     def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None,
                  **kwargs) -> Tensor:
-        "Prefill (in chunks of `chunk_size` if set), decode by `model.generate(**kwargs)` under the method: token ids."
-        if (not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long
-                or input_ids.shape[1] == 0):
-            raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
+        """Prefill (in chunks of `chunk_size` if set), decode by `model.generate(**kwargs)` under the method: token ids;
+        `attention_mask`: left padding, as generate takes it."""
+        check_input_ids(model, input_ids)
+        if "past_key_values" in kwargs:
+            raise ValueError("past_key_values: Method.generate makes a fresh cache for each call; to continue a cache "
+                             "of your own, call model.generate inside `with method.patch(model):`")
+        S, pads = input_ids.shape[1], left_padding(attention_mask, input_ids)
+        if pads is not None and bool((pads == S).any()):
+            raise ValueError("attention_mask must mark at least one token (1) in every row")
         if attention_mask is None: attention_mask = torch.ones_like(input_ids)
         with torch.no_grad(), self.patch(model) as cache:
-            if self.chunk_size and input_ids.shape[1] > 1:
-                if not bool(attention_mask.all()):
-                    raise ValueError(f"attention_mask: {self.name or type(self).__name__} prefills in chunks, which "
-                                     "takes unpadded prompts")
+            if pads is not None and isinstance(cache, EvictingCache):
+                raise ValueError(f"attention_mask: {self.name or type(self).__name__} evicts from a cache that takes "
+                                 "unpadded batches only (padding would shift its rows); generate each prompt alone "
+                                 "or batch prompts of equal length")
+            # a prefill with some token (rows of one token have none before the last)
+            if self.chunk_size and S > 1 and (pads is None or bool((pads < S - 1).any())):
                 # generate feeds the last token
-                cache = chunked_prefill(model, input_ids[:, :-1], self.chunk_size, cache=cache)[0]
+                cache = chunked_prefill(model, input_ids[:, :-1], self.chunk_size, cache=cache,
+                                        attention_mask=attention_mask[:, :-1])[0]
+                # generate repeats each row of input_ids for beams or return sequences, not a cache passed to it
+                cfg = kwargs.get("generation_config") or model.generation_config
+                expand = max(kwargs.get("num_beams", cfg.num_beams) or 1,
+                             kwargs.get("num_return_sequences", cfg.num_return_sequences) or 1)
+                if expand > 1: cache.batch_repeat_interleave(expand)
             return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
 
     def __repr__(self):

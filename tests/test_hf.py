@@ -369,3 +369,54 @@ def test_follow_batch_ops_moves_side_state_once_and_per_copy():
     twin = copy.deepcopy(layer)
     twin.reorder_cache(torch.tensor([1, 1]))
     assert torch.equal(twin.keys, k[[0, 0]]) and torch.equal(layer.keys, k[[1, 0]])
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_llama):
+    "Ids < 0 or >= the vocabulary: a clear error naming input_ids, not an IndexError deep in the embedding."
+    from sparsekv.hf import Method
+    V = tiny_llama.get_input_embeddings().num_embeddings
+    for bad in (-1, V, V + 7):
+        ids = _ids(2, 8, 0)
+        ids[1, 2] = bad
+        with pytest.raises(ValueError, match=rf"input_ids must be token ids in \[0, {V}\)"):
+            chunked_prefill(tiny_llama, ids, 4)
+        with pytest.raises(ValueError, match="the model's vocabulary"):
+            Method(8).generate(tiny_llama, ids, max_new_tokens=2)
+
+
+def test_a_cache_with_no_new_token_to_feed_is_refused_clearly(tiny_llama):
+    "generate with a cache holding the whole prompt (chunked_prefill of all of it) or reused for a new prompt."
+    from sparsekv.hf import Method
+    ids, other = _ids(1, 10, 1), _ids(1, 6, 2)
+    full, _ = chunked_prefill(tiny_llama, ids, 4)
+    with torch.no_grad(), patch(tiny_llama, DensePolicy()):
+        with pytest.raises(ValueError, match=r"holds 10 tokens .* prefill all but the last prompt token"):
+            _greedy(tiny_llama, ids, past_key_values=full)
+        used = SinkWindowCache(2, 64)
+        _greedy(tiny_llama, ids, past_key_values=used)
+        with pytest.raises(ValueError, match="for a new prompt, pass a fresh cache"):
+            _greedy(tiny_llama, other, past_key_values=used)
+        # the documented route: all but the last token, then the whole prompt
+        cache, _ = chunked_prefill(tiny_llama, ids[:, :-1], 4)
+        assert torch.equal(_greedy(tiny_llama, ids, past_key_values=cache), _greedy(tiny_llama, ids))
+    assert "prepare_inputs_for_generation" not in tiny_llama.__dict__  # the check leaves with the patch
+    with pytest.raises(ValueError, match="past_key_values: Method.generate makes a fresh cache"):
+        Method(8).generate(tiny_llama, ids, past_key_values=full)
+
+
+def test_padded_chunked_prefill_equals_rows_alone(tiny_model):
+    "Left-padded rows: last logits and cached keys of each row as alone, for every grouping of chunk boundaries."
+    lens, S = (17, 11, 6, 17), 17
+    ids, mask = torch.zeros(4, S, dtype=torch.long), torch.zeros(4, S, dtype=torch.long)
+    for b, n in enumerate(lens): ids[b, S - n:], mask[b, S - n:] = _ids(1, n, 10 + b)[0], 1
+    for cs in (1, 3, 4, 6, 32):
+        cache, last = chunked_prefill(tiny_model, ids, cs, attention_mask=mask)
+        assert cache.get_seq_length() == S
+        for b, n in enumerate(lens):
+            alone, want = chunked_prefill(tiny_model, ids[b:b + 1, S - n:], cs)
+            assert_close(last[b], want[0], atol=1e-4, rtol=0)
+            for layer, one in zip(cache.layers, alone.layers):
+                assert_close(layer.keys[b, :, S - n:], one.keys[0], atol=1e-5, rtol=0)
+                assert_close(layer.values[b, :, S - n:], one.values[0], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="evicting caches take unpadded batches only"):
+        chunked_prefill(tiny_model, ids, 4, cache=SinkWindowCache(2, 4), attention_mask=mask)

@@ -365,3 +365,29 @@ def test_packed_pages_of_a_summary_instance():
 def test_policy_refuses_bad_eta_at_construction(eta):
     "eta outside [0, 1] is refused when the policy is built, not in the middle of generate."
     with pytest.raises(ValueError, match="eta must be"): PageRetrievalPolicy("oval", 16, eta=eta)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_padded_rows_retrieve_as_alone(method):
+    "A padded decode call: each row keeps the pages it keeps alone (page grid and sink from its first real token)."
+    g = torch.Generator().manual_seed(4)
+    T, pads, Hkv = 41, [0, 5, 30], 2
+    q, k, v = torch.randn(3, 4, 1, 16, generator=g), torch.randn(3, Hkv, T, 16, generator=g), torch.randn(3, Hkv, T, 16)
+    summary = OVALSummary(rank=2, eta=0.5, G=torch.eye(16).expand(Hkv, 16, 16)) if method == "oval" else method
+    opts = dict(token_budget=12, page_size=4, sink=4, recent=4, rank=2)
+    real = torch.arange(T) >= torch.tensor(pads)[:, None]
+    ctx = AttentionContext(layer_idx=1, kind="decode", query_positions=torch.tensor([T - 1]),
+                           key_positions=torch.arange(T).expand(3, Hkv, T), mask=real[:, None, None], scale=0.25)
+    pol = PageRetrievalPolicy(summary, **opts)
+    chosen = pol.select(q, k, v, ctx)
+    for b, p in enumerate(pads):
+        n = T - p
+        alone = PageRetrievalPolicy(summary, **opts).select(q[b:b + 1], k[b:b + 1, :, p:], v[b:b + 1, :, p:],
+                                                            ctx.row_context(b, n, 1))
+        want = torch.arange(n).expand(1, Hkv, n) if alone is None else alone  # a row that fits keeps everything
+        for h in range(Hkv): assert chosen[b, h].nonzero()[:, 0].tolist() == (want[0, h] + p).tolist()
+    assert chosen[1, :, 5:9].all() and not chosen[1, :, :5].any()  # row 1's sink page: its first 4 real tokens
+    out = pol(q, k, v, ctx)  # attention over exactly the chosen keys
+    keep = chosen.repeat_interleave(2, 1)[:, :, None]
+    probs = torch.where(keep, q @ k.repeat_interleave(2, 1).mT * 0.25, -math.inf).softmax(-1)
+    assert_close(out, probs @ v.repeat_interleave(2, 1))

@@ -253,3 +253,33 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="budget"): BaselinePolicy(lambda q, k: None)
     with pytest.raises(TypeError, match="decode"): BaselinePolicy(mean_score_select, decode="yes")
     with pytest.raises(TypeError, match="selector"): LessIsMorePolicy(mean_score_select)
+
+
+def _padded_context(B, Hkv, T, S, pads, kind="prefill"):
+    "A context of S queries after T earlier keys where row b starts with pads[b] padding keys (the model's mask)."
+    from sparsekv.attention import causal_mask
+    from sparsekv.hf import AttentionContext
+    real = torch.arange(T + S) >= torch.tensor(pads)[:, None]
+    mask = causal_mask(S, T + S)[None, None] & real[:, None, None]
+    return AttentionContext(layer_idx=0, kind=kind, query_positions=torch.arange(T, T + S),
+                            key_positions=torch.arange(T + S).expand(B, Hkv, -1), mask=mask, scale=0.25), real
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_padded_rows_select_as_alone_with_anchors_at_their_first_token(kind):
+    "Each padded row chooses its selection alone, shifted past its padding: sinks are its first real keys."
+    g = torch.Generator().manual_seed(0)
+    T, S, pads = 20, 4 if kind == "prefill" else 1, [0, 7, 16]
+    q, k = torch.randn(3, 4, S, 16, generator=g), torch.randn(3, 2, T + S, 16, generator=g)
+    ctx, real = _padded_context(3, 2, T, S, pads, kind)
+    for pol in (QuokaPolicy(n_q=2, budget=6, sinks=2, recent=1), QuokaPolicy(n_q=2, budget=0.4),
+                BaselinePolicy(mean_score_select, 6)):
+        chosen = pol.select(q, k, None, ctx)
+        assert chosen.dtype == torch.bool and torch.equal(chosen[:, :, T:], real[:, None, T:].expand(-1, 2, -1))
+        for b, p in enumerate(pads):
+            n = T - p
+            want = pol.pick_earlier(q[b:b + 1], k[b:b + 1, :, p:T], ctx.row_context(b, n + S, S))
+            if pol.fits(n): want = torch.arange(n).expand(1, 2, n)  # a row whose real keys fit attends to all
+            for h in range(2): assert chosen[b, h, :T].nonzero()[:, 0].tolist() == (want[0, h] + p).tolist()
+            assert not chosen[b, :, :p].any()  # no padding key
+        if getattr(pol, "sinks", 0): assert chosen[1, :, 7:9].all()  # row 1's sinks: its first real tokens

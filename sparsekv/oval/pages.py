@@ -7,6 +7,7 @@ Docs: https://sparsekv.github.io/sparsekv/oval_pages.html.md"""
 # %% ../../nbs/32_oval_pages.ipynb #8783b1d7
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 
@@ -265,6 +266,8 @@ class PageRetrievalPolicy(SelectionPolicy):
         self.corrected, self.speculated = 0, 0
         # pages summarized (all heads of a page at once), summed over layers
         self.built = 0
+        # a padded batch: layer -> one policy per row, each retrieving as if its row ran alone
+        self.rows = {}
 
     def metric(self, ctx) -> Tensor | None:
         "The layer's output metric G [Hkv, d, d] from o_proj if the summary takes one and has none (OVAL), else None."
@@ -301,6 +304,11 @@ class PageRetrievalPolicy(SelectionPolicy):
         self.summaries.pop(i, None)
         if i in self.history: self.history[i] = [fn(h) for h in self.history[i]]
         if i in self.seen: self.seen[i] = (fn(self.seen[i][0]), self.seen[i][1])
+        if i in self.rows:  # the row policies move with their rows; a repeated row gets its own copy
+            old, moved = self.rows[i], []
+            for j in fn(torch.arange(len(old))).tolist():
+                moved.append(copy.deepcopy(old[j]) if old[j] in moved else old[j])
+            self.rows[i] = moved
 
     def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
         "The layer's packed summaries of all complete pages of k, v [B, Hkv, T, d]; only new pages are built."
@@ -319,12 +327,53 @@ class PageRetrievalPolicy(SelectionPolicy):
         return aggregate_gqa(summ.scores(q, scale), Hkv, self.policy)
 
     def select(self, q, k, v, ctx):
-        "Token indices [B, Hkv, n] for a decode query; None (dense) at prefill, in dense layers, when the cache fits."
+        """Token indices [B, Hkv, n] for a decode query (a padded batch: chosen keys [B, Hkv, T], see `select_rows`);
+        None (dense) at prefill, in dense layers, when the cache fits."""
+        real = self.padding(ctx)
+        if real is not None: return self.select_rows(q, k, v, ctx, real)
         pages = self.page_ids(q, k, v, ctx)
         return None if pages is None else page_tokens(pages, self.page_size, k.shape[2])
 
+    def padding(self, ctx) -> Tensor | None:
+        "The real keys [B, T] of a padded batch's decode call in a retrieval layer; None otherwise."
+        if ctx.kind != "decode" or ctx.layer_idx < self.dense_layers: return None
+        return ctx.real_keys()
+
+    def select_rows(self, q, k, v, ctx, real: Tensor) -> Tensor | None:
+        """A padded batch: each row retrieves as if alone, over its real keys (`real` [B, T]: its pages, sink and budget
+        start at its first real token); the chosen keys [B, Hkv, T], or None when every row keeps all its keys."""
+        B, Hkv = k.shape[:2]
+        if len(self.rows.get(ctx.layer_idx, ())) != B: self.rows[ctx.layer_idx] = [self.row_policy() for _ in range(B)]
+        layer = ctx.cache_layer
+        if layer is not None and layer not in self.followed:  # beam search moves the row policies with their rows
+            self.followed.add(layer)
+            follow_batch_ops(layer, id(self), lambda fn, i=ctx.layer_idx: self.apply_rows(i, fn))
+        chosen, dropped = real[:, None].expand(B, Hkv, -1).clone(), False
+        for b, row in enumerate(self.rows[ctx.layer_idx]):
+            keys = real[b].nonzero()[:, 0]
+            before = row.built, row.corrected, row.speculated
+            pages = row.page_ids(q[b:b + 1], k[b:b + 1, :, keys], v[b:b + 1, :, keys],
+                                 ctx.row_context(b, len(keys), q.shape[2]))
+            # the counters count every row's work
+            self.built += row.built - before[0]
+            self.corrected += row.corrected - before[1]
+            self.speculated += row.speculated - before[2]
+            if pages is None: continue
+            chosen[b] = False
+            chosen[b].scatter_(1, keys[page_tokens(pages, self.page_size, len(keys))[0]], True)
+            dropped = True
+        return chosen if dropped else None
+
+    def row_policy(self) -> PageRetrievalPolicy:
+        "A policy with this one's settings and no state (the output metrics are shared), for one row of a batch."
+        row = copy.copy(self)
+        row.summaries, row.history, row.seen, row.rows, row.followed = {}, {}, {}, {}, weakref.WeakSet()
+        row.corrected = row.speculated = row.built = 0
+        return row
+
     def attend(self, q, k, v, ctx):
         "Decode: page_attention over kept pages (attend_selected under a mask or for several queries); else dense."
+        if self.padding(ctx) is not None: return super().attend(q, k, v, ctx)  # the chosen keys of select_rows
         pages = self.page_ids(q, k, v, ctx)
         if pages is None: return dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout)
         if ctx.mask is None and q.shape[2] == 1:

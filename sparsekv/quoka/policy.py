@@ -7,6 +7,7 @@ Docs: https://sparsekv.github.io/sparsekv/quoka_policy.html.md"""
 # %% ../../nbs/22_quoka_policy.ipynb #54244c31
 from __future__ import annotations
 
+import copy
 import inspect
 import weakref
 
@@ -51,13 +52,32 @@ class EarlierKeysPolicy(SelectionPolicy):
         raise NotImplementedError(f"{type(self).__name__} must implement pick_earlier(q, k_earlier, ctx)")
 
     def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor | None:
-        "Picked earlier keys, then the chunk's own [B,Hkv,n+Sq]; None (dense): none dropped or decode=False at decode."
+        """Picked earlier keys, then the chunk's own [B,Hkv,n+Sq] (a padded batch: chosen keys [B,Hkv,Sk], see
+        `select_rows`); None (dense): none dropped or decode=False at decode."""
         if ctx.kind == "decode" and not self.decode_sparse: return None
+        real = ctx.real_keys()
+        if real is not None: return self.select_rows(q, k, ctx, real)
         T = ctx.past_len
         if self.fits(T): return None
         idx = self.pick_earlier(q, k[:, :, :T], ctx)
         if idx is None or idx.shape[-1] == T: return None
         return add_chunk_keys(idx, k.shape[2], q.shape[2])
+
+    def select_rows(self, q: Tensor, k: Tensor, ctx: AttentionContext, real: Tensor) -> Tensor | None:
+        """A padded batch: each row picks as if alone, from its real earlier keys for its real queries (`real` [B,Sk]);
+        the chosen keys [B,Hkv,Sk] (its own keys included), or None when no row drops a key."""
+        T, B, Hkv = ctx.past_len, k.shape[0], k.shape[1]
+        chosen, dropped = real[:, None].expand(B, Hkv, -1).clone(), False
+        for b in range(B):
+            keys, queries = real[b, :T].nonzero()[:, 0], real[b, T:].nonzero()[:, 0]
+            if not len(queries) or self.fits(len(keys)): continue
+            row = ctx.row_context(b, len(keys) + len(queries), len(queries))
+            idx = self.pick_earlier(q[b:b + 1, :, queries], k[b:b + 1, :, keys], row)
+            if idx is None or idx.shape[-1] == len(keys): continue
+            chosen[b, :, :T] = False
+            chosen[b, :, :T].scatter_(1, keys[idx[0]], True)
+            dropped = True
+        return chosen if dropped else None
 
 # %% ../../nbs/22_quoka_policy.ipynb #7b1da022
 class QuokaPolicy(EarlierKeysPolicy):
@@ -163,7 +183,7 @@ class LessIsMorePolicy(EarlierKeysPolicy):
         if not isinstance(selector, LessIsMoreSelector):
             raise TypeError(f"selector must be a LessIsMoreSelector, got {type(selector).__name__}")
         super().__init__(decode)
-        self.selector = selector
+        self.selector, self.row_selectors = selector, {}
 
     def fits(self, T: int) -> bool:
         "Only the first chunk (T = 0) is dense without asking: the selector is not consulted there."
@@ -171,7 +191,15 @@ class LessIsMorePolicy(EarlierKeysPolicy):
 
     def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
         "The selector's pick for this layer (called for every layer: it checks the order); None: dense."
-        return self.selector.select(ctx.layer_idx, q, k_earlier)
+        return self.row_selector(ctx.row).select(ctx.layer_idx, q, k_earlier)
+
+    def row_selector(self, row: int | None) -> LessIsMoreSelector:
+        "The selector of the whole batch (row None) or, in a padded batch, of row `row` (its pick is the row's own)."
+        if row is None: return self.selector
+        if row not in self.row_selectors:
+            self.row_selectors[row] = copy.copy(self.selector)
+            self.row_selectors[row].reset()
+        return self.row_selectors[row]
 
 # %% ../../nbs/22_quoka_policy.ipynb #dcbb4ce8
 def last_chunk_logits(model, input_ids: Tensor, chunk_size: int, policy=None) -> Tensor:

@@ -60,6 +60,12 @@ torch.set_num_threads(1)  # tiny model: threads only add overhead
 # | `retrieval` | dense prefill, sparse decode | `PageRetrievalPolicy(summary)` | transformers' own (the full cache) | `token_budget`: sink, recent and top-scored pages, the sink and recent regions rounded out to pages |
 # | `dense` | exact attention | `DensePolicy` | transformers' own | ignored |
 #
+# **Padded batches.** `generate(model, ids, attention_mask=...)` takes `generate`'s left padding. The dense,
+# selection and retrieval methods give each row exactly the tokens it gets alone (each row selects over its own
+# tokens, see `sparsekv.hf`); the eviction methods refuse padding before any work (their cache keeps entries per
+# batch column, not per row), so generate their prompts one at a time or in batches of equal length
+# (tests/test_padding.py checks every method).
+#
 # The eviction methods live with the paper that compares against them (`sparsekv.kvpop.baselines`,
 # `.student`, `.dms`), where adding a baseline is one `EvictionMethod` subclass beside its rule. The
 # selection and retrieval methods below wrap the policies of `sparsekv.quoka` and `sparsekv.oval`. This module

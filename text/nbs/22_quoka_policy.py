@@ -10,6 +10,7 @@
 #| export
 from __future__ import annotations
 
+import copy
 import inspect
 import weakref
 
@@ -131,13 +132,32 @@ class EarlierKeysPolicy(SelectionPolicy):
         raise NotImplementedError(f"{type(self).__name__} must implement pick_earlier(q, k_earlier, ctx)")
 
     def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor | None:
-        "Picked earlier keys, then the chunk's own [B,Hkv,n+Sq]; None (dense): none dropped or decode=False at decode."
+        """Picked earlier keys, then the chunk's own [B,Hkv,n+Sq] (a padded batch: chosen keys [B,Hkv,Sk], see
+        `select_rows`); None (dense): none dropped or decode=False at decode."""
         if ctx.kind == "decode" and not self.decode_sparse: return None
+        real = ctx.real_keys()
+        if real is not None: return self.select_rows(q, k, ctx, real)
         T = ctx.past_len
         if self.fits(T): return None
         idx = self.pick_earlier(q, k[:, :, :T], ctx)
         if idx is None or idx.shape[-1] == T: return None
         return add_chunk_keys(idx, k.shape[2], q.shape[2])
+
+    def select_rows(self, q: Tensor, k: Tensor, ctx: AttentionContext, real: Tensor) -> Tensor | None:
+        """A padded batch: each row picks as if alone, from its real earlier keys for its real queries (`real` [B,Sk]);
+        the chosen keys [B,Hkv,Sk] (its own keys included), or None when no row drops a key."""
+        T, B, Hkv = ctx.past_len, k.shape[0], k.shape[1]
+        chosen, dropped = real[:, None].expand(B, Hkv, -1).clone(), False
+        for b in range(B):
+            keys, queries = real[b, :T].nonzero()[:, 0], real[b, T:].nonzero()[:, 0]
+            if not len(queries) or self.fits(len(keys)): continue
+            row = ctx.row_context(b, len(keys) + len(queries), len(queries))
+            idx = self.pick_earlier(q[b:b + 1, :, queries], k[b:b + 1, :, keys], row)
+            if idx is None or idx.shape[-1] == len(keys): continue
+            chosen[b, :, :T] = False
+            chosen[b, :, :T].scatter_(1, keys[idx[0]], True)
+            dropped = True
+        return chosen if dropped else None
 
 
 # %% [markdown]
@@ -154,7 +174,8 @@ class FirstKeys(EarlierKeysPolicy):
 def first_keys_select(budget, kind, T, decode=True):
     S = 1 if kind == "decode" else 4  # a chunk of 4 queries, or one decode query, after T earlier keys
     q, k = torch.randn(2, 6, S, 8), torch.randn(2, 3, T + S, 8)
-    return FirstKeys(budget, decode).select(q, k, None, SimpleNamespace(kind=kind, past_len=T))
+    ctx = SimpleNamespace(kind=kind, past_len=T, real_keys=lambda: None)  # an unpadded batch
+    return FirstKeys(budget, decode).select(q, k, None, ctx)
 
 for budget, kind, T in [(10, "prefill", 10), (12, "prefill", 10), (3, "prefill", 0), (1.0, "decode", 10)]:
     test_eq(first_keys_select(budget, kind, T), None)  # nothing to drop: dense
@@ -368,7 +389,7 @@ class LessIsMorePolicy(EarlierKeysPolicy):
         if not isinstance(selector, LessIsMoreSelector):
             raise TypeError(f"selector must be a LessIsMoreSelector, got {type(selector).__name__}")
         super().__init__(decode)
-        self.selector = selector
+        self.selector, self.row_selectors = selector, {}
 
     def fits(self, T: int) -> bool:
         "Only the first chunk (T = 0) is dense without asking: the selector is not consulted there."
@@ -376,7 +397,15 @@ class LessIsMorePolicy(EarlierKeysPolicy):
 
     def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
         "The selector's pick for this layer (called for every layer: it checks the order); None: dense."
-        return self.selector.select(ctx.layer_idx, q, k_earlier)
+        return self.row_selector(ctx.row).select(ctx.layer_idx, q, k_earlier)
+
+    def row_selector(self, row: int | None) -> LessIsMoreSelector:
+        "The selector of the whole batch (row None) or, in a padded batch, of row `row` (its pick is the row's own)."
+        if row is None: return self.selector
+        if row not in self.row_selectors:
+            self.row_selectors[row] = copy.copy(self.selector)
+            self.row_selectors[row].reset()
+        return self.row_selectors[row]
 
 
 # %% [markdown]
@@ -398,6 +427,39 @@ for name, (fn, opts) in baselines.items():
     assert (sparse - dense_last).abs().max() > 1e-4, name
 lim = LessIsMorePolicy(LessIsMoreSelector(budget=40, selection_layers=(0,)))
 assert_close(chunked_prefill(model, ids, 8, lim)[1], dense_last, atol=1e-5, rtol=0)
+
+# %% [markdown]
+# ## Padded batches
+#
+# In a left-padded batch (`chunked_prefill(..., attention_mask=...)`, `generate` with padding) the
+# model's mask hides each row's padding keys. The policies then select **row by row**, as if the row ran
+# alone (`EarlierKeysPolicy.select_rows`): the row's real queries of the chunk score only its real earlier
+# keys, its budget is resolved on their number (a row whose real keys fit attends densely while another
+# selects), and its sinks and recent keys are its own first and last real keys. Rows may thus keep
+# different numbers of keys; the policy returns the chosen keys as a boolean `[B,Hkv,Sk]` and
+# `attend_chosen` masks the fillers. LessIsMore keeps one selector per row. Unit keys are not cached
+# row by row (they are recomputed, which changes no selection).
+#
+# Check: three prompts of 40, 29 and 21 tokens left-padded to 40, in chunks of 8 (padding 0, 11 and 19:
+# `chunked_prefill` prefills rows with different remainders separately, so their chunks start at their
+# first token). Each row's last logits equal those of the row alone, under QuoKA (with and without
+# anchors, an int and a fraction budget), the baselines and LessIsMore:
+
+# %%
+lens = [40, 29, 21]
+batch, am = torch.zeros(3, 40, dtype=torch.long), torch.zeros(3, 40, dtype=torch.long)
+for b, n in enumerate(lens): batch[b, 40 - n:], am[b, 40 - n:] = ids[b % 2, :n], 1
+policies = {"quoka": lambda: QuokaPolicy(n_q=3, budget=5),
+            "quoka anchors": lambda: QuokaPolicy(n_q=3, budget=6, sinks=2, recent=2),
+            "quoka fraction": lambda: QuokaPolicy(n_q=3, budget=0.3),
+            "lessismore": lambda: LessIsMorePolicy(LessIsMoreSelector(budget=6, selection_layers=(0,)))}
+for name, (fn, opts) in baselines.items(): policies[name] = lambda fn=fn, opts=opts: BaselinePolicy(fn, 5, **opts)
+for name, make in policies.items():
+    last = chunked_prefill(model, batch, 8, make(), attention_mask=am)[1]
+    for b, n in enumerate(lens):
+        alone = chunked_prefill(model, batch[b:b + 1, 40 - n:], 8, make())[1]
+        assert_close(last[b], alone[0], atol=1e-4, rtol=0, msg=f"{name}, row {b}")
+        assert (alone[0] - chunked_prefill(model, batch[b:b + 1, 40 - n:], 8)[1][0]).abs().max() > 1e-4  # it selects
 
 
 # %% [markdown]

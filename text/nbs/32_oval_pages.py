@@ -22,6 +22,7 @@
 #| export
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 
@@ -572,6 +573,8 @@ class PageRetrievalPolicy(SelectionPolicy):
         self.corrected, self.speculated = 0, 0
         # pages summarized (all heads of a page at once), summed over layers
         self.built = 0
+        # a padded batch: layer -> one policy per row, each retrieving as if its row ran alone
+        self.rows = {}
 
     def metric(self, ctx) -> Tensor | None:
         "The layer's output metric G [Hkv, d, d] from o_proj if the summary takes one and has none (OVAL), else None."
@@ -608,6 +611,11 @@ class PageRetrievalPolicy(SelectionPolicy):
         self.summaries.pop(i, None)
         if i in self.history: self.history[i] = [fn(h) for h in self.history[i]]
         if i in self.seen: self.seen[i] = (fn(self.seen[i][0]), self.seen[i][1])
+        if i in self.rows:  # the row policies move with their rows; a repeated row gets its own copy
+            old, moved = self.rows[i], []
+            for j in fn(torch.arange(len(old))).tolist():
+                moved.append(copy.deepcopy(old[j]) if old[j] in moved else old[j])
+            self.rows[i] = moved
 
     def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
         "The layer's packed summaries of all complete pages of k, v [B, Hkv, T, d]; only new pages are built."
@@ -626,12 +634,53 @@ class PageRetrievalPolicy(SelectionPolicy):
         return aggregate_gqa(summ.scores(q, scale), Hkv, self.policy)
 
     def select(self, q, k, v, ctx):
-        "Token indices [B, Hkv, n] for a decode query; None (dense) at prefill, in dense layers, when the cache fits."
+        """Token indices [B, Hkv, n] for a decode query (a padded batch: chosen keys [B, Hkv, T], see `select_rows`);
+        None (dense) at prefill, in dense layers, when the cache fits."""
+        real = self.padding(ctx)
+        if real is not None: return self.select_rows(q, k, v, ctx, real)
         pages = self.page_ids(q, k, v, ctx)
         return None if pages is None else page_tokens(pages, self.page_size, k.shape[2])
 
+    def padding(self, ctx) -> Tensor | None:
+        "The real keys [B, T] of a padded batch's decode call in a retrieval layer; None otherwise."
+        if ctx.kind != "decode" or ctx.layer_idx < self.dense_layers: return None
+        return ctx.real_keys()
+
+    def select_rows(self, q, k, v, ctx, real: Tensor) -> Tensor | None:
+        """A padded batch: each row retrieves as if alone, over its real keys (`real` [B, T]: its pages, sink and budget
+        start at its first real token); the chosen keys [B, Hkv, T], or None when every row keeps all its keys."""
+        B, Hkv = k.shape[:2]
+        if len(self.rows.get(ctx.layer_idx, ())) != B: self.rows[ctx.layer_idx] = [self.row_policy() for _ in range(B)]
+        layer = ctx.cache_layer
+        if layer is not None and layer not in self.followed:  # beam search moves the row policies with their rows
+            self.followed.add(layer)
+            follow_batch_ops(layer, id(self), lambda fn, i=ctx.layer_idx: self.apply_rows(i, fn))
+        chosen, dropped = real[:, None].expand(B, Hkv, -1).clone(), False
+        for b, row in enumerate(self.rows[ctx.layer_idx]):
+            keys = real[b].nonzero()[:, 0]
+            before = row.built, row.corrected, row.speculated
+            pages = row.page_ids(q[b:b + 1], k[b:b + 1, :, keys], v[b:b + 1, :, keys],
+                                 ctx.row_context(b, len(keys), q.shape[2]))
+            # the counters count every row's work
+            self.built += row.built - before[0]
+            self.corrected += row.corrected - before[1]
+            self.speculated += row.speculated - before[2]
+            if pages is None: continue
+            chosen[b] = False
+            chosen[b].scatter_(1, keys[page_tokens(pages, self.page_size, len(keys))[0]], True)
+            dropped = True
+        return chosen if dropped else None
+
+    def row_policy(self) -> PageRetrievalPolicy:
+        "A policy with this one's settings and no state (the output metrics are shared), for one row of a batch."
+        row = copy.copy(self)
+        row.summaries, row.history, row.seen, row.rows, row.followed = {}, {}, {}, {}, weakref.WeakSet()
+        row.corrected = row.speculated = row.built = 0
+        return row
+
     def attend(self, q, k, v, ctx):
         "Decode: page_attention over kept pages (attend_selected under a mask or for several queries); else dense."
+        if self.padding(ctx) is not None: return super().attend(q, k, v, ctx)  # the chosen keys of select_rows
         pages = self.page_ids(q, k, v, ctx)
         if pages is None: return dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout)
         if ctx.mask is None and q.shape[2] == 1:
@@ -664,6 +713,13 @@ class PageRetrievalPolicy(SelectionPolicy):
 # kept decode queries and first keys follow the rows and the layer's summaries are rebuilt from
 # the moved cache at the next step, so `num_beams=3` equals rebuilding them at every step
 # (tests/test_oval_pages.py).
+#
+# **Padded batches.** In a left-padded batch the model's mask hides each row's padding. Pages, sink and
+# budget then belong to the row, not to the batch's columns: the policy keeps one policy per row and layer
+# (`row_policy`, no shared state but the output metrics), and each retrieves over its row's real keys as
+# if the row ran alone (`select_rows`): the row's first page (its sink) starts at its first real token,
+# its page grid follows from there, and its budget counts its real tokens. The rows' choices are a boolean
+# `[B, Hkv, T]`, attended by `attend_chosen`; the row policies follow beam search with their rows.
 #
 # Checks on a tiny random model: when sink and recent cover the sequence (the retrieval path
 # runs but keeps every token), generation equals dense generation; with a small budget,
@@ -754,3 +810,32 @@ for T in (30, 41):
     for n, x in build_summaries("oval", kk[:, :, :T], vv[:, :, :T], 4, rank=2, eta=0.5, G=eye).tensors.items():
         assert_close(fixed.summaries[1].tensors[n], x)
 test_eq((by_class.method, fixed.metric(ctx), len(by_class.metrics)), ("oval", None, 1))
+
+
+# %% [markdown]
+# Padded batches, with every summary: a prompt of 40 tokens and one of 27 left-padded to 40 (13 padding
+# tokens, so its pages are not those of the batch's columns) generate, row by row, the tokens each
+# generates alone; at decode the padded row's sink page is its first 4 real tokens, and no padding is kept.
+
+# %%
+class _Chosen(PageRetrievalPolicy):
+    "Keeps the last decode call's choice of layer 1."
+    def select(self, q, k, v, ctx):
+        out = super().select(q, k, v, ctx)
+        if ctx.layer_idx == 1: self.last = out
+        return out
+
+ids2 = torch.randint(3, 250, (1, 27), generator=torch.Generator().manual_seed(5))
+padded, pmask = torch.zeros(2, 40, dtype=torch.long), torch.zeros(2, 40, dtype=torch.long)
+padded[0], pmask[0], padded[1, 13:], pmask[1, 13:] = ids[0], 1, ids2[0], 1
+opts, gen = dict(token_budget=12, page_size=4, sink=4, recent=4, rank=2), dict(max_new_tokens=5, do_sample=False,
+                                                                                pad_token_id=0)
+with torch.no_grad():
+    for mt in METHODS:
+        pol = _Chosen(mt, **opts)
+        with patch(tiny, pol): out = tiny.generate(padded, attention_mask=pmask, **gen)
+        for b, row in enumerate((ids, ids2)):
+            with patch(tiny, PageRetrievalPolicy(mt, **opts)):
+                test_eq(out[b, 40 - row.shape[1]:], tiny.generate(row, attention_mask=torch.ones_like(row), **gen)[0])
+        test_eq((pol.last[1, :, 13:17].all().item(), pol.last[1, :, :13].any().item()), (True, False))
+        assert (pol.last.sum(-1) < pmask.sum(-1)[:, None] + 4).all()  # both rows select (4 tokens decoded so far)
