@@ -19,9 +19,10 @@
 # Methods: Quest (per-channel min/max bound), ArkVale (bounding ball), key PCA ($\eta = 0$), OVAL at
 # each $\eta$ with $G$ from the layer's `o_proj`, and the oracle (exact page log-mass); page size 32,
 # rank 8. **Budget**: the paper keeps $\mathcal B = 2048$ tokens of up to 16k-token reasoning traces
-# (ratio 1/8; LongBench v2 is 2048 of 64k, 1/32). With windows of 1-2k tokens we keep the
-# fraction `budget_fractions` of the window (1/8, and 1/16 in the cpu profile); sink and recent
-# are one page each, so at 2048 tokens and 1/8 the selectable part is 6 of 62 candidate pages.
+# (ratio 1/8; LongBench v2 is 2048 of 64k, 1/32). With windows of 2k tokens (the cpu profile) we
+# keep the fraction `budget_fractions` of the window, 1/8 and 1/16; sink and recent are one page
+# each, so at 2048 tokens and 1/8 the selectable part is 6 of 62 candidate pages. (The quick smoke
+# test keeps 1/4 of 512-token windows, so that some pages remain selectable.)
 #
 # The grid runs through `run_grid` (one CSV row per window, layer, method, eta and budget), so an
 # interrupted run resumes; the run's settings (model, page size, rank, sink, recent, seed) are key
@@ -92,16 +93,21 @@ print(info, f"; budgets {budgets} of {seq_len} tokens; {torch.get_num_threads()}
 
 
 # %% [markdown]
-# Activations of one window (kept for one window at a time), each layer's output metric
+# Activations of one window (kept for one window at a time; the forward pass stops after the last
+# layer measured, as a causal stack's layer never reads a later one), each layer's output metric
 # $G_h = \sum_g W_{O,hG+g}^\top W_{O,hG+g}$, and the page weights of one (window, layer, method,
 # eta), shared by the budgets.
 
 # %%
 @lru_cache(maxsize=1)
 def activations(pool: str, window: int) -> dict:
-    "(q, k, v) per layer of one dense forward pass over the window."
-    cap = CapturePolicy()
-    with torch.no_grad(), patch(model, cap): model(windows[pool][window:window + 1], logits_to_keep=1)
+    "(q, k, v) per layer of one dense forward pass over the window, through the layers up to max(layers) only."
+    cap, stack = CapturePolicy(), model.model.layers
+    model.model.layers = stack[:max(layers) + 1]  # a layer's activations do not depend on the layers after it
+    try:
+        with torch.no_grad(), patch(model, cap): model(windows[pool][window:window + 1], logits_to_keep=1, use_cache=False)
+    finally:
+        model.model.layers = stack
     return cap.qkv
 
 @lru_cache(maxsize=None)
@@ -204,20 +210,27 @@ table3 = choose_eta(res)
 write_csv(Path(fig_dir)/"oval_quality_table3.csv", table3)
 table3
 
+# %% [markdown]
+# **Figure** (Table 4 analogue, as curves): one row per source and budget, mass recall (higher is
+# better) and relative output error (lower is better) against $\eta$; the curve starts at key PCA
+# ($\eta = 0$, the paper's "page local key PCA") and the baselines are horizontal lines.
+
 # %%
-panels = [(src, b) for src in sources for b in budgets]
-fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 6.5), squeeze=False, sharex=True)
-colors = {"quest": "C1", "arkvale": "C2", "keypca": "C3", "oracle": "k"}
-for j, (src, b) in enumerate(panels):
-    for i, (metric_name, name) in enumerate((("mass_recall", "mass recall"), ("output_error", "relative output error"))):
-        ax, t = axes[i, j], table4[(table4.source == src) & (table4.budget == b)]
-        ov = t[t.method == "oval"]
-        ax.plot(ov.eta, ov[metric_name], marker="o", color="C0", label="OVAL")
+rows = [(src, b) for src in sources for b in budgets]
+fig, axes = plt.subplots(len(rows), 2, figsize=(9, 2.9 * len(rows)), squeeze=False, sharex=True, layout="constrained")
+colors = {"quest": "C1", "arkvale": "C2", "oracle": "k"}
+for i, (src, b) in enumerate(rows):
+    t = table4[(table4.source == src) & (table4.budget == b)].set_index("arm")
+    sp = t[t.method.isin(["keypca", "oval"])].sort_values("eta")  # key PCA is OVAL at eta = 0
+    for j, (metric_name, name) in enumerate((("mass_recall", "mass recall"), ("output_error", "rel. output error"))):
+        ax = axes[i, j]
+        ax.plot(sp.eta, sp[metric_name], marker="o", color="C0", label="OVAL (eta = 0: key PCA)")
         for m, c in colors.items():
-            ax.axhline(t[t.method == m][metric_name].iloc[0], color=c, ls="--", lw=1, label=m)
-        ax.set(ylabel=name if j == 0 else None, title=f"{src}, budget {b} of {seq_len}" if i == 0 else None, xlabel="eta" if i == 1 else None)
-axes[0, 0].legend(fontsize=8)
-fig.suptitle(f"SmolLM2-135M, {len(layers)} layers, {n_calib}+{n_heldout} prose + {n_reasoning} reasoning windows, page {page_size}, rank {rank}")
+            ax.axhline(t.loc[m, metric_name], color=c, ls="--", lw=1.2, label=m)
+        ax.set(ylabel=name, title=f"{src}, budget {b} of {seq_len}", xlabel="eta" if i == len(rows) - 1 else None)
+fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=9)
+fig.suptitle(f"OVAL Table 4 analogue: page retrieval quality vs eta on SmolLM2-135M activations\n({len(layers)} layers, "
+             f"{n_calib}+{n_heldout} prose + {n_reasoning} reasoning windows, page {page_size}, rank {rank})", fontsize=11)
 save_figure(fig, Path(fig_dir)/"oval_quality.png", data=table4)  # writes table4 to oval_quality.csv
 
 
@@ -230,14 +243,53 @@ summary_rows = []
 for (src, b), t in table4.groupby(["source", "budget"], sort=False):
     t = t.set_index("arm")
     ov = t[t.method == "oval"]
-    summary_rows.append({"source": src, "budget": str(b), "best OVAL recall": ov.mass_recall.max(), "key PCA recall": t.mass_recall["keypca"],
-                         "Quest recall": t.mass_recall["quest"], "best OVAL error": ov.output_error.min(),
+    summary_rows.append({"source": src, "budget": str(b), "best OVAL recall": ov.mass_recall.max(),
+                         "key PCA recall": t.mass_recall["keypca"], "Quest recall": t.mass_recall["quest"],
+                         "ArkVale recall": t.mass_recall["arkvale"], "best OVAL error": ov.output_error.min(),
                          "key PCA error": t.output_error["keypca"], "Quest error": t.output_error["quest"]})
+
+
+# %% [markdown]
+# **Paper vs ours.** The paper's numbers are end-task accuracies (avg@$k$ of 8B-14B reasoning
+# models at 16k tokens); ours are retrieval metrics on a 135M model's activations, so only the
+# direction of each claim is comparable.
+
+# %%
+def per_budget(src: str, fmt) -> str:
+    "fmt(row) of each budget's summary row of source src, joined."
+    return "; ".join(f"B={r['budget']}: {fmt(r)}" for r in summary_rows if r["source"] == src)
+
+held = table3[(table3.test_pool == "heldout") & (table3.metric == "output_error")]
+paper_vs_ours = pd.DataFrame([
+    {"claim": "nonzero eta beats key PCA (eta = 0)",
+     "paper": "Table 4 / §4.4: no universally optimal eta; long reasoning generally benefits from nonzero eta "
+              "(e.g. Llama 8B AIME24 avg@k 42.08 at eta=0, 53.33 at eta=0.5)",
+     "ours": "prose, output error, best OVAL vs key PCA: "
+             + per_budget("prose", lambda r: f"{r['best OVAL error']:.4f} vs {r['key PCA error']:.4f}")
+             + "; mass recall: " + per_budget("prose", lambda r: f"{r['best OVAL recall']:.4f} vs {r['key PCA recall']:.4f}"),
+     "why they differ": "OVAL trades key fidelity (mass recall) for output sensitivity; retrieval metrics of a 135M model averaged over layers, not accuracy"},
+    {"claim": "OVAL retrieves better than Quest and ArkVale",
+     "paper": "Table 1: Llama 8B average avg@k, eta* 55.69 vs Quest 47.81, ArkVale 49.64",
+     "ours": "prose mass recall, best OVAL / Quest / ArkVale: "
+             + per_budget("prose", lambda r: f"{r['best OVAL recall']:.4f} / {r['Quest recall']:.4f} / {r['ArkVale recall']:.4f}"),
+     "why they differ": "recall of the dense attention mass, not task accuracy"},
+    {"claim": "eta calibrated on a disjoint pool transfers",
+     "paper": "Table 3 / §4.3: gap (sweep best - frozen) 2.05 avg@k points on Llama 8B, 3.50 on Qwen 7B",
+     "ours": "held-out prose, output error: " + "; ".join(f"B={r.budget}: eta {r.eta_calibrated:g} frozen, gap {r.gap:.4f}"
+                                                        for r in held.itertuples()),
+     "why they differ": f"{n_calib} calibration and {n_heldout} held-out window(s) of prose vs 40 calibration problems; "
+                        "gap in relative-error units, not accuracy points"},
+])
+paper_vs_ours
+
+# %%
 lines = [f"SmolLM2-135M activations over windows of {seq_len} tokens ({n_calib} calibration + {n_heldout} held-out prose, "
          f"{n_reasoning} gsm_symbolic reasoning), {len(layers)} layers, last {n_queries} queries per window; page {page_size}, rank {rank}, "
          f"sink {sink}, recent {recent}, budgets {budgets} (fractions {budget_fractions} of the window; the paper keeps 2048 of up to 16k tokens, 1/8).", "",
          "Mean per source, method and eta (Table 4 analogue):", "", md_table(table4.drop(columns=["method", "eta"])), "",
          "Best OVAL eta against the baselines:", "", md_table(pd.DataFrame(summary_rows)), "",
-         "eta chosen on the prose calibration windows, scored on held-out prose and on reasoning windows (Table 3 analogue):", "", md_table(table3)]
+         "eta chosen on the prose calibration windows, scored on held-out prose and on reasoning windows (Table 3 analogue):", "", md_table(table3),
+         "", "Paper vs ours (the paper's numbers are end-task accuracies, ours retrieval metrics):", "",
+         paper_vs_ours.to_markdown(index=False)]
 write_text(Path(out_dir)/"oval_quality.md", "\n".join(lines) + "\n")
 print("\n".join(lines))

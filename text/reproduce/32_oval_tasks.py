@@ -21,7 +21,8 @@
 # Methods: full attention, Quest, ArkVale, key PCA ($\eta=0$), OVAL at each $\eta$ (with
 # $G = \sum_g W_{O,g}^\top W_{O,g}$ from each layer's `o_proj`) and the oracle (exact page
 # log-mass). **Budget**: the paper keeps $\mathcal B = 2048$ tokens of up to 16k (ratio 1/8); here
-# the budget is the fraction `budget_fractions` of the context (1/8 and 1/16), sink and recent
+# the budget is the fraction `budget_fractions` of the context (1/8 and 1/16 in the cpu profile;
+# 1/2 of 256 tokens in the quick smoke test, so that some pages remain selectable), sink and recent
 # one page each.
 #
 # **Tasks** (`sparsekv.data.make_task`, scored by `score_exact`): single-key needle at several
@@ -50,6 +51,7 @@ max_new_tokens = {"niah_single": 10, "niah_multikey": 10, "variable_tracking": 2
 gen_contexts = [1024]
 n_gen = 1                # prose prompts per generation context
 gen_tokens = 16
+check_tokens = 6         # greedy tokens of the batching checks below
 budget_fractions = [0.125]
 etas = [0.25, 0.5, 0.75, 1.0]
 page_size = 32
@@ -155,13 +157,13 @@ def policy_of(method: str, eta: float, fraction: float, context: int) -> Attenti
 _ids = packed_sequences(tok, 300, "validation", n=1, seed=seed + 1)
 _cache, _first = dense_prefill(_ids)
 _pols = lambda: [DensePolicy(), policy_of("quest", 0.0, 0.5, 300), policy_of("oval", 0.5, 0.5, 300), policy_of("oval", 0.5, 2.0, 300)]
-_tok, _ = decode_arms(_cache, _first, _pols(), 6)
+_tok, _ = decode_arms(_cache, _first, _pols(), check_tokens)
 for a, pol in enumerate(_pols()):
-    assert torch.equal(decode_arms(_cache, _first, [pol], 6)[0][0], _tok[a]), f"arm {a} batched != alone"
+    assert torch.equal(decode_arms(_cache, _first, [pol], check_tokens)[0][0], _tok[a]), f"arm {a} batched != alone"
 assert torch.equal(_tok[3], _tok[0])                       # budget 600 > cache: dense
-_tf, _lg = decode_arms(_cache, _first, _pols(), 6, teacher=_tok[0])
+_tf, _lg = decode_arms(_cache, _first, _pols(), check_tokens, teacher=_tok[0])
 for a in range(len(_tok)):   # teacher forcing on full's tokens = free running, up to and including an arm's first divergence from full
-    d = next((i for i in range(6) if _tok[a, i] != _tok[0, i]), 5)
+    d = next((i for i in range(check_tokens) if _tok[a, i] != _tok[0, i]), check_tokens - 1)
     assert torch.equal(_tf[a, :d + 1], _tok[a, :d + 1]), f"arm {a}"
 assert _cache.get_seq_length() == 299                       # the shared prefill cache is never modified
 print("greedy tokens per arm:", _tok.tolist())
@@ -300,7 +302,7 @@ needle_grid
 # $\eta$ chosen on calibration windows, on activation-level metrics.)
 
 # %%
-METRICS = [("needle", max), ("ruler", max), ("gen_agreement", max), ("gen_kl", min)]
+METRICS = [("needle", max), ("ruler", max), ("same_as_full", max), ("gen_agreement", max), ("gen_kl", min)]
 spectral = table[table.method.isin(["keypca", "oval"])]
 table4 = spectral.pivot_table(index="eta", columns="budget_fraction", values=[m for m, _ in METRICS], sort=False)
 goal = []
@@ -312,7 +314,7 @@ for f in budget_fractions:
         sign = 1 if better is max else -1
         goal.append({"budget_fraction": f, "metric": metric_name, "best_eta": ov[metric_name].idxmax() if better is max else ov[metric_name].idxmin(),
                      "best_oval": best, "keypca": t.loc["keypca", metric_name], "quest": t.loc["quest", metric_name],
-                     "full": table[(table.method == "full")][metric_name].iloc[0],
+                     "arkvale": t.loc["arkvale", metric_name], "full": table[(table.method == "full")][metric_name].iloc[0],
                      ">= keypca": sign * (best - t.loc["keypca", metric_name]) >= 0, ">= quest": sign * (best - t.loc["quest", metric_name]) >= 0})
 goal = pd.DataFrame(goal)
 write_csv(Path(fig_dir)/"oval_tasks_goal.csv", goal)
@@ -321,23 +323,32 @@ table4
 # %%
 goal
 
+# %% [markdown]
+# **Figure** (Tables 1/2 and 4 analogue, as curves against $\eta$; one row per budget): needle
+# accuracy; the fraction of task answers token-identical to full attention's (needle and RULER-style
+# items together: it separates the methods where the accuracy of the small model does not); and the
+# mean KL(full || arm) of the teacher-forced continuation. RULER-style accuracy and top-1 agreement
+# stay in the tables: in the cpu profile's run at 2-4k tokens the dense model itself solved a quarter
+# of the RULER-style items and every sparse arm had the same top-1 agreement, so those panels could
+# not tell the methods apart (the summary prints each metric's spread over the sparse arms).
+
 # %%
-panels = [("needle", "needle accuracy"), ("ruler", "RULER-style accuracy"), ("gen_agreement", "generation top-1 agreement"),
-          ("gen_kl", "generation KL(full || arm)")]
-fig, axes = plt.subplots(len(budget_fractions), len(panels), figsize=(4.2 * len(panels), 3.4 * len(budget_fractions)), squeeze=False, sharex=True)
+panels = [("needle", "needle accuracy"), ("same_as_full", "answers identical to full"), ("gen_kl", "generation KL(full || arm)")]
+fig, axes = plt.subplots(len(budget_fractions), len(panels), figsize=(12, 3.3 * len(budget_fractions) + 0.8), squeeze=False,
+                         sharex=True, layout="constrained")
 colors = {"quest": "C1", "arkvale": "C2", "oracle": "k", "full": "C4"}
 for i, f in enumerate(budget_fractions):
     t = pd.concat([table[table.budget_fraction == f], table[table.method == "full"]])
+    sp = t[t.method.isin(["keypca", "oval"])].sort_values("eta")  # key PCA is OVAL at eta = 0
     for j, (metric_name, name) in enumerate(panels):
         ax = axes[i, j]
-        sp = t[t.method.isin(["keypca", "oval"])].sort_values("eta")
-        ax.plot(sp.eta, sp[metric_name], marker="o", color="C0", label="key PCA (eta=0) / OVAL")
+        ax.plot(sp.eta, sp[metric_name], marker="o", color="C0", label="OVAL (eta = 0: key PCA)")
         for m, c in colors.items():
-            ax.axhline(t[t.method == m][metric_name].iloc[0], color=c, ls="--", lw=1, label=m)
+            ax.axhline(t[t.method == m][metric_name].iloc[0], color=c, ls="--", lw=1.2, label=m)
         ax.set(ylabel=name, title=f"budget {f:g} of the context", xlabel="eta" if i == len(budget_fractions) - 1 else None)
-axes[0, 0].legend(fontsize=8)
-fig.suptitle(f"{model_name}, contexts {contexts}, page {page_size}, rank {rank}, decode-time retrieval")
-fig.tight_layout()
+fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=5, fontsize=9)
+fig.suptitle(f"OVAL Tables 1/2 and 4 analogue: decode-time page retrieval on {model_name} vs eta\n"
+             f"(contexts {contexts}, page {page_size}, rank {rank})", fontsize=11)
 save_figure(fig, Path(fig_dir)/"oval_tasks.png", data=table)  # writes the table to oval_tasks.csv
 
 
@@ -347,6 +358,42 @@ def md_table(df: pd.DataFrame) -> str:
     if "budget_fraction" in df: df = df.assign(budget_fraction=df.budget_fraction.map("{:g}".format))
     return df.to_markdown(index=False, floatfmt=".3f")
 
+spread = table[~table.method.isin(["full", "oracle"])][[m for m, _ in METRICS]].agg(lambda x: x.max() - x.min())
+
+
+# %% [markdown]
+# **Paper vs ours.** The paper reports task accuracy of 7-14B models at up to 64k tokens; ours is a
+# 135M model at 1-4k tokens, so only the direction of each claim is comparable.
+
+# %%
+def per_budget(metric_name: str, fmt) -> str:
+    "fmt(row) of the goal table's row of metric_name at each budget, joined."
+    return "; ".join(f"budget {r.budget_fraction:g}: {fmt(r)}" for r in goal[goal.metric == metric_name].itertuples())
+
+paper_vs_ours = pd.DataFrame([
+    {"claim": "OVAL (best eta) is the best compressed method",
+     "paper": "Table 1 / §4.1: best in all nine settings; e.g. Llama 8B average avg@k 55.69 vs FreeKV 51.83, Quest 47.81, "
+              "ArkVale 49.64",
+     "ours": "needle accuracy, best OVAL / key PCA / Quest / ArkVale: "
+             + per_budget("needle", lambda r: f"{r.best_oval:.3f} / {r.keypca:.3f} / {r.quest:.3f} / {r.arkvale:.3f}"),
+     "why they differ": "135M model, single-key needle at 1-4k tokens with few items, not long reasoning"},
+    {"claim": "OVAL can match or exceed full attention",
+     "paper": "Table 2 / §4.2: LongBench v2 Overall 29.82 (OVAL) vs 29.22 (FullKV) on Llama 3.1 8B",
+     "ours": "needle accuracy, best OVAL vs full: " + per_budget("needle", lambda r: f"{r.best_oval:.3f} vs {r.full:.3f}"),
+     "why they differ": "the needle task is easy for the dense model, so a sparse arm can at most tie it"},
+    {"claim": "long generation is model dependent",
+     "paper": "Table 2 / §4.2: LongGenBench CR 74.71 (OVAL) vs 78.03 (FreeKV) on Llama 8B, 78.54 vs 76.93 on Qwen 7B",
+     "ours": "generation KL(full || arm), best OVAL / key PCA / Quest: "
+             + per_budget("gen_kl", lambda r: f"{r.best_oval:.3f} / {r.keypca:.3f} / {r.quest:.3f}"),
+     "why they differ": f"KL over {gen_tokens} teacher-forced tokens of prose, not a judged 16k-token completion"},
+    {"claim": "no universally optimal eta",
+     "paper": "Table 4 / §4.4: the best eta differs across tasks and models",
+     "ours": "best eta per metric: " + "; ".join(f"{r.metric} @ {r.budget_fraction:g}: {r.best_eta}" for r in goal.itertuples()),
+     "why they differ": "ties are resolved to the smallest eta; few items"},
+])
+paper_vs_ours
+
+# %%
 n_items = tasks_res.groupby("task")[["context", "depth", "sample"]].apply(lambda d: len(d.drop_duplicates())).to_dict()
 t4 = table4.copy()
 t4.columns = [f"{m} @ {f:g}" for m, f in t4.columns]
@@ -362,6 +409,9 @@ lines = [f"{model_name}, decode-time page retrieval after one dense prefill per 
          "Goal check, best OVAL eta per budget and metric against key PCA and Quest (gen_kl: lower is better):", "", md_table(goal), "",
          f"OVAL at its best eta is at least key PCA in {int(goal['>= keypca'].sum())} of {len(goal)} (budget, metric) pairs and at least Quest "
          f"in {int(goal['>= quest'].sum())} of {len(goal)}. The best eta is picked on the same items it is scored on (the paper's eta*), "
-         "which favours OVAL over the single-setting baselines; stage oval_quality chooses eta on disjoint calibration windows (Table 3)."]
+         "which favours OVAL over the single-setting baselines; stage oval_quality chooses eta on disjoint calibration windows (Table 3).",
+         "", "Spread (max - min) of each metric over the sparse arms (the figure shows needle, same_as_full and gen_kl): "
+         + ", ".join(f"{m} {v:.3f}" for m, v in spread.items()) + ".",
+         "", "Paper vs ours:", "", paper_vs_ours.to_markdown(index=False)]
 write_text(Path(out_dir)/"oval_tasks.md", "\n".join(lines) + "\n")
 print("\n".join(lines))
