@@ -233,17 +233,18 @@ write_csv(Path(fig_dir)/"kvpop_decode.csv", table)
 write_csv(Path(fig_dir)/"kvpop_decode_ratios.csv", ratios)
 write_csv(Path(fig_dir)/"kvpop_decode_steady.csv", steady_ratio.reset_index())
 mib = 2**20
-fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
 for m, g in table.groupby("method", sort=False):
     a1.plot(g.L, g.peak_with_weights_bytes / mib, marker="o", label=m)
     a1.plot(g.L, g.cache_bytes / mib, marker=".", ls=":", color=a1.lines[-1].get_color())
     a2.plot(g.L, 1e3 * g.seconds, marker="o", label=m)
 a1.set(xscale="log", yscale="log", xlabel="context $L$ (tokens)", ylabel="MiB",
-       title="Peak during a decode step (solid, weights included) and cache (dotted)")
-a2.set(xscale="log", yscale="log", xlabel="context $L$ (tokens)", ylabel="decode time per token (CPU ms)" if not cuda else "ms per token",
-       title=f"{model_name}, batch 1, {torch.get_num_threads()} thread(s)")
-a1.legend(fontsize=8); a2.legend(fontsize=8)
-fig.tight_layout()
+       title="peak during a decode step (solid, weights included)\nand the cache alone (dotted)")
+a2.set(xscale="log", yscale="log", xlabel="context $L$ (tokens)",
+       ylabel="ms per token (CPU time)" if not cuda else "ms per token", title="decode latency per token")
+fig.legend(*a2.get_legend_handles_labels(), loc="outside right", title="method $(s, w, k)$", fontsize=9)
+fig.suptitle(f"KVpop Fig. 4 analogue: decode memory and latency vs context, {model_name}, batch 1, "
+             f"{torch.get_num_threads()} thread(s)")
 save_figure(fig, Path(fig_dir)/"kvpop_decode.png", data=table)
 
 # %%
@@ -274,5 +275,19 @@ lines += ["", f"Goals at L = {Lmax}: KVpop peak memory (weights excluded) grows 
           + ", ".join(f"{m} {big[f'dense_over_{m}']:.2f}x" for m in kv_names) + " faster than dense (goal >= 3x: "
           + ("met" if all(big[f"dense_over_{m}"] >= 3 for m in kv_names) else "missed for "
              + ", ".join(m for m in kv_names if big[f"dense_over_{m}"] < 3)) + ")."]
+with_w = {m: c for m, a, b, c in growth}  # growth of the peak with weights (what the paper's peak VRAM counts)
+kv_with = max((c for m, c in with_w.items() if m != "dense"), default=float("nan"))
+lines += ["", "Paper vs ours (the paper: a GPU, batch 1, contexts up to 131k; §4.1 \"Inference efficiency\", Fig. 4):", "",
+          "| claim | paper | ours | why they differ |", "|---|---|---|---|",
+          f"| dense peak memory grows with the context | +100%: \"from 18GB at 16k tokens to 36GB at 131k\" (8x context) "
+          f"| {with_w.get('dense', float('nan')):+.1%} from L = {L4} to {Lmax} ({Lmax / L4:.0f}x context), weights included "
+          f"| the weights ({weights_bytes / 2**30:.2f} GiB here) dominate the peak until the dense cache outgrows them |",
+          f"| KVpop peak memory stays nearly flat | \"both DMS and KVpop only grow by 19% to 19GB\" | {kv_with:+.1%} "
+          "(largest over the KVpop caches) | ours counts live tensor storage exactly (no allocator, nothing else on the "
+          "device) |",
+          "| per-token decode faster than dense at long context | no number in the text (Fig. 4 plots it; §1: "
+          "\"faster long-generation decoding\") | " + ", ".join(f"{m} {big[f'dense_over_{m}']:.2f}x" for m in kv_names)
+          + f" at L = {Lmax} | CPU and a 135M model: the scorer's fixed cost per step outweighs the attention saved "
+          "until the dense cache is long |"]
 write_text(Path(out_dir)/"kvpop_decode.md", "\n".join(lines) + "\n")
 print("\n".join(lines))
