@@ -35,6 +35,8 @@
 
 # %%
 #| export
+# Over 400 lines on purpose: notebook processing, cross-reference links, the Results page and the Sphinx build
+# share one page-naming rule and run as one pipeline.
 from __future__ import annotations
 
 import argparse
