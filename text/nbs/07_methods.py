@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -21,7 +22,7 @@ from sparsekv.kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, sp
 from sparsekv.kvpop.dms import DMS  # noqa: F401
 from sparsekv.kvpop.student import KVpopMLP, KVpopMLSTM, StreamingLLMPlus, TrainedMethod  # noqa: F401
 from sparsekv.oval.pages import PageRetrievalPolicy
-from sparsekv.quoka.baselines import (MEAN_SCORES, LessIsMoreSelector, loki_select, mean_score_select,
+from sparsekv.quoka.baselines import (MEAN_SCORES, LessIsMoreSelector, _check_rank, loki_select, mean_score_select,
                                       sample_attention_select, sparq_select)
 from sparsekv.quoka.policy import BaselinePolicy, LessIsMorePolicy, QuokaPolicy
 from sparsekv.select import resolve_budget
@@ -30,11 +31,13 @@ from sparsekv.select import resolve_budget
 #| hide
 import torch
 from fastcore.test import test_eq, test_fail
+from torch.utils.flop_counter import FlopCounterMode
 
 from sparsekv.cache import EvictingCache
 from sparsekv.hf import chunked_prefill, patch
 from sparsekv.kvpop.baselines import TOVARule
 from sparsekv.models import load_model
+from sparsekv.quoka.select import quoka_select
 
 torch.set_num_threads(1)  # tiny model: threads only add overhead
 
@@ -98,6 +101,97 @@ def make(name: str, budget: int | None = None, **params) -> Method:
 
 
 # %% [markdown]
+# ## Scoring cost
+#
+# A selection or retrieval method does work to *choose* keys before attention reads them: QuoKA's cosines of
+# its $N_Q$ kept queries with every cached key, SparQ's products over $r$ channels, OVAL's page scores. Each method
+# below states that work as **multiply-adds of matrix products** (matmul, bmm, einsum; elementwise work is left
+# out), per KV head and layer, with `scoring_cost(shape, n_cached, phase, chunk)`:
+#
+# - `per_key`: for one cached key, whenever the method scores (it does not depend on `n_cached`);
+# - `per_step`: for one call over `n_cached` keys, a prefill chunk of `chunk` queries per head
+#   ($B_{CP}$ = `chunk_size` by default) or one decode step; 0 when the keys fit the budget (the call is dense);
+# - `total`: `per_step` over every KV head of every layer that scores (batch 1).
+#
+# `n_cached` counts the keys the method ranks: a chunk's earlier keys (selection), the whole cache at a decode step
+# (retrieval). The formulas are derived, and checked against the multiply-adds the code performs, on
+# [the costs page](42_costs.ipynb). A method that scores no cached keys costs zero: dense attention, and the eviction
+# methods (TOVA and H2O reuse the attention weights, KVpop and DMS score each key once, when it arrives).
+
+# %%
+#| export
+@dataclass(frozen=True)
+class ModelShape:
+    "The shape scoring costs depend on: `Hq` query heads, `Hkv` KV heads, head dim `D`, `layers`."
+    Hq: int
+    Hkv: int
+    D: int
+    layers: int
+
+    def __post_init__(self):
+        for n in ("Hq", "Hkv", "D", "layers"): check_int(getattr(self, n), n, 1)
+        if self.Hq % self.Hkv: raise ValueError(f"Hq={self.Hq} must be a multiple of Hkv={self.Hkv}")
+
+    @property
+    def G(self) -> int:
+        "Query heads per KV head."
+        return self.Hq // self.Hkv
+
+    @classmethod
+    def of(cls, x) -> ModelShape:
+        "`x` if a ModelShape, else the shape of a transformers config (or of a model, by its `config`)."
+        if isinstance(x, cls): return x
+        c = getattr(x, "config", x)
+        try: Hq, Hkv, L = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads, c.num_hidden_layers
+        except AttributeError:
+            raise TypeError(f"shape must be a ModelShape, a transformers config or a model, got {type(x).__name__}") \
+                from None
+        return cls(Hq, Hkv, getattr(c, "head_dim", None) or c.hidden_size // Hq, L)
+
+
+# %% [markdown]
+# The shape is read from a config as transformers spells it; the tiny test model has 4 query heads over 2 KV
+# heads of 16 dimensions ($64 / 4$) in 2 layers.
+
+# %%
+test_eq(ModelShape.of(load_model("tiny-llama")[0]), ModelShape(Hq=4, Hkv=2, D=16, layers=2))
+test_eq(ModelShape(9, 3, 64, 30).G, 3)
+test_fail(lambda: ModelShape(9, 2, 64, 30), contains="multiple of Hkv")
+test_fail(lambda: ModelShape.of("smollm2"), contains="shape must be a ModelShape")
+
+
+# %%
+#| export
+@dataclass(frozen=True)
+class ScoringCost:
+    """Multiply-adds spent choosing keys: `per_key` per cached key and KV head, `per_step` per KV head for one call of
+    one layer, `total` over the model's KV heads and scoring layers."""
+    per_key: float = 0
+    per_step: int = 0
+    total: int = 0
+
+
+PHASES = ("prefill", "decode")
+
+
+def queries_per_call(phase: str, chunk: int | None, chunk_size: int) -> int:
+    "Queries per head of one scoring call: `chunk` (default `chunk_size`, B_CP) at prefill, 1 at decode."
+    if phase not in PHASES: raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    if phase == "decode":
+        if chunk not in (None, 1): raise ValueError(f"chunk must be None or 1 at decode (one query), got {chunk!r}")
+        return 1
+    return chunk_size if chunk is None else check_int(chunk, "chunk", 1)
+
+
+def scoring_cost(method: Method, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
+    "`method.scoring_cost(shape, n_cached, phase, chunk)`; zero for a method that scores no cached keys (eviction)."
+    if not isinstance(method, Method): raise TypeError(f"method must be a Method, got {type(method).__name__}")
+    if hasattr(method, "scoring_cost"): return method.scoring_cost(shape, n_cached, phase, chunk)
+    ModelShape.of(shape), check_int(n_cached, "n_cached"), queries_per_call(phase, chunk, 1)
+    return ScoringCost()
+
+
+# %% [markdown]
 # ## Dense
 
 # %%
@@ -108,6 +202,11 @@ class Dense(Method):
 
     def __init__(self, budget: int | None = None):
         self.budget = None if budget is None else self.check_budget(budget)
+
+    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
+        "Zero: dense attention chooses no keys."
+        ModelShape.of(shape), check_int(n_cached, "n_cached"), queries_per_call(phase, chunk, 1)
+        return ScoringCost()
 
 
 # %% [markdown]
@@ -137,6 +236,23 @@ class SelectionMethod(Method):
         resolve_budget(budget, 0)
         return budget
 
+    def key_cost(self, shape: ModelShape, S: int) -> tuple[int, int]:
+        "Multiply-adds per KV head choosing keys for S queries per head: (per cached key, per call besides the keys)."
+        raise NotImplementedError(f"{type(self).__name__} must implement key_cost(shape, S)")
+
+    def scoring_layers(self, shape: ModelShape) -> int:
+        "Layers that score keys: all."
+        return shape.layers
+
+    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
+        "Multiply-adds choosing among `n_cached` earlier keys for a prefill chunk or a decode step (see ScoringCost)."
+        shape, S = ModelShape.of(shape), queries_per_call(phase, chunk, self.chunk_size)
+        check_int(n_cached, "n_cached")
+        if phase == "decode" and not self.decode: return ScoringCost()
+        per_key, fixed = self.key_cost(shape, S)
+        step = per_key * n_cached + fixed if resolve_budget(self.budget, n_cached) < n_cached else 0
+        return ScoringCost(per_key, step, step * shape.Hkv * self.scoring_layers(shape))
+
 
 class Quoka(SelectionMethod):
     "QuoKA (Alg. 2): the B_SA earlier keys of largest cosine with the N_Q = `n_q` most dissimilar queries."
@@ -152,6 +268,10 @@ class Quoka(SelectionMethod):
     def policy(self) -> QuokaPolicy:
         return QuokaPolicy(self.n_q, self.budget, self.query_select, self.query_agg, self.sinks, self.recent,
                            self.decode)
+
+    def key_cost(self, shape, S):
+        "min(N_Q, S) pre-aggregated unit queries (§3.3) times each unit key: min(N_Q, S) D."
+        return min(self.n_q, S) * shape.D, 0
 
 
 class BaselineSelection(SelectionMethod):
@@ -177,6 +297,10 @@ class MeanScores(BaselineSelection):
 
     def options(self): return dict(scores=self.scores)
 
+    def key_cost(self, shape, S):
+        "Every query of every head of the group times each key: G S D."
+        return shape.G * S * shape.D, 0
+
 
 class SampleAttention(BaselineSelection):
     "SampleAttention: the attention of `n_q` uniformly sampled queries (from `seed`)."
@@ -188,9 +312,13 @@ class SampleAttention(BaselineSelection):
 
     def options(self): return dict(n_q=self.n_q, seed=self.seed)
 
+    def key_cost(self, shape, S):
+        "min(n_q, S) sampled queries of every head of the group times each key: G min(n_q, S) D."
+        return shape.G * min(self.n_q, S) * shape.D, 0
+
 
 class SparQ(BaselineSelection):
-    "SparQ: attention approximated from each query's top-`r` channels (None: D/8 as in the paper's default)."
+    "SparQ: attention approximated from each query's top-`r` channels (None: D/2, QuoKA's 64 of 128 in §4)."
     name, select_fn = "sparq", staticmethod(sparq_select)
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None):
@@ -199,9 +327,13 @@ class SparQ(BaselineSelection):
 
     def options(self): return dict(r=self.r)
 
+    def key_cost(self, shape, S):
+        "Every query's top-r channels times the same channels of each key: G S r."
+        return shape.G * S * _check_rank(self.r, shape.D), 0
+
 
 class Loki(BaselineSelection):
-    "Loki: attention approximated in the top-`r` principal subspace of the keys (`center`: of the centred keys)."
+    "Loki: attention in the top-`r` (None: D/2) principal subspace of the keys (`center`: of the centred keys)."
     name, select_fn = "loki", staticmethod(loki_select)
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None,
@@ -210,6 +342,11 @@ class Loki(BaselineSelection):
         self.r, self.center = r, center
 
     def options(self): return dict(r=self.r, center=self.center)
+
+    def key_cost(self, shape, S):
+        "Projected queries times each projected key, G S r; projecting the queries, G S D r, once per call."
+        r = _check_rank(self.r, shape.D)
+        return shape.G * S * r, shape.G * S * shape.D * r
 
 
 class LessIsMore(SelectionMethod):
@@ -224,6 +361,14 @@ class LessIsMore(SelectionMethod):
 
     def policy(self) -> LessIsMorePolicy:
         return LessIsMorePolicy(LessIsMoreSelector(self.budget, self.selection_layers, self.recent_ratio), self.decode)
+
+    def key_cost(self, shape, S):
+        "At a selection layer, every query of every head times each key: G S D."
+        return shape.G * S * shape.D, 0
+
+    def scoring_layers(self, shape):
+        "Only the selection layers score."
+        return sum(layer < shape.layers for layer in self.selection_layers)
 
 
 # %% [markdown]
@@ -257,20 +402,51 @@ class PageRetrieval(Method):
     def policy(self) -> PageRetrievalPolicy:
         return PageRetrievalPolicy(self.summary, token_budget=self.budget, **self.options())
 
+    def page_cost(self, shape: ModelShape) -> int:
+        "Multiply-adds scoring one page for the G decode queries of one KV head."
+        raise NotImplementedError(f"{type(self).__name__} must implement page_cost(shape)")
+
+    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
+        "Multiply-adds scoring the complete pages of `n_cached` keys at a decode step; zero at prefill (it is dense)."
+        shape, _ = ModelShape.of(shape), queries_per_call(phase, chunk, 1)
+        check_int(n_cached, "n_cached")
+        if phase == "prefill": return ScoringCost()
+        page = self.page_cost(shape)
+        step = page * (n_cached // self.page_size) if n_cached > self.budget else 0
+        return ScoringCost(page / self.page_size, step, step * shape.Hkv * max(0, shape.layers - self.dense_layers))
+
+    @property
+    def dense_layers(self) -> int:
+        "The first layers, dense at decode too (the policy's default)."
+        return self.policy().dense_layers
+
 
 class Quest(PageRetrieval):
     "Quest: pages scored by their keys' channel-wise min/max bound."
     name, summary = "quest", "quest"
+
+    def page_cost(self, shape):
+        "[q+, q-] times [k_max, k_min] per query head: 2 G D."
+        return 2 * shape.G * shape.D
 
 
 class ArkVale(PageRetrieval):
     "ArkVale: pages scored by a bounding sphere of their keys."
     name, summary = "arkvale", "arkvale"
 
+    def page_cost(self, shape):
+        "[q, |q|] times [centre, radius] per query head: G (D + 1)."
+        return shape.G * (shape.D + 1)
+
 
 class KeyPCA(PageRetrieval):
     "Key PCA: pages scored in the rank-`rank` principal basis of their keys (OVAL's eta = 0 endpoint)."
     name, summary = "key_pca", "keypca"
+
+    def page_cost(self, shape):
+        "Per query head q times [B, mu], D (r + 1), then the page's m codes R c, m r; r = min(rank, m - 1, D)."
+        r = min(self.rank, self.page_size - 1, shape.D)
+        return shape.G * (shape.D * (r + 1) + self.page_size * r)
 
 
 class OVAL(PageRetrieval):
@@ -284,10 +460,16 @@ class OVAL(PageRetrieval):
 
     def options(self): return dict(super().options(), eta=self.eta)
 
+    page_cost = KeyPCA.page_cost  # the same summary format as key PCA (§3.3)
+
 
 class OraclePages(PageRetrieval):
     "The oracle: pages ranked by their exact attention mass (an upper bound, not a method one can deploy)."
     name, summary = "oracle_pages", "oracle"
+
+    def page_cost(self, shape):
+        "Every key of the page times each query head: G m D."
+        return shape.G * self.page_size * shape.D
 
 
 # %% [markdown]
@@ -326,6 +508,11 @@ class PrefillDecode(Method):
 
     def policy(self) -> RoutedPolicy:
         return RoutedPolicy(self.prefill.policy(), self.decode.policy())
+
+    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
+        "The prefill method's cost at prefill, the decode method's at decode."
+        queries_per_call(phase, chunk, self.chunk_size)
+        return scoring_cost(self.prefill if phase == "prefill" else self.decode, shape, n_cached, phase, chunk)
 
 
 # %% [markdown]
@@ -395,3 +582,24 @@ with torch.no_grad():
 test_eq(both.generate(model, ids, **gen), want)
 with torch.no_grad(): dense = model.generate(ids, attention_mask=ones, **gen)
 assert not torch.equal(want, dense)  # the budgets really change the tokens
+
+# %% [markdown]
+# At SmolLM2-135M's shape (9 query heads over 3 KV heads of 64 dimensions, 30 layers) and the paper defaults
+# ($B_{CP}$ = 128, $N_Q$ = 16, $r = D/2$) the scoring costs per cached key are the issue's figures: QuoKA
+# $N_Q D$ = 1,024, SparQ and Loki $G B_{CP} r$ = 12,288, mean of scores $G B_{CP} D$ = 24,576. OVAL scores at
+# decode only, $G(D(r+1) + m r)/m$ = 78 per key; eviction and dense attention choose nothing. QuoKA's figure
+# is what its code multiplies ([the costs page](42_costs.ipynb) counts every method).
+
+# %%
+smol = ModelShape(9, 3, 64, 30)
+test_eq([make(n, budget=1024).scoring_cost(smol, 4096).per_key for n in ("quoka", "sparq", "loki", "mean_scores")],
+        [1024, 12288, 12288, 24576])
+test_eq([make("oval", budget=1024).scoring_cost(smol, 4096, p).per_key for p in PHASES], [0, 78])
+test_eq(scoring_cost(make("tova", budget=1024), smol, 4096), ScoringCost())
+c = make("quoka", budget=1024).scoring_cost(smol, 4096)
+q, k = torch.randn(1, 9, 128, 64), torch.randn(1, 3, 4096, 64)
+with FlopCounterMode(display=False) as fc: quoka_select(q, k, 16, 1024)
+test_eq((fc.get_total_flops() // 2, c.per_step, c.total), (3 * 1024 * 4096, 1024 * 4096, 3 * 30 * 1024 * 4096))
+test_eq(make("quoka", budget=4096).scoring_cost(smol, 4096).per_step, 0)  # the chunk's earlier keys fit: dense
+test_fail(lambda: make("quoka", budget=8).scoring_cost(smol, 64, "generate"), contains="phase must be")
+test_fail(lambda: make("oval", budget=64).scoring_cost(smol, 64, "decode", chunk=4), contains="chunk must be")
