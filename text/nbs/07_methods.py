@@ -139,8 +139,10 @@ class ModelShape:
 
     @classmethod
     def of(cls, x) -> ModelShape:
-        "`x` if a ModelShape, else the shape of a transformers config (or of a model, by its `config`)."
+        "`x` as a ModelShape (any object with `Hq, Hkv, D, layers`), or the shape of a transformers config or model."
         if isinstance(x, cls): return x
+        # duck-typed: a notebook that re-runs the class cell makes a second ModelShape class with the same fields
+        if all(hasattr(x, n) for n in ("Hq", "Hkv", "D", "layers")): return cls(x.Hq, x.Hkv, x.D, x.layers)
         c = getattr(x, "config", x)
         try: Hq, Hkv, L = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads, c.num_hidden_layers
         except AttributeError:
