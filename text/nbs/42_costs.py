@@ -125,14 +125,15 @@ def measured_cost(method: Method, shape, n_cached: int, phase: str = "prefill", 
     """Counted multiply-adds per KV head of one call of `method`'s policy in a scoring layer: a prefill chunk after
     `n_cached` earlier keys, or a decode step over a cache of `n_cached` keys (random tensors from `seed`)."""
     shape, T = ModelShape.of(shape), check_int(n_cached, "n_cached")
-    if isinstance(method, methods.PrefillDecode):
+    # by name and family, not class: a notebook re-running 07_methods' cells registers its own copies of the classes
+    if method.name == "prefill_decode":
         return measured_cost(method.prefill if phase == "prefill" else method.decode, shape, T, phase, chunk, seed)
-    if not isinstance(method, (methods.SelectionMethod, methods.PageRetrieval)):
+    if method.family not in ("selection", "retrieval"):
         scoring_cost(method, shape, T, phase, chunk)  # validates the arguments
         return 0.0
     g = torch.Generator().manual_seed(seed)
     policy = method.policy()
-    if isinstance(method, methods.PageRetrieval):  # a decode step: q is the newest token, its key the cache's last
+    if method.family == "retrieval":  # a decode step: q is the newest token, its key the cache's last
         queries_per_call(phase, chunk, 1)
         check_int(T, "n_cached", 1)
         q = torch.randn(1, shape.Hq, 1, shape.D, generator=g)
@@ -145,7 +146,7 @@ def measured_cost(method: Method, shape, n_cached: int, phase: str = "prefill", 
         S = queries_per_call(phase, chunk, method.chunk_size)
         q = torch.randn(1, shape.Hq, S, shape.D, generator=g)
         k, v = (torch.randn(1, shape.Hkv, T + S, shape.D, generator=g) for _ in range(2))
-        layer = method.selection_layers[0] if isinstance(method, methods.LessIsMore) else shape.layers - 1
+        layer = method.selection_layers[0] if method.name == "lessismore" else shape.layers - 1
         ctx = _context(shape, layer, phase, T, S)
     return counted_macs(policy.select, q, k, v, ctx)[1] / shape.Hkv
 
@@ -174,13 +175,13 @@ def counted_surplus(method: Method, shape, n_cached: int, phase: str = "prefill"
     """Multiply-adds per KV head this package's code spends beyond the algorithm's `per_step`: SparQ's full-width
     products over masked channels, G S (D - r) T; Loki's basis and key projection redone every call, (D^2 + D r) T."""
     shape = ModelShape.of(shape)
-    if isinstance(method, methods.PrefillDecode):
+    if method.name == "prefill_decode":
         return counted_surplus(method.prefill if phase == "prefill" else method.decode, shape, n_cached, phase, chunk)
-    if not isinstance(method, (methods.SparQ, methods.Loki)) or not scoring_cost(method, shape, n_cached, phase,
+    if method.name not in ("sparq", "loki") or not scoring_cost(method, shape, n_cached, phase,
                                                                                   chunk).per_step:
         return 0
     r, S = _check_rank(method.r, shape.D), queries_per_call(phase, chunk, method.chunk_size)
-    if isinstance(method, methods.SparQ): return shape.G * S * (shape.D - r) * n_cached
+    if method.name == "sparq": return shape.G * S * (shape.D - r) * n_cached
     return (shape.D ** 2 + shape.D * r) * n_cached
 
 
@@ -453,11 +454,11 @@ test_fail(lambda: matched("sparq", 0, SMOLLM2, 1024), contains="target must be")
 #| export
 def _setting(m: Method, shape: ModelShape) -> str:
     "The cost knob of a method as `name=value` (SparQ's and Loki's r=None as D/2), else its page size or layers."
-    if isinstance(m, methods.LessIsMore): return f"selection_layers={m.selection_layers}"
+    if m.name == "lessismore": return f"selection_layers={m.selection_layers}"
     knob = KNOBS.get(m.name)
     if knob == "r": return f"r={_check_rank(m.r, shape.D)}"
     if knob: return f"{knob}={getattr(m, knob)}" + (f", page_size={m.page_size}" if knob == "rank" else "")
-    return f"page_size={m.page_size}" if isinstance(m, methods.PageRetrieval) else ""
+    return f"page_size={m.page_size}" if m.family == "retrieval" else ""
 
 
 def cost_table(shape, budget: int = 1024, n_cached: int = 4096, chunk: int = 128, target: str = "quoka",
