@@ -39,9 +39,9 @@
 #
 # | command | what it runs | time |
 # |---|---|---|
-# | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | `<measured>` |
-# | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | `<measured>` |
-# | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | `<measured>` |
+# | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | 4 min 55 s (fresh clone whose `.venv` existed, Chromium installed by the run; creating `.venv` adds about 1.5 min) |
+# | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 2 min 38 s (fresh clone, quiet machine) |
+# | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | not yet timed alone: about 85 min wall with two stages at a time on a loaded machine (2026-12-01); the last quiet run took 65 min |
 #
 # `make reproduce` runs the papermill pipeline declared in `reproduce/pipeline.yaml` and writes
 # figures (PNG with the data behind them) to `figures/<profile>/` and a results summary to
