@@ -372,14 +372,21 @@ def _fake_papermill(src, dest, parameters=None, cwd=None, **kw):
     return nb
 
 
-@right("5 stage bookkeeping")
-def only_b_keeps_a_up_to_date():
+@contextlib.contextmanager
+def _toy_project_run():
+    "A toy project in a temporary folder whose two stages ran once (run id 'first'), papermill run in-process."
     import papermill
     with tempfile.TemporaryDirectory() as d, mock.patch.object(papermill, "execute_notebook", _fake_papermill):
         root = Path(d)
         (root / "run_id").write_text("first")
         pipe = _toy_pipeline(root)
         rp.run_pipeline("quick", pipeline=pipe, progress=False)
+        yield root, pipe
+
+
+@right("5 stage bookkeeping")
+def only_b_keeps_a_up_to_date():
+    with _toy_project_run() as (root, pipe):
         (root / "run_id").write_text("second")
         status = rp.run_pipeline("quick", only="b", force=True, pipeline=pipe, progress=False)
         summary = (root / "reproduce" / "runs" / "quick" / "summary.md").read_text()
@@ -392,12 +399,7 @@ def only_b_keeps_a_up_to_date():
 @right("5 stage bookkeeping")
 def forced_stage_killed_is_redone_on_rerun():
     "A forced stage that fails after its stamp was invalidated runs again on a plain rerun: one run's outputs."
-    import papermill
-    with tempfile.TemporaryDirectory() as d, mock.patch.object(papermill, "execute_notebook", _fake_papermill):
-        root = Path(d)
-        (root / "run_id").write_text("first")
-        pipe = _toy_pipeline(root)
-        rp.run_pipeline("quick", pipeline=pipe, progress=False)
+    with _toy_project_run() as (root, pipe):
         (root / "run_id").unlink()  # the forced run of a dies before writing its output
         with contextlib.suppress(rp.StageFailed):
             rp.run_pipeline("quick", only="a", force=True, pipeline=pipe, progress=False)
@@ -410,12 +412,7 @@ def forced_stage_killed_is_redone_on_rerun():
 @right("5 stage bookkeeping")
 def ctrl_c_keeps_older_outputs_up_to_date():
     "Ctrl-C in the first stage of a forced run: the other stage's valid older outputs stay up to date in the summary."
-    import papermill
-    with tempfile.TemporaryDirectory() as d, mock.patch.object(papermill, "execute_notebook", _fake_papermill):
-        root = Path(d)
-        (root / "run_id").write_text("first")
-        pipe = _toy_pipeline(root)
-        rp.run_pipeline("quick", pipeline=pipe, progress=False)
+    with _toy_project_run() as (root, pipe):
 
         def interrupted(stage, *args, **kwargs): raise KeyboardInterrupt
         with mock.patch.object(rp, "run_stage", interrupted), contextlib.suppress(KeyboardInterrupt):
