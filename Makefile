@@ -20,7 +20,7 @@ LAB_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 .PHONY: help install tools reproduce test test-all docs docs-serve lab export clean-nbs sync check-export
 
 help:
-	@echo "make reproduce [PROFILE=quick|cpu|gpu]  run the experiment pipeline (default PROFILE=cpu)"
+	@echo "make reproduce [PROFILE=quick|cpu|cpu-full|gpu]  run the experiment pipeline (default PROFILE=cpu)"
 	@echo "  ARGS=\"--only STAGE\" (one stage), \"--force\" (rerun up-to-date stages), \"--list\" (list the stages)"
 	@echo "make test                             export, run the notebooks' checks and the pytest suite"
 	@echo "make test-all                         also run the slow (and, with a GPU, the gpu) checks"

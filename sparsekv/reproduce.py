@@ -28,18 +28,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from traitlets.config import Config
 
 from .io import atomic_path, write_json, write_text
 
 # %% auto #0
-__all__ = ['PROFILES', 'STAGE_KEYS', 'RUNNER_PARAMS', 'Stage', 'find_pipeline', 'notebook_parameters', 'load_stages',
-           'run_params', 'injected_params', 'fingerprint', 'input_hashes', 'read_stamp', 'stale_reason',
-           'tag_parameters_cell', 'StageFailed', 'clean_executed', 'stamp_path', 'run_stage', 'stage_state',
-           'demote_headings', 'status_rows', 'write_summary', 'last_seconds', 'format_duration', 'progress_line',
-           'outputs_report', 'format_table', 'sigterm_as_interrupt', 'run_pipeline', 'report', 'main']
+__all__ = ['PROFILES', 'REQUIRED_PROFILES', 'STAGE_KEYS', 'RUNNER_PARAMS', 'KERNEL_CONFIG', 'Stage', 'find_pipeline',
+           'notebook_parameters', 'load_stages', 'run_params', 'injected_params', 'fingerprint', 'input_hashes',
+           'read_stamp', 'stale_reason', 'tag_parameters_cell', 'StageFailed', 'clean_executed', 'stamp_path',
+           'run_stage', 'stage_state', 'demote_headings', 'status_rows', 'write_summary', 'last_seconds',
+           'format_duration', 'progress_line', 'outputs_report', 'format_table', 'sigterm_as_interrupt', 'run_pipeline',
+           'report', 'main']
 
 # %% ../nbs/91_reproduce.ipynb #7bdba193
-PROFILES = ("quick", "cpu", "gpu")
+PROFILES = ("quick", "cpu", "cpu-full", "gpu")
+REQUIRED_PROFILES = ("quick", "cpu", "gpu")  # every stage has these; one without `cpu-full` params is not part of it
 
 @dataclass
 class Stage:
@@ -104,8 +107,9 @@ def _check_stage(name, s, pipeline: Path, profile: str) -> None:
         raise ValueError(f"{where}: params must map profiles to parameters, got {s['params']!r}")
     if unknown := sorted(map(str, set(s["params"]) - set(PROFILES))):
         raise ValueError(f"{where}: params has unknown profile(s) {unknown}; profiles are {list(PROFILES)}")
-    if profile not in s["params"]: raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
-    if not isinstance(s["params"][profile] or {}, dict):
+    if profile in REQUIRED_PROFILES and profile not in s["params"]:
+        raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
+    if profile in s["params"] and not isinstance(s["params"][profile] or {}, dict):
         raise ValueError(f"{where}: params.{profile} must be a mapping of parameter names to values, got "
                          f"{s['params'][profile]!r}")
     for key in ("outputs", "inputs"):
@@ -187,6 +191,7 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     stages = []
     for name, s in _read_spec(pipeline).items():
         _check_stage(name, s, pipeline, profile)
+        if profile not in s["params"]: continue  # an optional profile this stage is not part of
         where = f"stage {name!r} in {pipeline}"
         nb = root/s["notebook"]
         if not nb.is_file(): raise FileNotFoundError(f"stage {name!r}: notebook {nb} not found")
@@ -302,6 +307,9 @@ def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
     src = Path(src)
     return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
 
+# The kernel talks over local sockets: over TCP ipykernel warns, once per stage, that traffic is unencrypted.
+KERNEL_CONFIG = Config(KernelManager={"transport": "ipc"})
+
 @contextlib.contextmanager
 def _environment(**env: str):
     "Within the block, the environment variables `env` are set (for the kernels started in it)."
@@ -330,7 +338,8 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
         tag_parameters_cell(stage.notebook, src)
         with _environment(TQDM_DISABLE="1"):  # the kernel inherits it: no progress bars in the notebook
             pm.execute_notebook(src, partial, parameters=injected_params(params, root), kernel_name="python3",
-                                cwd=stage.notebook.parent, progress_bar=progress, log_output=False)
+                                cwd=stage.notebook.parent, progress_bar=progress, log_output=False,
+                                config=KERNEL_CONFIG)
     except BaseException as e:
         if partial.exists(): os.replace(partial, failed)
         if isinstance(e, KeyboardInterrupt): raise

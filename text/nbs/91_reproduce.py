@@ -15,7 +15,10 @@
 #   with the directive `#| parameters` (the runner tags it for papermill, so the committed
 #   notebook carries no cell metadata);
 # - `params`: the parameters per profile (`quick` for smoke tests in minutes, `cpu` for
-#   this machine at small scale, `gpu` for the papers' scale);
+#   this machine at small scale, `gpu` for the papers' scale); every stage defines these three.
+#   `cpu-full` is optional: the headline evaluation on this machine with enough items for
+#   tight intervals (hours, resumable); `make reproduce PROFILE=cpu-full` runs only the
+#   stages that define it;
 # - `outputs`: the files the stage promises, with `{profile}` standing for the profile;
 # - `inputs` (optional): further files (globs) whose change makes the stage stale;
 # - `description` (optional): one line on what the stage reproduces;
@@ -63,12 +66,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from traitlets.config import Config
 
 from sparsekv.io import atomic_path, write_json, write_text
 
 # %%
 #| export
-PROFILES = ("quick", "cpu", "gpu")
+PROFILES = ("quick", "cpu", "cpu-full", "gpu")
+REQUIRED_PROFILES = ("quick", "cpu", "gpu")  # every stage has these; one without `cpu-full` params is not part of it
 
 @dataclass
 class Stage:
@@ -137,8 +142,9 @@ def _check_stage(name, s, pipeline: Path, profile: str) -> None:
         raise ValueError(f"{where}: params must map profiles to parameters, got {s['params']!r}")
     if unknown := sorted(map(str, set(s["params"]) - set(PROFILES))):
         raise ValueError(f"{where}: params has unknown profile(s) {unknown}; profiles are {list(PROFILES)}")
-    if profile not in s["params"]: raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
-    if not isinstance(s["params"][profile] or {}, dict):
+    if profile in REQUIRED_PROFILES and profile not in s["params"]:
+        raise ValueError(f"stage {name!r} has no params for profile {profile!r}")
+    if profile in s["params"] and not isinstance(s["params"][profile] or {}, dict):
         raise ValueError(f"{where}: params.{profile} must be a mapping of parameter names to values, got "
                          f"{s['params'][profile]!r}")
     for key in ("outputs", "inputs"):
@@ -231,6 +237,7 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     stages = []
     for name, s in _read_spec(pipeline).items():
         _check_stage(name, s, pipeline, profile)
+        if profile not in s["params"]: continue  # an optional profile this stage is not part of
         where = f"stage {name!r} in {pipeline}"
         nb = root/s["notebook"]
         if not nb.is_file(): raise FileNotFoundError(f"stage {name!r}: notebook {nb} not found")
@@ -411,6 +418,9 @@ def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
     src = Path(src)
     return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
 
+# The kernel talks over local sockets: over TCP ipykernel warns, once per stage, that traffic is unencrypted.
+KERNEL_CONFIG = Config(KernelManager={"transport": "ipc"})
+
 @contextlib.contextmanager
 def _environment(**env: str):
     "Within the block, the environment variables `env` are set (for the kernels started in it)."
@@ -439,7 +449,8 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
         tag_parameters_cell(stage.notebook, src)
         with _environment(TQDM_DISABLE="1"):  # the kernel inherits it: no progress bars in the notebook
             pm.execute_notebook(src, partial, parameters=injected_params(params, root), kernel_name="python3",
-                                cwd=stage.notebook.parent, progress_bar=progress, log_output=False)
+                                cwd=stage.notebook.parent, progress_bar=progress, log_output=False,
+                                config=KERNEL_CONFIG)
     except BaseException as e:
         if partial.exists(): os.replace(partial, failed)
         if isinstance(e, KeyboardInterrupt): raise
@@ -768,6 +779,22 @@ with tempfile.TemporaryDirectory() as d:
 # %%
 #| hide
 test_fail(lambda: load_stages("reproduce/pipeline.yaml", "tpu"), contains="profile must be one of")
+
+# %% [markdown]
+# `cpu-full` is optional per stage: only the stages that give it params belong to that profile,
+# while a stage lacking the params of a required profile cannot run in it.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); pipe = _toy_project(d)
+    test_eq([s.name for s in load_stages(pipe, "cpu")], ["a", "b"])
+    test_eq(load_stages(pipe, "cpu-full"), [])
+    pipe.write_text(pipe.read_text().replace("quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}",
+                                             "quick: {n: 1}, cpu: {n: 2}, cpu-full: {n: 4}, gpu: {n: 3}}", 1))
+    full = load_stages(pipe, "cpu-full")
+    test_eq([(s.name, s.params) for s in full], [("a", {"n": 4})])
+    pipe.write_text(pipe.read_text().replace(", gpu: {n: 3}}", "}", 1))
+    test_fail(lambda: load_stages(pipe, "gpu"), contains="stage 'a' has no params for profile 'gpu'")
 
 # %% [markdown]
 # A stage killed between two outputs, then rerun: its stamp went away when it started, so the
