@@ -8,6 +8,7 @@ Docs: https://sparsekv.github.io/sparsekv/hf.html.md"""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from dataclasses import dataclass
 
@@ -21,9 +22,10 @@ from .attention import causal_mask, check_int, check_qkv, gather_keys
 from .cache import EvictingCache, EvictingLayer
 
 # %% auto #0
-__all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'heads_mask', 'dense_attention', 'attend_selected', 'chosen_indices', 'attend_chosen',
-           'add_chunk_keys', 'AttentionContext', 'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy',
-           'attention_modules', 'patch', 'active_patch', 'check_input_ids', 'left_padding', 'chunked_prefill', 'Method']
+__all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'heads_mask', 'AttendedBudget', 'measure_attended', 'record_attended',
+           'attended_counts', 'dense_attention', 'attend_selected', 'chosen_indices', 'attend_chosen', 'add_chunk_keys',
+           'AttentionContext', 'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy', 'attention_modules',
+           'patch', 'active_patch', 'check_input_ids', 'left_padding', 'chunked_prefill', 'Method']
 
 # %% ../nbs/03_hf.ipynb #145809aa
 def heads_mask(mask: Tensor, n_heads: int) -> Tensor:
@@ -36,6 +38,62 @@ def heads_mask(mask: Tensor, n_heads: int) -> Tensor:
     return mask.repeat_interleave(n_heads // h, dim=1)
 
 # %% ../nbs/03_hf.ipynb #fe427297
+class AttendedBudget:
+    "Per (phase, layer, query head): how many KV entries queries attended to (mean, max), from `measure_attended`."
+    def __init__(self): self._stats: dict = {}  # (phase, layer) -> [sum [Hq], queries, max [Hq]]
+
+    def add(self, counts: Tensor, phase: str = "", layer: int = -1):
+        "Record `counts` [B,Hq,Sq]: the KV entries each query of each head attended to in one call."
+        c = counts.detach().to(torch.float64).transpose(0, 1).reshape(counts.shape[1], -1).cpu()
+        s = self._stats.setdefault((phase, layer), [0.0, 0, torch.zeros(c.shape[0], dtype=torch.float64)])
+        s[0], s[1], s[2] = s[0] + c.sum(1), s[1] + c.shape[1], torch.maximum(s[2], c.max(1).values)
+
+    def per_head(self) -> list[dict]:
+        "One row per (phase, layer, head): mean and max attended KV entries and the number of queries."
+        return [{"phase": p, "layer": l, "head": h, "mean": float(s[0][h] / s[1]), "max": int(s[2][h]),
+                 "queries": s[1]} for (p, l), s in sorted(self._stats.items()) for h in range(len(s[2]))]
+
+    def _of(self, phase: str | None) -> list:
+        stats = [s for (p, _), s in self._stats.items() if phase in (None, p)]
+        if not stats: raise ValueError(f"nothing was recorded{f' in phase {phase!r}' if phase else ''}: "
+                                       "run attention inside measure_attended()")
+        return stats
+
+    def mean(self, phase: str | None = None) -> float:
+        "Mean attended KV entries over the recorded queries of every head and layer (of `phase`: prefill or decode)."
+        stats = self._of(phase)
+        return sum(float(s[0].sum()) for s in stats) / sum(s[1] * len(s[2]) for s in stats)
+
+    def max(self, phase: str | None = None) -> int:
+        "The most KV entries any recorded query of any head attended to (in `phase`: prefill or decode)."
+        return int(max(float(s[2].max()) for s in self._of(phase)))
+
+
+_METER: contextvars.ContextVar = contextvars.ContextVar("sparsekv_attended_budget", default=None)
+_WHERE: contextvars.ContextVar = contextvars.ContextVar("sparsekv_phase_layer", default=("", -1))
+
+
+@contextlib.contextmanager
+def measure_attended():
+    "Within the block, every attention call of `sparsekv` records its attended KV entries into the yielded budget."
+    budget = AttendedBudget()
+    token = _METER.set(budget)
+    try: yield budget
+    finally: _METER.reset(token)
+
+
+def record_attended(counts: Tensor):
+    "Add `counts` [B,Hq,Sq] (KV entries attended per query and head) to the active `measure_attended` budget, if any."
+    if (budget := _METER.get()) is not None: budget.add(counts, *_WHERE.get())
+
+
+def attended_counts(mask: Tensor | None, B: int, Hq: int, sq: int, sk: int) -> Tensor:
+    "KV entries each query attends to, `[B,Hq,Sq]`, under boolean `mask` ([Sq,Sk] or 1, Hkv or Hq heads) or causally."
+    if mask is None: return torch.arange(sk - sq + 1, sk + 1).expand(B, Hq, sq)
+    mask = mask[None, None] if mask.ndim == 2 else heads_mask(mask, Hq)
+    return mask.expand(B, Hq, sq, sk).sum(-1)
+
+# %% ../nbs/03_hf.ipynb #4b697af8
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                     scale: float | None = None, dropout: float = 0.0) -> Tensor:
     "Softmax attention `[B,Hq,Sq,D]` of q over k, v (GQA); `mask` boolean (True = attend), None: causal, last keys."
@@ -46,6 +104,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     elif sk < sq: raise ValueError(f"a causal call needs at least as many keys as queries, got Sk={sk} < Sq={sq}")
     elif sq == sk: is_causal = sq > 1
     elif sq > 1: mask = causal_mask(sq, sk, q.device)
+    if _METER.get() is not None: record_attended(attended_counts(mask, q.shape[0], q.shape[1], sq, sk))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                           scale=scale, enable_gqa=G > 1)
 
@@ -266,7 +325,9 @@ def _sparsekv_attention(module, query, key, value, attention_mask, dropout=0.0, 
                            "sparsekv.hf.patch(model, policy)")
     state = stack[-1]
     ctx = _context(module, query, key, attention_mask, state, scaling, dropout)
-    out = state.policy(query, key, value, ctx)
+    token = _WHERE.set((ctx.kind, ctx.layer_idx))  # measure_attended records per phase and layer
+    try: out = state.policy(query, key, value, ctx)
+    finally: _WHERE.reset(token)
     if out.shape != query.shape[:3] + value.shape[-1:]:
         raise ValueError(f"{type(state.policy).__name__} returned shape {tuple(out.shape)}, expected [B,Hq,Sq,D] = "
                          f"{tuple(query.shape[:3] + value.shape[-1:])}")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsekv import methods
-from sparsekv.hf import ATTN_NAME, Method
+from sparsekv.hf import ATTN_NAME, Method, measure_attended
 from sparsekv.methods import SelectionMethod
 
 ISSUE_NAMES = {"dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "dms", "kvpop_mlp", "kvpop_mlstm",
@@ -12,7 +12,9 @@ ISSUE_NAMES = {"dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "d
                "oval", "oracle_pages"}
 # Per family and method, parameters that make 20-token prompts exercise the method (kvpress's default_presses).
 SMALL = {"selection": dict(chunk_size=8), "retrieval": dict(page_size=4, sink=4, recent=4, rank=2)}
-EXTRA = {"quoka": dict(n_q=2), "sample_attention": dict(n_q=2), "lessismore": dict(selection_layers=(1,))}
+# LessIsMore selects at layer 0 so that layer 1 of the two-layer tiny models reuses its pick (at or below the
+# selection layer it attends densely).
+EXTRA = {"quoka": dict(n_q=2), "sample_attention": dict(n_q=2), "lessismore": dict(selection_layers=(0,))}
 PROMPT, NEW = 20, 6
 GEN = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
 
@@ -59,6 +61,50 @@ def test_generate_a_batch_of_two_within_the_budget(tiny_llama, name):
     assert len(held) == NEW
     if m.exact_budget: assert max(held) <= budget, held
     else: assert max(held) <= PROMPT + NEW  # DMS: a learned target, see test_dms_budget_is_a_learned_target
+
+
+def per_layer_head(meter) -> dict:
+    "(layer, head) -> (queries, total attended entries, max), over both phases (chunked prefill runs the last prompt"
+    " token as a decode step, `generate` with the whole prompt as prefill)."
+    out = {}
+    for r in meter.per_head():
+        n, total, most = out.get((r["layer"], r["head"]), (0, 0.0, 0))
+        out[r["layer"], r["head"]] = (n + r["queries"], total + r["mean"] * r["queries"], max(most, r["max"]))
+    return {key: (n, round(total, 6), most) for key, (n, total, most) in out.items()}
+
+
+@pytest.mark.parametrize("name", methods.names())
+def test_measured_budget_of_the_whole_sequence_is_dense(tiny_llama, name):
+    "At a budget of the whole sequence every query of every layer and head attends to what dense attention does."
+    ids = prompt(tiny_llama)
+    with measure_attended() as dense: build("dense", PROMPT + NEW).generate(tiny_llama, ids, **GEN)
+    with measure_attended() as got: build(name, PROMPT + NEW).generate(tiny_llama, ids, **GEN)
+    assert per_layer_head(got) == per_layer_head(dense)
+
+
+def nominal_bound(m: Method, phase: str, budget: int) -> int | None:
+    """The most KV entries a query of the last layer may attend to at nominal `budget`, as each family defines its
+    budget: eviction holds `budget` entries; a prefill selection adds the chunk's own keys (decode: the new token);
+    page retrieval adds the partial page its complete pages leave out. None: no bound (dense, learned DMS, prefill of
+    decode-time methods and of eviction's one-chunk prompt)."""
+    if m.family == "eviction" and m.exact_budget: return budget if phase == "decode" else None
+    if m.name == "prefill_decode": return budget + m.prefill.chunk_size if phase == "prefill" else None
+    if m.family == "selection": return budget + (m.chunk_size if phase == "prefill" else 1)
+    if m.family == "retrieval": return budget + m.page_size - 1 if phase == "decode" else None
+    return None
+
+
+@pytest.mark.parametrize("name", methods.names())
+def test_measured_budget_within_the_nominal_one(tiny_llama, name):
+    "At a small budget, the last layer's queries attend to no more entries than the family's nominal bound allows."
+    budget, ids, m = 8, prompt(tiny_llama, seed=1), build(name, 8)
+    with measure_attended() as meter: m.generate(tiny_llama, ids, **GEN)
+    last = tiny_llama.config.num_hidden_layers - 1
+    for phase in ("prefill", "decode"):
+        bound = nominal_bound(m, phase, budget)
+        if bound is None: continue
+        most = max(r["max"] for r in meter.per_head() if r["phase"] == phase and r["layer"] == last)
+        assert most <= bound < PROMPT, (phase, most, bound)  # within the bound, and the bound leaves keys out
 
 
 def test_dms_budget_is_a_learned_target(tiny_llama):

@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from dataclasses import dataclass
 
@@ -97,8 +98,79 @@ test_eq(heads_mask(torch.tensor([True, False]).view(1, 2, 1, 1), 4)[0, :, 0, 0].
 
 
 # %% [markdown]
+# ### The measured budget
+#
+# Methods are compared at equal *budget*, and a method's nominal budget is not always what its
+# queries attend to: a chunk's own keys come on top of a selection, an eviction rule that evicts
+# every 16 tokens lets the queries of the chunk see up to 15 extra keys, and early queries see
+# fewer keys than the budget. So the budget is measured where attention is computed. While
+# `measure_attended()` is active, every attention call records, per query and query head, the
+# number of KV entries its softmax ranges over (the True entries of its mask row, or the causal
+# count); `AttendedBudget` keeps per (layer, head) their sum, count and maximum, so a long run
+# costs no memory.
+
+# %%
+#| export
+class AttendedBudget:
+    "Per (phase, layer, query head): how many KV entries queries attended to (mean, max), from `measure_attended`."
+    def __init__(self): self._stats: dict = {}  # (phase, layer) -> [sum [Hq], queries, max [Hq]]
+
+    def add(self, counts: Tensor, phase: str = "", layer: int = -1):
+        "Record `counts` [B,Hq,Sq]: the KV entries each query of each head attended to in one call."
+        c = counts.detach().to(torch.float64).transpose(0, 1).reshape(counts.shape[1], -1).cpu()
+        s = self._stats.setdefault((phase, layer), [0.0, 0, torch.zeros(c.shape[0], dtype=torch.float64)])
+        s[0], s[1], s[2] = s[0] + c.sum(1), s[1] + c.shape[1], torch.maximum(s[2], c.max(1).values)
+
+    def per_head(self) -> list[dict]:
+        "One row per (phase, layer, head): mean and max attended KV entries and the number of queries."
+        return [{"phase": p, "layer": l, "head": h, "mean": float(s[0][h] / s[1]), "max": int(s[2][h]),
+                 "queries": s[1]} for (p, l), s in sorted(self._stats.items()) for h in range(len(s[2]))]
+
+    def _of(self, phase: str | None) -> list:
+        stats = [s for (p, _), s in self._stats.items() if phase in (None, p)]
+        if not stats: raise ValueError(f"nothing was recorded{f' in phase {phase!r}' if phase else ''}: "
+                                       "run attention inside measure_attended()")
+        return stats
+
+    def mean(self, phase: str | None = None) -> float:
+        "Mean attended KV entries over the recorded queries of every head and layer (of `phase`: prefill or decode)."
+        stats = self._of(phase)
+        return sum(float(s[0].sum()) for s in stats) / sum(s[1] * len(s[2]) for s in stats)
+
+    def max(self, phase: str | None = None) -> int:
+        "The most KV entries any recorded query of any head attended to (in `phase`: prefill or decode)."
+        return int(max(float(s[2].max()) for s in self._of(phase)))
+
+
+_METER: contextvars.ContextVar = contextvars.ContextVar("sparsekv_attended_budget", default=None)
+_WHERE: contextvars.ContextVar = contextvars.ContextVar("sparsekv_phase_layer", default=("", -1))
+
+
+@contextlib.contextmanager
+def measure_attended():
+    "Within the block, every attention call of `sparsekv` records its attended KV entries into the yielded budget."
+    budget = AttendedBudget()
+    token = _METER.set(budget)
+    try: yield budget
+    finally: _METER.reset(token)
+
+
+def record_attended(counts: Tensor):
+    "Add `counts` [B,Hq,Sq] (KV entries attended per query and head) to the active `measure_attended` budget, if any."
+    if (budget := _METER.get()) is not None: budget.add(counts, *_WHERE.get())
+
+
+def attended_counts(mask: Tensor | None, B: int, Hq: int, sq: int, sk: int) -> Tensor:
+    "KV entries each query attends to, `[B,Hq,Sq]`, under boolean `mask` ([Sq,Sk] or 1, Hkv or Hq heads) or causally."
+    if mask is None: return torch.arange(sk - sq + 1, sk + 1).expand(B, Hq, sq)
+    mask = mask[None, None] if mask.ndim == 2 else heads_mask(mask, Hq)
+    return mask.expand(B, Hq, sq, sk).sum(-1)
+
+
+# %% [markdown]
 # `dense_attention` is exact softmax attention with that convention, through SDPA (with its
-# native GQA); it is what the unpatched model computes.
+# native GQA); it is what the unpatched model computes. It reports its attended counts to an
+# active `measure_attended()`.
 
 # %%
 #| export
@@ -112,6 +184,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     elif sk < sq: raise ValueError(f"a causal call needs at least as many keys as queries, got Sk={sk} < Sq={sq}")
     elif sq == sk: is_causal = sq > 1
     elif sq > 1: mask = causal_mask(sq, sk, q.device)
+    if _METER.get() is not None: record_attended(attended_counts(mask, q.shape[0], q.shape[1], sq, sk))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                           scale=scale, enable_gqa=G > 1)
 
@@ -128,6 +201,36 @@ assert_close(dense_attention(q, k, v, m), _reference(q, k, v, heads_mask(m, 4)))
 test_eq(dense_attention(q, k, v, m)[0, 2:4, 2].abs().max().item(), 0.0)  # fully masked row -> 0, never NaN
 test_fail(lambda: dense_attention(q, k, v, m.float()), contains="boolean")
 test_fail(lambda: dense_attention(torch.randn(2, 3, 3, 16), k, v), contains="must be a multiple of the KV heads")
+
+
+# %% [markdown]
+# The measured budget against brute force: the number of nonzero weights of the explicit softmax
+# (float64, so no weight underflows), per query and head, for causal calls, per-KV-head masks and a
+# fully masked row; outside `measure_attended()` nothing is recorded.
+
+# %%
+def _nonzero_weights(q, k, mask):
+    "Brute force: per [B,Hq,Sq], how many keys get a nonzero softmax weight."
+    logits = (q.double() @ k.double().repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2))
+    return logits.masked_fill(~heads_mask(mask, q.shape[1]), float("-inf")).softmax(-1).nan_to_num().gt(0).sum(-1)
+
+for sq, sk in [(1, 7), (5, 5), (3, 8)]:
+    q, k, v = torch.randn(2, 4, sq, 16), torch.randn(2, 2, sk, 16), torch.randn(2, 2, sk, 16)
+    with measure_attended() as meter: dense_attention(q, k, v)
+    want = _nonzero_weights(q, k, causal_mask(sq, sk)[None, None])
+    test_eq([r["max"] for r in meter.per_head()], want.amax((0, 2)).tolist())
+    assert_close(torch.tensor([r["mean"] for r in meter.per_head()], dtype=torch.float64), want.double().mean((0, 2)))
+q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+with measure_attended() as meter:
+    dense_attention(q, k, v, m)
+    dense_attention(q, k, v, m)
+want = _nonzero_weights(q, k, m)
+assert_close(torch.tensor([r["mean"] for r in meter.per_head()], dtype=torch.float64), want.double().mean((0, 2)))
+test_eq((meter.max(), meter.per_head()[0]["queries"]), (int(want.max()), 2 * 2 * 3))
+dense_attention(q, k, v, m)  # outside the block: not recorded
+test_eq(meter.per_head()[0]["queries"], 12)
+test_fail(lambda: AttendedBudget().mean(), contains="nothing was recorded")
+test_fail(lambda: meter.max("decode"), contains="nothing was recorded in phase 'decode'")
 
 
 # %% [markdown]
@@ -454,7 +557,9 @@ def _sparsekv_attention(module, query, key, value, attention_mask, dropout=0.0, 
                            "sparsekv.hf.patch(model, policy)")
     state = stack[-1]
     ctx = _context(module, query, key, attention_mask, state, scaling, dropout)
-    out = state.policy(query, key, value, ctx)
+    token = _WHERE.set((ctx.kind, ctx.layer_idx))  # measure_attended records per phase and layer
+    try: out = state.policy(query, key, value, ctx)
+    finally: _WHERE.reset(token)
     if out.shape != query.shape[:3] + value.shape[-1:]:
         raise ValueError(f"{type(state.policy).__name__} returned shape {tuple(out.shape)}, expected [B,Hq,Sq,D] = "
                          f"{tuple(query.shape[:3] + value.shape[-1:])}")
@@ -814,6 +919,21 @@ lasts = {name: chunked_prefill(model, ids, 4, pol)[1]
 assert_close(lasts["mask"], lasts["ref"], atol=1e-5, rtol=0)
 assert_close(lasts["select"], lasts["ref"], atol=1e-5, rtol=0)
 assert (lasts["ref"] - ref[:, -1]).abs().max() > 1e-2  # the subset really changes the output
+
+# %% [markdown]
+# In the model, the measured budget is per layer and query head, and the same subset measures the
+# same whether a policy masks it or selects it; dense causal attention over $S$ tokens in one
+# forward attends to $(S + 1) / 2$ entries per query on average, $S$ at most.
+
+# %%
+with torch.no_grad():
+    with measure_attended() as by_mask: chunked_prefill(model, ids, 4, _RandomMask())
+    with measure_attended() as by_select: chunked_prefill(model, ids, 4, _RandomSelect())
+    with measure_attended() as dense: chunked_prefill(model, ids, ids.shape[1], DensePolicy())
+test_eq(by_mask.per_head(), by_select.per_head())
+test_eq(len(by_mask.per_head()), model.config.num_hidden_layers * model.config.num_attention_heads)
+assert by_mask.mean() < dense.mean()
+test_eq((dense.mean("prefill"), dense.max("prefill")), ((ids.shape[1] + 1) / 2, ids.shape[1]))
 
 # %% [markdown]
 # ## Evicting caches in a model

@@ -501,8 +501,7 @@ def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: in
     if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"q must be one decode query [B, Hq, 1, d], got {getattr(q, 'shape', type(q).__name__)}")
     ks, vs = gather_pages(k, pages, page_size), gather_pages(v, pages, page_size)
-    return torch.nn.functional.scaled_dot_product_attention(q, ks, vs, dropout_p=dropout, scale=scale,
-                                                            enable_gqa=q.shape[1] != k.shape[1])
+    return dense_attention(q, ks, vs, None, scale, dropout)  # one query: every gathered entry, measured
 
 
 # %% [markdown]
