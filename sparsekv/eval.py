@@ -1,4 +1,4 @@
-"""Metrics shared by every method (agreement, KL, perplexity, recalls, output error, pass@k) and a grid runner.
+"""Metrics shared by every method (agreement, KL, perplexity, recalls and their tails, needle retention, output error, pass@k) and a grid runner.
 
 Docs: https://sparsekv.github.io/sparsekv/eval.html.md"""
 
@@ -35,8 +35,9 @@ from .io import write_csv
 __all__ = ['WALL_TIME', 'ROW_CHECK', 'top1_agreement', 'top1_agreement_reference', 'token_kl', 'kl_to_teacher',
            'token_kl_reference', 'token_nll', 'perplexity', 'token_accuracy', 'perplexity_reference',
            'attention_mass_recall', 'attention_fidelity_reference', 'relative_output_error', 'per_head_mean',
-           'attention_fidelity', 'oracle_topk', 'retention_recall', 'retention_recall_reference', 'pass_at_k_estimate',
-           'pass_at_k', 'avg_at_k', 'pass_at_k_reference', 'run_grid']
+           'attention_fidelity', 'oracle_topk', 'retention_recall', 'retention_recall_reference', 'query_quantile',
+           'query_quantile_reference', 'needle_retention', 'needle_retention_reference', 'needle_summary',
+           'pass_at_k_estimate', 'pass_at_k', 'avg_at_k', 'pass_at_k_reference', 'run_grid']
 
 # %% ../nbs/40_eval.ipynb #f98d6055
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -396,6 +397,111 @@ def retention_recall_reference(kept_sets: list[set], scores: list[list[float]], 
         oracle = sorted(range(len(row)), key=lambda j: (-row[j], j))[:k]
         out.append(len(set(kept) & set(oracle)) / k)
     return out
+
+# %% ../nbs/40_eval.ipynb #e7d0078f
+def _quantile_1d(x: torch.Tensor, q: float) -> torch.Tensor:
+    "Linear-interpolation `q`-quantile of the non-NaN entries of a 1-D `x` (NaN when there are none)."
+    x = x[~x.isnan()].sort().values
+    if not len(x): return torch.tensor(math.nan, dtype=x.dtype, device=x.device)
+    h = q * (len(x) - 1)
+    lo = math.floor(h)
+    return x[lo] + (h - lo) * (x[min(lo + 1, len(x) - 1)] - x[lo])
+
+def query_quantile(x: torch.Tensor, q: float = 0.05, head_dim: int | None = None) -> torch.Tensor:
+    "The `q`-quantile (linear interpolation, NaN skipped) of a per-query metric over all entries, or per `head_dim`."
+    _check_float(x, "x", 1)
+    if isinstance(q, bool) or not isinstance(q, numbers.Real):
+        raise TypeError(f"q must be a number in [0, 1] (0.05: the 5th percentile), got {q!r}")
+    if not 0 <= q <= 1: raise ValueError(f"q must be a number in [0, 1] (0.05: the 5th percentile), got {q!r}")
+    if head_dim is None: return _quantile_1d(x.flatten(), float(q))
+    head_dim = check_int(head_dim, "head_dim", -x.dim(), x.dim() - 1)
+    return torch.stack([_quantile_1d(row, float(q)) for row in x.movedim(head_dim, 0).reshape(x.shape[head_dim], -1)])
+
+# %% ../nbs/40_eval.ipynb #4fb160c4
+def query_quantile_reference(values: list[float], q: float) -> float:
+    "Brute-force `query_quantile` of a list: the segment of the sorted non-NaN values whose levels i/(n-1) bracket q."
+    xs = sorted(x for x in values if not math.isnan(x))
+    if not xs: return math.nan
+    if len(xs) == 1: return xs[0]
+    n = len(xs)
+    for i in range(n - 1):
+        if i / (n - 1) <= q <= (i + 1) / (n - 1):
+            t = q * (n - 1) - i
+            return xs[i] + t * (xs[i + 1] - xs[i])
+    raise ValueError(f"q must be in [0, 1], got {q}")
+
+# %% ../nbs/40_eval.ipynb #5c18aff6
+def _check_selection(keep) -> torch.Tensor:
+    "Refuse a selection that is not a 3-D or 4-D boolean mask or integer index tensor."
+    if not isinstance(keep, torch.Tensor) or keep.is_floating_point() or keep.is_complex():
+        raise TypeError("keep must be a boolean mask [B, H, (Sq,) S] or integer indices [B, H, (Sq,) n], got "
+                        f"{getattr(keep, 'dtype', type(keep).__name__)}")
+    if keep.dim() not in (3, 4):
+        raise ValueError(f"keep must be [B, H, S] or [B, H, Sq, S] (mask), [B, H, n] or [B, H, Sq, n] (indices), got "
+                         f"shape {tuple(keep.shape)}")
+    if keep.dtype != torch.bool and keep.numel() and keep.min() < 0:
+        raise ValueError(f"keep indices must be >= 0, got {keep.min().item()}")
+    return keep
+
+def _check_needle(needle, B: int) -> torch.Tensor:
+    "The needle as a tensor of positions `[m]`/`[B, m]` or a boolean mask `[S]`/`[B, S]`, checked."
+    what = "needle must be integer positions [m] or [B, m], or a boolean mask [S] or [B, S]"
+    if isinstance(needle, (list, tuple)) and all(isinstance(p, numbers.Integral) and not isinstance(p, bool)
+                                                  for p in needle):
+        needle = torch.tensor(needle, dtype=torch.long)
+    if not isinstance(needle, torch.Tensor) or needle.is_floating_point() or needle.is_complex():
+        raise TypeError(f"{what}, got {getattr(needle, 'dtype', type(needle).__name__)}")
+    if needle.dim() not in (1, 2) or (needle.dim() == 2 and needle.shape[0] != B):
+        raise ValueError(f"{what} with B={B}, got shape {tuple(needle.shape)}")
+    if needle.shape[-1] == 0 or (needle.dtype == torch.bool and not needle.any(-1).all()):
+        raise ValueError("needle must hold at least one position (per batch element)")
+    if needle.dtype != torch.bool and needle.min() < 0:
+        raise ValueError(f"needle positions must be >= 0, got {needle.min().item()}")
+    return needle
+
+# %% ../nbs/40_eval.ipynb #affaf214
+def _sequence_length(keep: torch.Tensor, needle: torch.Tensor) -> int:
+    "S: the last dim of whichever of the two is a mask (they must agree), else one past the largest position."
+    masks = {name: x.shape[-1] for name, x in (("keep", keep), ("needle", needle)) if x.dtype == torch.bool}
+    if len(set(masks.values())) > 1:
+        raise ValueError(f"the masks keep and needle must cover the same S positions, got {masks}")
+    if not masks: return 1 + max(int(needle.max()), int(keep.max()) if keep.numel() else -1)
+    S = next(iter(masks.values()))
+    for name, x in (("keep", keep), ("needle", needle)):
+        if x.dtype != torch.bool and x.numel() and x.max() >= S:
+            raise ValueError(f"{name} positions must be in [0, {S}) (the mask's length), got {x.max().item()}")
+    return S
+
+def needle_retention(keep: torch.Tensor, needle, query_heads: int | None = None) -> torch.Tensor:
+    "Fraction of the needle's tokens each head (and query) keeps, `[B, H(, Sq)]`; `query_heads` repeats KV heads."
+    keep = _check_selection(keep)
+    if query_heads is not None and check_int(query_heads, "query_heads", 1) % keep.shape[1]:
+        raise ValueError(f"query_heads ({query_heads}) must be a multiple of keep's heads ({keep.shape[1]})")
+    needle = _check_needle(needle, keep.shape[0]).to(keep.device)
+    S = _sequence_length(keep, needle)
+    nm = needle if needle.dtype == torch.bool else torch.zeros(*needle.shape[:-1], S, dtype=torch.bool,
+                                                                device=keep.device).scatter_(-1, needle.long(), True)
+    nm = nm.expand(keep.shape[0], S).reshape(keep.shape[0], *[1] * (keep.dim() - 2), S)
+    if keep.dtype == torch.bool: hits = (keep & nm).sum(-1)
+    else:  # count each distinct kept index once: sorted, a position counts where it first appears
+        idx = keep.long().sort(-1).values
+        first = torch.ones_like(idx, dtype=torch.bool)
+        first[..., 1:] = idx[..., 1:] != idx[..., :-1]
+        hits = (nm.expand(*idx.shape[:-1], S).gather(-1, idx) & first).sum(-1)
+    rho = hits.float() / nm.sum(-1).float()
+    return rho if query_heads is None else rho.repeat_interleave(query_heads // keep.shape[1], dim=1)
+
+# %% ../nbs/40_eval.ipynb #ddc1184d
+def needle_retention_reference(kept_sets: list[set], needle_sets: list[set]) -> list[float]:
+    "Brute-force `needle_retention` for rows given as Python sets of kept positions and of needle positions."
+    return [len(set(kept) & set(needle)) / len(set(needle)) for kept, needle in zip(kept_sets, needle_sets)]
+
+def needle_summary(retention: torch.Tensor) -> dict[str, float]:
+    "Mean needle retention over batch, heads (and queries), and the fraction of those that keep the whole needle."
+    _check_float(retention, "retention", 1)
+    if retention.isnan().any() or (retention < 0).any() or (retention > 1).any():
+        raise ValueError("retention must hold fractions in [0, 1] (the output of needle_retention)")
+    return {"needle_retention": retention.mean().item(), "needle_whole": (retention == 1).float().mean().item()}
 
 # %% ../nbs/40_eval.ipynb #edb81f3d
 def pass_at_k_estimate(n: int, c: int, k: int) -> float:

@@ -12,9 +12,10 @@ from torch.testing import assert_close
 import sparsekv.eval as ev
 from sparsekv.eval import (attention_fidelity, attention_fidelity_reference, attention_mass_recall, avg_at_k,
                            kl_to_teacher, oracle_topk, pass_at_k, pass_at_k_estimate, pass_at_k_reference,
-                           per_head_mean, perplexity, perplexity_reference, relative_output_error, retention_recall,
-                           retention_recall_reference, run_grid, token_accuracy, token_kl, token_kl_reference,
-                           token_nll, top1_agreement, top1_agreement_reference)
+                           needle_retention, needle_retention_reference, needle_summary, per_head_mean, perplexity,
+                           perplexity_reference, query_quantile, query_quantile_reference, relative_output_error,
+                           retention_recall, retention_recall_reference, run_grid, token_accuracy, token_kl,
+                           token_kl_reference, token_nll, top1_agreement, top1_agreement_reference)
 
 
 def gen(seed):
@@ -302,6 +303,187 @@ def test_retention_recall_rejects_bad_input():
         retention_recall(torch.zeros(2, 3), s, 1)
     with pytest.raises(TypeError, match="k must be an int"):
         retention_recall(torch.zeros(2, 3, dtype=torch.long), s, 1.5)
+
+
+# --- more than the mean: low quantiles, needle retention, output error ----------------
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("q", [0.0, 0.05, 0.25, 0.5, 0.9, 1.0])
+def test_query_quantile_matches_loop_and_numpy(seed, q):
+    x = torch.randint(0, 6, (2, 3, 13), generator=gen(seed)).float() / 5  # few distinct values: ties
+    x[torch.rand(2, 3, 13, generator=gen(seed + 1)) < 0.2] = math.nan
+    x[1, 2] = math.nan  # a head-batch row with no finite entry
+    assert query_quantile(x, q).item() == pytest.approx(query_quantile_reference(x.flatten().tolist(), q), abs=1e-6)
+    assert query_quantile(x, q).item() == pytest.approx(float(np.nanquantile(x.numpy(), q)), abs=1e-6)
+    want = [query_quantile_reference(x[:, h].flatten().tolist(), q) for h in range(3)]
+    assert_close(query_quantile(x, q, head_dim=1), torch.tensor(want))
+    assert_close(query_quantile(x, q, head_dim=-2), query_quantile(x, q, head_dim=1))
+
+
+def test_query_quantile_edge_cases():
+    assert query_quantile(torch.tensor([0.3])).item() == pytest.approx(0.3)  # a single query
+    assert query_quantile(torch.full((4,), 0.7), 0.05).item() == pytest.approx(0.7)  # all tied
+    assert query_quantile(torch.full((2, 3), math.nan)).isnan()
+    x = torch.tensor([[1.0, 2.0, 3.0], [math.nan, math.nan, math.nan]])
+    got = query_quantile(x, 0.5, head_dim=0)
+    assert got[0].item() == 2.0 and got[1].isnan()
+    x = torch.randn(3, 50, generator=gen(3), dtype=torch.float64)
+    assert query_quantile(x, 0.0) == x.min() and query_quantile(x, 1.0) == x.max()
+    assert query_quantile(x).dtype == torch.float64
+    assert query_quantile_reference([math.nan, 2.0], 0.3) == 2.0
+
+
+@pytest.mark.parametrize("call,exc,msg", [
+    (lambda x: query_quantile(x, 1.01), ValueError, "q must be a number in [0, 1]"),
+    (lambda x: query_quantile(x, -0.1), ValueError, "q must be a number in [0, 1]"),
+    (lambda x: query_quantile(x, True), TypeError, "q must be a number"),
+    (lambda x: query_quantile(x, None), TypeError, "q must be a number"),
+    (lambda x: query_quantile(x, 0.05, head_dim=2), ValueError, "head_dim must be an int in [-2, 1]"),
+    (lambda x: query_quantile(x, 0.05, head_dim=1.0), TypeError, "head_dim must be an int"),
+    (lambda x: query_quantile(x.long()), TypeError, "x must be a floating-point tensor"),
+    (lambda x: query_quantile(x[:0]), ValueError, "x must not be empty"),
+])
+def test_query_quantile_rejects_bad_input(call, exc, msg):
+    with pytest.raises(exc) as e:
+        call(torch.rand(3, 4))
+    assert msg in str(e.value)
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_low_quantile_mass_of_an_index_selection(G):
+    "The 5th-percentile mass of a top-n selection per KV head equals the quantile of the brute-force masses."
+    from sparsekv.select import top_budget_indices
+    B, Hkv, Sq, Sk = 2, 2, 6, 14
+    q, k, v = rand_qkv(20 + G, B, Hkv, G, Sq, Sk, 4, 4)
+    idx = top_budget_indices(torch.randn(B, Hkv, Sk, generator=gen(G)), 5)
+    hand = torch.zeros(B, Hkv * G, Sq, Sk, dtype=torch.bool)
+    for b in range(B):
+        for h in range(Hkv * G):
+            hand[b, h, :, idx[b, h // G]] = True
+    mass_ref = attention_fidelity_reference(q, k, v, hand, causal(B, Hkv * G, Sq, Sk))[0]
+    mass = attention_mass_recall(q, k, idx)
+    assert query_quantile(mass).item() == pytest.approx(query_quantile_reference(mass_ref.flatten().tolist(), 0.05),
+                                                        abs=1e-6)
+    assert_close(query_quantile(mass, 0.05, head_dim=1),
+                 torch.tensor([query_quantile_reference(mass_ref[:, h].flatten().tolist(), 0.05)
+                               for h in range(Hkv * G)]).float())
+    # a selection with more entries than the sequence (every key, three times) keeps all the mass
+    every = torch.arange(Sk).repeat(3).expand(B, Hkv, 3 * Sk)
+    assert query_quantile(attention_mass_recall(q, k, every)).item() == pytest.approx(1.0)
+
+
+def needle_rows(keep, needle, G, per_query):
+    "Python sets per (batch, query head, query) of the kept and of the needle positions."
+    B, Hkv = keep.shape[:2]
+    Sq = keep.shape[2] if per_query else 1
+    kept, need = [], []
+    for b in range(B):
+        for h in range(Hkv * G):
+            for i in range(Sq):
+                row = keep[b, h // G, i] if per_query else keep[b, h // G]
+                kept.append({j for j, x in enumerate(row.tolist()) if x} if keep.dtype == torch.bool
+                            else set(row.tolist()))
+                nb = needle if needle.dim() == 1 else needle[b]
+                need.append({j for j, x in enumerate(nb.tolist()) if x} if needle.dtype == torch.bool
+                            else set(nb.tolist()))
+    return kept, need
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("per_query", [True, False])
+@pytest.mark.parametrize("keep_form,needle_form", [("idx", "pos"), ("mask", "pos"), ("idx", "mask"),
+                                                   ("mask", "mask"), ("idx", "shared")])
+def test_needle_retention_matches_sets(seed, G, per_query, keep_form, needle_form):
+    B, Hkv, Sq, S, n = 2, 2, 3, 12, 5
+    shape = (B, Hkv, Sq, n) if per_query else (B, Hkv, n)
+    idx = torch.randint(0, S, shape, generator=gen(seed))  # repeats likely
+    keep = idx if keep_form == "idx" else torch.zeros(*shape[:-1], S, dtype=torch.bool).scatter(-1, idx, True)
+    pos = torch.stack([torch.randperm(S, generator=gen(seed + 10 + b))[:3] for b in range(B)])
+    if needle_form == "mask":
+        needle = torch.zeros(B, S, dtype=torch.bool)
+        for b in range(B): needle[b, torch.randperm(S, generator=gen(seed + 20 + b))[:1 + 2 * b]] = True
+    else:
+        needle = pos if needle_form == "pos" else pos[0]
+    got = needle_retention(keep, needle, query_heads=Hkv * G)
+    assert got.shape == ((B, Hkv * G, Sq) if per_query else (B, Hkv * G))
+    assert_close(got.flatten(), torch.tensor(needle_retention_reference(*needle_rows(keep, needle, G, per_query))))
+    assert_close(needle_retention(keep, needle), got[:, ::G])  # without query_heads: one value per selection head
+
+
+def test_needle_retention_edge_cases():
+    one = torch.zeros(1, 1, 1, dtype=torch.long)
+    assert needle_retention(one, [0]).item() == 1.0                                     # a single token, kept
+    assert needle_retention(one[..., :0], [0]).item() == 0.0                            # nothing kept
+    assert needle_retention(torch.tensor([[[True]]]), torch.tensor([True])).item() == 1.0
+    keep = torch.tensor([[[0, 1, 2, 3], [3, 4, 5, 6]]])
+    assert needle_retention(keep, [5, 6]).tolist() == [[0.0, 1.0]]                      # evicted -> 0, kept -> 1
+    assert needle_retention(keep, [2, 3, 4, 5]).tolist() == [[0.5, 0.75]]
+    assert needle_retention(keep, [3, 3, 4]).tolist() == [[0.5, 1.0]]                   # a repeat counts once
+    every = torch.arange(8).repeat(4).expand(2, 3, 32)                                  # more entries than tokens
+    assert (needle_retention(every, torch.tensor([[1, 7], [0, 4]])) == 1).all()
+    # ties: equal scores keep the lowest positions, so a needle at the front is kept and one at the back is not
+    from sparsekv.select import top_budget_indices
+    tied = top_budget_indices(torch.zeros(1, 2, 10), 4)
+    assert needle_retention(tied, [1, 2]).tolist() == [[1.0, 1.0]]
+    assert needle_retention(tied, [8, 9]).tolist() == [[0.0, 0.0]]
+    # GQA group of 1: query_heads = H changes nothing
+    assert_close(needle_retention(keep, [4], query_heads=2), needle_retention(keep, [4]))
+
+
+def test_needle_summary_against_loops():
+    rho = needle_retention(torch.randint(0, 9, (3, 2, 4, 3), generator=gen(5)), [2, 6], query_heads=6)
+    vals = rho.flatten().tolist()
+    s = needle_summary(rho)
+    assert s["needle_retention"] == pytest.approx(sum(vals) / len(vals))
+    assert s["needle_whole"] == pytest.approx(sum(x == 1.0 for x in vals) / len(vals))
+    assert 0 < s["needle_whole"] < 1
+    assert needle_summary(torch.ones(2, 3)) == {"needle_retention": 1.0, "needle_whole": 1.0}
+    assert needle_summary(torch.zeros(2, 3)) == {"needle_retention": 0.0, "needle_whole": 0.0}
+
+
+@pytest.mark.parametrize("call,exc,msg", [
+    (lambda k, n: needle_retention(k.float(), n), TypeError, "keep must be a boolean mask"),
+    (lambda k, n: needle_retention(k[0], n), ValueError, "keep must be [B, H, S] or [B, H, Sq, S]"),
+    (lambda k, n: needle_retention(k - 5, n), ValueError, "keep indices must be >= 0"),
+    (lambda k, n: needle_retention(k, [1.5]), TypeError, "needle must be integer positions"),
+    (lambda k, n: needle_retention(k, [True, False]), TypeError, "needle must be integer positions"),
+    (lambda k, n: needle_retention(k, n[None].expand(3, 2)), ValueError, "with B=2, got shape (3, 2)"),
+    (lambda k, n: needle_retention(k, []), ValueError, "at least one position"),
+    (lambda k, n: needle_retention(k, torch.zeros(2, 8, dtype=torch.bool)), ValueError, "at least one position"),
+    (lambda k, n: needle_retention(k, [-1]), ValueError, "needle positions must be >= 0"),
+    (lambda k, n: needle_retention(k, torch.arange(4) < 2), ValueError, "keep positions must be in [0, 4)"),
+    (lambda k, n: needle_retention(torch.ones(2, 3, 8, dtype=torch.bool), [8]), ValueError,
+     "needle positions must be in [0, 8)"),
+    (lambda k, n: needle_retention(torch.ones(2, 3, 8, dtype=torch.bool), torch.arange(9) < 1), ValueError,
+     "must cover the same S positions"),
+    (lambda k, n: needle_retention(k, n, query_heads=4), ValueError, "must be a multiple of keep's heads (3)"),
+    (lambda k, n: needle_retention(k, n, query_heads=0), ValueError, "query_heads must be an int >= 1"),
+    (lambda k, n: needle_summary(torch.tensor([0.5, math.nan])), ValueError, "retention must hold fractions"),
+    (lambda k, n: needle_summary(torch.tensor([1, 0])), TypeError, "retention must be a floating-point tensor"),
+])
+def test_needle_retention_rejects_bad_input(call, exc, msg):
+    keep = torch.tensor([[[0, 5, 7]] * 3] * 2)
+    with pytest.raises(exc) as e:
+        call(keep, torch.tensor([1, 5]))
+    assert msg in str(e.value)
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_relative_output_error_per_query_and_head_edge_cases(G):
+    "Output error of an index selection per (batch, query head, query): loops, a single token, every key kept."
+    B, Hkv, Sq, Sk = 2, 2, 4, 9
+    q, k, v = rand_qkv(30 + G, B, Hkv, G, Sq, Sk, 4, 3)
+    idx = torch.randint(0, Sk, (B, Hkv, Sq, 3), generator=gen(G))
+    keep = torch.zeros(B, Hkv, Sq, Sk, dtype=torch.bool).scatter(-1, idx, True).repeat_interleave(G, 1)
+    err = attention_fidelity(q, k, v, idx)[1]
+    assert err.shape == (B, Hkv * G, Sq)
+    assert_close(err, attention_fidelity_reference(q, k, v, keep, causal(B, Hkv * G, Sq, Sk))[1].float(),
+                 equal_nan=True, atol=1e-5, rtol=1e-4)
+    every = torch.arange(Sk).repeat(2).expand(B, Hkv, 2 * Sk)  # more entries than keys: all kept, no error
+    assert_close(attention_fidelity(q, k, v, every)[1], torch.zeros(B, Hkv * G, Sq), atol=1e-6, rtol=0)
+    q1, k1, v1 = rand_qkv(40 + G, 1, 1, G, 1, 1, 4, 4)  # a single token: its own key is all of attention
+    assert_close(attention_fidelity(q1, k1, v1, torch.zeros(1, 1, 1, dtype=torch.long))[1], torch.zeros(1, G, 1))
 
 
 # --- pass@k ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Evaluation metrics and the evaluation grid
 #
-# > Metrics shared by every method (agreement, KL, perplexity, recalls, output error, pass@k) and a grid runner.
+# > Metrics shared by every method (agreement, KL, perplexity, recalls and their tails, needle retention, output error, pass@k) and a grid runner.
 
 # %%
 #| default_exp eval
@@ -819,6 +819,266 @@ test_fail(lambda: retention_recall(kept_idx, sc, 13), contains="k must be an int
 test_fail(lambda: oracle_topk(torch.tensor([1.0, math.nan]), 1), contains="NaN")
 test_fail(lambda: retention_recall(kept_idx[:2], sc, 3), contains="kept indices must have shape")
 test_fail(lambda: retention_recall(kept_idx + 12, sc, 3), contains="kept indices must be in [0, 12)")
+
+
+# %% [markdown]
+# ## More than the mean
+#
+# A mean over queries and heads can hide what decides a task. The mean attention-mass recall
+# of a chunk's queries is also exactly what keeping the keys of highest mean softmax score over
+# those queries maximizes (the mean-of-scores baseline, at the cost of dense attention), so
+# ranking methods by it alone favours that selection by construction. Three views sit beside
+# it:
+#
+# - the **low tail** of the per-query mass recall: a selection that keeps 95% of the mass on
+#   average can still drop most of it for the few queries that need a rare key;
+# - **needle retention**: whether the tokens the answer is read from are kept at all, per
+#   head, whatever the current queries' scores say about them;
+# - the **relative output error** per query and head, $e_i$ above: `relative_output_error`
+#   for two given outputs, or `attention_fidelity` for exact attention over a kept set (it
+#   returns the mass recall and $e_i$ from one pass). These are the functions to call; OVAL's
+#   `retrieval_quality` ([the OVAL pages](32_oval_pages.ipynb)) scores page retrieval through
+#   `attention_fidelity` and adds no output error of its own.
+#
+# ### Low quantiles of a per-query metric
+#
+# Write $x_{(0)} \le x_{(1)} \le \dots \le x_{(n-1)}$ for the $n$ non-NaN entries of a
+# per-query metric (all batch elements, heads and queries), sorted. Its $q$-quantile with
+# linear interpolation (the default of `numpy.quantile` and `torch.quantile`) puts the
+# order statistics at the evenly spaced levels $i/(n-1)$ and joins them by straight lines:
+# with $h = (n-1)\,q$ and $l = \lfloor h\rfloor$,
+#
+# $$Q(q) = x_{(l)} + (h - l)\,\big(x_{(l+1)} - x_{(l)}\big),$$
+#
+# where the second term is $0$ when $h$ is an integer (so $Q(0)$ is the minimum and $Q(1)$
+# the maximum). The **5th-percentile attention mass** of a selection is
+# `query_quantile(attention_mass_recall(q, k, keep), 0.05)`: 95% of the queries keep at least
+# that much of their dense attention. NaN entries (rows with no allowed key) are skipped, as
+# in `per_head_mean`; a metric with no finite entry has a NaN quantile. With `head_dim` the
+# quantile is taken per head, over the other dims.
+
+# %%
+#| export
+def _quantile_1d(x: torch.Tensor, q: float) -> torch.Tensor:
+    "Linear-interpolation `q`-quantile of the non-NaN entries of a 1-D `x` (NaN when there are none)."
+    x = x[~x.isnan()].sort().values
+    if not len(x): return torch.tensor(math.nan, dtype=x.dtype, device=x.device)
+    h = q * (len(x) - 1)
+    lo = math.floor(h)
+    return x[lo] + (h - lo) * (x[min(lo + 1, len(x) - 1)] - x[lo])
+
+def query_quantile(x: torch.Tensor, q: float = 0.05, head_dim: int | None = None) -> torch.Tensor:
+    "The `q`-quantile (linear interpolation, NaN skipped) of a per-query metric over all entries, or per `head_dim`."
+    _check_float(x, "x", 1)
+    if isinstance(q, bool) or not isinstance(q, numbers.Real):
+        raise TypeError(f"q must be a number in [0, 1] (0.05: the 5th percentile), got {q!r}")
+    if not 0 <= q <= 1: raise ValueError(f"q must be a number in [0, 1] (0.05: the 5th percentile), got {q!r}")
+    if head_dim is None: return _quantile_1d(x.flatten(), float(q))
+    head_dim = check_int(head_dim, "head_dim", -x.dim(), x.dim() - 1)
+    return torch.stack([_quantile_1d(row, float(q)) for row in x.movedim(head_dim, 0).reshape(x.shape[head_dim], -1)])
+
+
+# %% [markdown]
+# The reference walks the straight segments between the levels $i/(n-1)$ in a Python loop
+# and interpolates on the one that holds $q$:
+
+# %%
+#| export
+def query_quantile_reference(values: list[float], q: float) -> float:
+    "Brute-force `query_quantile` of a list: the segment of the sorted non-NaN values whose levels i/(n-1) bracket q."
+    xs = sorted(x for x in values if not math.isnan(x))
+    if not xs: return math.nan
+    if len(xs) == 1: return xs[0]
+    n = len(xs)
+    for i in range(n - 1):
+        if i / (n - 1) <= q <= (i + 1) / (n - 1):
+            t = q * (n - 1) - i
+            return xs[i] + t * (xs[i + 1] - xs[i])
+    raise ValueError(f"q must be in [0, 1], got {q}")
+
+
+# %% [markdown]
+# Checks: against the loop and against `numpy.nanquantile` (an independent implementation),
+# with NaN entries, many tied values and per head; the minimum, median and maximum; the
+# 5th-percentile mass recall of a random selection lies between the smallest and the mean.
+
+# %%
+g = torch.Generator().manual_seed(7)
+x_ = torch.randint(0, 5, (2, 3, 11), generator=g).float() / 4  # few distinct values: many ties
+x_[0, 1, :4] = math.nan
+for q_ in (0.0, 0.05, 0.3, 0.5, 0.95, 1.0):
+    test_close(query_quantile(x_, q_).item(), query_quantile_reference(x_.flatten().tolist(), q_), eps=1e-6)
+    test_close(query_quantile(x_, q_).item(), float(np.nanquantile(x_.numpy(), q_)), eps=1e-6)
+    per_h = [query_quantile_reference(x_[:, h].flatten().tolist(), q_) for h in range(3)]
+    assert_close(query_quantile(x_, q_, head_dim=1), torch.tensor(per_h))
+    assert_close(query_quantile(x_, q_, head_dim=-1),
+                 torch.tensor(np.nanquantile(x_.movedim(-1, 0).reshape(11, -1).numpy(), q_, axis=1)).float())
+fin = x_[~x_.isnan()]
+test_eq([query_quantile(x_, 0.0).item(), query_quantile(x_, 1.0).item()], [fin.min().item(), fin.max().item()])
+test_close(query_quantile(x_, 0.5).item(), float(np.median(fin.numpy())), eps=1e-6)  # an even count: the mid-point
+test_eq(query_quantile(torch.tensor([0.25]), 0.05).item(), 0.25)              # one query
+assert query_quantile(torch.full((2, 3), math.nan)).isnan()                      # nothing to rank
+test_eq(query_quantile(x_.double()).dtype, torch.float64)
+q, k, v = _rand_qkv(seed=8)
+mass = attention_mass_recall(q, k, torch.rand(2, 6, 5, 9, generator=g) > 0.5)  # the 5th-percentile mass
+test_close(query_quantile(mass, 0.05).item(), float(np.quantile(mass.numpy(), 0.05)), eps=1e-6)
+test_fail(lambda: query_quantile(x_, 1.5), contains="q must be a number in [0, 1]")
+test_fail(lambda: query_quantile(x_, "0.05"), contains="q must be a number in [0, 1]")
+test_fail(lambda: query_quantile(x_, head_dim=3), contains="head_dim must be an int in [-3, 2]")
+test_fail(lambda: query_quantile(x_.long()), contains="x must be a floating-point tensor")
+
+
+# %% [markdown]
+# ### Needle retention
+#
+# A needle occupies a set $\mathcal N_b$ of token positions of batch element $b$ (the tokens
+# of the needle sentence, or only those of the answer; the caller decides). A method keeps
+# the set $\mathcal K_{bhi}$ of KV entries for head $h$ and query $i$ (or one set for all of a
+# chunk's queries). The **needle retention** is the fraction of the needle it keeps,
+#
+# $$\rho_{bhi} = \frac{\lvert \mathcal K_{bhi} \cap \mathcal N_b \rvert}{\lvert \mathcal N_b \rvert} \in [0, 1],$$
+#
+# $0$ when every needle token is evicted and $1$ when all are kept. It reads the selection
+# only, not the scores: a selection that follows the chunk's current attention can keep most
+# of the mass and still evict the needle a later question needs.
+#
+# The selection comes in the forms of `attention_mass_recall`: a boolean mask (True = kept)
+# `[B, H, S]` or `[B, H, Sq, S]`, or integer indices `[B, H, n]` or `[B, H, Sq, n]` (what
+# `top_budget_indices`, `quoka_select` and the baselines return; a repeated index counts
+# once). `H` is the number of heads the selection is made for. A selection per KV head is
+# shared by the $G$ query heads of its group, so their retentions are equal;
+# `query_heads=Hq` repeats each KV head's value over its group (query head $hG + g$ gets KV
+# head $h$'s), which aligns the result with `[B, Hq, Sq]` metrics ($G = 1$ changes nothing).
+# The needle is given as positions `[m]` (one needle for the whole batch) or `[B, m]`, or as
+# a boolean mask `[S]` or `[B, S]`. The result is `[B, H]` (or `[B, Hq]`), with a query
+# dim when the selection has one.
+#
+# `needle_summary` reduces it for a report: the mean retention over batch, heads and queries,
+# and the fraction of heads (and queries) that keep the whole needle ($\rho = 1$).
+
+# %%
+#| export
+def _check_selection(keep) -> torch.Tensor:
+    "Refuse a selection that is not a 3-D or 4-D boolean mask or integer index tensor."
+    if not isinstance(keep, torch.Tensor) or keep.is_floating_point() or keep.is_complex():
+        raise TypeError("keep must be a boolean mask [B, H, (Sq,) S] or integer indices [B, H, (Sq,) n], got "
+                        f"{getattr(keep, 'dtype', type(keep).__name__)}")
+    if keep.dim() not in (3, 4):
+        raise ValueError(f"keep must be [B, H, S] or [B, H, Sq, S] (mask), [B, H, n] or [B, H, Sq, n] (indices), got "
+                         f"shape {tuple(keep.shape)}")
+    if keep.dtype != torch.bool and keep.numel() and keep.min() < 0:
+        raise ValueError(f"keep indices must be >= 0, got {keep.min().item()}")
+    return keep
+
+def _check_needle(needle, B: int) -> torch.Tensor:
+    "The needle as a tensor of positions `[m]`/`[B, m]` or a boolean mask `[S]`/`[B, S]`, checked."
+    what = "needle must be integer positions [m] or [B, m], or a boolean mask [S] or [B, S]"
+    if isinstance(needle, (list, tuple)) and all(isinstance(p, numbers.Integral) and not isinstance(p, bool)
+                                                  for p in needle):
+        needle = torch.tensor(needle, dtype=torch.long)
+    if not isinstance(needle, torch.Tensor) or needle.is_floating_point() or needle.is_complex():
+        raise TypeError(f"{what}, got {getattr(needle, 'dtype', type(needle).__name__)}")
+    if needle.dim() not in (1, 2) or (needle.dim() == 2 and needle.shape[0] != B):
+        raise ValueError(f"{what} with B={B}, got shape {tuple(needle.shape)}")
+    if needle.shape[-1] == 0 or (needle.dtype == torch.bool and not needle.any(-1).all()):
+        raise ValueError("needle must hold at least one position (per batch element)")
+    if needle.dtype != torch.bool and needle.min() < 0:
+        raise ValueError(f"needle positions must be >= 0, got {needle.min().item()}")
+    return needle
+
+
+# %%
+#| export
+def _sequence_length(keep: torch.Tensor, needle: torch.Tensor) -> int:
+    "S: the last dim of whichever of the two is a mask (they must agree), else one past the largest position."
+    masks = {name: x.shape[-1] for name, x in (("keep", keep), ("needle", needle)) if x.dtype == torch.bool}
+    if len(set(masks.values())) > 1:
+        raise ValueError(f"the masks keep and needle must cover the same S positions, got {masks}")
+    if not masks: return 1 + max(int(needle.max()), int(keep.max()) if keep.numel() else -1)
+    S = next(iter(masks.values()))
+    for name, x in (("keep", keep), ("needle", needle)):
+        if x.dtype != torch.bool and x.numel() and x.max() >= S:
+            raise ValueError(f"{name} positions must be in [0, {S}) (the mask's length), got {x.max().item()}")
+    return S
+
+def needle_retention(keep: torch.Tensor, needle, query_heads: int | None = None) -> torch.Tensor:
+    "Fraction of the needle's tokens each head (and query) keeps, `[B, H(, Sq)]`; `query_heads` repeats KV heads."
+    keep = _check_selection(keep)
+    if query_heads is not None and check_int(query_heads, "query_heads", 1) % keep.shape[1]:
+        raise ValueError(f"query_heads ({query_heads}) must be a multiple of keep's heads ({keep.shape[1]})")
+    needle = _check_needle(needle, keep.shape[0]).to(keep.device)
+    S = _sequence_length(keep, needle)
+    nm = needle if needle.dtype == torch.bool else torch.zeros(*needle.shape[:-1], S, dtype=torch.bool,
+                                                                device=keep.device).scatter_(-1, needle.long(), True)
+    nm = nm.expand(keep.shape[0], S).reshape(keep.shape[0], *[1] * (keep.dim() - 2), S)
+    if keep.dtype == torch.bool: hits = (keep & nm).sum(-1)
+    else:  # count each distinct kept index once: sorted, a position counts where it first appears
+        idx = keep.long().sort(-1).values
+        first = torch.ones_like(idx, dtype=torch.bool)
+        first[..., 1:] = idx[..., 1:] != idx[..., :-1]
+        hits = (nm.expand(*idx.shape[:-1], S).gather(-1, idx) & first).sum(-1)
+    rho = hits.float() / nm.sum(-1).float()
+    return rho if query_heads is None else rho.repeat_interleave(query_heads // keep.shape[1], dim=1)
+
+
+# %% [markdown]
+# The reference takes Python sets, one per row (batch, head, query), and the needle's set of
+# each row:
+
+# %%
+#| export
+def needle_retention_reference(kept_sets: list[set], needle_sets: list[set]) -> list[float]:
+    "Brute-force `needle_retention` for rows given as Python sets of kept positions and of needle positions."
+    return [len(set(kept) & set(needle)) / len(set(needle)) for kept, needle in zip(kept_sets, needle_sets)]
+
+def needle_summary(retention: torch.Tensor) -> dict[str, float]:
+    "Mean needle retention over batch, heads (and queries), and the fraction of those that keep the whole needle."
+    _check_float(retention, "retention", 1)
+    if retention.isnan().any() or (retention < 0).any() or (retention > 1).any():
+        raise ValueError("retention must hold fractions in [0, 1] (the output of needle_retention)")
+    return {"needle_retention": retention.mean().item(), "needle_whole": (retention == 1).float().mean().item()}
+
+
+# %% [markdown]
+# Checks: per-query index sets of each KV head (with repeats) and needles that differ per
+# batch element, against the sets of a loop over batch, query head and query ($G = 3$ and
+# $G = 1$); a mask gives what its indices give; the edge cases (the needle evicted: 0, kept
+# whole: 1, a selection with more entries than the sequence) and the summary against its
+# definition.
+
+# %%
+g = torch.Generator().manual_seed(9)
+B, Hkv, Sq, S, n = 2, 2, 4, 16, 6
+idx = torch.randint(0, S, (B, Hkv, Sq, n), generator=g)   # repeats likely
+needle = torch.stack([torch.randperm(S, generator=g)[:3] for _ in range(B)])
+for G in (3, 1):
+    got = needle_retention(idx, needle, query_heads=Hkv * G)
+    test_eq(got.shape, (B, Hkv * G, Sq))
+    rows = [(b, h, i) for b in range(B) for h in range(Hkv * G) for i in range(Sq)]
+    ref = needle_retention_reference([set(idx[b, h // G, i].tolist()) for b, h, i in rows],
+                                     [set(needle[b].tolist()) for b, h, i in rows])
+    assert_close(got.flatten(), torch.tensor(ref))
+kept_mask = torch.zeros(B, Hkv, Sq, S, dtype=torch.bool).scatter(-1, idx, True)
+needle_mask = torch.zeros(B, S, dtype=torch.bool).scatter(-1, needle, True)
+for kk, nn in ((kept_mask, needle), (idx, needle_mask), (kept_mask, needle_mask)):
+    assert_close(needle_retention(kk, nn), needle_retention(idx, needle))
+# one set for all queries: [B, H, n] -> [B, H]
+test_eq(needle_retention(idx[:, :, 0], [1, 5]).shape, (B, Hkv))
+# evicted: 0; kept whole: 1; a selection of 3 S entries (each position three times) keeps everything
+test_eq(needle_retention(torch.tensor([[[0, 1, 2]]]), [5, 6]), torch.zeros(1, 1))
+test_eq(needle_retention(torch.tensor([[[4, 5, 6, 9]]]), [5, 6]), torch.ones(1, 1))
+test_eq(needle_retention(torch.arange(S).repeat(3).expand(B, Hkv, 3 * S), needle), torch.ones(B, Hkv))
+rho = needle_retention(idx, needle, query_heads=6)
+vals = rho.flatten().tolist()
+test_close(needle_summary(rho)["needle_retention"], sum(vals) / len(vals), eps=1e-6)
+test_close(needle_summary(rho)["needle_whole"], sum(r == 1.0 for r in vals) / len(vals), eps=1e-12)
+test_fail(lambda: needle_retention(idx.float(), needle), contains="keep must be a boolean mask")
+test_fail(lambda: needle_retention(idx, needle[:1].expand(3, 3)), contains="needle must be integer positions")
+test_fail(lambda: needle_retention(idx, []), contains="at least one position")
+test_fail(lambda: needle_retention(kept_mask, [S]), contains="needle positions must be in [0, 16)")
+test_fail(lambda: needle_retention(idx, torch.arange(8) < 2), contains="keep positions must be in [0, 8)")
+test_fail(lambda: needle_retention(idx, needle, query_heads=5), contains="must be a multiple of keep's heads (2)")
+test_fail(lambda: needle_summary(rho + 1), contains="retention must hold fractions in [0, 1]")
 
 
 # %% [markdown]
