@@ -13,6 +13,7 @@ import ast
 import functools
 import hashlib
 import importlib.util
+import inspect
 import itertools
 import json
 import os
@@ -25,15 +26,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .attention import check_int
 from .io import atomic_path, cache_dir
 
 # %% auto #0
-__all__ = ['BIBLE_MODULE', 'SPLITS', 'REASONING_TASKS', 'DEPTH_TOLERANCE', 'SYNTHETIC_TASKS', 'bible_source_path',
-           'read_bible_constants', 'clean_verse', 'prose_text', 'prose_clauses', 'data_cache_dir',
+__all__ = ['BIBLE_MODULE', 'SPLITS', 'REASONING_TASKS', 'DEPTH_TOLERANCE', 'PASSKEY_PHRASINGS', 'SYNTHETIC_TASKS', 'DEPTH_TASKS',
+           'bible_source_path', 'read_bible_constants', 'clean_verse', 'prose_text', 'prose_clauses', 'data_cache_dir',
            'tokenizer_fingerprint', 'encode', 'prose_tokens', 'token_stream', 'packed_positions', 'packed_sequences',
            'reasoning_problems', 'extract_final_answer', 'score_reasoning', 'count_tokens', 'haystack_clauses',
            'insertion_points', 'weave', 'niah_multikey', 'niah_single', 'variable_tracking', 'prose_words',
-           'common_words', 'score_exact', 'make_task']
+           'common_words', 'passkey', 'induction_copy', 'kv_retrieval', 'score_exact', 'make_task']
 
 # %% ../nbs/02_data.ipynb #061fc52f
 BIBLE_MODULE = "plain_text_readers_bible"  # the reader's edition: no verse numbers, no notes
@@ -332,7 +334,12 @@ def _haystack_prompt(tokenizer, context_tokens: int, rng: random.Random, prefix:
             for i, j in zip(chain, sorted(at[i] for i in chain)): at[i] = j
         prompt = prefix + weave(pieces, needles, at) + question
         n = count_tokens(tokenizer, prompt)
-        if n == context_tokens or attempt == 2 or n_hay + context_tokens - n < 1: break
+        if n == context_tokens or attempt == 2: break
+        if n_hay + context_tokens - n < 1:  # even one token of prose overshoots: no prompt of this length exists
+            if n - context_tokens > 1:
+                raise ValueError(f"context_tokens={context_tokens} is too small: the instructions and needles with "
+                                 f"{n_hay} token(s) of prose take {n} tokens")
+            break
         n_hay += context_tokens - n
     return {"prompt": prompt, "context_tokens": n, "target_tokens": context_tokens, "haystack_tokens": n_hay,
             "needles": needles, "needle_depths": [float(points[j]/n_hay) for j in at]}
@@ -440,6 +447,62 @@ def common_words(tokenizer, context_tokens: int, seed: int, n_common: int = 10,
             "context_tokens": n, "target_tokens": context_tokens, "common_repeats": common_repeats,
             "rare_repeats": rare_repeats, "n_rare": n_rare}
 
+# %% ../nbs/02_data.ipynb #30e164ad
+PASSKEY_PHRASINGS = (  # (needle, question, answer prefix) per phrasing; {value} is the passkey
+    ("The pass key is {value}. Remember it.", "What is the pass key?", "The pass key is"),
+    ("The secret code that opens the vault is {value}.", "What is the secret code that opens the vault?",
+     "The secret code that opens the vault is"),
+    ("Write this down: the ticket number is {value}.", "What is the ticket number?", "The ticket number is"),
+    ("The combination of the old lock is {value}.", "What is the combination of the old lock?",
+     "The combination of the old lock is"))
+
+def passkey(tokenizer, context_tokens: int, seed: int, depth: float | None = None, phrasing: int | None = None,
+            digits: int | None = None) -> dict:
+    "A passkey of `digits` digits (None: 5-7) at `depth`, in `PASSKEY_PHRASINGS[phrasing]` (None: drawn by the seed)."
+    rng = _task_rng("passkey", seed)
+    depth = _check_depth(depth, rng)
+    phrasing = rng.randrange(len(PASSKEY_PHRASINGS)) if phrasing is None else check_int(
+        phrasing, "phrasing", 0, len(PASSKEY_PHRASINGS) - 1)
+    digits = rng.randint(5, 7) if digits is None else check_int(digits, "digits", 1, 18)
+    value = _numbers(rng, 1, digits)[0]
+    needle, question, answer_prefix = (t.format(value=value) for t in PASSKEY_PHRASINGS[phrasing])
+    prefix = ("A number is hidden within the following text. Find it and remember it. "
+              "I will ask you about it afterwards.\n\n")
+    item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, f"\n\n{question}", [needle], [depth])
+    return {"task": "passkey", "seed": seed, "depth": depth, "phrasing": phrasing, "answer": value,
+            "answer_prefix": answer_prefix, **item}
+
+# %% ../nbs/02_data.ipynb #801b5d8d
+def induction_copy(tokenizer, context_tokens: int, seed: int, depth: float | None = None, n_words: int = 6) -> dict:
+    "A sentence `MARKER: w1 ... wn.` of `n_words` random prose words at `depth`; asks to repeat the words."
+    n_words = check_int(n_words, "n_words", 1, 64)
+    rng = _task_rng("induction_copy", seed)
+    depth = _check_depth(depth, rng)
+    marker = _variable_names(rng, 1)[0]
+    answer = " ".join(rng.sample(prose_words(), n_words))
+    prefix = ("The following text contains a sentence that starts with a code of five capital letters. "
+              "Remember that sentence. I will ask you to repeat it afterwards.\n\n")
+    question = f"\n\nRepeat the sentence of the text above that starts with {marker}, word for word."
+    item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, question, [f"{marker}: {answer}."], [depth])
+    return {"task": "induction_copy", "seed": seed, "depth": depth, "answer": answer,
+            "answer_prefix": f"The sentence that starts with {marker} is: {marker}:", **item}
+
+# %% ../nbs/02_data.ipynb #873c9080
+def kv_retrieval(tokenizer, context_tokens: int, seed: int, depth: float | None = None, n_pairs: int = 4) -> dict:
+    "One block of `n_pairs` pairs `KEY = NNNN` at `depth`; asks for the value of one key, drawn by the seed."
+    n_pairs = check_int(n_pairs, "n_pairs", 1, 1024)
+    rng = _task_rng("kv_retrieval", seed)
+    depth = _check_depth(depth, rng)
+    keys, values = _keys(rng, n_pairs), _numbers(rng, n_pairs, 4)
+    asked = rng.randrange(n_pairs)
+    needle = "Key-value pairs: " + ", ".join(f"{k} = {v}" for k, v in zip(keys, values)) + "."
+    prefix = ("A list of key-value pairs is hidden within the following text. Make sure to memorize it. "
+              "I will ask you for the value of one key afterwards.\n\n")
+    question = f"\n\nIn the list of key-value pairs above, what is the value of {keys[asked]}?"
+    item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, question, [needle], [depth])
+    return {"task": "kv_retrieval", "seed": seed, "depth": depth, "answer": values[asked], "key_index": asked,
+            "answer_prefix": f"In the list of key-value pairs, {keys[asked]} =", **item}
+
 # %% ../nbs/02_data.ipynb #223adac9
 def _normalize(text: str) -> str:
     return " ".join(text.lower().split())
@@ -457,13 +520,16 @@ def score_exact(prediction: str, answer: str | list[str]) -> float:
     return sum(_found(a, prediction) for a in answer)/len(answer)
 
 SYNTHETIC_TASKS = {"niah_single": niah_single, "niah_multikey": niah_multikey,
-                   "variable_tracking": variable_tracking, "common_words": common_words}
+                   "variable_tracking": variable_tracking, "common_words": common_words, "passkey": passkey,
+                   "induction_copy": induction_copy, "kv_retrieval": kv_retrieval}
+# the tasks that place their answer at a depth of the haystack
+DEPTH_TASKS = tuple(n for n, f in SYNTHETIC_TASKS.items() if "depth" in inspect.signature(f).parameters)
 
 def make_task(name: str, tokenizer, context_tokens: int, seed: int, depth: float | None = None, **options) -> dict:
     "One item of synthetic task `name` with a prompt of `context_tokens` tokens; `options` go to the task's function."
     if name not in SYNTHETIC_TASKS: raise ValueError(f"name must be one of {tuple(SYNTHETIC_TASKS)}, got {name!r}")
     _check_tokenizer(tokenizer)
     if depth is not None:
-        if not name.startswith("niah"): raise ValueError(f"depth applies to the niah tasks only, not to {name!r}")
+        if name not in DEPTH_TASKS: raise ValueError(f"depth applies to the tasks {DEPTH_TASKS} only, not to {name!r}")
         options["depth"] = depth
     return SYNTHETIC_TASKS[name](tokenizer, context_tokens, seed, **options)

@@ -322,3 +322,106 @@ def test_tasks_with_a_byte_tokenizer(tmp_path, monkeypatch):
         assert abs(p - depth*item["haystack_tokens"]) <= max(DEPTH_TOLERANCE, half_clause) + 2
     pieces, points, _ = haystack_clauses(byte_tok, 10, 500)
     assert len("".join(pieces).encode()) == 500 and points[-1] == 500
+
+
+# --- tasks the default model solves (issue 14, item 2) --------------------------------------------------------------
+
+NEW_TASKS = ("passkey", "induction_copy", "kv_retrieval")
+
+
+@pytest.mark.parametrize("name", NEW_TASKS)
+def test_new_task_answer_once_at_requested_depth(tok, name):
+    rng = random.Random(name)
+    for depth in [0.0, 1.0] + [rng.random() for _ in range(4)]:
+        target, seed = rng.choice([300, 1200, 4096]), rng.randrange(10**6)
+        item = make_task(name, tok, target, seed=seed, depth=depth)
+        assert item == make_task(name, tok, target, seed=seed, depth=depth)
+        assert item["depth"] == depth and abs(item["context_tokens"] - target) <= 1
+        assert item["prompt"].count(item["answer"]) == 1 and item["answer"] not in item["answer_prefix"]
+        (needle,) = item["needles"]
+        assert item["answer"] in needle
+        p = needle_position(tok, item["prompt"], needle) - haystack_start(tok, item["prompt"])
+        assert abs(p - depth*item["haystack_tokens"]) <= DEPTH_TOLERANCE + 2, (depth, p, item["haystack_tokens"])
+
+
+@pytest.mark.parametrize("name", NEW_TASKS)
+def test_new_task_smallest_context_that_fits(tok, name):
+    "Below the instructions, question and needle there is no room: refused; one token more gives a real prompt."
+    smallest = next(n for n in range(10, 400) if not _too_small(tok, name, n))
+    item = make_task(name, tok, smallest, seed=0, depth=0.5)
+    assert abs(item["context_tokens"] - smallest) <= 1 and item["haystack_tokens"] >= 1
+    assert item["prompt"].count(item["answer"]) == 1
+    with pytest.raises(ValueError, match="context_tokens=.* is too small"):
+        make_task(name, tok, smallest - 1, seed=0, depth=0.5)
+
+
+def _too_small(tok, name, n) -> bool:
+    try: make_task(name, tok, n, seed=0, depth=0.5)
+    except ValueError as e:
+        if "too small" in str(e): return True
+        raise
+    return False
+
+
+def test_passkey_phrasings_and_digits(tok):
+    for phrasing, (needle, question, prefix) in enumerate(data.PASSKEY_PHRASINGS):
+        item = make_task("passkey", tok, 500, seed=phrasing, depth=0.3, phrasing=phrasing, digits=6)
+        assert item["phrasing"] == phrasing and len(item["answer"]) == 6
+        assert item["needles"] == [needle.format(value=item["answer"])]
+        assert item["prompt"].endswith(question) and item["answer_prefix"] == prefix
+        # the same seed and depth in another phrasing: same number, same start of the haystack
+        other = make_task("passkey", tok, 500, seed=phrasing, depth=0.3, phrasing=(phrasing + 1) % 4, digits=6)
+        assert other["answer"] == item["answer"] and other["prompt"][:150] == item["prompt"][:150]
+    drawn = [make_task("passkey", tok, 200, seed=s) for s in range(60)]
+    assert {d["phrasing"] for d in drawn} == set(range(len(data.PASSKEY_PHRASINGS)))
+    assert {len(d["answer"]) for d in drawn} == {5, 6, 7}
+    assert all(re.fullmatch(r"[1-9]\d*", d["answer"]) for d in drawn)
+
+
+def test_induction_copy_repeats_the_marked_words(tok):
+    for seed, n_words in [(0, 1), (1, 6), (2, 20)]:
+        item = make_task("induction_copy", tok, 1500, seed=seed, depth=0.4, n_words=n_words)
+        marker = re.fullmatch(r"The sentence that starts with ([A-Z]{5}) is: \1:", item["answer_prefix"]).group(1)
+        assert item["needles"] == [f"{marker}: {item['answer']}."]
+        assert item["prompt"].count(marker) == 2  # the sentence and the question
+        words = item["answer"].split()
+        assert len(words) == n_words and set(words) <= set(data.prose_words())
+        assert score_exact(f"{marker}: {item['answer']}.", item["answer"]) == 1.0
+        assert score_exact(" ".join(words[:-1]), item["answer"]) == 0.0
+
+
+def test_kv_retrieval_asks_one_key_of_the_block(tok):
+    asked = set()
+    for seed in range(24):
+        item = make_task("kv_retrieval", tok, 800, seed=seed, depth=0.7, n_pairs=5)
+        pairs = re.findall(r"([a-z]+-[a-z]+) = (\d{4})", item["needles"][0])
+        key = re.fullmatch(r"In the list of key-value pairs, (\S+) =", item["answer_prefix"]).group(1)
+        assert len(pairs) == 5 and len({k for k, _ in pairs}) == 5 and len({v for _, v in pairs}) == 5
+        assert pairs[item["key_index"]] == (key, item["answer"])
+        assert item["prompt"].endswith(f"what is the value of {key}?")
+        asked.add(item["key_index"])
+    assert asked == set(range(5))
+    one = make_task("kv_retrieval", tok, 300, seed=3, depth=0.0, n_pairs=1)
+    assert one["key_index"] == 0 and one["needles"][0].count(" = ") == 1
+
+
+def test_niah_multikey_with_two_keys(tok):
+    item = make_task("niah_multikey", tok, 2000, seed=5, depth=0.5, n_keys=2)
+    assert len(item["needles"]) == 2 and isinstance(item["answer"], str)
+    assert item["prompt"].count(item["answer"]) == 1 and f"is: {item['answer']}." in item["needles"][0]
+
+
+@pytest.mark.parametrize("name,options,match", [
+    ("passkey", {"phrasing": 4}, "phrasing must be an int in"), ("passkey", {"phrasing": -1}, "phrasing must be"),
+    ("passkey", {"phrasing": 1.0}, "phrasing must be"), ("passkey", {"digits": 0}, "digits must be an int in"),
+    ("passkey", {"digits": 19}, "digits must be"), ("passkey", {"digits": True}, "digits must be"),
+    ("induction_copy", {"n_words": 0}, "n_words must be an int in"), ("induction_copy", {"n_words": 65}, "n_words"),
+    ("kv_retrieval", {"n_pairs": 0}, "n_pairs must be an int in"), ("kv_retrieval", {"n_pairs": 2.5}, "n_pairs"),
+    ("kv_retrieval", {"depth": 1.01}, "depth must be in"), ("induction_copy", {"depth": -0.01}, "depth must be in"),
+    ("passkey", {"depth": float("nan")}, "depth must be in")])
+def test_new_task_bad_arguments(tok, name, options, match):
+    with pytest.raises(ValueError, match=match): make_task(name, tok, 500, 0, **options)
+
+
+def test_depth_tasks():
+    assert set(data.DEPTH_TASKS) == {"niah_single", "niah_multikey", "passkey", "induction_copy", "kv_retrieval"}

@@ -30,6 +30,7 @@ import ast
 import functools
 import hashlib
 import importlib.util
+import inspect
 import itertools
 import json
 import os
@@ -42,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sparsekv.attention import check_int
 from sparsekv.io import atomic_path, cache_dir
 
 # %% [markdown]
@@ -79,6 +81,7 @@ def read_bible_constants(
     # the titles dict is keyed by `Book.X` names, which literal_eval cannot read: keep its values, in order
     titles = [ast.literal_eval(v) for v in short_titles.values]
     return ast.literal_eval(content), ast.literal_eval(starts), ast.literal_eval(ends), titles
+
 
 # %%
 from fastcore.test import test_eq, test_fail, test_close
@@ -136,6 +139,7 @@ def prose_text() -> str:
     return "\n\n".join("\n\n".join([title, *(" ".join(ch) for ch in chapters.values())])
                        for title, chapters in zip(titles, books.values()))
 
+
 # %% [markdown]
 # Checks: the cleaned text starts where Genesis starts, keeps every book title, and none of the
 # artefacts above survive; a verse from the middle of the source appears, cleaned, in the
@@ -182,6 +186,7 @@ def prose_clauses() -> tuple[np.ndarray, np.ndarray]:
         sentence.append(before in ".!?" or "\n\n" in m.group())
     return np.array(starts + [len(text)], dtype=np.int64), np.array(sentence)
 
+
 # %%
 starts, sentence = prose_clauses()
 clauses = [text[a:b] for a, b in zip(starts[:-1], starts[1:])]
@@ -193,6 +198,7 @@ print(clauses[1:6], sentence[1:6])
 for i in random.Random(0).sample(range(1, len(clauses)), 200):
     ends_sentence = re.search(r"[.!?][\"']?$", text[starts[i] - 3:starts[i]]) is not None
     test_eq(bool(sentence[i]), ends_sentence or clauses[i].startswith("\n\n"))
+
 
 # %% [markdown]
 # ## Token streams, cached per tokenizer
@@ -264,6 +270,7 @@ def token_stream(tokenizer, text: str | None = None) -> torch.Tensor:
     if not isinstance(text, str): raise TypeError(f"text must be a str or None, got {type(text).__name__}")
     return torch.tensor(encode(tokenizer, [text])[0], dtype=torch.long)
 
+
 # %% [markdown]
 # For the checks we use the SmolLM2 tokenizer of the converted checkpoint (`sparsekv.models`
 # builds it from the GGUF metadata, as llama.cpp reads it). Any Hugging Face tokenizer works.
@@ -334,6 +341,7 @@ def packed_sequences(tokenizer, seq_len: int, split: str = "train", val_fraction
     "Token ids `[n, seq_len]` of packed windows of the prose stream (see `packed_positions`)."
     stream = token_stream(tokenizer)
     return stream[packed_positions(len(stream), seq_len, split, val_fraction, n, seed)]
+
 
 # %%
 pos_tr = packed_positions(1000, 64, "train", 0.1)
@@ -432,6 +440,7 @@ def score_reasoning(task: str, item: dict, completion: str) -> float:
     if source != task: raise ValueError(f"item comes from {source!r}, not from task {task!r}")
     return float(_scorer(task)(extract_final_answer(completion), item))
 
+
 # %% [markdown]
 # Checks: the extraction on hand-written completions, then the round trip on generated
 # problems — each dataset's own answer, and a chain-of-thought ending in it, score 1.0; a wrong
@@ -493,7 +502,8 @@ test_fail(lambda: score_reasoning("chain_sum", reasoning_problems("gsm_symbolic"
 # $H$ tokens of prose (mid-clause if need be, like RULER), where $H$ is the target minus the
 # tokens of the instructions, question and needles; the assembled prompt is re-tokenized and
 # $H$ corrected (at most twice) until the prompt has the target length, because the joins can
-# merge or split a token or two.
+# merge or split a token or two. A target so small that even one token of prose makes the prompt
+# more than a token too long is refused as too small.
 
 # %%
 #| export
@@ -544,6 +554,7 @@ def weave(pieces: list[str], needles: list[str], at: list[int]) -> str:
         out += by_point.get(j, [])
         if j < len(pieces): out.append(pieces[j])
     return "".join(out).strip()
+
 
 # %% [markdown]
 # A check of the pieces on their own: they are the corpus' tokens exactly (decoding the cut
@@ -624,7 +635,12 @@ def _haystack_prompt(tokenizer, context_tokens: int, rng: random.Random, prefix:
             for i, j in zip(chain, sorted(at[i] for i in chain)): at[i] = j
         prompt = prefix + weave(pieces, needles, at) + question
         n = count_tokens(tokenizer, prompt)
-        if n == context_tokens or attempt == 2 or n_hay + context_tokens - n < 1: break
+        if n == context_tokens or attempt == 2: break
+        if n_hay + context_tokens - n < 1:  # even one token of prose overshoots: no prompt of this length exists
+            if n - context_tokens > 1:
+                raise ValueError(f"context_tokens={context_tokens} is too small: the instructions and needles with "
+                                 f"{n_hay} token(s) of prose take {n} tokens")
+            break
         n_hay += context_tokens - n
     return {"prompt": prompt, "context_tokens": n, "target_tokens": context_tokens, "haystack_tokens": n_hay,
             "needles": needles, "needle_depths": [float(points[j]/n_hay) for j in at]}
@@ -688,6 +704,7 @@ def variable_tracking(tokenizer, context_tokens: int, seed: int, n_chains: int =
     return {"task": "variable_tracking", "seed": seed, "depth": None, "answer": names[:n_hops + 1],
             "answer_prefix": answer_prefix, **item}
 
+
 # %% [markdown]
 # **Common words.** The vocabulary is every distinct lowercase word of 4 to 9 letters in the
 # prose (about 7,500 words). A seeded permutation picks `n_common` common words, repeated
@@ -741,6 +758,182 @@ def common_words(tokenizer, context_tokens: int, seed: int, n_common: int = 10,
             "context_tokens": n, "target_tokens": context_tokens, "common_repeats": common_repeats,
             "rare_repeats": rare_repeats, "n_rare": n_rare}
 
+
+# %% [markdown]
+# ## Tasks the default model solves
+#
+# The four RULER-style tasks above are hard for a 135M model: densely, SmolLM2-135M finds one needle at
+# 4k tokens, but it answers four-key retrieval with a distractor's number and fails variable tracking and
+# common words at 2k. An accuracy comparison of compression methods means something only on a task the dense
+# model solves (a method cannot lose what dense never had), so we add retrieval tasks of graded difficulty, each
+# a prompt of instructions, prose haystack and question as above, whose answer hides at a chosen depth:
+#
+# | task | the prompt hides | the question asks for | `answer` |
+# |---|---|---|---|
+# | `passkey` | a number of 5 to 7 digits in one of the phrasings of `PASSKEY_PHRASINGS` (*"The pass key is 48213. Remember it."*) | the number, asked in the same phrasing | `str` |
+# | `induction_copy` | a sentence `QXKJD: word word ... word.` of `n_words` random prose words after a unique marker | the words after the marker ("repeat the earlier line") | `str`: the words, space separated |
+# | `kv_retrieval` | one block of `n_pairs` pairs *"amber-falcon = 4821, ..."* | the value of one key of the block, drawn by the seed | `str` |
+# | `niah_multikey` with few keys | `n_keys=2` needles (above) | the first key's number | `str` |
+#
+# The seeding follows the tasks above: one random stream per task name and seed, from which the
+# depth (when not given), the phrasing (when not given), the values and the haystack's start are drawn in this
+# order; so items of one seed at different depths share their haystack and values and differ in where the
+# answer is. Which task SmolLM2 solves at which length is what the `calibration` stage of the reproduction
+# pipeline measures.
+#
+# Each generator is followed by its check: the prompt has the target length, the answer occurs in it exactly
+# once (the prose has no digits, and a random word sequence is not in it), the same seed gives the same item,
+# and the answer starts within the depth bound above of the requested depth $dH$. Tokens are counted by
+# tokenizing the prompt up to the needle.
+
+# %%
+def needle_token_position(tokenizer, prompt: str, needle: str, prefix_tokens: int) -> int:
+    "Token offset, within the haystack, at which `needle` starts in `prompt`."
+    c = prompt.index(needle)
+    if prompt[c - 1] == " ": c -= 1  # the space before the needle belongs to its first token
+    return count_tokens(tokenizer, prompt[:c]) - prefix_tokens
+
+def check_task_item(fn, target: int, seed: int, depth: float, **options) -> dict:
+    "Generate one item of `fn` and check length, a single answer, determinism and depth; return it."
+    item = fn(tok, target, seed, depth=depth, **options)
+    test_eq(item, fn(tok, target, seed, depth=depth, **options))
+    assert item["answer"] != fn(tok, target, seed + 1, depth=depth, **options)["answer"]
+    test_eq(item["context_tokens"], count_tokens(tok, item["prompt"]))
+    assert abs(item["context_tokens"] - target) <= 1, (target, item["context_tokens"])
+    test_eq(item["prompt"].count(item["answer"]), 1)
+    test_eq(item["answer"] in item["answer_prefix"], False)
+    (needle,) = item["needles"]
+    prefix_tokens = count_tokens(tok, item["prompt"][:item["prompt"].index("\n\n") + 2])
+    p = needle_token_position(tok, item["prompt"], needle, prefix_tokens)
+    assert abs(p - depth*item["haystack_tokens"]) <= DEPTH_TOLERANCE + 2, (depth, p, item["haystack_tokens"])
+    return item
+
+
+# %% [markdown]
+# **Passkey.** One number in the prose, in one of four phrasings; the instructions are the same for all of them, the
+# needle sentence, the question and the answer prefix change with the phrasing. The number of digits is drawn
+# from 5 to 7 unless `digits` is given.
+
+# %%
+#| export
+PASSKEY_PHRASINGS = (  # (needle, question, answer prefix) per phrasing; {value} is the passkey
+    ("The pass key is {value}. Remember it.", "What is the pass key?", "The pass key is"),
+    ("The secret code that opens the vault is {value}.", "What is the secret code that opens the vault?",
+     "The secret code that opens the vault is"),
+    ("Write this down: the ticket number is {value}.", "What is the ticket number?", "The ticket number is"),
+    ("The combination of the old lock is {value}.", "What is the combination of the old lock?",
+     "The combination of the old lock is"))
+
+def passkey(tokenizer, context_tokens: int, seed: int, depth: float | None = None, phrasing: int | None = None,
+            digits: int | None = None) -> dict:
+    "A passkey of `digits` digits (None: 5-7) at `depth`, in `PASSKEY_PHRASINGS[phrasing]` (None: drawn by the seed)."
+    rng = _task_rng("passkey", seed)
+    depth = _check_depth(depth, rng)
+    phrasing = rng.randrange(len(PASSKEY_PHRASINGS)) if phrasing is None else check_int(
+        phrasing, "phrasing", 0, len(PASSKEY_PHRASINGS) - 1)
+    digits = rng.randint(5, 7) if digits is None else check_int(digits, "digits", 1, 18)
+    value = _numbers(rng, 1, digits)[0]
+    needle, question, answer_prefix = (t.format(value=value) for t in PASSKEY_PHRASINGS[phrasing])
+    prefix = ("A number is hidden within the following text. Find it and remember it. "
+              "I will ask you about it afterwards.\n\n")
+    item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, f"\n\n{question}", [needle], [depth])
+    return {"task": "passkey", "seed": seed, "depth": depth, "phrasing": phrasing, "answer": value,
+            "answer_prefix": answer_prefix, **item}
+
+
+# %% [markdown]
+# Checks at random seeds and depths, the two ends of the haystack and every phrasing; the phrasing drawn by the
+# seed covers all of them; bad arguments are refused by name.
+
+# %%
+pick = random.Random(0)
+for phrasing in range(len(PASSKEY_PHRASINGS)):
+    for depth in (0.0, pick.random(), 1.0):
+        item = check_task_item(passkey, pick.choice([300, 1500, 4000]), pick.randrange(10**6), depth,
+                               phrasing=phrasing)
+        test_eq(item["phrasing"], phrasing)
+        assert item["needles"][0] == PASSKEY_PHRASINGS[phrasing][0].format(value=item["answer"])
+        assert 5 <= len(item["answer"]) <= 7
+test_eq({passkey(tok, 200, s)["phrasing"] for s in range(40)}, set(range(len(PASSKEY_PHRASINGS))))
+test_eq(len(passkey(tok, 200, 0, digits=9)["answer"]), 9)
+print(item["prompt"][:160], "...", item["prompt"][-200:], "\n" + item["answer_prefix"], item["answer"])
+test_fail(lambda: passkey(tok, 500, 0, phrasing=len(PASSKEY_PHRASINGS)), contains="phrasing must be")
+test_fail(lambda: passkey(tok, 500, 0, digits=0), contains="digits must be")
+test_fail(lambda: passkey(tok, 500, 0, depth=-0.5), contains="depth must be in [0, 1]")
+
+
+# %% [markdown]
+# **Induction copy** ("repeat the earlier line"). A sentence of `n_words` random words of the prose's vocabulary
+# (`prose_words`) after a marker of five capital letters that occurs nowhere else; the question names the marker,
+# and the answer prefix ends with it, so the model must find the marker in the context and copy what followed it:
+# the pattern of an induction head, over thousands of tokens.
+
+# %%
+#| export
+def induction_copy(tokenizer, context_tokens: int, seed: int, depth: float | None = None, n_words: int = 6) -> dict:
+    "A sentence `MARKER: w1 ... wn.` of `n_words` random prose words at `depth`; asks to repeat the words."
+    n_words = check_int(n_words, "n_words", 1, 64)
+    rng = _task_rng("induction_copy", seed)
+    depth = _check_depth(depth, rng)
+    marker = _variable_names(rng, 1)[0]
+    answer = " ".join(rng.sample(prose_words(), n_words))
+    prefix = ("The following text contains a sentence that starts with a code of five capital letters. "
+              "Remember that sentence. I will ask you to repeat it afterwards.\n\n")
+    question = f"\n\nRepeat the sentence of the text above that starts with {marker}, word for word."
+    item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, question, [f"{marker}: {answer}."], [depth])
+    return {"task": "induction_copy", "seed": seed, "depth": depth, "answer": answer,
+            "answer_prefix": f"The sentence that starts with {marker} is: {marker}:", **item}
+
+
+# %%
+for depth in (0.0, 0.3, 0.61, 1.0):
+    item = check_task_item(induction_copy, pick.choice([300, 2000, 5000]), pick.randrange(10**6), depth)
+    marker = item["answer_prefix"].rsplit(" ", 1)[1][:-1]
+    test_eq(item["prompt"].count(marker), 2)  # the needle and the question
+    test_eq(len(item["answer"].split()), 6)
+    assert set(item["answer"].split()) <= set(prose_words())
+test_eq(len(check_task_item(induction_copy, 400, 5, 0.5, n_words=12)["answer"].split()), 12)
+print(item["needles"][0], "|", item["prompt"][-90:], "|", item["answer_prefix"])
+test_fail(lambda: induction_copy(tok, 500, 0, n_words=0), contains="n_words must be")
+
+
+# %% [markdown]
+# **Key-value retrieval.** One block of `n_pairs` pairs with keys like those of `niah_multikey` and distinct
+# values of 4 digits, at `depth`; the seed draws which key is asked. Unlike `niah_multikey`, the distractors
+# sit right beside the answer, so the model must bind the right value to the key inside one block. The answer
+# prefix ends as the block writes the pair, `KEY =`: SmolLM2 then copies the value, while after *"The value of KEY
+# is"* it often answers with a neighbour's value (3 of 6 items wrong at 2k tokens in a probe, against 0 of 6).
+
+# %%
+#| export
+def kv_retrieval(tokenizer, context_tokens: int, seed: int, depth: float | None = None, n_pairs: int = 4) -> dict:
+    "One block of `n_pairs` pairs `KEY = NNNN` at `depth`; asks for the value of one key, drawn by the seed."
+    n_pairs = check_int(n_pairs, "n_pairs", 1, 1024)
+    rng = _task_rng("kv_retrieval", seed)
+    depth = _check_depth(depth, rng)
+    keys, values = _keys(rng, n_pairs), _numbers(rng, n_pairs, 4)
+    asked = rng.randrange(n_pairs)
+    needle = "Key-value pairs: " + ", ".join(f"{k} = {v}" for k, v in zip(keys, values)) + "."
+    prefix = ("A list of key-value pairs is hidden within the following text. Make sure to memorize it. "
+              "I will ask you for the value of one key afterwards.\n\n")
+    question = f"\n\nIn the list of key-value pairs above, what is the value of {keys[asked]}?"
+    item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, question, [needle], [depth])
+    return {"task": "kv_retrieval", "seed": seed, "depth": depth, "answer": values[asked], "key_index": asked,
+            "answer_prefix": f"In the list of key-value pairs, {keys[asked]} =", **item}
+
+
+# %%
+for depth in (0.0, 0.45, 0.8, 1.0):
+    item = check_task_item(kv_retrieval, pick.choice([300, 2000, 5000]), pick.randrange(10**6), depth)
+    pairs = dict(re.findall(r"([a-z]+-[a-z]+) = (\d+)", item["needles"][0]))
+    asked = item["answer_prefix"].rsplit(" ", 2)[1]
+    test_eq((len(pairs), pairs[asked], list(pairs).index(asked)), (4, item["answer"], item["key_index"]))
+test_eq({kv_retrieval(tok, 200, s, n_pairs=3)["key_index"] for s in range(30)}, {0, 1, 2})
+test_eq(check_task_item(kv_retrieval, 300, 1, 0.5, n_pairs=1)["key_index"], 0)
+print(item["needles"][0], "|", item["prompt"][-70:], "|", item["answer_prefix"], item["answer"])
+test_fail(lambda: kv_retrieval(tok, 500, 0, n_pairs=0), contains="n_pairs must be")
+
+
 # %% [markdown]
 # ## Scoring and the task registry
 #
@@ -769,16 +962,20 @@ def score_exact(prediction: str, answer: str | list[str]) -> float:
     return sum(_found(a, prediction) for a in answer)/len(answer)
 
 SYNTHETIC_TASKS = {"niah_single": niah_single, "niah_multikey": niah_multikey,
-                   "variable_tracking": variable_tracking, "common_words": common_words}
+                   "variable_tracking": variable_tracking, "common_words": common_words, "passkey": passkey,
+                   "induction_copy": induction_copy, "kv_retrieval": kv_retrieval}
+# the tasks that place their answer at a depth of the haystack
+DEPTH_TASKS = tuple(n for n, f in SYNTHETIC_TASKS.items() if "depth" in inspect.signature(f).parameters)
 
 def make_task(name: str, tokenizer, context_tokens: int, seed: int, depth: float | None = None, **options) -> dict:
     "One item of synthetic task `name` with a prompt of `context_tokens` tokens; `options` go to the task's function."
     if name not in SYNTHETIC_TASKS: raise ValueError(f"name must be one of {tuple(SYNTHETIC_TASKS)}, got {name!r}")
     _check_tokenizer(tokenizer)
     if depth is not None:
-        if not name.startswith("niah"): raise ValueError(f"depth applies to the niah tasks only, not to {name!r}")
+        if name not in DEPTH_TASKS: raise ValueError(f"depth applies to the tasks {DEPTH_TASKS} only, not to {name!r}")
         options["depth"] = depth
     return SYNTHETIC_TASKS[name](tokenizer, context_tokens, seed, **options)
+
 
 # %% [markdown]
 # An example of each task at 400 tokens, then the checks: the prompt has the target length, the
@@ -810,12 +1007,6 @@ for name in SYNTHETIC_TASKS:
 # tokenizing the prompt up to it, and compared with the requested $dH$.
 
 # %%
-def needle_token_position(tokenizer, prompt: str, needle: str, prefix_tokens: int) -> int:
-    "Token offset, within the haystack, at which `needle` starts in `prompt`."
-    c = prompt.index(needle)
-    if prompt[c - 1] == " ": c -= 1  # the space before the needle belongs to its first token
-    return count_tokens(tokenizer, prompt[:c]) - prefix_tokens
-
 longest_clause = int(np.diff(offsets).max())
 print(f"longest clause: {longest_clause} tokens")
 assert longest_clause <= 2*DEPTH_TOLERANCE  # so the depth bound above is DEPTH_TOLERANCE itself for SmolLM2
@@ -835,5 +1026,7 @@ test_eq(score_exact("They are QXKJD, BRTPA and ZZZZZ.", ["QXKJD", "BRTPA", "MMMM
 test_fail(lambda: score_exact("x", []), contains="non-empty list")
 test_fail(lambda: make_task("niah", tok, 100, 0), contains="name must be one of")
 test_fail(lambda: make_task("common_words", tok, 100, 0, depth=0.5), contains="depth applies")
+test_eq(set(DEPTH_TASKS), {"niah_single", "niah_multikey", "passkey", "induction_copy", "kv_retrieval"})
+test_eq(make_task("passkey", tok, 300, 4, depth=0.25, phrasing=2), passkey(tok, 300, 4, depth=0.25, phrasing=2))
 test_fail(lambda: make_task("niah_single", tok, 20, 0), contains="too small")
 test_fail(lambda: make_task("niah_single", tok, 2000, 0, depth=1.5), contains="depth must be in [0, 1]")
