@@ -29,7 +29,7 @@ from .io import write_text
 from .reproduce import Stage, demote_headings, format_duration, load_stages, read_stamp
 
 # %% auto #0
-__all__ = ['SKIP_FLAGS', 'PROFILE_PREFERENCE', 'RESULTS_PROFILE', 'RESULTS_INTRO', 'SPHINX_CONF', 'project_root',
+__all__ = ['SKIP_FLAGS', 'PROFILE_PREFERENCE', 'RESULTS_PROFILE', 'FULL_PROFILE', 'RESULTS_INTRO', 'SPHINX_CONF', 'project_root',
            'library_digest', 'execute_notebook', 'pipeline_stages', 'reproduce_notebooks', 'myst_cells', 'page_name',
            'module_index', 'SiteLinks', 'signature_text', 'literal_md', 'api_entry', 'api_entries', 'docs_processors',
            'process_notebook', 'stage_results', 'results_page', 'write_results_page', 'toctree', 'note_profile',
@@ -37,8 +37,9 @@ __all__ = ['SKIP_FLAGS', 'PROFILE_PREFERENCE', 'RESULTS_PROFILE', 'RESULTS_INTRO
 
 # %% ../nbs/92_docs.ipynb #3b79e87a
 SKIP_FLAGS = ("notest", "slow", "gpu")
-PROFILE_PREFERENCE = ("cpu", "gpu", "quick")  # the committed cpu run first: what every reader can reproduce
-RESULTS_PROFILE = "cpu"
+# the committed runs first (cpu-full where a stage has one: more items), what every reader can reproduce
+PROFILE_PREFERENCE = ("cpu-full", "cpu", "gpu", "quick")
+RESULTS_PROFILE, FULL_PROFILE = "cpu", "cpu-full"
 
 def project_root(start: str | os.PathLike | None = None) -> Path:
     "The nearest folder at or above `start` holding a `pyproject.toml` with `[tool.nbdev]`."
@@ -74,9 +75,9 @@ def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
     return dest
 
 # %% ../nbs/92_docs.ipynb #bd707e19
-def pipeline_stages(root: Path) -> list[Stage]:
-    "The stages of the project's pipeline, with the paths of the `cpu` profile (the one the docs show)."
-    return load_stages(root/"reproduce"/"pipeline.yaml", RESULTS_PROFILE)
+def pipeline_stages(root: Path, profile: str = RESULTS_PROFILE) -> list[Stage]:
+    "The stages of the project's pipeline, with the paths of `profile` (default `cpu`, the one the docs show)."
+    return load_stages(root/"reproduce"/"pipeline.yaml", profile)
 
 def reproduce_notebooks(root: Path, runs: Path | None = None) -> dict[Path, Path]:
     "Map each pipeline notebook to its executed copy in `runs` (default `reproduce/runs/`), or to itself when none."
@@ -307,11 +308,12 @@ def _figure(path: str, caption: str) -> str:
     alt = " ".join(re.sub(r"[`*$]", "", caption).split())
     return "\n".join([f":::{{figure}} {path}", f":alt: {alt}", ":width: 100%", "", caption, ":::"])
 
-def stage_results(stage: Stage, runs: Path, page: str | None = None) -> str:
-    "The Results section of `stage` from the run folder `runs` (`reproduce/runs/cpu`); `page`: its experiment page."
+def stage_results(stage: Stage, runs: Path, page: str | None = None, profile: str = RESULTS_PROFILE) -> str:
+    "The Results section of `stage` from the run folder `runs` (`reproduce/runs/<profile>`); `page`: its notebook's."
     rel = lambda p: p.relative_to(stage.root).as_posix()
-    frag = f"reproduce/runs/{RESULTS_PROFILE}/{stage.name}.md"
-    lines = [f"## {stage.name}", "", stage.description or "(no description)"]
+    frag = f"reproduce/runs/{profile}/{stage.name}.md"
+    title = stage.name if profile == RESULTS_PROFILE else f"{stage.name} (`{profile}` profile: more items)"
+    lines = [f"## {title}", "", stage.description or "(no description)"]
     if page: lines += ["", f"The executed notebook, with every step: [{page}]({page}.ipynb)."]
     for png in (p for p in stage.outputs if p.suffix == ".png"):
         caption = stage.captions.get(png) or stage.description or png.name
@@ -319,12 +321,13 @@ def stage_results(stage: Stage, runs: Path, page: str | None = None) -> str:
                   f"**Figure missing:** `{rel(png)}` has not been generated yet ({caption})."]
     summary = runs/f"{stage.name}.md"
     if summary.exists(): lines += ["", demote_headings(summary.read_text().strip(), 3)]
-    else: lines += ["", f"**No `{RESULTS_PROFILE}` results for this stage yet:** `{frag}` is not committed; "
+    else: lines += ["", f"**No `{profile}` results for this stage yet:** `{frag}` is not committed; "
                         "the command below makes it."]
     took = (read_stamp(runs/".stamps"/f"{stage.name}.json") or {}).get("seconds")
-    when = f" (its last `{RESULTS_PROFILE}` run took {format_duration(took)} on 2 cores)" if took else ""
+    when = f" (its last `{profile}` run took {format_duration(took)} on 2 cores)" if took else ""
+    which = "" if profile == RESULTS_PROFILE else f"PROFILE={profile} "
     return "\n".join([*lines, "", f"Regenerate it{when}:", "", "```bash",
-                      f'make reproduce ARGS="--only {stage.name}"', "```"])
+                      f'make reproduce {which}ARGS="--only {stage.name}"', "```"])
 
 # %% ../nbs/92_docs.ipynb #fddf4823
 RESULTS_INTRO = """# Results
@@ -337,19 +340,25 @@ figure's caption names the paper's figure or table it reproduces; each stage's s
 paper's numbers beside ours. `make reproduce` regenerates everything; the command under each section, one stage."""
 
 def results_page(root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> str:
-    "The Results page (MyST) from the `cpu` run in `runs` (default `reproduce/runs/cpu`); links to those of `pages`."
+    "The Results page (MyST): the `cpu` run in `runs` (default `reproduce/runs/cpu`), each committed `cpu-full` run"
+    " after its stage's section; links to those of `pages`."
     runs = runs or root/"reproduce"/"runs"/RESULTS_PROFILE
+    full = {s.name: s for s in pipeline_stages(root, FULL_PROFILE)}
     sections = []
     for s in pipeline_stages(root):
         page = page_name(s.notebook.relative_to(root))
-        sections.append(stage_results(s, runs, page if page in pages else None))
+        page = page if page in pages else None
+        sections.append(stage_results(s, runs, page))
+        full_runs = runs.parent/FULL_PROFILE  # a stage's committed cpu-full run follows its cpu section
+        if s.name in full and (full_runs/f"{s.name}.md").exists():
+            sections.append(stage_results(full[s.name], full_runs, page, FULL_PROFILE))
     return "\n\n".join([RESULTS_INTRO, *sections]) + "\n"
 
 def write_results_page(site: Path, root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> Path:
     "Write the Results page into Sphinx's source folder `site`, with a copy of every figure it shows."
     import nbformat
     from nbformat.v4 import new_markdown_cell, new_notebook
-    for s in pipeline_stages(root):
+    for s in pipeline_stages(root) + pipeline_stages(root, FULL_PROFILE):
         for png in (p for p in s.outputs if p.suffix == ".png" and p.exists()):
             (site/png.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, site/png.relative_to(root))

@@ -61,8 +61,9 @@ from sparsekv.reproduce import Stage, demote_headings, format_duration, load_sta
 # %%
 #| export
 SKIP_FLAGS = ("notest", "slow", "gpu")
-PROFILE_PREFERENCE = ("cpu", "gpu", "quick")  # the committed cpu run first: what every reader can reproduce
-RESULTS_PROFILE = "cpu"
+# the committed runs first (cpu-full where a stage has one: more items), what every reader can reproduce
+PROFILE_PREFERENCE = ("cpu-full", "cpu", "gpu", "quick")
+RESULTS_PROFILE, FULL_PROFILE = "cpu", "cpu-full"
 
 def project_root(start: str | os.PathLike | None = None) -> Path:
     "The nearest folder at or above `start` holding a `pyproject.toml` with `[tool.nbdev]`."
@@ -105,9 +106,9 @@ def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
 
 # %%
 #| export
-def pipeline_stages(root: Path) -> list[Stage]:
-    "The stages of the project's pipeline, with the paths of the `cpu` profile (the one the docs show)."
-    return load_stages(root/"reproduce"/"pipeline.yaml", RESULTS_PROFILE)
+def pipeline_stages(root: Path, profile: str = RESULTS_PROFILE) -> list[Stage]:
+    "The stages of the project's pipeline, with the paths of `profile` (default `cpu`, the one the docs show)."
+    return load_stages(root/"reproduce"/"pipeline.yaml", profile)
 
 def reproduce_notebooks(root: Path, runs: Path | None = None) -> dict[Path, Path]:
     "Map each pipeline notebook to its executed copy in `runs` (default `reproduce/runs/`), or to itself when none."
@@ -478,11 +479,12 @@ def _figure(path: str, caption: str) -> str:
     alt = " ".join(re.sub(r"[`*$]", "", caption).split())
     return "\n".join([f":::{{figure}} {path}", f":alt: {alt}", ":width: 100%", "", caption, ":::"])
 
-def stage_results(stage: Stage, runs: Path, page: str | None = None) -> str:
-    "The Results section of `stage` from the run folder `runs` (`reproduce/runs/cpu`); `page`: its experiment page."
+def stage_results(stage: Stage, runs: Path, page: str | None = None, profile: str = RESULTS_PROFILE) -> str:
+    "The Results section of `stage` from the run folder `runs` (`reproduce/runs/<profile>`); `page`: its notebook's."
     rel = lambda p: p.relative_to(stage.root).as_posix()
-    frag = f"reproduce/runs/{RESULTS_PROFILE}/{stage.name}.md"
-    lines = [f"## {stage.name}", "", stage.description or "(no description)"]
+    frag = f"reproduce/runs/{profile}/{stage.name}.md"
+    title = stage.name if profile == RESULTS_PROFILE else f"{stage.name} (`{profile}` profile: more items)"
+    lines = [f"## {title}", "", stage.description or "(no description)"]
     if page: lines += ["", f"The executed notebook, with every step: [{page}]({page}.ipynb)."]
     for png in (p for p in stage.outputs if p.suffix == ".png"):
         caption = stage.captions.get(png) or stage.description or png.name
@@ -490,12 +492,13 @@ def stage_results(stage: Stage, runs: Path, page: str | None = None) -> str:
                   f"**Figure missing:** `{rel(png)}` has not been generated yet ({caption})."]
     summary = runs/f"{stage.name}.md"
     if summary.exists(): lines += ["", demote_headings(summary.read_text().strip(), 3)]
-    else: lines += ["", f"**No `{RESULTS_PROFILE}` results for this stage yet:** `{frag}` is not committed; "
+    else: lines += ["", f"**No `{profile}` results for this stage yet:** `{frag}` is not committed; "
                         "the command below makes it."]
     took = (read_stamp(runs/".stamps"/f"{stage.name}.json") or {}).get("seconds")
-    when = f" (its last `{RESULTS_PROFILE}` run took {format_duration(took)} on 2 cores)" if took else ""
+    when = f" (its last `{profile}` run took {format_duration(took)} on 2 cores)" if took else ""
+    which = "" if profile == RESULTS_PROFILE else f"PROFILE={profile} "
     return "\n".join([*lines, "", f"Regenerate it{when}:", "", "```bash",
-                      f'make reproduce ARGS="--only {stage.name}"', "```"])
+                      f'make reproduce {which}ARGS="--only {stage.name}"', "```"])
 
 
 # %%
@@ -510,19 +513,25 @@ figure's caption names the paper's figure or table it reproduces; each stage's s
 paper's numbers beside ours. `make reproduce` regenerates everything; the command under each section, one stage."""
 
 def results_page(root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> str:
-    "The Results page (MyST) from the `cpu` run in `runs` (default `reproduce/runs/cpu`); links to those of `pages`."
+    "The Results page (MyST): the `cpu` run in `runs` (default `reproduce/runs/cpu`), each committed `cpu-full` run"
+    " after its stage's section; links to those of `pages`."
     runs = runs or root/"reproduce"/"runs"/RESULTS_PROFILE
+    full = {s.name: s for s in pipeline_stages(root, FULL_PROFILE)}
     sections = []
     for s in pipeline_stages(root):
         page = page_name(s.notebook.relative_to(root))
-        sections.append(stage_results(s, runs, page if page in pages else None))
+        page = page if page in pages else None
+        sections.append(stage_results(s, runs, page))
+        full_runs = runs.parent/FULL_PROFILE  # a stage's committed cpu-full run follows its cpu section
+        if s.name in full and (full_runs/f"{s.name}.md").exists():
+            sections.append(stage_results(full[s.name], full_runs, page, FULL_PROFILE))
     return "\n\n".join([RESULTS_INTRO, *sections]) + "\n"
 
 def write_results_page(site: Path, root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> Path:
     "Write the Results page into Sphinx's source folder `site`, with a copy of every figure it shows."
     import nbformat
     from nbformat.v4 import new_markdown_cell, new_notebook
-    for s in pipeline_stages(root):
+    for s in pipeline_stages(root) + pipeline_stages(root, FULL_PROFILE):
         for png in (p for p in s.outputs if p.suffix == ".png" and p.exists()):
             (site/png.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, site/png.relative_to(root))
@@ -554,6 +563,21 @@ for _png in (p for p in _demo.outputs if p.suffix == ".png"):
 assert "### Paper vs ours" in _done and "| 64 | 0.6 | 0.62 |" in _done and "No `cpu` results" not in _done
 assert "[reproduce/demo](reproduce/demo.ipynb)" in _done and 'make reproduce ARGS="--only demo"' in _done
 assert "took ~14 s on 2 cores" in _done
+
+# %% [markdown]
+# A stage whose `cpu-full` run is committed gets a second section, after its `cpu` one, with
+# that run's summary and the command that regenerates it.
+
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    _runs = Path(_d)/"cpu"
+    (_runs.parent/"cpu-full").mkdir(parents=True)
+    (_runs.parent/"cpu-full"/"calibration.md").write_text("| task | accuracy |\n|---|---|\n| passkey | 0.95 |\n")
+    _page = results_page(_root, _runs)
+assert "## calibration (`cpu-full` profile: more items)" in _page and "| passkey | 0.95 |" in _page, _page
+assert 'make reproduce PROFILE=cpu-full ARGS="--only calibration"' in _page
+assert _page.index("## calibration\n") < _page.index("## calibration (`cpu-full`")
+assert "(`cpu-full` profile" not in _page.replace("## calibration (`cpu-full`", "")  # only the stage that has one
 
 # %% [markdown]
 # ## 4. Sphinx
