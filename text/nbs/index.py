@@ -40,9 +40,9 @@
 # | command | what it runs | time |
 # |---|---|---|
 # | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | 4 min 55 s (fresh clone whose `.venv` existed, Chromium installed by the run; creating `.venv` adds about 1.5 min) |
-# | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 2 min 38 s (fresh clone, quiet machine) |
+# | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 2 min 59 s (fresh clone, quiet machine, 2026-12-01; each stage ≤ 27 s) |
 # | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | 55 min 09 s for its 11 paper stages (fresh clone, empty model cache, quiet machine, `make reproduce ARGS=--force`, 2026-12-01) plus 3 min 42 s for the `calibration` stage added since (58 min 51 s in all); each stage's last time is on the Results page |
-# | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable; only the stages that define `cpu-full`, today `calibration`) | about 31 min (165 items at about 11 s each), being measured |
+# | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable; only the stages that define `cpu-full`, today `calibration`) | 29 min 23 s for its 110 calibration items at 4k (2026-12-01, 14.9 s per item; a `make test` shared the cores for the first 15 min) |
 #
 # `make reproduce` runs the papermill pipeline declared in `reproduce/pipeline.yaml` and writes
 # figures (PNG with the data behind them) to `figures/<profile>/` and a results summary to
