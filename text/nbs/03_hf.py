@@ -30,6 +30,8 @@
 
 # %%
 #| export
+# Over 400 lines on purpose: the attention primitives, the policy classes, the patch that routes transformers'
+# attention through them and the chunked prefill share one context object; split, each part would import the others.
 from __future__ import annotations
 
 import contextlib
