@@ -33,12 +33,11 @@ from traitlets.config import Config
 from .io import atomic_path, write_json, write_text
 
 # %% auto #0
-__all__ = ['PROFILES', 'REQUIRED_PROFILES', 'STAGE_KEYS', 'RUNNER_PARAMS', 'KERNEL_CONFIG', 'Stage', 'find_pipeline',
-           'notebook_parameters', 'load_stages', 'run_params', 'injected_params', 'fingerprint', 'input_hashes',
-           'read_stamp', 'stale_reason', 'tag_parameters_cell', 'StageFailed', 'clean_executed', 'stamp_path',
-           'run_stage', 'stage_state', 'demote_headings', 'status_rows', 'write_summary', 'last_seconds',
-           'format_duration', 'progress_line', 'outputs_report', 'format_table', 'sigterm_as_interrupt', 'run_pipeline',
-           'report', 'main']
+__all__ = ['PROFILES', 'REQUIRED_PROFILES', 'STAGE_KEYS', 'RUNNER_PARAMS', 'Stage', 'find_pipeline', 'notebook_parameters',
+           'load_stages', 'run_params', 'injected_params', 'fingerprint', 'input_hashes', 'read_stamp', 'stale_reason',
+           'tag_parameters_cell', 'StageFailed', 'clean_executed', 'stamp_path', 'kernel_config', 'run_stage',
+           'stage_state', 'demote_headings', 'status_rows', 'write_summary', 'last_seconds', 'format_duration',
+           'progress_line', 'outputs_report', 'format_table', 'sigterm_as_interrupt', 'run_pipeline', 'report', 'main']
 
 # %% ../nbs/91_reproduce.ipynb #7bdba193
 PROFILES = ("quick", "cpu", "cpu-full", "gpu")
@@ -307,8 +306,9 @@ def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
     src = Path(src)
     return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
 
-# The kernel talks over local sockets: over TCP ipykernel warns, once per stage, that traffic is unencrypted.
-KERNEL_CONFIG = Config(KernelManager={"transport": "ipc"})
+def kernel_config(socket_dir: Path) -> Config:
+    "A kernel talking over local sockets in `socket_dir` (over TCP, ipykernel warns that traffic is unencrypted)."
+    return Config(KernelManager={"transport": "ipc", "ip": str(socket_dir/"kernel")})
 
 @contextlib.contextmanager
 def _environment(**env: str):
@@ -336,10 +336,11 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     start = time.time()
     try:
         tag_parameters_cell(stage.notebook, src)
-        with _environment(TQDM_DISABLE="1"):  # the kernel inherits it: no progress bars in the notebook
+        # the kernel inherits TQDM_DISABLE: no progress bars in the notebook; its sockets go with the temporary folder
+        with _environment(TQDM_DISABLE="1"), tempfile.TemporaryDirectory(prefix="sparsekv-kernel-") as sockets:
             pm.execute_notebook(src, partial, parameters=injected_params(params, root), kernel_name="python3",
                                 cwd=stage.notebook.parent, progress_bar=progress, log_output=False,
-                                config=KERNEL_CONFIG)
+                                config=kernel_config(Path(sockets)))
     except BaseException as e:
         if partial.exists(): os.replace(partial, failed)
         if isinstance(e, KeyboardInterrupt): raise

@@ -418,8 +418,9 @@ def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
     src = Path(src)
     return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
 
-# The kernel talks over local sockets: over TCP ipykernel warns, once per stage, that traffic is unencrypted.
-KERNEL_CONFIG = Config(KernelManager={"transport": "ipc"})
+def kernel_config(socket_dir: Path) -> Config:
+    "A kernel talking over local sockets in `socket_dir` (over TCP, ipykernel warns that traffic is unencrypted)."
+    return Config(KernelManager={"transport": "ipc", "ip": str(socket_dir/"kernel")})
 
 @contextlib.contextmanager
 def _environment(**env: str):
@@ -447,10 +448,11 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     start = time.time()
     try:
         tag_parameters_cell(stage.notebook, src)
-        with _environment(TQDM_DISABLE="1"):  # the kernel inherits it: no progress bars in the notebook
+        # the kernel inherits TQDM_DISABLE: no progress bars in the notebook; its sockets go with the temporary folder
+        with _environment(TQDM_DISABLE="1"), tempfile.TemporaryDirectory(prefix="sparsekv-kernel-") as sockets:
             pm.execute_notebook(src, partial, parameters=injected_params(params, root), kernel_name="python3",
                                 cwd=stage.notebook.parent, progress_bar=progress, log_output=False,
-                                config=KERNEL_CONFIG)
+                                config=kernel_config(Path(sockets)))
     except BaseException as e:
         if partial.exists(): os.replace(partial, failed)
         if isinstance(e, KeyboardInterrupt): raise
@@ -752,6 +754,7 @@ with tempfile.TemporaryDirectory() as d:
     assert st["a"].startswith("ran") and st["b"].startswith("ran"), st
     test_eq((d/"figures"/"quick"/"a.txt").read_text(), "1")
     assert "a wrote 1" in (d/"reproduce"/"runs"/"quick"/"summary.md").read_text()
+    test_eq([p.name for p in (d/"reproduce").rglob("*") if p.is_socket()], [])  # the kernels' sockets went away
     # nothing changed: both skipped; --force and --only rerun just one
     test_eq(set(run_pipeline("quick", pipeline=pipe, progress=False).values()), {"up to date (skipped)"})
     st = run_pipeline("quick", only="a", force=True, pipeline=pipe, progress=False)
