@@ -44,7 +44,8 @@ model_name = "smollm2-135m"
 dtype = "float32"
 device = "cpu"
 lengths = [256]
-# label -> {"task": make_task name (default: the label), **its options}
+# label -> {"task": make_task name (default: the label), "lengths": its own lengths (default: `lengths`),
+#           "phrasing": one fixed phrasing (default: all, cycled over the items), **its other options}
 tasks = {"passkey": {}, "niah_multikey_2": {"task": "niah_multikey", "n_keys": 2}, "induction_copy": {},
          "kv_retrieval": {}}
 depths = [0.0, 1.0]
@@ -97,7 +98,7 @@ def task_name(label: str) -> str:
 
 @lru_cache(maxsize=None)
 def _item(label: str, length: int, seed: int, depth: float, phrasing: int | None) -> dict:
-    options = {k: v for k, v in tasks[label].items() if k != "task"}
+    options = {k: v for k, v in tasks[label].items() if k not in ("task", "lengths")}
     if phrasing is not None: options["phrasing"] = phrasing
     return make_task(task_name(label), tok, length, seed, depth=depth, **options)
 
@@ -107,9 +108,14 @@ def task_item(cell: dict) -> dict:
     return _item(cell["task"], cell["length"], cell["seed"], cell["depth"], cell["phrasing"])
 
 
+def task_lengths(label: str) -> list[int]:
+    "The context lengths the task labelled `label` is measured at."
+    return tasks[label].get("lengths", lengths)
+
+
 def cells_of(label: str, length: int) -> list[dict]:
     "The items of one (task, length): each seed at each depth (deepest first), phrasings cycled over the items."
-    n_phr = PHRASINGS.get(task_name(label))
+    n_phr = None if "phrasing" in tasks[label] else PHRASINGS.get(task_name(label))
     cells = [{"task": label, "length": length, "seed": s, "depth": d,
               "phrasing": None if n_phr is None else (i * len(depths) + j) % n_phr}
              for i, s in enumerate(seeds) for j, d in sorted(enumerate(depths), key=lambda jd: -jd[1])]
@@ -123,9 +129,9 @@ def item_hash(item: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-cells = [c for label in tasks for L in lengths for c in cells_of(label, L)]
+cells = [c for label in tasks for L in task_lengths(label) for c in cells_of(label, L)]
 for label in tasks:
-    example = task_item(cells_of(label, lengths[0])[0])
+    example = task_item(cells_of(label, task_lengths(label)[0])[0])
     print(f"--- {label}: {example['context_tokens']} tokens, answer {example['answer']!r}, "
           f"needles {example['needles']}")
     print("...", example["prompt"][-150:], "|", example["answer_prefix"])
@@ -183,7 +189,8 @@ def prompt_ids(item: dict) -> torch.Tensor:
 # reuse covered their common prefix.
 
 # %%
-check_cell = cells_of("passkey" if "passkey" in tasks else next(iter(tasks)), lengths[0])[0]
+check_label = "passkey" if "passkey" in tasks else next(iter(tasks))
+check_cell = cells_of(check_label, task_lengths(check_label)[0])[0]
 with torch.inference_mode():
     a, b = (prompt_ids(task_item({**check_cell, "depth": d})) for d in (check_cell["depth"], check_cell["depth"] / 2))
     reuse.prefill(a)
@@ -255,9 +262,10 @@ def accuracy_table(items: pd.DataFrame) -> pd.DataFrame:
 
 
 table = accuracy_table(items)
-L_max = max(lengths)
-by_depth_max = items[items.length == L_max].pivot_table(index="task", columns="depth", values="correct",
-                                                        aggfunc="mean", sort=False).sort_index(axis=1)
+all_lengths = sorted({L for label in tasks for L in task_lengths(label)})
+longest = items.length == items.task.map({label: max(task_lengths(label)) for label in tasks})
+by_depth_max = items[longest].pivot_table(index="task", columns="depth", values="correct",
+                                          aggfunc="mean", sort=False).sort_index(axis=1)
 display(table.round(3))
 by_depth_max.round(2)
 
@@ -265,13 +273,13 @@ by_depth_max.round(2)
 # ## The heatmap
 #
 # Left: dense accuracy per task and length, the number of items in each cell, and a frame around the usable cells.
-# Right: at the longest length, accuracy per needle depth (0 = the start of the haystack, 1 = its end).
+# Right: at each task's longest length, accuracy per needle depth (0 = the start of the haystack, 1 = its end).
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(3.6 + 1.0 * max(2, len(lengths)) + 0.5 * max(5, len(depths)),
+fig, axes = plt.subplots(1, 2, figsize=(3.6 + 1.0 * max(2, len(all_lengths)) + 0.5 * max(5, len(depths)),
                                          0.45 * len(tasks) + 2.4),
                          layout="constrained", sharey=True,
-                         gridspec_kw={"width_ratios": [max(2, len(lengths)), 0.5 * max(5, len(depths))]})
+                         gridspec_kw={"width_ratios": [max(2, len(all_lengths)), 0.5 * max(5, len(depths))]})
 acc = table.pivot(index="task", columns="length", values="accuracy").loc[list(tasks)]
 n_items = table.pivot(index="task", columns="length", values="n").loc[list(tasks)]
 usable = table.pivot(index="task", columns="length", values="usable").loc[list(tasks)]
@@ -281,7 +289,8 @@ for ax, m in zip(axes, (acc, depth_acc)):
     ax.set_yticks(range(len(m.index)), m.index)
     ax.grid(False)
 for (r, c), v in np.ndenumerate(acc.to_numpy(dtype=float)):
-    axes[0].text(c, r, f"{v:.2f}\nn = {n_items.iat[r, c]}", ha="center", va="center", fontsize=8,
+    if np.isnan(v): continue  # a length this task is not measured at
+    axes[0].text(c, r, f"{v:.2f}\nn = {int(n_items.iat[r, c])}", ha="center", va="center", fontsize=8,
                  color="black" if v > 0.5 else "white")
     if usable.iat[r, c]:
         axes[0].add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", lw=2))
@@ -290,7 +299,7 @@ for (r, c), v in np.ndenumerate(depth_acc.to_numpy(dtype=float)):
 axes[0].set_xticks(range(len(acc.columns)), [str(L) for L in acc.columns])
 axes[0].set(xlabel="context length (tokens)", title="per length")
 axes[1].set_xticks(range(len(depth_acc.columns)), [f"{d:.0%}" for d in depth_acc.columns], fontsize=7)
-axes[1].set(xlabel="needle depth", title=f"per depth, L = {L_max}, {len(seeds)} item(s) per cell")
+axes[1].set(xlabel="needle depth", title=f"per depth at each task's longest length, {len(seeds)} item(s) per cell")
 fig.colorbar(im, ax=axes, label="dense accuracy", shrink=0.9)
 fig.suptitle("Calibration, no paper figure (the dense rows behind QuoKA Fig. 4 / Table 1, OVAL Tables 1-2):\n"
              f"accuracy of dense {model_name}, greedy answers; red frame: usable cell (accuracy >= "
@@ -360,7 +369,7 @@ paper_vs_ours = [
     "| the dense model retrieves a single needle at every length and depth | QuoKA §4.1, Fig. 4: full attention on "
     "Llama3.2-3B-Instruct up to 30K tokens (no number in the text) | best cell: " + fmt_cell(best)
     + f"; usable cells: {int(table.usable.sum())} of {len(table)} | a 135M model with an 8k training context, "
-    f"lengths {lengths} |",
+    f"lengths {all_lengths} |",
     "| dense RULER scores are the ceiling of every method | QuoKA Table 1 and OVAL Tables 1-2 report full attention "
     "beside each method (their numbers are not in our copies' text) | the accuracies above, with their intervals | "
     "our tasks are RULER-style retrieval only; cells below the threshold are not used for accuracy |"]
@@ -372,7 +381,7 @@ lines = [
     f"Dense {model_name} ({dtype}, device {device}, {torch.get_num_threads()} thread(s)), greedy answers after the "
     f"prompt and answer prefix; {len(seeds)} seed(s) x {len(depths)} depth(s) per task and length.", "",
     fmt_table.to_markdown(index=False), "",
-    f"Accuracy per needle depth at L = {L_max}:", "", by_depth_max.round(2).to_markdown(), "",
+    "Accuracy per needle depth at each task's longest length:", "", by_depth_max.round(2).to_markdown(), "",
     "**Findings**", "", *notes, "",
     "**Paper vs ours**", "", *paper_vs_ours, ""]
 write_text(Path(out_dir)/"calibration.md", "\n".join(lines))
