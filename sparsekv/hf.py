@@ -296,7 +296,8 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
     B, hkv, sk = key.shape[:3]
     sq, idx = query.shape[2], module.layer_idx
     if cache_position is None: cache_position = torch.arange(sk - sq, sk, device=key.device)
-    kind = state.kind or ("decode" if sq == 1 and sk > 1 else "prefill")
+    # one query after earlier tokens decodes, even when an evicting cache keeps only itself
+    kind = state.kind or ("decode" if sq == 1 and int(cache_position[-1]) > 0 else "prefill")
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             raise TypeError(f"{ATTN_NAME} attention needs a boolean mask, got {attention_mask.dtype}")
