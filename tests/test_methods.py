@@ -6,6 +6,7 @@ import torch
 from sparsekv import methods
 from sparsekv.hf import ATTN_NAME, Method, measure_attended
 from sparsekv.methods import SelectionMethod
+from sparsekv.protocol import continuation
 
 ISSUE_NAMES = {"dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "dms", "kvpop_mlp", "kvpop_mlstm",
                "quoka", "mean_scores", "sample_attention", "sparq", "loki", "lessismore", "quest", "arkvale", "key_pca",
@@ -105,6 +106,25 @@ def test_measured_budget_within_the_nominal_one(tiny_llama, name):
         if bound is None: continue
         most = max(r["max"] for r in meter.per_head() if r["phase"] == phase and r["layer"] == last)
         assert most <= bound < PROMPT, (phase, most, bound)  # within the bound, and the bound leaves keys out
+
+
+@pytest.mark.parametrize("name", methods.names())
+def test_continuation_at_the_whole_window_is_dense(tiny_llama, name):
+    "The protocol's teacher-forced continuation: dense at a budget of the whole window, a measured budget below it."
+    win = prompt(tiny_llama, B=1, seed=3)
+    with torch.no_grad(): dense = tiny_llama(win).logits[:, 11:-1]
+    (whole,) = continuation(build(name, PROMPT), tiny_llama, win, prefix=12, dense_logits=dense)
+    assert whole["agreement"] == 1.0 and abs(whole["kl"]) < 1e-4, whole
+    (small,) = continuation(build(name, 8), tiny_llama, win, prefix=12, dense_logits=dense)
+    if methods.get(name).family != "dense" and build(name, 8).exact_budget:
+        assert small["decode_max"] < whole["decode_max"] == PROMPT - 1, small
+
+
+def test_a_cache_of_one_entry_still_decodes(tiny_llama):
+    "A decode query whose evicting cache keeps only itself is recorded as decode (not as a one-token prefill)."
+    with measure_attended() as meter: methods.make("streaming_llm", 1).generate(tiny_llama, prompt(tiny_llama, B=1), **GEN)
+    decode = [r for r in meter.per_head() if r["phase"] == "decode"]
+    assert {r["queries"] for r in decode} == {NEW - 1} and meter.max("decode") == 1, decode  # every step, every layer
 
 
 def test_dms_budget_is_a_learned_target(tiny_llama):

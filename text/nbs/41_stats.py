@@ -532,8 +532,12 @@ test_fail(lambda: compare(results[results.method == "dense"], "agreement"), cont
 
 # %%
 #| export
-def _cell(row: dict, show: str, digits: int) -> str:
-    "One cell of `compare_table`."
+def _check_show(show):
+    if show not in ("mean", "ref", "base"): raise ValueError(f"show must be 'mean', 'ref' or 'base', got {show!r}")
+
+def compare_cell(row: dict, show: str = "mean", digits: int = 3) -> str:
+    "One row of `compare` as text: `mean ± se`, or a difference `d [lo, hi]` (`*`: excludes 0, and the baseline)."
+    _check_show(show)
     if show == "mean": return f"{row['mean']:.{digits}f} ± {row['se']:.{digits}f}"
     if math.isnan(row[f"diff_{show}"]): return ""
     text = f"{row[f'diff_{show}']:+.{digits}f} [{row[f'{show}_lo']:+.{digits}f}, {row[f'{show}_hi']:+.{digits}f}]"
@@ -541,9 +545,9 @@ def _cell(row: dict, show: str, digits: int) -> str:
 
 def compare_table(cmp: pd.DataFrame, show: str = "mean", digits: int = 3) -> pd.DataFrame:
     "`compare`'s result as method × budget text: `mean ± se`, or a difference `d [lo, hi]` (`*`: excludes 0)."
-    if show not in ("mean", "ref", "base"): raise ValueError(f"show must be 'mean', 'ref' or 'base', got {show!r}")
+    _check_show(show)
     digits = check_int(digits, "digits")
-    cells = [_cell(r, show, digits) for r in cmp.to_dict("records")]
+    cells = [compare_cell(r, show, digits) for r in cmp.to_dict("records")]
     table = cmp.assign(cell=cells).pivot(index="method", columns="budget", values="cell")
     return table.reindex(index=pd.unique(cmp.method), columns=pd.unique(cmp.budget)).fillna("")
 
