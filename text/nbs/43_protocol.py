@@ -1,0 +1,386 @@
+# %% [markdown]
+# # The evaluation protocol
+#
+# > One method, one item, one row: greedy answers and teacher-forced continuations under any method of the registry, with the KV entries each query actually attended to, budgets matched on that measurement, and scoring cost beside the score.
+
+# %%
+#| default_exp protocol
+
+# %% [markdown]
+# Every comparison of this package runs its methods through the functions of this page, so that
+# methods of different families are compared on the same items at equal *measured* budgets:
+#
+# - **Items.** `answer` scores one retrieval item (a prompt of `sparsekv.data`, greedy decoding,
+#   exact match); `continuation` scores held-out prose windows (the method prefills their first
+#   tokens, then reads the rest one token at a time, and its next-token logits are compared with
+#   the dense model's: top-1 agreement, KL, negative log-likelihood). Each gives one row per
+#   (method, item), the long table `sparsekv.stats.compare` turns into paired intervals.
+# - **Measured budgets.** A method's `budget` is nominal: what a query may attend to besides what
+#   the family adds (a selection method's chunk attends to its own keys; a page retrieval method
+#   rounds to pages; an eviction cache of $B$ entries plus the query's own). Each row carries what
+#   the method's queries *did* attend to, per phase (mean and max over queries, heads and layers,
+#   from `sparsekv.hf.measure_attended`). `fit_budget` picks, per method, the largest nominal
+#   budget whose measured maximum stays within the comparison's budget, so every method of a
+#   table is held to the same measured ceiling.
+# - **Costs.** `cost_columns` puts the multiply-adds each method spends choosing keys (per cached
+#   key, `sparsekv.methods.scoring_cost`) beside its score.
+
+# %%
+#| export
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+from transformers import DynamicCache
+
+from sparsekv import methods
+from sparsekv.attention import check_int
+from sparsekv.data import count_tokens, score_exact
+from sparsekv.eval import kl_to_teacher, token_nll, top1_agreement
+from sparsekv.hf import AttendedBudget, Method, chunked_prefill, measure_attended
+from sparsekv.methods import PHASES, ModelShape, scoring_cost
+from sparsekv.stats import compare
+
+# %%
+#| hide
+from types import SimpleNamespace
+
+from fastcore.test import test_close, test_eq, test_fail
+
+from sparsekv.models import tiny_model
+
+torch.set_num_threads(1)  # small tensors: threads only add overhead
+
+# %% [markdown]
+# ## Measured budgets
+#
+# `measured_budget` reads an `AttendedBudget` into the columns every row carries: for each phase,
+# the mean and the max number of KV entries a query attended to (NaN for a phase that did not run).
+#
+# Some methods leave layers dense by design: page retrieval attends densely in its first layer(s)
+# (Quest, OVAL), LessIsMore at and below its selection layer. Their decode queries see every
+# earlier token whatever the budget, and a max over all layers would report the whole context. Given
+# `n_keys`, the most entries a decode query could attend to (every earlier token and itself at the
+# last step), the decode layers whose max reaches it are counted as `dense_layers` and the decode
+# columns describe the other layers; `decode_reads` keeps the mean over every layer, what decoding
+# actually reads.
+
+# %%
+#| export
+BUDGET_COLUMNS = ("prefill_mean", "prefill_max", "decode_mean", "decode_max", "dense_layers", "decode_reads")
+
+
+def _mean_max(rows: list[dict]) -> tuple[float, float]:
+    "Mean over the queries of every row (a head of a layer) and the max of their maxes."
+    if not rows: return math.nan, math.nan
+    return sum(r["mean"] * r["queries"] for r in rows) / sum(r["queries"] for r in rows), max(r["max"] for r in rows)
+
+
+def measured_budget(meter: AttendedBudget, n_keys: int | None = None) -> dict:
+    """Mean and max KV entries attended per query and head, per phase (`BUDGET_COLUMNS`, NaN where none ran); decode
+    layers whose max reaches `n_keys` are `dense_layers`, left out of `decode_mean`/`decode_max` unless all are."""
+    rows = meter.per_head()
+    out = dict(zip(("prefill_mean", "prefill_max"), _mean_max([r for r in rows if r["phase"] == "prefill"])))
+    dec = [r for r in rows if r["phase"] == "decode"]
+    dense = set() if n_keys is None else {r["layer"] for r in dec if r["max"] >= check_int(n_keys, "n_keys", 1)}
+    sparse = [r for r in dec if r["layer"] not in dense] or dec
+    out["decode_mean"], out["decode_max"] = _mean_max(sparse)
+    out["dense_layers"] = len(dense) if len(sparse) < len(dec) else 0
+    out["decode_reads"] = _mean_max(dec)[0]
+    return out
+
+
+# %% [markdown]
+# The check: on the tiny model, a dense generation's decode queries attend to every earlier token and
+# themselves. With a prompt of $S$ tokens and $n$ new ones, `generate` prefills the prompt (query $i$
+# sees $i + 1$ keys) and decodes $n - 1$ steps (step $j$ sees $S + j$ keys), the same in every
+# layer and head; every layer is dense, so none is set apart.
+
+# %%
+model, tok = tiny_model("tiny-llama")
+S, n_new = 12, 5
+ids = torch.randint(3, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(0))
+GEN = dict(max_new_tokens=n_new, do_sample=False, pad_token_id=0)
+with measure_attended() as meter: methods.make("dense").generate(model, ids, **GEN)
+got = measured_budget(meter, n_keys=S + n_new - 1)
+prefill, decode = list(range(1, S + 1)), [S + j for j in range(1, n_new)]
+test_eq(got, dict(prefill_mean=np.mean(prefill), prefill_max=S, decode_mean=np.mean(decode), decode_max=S + n_new - 1,
+                  dense_layers=0, decode_reads=np.mean(decode)))
+got
+
+# %% [markdown]
+# Quest at a budget of 8 on a 40-token prompt: its first layer decodes densely, the second attends to
+# its sink, recent and selected pages; `decode_reads` averages the two layers.
+
+# %%
+ids40 = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+SMALL = {"streaming_llm": {}, "quoka": dict(chunk_size=8, n_q=2), "quest": dict(page_size=4, sink=4, recent=4)}
+with measure_attended() as meter:
+    methods.make("quest", 12, **SMALL["quest"]).generate(model, ids40, max_new_tokens=4, do_sample=False, pad_token_id=0)
+got = measured_budget(meter, n_keys=43)
+per_layer = {l: max(r["max"] for r in meter.per_head() if r["phase"] == "decode" and r["layer"] == l) for l in (0, 1)}
+test_eq((got["dense_layers"], got["decode_max"], per_layer[0]), (1, per_layer[1], 43))
+assert got["decode_mean"] < got["decode_reads"] < 43
+got
+
+
+# %% [markdown]
+# ## Budgets matched on the measurement
+#
+# A method at nominal budget $b$ attends, per query, to at most some $f(b)$ entries, and $f$ grows
+# with $b$ (more slots, more selected keys, more pages). `fit_budget` finds the largest
+# $b \le$ `target` with $f(b) \le$ `target` in one phase, measuring $f$ with the caller's probe
+# (a function that runs the method and returns its `measured_budget`). Most methods attend to a
+# fixed overhead beyond $b$ (a selection method's own query, a page retrieval's partial page), so it
+# starts at $b =$ `target`, steps down by the measured excess $f(b) -$ `target`, then bisects between
+# the last budget that fits and the first that did not: one probe for an eviction method, two for a
+# selection method, a few for page retrieval, where $f$ moves in steps of a page. It never goes below
+# the smallest budget the method accepts (a page retrieval method needs its sink and recent tokens),
+# and raises when even that budget exceeds the target. It assumes $f$ grows with $b$; every row of a
+# comparison carries its own measurement, so a table shows whether the fit held on the real items.
+
+# %%
+#| export
+def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase: str = "decode",
+               **params) -> tuple[Method, dict]:
+    """`methods.make(name, b, **params)` at the largest nominal `b <= target` whose measured max KV entries per query
+    in `phase` is at most `target`, and its measurement; `measure(method)` returns `measured_budget` columns."""
+    target = check_int(target, "target", 1)
+    if phase not in PHASES: raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    seen = {}
+
+    def most(b: int) -> float:
+        if b not in seen: seen[b] = measure(methods.make(name, b, **params))
+        if math.isnan(seen[b][f"{phase}_max"]): raise ValueError(f"{name} ran no {phase} query in the probe")
+        return seen[b][f"{phase}_max"]
+
+    first = next((b for b in range(1, target + 1) if _builds(name, b, params)), None)
+    if first is None: methods.make(name, target, **params)  # raises the method's own error
+    b, hi = target, target  # hi: the largest budget not known to exceed the target
+    while most(b) > target:  # step down by the excess: one step for a fixed overhead (the chunk's, a page's)
+        if b == first:
+            raise ValueError(f"{name} attends to more than target={target} entries per {phase} query even at its "
+                             f"smallest budget {first}")
+        hi, b = b - 1, max(first, b - max(1, int(most(b) - target)))
+    lo = b
+    while lo < hi:  # bisect between the last fit and the first known excess
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if most(mid) <= target else (lo, mid - 1)
+    return methods.make(name, lo, **params), seen[lo]
+
+
+def _builds(name: str, budget: int, params: dict) -> bool:
+    "Whether method `name` accepts `budget` (a page retrieval method needs at least its sink and recent tokens)."
+    try: methods.make(name, budget, **params)
+    except ValueError: return False
+    return True
+
+
+# %% [markdown]
+# The check against a scan of every nominal budget, for one method of each family on the tiny model
+# (small pages and chunks so a 40-token prompt exercises them): the pick is the largest budget
+# within the target, its measurement is the one the scan made, and the probes it spent are few.
+
+# %%
+def probe(m: Method) -> dict:
+    with measure_attended() as meter: m.generate(model, ids40, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return measured_budget(meter, n_keys=43)
+
+
+for name, params in SMALL.items():
+    for target in (12, 17):
+        calls = []
+        m, got = fit_budget(name, target, lambda m: calls.append(m.budget) or probe(m), **params)
+        scan = {b: probe(methods.make(name, b, **params))["decode_max"] for b in range(1, target + 1)
+                if _builds(name, b, params)}
+        ok = [b for b, most in scan.items() if most <= target]
+        test_eq(m.budget, max(ok))
+        test_eq(got["decode_max"], scan[m.budget])
+        assert len(calls) <= 5, calls
+        print(f"{name:14s} target {target}: nominal {m.budget}, measured decode max {got['decode_max']}, "
+              f"probes at {calls}")
+# a page-like overhead that moves in steps (f(b) = 4 ceil(b / 4) + 3) takes the step down and the bisection
+paged = lambda m: dict(decode_max=4 * math.ceil(m.budget / 4) + 3)  # noqa: E731
+for target in range(8, 40):
+    m, _ = fit_budget("streaming_llm", target, paged)
+    test_eq(m.budget, max(b for b in range(1, target + 1) if paged(SimpleNamespace(budget=b))["decode_max"] <= target))
+test_fail(lambda: fit_budget("quest", 7, probe, **SMALL["quest"]), contains="budget=7 must cover")  # sink + recent
+test_fail(lambda: fit_budget("quest", 8, probe, **SMALL["quest"]), contains="even at its smallest budget 8")
+
+
+# %% [markdown]
+# ## One retrieval item
+#
+# `answer` feeds the prompt, a space and the answer prefix to `Method.generate` and decodes greedily
+# as many tokens as the answer has plus `extra_tokens`; the item is correct when the completion
+# contains the whole answer (`score_exact`). The row carries the measured budget and the seconds.
+
+# %%
+#| export
+def prompt_ids(tok, item: dict, device=None) -> torch.Tensor:
+    "Token ids `[1, L]` of an item's prompt, a space and its answer prefix."
+    return tok(item["prompt"] + " " + item["answer_prefix"], return_tensors="pt").input_ids.to(device)
+
+
+def answer(method: Method, model, tok, item: dict, extra_tokens: int = 3) -> dict:
+    "One greedy answer to a retrieval item under `method`: correct (0/1), the completion, measured budget, seconds."
+    ids = prompt_ids(tok, item, model.device)
+    n_new = count_tokens(tok, " " + item["answer"]) + check_int(extra_tokens, "extra_tokens")
+    start = time.perf_counter()
+    with measure_attended() as meter:
+        out = method.generate(model, ids, max_new_tokens=n_new, do_sample=False, pad_token_id=tok.eos_token_id)
+    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return {"correct": int(score_exact(text, item["answer"]) == 1.0), "completion": text.replace("\n", "\\n"),
+            **measured_budget(meter, n_keys=out.shape[1] - 1), "seconds": time.perf_counter() - start}
+
+
+# %% [markdown]
+# ## Prose windows
+#
+# `continuation` runs the method over windows of $S$ tokens as a reader would: it prefills the first
+# `prefix` tokens (in chunks of the method's `chunk_size`, else at once), then feeds the remaining
+# tokens one at a time, each a decode step under the method. The next-token logits of those
+# $S - $ `prefix` steps are compared with the dense model's logits at the same positions (one dense
+# forward over the windows, or `dense_logits` when given): top-1 agreement, KL(dense ‖ method) and
+# the method's negative log-likelihood of the true next token, each averaged over the steps.
+#
+# Decoding one token reads every weight of the model, so on a CPU a decode step costs about the same
+# for one window as for several: `continuation` takes a batch of windows `[B, S]` (equal lengths, no
+# padding) and returns one row per window. The measured budget is the batch's (every row of a batch
+# gets the same), and `seconds` is the batch's time divided among its rows.
+
+# %%
+#| export
+def _check_windows(ids, prefix: int) -> int:
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+        raise ValueError(f"ids must be a [B, S] tensor of token ids, got {getattr(ids, 'shape', type(ids).__name__)}")
+    prefix = check_int(prefix, "prefix", 1)
+    if prefix >= ids.shape[1]: raise ValueError(f"prefix must be below the windows' {ids.shape[1]} tokens, got {prefix}")
+    return prefix
+
+
+@torch.no_grad()
+def window_logits(method: Method, model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    "Next-token logits `[B, S - prefix, V]` after tokens `prefix - 1 .. S - 2` of windows `ids` `[B, S]` under `method`."
+    prefix = _check_windows(ids, prefix)
+    with method.patch(model) as cache:
+        cache = DynamicCache(config=model.config) if cache is None else cache
+        if method.chunk_size: last = chunked_prefill(model, ids[:, :prefix], method.chunk_size, cache=cache)[1]
+        else: last = model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True,
+                           logits_to_keep=1).logits[:, -1]
+        steps = [last]
+        for t in range(prefix, ids.shape[1] - 1):  # teacher forcing: the true token, one decode step each
+            steps.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(steps, 1)
+
+
+def continuation(method: Method, model, ids: torch.Tensor, prefix: int, dense_logits: torch.Tensor | None = None
+                 ) -> list[dict]:
+    "Per window of `ids` `[B, S]`: agreement, KL and NLL of `method`'s next-token logits vs dense, measured budget."
+    start = time.perf_counter()
+    with measure_attended() as meter: got = window_logits(method, model, ids, prefix)
+    seconds = (time.perf_counter() - start) / ids.shape[0]
+    if dense_logits is None:
+        with torch.no_grad(): dense_logits = model(input_ids=ids).logits[:, prefix - 1:-1]
+    if dense_logits.shape != got.shape:
+        raise ValueError(f"dense_logits must be [B, S - prefix, V] = {tuple(got.shape)}, got "
+                         f"{tuple(dense_logits.shape)}")
+    budget = measured_budget(meter, n_keys=ids.shape[1] - 1)
+    return [{"agreement": float(top1_agreement(g, d)), "kl": float(kl_to_teacher(g, d)),
+             "nll": float(token_nll(g, y, shift=False)[0].mean()), **budget, "seconds": seconds}
+            for g, d, y in zip(got, dense_logits, ids[:, prefix:])]
+
+
+# %% [markdown]
+# The checks: dense attention agrees with itself at every step (KL 0) and its NLL is the plain
+# cross-entropy of the window's last tokens; a budget covering the whole window does the same for a
+# method of each family; a small budget does not; and a batch of two windows gives each window's
+# row alone.
+
+# %%
+wins = torch.randint(3, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
+win = wins[:1]
+(dense_row,) = continuation(methods.make("dense"), model, win, prefix=32)
+with torch.no_grad(): logits = model(input_ids=win).logits[:, 31:-1]
+test_eq(dense_row["agreement"], 1.0)
+test_close(dense_row["kl"], 0.0, eps=1e-5)
+test_close(dense_row["nll"], torch.nn.functional.cross_entropy(logits[0], win[0, 32:]).item(), eps=1e-4)
+test_eq(dense_row["decode_max"], 47)  # the last step's query sees all 48 - 1 earlier tokens and itself
+for name, params in SMALL.items():
+    (whole,) = continuation(methods.make(name, 48, **params), model, win, prefix=32, dense_logits=logits)
+    test_close(whole["kl"], 0.0, eps=1e-4)
+    (small,) = continuation(methods.make(name, 8, **params), model, win, prefix=32, dense_logits=logits)
+    assert small["kl"] > 1e-3 and small["decode_max"] < whole["decode_max"], (name, small)
+    pair = continuation(methods.make(name, 8, **params), model, wins, prefix=32)
+    for row, alone in zip(pair, [small, continuation(methods.make(name, 8, **params), model, wins[1:], prefix=32)[0]]):
+        for key in ("agreement", "kl", "nll"): test_close(row[key], alone[key], eps=1e-4)
+    print(f"{name:14s} budget 48: KL {whole['kl']:.1e}, agreement {whole['agreement']:.3f}; budget 8: "
+          f"KL {small['kl']:.3f}, agreement {small['agreement']:.3f}, decode max {small['decode_max']}")
+test_fail(lambda: continuation(methods.make("dense"), model, win, prefix=48), contains="prefix must be below")
+test_fail(lambda: continuation(methods.make("dense"), model, win[0], prefix=8), contains="ids must be a [B, S]")
+
+
+# %% [markdown]
+# ## Scoring cost beside the score
+#
+# `cost_columns` gives a method's scoring multiply-adds per cached key and KV head at prefill and at a
+# decode step, for `n_cached` cached keys (zero for eviction and dense, see [the costs page](42_costs.ipynb)).
+
+# %%
+#| export
+def cost_columns(method: Method, shape, n_cached: int) -> dict:
+    "Scoring multiply-adds per cached key and KV head, at prefill and at decode: `prefill_cost`, `decode_cost`."
+    shape = ModelShape.of(shape)
+    return {f"{p}_cost": scoring_cost(method, shape, n_cached, p).per_key for p in PHASES}
+
+
+# %%
+shape = ModelShape(Hq=9, Hkv=3, D=64, layers=30)  # SmolLM2-135M
+# QuoKA: N_Q = 16 aggregated queries of D dims per key at prefill (the issue's 1,024), one at decode
+test_eq(cost_columns(methods.make("quoka", 512), shape, 4096), dict(prefill_cost=16 * 64, decode_cost=64))
+test_eq(cost_columns(methods.make("tova", 512), shape, 4096), dict(prefill_cost=0, decode_cost=0))
+
+
+# %% [markdown]
+# ## The comparison table
+#
+# `protocol_table` runs `compare` on a long table of rows (`method`, `budget`: the measured ceiling the
+# methods were fitted to, `item`, the metric, the `BUDGET_COLUMNS` and the cost columns) and adds, per
+# method and budget, what the methods measured: the mean over items of each phase's mean, the max of
+# each phase's max, and the scoring cost. A reader checks in the same table that the budgets were
+# equal and what each method paid to choose its keys.
+
+# %%
+#| export
+def protocol_table(results: pd.DataFrame, metric: str, **compare_kwargs) -> pd.DataFrame:
+    "`compare(results, metric)` with each method's measured budget (mean of means, max of maxes) and scoring costs."
+    cmp = compare(results, metric, **compare_kwargs)
+    method, budget = compare_kwargs.get("method", "method"), compare_kwargs.get("budget", "budget")
+    costs = [c for c in ("prefill_cost", "decode_cost") if c in results]
+    agg = {c: ("max" if c.endswith("_max") else "mean") for c in (*BUDGET_COLUMNS, *costs) if c in results}
+    per = results.groupby([method, budget], dropna=False).agg(agg).reset_index()
+    ref = cmp.attrs["reference"]
+    out = cmp.merge(per[per[method] != ref], on=[method, budget], how="left")
+    # the reference's rows may carry no budget: its measurement is the same at every budget
+    ref_meas = per[per[method] == ref].drop(columns=[method, budget]).mean()
+    for c in agg: out.loc[out[method] == ref, c] = ref_meas[c]
+    out.attrs.update(cmp.attrs)
+    return out
+
+
+# %%
+rows = pd.DataFrame([dict(method=m, budget=b, item=i, correct=int(m == "dense" or i % (2 + (m == "b")) > 0),
+                          prefill_mean=10.0, prefill_max=20, decode_mean=float(b or 30), decode_max=b or 30,
+                          prefill_cost=0.0, decode_cost=64.0 * (m == "b"))
+                     for m, b in (("dense", None), ("a", 8), ("b", 8)) for i in range(12)])
+table = protocol_table(rows, "correct")
+test_eq(list(table.method), ["dense", "a", "b"])
+test_eq(table.decode_max.tolist(), [30, 8, 8])
+test_eq(table.decode_cost.tolist(), [0.0, 0.0, 64.0])
+test_close(table["mean"].tolist(), [1.0, 0.5, 8 / 12])
+table[["method", "budget", "mean", "se", "diff_ref", "ref_lo", "ref_hi", "decode_mean", "decode_max", "decode_cost"]]
