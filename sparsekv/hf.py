@@ -296,8 +296,6 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
     B, hkv, sk = key.shape[:3]
     sq, idx = query.shape[2], module.layer_idx
     if cache_position is None: cache_position = torch.arange(sk - sq, sk, device=key.device)
-    # one query after earlier tokens decodes, even when an evicting cache keeps only itself
-    kind = state.kind or ("decode" if sq == 1 and int(cache_position[-1]) > 0 else "prefill")
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             raise TypeError(f"{ATTN_NAME} attention needs a boolean mask, got {attention_mask.dtype}")
@@ -305,6 +303,9 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
             raise ValueError(f"the model's mask covers {attention_mask.shape[-1]} keys but layer {idx} returned {sk}: "
                              "all layers of a cache must hold the same number of entries")
     layer = cache.layers[idx] if cache is not None and idx < len(cache.layers) else None
+    # one query after earlier tokens decodes, even when an evicting cache keeps only itself (no device sync)
+    kind = state.kind or ("decode" if sq == 1 and (sk > 1 or isinstance(layer, EvictingLayer) and layer.seen > 1)
+                          else "prefill")
     mask = attention_mask
     if isinstance(layer, EvictingLayer):
         if mask is not None and not (mask == causal_mask(sq, sk, key.device)).all():
