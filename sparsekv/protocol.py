@@ -7,11 +7,12 @@ Docs: https://sparsekv.github.io/sparsekv/protocol.html.md"""
 # %% ../nbs/43_protocol.ipynb #18659f61
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from typing import Callable
 
-import numpy as np
 import pandas as pd
 import torch
 from transformers import DynamicCache
@@ -25,8 +26,8 @@ from .methods import PHASES, ModelShape, scoring_cost
 from .stats import compare
 
 # %% auto #0
-__all__ = ['BUDGET_COLUMNS', 'measured_budget', 'fit_budget', 'prompt_ids', 'answer', 'window_logits', 'continuation',
-           'cost_columns', 'protocol_table']
+__all__ = ['BUDGET_COLUMNS', 'measured_budget', 'fit_budget', 'item_hash', 'prompt_ids', 'answer', 'window_logits',
+           'continuation', 'cost_columns', 'protocol_table']
 
 # %% ../nbs/43_protocol.ipynb #8a4f98c9
 BUDGET_COLUMNS = ("prefill_mean", "prefill_max", "decode_mean", "decode_max", "dense_layers", "decode_reads")
@@ -87,6 +88,11 @@ def _builds(name: str, budget: int, params: dict) -> bool:
     return True
 
 # %% ../nbs/43_protocol.ipynb #7fc2922e
+def item_hash(item: dict) -> str:
+    "A short hash of an item's prompt, answer prefix and answer: its key in a results grid (new text, new key)."
+    return hashlib.sha256(json.dumps([item["prompt"], item["answer_prefix"], item["answer"]]).encode()).hexdigest()[:16]
+
+
 def prompt_ids(tok, item: dict, device=None) -> torch.Tensor:
     "Token ids `[1, L]` of an item's prompt, a space and its answer prefix."
     return tok(item["prompt"] + " " + item["answer_prefix"], return_tensors="pt").input_ids.to(device)
@@ -108,13 +114,14 @@ def _check_windows(ids, prefix: int) -> int:
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
         raise ValueError(f"ids must be a [B, S] tensor of token ids, got {getattr(ids, 'shape', type(ids).__name__)}")
     prefix = check_int(prefix, "prefix", 1)
-    if prefix >= ids.shape[1]: raise ValueError(f"prefix must be below the windows' {ids.shape[1]} tokens, got {prefix}")
+    if prefix >= ids.shape[1]:
+        raise ValueError(f"prefix must be below the windows' {ids.shape[1]} tokens, got {prefix}")
     return prefix
 
 
 @torch.no_grad()
 def window_logits(method: Method, model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
-    "Next-token logits `[B, S - prefix, V]` after tokens `prefix - 1 .. S - 2` of windows `ids` `[B, S]` under `method`."
+    "Next-token logits `[B, S - prefix, V]` after tokens `prefix - 1 .. S - 2` of windows `ids` `[B, S]`, `method` on."
     prefix = _check_windows(ids, prefix)
     with method.patch(model) as cache:
         cache = DynamicCache(config=model.config) if cache is None else cache

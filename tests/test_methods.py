@@ -122,7 +122,8 @@ def test_continuation_at_the_whole_window_is_dense(tiny_llama, name):
 
 def test_a_cache_of_one_entry_still_decodes(tiny_llama):
     "A decode query whose evicting cache keeps only itself is recorded as decode (not as a one-token prefill)."
-    with measure_attended() as meter: methods.make("streaming_llm", 1).generate(tiny_llama, prompt(tiny_llama, B=1), **GEN)
+    ids = prompt(tiny_llama, B=1)
+    with measure_attended() as meter: methods.make("streaming_llm", 1).generate(tiny_llama, ids, **GEN)
     decode = [r for r in meter.per_head() if r["phase"] == "decode"]
     assert {r["queries"] for r in decode} == {NEW - 1} and meter.max("decode") == 1, decode  # every step, every layer
 

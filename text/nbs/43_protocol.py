@@ -29,11 +29,12 @@
 #| export
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from typing import Callable
 
-import numpy as np
 import pandas as pd
 import torch
 from transformers import DynamicCache
@@ -50,6 +51,7 @@ from sparsekv.stats import compare
 #| hide
 from types import SimpleNamespace
 
+import numpy as np
 from fastcore.test import test_close, test_eq, test_fail
 
 from sparsekv.models import tiny_model
@@ -121,7 +123,8 @@ got
 ids40 = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
 SMALL = {"streaming_llm": {}, "quoka": dict(chunk_size=8, n_q=2), "quest": dict(page_size=4, sink=4, recent=4)}
 with measure_attended() as meter:
-    methods.make("quest", 12, **SMALL["quest"]).generate(model, ids40, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    methods.make("quest", 12, **SMALL["quest"]).generate(model, ids40, max_new_tokens=4, do_sample=False,
+                                                         pad_token_id=0)
 got = measured_budget(meter, n_keys=43)
 per_layer = {l: max(r["max"] for r in meter.per_head() if r["phase"] == "decode" and r["layer"] == l) for l in (0, 1)}
 test_eq((got["dense_layers"], got["decode_max"], per_layer[0]), (1, per_layer[1], 43))
@@ -216,12 +219,18 @@ test_fail(lambda: fit_budget("quest", 8, probe, **SMALL["quest"]), contains="eve
 # %% [markdown]
 # ## One retrieval item
 #
-# `answer` feeds the prompt, a space and the answer prefix to `Method.generate` and decodes greedily
+# Items are keyed in results grids by `item_hash`, a hash of their text. `answer` feeds the prompt,
+# a space and the answer prefix to `Method.generate` and decodes greedily
 # as many tokens as the answer has plus `extra_tokens`; the item is correct when the completion
 # contains the whole answer (`score_exact`). The row carries the measured budget and the seconds.
 
 # %%
 #| export
+def item_hash(item: dict) -> str:
+    "A short hash of an item's prompt, answer prefix and answer: its key in a results grid (new text, new key)."
+    return hashlib.sha256(json.dumps([item["prompt"], item["answer_prefix"], item["answer"]]).encode()).hexdigest()[:16]
+
+
 def prompt_ids(tok, item: dict, device=None) -> torch.Tensor:
     "Token ids `[1, L]` of an item's prompt, a space and its answer prefix."
     return tok(item["prompt"] + " " + item["answer_prefix"], return_tensors="pt").input_ids.to(device)
@@ -260,13 +269,14 @@ def _check_windows(ids, prefix: int) -> int:
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
         raise ValueError(f"ids must be a [B, S] tensor of token ids, got {getattr(ids, 'shape', type(ids).__name__)}")
     prefix = check_int(prefix, "prefix", 1)
-    if prefix >= ids.shape[1]: raise ValueError(f"prefix must be below the windows' {ids.shape[1]} tokens, got {prefix}")
+    if prefix >= ids.shape[1]:
+        raise ValueError(f"prefix must be below the windows' {ids.shape[1]} tokens, got {prefix}")
     return prefix
 
 
 @torch.no_grad()
 def window_logits(method: Method, model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
-    "Next-token logits `[B, S - prefix, V]` after tokens `prefix - 1 .. S - 2` of windows `ids` `[B, S]` under `method`."
+    "Next-token logits `[B, S - prefix, V]` after tokens `prefix - 1 .. S - 2` of windows `ids` `[B, S]`, `method` on."
     prefix = _check_windows(ids, prefix)
     with method.patch(model) as cache:
         cache = DynamicCache(config=model.config) if cache is None else cache
