@@ -42,7 +42,7 @@
 # | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | 4 min 55 s (fresh clone whose `.venv` existed, Chromium installed by the run; creating `.venv` adds about 1.5 min) |
 # | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 2 min 59 s (fresh clone, quiet machine, 2026-12-01; each stage ≤ 27 s) |
 # | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | 55 min 09 s for its 11 paper stages (fresh clone, empty model cache, quiet machine, `make reproduce ARGS=--force`, 2026-12-01) plus 3 min 42 s for the `calibration` stage added since (58 min 51 s in all); each stage's last time is on the Results page |
-# | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable; only the stages that define `cpu-full`, today `calibration`) | 29 min 23 s for its 110 calibration items at 4k (2026-12-01, 14.9 s per item; a `make test` shared the cores for the first 15 min) |
+# | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable, its grids committed so a later run resumes them; only the stages that define `cpu-full`: `calibration` and `protocol`) | 29 min 23 s for its 110 calibration items at 4k (2026-12-01, 14.9 s per item; a `make test` shared the cores for the first 15 min) |
 #
 # `make reproduce` runs the papermill pipeline declared in `reproduce/pipeline.yaml` and writes
 # figures (PNG with the data behind them) to `figures/<profile>/` and a results summary to
@@ -118,6 +118,24 @@ cache, last_logits = chunked_prefill(model, prompt, chunk_size=16, policy=QuokaP
 policy = PageRetrievalPolicy("oval", token_budget=48, page_size=8, sink=8, recent=8, rank=4, eta=0.5)
 with torch.no_grad(), patch(model, policy):
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
+
+# %% [markdown]
+# To compare methods of different families, hold them to the same *measured* budget: `sparsekv.protocol`
+# fits each method's nominal budget so that no decode query attends to more KV entries than the ceiling
+# (a selection method also reads the new token, a page method a partial page), then scores it on the
+# same items with its measurement beside the score (`make reproduce` runs this protocol on the real model,
+# stage `protocol`, with paired 95% intervals):
+
+# %%
+from sparsekv.protocol import continuation, fit_budget
+
+probe = lambda m: continuation(m, model, prompt[:1], prefix=64)[0]  # noqa: E731
+for name, params in [("streaming_llm", {}), ("quoka", dict(chunk_size=16, n_q=4)),
+                     ("quest", dict(page_size=8, sink=8, recent=8))]:
+    m, fit = fit_budget(name, 32, probe, **params)  # at most 32 entries per decode query
+    rows = continuation(m, model, prompt, prefix=64)  # one row per window: agreement, KL, NLL vs dense
+    print(f"{name:14s} nominal {m.budget:2d}: attends to {fit['decode_max']:.0f} at most, "
+          f"agreement {sum(r['agreement'] for r in rows) / len(rows):.2f}")
 
 # %% [markdown]
 # ## Real-model recipe

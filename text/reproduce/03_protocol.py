@@ -1,0 +1,363 @@
+# %% [markdown]
+# # Methods on equal terms: calibrated tasks, measured budgets, paired intervals
+#
+# > Eviction, selection and page retrieval methods on the retrieval cells dense SmolLM2-135M solves and on held-out prose, each fitted to the same measured budget per decode query, with paired 95% intervals against dense and against the best other method, and the scoring cost of each.
+
+# %% [markdown]
+# This stage is the evaluation protocol of `sparsekv.protocol` run end to end; the per-paper stages
+# take their comparisons from it.
+#
+# - **Items.** Retrieval cells where dense accuracy was calibrated at $\ge 0.9$ with $\ge 50$ items
+#   (`calibration` stage, `cpu-full` profile: `niah_single` and `passkey` phrasing 2 at 4k tokens);
+#   here each cell's items are its seeds at each needle depth, the same for every method. Prose:
+#   held-out windows of the validation split; each method prefills the first `prose_prefix` tokens,
+#   then reads the rest one token at a time (teacher forcing), and its next-token logits are compared
+#   with the dense model's (top-1 agreement, KL, NLL).
+# - **Budgets.** A budget here is a *measured* ceiling: every method is fitted (`fit_budget`, on a
+#   probe window) to the largest nominal budget whose decode queries attend to at most that
+#   many KV entries per head, in the layers the method compresses (page retrieval and LessIsMore keep
+#   some layers dense by design; the `dense_layers` and `decode_reads` columns show what that costs).
+#   Every row records what its queries attended to, and a check below holds each method to the
+#   ceiling on the real items.
+# - **Prefill.** Selection methods prefill in chunks of `chunk_size` ($B_{CP}$) tokens, each chunk
+#   attending to the selected earlier keys and its own; eviction methods prefill in chunks of
+#   `eviction_chunk` tokens and evict after each, so a chunk's queries see the kept entries and the
+#   chunk (charged in `prefill_max`); page retrieval prefills densely (its papers' setting).
+# - **Statistics.** `protocol_table` (`sparsekv.stats.compare`): per method and budget, the mean
+#   with its standard error, the paired bootstrap 95% interval of the difference from dense and from
+#   the best other method; `*` marks an interval that excludes 0, and only those differences are
+#   called ahead or behind.
+
+# %%
+#| parameters
+profile = "quick"
+fig_dir = "../figures/quick"
+out_dir = "runs/quick"
+model_name = "smollm2-135m"
+dtype = "float32"
+device = "cpu"
+# label -> {"task": make_task name (default: the label), "length": tokens, **its other options}
+cells = {"niah_single": {"length": 256}}
+depths = [0.0, 1.0]
+seeds = [0]
+extra_tokens = 3  # decode steps beyond the answer's own tokens
+budgets = [64]  # measured ceilings: KV entries per decode query and KV head
+# label -> {"name": registry name (default: the label), "match_cost": a label whose scoring cost per key this method's
+#           cost knob is matched to (`sparsekv.costs.matched`), **its parameters}
+method_specs = {"dense": {}, "streaming_llm": {}, "tova": {}, "quoka": {}, "quest": {}}
+chunk_size = 128  # B_CP of the selection methods
+eviction_chunk = 128  # eviction methods prefill in chunks of this many tokens, evicting after each
+n_windows = 2
+window = 256  # tokens per prose window
+prose_prefix = 192  # tokens prefilled before the teacher-forced decode steps
+prose_batch = 8  # windows per batch
+probe_window = 256  # tokens of the prose window the budgets are fitted on
+probe_steps = 40  # its decode steps (more than a page, so the partial page takes every size)
+min_claim_items = 10  # below this many items a bootstrap interval is too narrow to trust: no difference is claimed
+
+# %%
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+from IPython.display import Markdown, display
+
+from sparsekv import methods
+from sparsekv.costs import KNOBS, matched
+from sparsekv.data import make_task, packed_sequences
+from sparsekv.eval import run_grid
+from sparsekv.io import save_figure, use_style, write_csv, write_text
+from sparsekv.methods import ModelShape
+from sparsekv.models import load_model, tiny_model
+from sparsekv.protocol import (BUDGET_COLUMNS, answer, continuation, cost_columns, fit_budget, item_hash,
+                               protocol_table)
+from sparsekv.stats import compare_cell
+
+# %%
+use_style()
+model, tok = load_model(model_name, dtype=dtype, device=device)
+shape = ModelShape.of(model)
+print(f"{model_name}, {dtype}, device {device}, {torch.get_num_threads()} thread(s); {shape}")
+
+
+# %% [markdown]
+# ## Methods and their fitted budgets
+
+# %%
+def method_params(label: str) -> tuple[str, dict]:
+    """Registry name and parameters of the method labelled `label`: the protocol's chunk sizes filled in, and with
+    `match_cost: other` its cost knob (rank, sampled queries) set to cost per key what method `other` costs."""
+    spec = dict(method_specs[label])
+    name, match = spec.pop("name", label), spec.pop("match_cost", None)
+    family = methods.get(name).family
+    if family == "selection": spec.setdefault("chunk_size", chunk_size)
+    if family == "eviction": spec.setdefault("chunk_size", eviction_chunk)
+    if match is not None:  # the per-key cost does not depend on the budget: match at any
+        goal_name, goal_params = method_params(match)
+        goal = methods.make(goal_name, budgets[0], **goal_params)
+        spec[KNOBS[name]] = getattr(matched(name, goal, shape, budgets[0], **spec), KNOBS[name])
+    return name, spec
+
+
+# What a method attends to is set by its structure (slots, chunks, pages, sinks), not by the weights: the budgets are
+# fitted on a random model with the real one's layers and heads, a hundred times cheaper, and the rows below check
+# the fit on the real model and items.
+cfg = model.config
+probe_model = tiny_model("tiny-llama", num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+                         num_kv_heads=cfg.num_key_value_heads)[0]
+probe_ids = torch.randint(3, probe_model.config.vocab_size, (1, probe_window),
+                          generator=torch.Generator().manual_seed(0))
+
+
+def probe(m) -> dict:
+    "The measured budget of `m` on the probe window."
+    return continuation(m, probe_model, probe_ids, probe_window - probe_steps)[0]
+
+
+def fit_cell(cell: dict) -> dict:
+    "The fitted nominal budget of one (method, budget) and its measurement on the probe."
+    name, params = method_params(cell["method"])
+    m, got = fit_budget(name, cell["budget"], probe, **params)
+    return {"nominal": m.budget, **{k: got[k] for k in BUDGET_COLUMNS}}
+
+
+compressing = [label for label in method_specs if methods.get(method_params(label)[0]).family != "dense"]
+fits = run_grid([{"method": label, "budget": b} for label in compressing for b in budgets], fit_cell,
+                Path(out_dir)/"protocol_fits_grid.csv", desc="fit budgets",
+                params={"layers": cfg.num_hidden_layers,
+                        "heads": f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}",
+                        "probe_window": probe_window,
+                        "probe_steps": probe_steps, "chunk_size": chunk_size, "eviction_chunk": eviction_chunk})
+nominal = {(r.method, r.budget): int(r.nominal) for r in fits.itertuples()}
+
+
+def build(label: str, budget: int | None):
+    "The method labelled `label` at its fitted nominal budget for the measured ceiling `budget` (dense: none)."
+    name, params = method_params(label)
+    if methods.get(name).family == "dense": return methods.make(name, **params)
+    return methods.make(name, nominal[label, budget], **params)
+
+
+fits[["method", "budget", "nominal", "decode_max", "decode_mean", "dense_layers", "wall_s"]]
+
+
+# %% [markdown]
+# ## Items
+
+# %%
+def task_items(label: str) -> list[dict]:
+    "The items of one accuracy cell: each seed at each depth."
+    spec = dict(cells[label])
+    name, length = spec.pop("task", label), spec.pop("length")
+    return [{"cell": label, "seed": s, "depth": d, "item": make_task(name, tok, length, s, depth=d, **spec)}
+            for s in seeds for d in depths]
+
+
+items = {label: task_items(label) for label in cells}
+windows = packed_sequences(tok, window, split="validation", n=n_windows, seed=0)
+for label, its in items.items():
+    print(f"{label}: {len(its)} items of {its[0]['item']['context_tokens']} tokens, e.g. answer "
+          f"{its[0]['item']['answer']!r}")
+print(f"prose: {len(windows)} windows of {window} tokens, the last {window - prose_prefix} scored")
+
+# %% [markdown]
+# ## Continuations and answers
+#
+# One row per (method, budget, item), resumable (`run_grid`): an interrupted run loses at most the
+# batch or item in progress. Dense runs once per item (its rows carry budget 0: it has none). Prose
+# comes first: its windows are few and cheap per item, so a long run reaches tight intervals there
+# before the answers, which prefill a whole prompt per item and method.
+
+# %%
+reference = next(label for label in method_specs if label not in compressing)
+runs = [(reference, 0)] + [(label, b) for b in budgets for label in compressing]
+# Prose windows run in batches of `prose_batch` (a decode step reads the weights once for the batch); the
+# cells go batch by batch, every method within a batch, so the dense logits of a batch are computed once.
+batch_of = lambda w: range(w - w % prose_batch, min(w - w % prose_batch + prose_batch, len(windows)))  # noqa: E731
+done_rows, dense_batch = {}, {}
+
+
+def prose_row(cell: dict) -> dict:
+    ws = batch_of(cell["window"])
+    key = (cell["method"], cell["budget"], ws.start)
+    if key not in done_rows:
+        ids = windows[list(ws)].to(device)
+        if ws.start not in dense_batch:
+            dense_batch.clear()  # one batch of dense logits at a time
+            with torch.no_grad(): dense_batch[ws.start] = model(input_ids=ids).logits[:, prose_prefix - 1:-1]
+        m = build(cell["method"], cell["budget"] or None)
+        rows = continuation(m, model, ids, prose_prefix, dense_batch[ws.start])
+        done_rows[key] = {w: {"nominal": m.budget or 0, **r} for w, r in zip(ws, rows)}
+    return done_rows[key].pop(cell["window"])
+
+
+prose_cells = [{"method": label, "budget": b, "window": w}
+               for start in range(0, len(windows), prose_batch) for label, b in runs for w in batch_of(start)]
+prose = run_grid(prose_cells, prose_row, Path(out_dir)/"protocol_prose_grid.csv", desc="prose",
+                 params={"model_name": model_name, "dtype": dtype, "device": device, "chunk_size": chunk_size,
+                         "eviction_chunk": eviction_chunk, "window_tokens": window, "prose_prefix": prose_prefix})
+
+
+by_hash = {item_hash(x["item"]): x["item"] for its in items.values() for x in its}
+
+
+def answer_row(cell: dict) -> dict:
+    m = build(cell["method"], cell["budget"] or None)
+    return {"nominal": m.budget or 0, **answer(m, model, tok, by_hash[cell["item"]], extra_tokens)}
+
+
+# item by item, every method on each: a run stopped early still pairs every method on the items it finished
+answers = run_grid([{"method": label, "budget": b, "cell": x["cell"], "seed": x["seed"], "depth": x["depth"],
+                     "item": item_hash(x["item"])} for its in items.values() for x in its for label, b in runs],
+                   answer_row, Path(out_dir)/"protocol_answers_grid.csv", desc="answers",
+                   params={"model_name": model_name, "dtype": dtype, "device": device, "extra_tokens": extra_tokens,
+                           "chunk_size": chunk_size, "eviction_chunk": eviction_chunk})
+
+
+# %%
+def long_table(rows: pd.DataFrame, item_cols: list[str], n_cached: int) -> pd.DataFrame:
+    "The grid's rows as `compare` reads them: dense without a budget, one item id, each method's scoring costs."
+    out = rows.assign(budget=rows.budget.astype(int).astype(object).where(rows.method != reference),
+                      item=rows[item_cols].astype(str).agg("/".join, axis=1))
+    costs = {(label, b): cost_columns(build(label, b or None), shape, n_cached) for label, b in runs}
+    for col in ("prefill_cost", "decode_cost"):
+        out[col] = [costs[label, int(b) if b == b and b is not None else 0][col]
+                    for label, b in zip(out.method, out.budget)]
+    return out
+
+
+context = max(x["item"]["context_tokens"] for its in items.values() for x in its)
+acc = long_table(answers, ["cell", "seed", "depth"], context)
+txt = long_table(prose, ["window"], window)
+acc.groupby(["method", "budget"], dropna=False, sort=False)[["correct", "decode_mean", "decode_max", "seconds"]].mean()
+
+# %% [markdown]
+# ## Equal measured budgets
+#
+# The fit was made on the probe window; on the real items every method's decode queries must stay
+# within the ceiling in the layers it compresses. The table gives, per method and budget, the most
+# entries any decode query attended to (max over items, layers and heads) and the mean.
+
+# %%
+measured = pd.concat([acc.assign(on="answers"), txt.assign(on="prose")]).query("method != @reference")
+ceiling = measured.groupby(["method", "budget"], sort=False).agg(
+    nominal=("nominal", "first"), decode_max=("decode_max", "max"), decode_mean=("decode_mean", "mean"),
+    dense_layers=("dense_layers", "max"), decode_reads=("decode_reads", "mean")).reset_index()
+over = ceiling[ceiling.decode_max > ceiling.budget]
+assert over.empty, f"methods above their measured ceiling:\n{over}"
+ceiling.round(1)
+
+
+# %% [markdown]
+# ## Accuracy and prose fidelity
+
+# %%
+def show(table: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
+    "A protocol table as text: mean ± se, the paired differences (`*`: the 95% interval excludes 0), budgets, costs."
+    recs = table.to_dict("records")
+    out = pd.DataFrame({"method": table.method, "budget": table.budget.where(table.method != reference, "-")})
+    for key, head in (("mean", "mean ± se"), ("ref", "vs dense"), ("base", "vs the best other")):
+        out[head] = [compare_cell(r, key, digits) for r in recs]
+    out["decode mean / max"] = [f"{a:.0f} / {b:.0f}" for a, b in zip(table.decode_mean, table.decode_max)]
+    out["dense layers"] = table.dense_layers.astype(int)
+    out["prefill max"] = table.prefill_max.round(0).astype(int)
+    out["scoring MACs per key (prefill, decode)"] = [f"{p:,.0f}, {d:,.0f}" for p, d in
+                                                     zip(table.prefill_cost, table.decode_cost)]
+    return out
+
+
+kw = dict(reference=reference, baselines=compressing)
+tables = {f"accuracy, {label}": protocol_table(acc[acc.cell == label], "correct", **kw) for label in cells}
+tables |= {"prose agreement": protocol_table(txt, "agreement", **kw),
+           "prose KL": protocol_table(txt, "kl", higher_is_better=False, **kw),
+           "prose NLL": protocol_table(txt, "nll", higher_is_better=False, **kw)}
+for t in tables.values(): t.loc[t.n < min_claim_items, ["ref_sig", "base_sig"]] = False  # too few items to claim
+for name, t in tables.items():
+    display(Markdown(f"**{name}**, n = {int(t.n.iloc[0])} items"))
+    display(show(t))
+
+
+# %% [markdown]
+# ## The figure
+#
+# Per table, each method's mean with a 95% error bar (±1.96 standard errors), one marker per measured
+# budget; dense as a dashed line.
+
+# %%
+def plot_table(t: pd.DataFrame, ax) -> None:
+    "One protocol table: methods along x, a marker and error bar per budget, the reference as a dashed line."
+    rows = t[t.method != reference]
+    labels, bs = list(dict.fromkeys(rows.method)), sorted(rows.budget.unique())
+    for j, b in enumerate(bs):
+        r = rows[rows.budget == b].set_index("method").loc[labels]
+        x = np.arange(len(labels)) + (j - (len(bs) - 1) / 2) * 0.8 / len(bs)
+        ax.errorbar(x, r["mean"], yerr=1.96 * r.se, fmt="o", capsize=3, label=f"budget {b}")
+    ax.axhline(float(t.loc[t.method == reference, "mean"].iloc[0]), color="k", ls="--", lw=1, label=reference)
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    ax.set(ylabel=t.attrs["metric"])
+    ax.legend(fontsize=7)
+
+
+fig, axes = plt.subplots(1, len(tables), figsize=(3.6 * len(tables), 3.8), layout="constrained")
+for ax, (name, t) in zip(np.atleast_1d(axes), tables.items()):
+    plot_table(t, ax)
+    ax.set_title(f"{name} (n = {int(t.n.iloc[0])})", fontsize=9)
+fig.suptitle(f"Methods on equal terms, {model_name}: each method fitted to the same measured budget per decode query; "
+             "error bars: 95% (±1.96 se)", fontsize=10)
+save_figure(fig, Path(fig_dir)/"protocol.png",
+            data=pd.concat([t.assign(table=name) for name, t in tables.items()], ignore_index=True))
+plt.show()
+
+
+# %% [markdown]
+# ## Findings
+#
+# Read from the tables above: per table, the methods whose paired interval against dense excludes 0
+# (behind or ahead), the method ahead of all others when one is, and the largest standard error. With
+# fewer than `min_claim_items` items the percentile bootstrap is too narrow (with 2 items it has 3
+# possible resample means), so no difference is marked or claimed; the intervals are still printed.
+
+# %%
+def findings() -> list[str]:
+    "One bullet per table: who is behind dense (intervals excluding 0), who leads, the largest standard error."
+    out = []
+    for name, t in tables.items():
+        better = "higher" if t.attrs["higher_is_better"] else "lower"
+        rows = t[t.method != reference]
+        behind = rows[rows.ref_sig & ((rows.diff_ref < 0) == t.attrs["higher_is_better"])]
+        lead = rows[rows.base_sig & ((rows.diff_base > 0) == t.attrs["higher_is_better"])]
+        if t.n.iloc[0] < min_claim_items:
+            out.append(f"- **{name}**: n = {int(t.n.iloc[0])} < {min_claim_items} items, no difference claimed; "
+                       f"largest standard error {t.se.max():.3f}.")
+            continue
+        line = (f"- **{name}** ({better} is better, n = {int(t.n.iloc[0])}): behind dense: "
+                + (", ".join(f"{r.method} @ {r.budget} ({r.diff_ref:+.3f})" for r in behind.itertuples()) or "none")
+                + "; ahead of every other method: "
+                + (", ".join(f"{r.method} @ {r.budget} ({r.diff_base:+.3f} vs {r.baseline})"
+                             for r in lead.itertuples()) or "none")
+                + f"; largest standard error {t.se.max():.3f}.")
+        out.append(line)
+    out.append(f"- Time: fits {fits.wall_s.sum():.0f} s, answers {answers.seconds.sum():.0f} s, prose "
+               f"{prose.seconds.sum():.0f} s.")
+    return out
+
+
+notes = findings()
+display(Markdown("\n".join(notes)))
+
+# %%
+lines = [f"Dense {model_name} ({dtype}, device {device}, {torch.get_num_threads()} thread(s)). Accuracy cells: "
+         + "; ".join(f"{label} ({len(items[label])} items of {items[label][0]['item']['context_tokens']} tokens)"
+                     for label in cells)
+         + f"; prose: {len(windows)} held-out windows of {window} tokens, the last {window - prose_prefix} scored. "
+         f"Selection prefill chunks of {chunk_size}, eviction prefill chunks of {eviction_chunk}.", "",
+         "**Measured budgets** (fitted nominal budget; decode mean / max over the real items in the compressed "
+         "layers; dense layers; mean entries read per decode query over every layer):", "",
+         ceiling.round(1).to_markdown(index=False), ""]
+for name, t in tables.items():
+    lines += [f"**{name}**", "", show(t).to_markdown(index=False), ""]
+lines += ["**Findings**", "", *notes, ""]
+write_text(Path(out_dir)/"protocol.md", "\n".join(lines))
+print("\n".join(lines))
