@@ -55,9 +55,7 @@ usable_accuracy = 0.9
 usable_items = 50
 
 # %%
-import hashlib
 import inspect
-import json
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -73,6 +71,7 @@ from sparsekv.data import PASSKEY_PHRASINGS, SYNTHETIC_TASKS, count_tokens, make
 from sparsekv.eval import run_grid
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.models import load_model
+from sparsekv.protocol import item_hash, prompt_ids
 
 # %%
 use_style()
@@ -121,12 +120,6 @@ def cells_of(label: str, length: int) -> list[dict]:
              for i, s in enumerate(seeds) for j, d in sorted(enumerate(depths), key=lambda jd: -jd[1])]
     # a hash of each item's text in its row's key: a changed task generator or option never reuses old rows
     return [{**c, "item": item_hash(task_item(c))} for c in cells]
-
-
-def item_hash(item: dict) -> str:
-    "A short hash of an item's prompt, answer prefix and answer."
-    text = json.dumps([item["prompt"], item["answer_prefix"], item["answer"]])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 cells = [c for label in tasks for L in task_lengths(label) for c in cells_of(label, L)]
@@ -178,11 +171,6 @@ def greedy(ids: torch.Tensor, n_new: int) -> tuple[str, int]:
     return tok.decode(out, skip_special_tokens=True), reused
 
 
-def prompt_ids(item: dict) -> torch.Tensor:
-    "Token ids [L] of the prompt, a space and the answer prefix."
-    return tok(item["prompt"] + " " + item["answer_prefix"], return_tensors="pt").input_ids[0].to(device)
-
-
 # %% [markdown]
 # The check: for two items of one seed (the first item of the grid, then the same with its needle at half the
 # depth), the second item's logits after reusing the first item's cache match those of a fresh prefill, and the
@@ -192,7 +180,8 @@ def prompt_ids(item: dict) -> torch.Tensor:
 check_label = "passkey" if "passkey" in tasks else next(iter(tasks))
 check_cell = cells_of(check_label, task_lengths(check_label)[0])[0]
 with torch.inference_mode():
-    a, b = (prompt_ids(task_item({**check_cell, "depth": d})) for d in (check_cell["depth"], check_cell["depth"] / 2))
+    a, b = (prompt_ids(tok, task_item({**check_cell, "depth": d}), device)[0]
+            for d in (check_cell["depth"], check_cell["depth"] / 2))
     reuse.prefill(a)
     shared_logits, reused = reuse.prefill(b)
     fresh_logits = model(input_ids=b[None], logits_to_keep=1).logits[0, -1]
@@ -213,7 +202,7 @@ def answer_cell(cell: dict) -> dict:
     "Greedy answer of one item: correct (0/1), the completion, distractor use and words found."
     item = task_item(cell)
     n_new = count_tokens(tok, " " + item["answer"]) + extra_tokens
-    text, reused = greedy(prompt_ids(item), n_new)
+    text, reused = greedy(prompt_ids(tok, item, device)[0], n_new)
     correct = int(score_exact(text, item["answer"]) == 1.0)
     distractor = int(not correct and any(score_exact(text, x) == 1.0 for x in other_numbers(item)))
     return {"correct": correct, "distractor": distractor, "words_found": score_exact(text, item["answer"].split()),
@@ -346,7 +335,7 @@ def findings() -> list[str]:
                 line += f"; {int(wrong.distractor.sum())} of {len(wrong)} wrong answers name a distractor's number"
             if task_name(label) == "induction_copy":
                 line += f"; wrong answers copy {wrong.words_found.mean():.0%} of the words on average"
-        if task_name(label) in PHRASINGS:
+        if task_name(label) in PHRASINGS and "phrasing" not in tasks[label]:
             per = sub.groupby("phrasing").correct.mean()
             line += "; per phrasing " + ", ".join(f"{int(p)}: {v:.2f}" for p, v in per.items())
         out.append(line + ".")
