@@ -41,7 +41,7 @@
 # |---|---|---|
 # | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | 4 min 55 s (fresh clone whose `.venv` existed, Chromium installed by the run; creating `.venv` adds about 1.5 min) |
 # | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 4 min 44 s (fresh clone, quiet machine, 2026-12-01; the longest stage, `protocol`, 88 s) |
-# | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | 59 min 39 s, the sum of its 13 stages' last times (11 of them timed together from a fresh clone on a quiet machine, 55 min 09 s; `calibration` 130 s and `protocol` 231 s timed alone, 2026-12-01); each stage's last time is on the Results page |
+# | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | 59 min 09 s, the sum of its 13 stages' last times (11 of them timed together from a fresh clone on a quiet machine, 55 min 09 s; `calibration` 130 s and `protocol` 201 s timed alone, 2026-12-01); each stage's last time is on the Results page |
 # | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable, its grids committed so a later run resumes them; only the stages that define `cpu-full`: `calibration` and `protocol`) | `calibration`: 85 min for its 220 items (23 s per item on average, part of it on a shared machine, 2026-12-01); `protocol`: several hours, spread over sessions (its progress is in `reproduce/runs/cpu-full/protocol_*_grid.csv`) |
 #
 # `make reproduce` runs the papermill pipeline declared in `reproduce/pipeline.yaml` and writes
