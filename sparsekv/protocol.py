@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import copy
 import math
 import time
 from typing import Callable
@@ -26,8 +27,8 @@ from .methods import PHASES, ModelShape, scoring_cost
 from .stats import compare
 
 # %% auto #0
-__all__ = ['BUDGET_COLUMNS', 'measured_budget', 'fit_budget', 'item_hash', 'prompt_ids', 'answer', 'window_logits',
-           'continuation', 'cost_columns', 'protocol_table']
+__all__ = ['BUDGET_COLUMNS', 'measured_budget', 'fit_budget', 'item_hash', 'prompt_ids', 'prefills_densely', 'dense_prefill',
+           'answer', 'window_logits', 'continuation', 'cost_columns', 'protocol_table']
 
 # %% ../nbs/43_protocol.ipynb #8a4f98c9
 BUDGET_COLUMNS = ("prefill_mean", "prefill_max", "decode_mean", "decode_max", "dense_layers", "decode_reads")
@@ -98,16 +99,50 @@ def prompt_ids(tok, item: dict, device=None) -> torch.Tensor:
     return tok(item["prompt"] + " " + item["answer_prefix"], return_tensors="pt").input_ids.to(device)
 
 
-def answer(method: Method, model, tok, item: dict, extra_tokens: int = 3) -> dict:
-    "One greedy answer to a retrieval item under `method`: correct (0/1), the completion, measured budget, seconds."
+def prefills_densely(method: Method) -> bool:
+    "Whether `method` prefills with dense attention into transformers' own cache (dense, page retrieval)."
+    return method.family in ("dense", "retrieval") and method.chunk_size is None
+
+
+@torch.no_grad()
+def dense_prefill(model, ids: torch.Tensor) -> dict:
+    "The dense prefill of prompt `ids` `[1, L]` to share among `prefills_densely` methods: cache, last logits, budget."
+    start = time.perf_counter()
+    with measure_attended() as meter, methods.make("dense").patch(model):
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    return {"ids": ids, "cache": cache, "logits": logits, "budget": measured_budget(meter),
+            "seconds": time.perf_counter() - start}
+
+
+def _generate_after(method: Method, model, ids: torch.Tensor, n_new: int, prefilled: dict, **kwargs) -> torch.Tensor:
+    "`method.generate(model, ids, max_new_tokens=n_new, **kwargs)` continued from a copy of `prefilled`'s cache."
+    if not prefills_densely(method):
+        raise ValueError(f"prefilled: {method.name} does not prefill densely; answer it without a shared prefill")
+    if not torch.equal(prefilled["ids"], ids): raise ValueError("prefilled: it is the prefill of another prompt")
+    out = torch.cat([ids, prefilled["logits"].argmax(-1, keepdim=True)], 1)  # the prefill's token, as generate
+    eos = model.generation_config.eos_token_id
+    if n_new == 1 or int(out[0, -1]) in (eos if isinstance(eos, list) else [eos]): return out
+    with torch.no_grad(), method.patch(model):
+        return model.generate(out, past_key_values=copy.deepcopy(prefilled["cache"]), max_new_tokens=n_new - 1,
+                              **kwargs)
+
+
+def answer(method: Method, model, tok, item: dict, extra_tokens: int = 3, prefilled: dict | None = None) -> dict:
+    """One greedy answer to a retrieval item under `method`: correct (0/1), the completion, measured budget, seconds;
+    `prefilled`: the item's `dense_prefill`, for a method that `prefills_densely`."""
     ids = prompt_ids(tok, item, model.device)
     n_new = count_tokens(tok, " " + item["answer"]) + check_int(extra_tokens, "extra_tokens")
-    start = time.perf_counter()
+    start, gen = time.perf_counter(), dict(do_sample=False, pad_token_id=tok.eos_token_id)
     with measure_attended() as meter:
-        out = method.generate(model, ids, max_new_tokens=n_new, do_sample=False, pad_token_id=tok.eos_token_id)
+        if prefilled is None: out = method.generate(model, ids, max_new_tokens=n_new, **gen)
+        else: out = _generate_after(method, model, ids, n_new, prefilled, **gen)
+    budget = measured_budget(meter, n_keys=out.shape[1] - 1)
+    if prefilled is not None: budget |= {k: v for k, v in prefilled["budget"].items() if k.startswith("prefill")}
+    seconds = time.perf_counter() - start + (0 if prefilled is None else prefilled["seconds"])
     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     return {"correct": int(score_exact(text, item["answer"]) == 1.0), "completion": text.replace("\n", "\\n"),
-            **measured_budget(meter, n_keys=out.shape[1] - 1), "seconds": time.perf_counter() - start}
+            **budget, "seconds": seconds}
 
 # %% ../nbs/43_protocol.ipynb #fc29b0ea
 def _check_windows(ids, prefix: int) -> int:

@@ -71,8 +71,8 @@ from sparsekv.eval import run_grid
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.methods import ModelShape
 from sparsekv.models import load_model, tiny_model
-from sparsekv.protocol import (BUDGET_COLUMNS, answer, continuation, cost_columns, fit_budget, item_hash,
-                               protocol_table)
+from sparsekv.protocol import (BUDGET_COLUMNS, answer, continuation, cost_columns, dense_prefill, fit_budget,
+                               item_hash, prefills_densely, prompt_ids, protocol_table)
 from sparsekv.stats import compare_cell
 
 # %%
@@ -168,7 +168,8 @@ print(f"prose: {len(windows)} windows of {window} tokens, the last {window - pro
 # One row per (method, budget, item), resumable (`run_grid`): an interrupted run loses at most the
 # batch or item in progress. Dense runs once per item (its rows carry budget 0: it has none). Prose
 # comes first: its windows are few and cheap per item, so a long run reaches tight intervals there
-# before the answers, which prefill a whole prompt per item and method.
+# before the answers, which prefill a whole prompt per item and method (dense and page retrieval, whose
+# prefill is dense, share one per item: `sparsekv.protocol.dense_prefill`).
 
 # %%
 reference = next(label for label in method_specs if label not in compressing)
@@ -203,12 +204,20 @@ prose = run_grid(prose_cells, prose_row, Path(out_dir)/"protocol_prose_grid.csv"
 by_hash = {item_hash(x["item"]): x["item"] for its in items.values() for x in its}
 
 
+shared = {}  # the current item's dense prefill, shared by the methods that prefill densely (dense, page retrieval)
+
+
 def answer_row(cell: dict) -> dict:
-    m = build(cell["method"], cell["budget"] or None)
-    return {"nominal": m.budget or 0, **answer(m, model, tok, by_hash[cell["item"]], extra_tokens)}
+    m, item = build(cell["method"], cell["budget"] or None), by_hash[cell["item"]]
+    if prefills_densely(m) and cell["item"] not in shared:
+        shared.clear()
+        shared[cell["item"]] = dense_prefill(model, prompt_ids(tok, item, device))
+    prefilled = shared[cell["item"]] if prefills_densely(m) else None
+    return {"nominal": m.budget or 0, **answer(m, model, tok, item, extra_tokens, prefilled)}
 
 
-# item by item, every method on each: a run stopped early still pairs every method on the items it finished
+# item by item, every method on each: a run stopped early still pairs every method on the items it finished, and
+# the methods that prefill densely share one prefill per item
 answers = run_grid([{"method": label, "budget": b, "cell": x["cell"], "seed": x["seed"], "depth": x["depth"],
                      "item": item_hash(x["item"])} for its in items.values() for x in its for label, b in runs],
                    answer_row, Path(out_dir)/"protocol_answers_grid.csv", desc="answers",
