@@ -7,16 +7,18 @@ Docs: https://sparsekv.github.io/sparsekv/cache.html.md"""
 # %% ../nbs/04_cache.ipynb #8106a0db
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
-from transformers import Cache
+from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .attention import check_int, evictable, gather_keys, is_causal, sink_window_visible
 
 # %% auto #0
 __all__ = ['BATCH_OPS', 'EvictionRule', 'SinkWindowRule', 'TopScoreRule', 'row_map', 'hooked_layer_class', 'follow_batch_ops',
-           'EvictingLayer', 'EvictingCache', 'SinkWindowCache']
+           'EvictingLayer', 'EvictingCache', 'SinkWindowCache', 'GrowingLayer', 'GrowingCache']
 
 # %% ../nbs/04_cache.ipynb #40ccaa34
 class EvictionRule:
@@ -246,3 +248,92 @@ class SinkWindowCache(EvictingCache):
 
     def __init__(self, sink: int, window: int):
         super().__init__(SinkWindowRule(sink, window))
+
+# %% ../nbs/04_cache.ipynb #981be54b
+class GrowingLayer(DynamicLayer):
+    "A `DynamicLayer` that writes new entries in place into buffers whose capacity doubles when full; returns views."
+
+    def __init__(self, min_capacity: int = 256):
+        self.min_capacity = check_int(min_capacity, "min_capacity", 1)
+        self._k = self._v = None
+        self._n = 0  # entries filled
+        super().__init__()
+
+    # keys/values are the filled part of the buffers; transformers assigns them (offload, the batch operations of the
+    # base class): an assigned tensor becomes the buffer, full to its length
+    @property
+    def keys(self) -> Tensor | None: return None if self._k is None else self._k[:, :, :self._n]
+
+    @keys.setter
+    def keys(self, x: Tensor | None):
+        self._k, self._n = x, 0 if x is None else x.shape[-2]
+
+    @property
+    def values(self) -> Tensor | None: return None if self._v is None else self._v[:, :, :self._n]
+
+    @values.setter
+    def values(self, x: Tensor | None): self._v = x
+
+    @property
+    def capacity(self) -> int:
+        "Entries the buffers hold before they must grow."
+        return 0 if self._k is None else self._k.shape[-2]
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _buffers(self, need: int, key_states: Tensor, value_states: Tensor) -> None:
+        "Fresh buffers of at least `need` entries (twice the old capacity) for the new states' rows, the filled copied."
+        cap = max(need, 2 * self.capacity, self.min_capacity)
+        k, v = (x.new_empty(*x.shape[:2], cap, x.shape[3]) for x in (key_states, value_states))
+        if self._n:
+            k[:, :, :self._n], v[:, :, :self._n] = self.keys, self.values
+        self._k, self._v = k, v
+
+    def update(self, key_states: Tensor, value_states: Tensor,
+               cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+        "Write the new entries after the filled ones (growing the buffers when full); views of all filled entries."
+        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+        n, m = self._n, key_states.shape[-2]
+        if n + m > self.capacity or self._k.shape[:2] != key_states.shape[:2]:
+            self._buffers(n + m, key_states, value_states)
+        self._k[:, :, n:n + m] = key_states
+        self._v[:, :, n:n + m] = value_states
+        self._n = n + m
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._n
+
+    def crop(self, max_length: int) -> None:
+        "Forget the entries from `max_length` on (negative: drop that many); the buffers stay."
+        self._n = min(self._n, max(0, max_length if max_length >= 0 else self._n + max_length))
+
+    def reset(self) -> None:
+        self._n = 0
+
+    def _rows(self, fn) -> None:
+        "Apply the batch-row map `fn` (`row_map`) to the filled entries, into buffers of the same capacity."
+        if not self._n: return
+        keys, values, cap = fn(self.keys), fn(self.values), self.capacity
+        self._k = self._v = None
+        self._n = 0
+        self.update(keys, values)
+        if self.capacity < cap: self._buffers(cap, keys, values)
+
+    def reorder_cache(self, beam_idx: Tensor) -> None: self._rows(row_map("reorder_cache", beam_idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None: self._rows(row_map("batch_repeat_interleave", repeats))
+
+    def batch_select_indices(self, indices: Tensor) -> None: self._rows(row_map("batch_select_indices", indices))
+
+
+class GrowingCache(DynamicCache):
+    "`DynamicCache` whose full-attention layers are `GrowingLayer`s (sliding-window layers stay transformers' own)."
+
+    def __init__(self, config=None, min_capacity: int = 256):
+        super().__init__(config=config)
+        check_int(min_capacity, "min_capacity", 1)
+        if config is None: self.layer_class_to_replicate = functools.partial(GrowingLayer, min_capacity)
+        else: self.layers = [GrowingLayer(min_capacity) if type(lay) is DynamicLayer else lay for lay in self.layers]

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AttentionInterface, Cache, DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import causal_mask, check_int, check_qkv, gather_keys
-from .cache import EvictingCache, EvictingLayer
+from .cache import EvictingCache, EvictingLayer, GrowingCache
 
 # %% auto #0
 __all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'heads_mask', 'AttendedBudget', 'measure_attended', 'record_attended',
@@ -107,6 +107,10 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     elif sq == sk: is_causal = sq > 1
     elif sq > 1: mask = causal_mask(sq, sk, q.device)
     if _METER.get() is not None: record_attended(attended_counts(mask, q.shape[0], q.shape[1], sq, sk))
+    if sq == 1 and mask is None and G > 1:  # a decode query: its group of G heads as G queries of one KV head
+        B, Hkv, D = k.shape[0], k.shape[1], v.shape[-1]
+        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, q.shape[-1]), k, v, dropout_p=dropout, scale=scale)
+        return out.reshape(B, Hkv * G, 1, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                           scale=scale, enable_gqa=G > 1)
 
@@ -481,7 +485,7 @@ def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, 
     check_int(chunk_size, "chunk_size", 1)  # refuses a bool (True would run as 1)
     check_input_ids(model, input_ids)
     pads = left_padding(attention_mask, input_ids)
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    cache = GrowingCache(config=model.config) if cache is None else cache
     if pads is None: return cache, _prefill_chunks(model, input_ids, chunk_size, policy, cache)
     B, S = input_ids.shape
     if isinstance(cache, EvictingCache):
@@ -499,7 +503,7 @@ def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, 
     parts, last = [], None
     for rows, cut in zip(groups, cuts):
         if cut == S: continue  # rows of padding only: nothing to compute
-        part = DynamicCache(config=model.config)
+        part = GrowingCache(config=model.config)
         logits = _prefill_chunks(model, input_ids[rows, cut:], chunk_size, policy, part, attention_mask[rows, cut:])
         if last is None: last = logits.new_zeros(B, logits.shape[-1])
         last[rows] = logits
@@ -544,12 +548,12 @@ class Method:
         return DensePolicy()
 
     def cache(self, model: PreTrainedModel) -> Cache | None:
-        "The cache to pass as `past_key_values` for one run, or None for transformers' own."
-        return None
+        "The cache to pass as `past_key_values` for one run (here `GrowingCache`: no copy of the cache per step)."
+        return GrowingCache(config=model.config)
 
     @contextlib.contextmanager
     def patch(self, model: PreTrainedModel):
-        "Patch `model` with a fresh `policy()` inside the block and yield the cache to pass (None: none needed)."
+        "Patch `model` with a fresh `policy()` inside the block and yield the cache to pass (`cache(model)`)."
         with patch(model, self.policy()): yield self.cache(model)
 
     def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None,

@@ -113,7 +113,7 @@ def scoring_cost(method: Method, shape, n_cached: int, phase: str = "prefill", c
 
 # %% ../nbs/07_methods.ipynb #e41142df
 class Dense(Method):
-    "Exact attention and transformers' own cache, the reference; `budget` is optional, checked when given, unused."
+    "Exact attention over the full cache, the reference; `budget` is optional, checked when given, unused."
     name = "dense"
 
     def __init__(self, budget: int | None = None):

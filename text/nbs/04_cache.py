@@ -10,9 +10,11 @@
 #| export
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
-from transformers import Cache
+from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from sparsekv.attention import check_int, evictable, gather_keys, is_causal, sink_window_visible
@@ -384,3 +386,202 @@ test_eq(lay.positions[0].tolist(), [[0, 1, 5, 6]] * 2)
 assert_close(lay.keys, k7[:, :, [0, 1, 5, 6]])
 test_eq((lay.get_seq_length(), lay.get_mask_sizes(torch.tensor([7]))), (7, (5, 3)))
 test_fail(lambda: lay.update(k7, k7), contains="only inside sparsekv.hf.patch")
+
+
+# %% [markdown]
+# ## A cache that grows in place
+#
+# transformers' `DynamicLayer` appends with `torch.cat`, so every decode step copies the whole cache
+# of every layer: at 8k tokens on SmolLM2-135M (30 layers, 3 KV heads of 64) that is 2 × 30 copies
+# of 6 MB per step, about as long as the rest of the step on two cores. `GrowingLayer` keeps keys
+# and values in buffers with room to spare, writes each step's entries in place, and returns views
+# of the filled part; when a buffer is full its capacity doubles (one copy per doubling, so the
+# copying averages out to at most one extra write per entry). Everything else is `DynamicLayer`'s
+# contract: `get_seq_length`, `get_mask_sizes`, `crop`, and the batch operations `generate` uses
+# for beam search and repeated rows.
+#
+# A returned view stays valid while the cache only grows. After `crop` the next `update` overwrites
+# the cropped slots, so a view taken before the crop would see the new entries; nothing in
+# `sparsekv` keeps one (policies copy what they store), and transformers' assisted decoding only
+# reads the cache after cropping it.
+
+# %%
+#| export
+class GrowingLayer(DynamicLayer):
+    "A `DynamicLayer` that writes new entries in place into buffers whose capacity doubles when full; returns views."
+
+    def __init__(self, min_capacity: int = 256):
+        self.min_capacity = check_int(min_capacity, "min_capacity", 1)
+        self._k = self._v = None
+        self._n = 0  # entries filled
+        super().__init__()
+
+    # keys/values are the filled part of the buffers; transformers assigns them (offload, the batch operations of the
+    # base class): an assigned tensor becomes the buffer, full to its length
+    @property
+    def keys(self) -> Tensor | None: return None if self._k is None else self._k[:, :, :self._n]
+
+    @keys.setter
+    def keys(self, x: Tensor | None):
+        self._k, self._n = x, 0 if x is None else x.shape[-2]
+
+    @property
+    def values(self) -> Tensor | None: return None if self._v is None else self._v[:, :, :self._n]
+
+    @values.setter
+    def values(self, x: Tensor | None): self._v = x
+
+    @property
+    def capacity(self) -> int:
+        "Entries the buffers hold before they must grow."
+        return 0 if self._k is None else self._k.shape[-2]
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _buffers(self, need: int, key_states: Tensor, value_states: Tensor) -> None:
+        "Fresh buffers of at least `need` entries (twice the old capacity) for the new states' rows, the filled copied."
+        cap = max(need, 2 * self.capacity, self.min_capacity)
+        k, v = (x.new_empty(*x.shape[:2], cap, x.shape[3]) for x in (key_states, value_states))
+        if self._n:
+            k[:, :, :self._n], v[:, :, :self._n] = self.keys, self.values
+        self._k, self._v = k, v
+
+    def update(self, key_states: Tensor, value_states: Tensor,
+               cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+        "Write the new entries after the filled ones (growing the buffers when full); views of all filled entries."
+        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+        n, m = self._n, key_states.shape[-2]
+        if n + m > self.capacity or self._k.shape[:2] != key_states.shape[:2]:
+            self._buffers(n + m, key_states, value_states)
+        self._k[:, :, n:n + m] = key_states
+        self._v[:, :, n:n + m] = value_states
+        self._n = n + m
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._n
+
+    def crop(self, max_length: int) -> None:
+        "Forget the entries from `max_length` on (negative: drop that many); the buffers stay."
+        self._n = min(self._n, max(0, max_length if max_length >= 0 else self._n + max_length))
+
+    def reset(self) -> None:
+        self._n = 0
+
+    def _rows(self, fn) -> None:
+        "Apply the batch-row map `fn` (`row_map`) to the filled entries, into buffers of the same capacity."
+        if not self._n: return
+        keys, values, cap = fn(self.keys), fn(self.values), self.capacity
+        self._k = self._v = None
+        self._n = 0
+        self.update(keys, values)
+        if self.capacity < cap: self._buffers(cap, keys, values)
+
+    def reorder_cache(self, beam_idx: Tensor) -> None: self._rows(row_map("reorder_cache", beam_idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None: self._rows(row_map("batch_repeat_interleave", repeats))
+
+    def batch_select_indices(self, indices: Tensor) -> None: self._rows(row_map("batch_select_indices", indices))
+
+
+class GrowingCache(DynamicCache):
+    "`DynamicCache` whose full-attention layers are `GrowingLayer`s (sliding-window layers stay transformers' own)."
+
+    def __init__(self, config=None, min_capacity: int = 256):
+        super().__init__(config=config)
+        check_int(min_capacity, "min_capacity", 1)
+        if config is None: self.layer_class_to_replicate = functools.partial(GrowingLayer, min_capacity)
+        else: self.layers = [GrowingLayer(min_capacity) if type(lay) is DynamicLayer else lay for lay in self.layers]
+
+
+# %% [markdown]
+# Checks against `DynamicLayer` on random entries: a prefill of 5 and decode steps past two doublings
+# give the same keys and values and the same lengths and mask sizes; the buffers grew twice, not at
+# each step; `crop` and the three batch operations give what they give on `DynamicLayer`, and
+# further updates after each still match.
+
+# %%
+def feed(layers, n: int, H=3, D=4) -> None:
+    "Update both layers with the same `n` random entries per row; they must return the same keys and values."
+    k = torch.randn(layers[0].keys.shape[0] if layers[0].is_initialized else 2, H, n, D)
+    (k0, v0), (k1, v1) = (lay.update(k, 2 * k) for lay in layers)
+    test_eq(k1, k0)
+    test_eq(v1, v0)
+
+
+ref, grow = DynamicLayer(), GrowingLayer(min_capacity=4)
+feed((ref, grow), 5)
+caps = [grow.capacity]
+for _ in range(12):
+    feed((ref, grow), 1)
+    caps.append(grow.capacity)
+test_eq(sorted(set(caps)), [5, 10, 20])  # the first write fills 5 exactly; then it doubles when full
+test_eq((grow.get_seq_length(), grow.get_mask_sizes(torch.tensor([17]))),
+        (ref.get_seq_length(), ref.get_mask_sizes(torch.tensor([17]))))
+for op, arg in (("crop", 9), ("crop", -2), ("reorder_cache", torch.tensor([1, 0])),
+                ("batch_repeat_interleave", 2), ("batch_select_indices", torch.tensor([0, 3]))):
+    for lay in (ref, grow): getattr(lay, op)(arg)
+    test_eq(grow.keys, ref.keys)
+    test_eq(grow.values, ref.values)
+    test_eq(grow.get_seq_length(), ref.get_seq_length())
+    feed((ref, grow), 3)
+grow.reset()
+test_eq((grow.get_seq_length(), grow.keys.shape[2]), (0, 0))
+test_fail(lambda: GrowingLayer(0), contains="min_capacity")
+
+# %% [markdown]
+# And in `generate`, on a tiny model: greedy decoding (with its logits), beam search (which reorders
+# the rows at every step) and several return sequences give the same tokens as with `DynamicCache`.
+
+# %%
+from transformers import DynamicCache
+
+from sparsekv.models import tiny_model
+
+model, _ = tiny_model("tiny-llama")
+prompt = torch.randint(3, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+for kw in (dict(num_beams=1), dict(num_beams=3), dict(num_beams=3, num_return_sequences=2)):
+    out = [model.generate(prompt, past_key_values=cache(config=model.config), max_new_tokens=12, do_sample=False,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+           for cache in (DynamicCache, GrowingCache)]
+    test_eq(out[1].sequences, out[0].sequences)
+    assert_close(torch.stack(out[1].logits), torch.stack(out[0].logits))
+print("generate: same tokens and logits with GrowingCache as with DynamicCache")
+
+# %% [markdown]
+# What it saves, measured side by side (`make test-all` runs it): one decode step's cache updates
+# and attention over 30 layers of 3 KV heads and 9 query heads of 64 (SmolLM2-135M's shapes) at
+# 2k, 8k and 32k cached tokens, `DynamicLayer` against `GrowingLayer`, alternating, median of 15.
+# The model's weights (the rest of a step) are left out: this is the part the cache changes.
+
+# %%
+#| slow
+import statistics
+import time
+
+import torch.nn.functional as F
+
+
+def step_ms(layers: list, q: Tensor, kv: Tensor) -> float:
+    "Milliseconds of one decode step: every layer appends `kv` and attends `q` over its whole cache."
+    start = time.perf_counter()
+    for lay in layers:
+        k, v = lay.update(kv, kv)
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return 1e3 * (time.perf_counter() - start)
+
+
+print(f"{torch.get_num_threads()} thread(s)")
+for T in (2048, 8192, 32768):
+    prefill, q, kv = torch.randn(1, 3, T, 64), torch.randn(1, 9, 1, 64), torch.randn(1, 3, 1, 64)
+    runs = {"DynamicLayer": [DynamicLayer() for _ in range(30)], "GrowingLayer": [GrowingLayer() for _ in range(30)]}
+    for layers in runs.values():
+        for lay in layers: lay.update(prefill, prefill)
+    ms = {name: [] for name in runs}
+    for _ in range(15):
+        for name, layers in runs.items(): ms[name].append(step_ms(layers, q, kv))
+    med = {name: statistics.median(m) for name, m in ms.items()}
+    print(f"{T:6d} cached: DynamicLayer {med['DynamicLayer']:6.1f} ms, GrowingLayer {med['GrowingLayer']:6.1f} ms, "
+          f"{med['DynamicLayer'] / med['GrowingLayer']:.2f}x")

@@ -49,7 +49,7 @@ torch.set_num_threads(1)  # tiny model: threads only add overhead
 # ```python
 # m = methods.make("tova", budget=256)
 # out = m.generate(model, input_ids, max_new_tokens=20, do_sample=False)  # token ids
-# with m.patch(model) as past_key_values:   # advanced: the cache to pass (None: transformers' own)
+# with m.patch(model) as past_key_values:   # advanced: the cache to pass
 #     model(input_ids, past_key_values=past_key_values)
 # ```
 #
@@ -59,9 +59,9 @@ torch.set_num_threads(1)  # tiny model: threads only add overhead
 # | family | setting | policy | cache | `budget` means |
 # |---|---|---|---|---|
 # | `eviction` | evict while reading: the prompt and the generated tokens go through a bounded cache | dense over what the cache keeps (TOVA, H2O: it also scores the entries; KVpop: masks the mLSTM's unread token) | `EvictingCache(rule)` / `KVpopCache` / `DMSCache` | $B = s + w + k$ kept entries (`split_budget`: $s = 4$, $w = \mathrm{round}(256B/4356)$, the rest $k$); DMS: a training target met on average |
-# | `selection` | chunked prefill of `chunk_size` ($B_{CP}$ = 128) tokens with a selection policy; decode likewise | `QuokaPolicy`, `BaselinePolicy(select_fn)`, `LessIsMorePolicy` | transformers' own (the full cache) | $B_{SA}$ earlier keys per chunk (or a float fraction of the cache), plus the chunk's own keys causally |
-# | `retrieval` | dense prefill, sparse decode | `PageRetrievalPolicy(summary)` | transformers' own (the full cache) | `token_budget`: sink, recent and top-scored pages, the sink and recent regions rounded out to pages |
-# | `dense` | exact attention | `DensePolicy` | transformers' own | ignored |
+# | `selection` | chunked prefill of `chunk_size` ($B_{CP}$ = 128) tokens with a selection policy; decode likewise | `QuokaPolicy`, `BaselinePolicy(select_fn)`, `LessIsMorePolicy` | `GrowingCache` (the full cache, written in place) | $B_{SA}$ earlier keys per chunk (or a float fraction of the cache), plus the chunk's own keys causally |
+# | `retrieval` | dense prefill, sparse decode | `PageRetrievalPolicy(summary)` | `GrowingCache` (the full cache, written in place) | `token_budget`: sink, recent and top-scored pages, the sink and recent regions rounded out to pages |
+# | `dense` | exact attention | `DensePolicy` | `GrowingCache` | ignored |
 #
 # **Padded batches.** `generate(model, ids, attention_mask=...)` takes `generate`'s left padding. The dense,
 # selection and retrieval methods give each row exactly the tokens it gets alone (each row selects over its own
@@ -199,7 +199,7 @@ def scoring_cost(method: Method, shape, n_cached: int, phase: str = "prefill", c
 # %%
 #| export
 class Dense(Method):
-    "Exact attention and transformers' own cache, the reference; `budget` is optional, checked when given, unused."
+    "Exact attention over the full cache, the reference; `budget` is optional, checked when given, unused."
     name = "dense"
 
     def __init__(self, budget: int | None = None):
@@ -376,7 +376,7 @@ class LessIsMore(SelectionMethod):
 # %% [markdown]
 # ## Decode retrieval (OVAL and its baselines)
 #
-# The prompt is prefilled densely into transformers' own cache; each decode query attends to the pages
+# The prompt is prefilled densely into the full cache (`GrowingCache`); each decode query attends to the pages
 # `PageRetrievalPolicy` picks from the summaries: the sink and recent regions (rounded out to whole pages)
 # and the best-scored pages, within `budget` = `token_budget` tokens per KV head. By default the
 # sink and recent regions take the policy's 32 tokens each, at most a quarter of the budget each.

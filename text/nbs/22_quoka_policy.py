@@ -16,10 +16,9 @@ import weakref
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
 from sparsekv.attention import attention_reference, causal_mask, check_int
-from sparsekv.cache import follow_batch_ops
+from sparsekv.cache import GrowingCache, follow_batch_ops
 from sparsekv.quoka.baselines import LessIsMoreSelector
 from sparsekv.hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
                          heads_mask, patch)
@@ -483,7 +482,7 @@ def last_chunk_logits(model, input_ids: Tensor, chunk_size: int, policy=None) ->
     S = input_ids.shape[1]
     start = (S - 1) // chunk_size * chunk_size  # where chunked_prefill's last chunk starts
     cache = (chunked_prefill(model, input_ids[:, :start], chunk_size, policy)[0] if start
-             else DynamicCache(config=model.config))
+             else GrowingCache(config=model.config))
     pos = torch.arange(start, S, device=input_ids.device)
     with torch.no_grad(), patch(model, policy or DensePolicy()):
         state = active_patch(model)

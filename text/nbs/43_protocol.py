@@ -38,10 +38,10 @@ from typing import Callable
 
 import pandas as pd
 import torch
-from transformers import DynamicCache
 
 from sparsekv import methods
 from sparsekv.attention import check_int
+from sparsekv.cache import GrowingCache
 from sparsekv.data import count_tokens, score_exact
 from sparsekv.eval import kl_to_teacher, token_nll, top1_agreement
 from sparsekv.hf import AttendedBudget, Method, chunked_prefill, measure_attended
@@ -255,7 +255,7 @@ def dense_prefill(model, ids: torch.Tensor) -> dict:
     "The dense prefill of prompt `ids` `[1, L]` to share among `prefills_densely` methods: cache, last logits, budget."
     start = time.perf_counter()
     with measure_attended() as meter, methods.make("dense").patch(model):
-        cache = DynamicCache(config=model.config)
+        cache = GrowingCache(config=model.config)
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     return {"ids": ids, "cache": cache, "logits": logits, "budget": measured_budget(meter),
             "seconds": time.perf_counter() - start}
@@ -339,7 +339,7 @@ def window_logits(method: Method, model, ids: torch.Tensor, prefix: int) -> torc
     "Next-token logits `[B, S - prefix, V]` after tokens `prefix - 1 .. S - 2` of windows `ids` `[B, S]`, `method` on."
     prefix = _check_windows(ids, prefix)
     with method.patch(model) as cache:
-        cache = DynamicCache(config=model.config) if cache is None else cache
+        cache = GrowingCache(config=model.config) if cache is None else cache
         if method.chunk_size: last = chunked_prefill(model, ids[:, :prefix], method.chunk_size, cache=cache)[1]
         else: last = model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True,
                            logits_to_keep=1).logits[:, -1]
