@@ -216,10 +216,11 @@ def answer_row(cell: dict) -> dict:
     return {"nominal": m.budget or 0, **answer(m, model, tok, item, extra_tokens, prefilled)}
 
 
-# item by item, every method on each: a run stopped early still pairs every method on the items it finished, and
-# the methods that prefill densely share one prefill per item
+# item by item, every method on each, seed by seed through every cell: a run stopped early still pairs every method
+# on the items it finished, with every cell at every depth; the methods that prefill densely share one prefill per item
+by_seed = sorted((x for its in items.values() for x in its), key=lambda x: x["seed"])  # stable: cells, depths
 answers = run_grid([{"method": label, "budget": b, "cell": x["cell"], "seed": x["seed"], "depth": x["depth"],
-                     "item": item_hash(x["item"])} for its in items.values() for x in its for label, b in runs],
+                     "item": item_hash(x["item"])} for x in by_seed for label, b in runs],
                    answer_row, Path(out_dir)/"protocol_answers_grid.csv", desc="answers",
                    params={"model_name": model_name, "dtype": dtype, "device": device, "extra_tokens": extra_tokens,
                            "chunk_size": chunk_size, "eviction_chunk": eviction_chunk})
