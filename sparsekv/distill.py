@@ -498,4 +498,6 @@ def train_from_args(a: argparse.Namespace) -> pd.DataFrame:
         if distributed: dist.destroy_process_group()
 
 # %% ../nbs/06_distill.ipynb #126a3d8c
-if __name__ == "__main__": main()
+if __name__ == "__main__":
+    from sparsekv.distill import main as package_main
+    package_main()

@@ -5,6 +5,8 @@ import dataclasses
 import itertools
 import os
 import re
+import subprocess
+import sys
 import tempfile
 
 import pandas as pd
@@ -167,6 +169,16 @@ def test_main_single_process(tmp_path):
     # scorer-only: no model weights; the student with its method and description (see test_kvpop_student)
     assert (tmp_path / "history.csv").is_file() and set(trained) == {"student", "spec"}
     assert trained["spec"]["method"] == "kvpop_mlp" and trained["spec"]["student"]["type"] == "KVpopStudent"
+
+
+def test_module_runs_as_a_script(tmp_path):
+    "`python -m sparsekv.distill`, as users and torchrun start it (not `main` imported): trains and writes its files."
+    run = subprocess.run([sys.executable, "-m", "sparsekv.distill", "--model", "tiny-llama", "--seq-len", "32",
+                          "--steps", "2", "--batch-size", "2", "--sink", "2", "--window", "4", "--k", "6",
+                          "--warmup-steps", "1", "--device", "cpu", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "trained.pt").is_file() and len((tmp_path / "history.csv").read_text().splitlines()) == 3
 
 
 # --- the command line: a user error is one line, a bug keeps its traceback (issue 12, unclear errors) -------------

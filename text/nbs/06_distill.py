@@ -795,7 +795,14 @@ for args, said in [(["--student", "quoka"], "--student must be a trained method"
     assert err.getvalue().startswith("python -m sparsekv.distill: error: ") and said in err.getvalue(), err.getvalue()
 test_fail(lambda: main(["--student", "quoka", "--debug"]), contains="--student must be a trained method")
 
+# %% [markdown]
+# Run as `python -m sparsekv.distill`, this file is the module `__main__`, a second copy of
+# `sparsekv.distill` whose classes are not the package's (`KVpopStudent` derives from the package's
+# `DistillStudent`, not from `__main__.DistillStudent`): the entry point calls the package's `main`.
+
 # %%
 #| export
 #| eval: false
-if __name__ == "__main__": main()
+if __name__ == "__main__":
+    from sparsekv.distill import main as package_main
+    package_main()
