@@ -17,13 +17,14 @@ NOTEBOOKS := $(wildcard nbs/*.ipynb reproduce/*.ipynb)
 # JupyterLab refuses to start as root (the usual user in a container) unless told it may.
 LAB_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help install tools reproduce test test-all docs docs-serve lab export clean-nbs sync check-export
+.PHONY: help install tools reproduce test test-all gpu-check docs docs-serve lab export clean-nbs sync check-export
 
 help:
 	@echo "make reproduce [PROFILE=quick|cpu|cpu-full|gpu]  run the experiment pipeline (default PROFILE=cpu)"
 	@echo "  ARGS=\"--only STAGE\" (one stage), \"--force\" (rerun up-to-date stages), \"--list\" (list the stages)"
 	@echo "make test                             export, run the notebooks' checks and the pytest suite"
-	@echo "make test-all                         also run the slow (and, with a GPU, the gpu) checks"
+	@echo "make test-all                         also run the slow (and, with a GPU, the gpu) checks, and gpu-check DRY=1"
+	@echo "make gpu-check [DRY=1]                the first run on a GPU: every CUDA path once, one report (DRY=1: on this CPU)"
 	@echo "make docs                             build the offline docs site into _docs/"
 	@echo "make docs-serve                       build the docs, then serve _docs/ on http://localhost:8000"
 	@echo "make lab                              open the notebooks in JupyterLab"
@@ -80,7 +81,7 @@ test test-all: export OMP_NUM_THREADS = 1
 # --dist loadgroup: the docs tests share one build of the site, so they run on one worker.
 test: $(STAMP) tools $(MATHJAX)
 	$(BIN)/nbdev-export
-	$(BIN)/ruff check nbs sparsekv tests
+	$(BIN)/ruff check nbs sparsekv tests reproduce/gpu_check.py
 	$(BIN)/nbdev-test --n-workers 2
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
@@ -90,6 +91,12 @@ test-all: $(STAMP) tools $(MATHJAX)
 	flags="slow"; if $(BIN)/python -c "import torch,sys; sys.exit(not torch.cuda.is_available())"; then flags="slow gpu"; fi; \
 	$(BIN)/nbdev-test --n-workers 2 --flags "$$flags"
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --dist loadgroup --run-slow $(PYTEST_ARGS)
+	$(MAKE) gpu-check DRY=1
+
+# The first run on a GPU (README, "First run on a GPU"): every CUDA path once, each part under its own time limit, a
+# report in reproduce/runs/gpu-check/. DRY=1: the same parts on this CPU with tiny shapes (reproduce/runs/gpu-check-dry/).
+gpu-check: $(STAMP)
+	$(BIN)/python reproduce/gpu_check.py $(if $(DRY),--dry --out reproduce/runs/gpu-check-dry)
 
 # --- helpers ------------------------------------------------------------------------
 docs: $(STAMP) $(MATHJAX)

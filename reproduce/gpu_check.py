@@ -1,0 +1,275 @@
+"""The first run on a GPU: every CUDA path of sparsekv once, in a few minutes, with one report.
+
+    make gpu-check          # on a CUDA machine (about 8 minutes at most)
+    make gpu-check DRY=1    # the same parts on this CPU: tiny shapes, eager FlexAttention, Triton interpreted, gloo
+
+Each part runs in its own process under its own time limit, so one failure or hang does not eat the rest:
+
+- tests:    the gpu-marked tests (and, on CUDA, the gpu cells of the notebooks);
+- flex:     compiled FlexAttention for the KVpop target and mask, forward and backward, against the dense path;
+- triton:   the Triton cutoff kernel (Alg. 2) against the torch backend at 64k tokens;
+- torchrun: a few bf16 distillation steps under `torchrun` (FSDP2 with two or more processes);
+- bench:    prefill and per-token decode time of dense, KVpop, QuoKA and OVAL at 32k tokens on the largest model at
+            hand, ratios against dense from the same run.
+
+The report goes to `--out` as gpu_check.json and gpu_check.md; each part's numbers are printed as it ends. Without CUDA
+and without --dry it says so in one line and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("tests", "flex", "triton", "torchrun", "bench")
+LIMITS = {"tests": 150, "flex": 90, "triton": 60, "torchrun": 120, "bench": 120}  # seconds per part on a GPU
+RESULT = "GPU_CHECK_RESULT "  # the line a part's process ends its output with, then its numbers as JSON
+
+
+# --- the parts: each runs in its own process and returns its numbers; `ok` says whether its checks passed -------------
+
+def part_tests(dry: bool) -> dict:
+    "The gpu-marked tests; on CUDA also the notebooks' gpu cells. Dry: only collected (they need CUDA to run)."
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(ROOT / "tests")]
+    if dry: cmd.insert(-1, "--collect-only")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|tests? collected)",
+                                              out.stdout)}
+    res = {"pytest": counts, "pytest_rc": out.returncode}
+    if dry:
+        res["collected"] = next((n for k, n in counts.items() if "collected" in k), 0)
+        res["ok"] = out.returncode == 0 and res["collected"] > 0
+        res["note"] = "collected only: the gpu tests need CUDA"
+        return res
+    notebooks = sorted(p.name for p in (ROOT / "nbs").glob("*.ipynb") if "#| gpu" in p.read_text())
+    nb = subprocess.run([str(Path(sys.executable).parent / "nbdev-test"), "--flags", "gpu", "--file-re",
+                         "^(" + "|".join(re.escape(n) for n in notebooks) + ")$"], cwd=ROOT, capture_output=True,
+                        text=True)
+    res |= {"notebooks": notebooks, "notebooks_rc": nb.returncode}
+    res["ok"] = out.returncode == 0 and nb.returncode == 0 and counts.get("passed", 0) > 0
+    return res
+
+
+def _sync(device) -> None:
+    import torch
+    if torch.device(device).type == "cuda": torch.cuda.synchronize()
+
+
+def _seconds(fn, device, repeats: int = 3) -> float:
+    "Best wall time of `fn()` over `repeats` runs after one warm-up (which compiles)."
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def part_flex(dry: bool) -> dict:
+    """Compiled FlexAttention (eager on the CPU) for the KVpop target and mask against the dense path: forward in
+    float32 and bfloat16, backward of the mask's attention (CUDA only: FlexAttention has no backward on the CPU)."""
+    import torch
+    from sparsekv.kvpop.cutoff import topk_cutoff
+    from sparsekv.kvpop.mask import kvpop_attention
+    from sparsekv.kvpop.target import future_attention_target
+
+    device = "cpu" if dry else "cuda"
+    B, Hkv, G, S, D, window, sink, k = (1, 2, 2, 256, 16, 16, 4, 64) if dry else (1, 8, 4, 4096, 128, 64, 4, 1024)
+    gen = torch.Generator().manual_seed(0)
+    q, kk, v = (torch.randn(B, h, S, D, generator=gen).to(device) for h in (Hkv * G, Hkv, Hkv))
+    res = {"shape": f"B={B} Hq={Hkv * G} Hkv={Hkv} S={S} D={D}", "device": device}
+    want = future_attention_target(q, kk, window, method="dense")
+    got = future_attention_target(q, kk, window, method="flex")
+    res["target_max_abs_diff"] = float((got - want).abs().max())
+    rank, cutoff = topk_cutoff(torch.randn(B, Hkv, S, generator=gen).to(device), k, sink, window)
+    ref_out, _ = kvpop_attention(q, kk, v, rank, cutoff, sink, window, backend="reference")
+    out, _ = kvpop_attention(q, kk, v, rank, cutoff, sink, window, backend="flex")
+    res["mask_max_abs_diff"] = float((out - ref_out).abs().max())
+    bf = [x.bfloat16() for x in (q, kk, v)]
+    res["mask_bf16_max_abs_diff"] = float((kvpop_attention(*bf, rank, cutoff, sink, window, backend="flex")[0].float()
+                                           - ref_out).abs().max())
+    ok = res["target_max_abs_diff"] < 1e-3 and res["mask_max_abs_diff"] < 1e-4 and res["mask_bf16_max_abs_diff"] < 5e-2
+    if dry: res["backward"] = "not run: FlexAttention has no backward on the CPU"
+    else:
+        grads = []
+        for backend in ("flex", "reference"):
+            leaves = [x.clone().requires_grad_() for x in (q, kk, v)]
+            kvpop_attention(*leaves, rank, cutoff, sink, window, backend=backend)[0].square().sum().backward()
+            grads.append([x.grad for x in leaves])
+        res["mask_grad_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(*grads))
+        ok = ok and res["mask_grad_max_abs_diff"] < 1e-3
+        flex_s = _seconds(lambda: kvpop_attention(q, kk, v, rank, cutoff, sink, window, backend="flex"), device)
+        dense_s = _seconds(lambda: kvpop_attention(q, kk, v, rank, cutoff, sink, window, backend="sdpa"), device)
+        res |= {"mask_flex_ms": 1e3 * flex_s, "mask_dense_ms": 1e3 * dense_s, "mask_dense_over_flex": dense_s / flex_s}
+    res["ok"] = bool(ok)
+    return res
+
+
+def part_triton(dry: bool) -> dict:
+    "The Triton cutoff kernel against the torch backend (equal cutoffs) and their times; dry: interpreted, 512 tokens."
+    import torch
+    from sparsekv.kvpop.cutoff import topk_cutoff
+
+    device = "cpu" if dry else "cuda"
+    BH, S, k, sink, window = (2, 512, 64, 4, 16) if dry else (8, 65536, 2016, 4, 256)
+    priority = torch.randn(1, BH, S, generator=torch.Generator().manual_seed(0)).to(device)
+    (r_t, c_t), (r_k, c_k) = (topk_cutoff(priority, k, sink, window, backend=b) for b in ("torch", "triton"))
+    res = {"S": S, "BH": BH, "k": k, "device": device, "equal": bool(torch.equal(c_t, c_k) and torch.equal(r_t, r_k))}
+    if not dry:
+        torch_s = _seconds(lambda: topk_cutoff(priority, k, sink, window, backend="torch"), device)
+        triton_s = _seconds(lambda: topk_cutoff(priority, k, sink, window, backend="triton"), device)
+        res |= {"torch_ms": 1e3 * torch_s, "triton_ms": 1e3 * triton_s, "torch_over_triton": torch_s / triton_s}
+    res["ok"] = res["equal"]
+    return res
+
+
+def part_torchrun(dry: bool) -> dict:
+    """A few distillation steps of KVpop-MLP under torchrun: bf16 autocast on CUDA, FSDP2 when there are two or more
+    processes (one per GPU; dry: two gloo processes on the CPU with a tiny model)."""
+    import torch
+
+    n = 2 if dry else torch.cuda.device_count()
+    model = "tiny-llama" if dry else "smollm2-135m"
+    with tempfile.TemporaryDirectory(prefix="sparsekv-gpu-check-") as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               "-m", "sparsekv.distill", "--model", model, "--steps", "3", "--warmup-steps", "1",
+               "--seq-len", "64" if dry else "1024", "--batch-size", str(2 * n), "--sink", "4",
+               "--window", "8" if dry else "64", "--k", "16" if dry else "192", "--out", out]
+        if dry: cmd += ["--device", "cpu"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        start = time.perf_counter()
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        hist = Path(out, "history.csv")
+        steps = len(hist.read_text().splitlines()) - 1 if hist.exists() else 0
+    res = {"processes": n, "model": model, "rc": run.returncode, "steps": steps, "seconds": time.perf_counter() - start,
+           "fsdp2": n > 1, "bf16": not dry}
+    if run.returncode:  # the workers' own error lines first: torchrun's traceback of its own fills the tail
+        res["errors"] = [ln for ln in run.stderr.splitlines() if "error" in ln.lower()][:5]
+        res["stderr_tail"] = run.stderr[-800:]
+    res["ok"] = run.returncode == 0 and steps == 3
+    return res
+
+
+def _bench_model(dry: bool):
+    "The model to time: tiny-llama when dry, else SmolLM2-135M if its package is installed, else tiny-qwen3."
+    from sparsekv.models import load_model
+    if dry: return "tiny-llama", load_model("tiny-llama")[0]
+    for name in ("smollm2-135m", "tiny-qwen3"):
+        try: return name, load_model(name, dtype="bfloat16", device="cuda")[0]
+        except (OSError, ModuleNotFoundError, ImportError): continue
+    raise RuntimeError("no model could be loaded")
+
+
+def part_bench(dry: bool) -> dict:
+    "Prefill (time to first token) and per-token decode of dense, KVpop, QuoKA and OVAL on one prompt; ratios to dense."
+    import torch
+    from sparsekv import methods
+
+    device = "cpu" if dry else "cuda"
+    S, steps, budget = (512, 8, 64) if dry else (32768, 64, 2048)
+    name, model = _bench_model(dry)
+    ids = torch.randint(3, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(0)).to(device)
+    res = {"model": name, "context": S, "decode_steps": steps, "budget": budget, "device": device, "methods": {}}
+    gen = dict(do_sample=False, pad_token_id=0)
+
+    def seconds(m, n_new: int) -> float:
+        start = time.perf_counter()
+        m.generate(model, ids, max_new_tokens=n_new, min_new_tokens=n_new, **gen)
+        _sync(device)
+        return time.perf_counter() - start
+
+    methods.make("dense").generate(model, ids[:, :64], max_new_tokens=2, **gen)  # warm-up: kernels, allocator
+    for label in ("dense", "kvpop_mlp", "quoka", "oval"):
+        m = methods.make(label) if label == "dense" else methods.make(label, budget)
+        ttft = seconds(m, 1)  # the prefill and the first token
+        decode = (seconds(m, 1 + steps) - ttft) / steps
+        res["methods"][label] = {"prefill_s": ttft, "decode_ms": 1e3 * decode}
+    dense = res["methods"]["dense"]
+    for r in res["methods"].values():
+        r["prefill_speedup"] = dense["prefill_s"] / r["prefill_s"]
+        r["decode_speedup"] = dense["decode_ms"] / r["decode_ms"]
+    res["ok"] = True
+    return res
+
+
+# --- the driver: one process per part, a time limit each, one report --------------------------------------------------
+
+def run_part(name: str, dry: bool, limit: float) -> dict:
+    "Run part `name` in its own process under `limit` seconds: its numbers, status and time."
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if dry and name == "triton": env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, __file__, "--part", name] + (["--dry"] if dry else [])
+    start = time.perf_counter()
+    try: run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stdout or b""
+        tail = (tail.decode() if isinstance(tail, bytes) else tail)[-1500:]
+        return {"status": "timeout", "seconds": limit, "output_tail": tail}
+    seconds = time.perf_counter() - start
+    line = next((ln for ln in reversed(run.stdout.splitlines()) if ln.startswith(RESULT)), None)
+    if run.returncode or line is None:
+        return {"status": "error", "seconds": seconds, "output_tail": (run.stdout + run.stderr)[-3000:]}
+    res = json.loads(line[len(RESULT):])
+    return {"status": "ok" if res.pop("ok") else "failed", "seconds": seconds, **res}
+
+
+def report_md(report: dict) -> str:
+    "The report as markdown: one section per part, its status, time and numbers."
+    lines = [f"# GPU check ({'dry run on the CPU' if report['dry'] else report['device']})", "",
+             f"{report['date']}, torch {report['torch']}, {report['seconds']:.0f} s in all.", ""]
+    for name, r in report["parts"].items():
+        lines += [f"## {name}: {r['status']} ({r['seconds']:.0f} s)", "", "```",
+                  json.dumps({k: v for k, v in r.items() if k not in ("status", "seconds")}, indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dry", action="store_true", help="run on the CPU with tiny shapes (no CUDA needed)")
+    p.add_argument("--out", default=str(ROOT / "reproduce" / "runs" / "gpu-check"), help="folder of the report")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts, of {', '.join(PARTS)}")
+    p.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # run one part in this process
+    a = p.parse_args(argv)
+    if a.part:
+        res = globals()[f"part_{a.part}"](a.dry)
+        print(RESULT + json.dumps(res))
+        return 0
+    parts = [x for x in a.parts.split(",") if x]
+    bad = [x for x in parts if x not in PARTS]
+    if bad: p.error(f"--parts must name parts of {PARTS}, got {bad}")
+    import torch
+    if not a.dry and not torch.cuda.is_available():
+        print("gpu-check: no CUDA device here, nothing checked (make gpu-check DRY=1 runs the parts on this CPU)")
+        return 0
+    start = time.perf_counter()
+    report = {"dry": a.dry, "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
+              "device": "cpu" if a.dry else torch.cuda.get_device_name(), "parts": {}}
+    for name in parts:
+        print(f"gpu-check: {name} (limit {LIMITS[name] * (3 if a.dry else 1)} s) ...", flush=True)
+        r = report["parts"][name] = run_part(name, a.dry, LIMITS[name] * (3 if a.dry else 1))
+        print(f"  {r['status']} in {r['seconds']:.0f} s: "
+              + json.dumps({k: v for k, v in r.items() if k not in ("status", "seconds", "output_tail")}), flush=True)
+        if "output_tail" in r: print("  " + r["output_tail"][-1500:].replace("\n", "\n  "), flush=True)
+    report["seconds"] = time.perf_counter() - start
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    (out / "gpu_check.md").write_text(report_md(report))
+    failed = [n for n, r in report["parts"].items() if r["status"] != "ok"]
+    print(f"gpu-check: {len(parts) - len(failed)}/{len(parts)} parts ok"
+          + (f", not ok: {', '.join(failed)}" if failed else "") + f"; report in {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
