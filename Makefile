@@ -20,10 +20,10 @@ LAB_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 .PHONY: help install tools reproduce test test-all gpu-check docs docs-serve lab export clean-nbs sync check-export
 
 help:
-	@echo "make reproduce [PROFILE=quick|cpu|cpu-full|gpu]  run the experiment pipeline (default PROFILE=cpu)"
+	@echo "make reproduce [PROFILE=quick|cpu|cpu-full|gpu|gpu-smoke]  run the experiment pipeline (default PROFILE=cpu)"
 	@echo "  ARGS=\"--only STAGE\" (one stage), \"--force\" (rerun up-to-date stages), \"--list\" (list the stages)"
 	@echo "make test                             export, run the notebooks' checks and the pytest suite"
-	@echo "make test-all                         also run the slow (and, with a GPU, the gpu) checks, and gpu-check DRY=1"
+	@echo "make test-all                         also the slow (with a GPU, the gpu) checks, gpu-check DRY=1, PROFILE=gpu-smoke"
 	@echo "make gpu-check [DRY=1]                the first run on a GPU: every CUDA path once, one report (DRY=1: on this CPU)"
 	@echo "make docs                             build the offline docs site into _docs/"
 	@echo "make docs-serve                       build the docs, then serve _docs/ on http://localhost:8000"
@@ -91,7 +91,8 @@ test-all: $(STAMP) tools $(MATHJAX)
 	flags="slow"; if $(BIN)/python -c "import torch,sys; sys.exit(not torch.cuda.is_available())"; then flags="slow gpu"; fi; \
 	$(BIN)/nbdev-test --n-workers 2 --flags "$$flags"
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --dist loadgroup --run-slow $(PYTEST_ARGS)
-	$(MAKE) gpu-check DRY=1
+	env -u OMP_NUM_THREADS $(MAKE) gpu-check DRY=1
+	env -u OMP_NUM_THREADS $(MAKE) reproduce PROFILE=gpu-smoke ARGS=--force
 
 # The first run on a GPU (README, "First run on a GPU"): every CUDA path once, each part under its own time limit, a
 # report in reproduce/runs/gpu-check/. DRY=1: the same parts on this CPU with tiny shapes (reproduce/runs/gpu-check-dry/).

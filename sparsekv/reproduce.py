@@ -34,13 +34,14 @@ from .io import atomic_path, write_json, write_text
 
 # %% auto #0
 __all__ = ['PROFILES', 'REQUIRED_PROFILES', 'STAGE_KEYS', 'RUNNER_PARAMS', 'Stage', 'find_pipeline', 'notebook_parameters',
-           'load_stages', 'run_params', 'injected_params', 'fingerprint', 'input_hashes', 'read_stamp', 'stale_reason',
-           'tag_parameters_cell', 'StageFailed', 'clean_executed', 'stamp_path', 'kernel_config', 'run_stage',
-           'stage_state', 'demote_headings', 'status_rows', 'write_summary', 'last_seconds', 'format_duration',
-           'progress_line', 'outputs_report', 'format_table', 'sigterm_as_interrupt', 'run_pipeline', 'report', 'main']
+           'profile_params', 'load_stages', 'run_params', 'injected_params', 'fingerprint', 'input_hashes',
+           'read_stamp', 'stale_reason', 'tag_parameters_cell', 'StageFailed', 'clean_executed', 'stamp_path',
+           'kernel_config', 'run_stage', 'stage_state', 'demote_headings', 'status_rows', 'write_summary',
+           'last_seconds', 'format_duration', 'progress_line', 'outputs_report', 'format_table', 'sigterm_as_interrupt',
+           'run_pipeline', 'report', 'main']
 
 # %% ../nbs/91_reproduce.ipynb #7bdba193
-PROFILES = ("quick", "cpu", "cpu-full", "gpu")
+PROFILES = ("quick", "cpu", "cpu-full", "gpu", "gpu-smoke")
 REQUIRED_PROFILES = ("quick", "cpu", "gpu")  # every stage has these; one without `cpu-full` params is not part of it
 
 @dataclass
@@ -181,6 +182,18 @@ def _check_params(params: dict, declared: dict, where: str) -> None:
                              f"({type(declared[k]).__name__}), got {v!r}")
 
 # %% ../nbs/91_reproduce.ipynb #b1cb65ce
+def profile_params(params: dict, profile: str, where: str) -> dict:
+    "A stage's parameters for `profile`: its own entries, over those of the profile named by `from:` if given."
+    own = dict(params[profile] or {})
+    base = own.pop("from", None)
+    if base is None: return own
+    if base not in params or base == profile or "from" in (params[base] or {}):
+        raise ValueError(f"{where}: params.{profile}.from must name another profile of the stage with params of its "
+                         f"own, one of {sorted(p for p in params if p != profile and 'from' not in (params[p] or {}))}, "
+                         f"got {base!r}")
+    return {**(params[base] or {}), **own}
+
+
 def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     "Read `pipeline`'s stages with `profile`'s parameters and outputs; a malformed file raises a ValueError naming it."
     if profile not in PROFILES: raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
@@ -194,7 +207,7 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
         where = f"stage {name!r} in {pipeline}"
         nb = root/s["notebook"]
         if not nb.is_file(): raise FileNotFoundError(f"stage {name!r}: notebook {nb} not found")
-        params = dict(s["params"][profile] or {})
+        params = profile_params(s["params"], profile, where)
         _check_params(params, notebook_parameters(nb), f"{where}: params.{profile}")
         stages.append(Stage(name=str(name), notebook=nb, params=params, root=root,
                             outputs=[_output_path(root, o, profile, where) for o in s["outputs"]],

@@ -18,7 +18,9 @@
 #   this machine at small scale, `gpu` for the papers' scale); every stage defines these three.
 #   `cpu-full` is optional: the headline evaluation on this machine with enough items for
 #   tight intervals (hours, resumable); `make reproduce PROFILE=cpu-full` runs only the
-#   stages that define it;
+#   stages that define it. `gpu-smoke`, optional too, runs the `gpu` profile's code on this CPU
+#   before a GPU is at hand: `from: gpu` takes that profile's params, and the entries beside it
+#   override them (a tiny random model for a hub id, `device: cpu`, small shapes);
 # - `outputs`: the files the stage promises, with `{profile}` standing for the profile;
 # - `inputs` (optional): further files (globs) whose change makes the stage stale;
 # - `description` (optional): one line on what the stage reproduces;
@@ -72,7 +74,7 @@ from sparsekv.io import atomic_path, write_json, write_text
 
 # %%
 #| export
-PROFILES = ("quick", "cpu", "cpu-full", "gpu")
+PROFILES = ("quick", "cpu", "cpu-full", "gpu", "gpu-smoke")
 REQUIRED_PROFILES = ("quick", "cpu", "gpu")  # every stage has these; one without `cpu-full` params is not part of it
 
 @dataclass
@@ -228,6 +230,18 @@ def _check_params(params: dict, declared: dict, where: str) -> None:
 
 # %%
 #| export
+def profile_params(params: dict, profile: str, where: str) -> dict:
+    "A stage's parameters for `profile`: its own entries, over those of the profile named by `from:` if given."
+    own = dict(params[profile] or {})
+    base = own.pop("from", None)
+    if base is None: return own
+    if base not in params or base == profile or "from" in (params[base] or {}):
+        raise ValueError(f"{where}: params.{profile}.from must name another profile of the stage with params of its "
+                         f"own, one of {sorted(p for p in params if p != profile and 'from' not in (params[p] or {}))}, "
+                         f"got {base!r}")
+    return {**(params[base] or {}), **own}
+
+
 def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     "Read `pipeline`'s stages with `profile`'s parameters and outputs; a malformed file raises a ValueError naming it."
     if profile not in PROFILES: raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
@@ -241,7 +255,7 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
         where = f"stage {name!r} in {pipeline}"
         nb = root/s["notebook"]
         if not nb.is_file(): raise FileNotFoundError(f"stage {name!r}: notebook {nb} not found")
-        params = dict(s["params"][profile] or {})
+        params = profile_params(s["params"], profile, where)
         _check_params(params, notebook_parameters(nb), f"{where}: params.{profile}")
         stages.append(Stage(name=str(name), notebook=nb, params=params, root=root,
                             outputs=[_output_path(root, o, profile, where) for o in s["outputs"]],
@@ -798,6 +812,21 @@ with tempfile.TemporaryDirectory() as d:
     test_eq([(s.name, s.params) for s in full], [("a", {"n": 4})])
     pipe.write_text(pipe.read_text().replace(", gpu: {n: 3}}", "}", 1))
     test_fail(lambda: load_stages(pipe, "gpu"), contains="stage 'a' has no params for profile 'gpu'")
+
+# %% [markdown]
+# `gpu-smoke` params may start from another profile's: `from: gpu` takes them, and the entries
+# beside it override them; `from` must name another profile of the stage that has params of its own.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); pipe = _toy_project(d)
+    spec = pipe.read_text()
+    for smoke, want in (("{from: gpu}", {"n": 3}), ("{from: gpu, n: 0}", {"n": 0})):
+        pipe.write_text(spec.replace("gpu: {n: 3}}", f"gpu: {{n: 3}}, gpu-smoke: {smoke}}}", 1))
+        test_eq([(s.name, s.params) for s in load_stages(pipe, "gpu-smoke")], [("a", want)])
+    for bad in ("tpu", "gpu-smoke"):
+        pipe.write_text(spec.replace("gpu: {n: 3}}", f"gpu: {{n: 3}}, gpu-smoke: {{from: {bad}}}}}", 1))
+        test_fail(lambda: load_stages(pipe, "gpu-smoke"), contains="params.gpu-smoke.from must name another profile")
 
 # %% [markdown]
 # A stage killed between two outputs, then rerun: its stamp went away when it started, so the

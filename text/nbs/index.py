@@ -75,8 +75,10 @@
 # dense. It prints each part's numbers as it ends and writes `gpu_check.json` and `gpu_check.md`
 # to `reproduce/runs/gpu-check/`. Without CUDA it says so in one line. `make gpu-check DRY=1`
 # runs the same parts on a CPU with tiny shapes (the gpu tests collected only, FlexAttention eager
-# and forward only, Triton interpreted, two gloo processes) in about 1.5 minutes; `make test-all`
-# includes it.
+# and forward only, Triton interpreted, two gloo processes) in about 2 minutes, and
+# `make reproduce PROFILE=gpu-smoke` runs every stage with the `gpu` profile's settings on a CPU
+# (tiny random models for the hub ids, small shapes, bfloat16 where the stage sets it) in about 7
+# minutes; `make test-all` includes both.
 
 # %% [markdown]
 # ## Use it

@@ -194,7 +194,9 @@ with torch.no_grad(), patch(model, sllm.policy()):
     cache, stepped = sllm.cache(model), []
     for t in range(n_chk):
         stepped.append(model(val_ids[:1, t:t + 1], past_key_values=cache, use_cache=True).logits)
-torch.testing.assert_close(one_chunk, torch.cat(stepped, 1), atol=2e-3, rtol=1e-3)
+# bfloat16 (the gpu profile) keeps 8 bits of mantissa: one chunk and token by token round differently, by about an ulp
+tol = dict(atol=2e-3, rtol=1e-3) if one_chunk.dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
+torch.testing.assert_close(one_chunk, torch.cat(stepped, 1), **tol)
 
 
 # %% [markdown]
