@@ -3,9 +3,11 @@ import json
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import sparsekv.models as models
@@ -154,6 +156,28 @@ def test_hub_id_loads_from_a_local_hf_cache_without_network(tmp_path):
     torch.testing.assert_close(model.lm_head.weight, saved.lm_head.weight.bfloat16(), rtol=0, atol=0)
     with pytest.raises(OSError, match="offline, use"):
         load_model("someone/other", cache_dir=tmp_path, local_files_only=True)
+
+
+def gpu_profile_hub_ids() -> list[str]:
+    "The hub ids the `gpu` profile of reproduce/pipeline.yaml loads (its stages' `model_name`s that name an org/repo)."
+    spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "reproduce" / "pipeline.yaml").read_text())
+    names = {s["params"]["gpu"].get("model_name") for s in spec["stages"].values()}
+    return sorted(n for n in names if n and "/" in n)
+
+
+@pytest.mark.parametrize("hub_id", gpu_profile_hub_ids())
+def test_gpu_profile_models_load_by_hub_id_from_a_local_cache(hub_id, tmp_path):
+    "Each model the gpu profile names (Qwen3, Llama 3.2) loads by its hub id from a HF cache, as on a GPU machine."
+    family = "tiny-qwen3" if "qwen3" in hub_id.lower() else "tiny-llama"
+    assert "qwen3" in hub_id.lower() or "llama" in hub_id.lower(), f"no tiny architecture stands for {hub_id}"
+    repo = tmp_path / ("models--" + hub_id.replace("/", "--"))
+    saved, tok = load_model(family, seed=3)
+    saved.save_pretrained(repo / "snapshots" / ("1" * 40)); tok.save_pretrained(repo / "snapshots" / ("1" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("1" * 40)
+    model, _ = load_model(hub_id, cache_dir=tmp_path, local_files_only=True, dtype="bfloat16")
+    assert type(model) is type(saved) and model.dtype == torch.bfloat16
+    torch.testing.assert_close(model.lm_head.weight, saved.lm_head.weight.bfloat16(), rtol=0, atol=0)
 
 
 def test_model_info_reads_configs_without_head_dim_or_kv_heads():
