@@ -218,12 +218,13 @@ def answer_row(cell: dict) -> dict:
 
 # item by item, every method on each, seed by seed through every cell: a run stopped early still pairs every method
 # on the items it finished, with every cell at every depth; the methods that prefill densely share one prefill per item
+# (`cells: {}` runs prose alone)
 by_seed = sorted((x for its in items.values() for x in its), key=lambda x: x["seed"])  # stable: cells, depths
-answers = run_grid([{"method": label, "budget": b, "cell": x["cell"], "seed": x["seed"], "depth": x["depth"],
-                     "item": item_hash(x["item"])} for x in by_seed for label, b in runs],
-                   answer_row, Path(out_dir)/"protocol_answers_grid.csv", desc="answers",
+answer_cells = [{"method": label, "budget": b, "cell": x["cell"], "seed": x["seed"], "depth": x["depth"],
+                 "item": item_hash(x["item"])} for x in by_seed for label, b in runs]
+answers = run_grid(answer_cells, answer_row, Path(out_dir)/"protocol_answers_grid.csv", desc="answers",
                    params={"model_name": model_name, "dtype": dtype, "device": device, "extra_tokens": extra_tokens,
-                           "chunk_size": chunk_size, "eviction_chunk": eviction_chunk})
+                           "chunk_size": chunk_size, "eviction_chunk": eviction_chunk}) if answer_cells else None
 
 
 # %%
@@ -238,10 +239,12 @@ def long_table(rows: pd.DataFrame, item_cols: list[str], n_cached: int) -> pd.Da
     return out
 
 
-context = max(x["item"]["context_tokens"] for its in items.values() for x in its)
-acc = long_table(answers, ["cell", "seed", "depth"], context)
+context = max((x["item"]["context_tokens"] for its in items.values() for x in its), default=window)
+acc = None if answers is None else long_table(answers, ["cell", "seed", "depth"], context)
 txt = long_table(prose, ["window"], window)
-acc.groupby(["method", "budget"], dropna=False, sort=False)[["correct", "decode_mean", "decode_max", "seconds"]].mean()
+if acc is not None:
+    display(acc.groupby(["method", "budget"], dropna=False, sort=False)[
+        ["correct", "decode_mean", "decode_max", "seconds"]].mean())
 
 # %% [markdown]
 # ## Equal measured budgets
@@ -251,7 +254,8 @@ acc.groupby(["method", "budget"], dropna=False, sort=False)[["correct", "decode_
 # entries any decode query attended to (max over items, layers and heads) and the mean.
 
 # %%
-measured = pd.concat([acc.assign(on="answers"), txt.assign(on="prose")]).query("method != @reference")
+measured = pd.concat([t.assign(on=on) for t, on in ((acc, "answers"), (txt, "prose")) if t is not None]
+                     ).query("method != @reference")
 ceiling = measured.groupby(["method", "budget"], sort=False).agg(
     nominal=("nominal", "first"), decode_max=("decode_max", "max"), decode_mean=("decode_mean", "mean"),
     dense_layers=("dense_layers", "max"), decode_reads=("decode_reads", "mean")).reset_index()
@@ -349,7 +353,8 @@ def findings() -> list[str]:
                              for r in lead.itertuples()) or "none")
                 + f"; largest standard error {t.se.max():.3f}.")
         out.append(line)
-    out.append(f"- Time: fits {fits.wall_s.sum():.0f} s, answers {answers.seconds.sum():.0f} s, prose "
+    answer_s = 0 if acc is None else acc.seconds.sum()
+    out.append(f"- Time: fits {fits.wall_s.sum():.0f} s, answers {answer_s:.0f} s, prose "
                f"{prose.seconds.sum():.0f} s.")
     return out
 
@@ -359,8 +364,8 @@ display(Markdown("\n".join(notes)))
 
 # %%
 lines = [f"Dense {model_name} ({dtype}, device {device}, {torch.get_num_threads()} thread(s)). Accuracy cells: "
-         + "; ".join(f"{label} ({len(items[label])} items of {items[label][0]['item']['context_tokens']} tokens)"
-                     for label in cells)
+         + ("; ".join(f"{label} ({len(items[label])} items of {items[label][0]['item']['context_tokens']} tokens)"
+                      for label in cells) or "none (prose alone)")
          + f"; prose: {len(windows)} held-out windows of {window} tokens, the last {window - prose_prefix} scored. "
          f"Selection prefill chunks of {chunk_size}, eviction prefill chunks of {eviction_chunk}.", "",
          "**Measured budgets** (fitted nominal budget; decode mean / max over the real items in the compressed "
