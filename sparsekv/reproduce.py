@@ -187,10 +187,10 @@ def profile_params(params: dict, profile: str, where: str) -> dict:
     own = dict(params[profile] or {})
     base = own.pop("from", None)
     if base is None: return own
-    if base not in params or base == profile or "from" in (params[base] or {}):
+    own_params = sorted(p for p in params if p != profile and "from" not in (params[p] or {}))
+    if base not in own_params:
         raise ValueError(f"{where}: params.{profile}.from must name another profile of the stage with params of its "
-                         f"own, one of {sorted(p for p in params if p != profile and 'from' not in (params[p] or {}))}, "
-                         f"got {base!r}")
+                         f"own, one of {own_params}, got {base!r}")
     return {**(params[base] or {}), **own}
 
 

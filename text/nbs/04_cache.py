@@ -553,8 +553,11 @@ print("generate: same tokens and logits with GrowingCache as with DynamicCache")
 # %% [markdown]
 # What it saves, measured side by side (`make test-all` runs it): one decode step's cache updates
 # and attention over 30 layers of 3 KV heads and 9 query heads of 64 (SmolLM2-135M's shapes) at
-# 2k, 8k and 32k cached tokens, `DynamicLayer` against `GrowingLayer`, alternating, median of 15.
-# The model's weights (the rest of a step) are left out: this is the part the cache changes.
+# 2k, 8k and 32k cached tokens, alternating, median of 15: transformers' path (`DynamicLayer`,
+# SDPA with its GQA), `GrowingLayer` with the same attention, and `GrowingLayer` with
+# `sparsekv.hf.dense_attention`, which hands SDPA a decode query's group of heads as the queries
+# of one KV head. The model's weights (the rest of a step) are left out: this is the part the cache
+# and the attention call change.
 
 # %%
 #| slow
@@ -563,25 +566,28 @@ import time
 
 import torch.nn.functional as F
 
+from sparsekv.hf import dense_attention
 
-def step_ms(layers: list, q: Tensor, kv: Tensor) -> float:
+
+def step_ms(layers: list, attend, q: Tensor, kv: Tensor) -> float:
     "Milliseconds of one decode step: every layer appends `kv` and attends `q` over its whole cache."
     start = time.perf_counter()
-    for lay in layers:
-        k, v = lay.update(kv, kv)
-        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    for lay in layers: attend(q, *lay.update(kv, kv))
     return 1e3 * (time.perf_counter() - start)
 
 
-print(f"{torch.get_num_threads()} thread(s)")
+sdpa_gqa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+variants = {"DynamicLayer, SDPA": (DynamicLayer, sdpa_gqa), "GrowingLayer, SDPA": (GrowingLayer, sdpa_gqa),
+            "GrowingLayer, dense_attention": (GrowingLayer, dense_attention)}
+print(f"{torch.get_num_threads()} thread(s); ms per step (speed-up over transformers' path)")
 for T in (2048, 8192, 32768):
     prefill, q, kv = torch.randn(1, 3, T, 64), torch.randn(1, 9, 1, 64), torch.randn(1, 3, 1, 64)
-    runs = {"DynamicLayer": [DynamicLayer() for _ in range(30)], "GrowingLayer": [GrowingLayer() for _ in range(30)]}
-    for layers in runs.values():
+    runs = {name: ([cls() for _ in range(30)], attend) for name, (cls, attend) in variants.items()}
+    for layers, _ in runs.values():
         for lay in layers: lay.update(prefill, prefill)
     ms = {name: [] for name in runs}
     for _ in range(15):
-        for name, layers in runs.items(): ms[name].append(step_ms(layers, q, kv))
+        for name, (layers, attend) in runs.items(): ms[name].append(step_ms(layers, attend, q, kv))
     med = {name: statistics.median(m) for name, m in ms.items()}
-    print(f"{T:6d} cached: DynamicLayer {med['DynamicLayer']:6.1f} ms, GrowingLayer {med['GrowingLayer']:6.1f} ms, "
-          f"{med['DynamicLayer'] / med['GrowingLayer']:.2f}x")
+    base = med["DynamicLayer, SDPA"]
+    print(f"{T:6d} cached: " + ", ".join(f"{name} {m:6.1f} ({base / m:.2f}x)" for name, m in med.items()))
