@@ -21,7 +21,7 @@ from .kvpop.student import KVpopMLP, KVpopMLSTM, StreamingLLMPlus, TrainedMethod
 from .oval.pages import PageRetrievalPolicy
 from .quoka.baselines import (MEAN_SCORES, LessIsMoreSelector, _check_rank, loki_select, mean_score_select,
                                       sample_attention_select, sparq_select)
-from .quoka.policy import BaselinePolicy, LessIsMorePolicy, QuokaPolicy
+from .quoka.policy import BaselinePolicy, LessIsMorePolicy, LokiPolicy, QuokaPolicy
 from .select import resolve_budget
 
 # %% auto #0
@@ -248,6 +248,9 @@ class Loki(BaselineSelection):
         self.r, self.center = r, center
 
     def options(self): return dict(r=self.r, center=self.center)
+
+    def policy(self) -> LokiPolicy:
+        return LokiPolicy(self.budget, self.decode, **self.options())
 
     def key_cost(self, shape, S):
         "Projected queries times each projected key, G S r; projecting the queries, G S D r, once per call."

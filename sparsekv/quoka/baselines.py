@@ -19,7 +19,7 @@ from ..select import all_key_indices, resolve_budget, top_budget_indices, top_bu
 # %% auto #0
 __all__ = ['MEAN_SCORES', 'grouped_products', 'mean_score_select', 'mean_score_select_reference', 'sample_query_positions',
            'sample_attention_select', 'sample_attention_select_reference', 'sparq_select', 'sparq_select_reference',
-           'loki_basis', 'loki_select', 'loki_select_reference', 'lessismore_split', 'lessismore_select',
+           'loki_basis', 'loki_select', 'loki_select_reference', 'KeyMoments', 'lessismore_split', 'lessismore_select',
            'lessismore_select_reference', 'LessIsMoreSelector']
 
 # %% ../../nbs/21_quoka_baselines.ipynb #9d4bf32b
@@ -210,6 +210,41 @@ def loki_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float 
             proj[b, h] = Pr @ Pr.T  # projector onto the top-r subspace: basis signs and order within it do not matter
     per_query = lambda q, K, b, h: torch.softmax(c * (K @ (proj[b, h] @ q)), 0)
     return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query), resolve_budget(budget, T))
+
+# %% ../../nbs/21_quoka_baselines.ipynb #ad28e618
+class KeyMoments:
+    "Loki's cache basis kept up to date: `update(k_cache)` adds the moments of the keys added since the last call."
+
+    def __init__(self):
+        self.xx = self.x = None  # [B,Hkv,D,D] sum of k k^T, [B,Hkv,D] sum of k
+        self.length = 0
+
+    def apply_rows(self, fn):
+        "Apply the batch-row map `fn` (beam search's reorder etc., `sparsekv.cache.row_map`) to the moments."
+        if self.xx is not None: self.xx, self.x = fn(self.xx), fn(self.x)
+
+    def update(self, k_cache: Tensor) -> "KeyMoments":
+        "Add the keys of k_cache [B,Hkv,T,D] after the first `length` (the previous call's); a shorter cache restarts."
+        if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():
+            raise TypeError("k_cache must be a floating-point tensor [B,Hkv,T,D], got "
+                            f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
+        B, Hkv, T, D = k_cache.shape
+        dtype = accumulation_dtype(k_cache)
+        if self.xx is None or self.xx.shape != (B, Hkv, D, D) or self.xx.dtype != dtype or self.length > T:
+            self.xx, self.x = k_cache.new_zeros(B, Hkv, D, D, dtype=dtype), k_cache.new_zeros(B, Hkv, D, dtype=dtype)
+            self.length = 0
+        new = k_cache[:, :, self.length:].to(dtype)
+        if not new.isfinite().all(): raise ValueError("keys contain NaN or inf: no principal directions")
+        self.xx += new.transpose(-1, -2) @ new
+        self.x += new.sum(2)
+        self.length = T
+        return self
+
+    def basis(self, center: bool = False) -> Tensor:
+        "Principal directions [B,Hkv,D,D] of each row's keys so far, by decreasing eigenvalue (`loki_basis` per row)."
+        if not self.length: raise ValueError("no keys yet: call update(k_cache) first")
+        m = self.xx - self.x[..., :, None] * self.x[..., None, :] / self.length if center else self.xx
+        return torch.linalg.eigh(m).eigenvectors.flip(-1)
 
 # %% ../../nbs/21_quoka_baselines.ipynb #00aa3ad1
 def lessismore_split(n: int, recent_ratio: float) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..attention import attention_reference, causal_mask, check_int
 from ..cache import GrowingCache, follow_batch_ops
-from .baselines import LessIsMoreSelector
+from .baselines import KeyMoments, LessIsMoreSelector, loki_select
 from ..hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
                          heads_mask, patch)
 from .select import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, quoka_decode_select, quoka_scores,
@@ -24,7 +24,7 @@ from .select import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, quoka_decode_select
 from ..select import all_key_indices, anchored_top_indices, resolve_budget
 
 # %% auto #0
-__all__ = ['EarlierKeysPolicy', 'QuokaPolicy', 'selected_attention_reference', 'BaselinePolicy', 'LessIsMorePolicy',
+__all__ = ['EarlierKeysPolicy', 'QuokaPolicy', 'selected_attention_reference', 'BaselinePolicy', 'LokiPolicy', 'LessIsMorePolicy',
            'last_chunk_logits']
 
 # %% ../../nbs/22_quoka_policy.ipynb #f36ed1bc
@@ -173,6 +173,23 @@ class BaselinePolicy(EarlierKeysPolicy):
         return f"BaselinePolicy({name}, budget={self.budget}, decode={self.decode_sparse}, **{self.options})"
 
 
+
+# %% ../../nbs/22_quoka_policy.ipynb #e8859134
+class LokiPolicy(BaselinePolicy):
+    "Loki (`loki_select`) with the cache's basis from per-layer `KeyMoments`, updated by the new keys only."
+
+    def __init__(self, budget: int | float = 1024, decode: bool = True, r: int | None = None, center: bool = False):
+        super().__init__(loki_select, budget, decode, r=r, center=center)
+        self.moments = weakref.WeakKeyDictionary()  # cache layer -> KeyMoments
+
+    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor:
+        layer = ctx.cache_layer
+        if layer is None or ctx.row is not None: return super().pick_earlier(q, k_earlier, ctx)
+        if layer not in self.moments:
+            self.moments[layer] = KeyMoments()
+            follow_batch_ops(layer, id(self), self.moments[layer].apply_rows)  # beam search moves the rows
+        basis = self.moments[layer].update(k_earlier).basis(self.options["center"])
+        return loki_select(q, k_earlier, self.budget, self.options["r"], basis=basis, scale=ctx.scale)
 
 # %% ../../nbs/22_quoka_policy.ipynb #6336aea6
 class LessIsMorePolicy(EarlierKeysPolicy):

@@ -24,7 +24,7 @@ from sparsekv.kvpop.student import KVpopMLP, KVpopMLSTM, StreamingLLMPlus, Train
 from sparsekv.oval.pages import PageRetrievalPolicy
 from sparsekv.quoka.baselines import (MEAN_SCORES, LessIsMoreSelector, _check_rank, loki_select, mean_score_select,
                                       sample_attention_select, sparq_select)
-from sparsekv.quoka.policy import BaselinePolicy, LessIsMorePolicy, QuokaPolicy
+from sparsekv.quoka.policy import BaselinePolicy, LessIsMorePolicy, LokiPolicy, QuokaPolicy
 from sparsekv.select import resolve_budget
 
 # %%
@@ -344,6 +344,9 @@ class Loki(BaselineSelection):
         self.r, self.center = r, center
 
     def options(self): return dict(r=self.r, center=self.center)
+
+    def policy(self) -> LokiPolicy:
+        return LokiPolicy(self.budget, self.decode, **self.options())
 
     def key_cost(self, shape, S):
         "Projected queries times each projected key, G S r; projecting the queries, G S D r, once per call."

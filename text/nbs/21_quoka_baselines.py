@@ -464,6 +464,75 @@ test_fail(lambda: loki_select(q, k, 10, 4, basis=calib[:1]), contains="basis mus
 
 
 # %% [markdown]
+# Recomputing the cache's basis at every call costs a pass over all $T$ cached keys per head
+# ($T D^2$ multiply-adds for $K^\top K$) at every chunk and decode step, more than the scoring
+# itself at decode. The moments $K^\top K = \sum_t k_t k_t^\top$ (and $\sum_t k_t$ for the
+# centred variant, whose covariance is $K^\top K - \frac{1}{T}(\sum_t k_t)(\sum_t k_t)^\top$) only
+# grow with the cache, so `KeyMoments` adds the new keys' outer products and solves the $D \times D$
+# eigenproblem per head: $D^2$ per new key and $O(D^3)$ per call, whatever $T$. The selection
+# policy keeps one per cache layer (`sparsekv.quoka.policy.LokiPolicy`).
+
+# %%
+#| export
+class KeyMoments:
+    "Loki's cache basis kept up to date: `update(k_cache)` adds the moments of the keys added since the last call."
+
+    def __init__(self):
+        self.xx = self.x = None  # [B,Hkv,D,D] sum of k k^T, [B,Hkv,D] sum of k
+        self.length = 0
+
+    def apply_rows(self, fn):
+        "Apply the batch-row map `fn` (beam search's reorder etc., `sparsekv.cache.row_map`) to the moments."
+        if self.xx is not None: self.xx, self.x = fn(self.xx), fn(self.x)
+
+    def update(self, k_cache: Tensor) -> "KeyMoments":
+        "Add the keys of k_cache [B,Hkv,T,D] after the first `length` (the previous call's); a shorter cache restarts."
+        if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():
+            raise TypeError("k_cache must be a floating-point tensor [B,Hkv,T,D], got "
+                            f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
+        B, Hkv, T, D = k_cache.shape
+        dtype = accumulation_dtype(k_cache)
+        if self.xx is None or self.xx.shape != (B, Hkv, D, D) or self.xx.dtype != dtype or self.length > T:
+            self.xx, self.x = k_cache.new_zeros(B, Hkv, D, D, dtype=dtype), k_cache.new_zeros(B, Hkv, D, dtype=dtype)
+            self.length = 0
+        new = k_cache[:, :, self.length:].to(dtype)
+        if not new.isfinite().all(): raise ValueError("keys contain NaN or inf: no principal directions")
+        self.xx += new.transpose(-1, -2) @ new
+        self.x += new.sum(2)
+        self.length = T
+        return self
+
+    def basis(self, center: bool = False) -> Tensor:
+        "Principal directions [B,Hkv,D,D] of each row's keys so far, by decreasing eigenvalue (`loki_basis` per row)."
+        if not self.length: raise ValueError("no keys yet: call update(k_cache) first")
+        m = self.xx - self.x[..., :, None] * self.x[..., None, :] / self.length if center else self.xx
+        return torch.linalg.eigh(m).eigenvectors.flip(-1)
+
+
+# %% [markdown]
+# Check: keys arriving in three parts give the basis `loki_basis` finds for each row's whole
+# cache (as a projector onto the top-$r$ subspace: eigenvector signs are arbitrary), centred and
+# not; the selection with it equals `loki_select` without a basis; a shorter cache restarts.
+
+# %%
+k = _keys_lowrank(2, 2, 60, 16, 5)
+for center in (False, True):
+    mom = KeyMoments()
+    for T in (20, 21, 60): mom.update(k[:, :, :T])
+    got = mom.basis(center)
+    for b in range(2):
+        want = loki_basis(k[b:b + 1], center)
+        for rr in (4, 8):
+            assert_close(got[b, ..., :rr] @ got[b, ..., :rr].transpose(-1, -2),
+                         want[..., :rr] @ want[..., :rr].transpose(-1, -2))
+    q, _ = _qk(3, 1, 60, seed=21)
+    test_eq(loki_select(q, k, 10, 4, basis=got, center=center), loki_select(q, k, 10, 4, center=center))
+test_eq(mom.update(k[:, :, :10]).length, 10)
+assert_close(mom.xx, k[:, :, :10].transpose(-1, -2) @ k[:, :, :10])
+test_fail(lambda: KeyMoments().basis(), contains="no keys yet")
+
+
+# %% [markdown]
 # ## LessIsMore (Yang et al. 2025b)
 #
 # L. Yang, Z. Zhang, A. Jain, S. Cao, B. Yuan, Y. Chen, Z. Jia, R. Netravali, *Less is more:

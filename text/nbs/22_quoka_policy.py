@@ -19,7 +19,7 @@ from torch import Tensor
 
 from sparsekv.attention import attention_reference, causal_mask, check_int
 from sparsekv.cache import GrowingCache, follow_batch_ops
-from sparsekv.quoka.baselines import LessIsMoreSelector
+from sparsekv.quoka.baselines import KeyMoments, LessIsMoreSelector, loki_select
 from sparsekv.hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
                          heads_mask, patch)
 from sparsekv.quoka.select import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, quoka_decode_select, quoka_scores,
@@ -33,7 +33,7 @@ from types import SimpleNamespace
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
-from sparsekv.quoka.baselines import loki_select, mean_score_select, sample_attention_select, sparq_select
+from sparsekv.quoka.baselines import mean_score_select, sample_attention_select, sparq_select
 from sparsekv.models import load_model
 from sparsekv.quoka.select import quoka_select_reference
 
@@ -373,6 +373,45 @@ class BaselinePolicy(EarlierKeysPolicy):
         name = getattr(self.select_fn, "__name__", repr(self.select_fn))
         return f"BaselinePolicy({name}, budget={self.budget}, decode={self.decode_sparse}, **{self.options})"
 
+
+
+# %% [markdown]
+# Loki without a calibration basis uses the cache's own: `LokiPolicy` keeps each layer's key moments
+# (`KeyMoments`) and adds only the new keys at each chunk and decode step, rather than a pass over
+# the whole cache per call (a padded batch's rows, which see only their own keys, fall back to the
+# full pass). It picks what `BaselinePolicy(loki_select)` picks.
+
+# %%
+#| export
+class LokiPolicy(BaselinePolicy):
+    "Loki (`loki_select`) with the cache's basis from per-layer `KeyMoments`, updated by the new keys only."
+
+    def __init__(self, budget: int | float = 1024, decode: bool = True, r: int | None = None, center: bool = False):
+        super().__init__(loki_select, budget, decode, r=r, center=center)
+        self.moments = weakref.WeakKeyDictionary()  # cache layer -> KeyMoments
+
+    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor:
+        layer = ctx.cache_layer
+        if layer is None or ctx.row is not None: return super().pick_earlier(q, k_earlier, ctx)
+        if layer not in self.moments:
+            self.moments[layer] = KeyMoments()
+            follow_batch_ops(layer, id(self), self.moments[layer].apply_rows)  # beam search moves the rows
+        basis = self.moments[layer].update(k_earlier).basis(self.options["center"])
+        return loki_select(q, k_earlier, self.budget, self.options["r"], basis=basis, scale=ctx.scale)
+
+
+# %%
+model64, _ = load_model("tiny-llama", dtype="float64")
+ids70 = torch.randint(3, 200, (2, 70), generator=torch.Generator().manual_seed(4))
+for center in (False, True):
+    runs = []
+    for policy in (BaselinePolicy(loki_select, 12, r=4, center=center), LokiPolicy(12, r=4, center=center)):
+        cache, last = chunked_prefill(model64, ids70[:, :60], 16, policy)
+        with torch.no_grad(), patch(model64, policy):  # decode steps under the same policy
+            steps = [model64(ids70[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(60, 70)]
+        runs.append(torch.cat([last[:, None], *steps], 1))
+    assert_close(runs[1], runs[0], rtol=1e-9, atol=1e-9)
+print("LokiPolicy: the same logits as BaselinePolicy(loki_select), chunked prefill and decode")
 
 
 # %% [markdown]
