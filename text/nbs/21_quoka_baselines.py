@@ -341,8 +341,9 @@ test_fail(lambda: sparq_select(q, k, 10, r=17), contains="r must be")
 #
 # **Interpretations.** (1) The basis comes from a calibration set when `basis` is given
 # (`loki_basis` of calibration keys, `[Hkv,D,D]`), otherwise from the cache itself, per batch
-# element and KV head, recomputed at every call (costly: a $D \times D$ eigenproblem per head
-# and chunk; fine for an accuracy baseline). (2) The basis is that of the **uncentered**
+# element and KV head, as of each call: `loki_select` computes it from the keys it is given, and
+# the selection policy keeps it up to date from the new keys alone (`KeyMoments` below); either
+# way a $D \times D$ eigenproblem per head and call. (2) The basis is that of the **uncentered**
 # second moment $K^\top K$ by default: the top-$r$ eigenvectors of $K^\top K$ minimize the mean
 # squared error $\lVert k - P_r P_r^\top k \rVert^2$ of the raw keys, which is what enters the
 # dot products; `center=True` uses the covariance (classical PCA) instead. (3) Keys are
