@@ -40,11 +40,10 @@ def part_tests(dry: bool) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(ROOT / "tests")]
     if dry: cmd.insert(-1, "--collect-only")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|tests? collected)",
-                                              out.stdout)}
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", out.stdout)}
     res = {"pytest": counts, "pytest_rc": out.returncode}
-    if dry:
-        res["collected"] = next((n for k, n in counts.items() if "collected" in k), 0)
+    if dry:  # "23/2054 tests collected (2031 deselected)": the gpu tests are the 23
+        res["collected"] = int((re.search(r"(\d+)(?:/\d+)? tests? collected", out.stdout) or [0, 0])[1])
         res["ok"] = out.returncode == 0 and res["collected"] > 0
         res["note"] = "collected only: the gpu tests need CUDA"
         return res
