@@ -138,7 +138,7 @@ def part_torchrun(dry: bool) -> dict:
     import torch
 
     n = 2 if dry else torch.cuda.device_count()
-    model = "tiny-llama" if dry else "smollm2-135m"
+    model = "tiny-llama" if dry else _bench_model(dry)[0]  # SmolLM2 where its package is installed, else tiny-qwen3
     with tempfile.TemporaryDirectory(prefix="sparsekv-gpu-check-") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                "-m", "sparsekv.distill", "--model", model, "--steps", "3", "--warmup-steps", "1",
