@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..attention import check_int, softmax_scale
-from .select import accumulation_dtype, check_chunk
+from .select import accumulation_dtype, check_chunk, check_k_cache
 from ..select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference, top_mask
 
 # %% auto #0
@@ -225,10 +225,7 @@ class KeyMoments:
 
     def update(self, k_cache: Tensor) -> "KeyMoments":
         "Add the keys of k_cache [B,Hkv,T,D] after the first `length` (the previous call's); a shorter cache restarts."
-        if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():
-            raise TypeError("k_cache must be a floating-point tensor [B,Hkv,T,D], got "
-                            f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
-        B, Hkv, T, D = k_cache.shape
+        B, Hkv, T, D = check_k_cache(k_cache).shape
         dtype = accumulation_dtype(k_cache)
         if self.xx is None or self.xx.shape != (B, Hkv, D, D) or self.xx.dtype != dtype or self.length > T:
             self.xx, self.x = k_cache.new_zeros(B, Hkv, D, D, dtype=dtype), k_cache.new_zeros(B, Hkv, D, dtype=dtype)

@@ -16,8 +16,8 @@ from ..select import all_key_indices, resolve_budget, top_budget_indices, top_bu
 
 # %% auto #0
 __all__ = ['QUERY_SELECT', 'QUERY_AGGS', 'EPS', 'accumulation_dtype', 'query_dissimilarity', 'select_queries',
-           'preaggregated_queries', 'check_chunk', 'unit_keys', 'UnitKeyCache', 'quoka_scores', 'quoka_select',
-           'quoka_scores_reference', 'quoka_select_reference', 'quoka_decode_select']
+           'preaggregated_queries', 'check_chunk', 'unit_keys', 'check_k_cache', 'UnitKeyCache', 'quoka_scores',
+           'quoka_select', 'quoka_scores_reference', 'quoka_select_reference', 'quoka_decode_select']
 
 # %% ../../nbs/20_quoka_select.ipynb #5f79e258
 QUERY_SELECT = ("group", "head")
@@ -79,6 +79,14 @@ def unit_keys(k: Tensor) -> Tensor:
     return F.normalize(k.to(accumulation_dtype(k)), dim=-1, eps=EPS)
 
 
+def check_k_cache(k_cache: Tensor) -> Tensor:
+    "`k_cache` if it is a floating-point tensor [B,Hkv,T,D] (a layer's cached keys), else a TypeError naming it."
+    if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():
+        raise TypeError("k_cache must be a floating-point tensor [B,Hkv,T,D], got "
+                        f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
+    return k_cache
+
+
 class UnitKeyCache:
     "Unit keys of a layer's growing cache: `update(k_cache)` normalizes only the keys added since the last call."
 
@@ -95,10 +103,7 @@ class UnitKeyCache:
 
     def update(self, k_cache: Tensor) -> Tensor:
         "Unit keys [B,Hkv,T,D] of k_cache [B,Hkv,T,D], whose first `length` keys must be those of the previous call."
-        if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():
-            raise TypeError("k_cache must be a floating-point tensor [B,Hkv,T,D], got "
-                            f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
-        B, Hkv, T, D = k_cache.shape
+        B, Hkv, T, D = check_k_cache(k_cache).shape
         dtype = accumulation_dtype(k_cache)
         if self.buffer is not None and (self.buffer.shape[:2] + self.buffer.shape[3:] != (B, Hkv, D)
                                         or self.buffer.dtype != dtype or self.buffer.device != k_cache.device):
