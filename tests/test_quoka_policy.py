@@ -53,7 +53,8 @@ def test_full_budget_equals_dense(every_tiny_model):
 
 @pytest.mark.parametrize("options", [dict(n_q=3, budget=6),
                                      dict(n_q=2, budget=7, query_select="head", query_agg="mean"),
-                                     dict(n_q=16, budget=6)])
+                                     dict(n_q=16, budget=6),
+                                     dict(n_q=2, budget=6, query_rank="similar")])
 def test_small_budget_matches_brute_force(every_tiny_model, options):
     """Every call: the selection is the reference Alg. 1 and the output the reference attention over it; the last
     logits differ from dense."""
@@ -62,7 +63,7 @@ def test_small_budget_matches_brute_force(every_tiny_model, options):
     _, last = chunked_prefill(every_tiny_model, ids, 5, rec)
     n, checked = options["budget"], 0
     sel = dict(n_q=options["n_q"], query_select=options.get("query_select", "group"),
-               query_agg=options.get("query_agg", "max"))
+               query_agg=options.get("query_agg", "max"), query_rank=options.get("query_rank", "dissimilar"))
     for q, k, v, ctx, idx, out in rec.calls:
         T = ctx.past_len
         assert (idx is None) == (T <= n)
@@ -90,6 +91,24 @@ def test_unit_key_cache_is_per_kv_cache_and_changes_nothing(tiny_llama):
             unit = F.normalize(layer.keys[:, :, :25], dim=-1, eps=1e-12)
             assert torch.equal(policy.unit_caches[layer].buffer[:, :, :25], unit)
     with pytest.raises(TypeError, match="cache_unit_keys"): QuokaPolicy(cache_unit_keys=1)
+
+
+def test_random_query_rank_is_seeded(tiny_llama):
+    """The 'random' ablation: one seed, one result; another seed, other queries; every query kept (N_Q >= B_CP) draws
+    nothing and equals QuoKA; each call keeps what quoka_select keeps from the policy's generator state."""
+    ids = _ids(2, 26, 5)
+    run = lambda **kw: chunked_prefill(tiny_llama, ids, 5, QuokaPolicy(n_q=2, budget=6, query_rank="random", **kw))[1]
+    assert torch.equal(run(seed=1), run(seed=1))
+    assert not torch.equal(run(seed=1), run(seed=2))
+    assert torch.equal(chunked_prefill(tiny_llama, ids, 5, QuokaPolicy(5, 6, query_rank="random"))[1],
+                       chunked_prefill(tiny_llama, ids, 5, QuokaPolicy(5, 6))[1])
+    policy = QuokaPolicy(n_q=2, budget=6, query_rank="random", seed=3)
+    gen = torch.Generator().manual_seed(3)
+    for T in (10, 15):  # replays the policy's draws: the same generator state before each call
+        q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, T, 16)
+        gen.set_state(policy.generator.get_state())
+        assert torch.equal(policy.earlier_indices(q, k), quoka_select_reference(q, k, 2, 6, query_rank="random",
+                                                                                generator=gen))
 
 
 def test_fraction_budget(tiny_llama):
@@ -239,7 +258,8 @@ def test_last_chunk_logits(tiny_llama):
 def test_bad_arguments():
     for kw, match in [(dict(n_q=0), "n_q"), (dict(budget=0), "budget"), (dict(budget=1.5), "budget"),
                       (dict(query_select="x"), "query_select"), (dict(query_agg="x"), "query_agg"),
-                      (dict(sinks=-1), "sinks"), (dict(recent=1.0), "recent")]:
+                      (dict(sinks=-1), "sinks"), (dict(recent=1.0), "recent"),
+                      (dict(query_rank="far"), "query_rank"), (dict(seed=-1), "seed")]:
         with pytest.raises(ValueError, match=match): QuokaPolicy(**kw)
     with pytest.raises(TypeError, match="budget"): QuokaPolicy(budget="all")
     with pytest.raises(TypeError, match="decode"): QuokaPolicy(decode=1)

@@ -257,19 +257,21 @@ class SelectionMethod(Method):
 
 
 class Quoka(SelectionMethod):
-    "QuoKA (Alg. 2): the B_SA earlier keys of largest cosine with the N_Q = `n_q` most dissimilar queries."
+    """QuoKA (Alg. 2): the B_SA earlier keys of largest cosine with the N_Q = `n_q` most dissimilar queries
+    (`query_rank`: the ablations 'similar', 'random' with `seed`)."""
     name = "quoka"
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16,
-                 query_select: str = "group", query_agg: str = "max", sinks: int = 0, recent: int = 0):
+                 query_select: str = "group", query_agg: str = "max", sinks: int = 0, recent: int = 0,
+                 query_rank: str = "dissimilar", seed: int = 0):
         super().__init__(budget, chunk_size, decode)
         self.n_q, self.query_select, self.query_agg = n_q, query_select, query_agg
-        self.sinks, self.recent = sinks, recent
+        self.sinks, self.recent, self.query_rank, self.seed = sinks, recent, query_rank, seed
         self.policy()
 
     def policy(self) -> QuokaPolicy:
         return QuokaPolicy(self.n_q, self.budget, self.query_select, self.query_agg, self.sinks, self.recent,
-                           self.decode)
+                           self.decode, query_rank=self.query_rank, seed=self.seed)
 
     def key_cost(self, shape, S):
         "min(N_Q, S) pre-aggregated unit queries (§3.3) times each unit key: min(N_Q, S) D."

@@ -87,11 +87,22 @@ from torch.testing import assert_close
 # the $r$-th kept query of each head (in chunk order) is paired with the $r$-th of the
 # others in step 3. Both coincide when $G = 1$ or $N_Q \ge S$. Kept positions are listed in
 # ascending order; ties in dissimilarity go to the earlier position.
+#
+# **The premise as a switch (an ablation, not the paper).** Whether the dissimilar queries
+# are the ones to keep is an empirical claim about trained models (Figure 2(a)); the
+# [observations stage](../reproduce/20_quoka_observations.ipynb) measures it. To test it
+# downstream at equal $N_Q$, `query_rank` chooses what the ranking rewards:
+# `"dissimilar"` (the paper, default) ranks by $d_{g,i}$; `"similar"` by $-d_{g,i}$ (the
+# queries closest to the mean, which the premise says carry the least); `"random"` by
+# independent uniform draws (from `generator`), a uniformly random subset of $N_Q$
+# positions (in group mode the draws are averaged over the group, which leaves the subset
+# uniform because the averages are exchangeable). Keeping *all* queries is `n_q` $\ge S$.
 
 # %%
 #| export
 QUERY_SELECT = ("group", "head")
 QUERY_AGGS = ("max", "mean")
+QUERY_RANKS = ("dissimilar", "similar", "random")
 EPS = 1e-12  # norms are clamped to at least EPS, as in F.normalize: a zero vector has cosine 0 with everything
 
 
@@ -107,11 +118,20 @@ def query_dissimilarity(q_chunk: Tensor) -> Tensor:
     return -(F.normalize(q, dim=-1, eps=EPS) * F.normalize(m, dim=-1, eps=EPS)).sum(-1)
 
 
-def select_queries(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group") -> Tensor:
-    "Positions [B,Hq,n], n = min(n_q, S), ascending, of each head's kept queries (§3.1); 'group': same for a KV group."
+def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:
+    "What select_queries keeps the largest of, [B,Hq,S]: d (§3.1), -d ('similar'), or uniform draws ('random')."
+    if query_rank == "random": return torch.rand(q_chunk.shape[:3], generator=generator).to(q_chunk.device)
+    d = query_dissimilarity(q_chunk)
+    return d if query_rank == "dissimilar" else -d
+
+
+def select_queries(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group", query_rank: str = "dissimilar",
+                   generator: torch.Generator | None = None) -> Tensor:
+    """Positions [B,Hq,n], n = min(n_q, S), ascending, of each head's kept queries (§3.1; `query_rank`: the ablation's
+    ranking, see `query_ranking`); 'group': the same positions for a KV group."""
     B, Hq, S, _ = q_chunk.shape
     if n_q >= S: return torch.arange(S, device=q_chunk.device).expand(B, Hq, S)  # keep every query
-    d = query_dissimilarity(q_chunk)
+    d = query_ranking(q_chunk, query_rank, generator)
     if query_select == "head": return top_budget_indices(d, n_q)
     # one ranking per KV head, by the group-mean dissimilarity
     pos = top_budget_indices(d.view(B, Hq // G, G, S).mean(2), n_q)
@@ -148,6 +168,29 @@ for n_q in (1, 4, S, S + 3):
                 row = d[b, hq].tolist()
                 test_eq(pos_head[b, hq].tolist(), sorted(sorted(range(S), key=lambda i: (-row[i], i))[:n]))
                 assert 4 in pos_head[b, hq].tolist() and 4 in pos_group[b, hq].tolist()
+                if n < S:  # 'similar' ranks by -d: its top S - n are the complement of the top n by d
+                    sim = select_queries(q, S - n, G, "head", "similar")[b, hq].tolist()
+                    test_eq(sorted(set(range(S)) - set(sim)), pos_head[b, hq].tolist())
+
+# %% [markdown]
+# `"similar"` never keeps the planted opposite query, and `"random"` keeps a uniformly random
+# subset: over many draws every position is kept with probability $N_Q / S$ (a binomial test at
+# four standard errors), a seeded generator repeats its draw, and in group mode the heads of a
+# group share their positions.
+
+# %%
+assert not any(4 in r for r in select_queries(q, 4, G, "head", "similar").flatten(0, 1).tolist())
+gen = torch.Generator().manual_seed(0)
+draws = 4000
+counts = torch.zeros(S)
+for _ in range(draws):
+    pos = select_queries(q, 4, G, "group", "random", gen)
+    test_eq(pos, pos.view(B, Hkv, G, 4)[:, :, :1].expand(-1, -1, G, -1).reshape(B, Hkv * G, 4))  # shared in a group
+    counts += torch.zeros(S).index_add_(0, pos[0, 0], torch.ones(4))
+p = 4 / S
+assert ((counts / draws - p).abs() < 4 * (p * (1 - p) / draws) ** 0.5).all(), counts / draws
+test_eq(select_queries(q, 4, G, "head", "random", torch.Generator().manual_seed(5)),
+        select_queries(q, 4, G, "head", "random", torch.Generator().manual_seed(5)))
 
 
 # %% [markdown]
@@ -252,8 +295,10 @@ def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
     return q.view(B, Hq // G, G, pos.shape[-1], D).mean(2)
 
 
-def _check_quoka_options(n_q: int, query_select: str, query_agg: str):
+def check_quoka_options(n_q: int, query_select: str, query_agg: str, query_rank: str = "dissimilar"):
+    "Raise naming the argument unless N_Q is an int >= 1 and the modes are among QUERY_SELECT, QUERY_AGGS, QUERY_RANKS."
     check_int(n_q, "n_q (N_Q)", 1)
+    if query_rank not in QUERY_RANKS: raise ValueError(f"query_rank must be one of {QUERY_RANKS}, got {query_rank!r}")
     if query_select not in QUERY_SELECT:
         raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
     if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
@@ -316,12 +361,13 @@ class UnitKeyCache:
 
 
 def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max",
-                 k_unit: Tensor | None = None) -> Tensor:
+                 k_unit: Tensor | None = None, query_rank: str = "dissimilar",
+                 generator: torch.Generator | None = None) -> Tensor:
     """QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂
-    (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand."""
-    _check_quoka_options(n_q, query_select, query_agg)
+    (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand; `query_rank`, `generator`: see `select_queries`."""
+    check_quoka_options(n_q, query_select, query_agg, query_rank)
     G = check_chunk(q_chunk, k_cache)
-    qbar = preaggregated_queries(q_chunk, select_queries(q_chunk, n_q, G, query_select), G)
+    qbar = preaggregated_queries(q_chunk, select_queries(q_chunk, n_q, G, query_select, query_rank, generator), G)
     if k_unit is None: k_unit = unit_keys(k_cache)
     elif (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != qbar.dtype
           or k_unit.device != k_cache.device):
@@ -387,17 +433,20 @@ for G in (1, 3, 4):
 # %%
 #| export
 def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
-                 query_select: str = "group", query_agg: str = "max", k_unit: Tensor | None = None) -> Tensor:
+                 query_select: str = "group", query_agg: str = "max", k_unit: Tensor | None = None,
+                 query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:
     """Alg. 1: indices [B,Hkv,min(B_SA,T)] (int64, ascending, ties to the lower index) of the cached keys
     k_cache [B,Hkv,T,D] that the chunk q_chunk [B,Hq,S,D] (post-RoPE) attends to; all keys if T <= B_SA.
     `budget`: B_SA as an int, or a float fraction of T; `n_q`: N_Q queries kept per chunk;
-    `k_unit`: `unit_keys(k_cache)` if at hand (e.g. from a `UnitKeyCache`)."""
-    _check_quoka_options(n_q, query_select, query_agg)
+    `k_unit`: `unit_keys(k_cache)` if at hand (e.g. from a `UnitKeyCache`); `query_rank`: 'dissimilar' (the paper),
+    or the ablations 'similar' and 'random' (drawn from `generator`)."""
+    check_quoka_options(n_q, query_select, query_agg, query_rank)
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, _ = k_cache.shape
     n = resolve_budget(budget, T)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)  # T <= B_SA: nothing to select
-    return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit), n)
+    return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank,
+                                           generator), n)
 
 
 # %% [markdown]
@@ -417,15 +466,19 @@ def _ranked(values: list, n: int) -> list:
 
 
 def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group",
-                           query_agg: str = "max") -> Tensor:
-    "`quoka_scores` by loops over batch, KV head, query head and kept query in float64 (no pre-aggregation)."
-    _check_quoka_options(n_q, query_select, query_agg)
+                           query_agg: str = "max", query_rank: str = "dissimilar",
+                           generator: torch.Generator | None = None) -> Tensor:
+    """`quoka_scores` by loops over batch, KV head, query head and kept query in float64 (no pre-aggregation);
+    'random' ranks by the same draw, torch.rand([B,Hq,S]) from `generator`."""
+    check_quoka_options(n_q, query_select, query_agg, query_rank)
     G = check_chunk(q_chunk, k_cache)
     q, k = q_chunk.double(), k_cache.double()
     B, Hq, S, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     n = min(n_q, S)
     unit = lambda x: x / max(x.norm().item(), EPS)
+    draw = torch.rand(B, Hq, S, generator=generator).tolist() if query_rank == "random" and n < S else None
+    sign = -1.0 if query_rank == "similar" else 1.0
     out = torch.zeros(B, Hkv, T, dtype=torch.float64)
     for b in range(B):
         for h in range(Hkv):
@@ -433,7 +486,7 @@ def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, quer
             dis = {}
             for hq in heads:
                 m = unit(q[b, hq].mean(0))
-                dis[hq] = [-float(unit(q[b, hq, i]) @ m) for i in range(S)]
+                dis[hq] = draw[b][hq] if draw else [-sign * float(unit(q[b, hq, i]) @ m) for i in range(S)]
             if query_select == "group":
                 avg = [sum(dis[hq][i] for hq in heads) / G for i in range(S)]
                 kept = {hq: _ranked(avg, n) for hq in heads}
@@ -451,17 +504,22 @@ def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, quer
 
 
 def quoka_select_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
-                           query_select: str = "group", query_agg: str = "max") -> Tensor:
+                           query_select: str = "group", query_agg: str = "max", query_rank: str = "dissimilar",
+                           generator: torch.Generator | None = None) -> Tensor:
     "`quoka_select` from `quoka_scores_reference` and a Python sort of every row."
     n = resolve_budget(budget, k_cache.shape[2])
-    return top_budget_indices_reference(quoka_scores_reference(q_chunk, k_cache, n_q, query_select, query_agg), n)
+    check_quoka_options(n_q, query_select, query_agg, query_rank)
+    if n == k_cache.shape[2]: query_rank = "dissimilar"  # quoka_select keeps every key without ranking (or drawing)
+    scores = quoka_scores_reference(q_chunk, k_cache, n_q, query_select, query_agg, query_rank, generator)
+    return top_budget_indices_reference(scores, n)
 
 
 # %% [markdown]
-# Check `quoka_select` against the reference: GQA $G = 1, 3, 4$, both query modes, a budget
-# below, equal to and above the cache, a fractional budget, $N_Q \ge S$ (all queries kept), a
-# single query; float64 (indices must agree exactly) and float32 (scores within float32
-# rounding). The output is int64, ascending and duplicate-free.
+# Check `quoka_select` against the reference: GQA $G = 1, 3, 4$, both query modes (and the
+# ablation's `similar` and `random` rankings), a budget below, equal to and above the cache,
+# a fractional budget, $N_Q \ge S$ (all queries kept), a single query; float64 (indices must
+# agree exactly) and float32 (scores within float32 rounding). The output is int64, ascending
+# and duplicate-free.
 
 # %%
 def _qk(G, S, T, B=2, Hkv=2, D=16, seed=0, dtype=torch.float64):
@@ -476,6 +534,10 @@ for G in (1, 3, 4):
         for mode in QUERY_SELECT:
             idx = quoka_select(q, k, n_q, budget, mode)
             test_eq(idx, quoka_select_reference(q, k, n_q, budget, mode))
+            for rank in ("similar", "random"):  # the ablations' rankings, the random one from equal seeds
+                seeded = lambda: torch.Generator().manual_seed(9)
+                test_eq(quoka_select(q, k, n_q, budget, mode, query_rank=rank, generator=seeded()),
+                        quoka_select_reference(q, k, n_q, budget, mode, query_rank=rank, generator=seeded()))
             test_eq(idx.shape, (2, 2, resolve_budget(budget, T)))
             test_eq(idx.dtype, torch.long)
             assert (idx[..., 1:] > idx[..., :-1]).all()
@@ -581,5 +643,6 @@ test_fail(lambda: quoka_select(q, k, 0, 8), contains="n_q")
 test_fail(lambda: quoka_select(q, k, 4.0, 8), contains="n_q")
 test_fail(lambda: quoka_select(q, k, 4, 8, "token"), contains="query_select")
 test_fail(lambda: quoka_select(q, k, 4, 8, query_agg="sum"), contains="query_agg")
+test_fail(lambda: quoka_select(q, k, 4, 8, query_rank="far"), contains="query_rank")
 test_fail(lambda: quoka_select(q, k, 4, -1), contains="budget")
 test_fail(lambda: quoka_select(q, k.masked_fill(k > 2, math.nan), 4, 8), contains="NaN")

@@ -22,7 +22,7 @@ from sparsekv.cache import GrowingCache, follow_batch_ops
 from sparsekv.quoka.baselines import KeyMoments, LessIsMoreSelector, loki_select
 from sparsekv.hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
                          heads_mask, patch)
-from sparsekv.quoka.select import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, quoka_decode_select, quoka_scores,
+from sparsekv.quoka.select import (UnitKeyCache, check_quoka_options, quoka_decode_select, quoka_scores,
                                    quoka_select)
 from sparsekv.select import all_key_indices, anchored_top_indices, resolve_budget
 
@@ -188,14 +188,15 @@ test_fail(lambda: FirstKeys(3, decode=1), contains="decode must be a bool")
 #| export
 class QuokaPolicy(EarlierKeysPolicy):
     """QuoKA (Alg. 2): each prefill chunk attends to the `budget` (B_SA) earlier keys Alg. 1 selects per KV head plus
-    its own keys; decode likewise (§4.4) unless `decode=False`."""
+    its own keys; decode likewise (§4.4) unless `decode=False`. `query_rank`: 'dissimilar' (the paper) or the
+    ablations 'similar' and 'random' (a generator seeded with `seed`), see `select_queries`."""
 
     def __init__(self, n_q: int = 16, budget: int | float = 1024, query_select: str = "group", query_agg: str = "max",
-                 sinks: int = 0, recent: int = 0, decode: bool = True, cache_unit_keys: bool = True):
-        check_int(n_q, "n_q (N_Q)", 1)
-        if query_select not in QUERY_SELECT:
-            raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
-        if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
+                 sinks: int = 0, recent: int = 0, decode: bool = True, cache_unit_keys: bool = True,
+                 query_rank: str = "dissimilar", seed: int = 0):
+        check_quoka_options(n_q, query_select, query_agg, query_rank)
+        self.query_rank, self.seed = query_rank, check_int(seed, "seed")
+        self.generator = torch.Generator().manual_seed(seed) if query_rank == "random" else None
         super().__init__(decode)
         if not isinstance(cache_unit_keys, bool):
             raise TypeError(f"cache_unit_keys must be a bool, got {cache_unit_keys!r}")
@@ -211,14 +212,15 @@ class QuokaPolicy(EarlierKeysPolicy):
         if kind not in ("prefill", "decode"): raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
         if not (self.sinks or self.recent):
             if kind == "decode": return quoka_decode_select(q, k_earlier, self.budget, k_unit)
-            return quoka_select(q, k_earlier, self.n_q, self.budget, self.query_select, self.query_agg, k_unit)
+            return quoka_select(q, k_earlier, self.n_q, self.budget, self.query_select, self.query_agg, k_unit,
+                                self.query_rank, self.generator)
         if kind == "decode" and q.shape[2] != 1:
             raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got {tuple(q.shape)}")
         B, Hkv, T, _ = k_earlier.shape
         n = resolve_budget(self.budget, T)
         n_q = 1 if kind == "decode" else self.n_q
         # validates shapes even when n == T
-        s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg, k_unit)
+        s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg, k_unit, self.query_rank, self.generator)
         if n == T: return all_key_indices(B, Hkv, T, k_earlier.device)
         return anchored_top_indices(s, n, self.sinks, self.recent)
 
@@ -238,7 +240,7 @@ class QuokaPolicy(EarlierKeysPolicy):
 
     def __repr__(self):
         return (f"QuokaPolicy(n_q={self.n_q}, budget={self.budget}, query_select={self.query_select!r}, "
-                f"query_agg={self.query_agg!r}, "
+                f"query_agg={self.query_agg!r}, query_rank={self.query_rank!r}, "
                 f"sinks={self.sinks}, recent={self.recent}, decode={self.decode_sparse})")
 
 
@@ -310,6 +312,11 @@ assert (sparse_last - dense_last).abs().max() > 1e-3  # the selection changed th
 test_eq(len(rec.unit_caches), model.config.num_hidden_layers)  # one unit-key cache per layer of the live KV cache
 # the same result without it
 test_eq(chunked_prefill(model, ids, 8, QuokaPolicy(n_q=3, budget=5, cache_unit_keys=False))[1], sparse_last)
+# the ablation's 'similar' ranking passes through unchanged: each call keeps what the reference keeps with it
+rec = Recording(n_q=3, budget=5, query_rank="similar")
+chunked_prefill(model, ids, 8, rec)
+for q, k, v, ctx, idx, out in rec.calls:
+    if idx is not None: test_eq(idx, quoka_select_reference(q, k[:, :, :ctx.past_len], 3, 5, query_rank="similar"))
 len(rec.calls)
 
 # %% [markdown]
