@@ -34,6 +34,12 @@ layers = [1, 15]
 mass = 0.9
 budget = 256  # B_SA for the top-set overlap of max vs mean
 prose_offset = 0  # first token of the prefix in the prose stream
+n_windows = 2  # consecutive prose windows of prefix_len tokens for the per-head premise and the query-choice ablation
+n_q = 16  # N_Q of the ablation
+ablation_budgets = [64]  # B_SA of the ablation
+random_seeds = [0, 1]  # draws of the random query choice, averaged
+tiny_models = ["tiny-llama", "tiny-qwen3"]  # untrained models for the premise
+tiny_prefix_len = 256
 
 # %%
 from pathlib import Path
@@ -44,24 +50,36 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from sparsekv.attention import causal_mask
 from sparsekv.hf import DensePolicy, chunked_prefill
 from sparsekv.data import token_stream
+from sparsekv.eval import attention_fidelity
 from sparsekv.io import save_figure, use_style, write_text
 from sparsekv.models import load_model, model_info
+from sparsekv.quoka.select import quoka_select
+from sparsekv.stats import compare, compare_table, plot_compare
 
 use_style()
 
 
 # %%
 class CapturePolicy(DensePolicy):
-    "Dense attention that keeps, per layer in `layers`, the post-RoPE q, k and the scale of the latest call."
+    "Dense attention that keeps, per layer in `layers`, the post-RoPE q, k, v and the scale of the latest call."
 
     def __init__(self, layers):
-        self.layers, self.qk = set(layers), {}
+        self.layers, self.qkv = set(layers), {}
 
     def attend(self, q, k, v, ctx):
-        if ctx.layer_idx in self.layers: self.qk[ctx.layer_idx] = (q.detach().clone(), k.detach().clone(), ctx.scale)
+        if ctx.layer_idx in self.layers:
+            self.qkv[ctx.layer_idx] = (q.detach().clone(), k.detach().clone(), v.detach().clone(), ctx.scale)
         return super().attend(q, k, v, ctx)
+
+
+def last_chunk(model, ids: torch.Tensor, layers) -> dict:
+    "Per layer in `layers`: (q, k, v, scale) of the last chunk of a dense chunked prefill of `ids` (q: that chunk's)."
+    capture = CapturePolicy(layers)
+    chunked_prefill(model, ids, chunk_size, capture)
+    return capture.qkv
 
 
 # %%
@@ -80,10 +98,9 @@ info = model_info(model)
 if prefix_len % chunk_size: raise ValueError(f"prefix_len must be a multiple of chunk_size={chunk_size}, got {prefix_len}")
 if max(layers) >= info.num_layers: raise ValueError(f"layers must lie below {info.num_layers}, got {layers}")
 ids = token_stream(tok)[prose_offset:prose_offset + prefix_len][None]
-capture = CapturePolicy(layers)
-chunked_prefill(model, ids, chunk_size, capture)
+captured = last_chunk(model, ids, layers)
 G = info.group_size
-print(info, {l: tuple(capture.qk[l][0].shape) for l in layers})
+print(info, {l: tuple(captured[l][0].shape) for l in layers})
 
 
 # %%
@@ -103,7 +120,7 @@ def chunk_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return logits.masked_fill(~seen, float("-inf")).softmax(-1)
 
 # the probabilities match the model's own attention on the chunk (SDPA over the same q, k, v would give p @ v)
-_q, _k, _s = capture.qk[layers[0]]
+_q, _k, _, _s = captured[layers[0]]
 _p = chunk_probs(_q, _k, _s)
 torch.testing.assert_close(_p.sum(-1), torch.ones(_p.shape[:2], dtype=torch.float64))
 assert (_p[:, 0, _k.shape[2] - chunk_size + 1:] == 0).all()  # the chunk's first query sees none of the later chunk keys
@@ -114,7 +131,7 @@ assert (_p[:, 0, _k.shape[2] - chunk_size + 1:] == 0).all()  # the chunk's first
 # %%
 rows = []
 for l in layers:
-    q, k, scale = capture.qk[l]
+    q, k, _, scale = captured[l]
     p = chunk_probs(q, k, scale)
     n90 = keys_for_mass(p, mass)  # [Hq,S]
     cos = F.cosine_similarity(q[0].double(), q[0].double().mean(1, keepdim=True), dim=-1)  # [Hq,S]
@@ -156,7 +173,7 @@ plt.show()
 # %%
 rows, overlap = [], []
 for l in layers:
-    q, k, scale = capture.qk[l]
+    q, k, _, scale = captured[l]
     T = k.shape[2] - chunk_size
     p = chunk_probs(q, k, scale)[:, :, :T]  # the earlier (cached) keys, the ones a selection chooses from
     mx, mn = p.amax(1), p.mean(1)  # [Hq,T]
@@ -193,6 +210,134 @@ fig.suptitle(f"QuoKA Fig. 3 analogue: per-key max vs mean attention over the que
 save_figure(fig, Path(fig_dir)/"quoka_fig3_max_vs_mean.png", data=scores)
 plt.show()
 
+
+# %% [markdown]
+# ## The premise per head, over windows, and on untrained models
+#
+# Figure 2(a) pools one chunk; whether the premise holds is a question per head (QuoKA ranks
+# queries per head, or per KV group), and one chunk is one sample. Over `n_windows`
+# consecutive prose windows and **every** layer, we compute for each query head the Spearman
+# correlation $\rho$ between $\cos(M_Q, q_i)$ and $n_{90}(i)$ over the chunk's queries. The
+# premise predicts $\rho < 0$. The same statistic on the tiny *untrained* models shows what
+# the correlation is when no training shaped the queries.
+
+# %%
+def head_premise(q: torch.Tensor, k: torch.Tensor, scale: float) -> np.ndarray:
+    "Per query head, Spearman of cos(M_Q, q_i) with the keys for `mass` of q_i's attention over the chunk: [Hq]."
+    n90 = keys_for_mass(chunk_probs(q, k, scale), mass).double()
+    cos = F.cosine_similarity(q[0].double(), q[0].double().mean(1, keepdim=True), dim=-1)
+    return np.array([spearman(pd.Series(cos[h].numpy()), pd.Series(n90[h].numpy())) for h in range(q.shape[1])])
+
+# the per-head statistic is the pooled one restricted to a head
+_h = obs[(obs.layer == layers[0]) & (obs["head"] == 1)]
+_q, _k, _, _s = captured[layers[0]]
+assert abs(head_premise(_q, _k, _s)[1] - spearman(_h.cos_to_mean, _h.keys_for_mass)) < 1e-9
+
+
+def window_ids(tok, w: int, length: int) -> torch.Tensor:
+    "Prose window w (of consecutive windows of `length` tokens from prose_offset) as [1, length] ids."
+    start = prose_offset + w * length
+    return token_stream(tok)[start:start + length][None]
+
+
+all_layers = list(range(info.num_layers))
+windows = {w: last_chunk(model, window_ids(tok, w, prefix_len), all_layers) for w in range(n_windows)}
+premise = pd.DataFrame([{"model": "SmolLM2-135M", "window": w, "layer": l, "head": h, "spearman": r}
+                        for w, qkv in windows.items() for l in all_layers
+                        for h, r in enumerate(head_premise(qkv[l][0], qkv[l][1], qkv[l][3]))])
+for name in tiny_models:  # untrained: random weights, the same statistic on the start of the same windows' text
+    tiny, tiny_tok = load_model(name)
+    for w in range(n_windows):
+        text = tok.decode(window_ids(tok, w, prefix_len)[0])
+        qkv = last_chunk(tiny, token_stream(tiny_tok, text)[:tiny_prefix_len][None], range(model_info(tiny).num_layers))
+        premise = pd.concat([premise, pd.DataFrame(
+            [{"model": name, "window": w, "layer": l, "head": h, "spearman": r}
+             for l, (q, k, _, sc) in qkv.items() for h, r in enumerate(head_premise(q, k, sc))])], ignore_index=True)
+per_layer = premise.groupby(["model", "layer"]).spearman.agg(
+    mean="mean", se=lambda x: x.std(ddof=1) / np.sqrt(x.count()), share_negative=lambda x: (x < 0).mean(),
+    heads="count").reset_index()
+per_layer
+
+# %%
+smol = premise[premise.model == "SmolLM2-135M"]
+heat = smol.groupby(["layer", "head"]).spearman.mean().unstack()
+fig, ax = plt.subplots(figsize=(4.2 + 0.25 * heat.shape[1], 0.18 * heat.shape[0] + 1.6), layout="constrained")
+im = ax.imshow(heat.to_numpy(), cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
+ax.set(xlabel="query head", ylabel="layer", xticks=range(heat.shape[1]), yticks=range(0, heat.shape[0], 2))
+fig.colorbar(im, ax=ax, label=r"Spearman $\rho$ of $\cos(M_Q, q_i)$ with $n_{90}$ (premise: < 0)")
+ax.set_title(f"QuoKA's premise per head, SmolLM2-135M\nmean over {n_windows} prose windows of {prefix_len} tokens",
+             fontsize=10)
+save_figure(fig, Path(fig_dir)/"quoka_premise_heads.png", data=premise)
+plt.show()
+
+# %% [markdown]
+# ## Which queries to keep: an ablation at equal $N_Q$
+#
+# If the premise is what makes QuoKA work, keeping the $N_Q$ *most dissimilar* queries (the
+# paper) must beat keeping the $N_Q$ *most similar* ones and $N_Q$ random ones, at the same
+# $B_{SA}$ and the same scoring cost; keeping every query ($N_Q = B_{CP}$, no subselection,
+# $B_{CP}/N_Q$ times the scoring cost) is the reference. For each window and layer the
+# selection of the last chunk is scored by the attention-mass recall and the relative output
+# error of exact attention over the kept keys (plus the chunk's own, causally) against dense,
+# averaged over heads and queries; a window's score is its mean over layers, and windows are
+# the items of the paired intervals (`compare`, reference: all queries).
+
+# %%
+RANKINGS = ("all", "dissimilar", "similar", "random")
+
+
+def chunk_fidelity(q, k, v, scale, idx) -> tuple[float, float]:
+    "Mean mass recall and relative output error of the chunk q over its earlier keys `idx` [1,Hkv,n] and its own keys."
+    S, Sk = q.shape[2], k.shape[2]
+    keep = torch.ones(1, k.shape[1], 1, Sk, dtype=torch.bool)
+    keep[..., :Sk - S] = torch.zeros(1, k.shape[1], Sk - S, dtype=torch.bool).scatter(2, idx, True)[:, :, None]
+    m, e = attention_fidelity(q, k, v, keep, causal_mask(S, Sk)[None, None], scale=scale)
+    return m.nanmean().item(), e.nanmean().item()
+
+
+def ranking_select(q, k_earlier, b: int, ranking: str, generator=None) -> torch.Tensor:
+    "QuoKA's earlier keys for the chunk q with the queries chosen by `ranking` ('all': every query; 'random': `generator`)."
+    if ranking == "all": return quoka_select(q, k_earlier, q.shape[2], b)
+    return quoka_select(q, k_earlier, n_q, b, query_rank=ranking, generator=generator)
+
+
+# full budget: every ranking keeps every key and matches dense exactly
+_q, _k, _v, _s = windows[0][0]
+for _r in RANKINGS:
+    _m, _e = chunk_fidelity(_q, _k, _v, _s, ranking_select(_q, _k[:, :, :-chunk_size], _k.shape[2], _r))
+    assert abs(_m - 1) < 1e-6 and _e < 1e-5, (_r, _m, _e)
+
+# one generator per seed, drawn in loop order: each window and layer gets fresh random queries, reproducibly
+draws = {s: torch.Generator().manual_seed(s) for s in random_seeds}
+rows = []
+for w, qkv in windows.items():
+    for l in all_layers:
+        q, k, v, scale = qkv[l]
+        for b in ablation_budgets:
+            for ranking in RANKINGS:
+                fid = [chunk_fidelity(q, k, v, scale, ranking_select(q, k[:, :, :-chunk_size], b, ranking, g))
+                       for g in (draws.values() if ranking == "random" else [None])]
+                rows.append({"window": w, "layer": l, "budget": b, "ranking": ranking,
+                             "mass_recall": np.mean([f[0] for f in fid]), "output_error": np.mean([f[1] for f in fid])})
+choice = pd.DataFrame(rows)
+per_window = choice.groupby(["window", "budget", "ranking"], sort=False)[["mass_recall", "output_error"]].mean().reset_index()
+cmp_mass = compare(per_window, "mass_recall", method="ranking", item="window", reference="all",
+                   baselines=["similar", "random"])
+cmp_err = compare(per_window, "output_error", method="ranking", item="window", reference="all",
+                  baselines=["similar", "random"], higher_is_better=False)
+compare_table(cmp_mass, "base")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
+plot_compare(cmp_mass, axes[0])
+plot_compare(cmp_err, axes[1])
+axes[0].set(xlabel="$B_{SA}$", ylabel="attention-mass recall")
+axes[1].set(xlabel="$B_{SA}$", ylabel="relative output error")
+fig.suptitle(f"Which queries QuoKA keeps (N_Q = {n_q} of B_CP = {chunk_size}), SmolLM2-135M, mean over "
+             f"{len(all_layers)} layers; ± 95% over {n_windows} windows", fontsize=10)
+save_figure(fig, Path(fig_dir)/"quoka_query_choice.png", data=choice)
+plt.show()
+
 # %% [markdown]
 # ## Paper vs ours
 #
@@ -209,6 +354,20 @@ fig2a_why = ("agrees (no number to compare)" if n_neg == len(layers) else
              "of prose, not the paper's 3-30B models (§4); the text names no model, layer or length for its plot")
 fig3_why = ("agrees (no number to compare)" if share10 >= 0.05 else
             f"a lighter tail: only {share10:.1%} of keys with max/mean > 10 at this chunk and prefix length")
+smol_layers = per_layer[per_layer.model == "SmolLM2-135M"]
+neg_layers = int((smol_layers["mean"] < 0).sum())
+tiny_mean = per_layer[per_layer.model != "SmolLM2-135M"].groupby("model")["mean"].mean()
+b_top = max(ablation_budgets)
+at_top = lambda cmp: cmp[(cmp.method == "dissimilar") & (cmp.budget == b_top)].iloc[0]
+dis_m, dis_e = at_top(cmp_mass), at_top(cmp_err)
+
+
+def verdict(r, lower_is_better: bool = False) -> str:
+    "`dissimilar` against its best rival in `compare`'s row r: ahead of, behind, or tied with it (interval holds 0)."
+    if not r.base_sig: return f"tied with {r.baseline}"
+    return f"{'ahead of' if (r.diff_base < 0) == lower_is_better else 'behind'} {r.baseline}"
+
+
 paper_vs_ours = [
     "| claim | paper | ours | why they differ |", "|---|---|---|---|",
     "| Fig. 2(a): queries far from the mean query attend to more keys | §3.1: \"queries with lower cosine "
@@ -219,7 +378,17 @@ paper_vs_ours = [
     "| Fig. 3: per-key scores over a chunk's queries are heavy-tailed, so the max keeps what the mean dilutes | "
     "§3.3: \"supported by the heavy-tailed distribution in Figure 3\"; no number | median max/mean "
     f"{ratio_p50:.1f}, {share10:.0%} of keys with max/mean > 10; the top-{budget} keys by max and by mean share "
-    f"{top_overlap:.0%} | {fig3_why} |"]
+    f"{top_overlap:.0%} | {fig3_why} |",
+    "| the premise per head (Fig. 2(a) is one plot) | a negative correlation, no model, layer or head named | "
+    f"mean per-head Spearman over {n_windows} windows negative in {neg_layers} of {len(smol_layers)} layers "
+    f"(from {smol_layers['mean'].min():+.2f} to {smol_layers['mean'].max():+.2f}); untrained tiny models: "
+    + ", ".join(f"{m} {v:+.2f}" for m, v in tiny_mean.items()) + " | measured, not compared: the paper gives no number |",
+    "| keeping the most dissimilar queries beats other choices at equal N_Q | §3.1 motivates it by Fig. 2(a); no "
+    f"ablation of the choice itself (§4.5 varies N_Q) | B_SA = {b_top}, N_Q = {n_q}: mass recall "
+    f"{dis_m['mean']:.3f}, {verdict(dis_m)} ({dis_m.diff_base:+.3f} [{dis_m.base_lo:+.3f}, {dis_m.base_hi:+.3f}]); "
+    f"output error {dis_e['mean']:.3f}, {verdict(dis_e, True)} ({dis_e.diff_base:+.3f} [{dis_e.base_lo:+.3f}, "
+    f"{dis_e.base_hi:+.3f}]) | the premise above decides it: where dissimilar queries do not attend more broadly, "
+    "keeping them buys nothing |"]
 
 # %%
 lines = [f"SmolLM2-135M, prose prefix of {prefix_len} tokens, chunked prefill with B_CP = {chunk_size}; "
@@ -229,6 +398,17 @@ lines = [f"SmolLM2-135M, prose prefix of {prefix_len} tokens, chunked prefill wi
          corr.round(2).to_markdown(index=False), "",
          f"Figure 3: per-key attention probability over the chunk's queries, earlier keys only: quantiles of the max and the mean, "
          f"of max/mean, the share of keys with max/mean > 10, and the overlap of the top-{budget} keys by max and by mean.", "",
-         tails.to_markdown(index=False, floatfmt=".3g"), "", "**Paper vs ours**", "", *paper_vs_ours, ""]
+         tails.to_markdown(index=False, floatfmt=".3g"), "",
+         f"The premise per head: Spearman of cos(M_Q, q_i) with the keys for {mass:.0%} of the mass, per query head, "
+         f"over {n_windows} windows of {prefix_len} prose tokens (SmolLM2) and {tiny_prefix_len} tokens (untrained "
+         "tiny models); per layer the mean over heads and windows, its standard error, and the share of negative heads.",
+         "", per_layer.to_markdown(index=False, floatfmt=".3g"), "",
+         f"Which queries QuoKA keeps, N_Q = {n_q} of B_CP = {chunk_size} (all: every query, the reference), paired 95% "
+         f"intervals over {n_windows} windows (each the mean over {len(all_layers)} layers). Mass recall, mean ± se:", "",
+         compare_table(cmp_mass).to_markdown(), "", "Mass recall, difference to the best other choice:", "",
+         compare_table(cmp_mass, "base").to_markdown(), "", "Relative output error, mean ± se:", "",
+         compare_table(cmp_err).to_markdown(), "", "Relative output error, difference to the best other choice:", "",
+         compare_table(cmp_err, "base").to_markdown(), "",
+         "**Paper vs ours**", "", *paper_vs_ours, ""]
 write_text(Path(out_dir)/"quoka_observations.md", "\n".join(lines))
 print("\n".join(lines))
