@@ -12,7 +12,9 @@
 #   (`Method.cache`, `Method.policy`), against transformers' default (`DynamicCache`, the
 #   unpatched model) in the same loop; the budget is `budget_fraction` of $L$ KV entries per KV
 #   head. The attention share is the time inside the method's attention policy (scoring,
-#   selection, gathering and attention of every layer) over the step's time.
+#   selection, gathering and attention of every layer) over the step's time; the cache share
+#   the time inside the cache's `update` (the writes, and an evicting cache's scoring and
+#   eviction), for the method and for the default.
 # - **time to first token**: the prefill of $L$ prose tokens as `Method.generate` runs it
 #   (chunked in `chunk_size` for selection methods, the whole prompt for dense), against the same
 #   default, then one decode step.
@@ -107,10 +109,20 @@ def timed(policy):
 
 
 class Decoder:
-    "A cache, the policy it decodes under (None: transformers' default, unpatched) and the next token."
+    """A cache, the policy it decodes under (None: transformers' default, unpatched) and the next token; the CPU time
+    inside the cache's `update` (every layer's write, and an evicting cache's scoring and eviction) adds up in
+    `cache_seconds`."""
 
     def __init__(self, cache, policy=None, token: int = 0):
         self.cache, self.policy, self.token = cache, policy, torch.tensor([[token]], device=device)
+        self.cache_seconds, update = 0.0, cache.update
+
+        def timed_update(*args, **kwargs):
+            t = time.thread_time()
+            out = update(*args, **kwargs)
+            self.cache_seconds += time.thread_time() - t
+            return out
+        cache.update = timed_update  # an instance attribute: each attention layer calls cache.update
 
     def forward(self):
         self.token = model(self.token, past_key_values=self.cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -173,7 +185,7 @@ del real, synth
 
 _dec, _ = method_decoder("quoka", L0, synthetic_kv(L0))
 _dec.step()
-assert _dec.policy.calls == info.num_layers and _dec.policy.attention_seconds > 0
+assert _dec.policy.calls == info.num_layers and _dec.policy.attention_seconds > 0 and _dec.cache_seconds > 0
 del _dec
 
 
@@ -193,10 +205,11 @@ def decode_rows(name: str, L: int, kv: list) -> list[dict]:
         torch.set_num_threads(n)
         for j in range(repeats):
             for who, d in [("default", base), (name, dec)][::(-1) ** j]:  # alternate who goes first
-                a0 = d.attention_seconds()
+                a0, c0 = d.attention_seconds(), d.cache_seconds
                 t = d.step()
                 rows.append({"L": L, "threads": n, "method": name, "who": who, "step": j, "position": at, **t,
-                             "attention_seconds": d.attention_seconds() - a0, "first_step_seconds": first})
+                             "attention_seconds": d.attention_seconds() - a0, "cache_seconds": d.cache_seconds - c0,
+                             "first_step_seconds": first})
     return rows
 
 
@@ -218,12 +231,15 @@ def step_ratios(df: pd.DataFrame, keys: list, col: str) -> pd.Series:
 
 keys = ["L", "threads", "method"]
 own = decode[decode.who != "default"].groupby(keys, sort=False)
+default = decode[decode.who == "default"].groupby(keys, sort=False)
 summary = pd.DataFrame({
     "position": own.position.first(),
     "ms_per_token": 1e3 * own.wall_seconds.median(),
     "speedup_cpu": step_ratios(decode, keys, "seconds"),
     "speedup_wall": step_ratios(decode, keys, "wall_seconds"),
     "attention_share": own.attention_seconds.median() / own.seconds.median(),
+    "cache_share": own.cache_seconds.median() / own.seconds.median(),
+    "default_cache_share": default.cache_seconds.median() / default.seconds.median(),
     "first_step_s": own.first_step_seconds.first(),
 }).reset_index()
 summary["speedup"] = summary.speedup_cpu.where((summary.threads == 1) & (not cuda), summary.speedup_wall)
@@ -316,7 +332,8 @@ lines = [f"{model_name} ({info.num_layers} layers, {info.num_kv_heads} KV heads,
          f"{repeats} alternating steps of the ratio within a step (CPU time of the thread at 1 thread, wall time at "
          f"more). Synthetic against real fill at L = {L0}: {synthetic_over_real:.2f}x per step. Eviction methods run "
          "at position min(L, 2B) (their cache holds B entries at any later position). Attention share: time inside "
-         "the method's attention policy over the step.", "",
+         "the method's attention policy (scoring, selection, attention) over the step; cache share: time inside the "
+         "cache's update (writes; an evicting cache's scoring and eviction), the method's and the default's.", "",
          summary.drop(columns=["speedup_cpu", "speedup_wall"]).to_markdown(index=False, floatfmt=".3g"), "",
          f"Time to first token ({max(threads)} thread(s), wall): prefill of L prose tokens as `Method.generate` runs "
          "it, then one decode step; speed-up over the default's one-call prefill.", "",
