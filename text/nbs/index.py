@@ -42,7 +42,7 @@
 # | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | 4 min 55 s (fresh clone whose `.venv` existed, Chromium installed by the run; creating `.venv` adds about 1.5 min) |
 # | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 4 min 44 s (fresh clone, quiet machine, 2026-12-01; the longest stage, `protocol`, 88 s) |
 # | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | 59 min 09 s, the sum of its 13 stages' last times (11 of them timed together from a fresh clone on a quiet machine, 55 min 09 s; `calibration` 130 s and `protocol` 201 s timed alone, 2026-12-01); each stage's last time is on the Results page |
-# | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable, its grids committed so a later run resumes them; only the stages that define `cpu-full`: `calibration` and `protocol`) | `calibration`: 85 min for its 220 items (23 s per item on average, part of it on a shared machine, 2026-12-01); `protocol`: several hours, spread over sessions (its progress is in `reproduce/runs/cpu-full/protocol_*_grid.csv`) |
+# | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable, its grids committed so a later run resumes them; only the stages that define `cpu-full`: `calibration`, `protocol` and `speed`) | `calibration`: 85 min for its 220 items (23 s per item on average, part of it on a shared machine, 2026-12-01); `protocol`: several hours, spread over sessions (its progress is in `reproduce/runs/cpu-full/protocol_*_grid.csv`) |
 #
 # `make reproduce` runs the papermill pipeline declared in `reproduce/pipeline.yaml` and writes
 # figures (PNG with the data behind them) to `figures/<profile>/` and a results summary to
@@ -75,10 +75,11 @@
 # dense. It prints each part's numbers as it ends and writes `gpu_check.json` and `gpu_check.md`
 # to `reproduce/runs/gpu-check/`. Without CUDA it says so in one line. `make gpu-check DRY=1`
 # runs the same parts on a CPU with tiny shapes (the gpu tests collected only, FlexAttention eager
-# and forward only, Triton interpreted, two gloo processes) in about 2 minutes, and
+# and forward only, Triton interpreted, two gloo processes) in 86 s, and
 # `make reproduce PROFILE=gpu-smoke` runs every stage with the `gpu` profile's settings on a CPU
-# (tiny random models for the hub ids, small shapes, bfloat16 where the stage sets it) in about 7
-# minutes; `make test-all` includes both.
+# (tiny random models for the hub ids, small shapes, bfloat16 where the stage sets it) in about 8
+# minutes (together 9 min 27 s from a fresh clone with empty caches, 2026-12-02); `make test-all`
+# includes both.
 
 # %% [markdown]
 # ## Use it
@@ -176,7 +177,9 @@ for name, params in [("streaming_llm", {}), ("quoka", dict(chunk_size=16, n_q=4)
 # The table gives prefill speed (prompt tokens over the time to the first new token), decode speed
 # (the 31 tokens after it) and the KV cache each run holds at the end (`cache_nbytes`). The
 # eviction method bounds the cache; QuoKA and OVAL keep all of it and bound what each query reads
-# (`reads`), which saves compute and memory traffic, not memory.
+# (`reads`), which saves compute and memory traffic, not memory. One run each is not a benchmark:
+# the `speed` stage of the pipeline times every method against transformers' default side by
+# side, step by step, at 2k to 32k tokens (the Results page).
 
 # %%
 import time
