@@ -39,8 +39,8 @@ from torch.testing import assert_close
 # the block's own keys to the returned indices.
 #
 # **What our copy of the paper lacks.** The text we have keeps §3.1, §3.3 and §3.4 as
-# prose but drops Algorithm 1, Algorithm 2, the theorem announced at the end of §3.1 and
-# all formulas of §3.2. Everything below is reconstructed from the prose. Where the prose
+# prose but drops Algorithm 1, Algorithm 2, the theorem announced at the end of §3.1 (a
+# candidate statement is given below, before Algorithm 1) and all formulas of §3.2. Everything below is reconstructed from the prose. Where the prose
 # does not decide a detail, the choice is marked **Interpretation** and the alternative is
 # named; each such choice is a parameter or is argued from a sentence of the paper.
 #
@@ -409,6 +409,80 @@ for G in (1, 3, 4):
         qbar_raw = q.gather(2, pos[..., None].expand(-1, -1, -1, D)).view(B, Hkv, G, n_q, D).mean(2)
         raw_first = (F.normalize(qbar_raw, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)).amax(2)
         if G > 1: assert (raw_first - sigma).abs().max() > 1e-3               # average-then-normalize is another score
+
+
+# %% [markdown]
+# ## The theorem of §3.1: a candidate statement (reconstruction)
+#
+# §3.1 ends "This can be formalized through the following theorem:", and our copy has no
+# theorem after it. What the sentence before it claims is that keeping the queries far from
+# the mean "preserves the queries most responsible for large key–query dot products while
+# normalizing per query". We cannot recover the authors' statement; the following is a
+# statement of that claim we can prove, **marked as our reconstruction**. It is about the
+# *selection score* (max of cosines), not about attention mass.
+#
+# **Proposition (reconstruction).** Fix one query head ($G = 1$), its unit queries $\hat q_i$,
+# $i = 1..S$, the unit mean direction $\hat M = \hat M_Q$ and the dissimilarities $d_i =
+# -\hat M\cdot\hat q_i$. Put $\rho_i = \|\hat q_i - \hat M\| = \sqrt{2(1 + d_i)}$. For any kept set
+# $I$ let $\sigma_I(k) = \max_{i\in I}\hat q_i\cdot\hat k$ and $\rho_{\bar I} = \max_{i\notin I}\rho_i$.
+# Then for every key $k$
+#
+# 1. $|\hat q_i\cdot\hat k - \hat M\cdot\hat k| \le \rho_i$: a query's scores are those of the mean
+#    direction up to its distance from it;
+# 2. $\sigma_I(k) \le \sigma_{\mathrm{all}}(k) \le \max\big(\sigma_I(k),\ \hat M\cdot\hat k + \rho_{\bar I}\big)$:
+#    dropping the queries outside $I$ can raise no key's score, and lowers it at most to where
+#    the mean direction plus $\rho_{\bar I}$ would put it;
+# 3. among all sets of $N_Q$ queries, QuoKA's (the $N_Q$ largest $d_i$) minimizes $\rho_{\bar I}$,
+#    so it makes the bound of 2 the tightest.
+#
+# *Proof.* 1 is Cauchy–Schwarz with $\|\hat k\| = 1$, and $\|\hat q_i - \hat M\|^2 = 2 - 2\hat q_i\cdot\hat M$.
+# 2: $\sigma_{\mathrm{all}} = \max(\sigma_I, \max_{i\notin I}\hat q_i\cdot\hat k)$ and by 1 each
+# dropped score is at most $\hat M\cdot\hat k + \rho_i \le \hat M\cdot\hat k + \rho_{\bar I}$.
+# 3: $\rho_i$ increases with $d_i$, so dropping the $S - N_Q$ smallest $d_i$ leaves the smallest
+# possible maximum. $\square$
+#
+# **What it does and does not say.** The near-mean queries QuoKA drops are redundant for the
+# max-cosine score *to within their distance from the mean*: on a chunk whose queries
+# cluster tightly around $\hat M$ except for a few outliers, QuoKA's choice loses almost
+# nothing of the all-query score. It says nothing about *attention*: that the dissimilar
+# queries are the ones that spread their softmax mass over many keys (Figure 2(a)) is an
+# empirical premise, measured on SmolLM2 by the
+# [observations stage](../reproduce/20_quoka_observations.ipynb) (there the per-head
+# correlation is negative in few layers, and at equal $N_Q$ the dissimilar queries recover
+# slightly *less* attention mass than random ones). The proposition holds on every model;
+# whether the selection it justifies keeps the keys attention needs depends on the premise.
+#
+# Checked on random chunks with a clear mean direction: 1 for every query and key, 2 for every
+# key with QuoKA's kept set from `select_queries`, 3 against every one of the $\binom{8}{3} = 56$
+# subsets of a small chunk, and that 1 holds with equality for the key along $\hat q_i - \hat M$.
+
+# %%
+from itertools import combinations
+
+g = torch.Generator().manual_seed(11)
+Dq = 16
+for S, n_q in ((32, 4), (8, 3)):
+    q = torch.randn(1, 1, S, Dq, generator=g, dtype=torch.float64) * 0.4 + 1.0   # a shared direction plus spread
+    k = torch.randn(1, 1, 200, Dq, generator=g, dtype=torch.float64)
+    qh, kh = F.normalize(q[0, 0], dim=-1), F.normalize(k[0, 0], dim=-1)
+    Mh = F.normalize(q[0, 0].mean(0), dim=-1)
+    rho = (2 * (1 + query_dissimilarity(q)[0, 0])).clamp_min(0).sqrt()
+    assert_close(rho, (qh - Mh).norm(dim=-1))
+    cos = qh @ kh.T                                                         # [S, T]
+    assert ((cos - Mh @ kh.T).abs() <= rho[:, None] + 1e-12).all()          # 1
+    kept = select_queries(q, n_q, 1)[0, 0].tolist()
+    dropped = [i for i in range(S) if i not in kept]
+    sigma_I, sigma_all = cos[kept].amax(0), cos.amax(0)
+    assert_close(sigma_I, quoka_scores(q, k, n_q=n_q)[0, 0])
+    bound = torch.maximum(sigma_I, Mh @ kh.T + rho[dropped].max())
+    assert (sigma_I <= sigma_all + 1e-12).all() and (sigma_all <= bound + 1e-12).all()   # 2
+    worst = min(max(rho[i].item() for i in range(S) if i not in I) for I in combinations(range(S), n_q)) \
+        if S <= 8 else None
+    if worst is not None: assert_close(rho[dropped].max().item(), worst)     # 3: QuoKA's set is optimal
+# equality in 1: the key along q_f - M, for the dropped query q_f farthest from the mean
+i_far = dropped[int(rho[dropped].argmax())]
+k_star = (qh[i_far] - Mh) / rho[i_far]
+assert_close(qh[i_far] @ k_star, Mh @ k_star + rho[i_far])
 
 
 # %% [markdown]
