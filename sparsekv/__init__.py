@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 #
 # A name that several modules define means one thing here, and the others go by an explicit name:
 #   retention_recall   sparsekv.eval's (the metric); KVpop's top-k one is `kvpop_retention_recall` (sparsekv.kvpop.loss)
+#   names, make        sparsekv.methods' (the registry); kvpress's presses go by `sparsekv.presses.names` and `.make`
 #   METHODS            withheld (it reads like `methods`, the registry): `TARGET_METHODS` (sparsekv.kvpop.target, the
 #                      target's backends) and `SUMMARY_METHODS` (sparsekv.oval.summaries, the page summaries)
 #   main               withheld (three command lines): `distill_main`, `docs_main`, `reproduce_main`
@@ -21,7 +22,7 @@ import pkgutil as _pkgutil
 _COMMON = {"load_model": "models", "patch": "hf", "chunked_prefill": "hf", "Method": "hf",
            "QuokaPolicy": "quoka.policy", "PageRetrievalPolicy": "oval.pages", "KVpopStudent": "kvpop.student",
            "KVpopCache": "kvpop.cache", "KVpopPolicy": "kvpop.cache", "DistillConfig": "distill",
-           "retention_recall": "eval"}
+           "retention_recall": "eval", "names": "methods", "make": "methods"}
 _RENAMED = {"kvpop_retention_recall": ("kvpop.loss", "retention_recall"), "TARGET_METHODS": ("kvpop.target", "METHODS"),
             "SUMMARY_METHODS": ("oval.summaries", "METHODS"), "distill_main": ("distill", "main"),
             "docs_main": ("docs", "main"), "reproduce_main": ("reproduce", "main"),

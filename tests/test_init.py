@@ -5,7 +5,7 @@ import sys
 
 import sparsekv
 
-AMBIGUOUS = {"main", "METHODS", "retention_recall", "distill"}  # documented in sparsekv/__init__.py
+AMBIGUOUS = {"main", "METHODS", "retention_recall", "distill", "names", "make"}  # documented in sparsekv/__init__.py
 
 
 def test_import_is_light():
@@ -28,6 +28,7 @@ def test_ambiguous_names_have_one_documented_meaning():
     from sparsekv.kvpop import loss, target
     assert sparsekv.retention_recall is ev.retention_recall and sparsekv.kvpop_retention_recall is loss.retention_recall
     assert sparsekv.TARGET_METHODS is target.METHODS
+    assert sparsekv.make is sparsekv.methods.make and sparsekv.names is sparsekv.methods.names
     assert sparsekv.distill_main is importlib.import_module("sparsekv.distill").main
     assert sparsekv.distill is importlib.import_module("sparsekv.distill")
     assert sparsekv.distill_loop is sparsekv.distill.distill

@@ -106,7 +106,9 @@ prompt = torch.randint(0, model.config.vocab_size, (2, 96), generator=torch.Gene
 # `mean_scores`, `sample_attention`, `sparq`, `loki`, `lessismore`; the decode-retrieval methods `quest`,
 # `arkvale`, `key_pca`, `oval`, `oracle_pages`; and `prefill_decode`, one method's prefill with another's
 # decode, e.g. QuoKA then OVAL). `generate` prefills (in chunks where the method needs it) and decodes;
-# other keywords go to `transformers`' `generate`.
+# other keywords go to `transformers`' `generate`. kvpress's presses run as methods too, in their own
+# setting (compress the prompt's cache once after the prefill): `sparsekv.presses.make("snapkv", budget=48)`
+# (with the `peers` extra installed; `presses.names()` lists the 13 that run offline).
 
 # %%
 m = methods.make("tova", budget=48)
