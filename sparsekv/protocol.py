@@ -55,20 +55,22 @@ def measured_budget(meter: AttendedBudget, n_keys: int | None = None) -> dict:
 
 # %% ../nbs/43_protocol.ipynb #0c3e97ec
 def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase: str = "decode",
-               **params) -> tuple[Method, dict]:
-    """`methods.make(name, b, **params)` at the largest nominal `b <= target` whose measured max KV entries per query
-    in `phase` is at most `target`, and its measurement; `measure(method)` returns `measured_budget` columns."""
+               make: Callable[..., Method] | None = None, **params) -> tuple[Method, dict]:
+    """`make(name, b, **params)` (default `methods.make`; e.g. `presses.make`) at the largest nominal `b <= target`
+    whose measured max KV entries per query in `phase` is at most `target`, and its measurement; `measure(method)`
+    returns `measured_budget` columns."""
     target = check_int(target, "target", 1)
     if phase not in PHASES: raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    make = methods.make if make is None else make
     seen = {}
 
     def most(b: int) -> float:
-        if b not in seen: seen[b] = measure(methods.make(name, b, **params))
+        if b not in seen: seen[b] = measure(make(name, b, **params))
         if math.isnan(seen[b][f"{phase}_max"]): raise ValueError(f"{name} ran no {phase} query in the probe")
         return seen[b][f"{phase}_max"]
 
-    first = next((b for b in range(1, target + 1) if _builds(name, b, params)), None)
-    if first is None: methods.make(name, target, **params)  # raises the method's own error
+    first = next((b for b in range(1, target + 1) if _builds(make, name, b, params)), None)
+    if first is None: make(name, target, **params)  # raises the method's own error
     b, hi = target, target  # hi: the largest budget not known to exceed the target
     while most(b) > target:  # step down by the excess: one step for a fixed overhead (the chunk's, a page's)
         if b == first:
@@ -79,12 +81,12 @@ def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase:
     while lo < hi:  # bisect between the last fit and the first known excess
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if most(mid) <= target else (lo, mid - 1)
-    return methods.make(name, lo, **params), seen[lo]
+    return make(name, lo, **params), seen[lo]
 
 
-def _builds(name: str, budget: int, params: dict) -> bool:
-    "Whether method `name` accepts `budget` (a page retrieval method needs at least its sink and recent tokens)."
-    try: methods.make(name, budget, **params)
+def _builds(make: Callable[..., Method], name: str, budget: int, params: dict) -> bool:
+    "Whether `make(name, budget, **params)` builds (a page retrieval method needs at least its sink and recent tokens)."
+    try: make(name, budget, **params)
     except ValueError: return False
     return True
 

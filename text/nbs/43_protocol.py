@@ -55,6 +55,7 @@ from types import SimpleNamespace
 import numpy as np
 from fastcore.test import test_close, test_eq, test_fail
 
+from sparsekv import presses
 from sparsekv.data import make_task
 from sparsekv.models import tiny_model
 
@@ -152,20 +153,22 @@ got
 # %%
 #| export
 def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase: str = "decode",
-               **params) -> tuple[Method, dict]:
-    """`methods.make(name, b, **params)` at the largest nominal `b <= target` whose measured max KV entries per query
-    in `phase` is at most `target`, and its measurement; `measure(method)` returns `measured_budget` columns."""
+               make: Callable[..., Method] | None = None, **params) -> tuple[Method, dict]:
+    """`make(name, b, **params)` (default `methods.make`; e.g. `presses.make`) at the largest nominal `b <= target`
+    whose measured max KV entries per query in `phase` is at most `target`, and its measurement; `measure(method)`
+    returns `measured_budget` columns."""
     target = check_int(target, "target", 1)
     if phase not in PHASES: raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    make = methods.make if make is None else make
     seen = {}
 
     def most(b: int) -> float:
-        if b not in seen: seen[b] = measure(methods.make(name, b, **params))
+        if b not in seen: seen[b] = measure(make(name, b, **params))
         if math.isnan(seen[b][f"{phase}_max"]): raise ValueError(f"{name} ran no {phase} query in the probe")
         return seen[b][f"{phase}_max"]
 
-    first = next((b for b in range(1, target + 1) if _builds(name, b, params)), None)
-    if first is None: methods.make(name, target, **params)  # raises the method's own error
+    first = next((b for b in range(1, target + 1) if _builds(make, name, b, params)), None)
+    if first is None: make(name, target, **params)  # raises the method's own error
     b, hi = target, target  # hi: the largest budget not known to exceed the target
     while most(b) > target:  # step down by the excess: one step for a fixed overhead (the chunk's, a page's)
         if b == first:
@@ -176,12 +179,12 @@ def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase:
     while lo < hi:  # bisect between the last fit and the first known excess
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if most(mid) <= target else (lo, mid - 1)
-    return methods.make(name, lo, **params), seen[lo]
+    return make(name, lo, **params), seen[lo]
 
 
-def _builds(name: str, budget: int, params: dict) -> bool:
-    "Whether method `name` accepts `budget` (a page retrieval method needs at least its sink and recent tokens)."
-    try: methods.make(name, budget, **params)
+def _builds(make: Callable[..., Method], name: str, budget: int, params: dict) -> bool:
+    "Whether `make(name, budget, **params)` builds (a page retrieval method needs at least its sink and recent tokens)."
+    try: make(name, budget, **params)
     except ValueError: return False
     return True
 
@@ -202,7 +205,7 @@ for name, params in SMALL.items():
         calls = []
         m, got = fit_budget(name, target, lambda m: calls.append(m.budget) or probe(m), **params)
         scan = {b: probe(methods.make(name, b, **params))["decode_max"] for b in range(1, target + 1)
-                if _builds(name, b, params)}
+                if _builds(methods.make, name, b, params)}
         ok = [b for b, most in scan.items() if most <= target]
         test_eq(m.budget, max(ok))
         test_eq(got["decode_max"], scan[m.budget])
@@ -214,6 +217,10 @@ paged = lambda m: dict(decode_max=4 * math.ceil(m.budget / 4) + 3)  # noqa: E731
 for target in range(8, 40):
     m, _ = fit_budget("streaming_llm", target, paged)
     test_eq(m.budget, max(b for b in range(1, target + 1) if paged(SimpleNamespace(budget=b))["decode_max"] <= target))
+# any factory with methods.make's signature: a kvpress press keeps b prompt entries and decode adds one per step,
+# so 4 new tokens read at most b + 3
+m, got = fit_budget("knorm", 17, probe, make=presses.make)
+test_eq((m.budget, got["decode_max"]), (14, 17))
 test_fail(lambda: fit_budget("quest", 7, probe, **SMALL["quest"]), contains="budget=7 must cover")  # sink + recent
 test_fail(lambda: fit_budget("quest", 8, probe, **SMALL["quest"]), contains="even at its smallest budget 8")
 
