@@ -23,6 +23,14 @@
 #   attending to the selected earlier keys and its own; eviction methods prefill in chunks of
 #   `eviction_chunk` tokens and evict after each, so a chunk's queries see the kept entries and the
 #   chunk (charged in `prefill_max`); page retrieval prefills densely (its papers' setting).
+# - **kvpress's presses** (`{"press": name}` in `method_specs`, `sparsekv.presses`) prefill densely
+#   in one call and compress the prompt's cache once; generation then adds one entry per step, so
+#   their fit depends on the number of decode steps: the probe must decode as many steps as the prose
+#   scores (`probe_steps = window - prose_prefix`), or the ceiling check below fails. Their scoring
+#   cost is not counted.
+# - **The leaderboard** (#17) is this notebook run as its own stage (`stem: leaderboard`) with every
+#   method of every setting and the presses, on prose; the table's `setting` column says where each
+#   method acts.
 # - **Statistics.** `protocol_table` (`sparsekv.stats.compare`): per method and budget, the mean
 #   with its standard error, the paired bootstrap 95% interval of the difference from dense and from
 #   the best other method; `*` marks an interval that excludes 0, and only those differences are
@@ -44,6 +52,7 @@ extra_tokens = 3  # decode steps beyond the answer's own tokens
 budgets = [64]  # measured ceilings: KV entries per decode query and KV head
 # label -> {"name": registry name (default: the label), "match_cost": a label whose scoring cost per key this method's
 #           cost knob is matched to (`sparsekv.costs.matched`), **its parameters}
+#       or {"press": a kvpress press of `sparsekv.presses`, **its options}
 method_specs = {"dense": {}, "streaming_llm": {}, "tova": {}, "quoka": {}, "quest": {}}
 chunk_size = 128  # B_CP of the selection methods
 eviction_chunk = 128  # eviction methods prefill in chunks of this many tokens, evicting after each
@@ -54,6 +63,7 @@ prose_batch = 8  # windows per batch
 probe_window = 256  # tokens of the prose window the budgets are fitted on
 probe_steps = 40  # its decode steps (more than a page, so the partial page takes every size)
 min_claim_items = 10  # below this many items a bootstrap interval is too narrow to trust: no difference is claimed
+stem = "protocol"  # output names: {stem}.md, {stem}.png, {stem}_*_grid.csv (the leaderboard stage runs this notebook too)
 
 # %%
 from pathlib import Path
@@ -64,7 +74,7 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
-from sparsekv import methods
+from sparsekv import methods, presses
 from sparsekv.costs import KNOBS, matched
 from sparsekv.data import make_task, packed_sequences
 from sparsekv.eval import run_grid
@@ -86,19 +96,31 @@ print(f"{model_name}, {dtype}, device {device}, {torch.get_num_threads()} thread
 # ## Methods and their fitted budgets
 
 # %%
-def method_params(label: str) -> tuple[str, dict]:
-    """Registry name and parameters of the method labelled `label`: the protocol's chunk sizes filled in, and with
-    `match_cost: other` its cost knob (rank, sampled queries) set to cost per key what method `other` costs."""
+def method_params(label: str) -> tuple:
+    """The factory (`methods.make`, or `presses.make` for a kvpress press), name and parameters of the method labelled
+    `label`: the protocol's chunk sizes filled in, and with `match_cost: other` its cost knob (rank, sampled queries)
+    set to cost per key what method `other` costs."""
     spec = dict(method_specs[label])
+    if "press" in spec: return presses.make, spec.pop("press"), spec  # a press prefills densely in one call
     name, match = spec.pop("name", label), spec.pop("match_cost", None)
     family = methods.get(name).family
-    if family == "selection": spec.setdefault("chunk_size", chunk_size)
+    # (a composition's parts take their own defaults: QuoKA's B_CP = 128)
+    if family == "selection" and name != "prefill_decode": spec.setdefault("chunk_size", chunk_size)
     if family == "eviction": spec.setdefault("chunk_size", eviction_chunk)
     if match is not None:  # the per-key cost does not depend on the budget: match at any
-        goal_name, goal_params = method_params(match)
+        _, goal_name, goal_params = method_params(match)
         goal = methods.make(goal_name, budgets[0], **goal_params)
         spec[KNOBS[name]] = getattr(matched(name, goal, shape, budgets[0], **spec), KNOBS[name])
-    return name, spec
+    return methods.make, name, spec
+
+
+def setting(label: str) -> str:
+    "Where the method acts: evict while reading, prefill selection, decode retrieval, post-prefill compression, ..."
+    make, name, _ = method_params(label)
+    if make is presses.make: return "post-prefill compression (kvpress)"
+    if name == "prefill_decode": return "selection prefill + retrieval decode"
+    return {"dense": "dense", "eviction": "evict while reading", "selection": "prefill selection",
+            "retrieval": "decode retrieval"}[methods.get(name).family]
 
 
 # What a method attends to is set by its structure (slots, chunks, pages, sinks), not by the weights: the budgets are
@@ -118,14 +140,14 @@ def probe(m) -> dict:
 
 def fit_cell(cell: dict) -> dict:
     "The fitted nominal budget of one (method, budget) and its measurement on the probe."
-    name, params = method_params(cell["method"])
-    m, got = fit_budget(name, cell["budget"], probe, **params)
+    make, name, params = method_params(cell["method"])
+    m, got = fit_budget(name, cell["budget"], probe, make=make, **params)
     return {"nominal": m.budget, **{k: got[k] for k in BUDGET_COLUMNS}}
 
 
-compressing = [label for label in method_specs if methods.get(method_params(label)[0]).family != "dense"]
+compressing = [label for label in method_specs if setting(label) != "dense"]
 fits = run_grid([{"method": label, "budget": b} for label in compressing for b in budgets], fit_cell,
-                Path(out_dir)/"protocol_fits_grid.csv", desc="fit budgets",
+                Path(out_dir)/f"{stem}_fits_grid.csv", desc="fit budgets",
                 params={"layers": cfg.num_hidden_layers,
                         "heads": f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}",
                         "probe_window": probe_window,
@@ -135,9 +157,9 @@ nominal = {(r.method, r.budget): int(r.nominal) for r in fits.itertuples()}
 
 def build(label: str, budget: int | None):
     "The method labelled `label` at its fitted nominal budget for the measured ceiling `budget` (dense: none)."
-    name, params = method_params(label)
-    if methods.get(name).family == "dense": return methods.make(name, **params)
-    return methods.make(name, nominal[label, budget], **params)
+    make, name, params = method_params(label)
+    if label not in compressing: return make(name, **params)
+    return make(name, nominal[label, budget], **params)
 
 
 fits[["method", "budget", "nominal", "decode_max", "decode_mean", "dense_layers", "wall_s"]]
@@ -196,7 +218,7 @@ def prose_row(cell: dict) -> dict:
 
 prose_cells = [{"method": label, "budget": b, "window": w}
                for start in range(0, len(windows), prose_batch) for label, b in runs for w in batch_of(start)]
-prose = run_grid(prose_cells, prose_row, Path(out_dir)/"protocol_prose_grid.csv", desc="prose",
+prose = run_grid(prose_cells, prose_row, Path(out_dir)/f"{stem}_prose_grid.csv", desc="prose",
                  params={"model_name": model_name, "dtype": dtype, "device": device, "chunk_size": chunk_size,
                          "eviction_chunk": eviction_chunk, "window_tokens": window, "prose_prefix": prose_prefix})
 
@@ -222,7 +244,7 @@ def answer_row(cell: dict) -> dict:
 by_seed = sorted((x for its in items.values() for x in its), key=lambda x: x["seed"])  # stable: cells, depths
 answer_cells = [{"method": label, "budget": b, "cell": x["cell"], "seed": x["seed"], "depth": x["depth"],
                  "item": item_hash(x["item"])} for x in by_seed for label, b in runs]
-answers = run_grid(answer_cells, answer_row, Path(out_dir)/"protocol_answers_grid.csv", desc="answers",
+answers = run_grid(answer_cells, answer_row, Path(out_dir)/f"{stem}_answers_grid.csv", desc="answers",
                    params={"model_name": model_name, "dtype": dtype, "device": device, "extra_tokens": extra_tokens,
                            "chunk_size": chunk_size, "eviction_chunk": eviction_chunk}) if answer_cells else None
 
@@ -232,7 +254,10 @@ def long_table(rows: pd.DataFrame, item_cols: list[str], n_cached: int) -> pd.Da
     "The grid's rows as `compare` reads them: dense without a budget, one item id, each method's scoring costs."
     out = rows.assign(budget=rows.budget.astype(int).astype(object).where(rows.method != reference),
                       item=rows[item_cols].astype(str).agg("/".join, axis=1))
-    costs = {(label, b): cost_columns(build(label, b or None), shape, n_cached) for label, b in runs}
+    # kvpress's presses each score in their own way, not counted here
+    uncounted = {"prefill_cost": float("nan"), "decode_cost": float("nan")}
+    costs = {(label, b): uncounted if method_params(label)[0] is presses.make
+             else cost_columns(build(label, b or None), shape, n_cached) for label, b in runs}
     for col in ("prefill_cost", "decode_cost"):
         out[col] = [costs[label, int(b) if b == b and b is not None else 0][col]
                     for label, b in zip(out.method, out.budget)]
@@ -271,13 +296,14 @@ ceiling.round(1)
 def show(table: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
     "A protocol table as text: mean ± se, the paired differences (`*`: the 95% interval excludes 0), budgets, costs."
     recs = table.to_dict("records")
-    out = pd.DataFrame({"method": table.method, "budget": table.budget.where(table.method != reference, "-")})
+    out = pd.DataFrame({"method": table.method, "setting": table.method.map(setting),
+                        "budget": table.budget.where(table.method != reference, "-")})
     for key, head in (("mean", "mean ± se"), ("ref", "vs dense"), ("base", "vs the best other")):
         out[head] = [compare_cell(r, key, digits) for r in recs]
     out["decode mean / max"] = [f"{a:.0f} / {b:.0f}" for a, b in zip(table.decode_mean, table.decode_max)]
     out["dense layers"] = table.dense_layers.astype(int)
     out["prefill max"] = table.prefill_max.round(0).astype(int)
-    out["scoring MACs per key (prefill, decode)"] = [f"{p:,.0f}, {d:,.0f}" for p, d in
+    out["scoring MACs per key (prefill, decode)"] = [f"{p:,.0f}, {d:,.0f}" if p == p else "not counted" for p, d in
                                                      zip(table.prefill_cost, table.decode_cost)]
     return out
 
@@ -320,7 +346,7 @@ for ax, (name, t) in zip(np.atleast_1d(axes), tables.items()):
     ax.set_title(f"{name} (n = {int(t.n.iloc[0])})", fontsize=9)
 fig.suptitle(f"Methods on equal terms, {model_name}: each method fitted to the same measured budget per decode query; "
              "error bars: 95% (±1.96 se)", fontsize=10)
-save_figure(fig, Path(fig_dir)/"protocol.png",
+save_figure(fig, Path(fig_dir)/f"{stem}.png",
             data=pd.concat([t.assign(table=name) for name, t in tables.items()], ignore_index=True))
 plt.show()
 
@@ -374,5 +400,5 @@ lines = [f"Dense {model_name} ({dtype}, device {device}, {torch.get_num_threads(
 for name, t in tables.items():
     lines += [f"**{name}**", "", show(t).to_markdown(index=False), ""]
 lines += ["**Findings**", "", *notes, ""]
-write_text(Path(out_dir)/"protocol.md", "\n".join(lines))
+write_text(Path(out_dir)/f"{stem}.md", "\n".join(lines))
 print("\n".join(lines))
