@@ -41,7 +41,7 @@
 # |---|---|---|
 # | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | 4 min 55 s (fresh clone whose `.venv` existed, Chromium installed by the run; creating `.venv` adds about 1.5 min) |
 # | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 4 min 44 s (fresh clone, quiet machine, 2026-12-01; the longest stage, `protocol`, 88 s) |
-# | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | no quiet timing of all 14 stages yet: the 13 stages of 2026-12-01 summed to 59 min 09 s on a quiet machine (`quoka_observations` then 25 s); the new `speed` and the extended `quoka_observations` took 481 s and 346 s beside other work (2026-12-02), so the total likely exceeds the target by several minutes; each stage's last time is on the Results page |
+# | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | no quiet timing of all 15 stages yet: the 13 stages of 2026-12-01 summed to 59 min 09 s on a quiet machine (`quoka_observations` then 25 s); the new `speed`, the extended `quoka_observations` and the new `leaderboard` took 481 s, 346 s and 789 s beside other work (2026-12-02), so the total exceeds the target; each stage's last time is on the Results page |
 # | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable, its grids committed so a later run resumes them; only the stages that define `cpu-full`: `calibration`, `protocol` and `speed`) | `calibration`: 85 min for its 220 items (23 s per item on average, part of it on a shared machine, 2026-12-01); `protocol`: several hours, spread over sessions (its progress is in `reproduce/runs/cpu-full/protocol_*_grid.csv`) |
 #
 # `make reproduce` runs the papermill pipeline declared in `reproduce/pipeline.yaml` and writes
@@ -156,6 +156,11 @@ for name, params in [("streaming_llm", {}), ("quoka", dict(chunk_size=16, n_q=4)
     rows = continuation(m, model, prompt, prefix=64)  # one row per window: agreement, KL, NLL vs dense
     print(f"{name:14s} nominal {m.budget:2d}: attends to {fit['decode_max']:.0f} at most, "
           f"agreement {sum(r['agreement'] for r in rows) / len(rows):.2f}")
+
+# %% [markdown]
+# The `leaderboard` stage runs this protocol over every method of every setting (evict while reading,
+# prefill selection, decode retrieval, QuoKA prefill with OVAL decode) and kvpress's presses, on
+# held-out prose at one measured budget: one table on the Results page.
 
 # %% [markdown]
 # ## Real-model recipe
