@@ -340,7 +340,9 @@ def plot_table(t: pd.DataFrame, ax) -> None:
     ax.legend(fontsize=7)
 
 
-fig, axes = plt.subplots(1, len(tables), figsize=(3.6 * len(tables), 3.8), layout="constrained")
+wide = len(compressing) > 12  # many methods: one table per row, wide enough for every label
+fig, axes = plt.subplots(len(tables) if wide else 1, 1 if wide else len(tables), layout="constrained",
+                         figsize=(2 + 0.32 * len(compressing), 3.4 * len(tables)) if wide else (3.6 * len(tables), 3.8))
 for ax, (name, t) in zip(np.atleast_1d(axes), tables.items()):
     plot_table(t, ax)
     ax.set_title(f"{name} (n = {int(t.n.iloc[0])})", fontsize=9)
