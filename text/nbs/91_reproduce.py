@@ -695,6 +695,21 @@ def _stage_error(e: StageFailed) -> str:
     cause = e.__cause__
     return "" if cause is None or isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}".strip()
 
+def _cli(prog: str, run) -> int:
+    "Run `run()` for command line `prog`: 0, or 1 for a failed stage, 2 for a user error, 130 when interrupted."
+    try: run()
+    except StageFailed as e:  # a real error: the notebook's traceback, then one line saying where to look
+        print(f"\n{_stage_error(e)}\n\n{e}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:  # a user error (bad pipeline file, unknown stage): one line, no traceback
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted; finished work is kept, rerun to continue", file=sys.stderr)
+        return 130
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     "Command line: `python -m sparsekv.reproduce [--profile P] [--only STAGE] [--force] [--list]`."
     ap = argparse.ArgumentParser(prog="sparsekv-reproduce", description="Run the sparsekv reproduction pipeline.")
@@ -704,23 +719,102 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline", help="path to pipeline.yaml (default: the nearest reproduce/pipeline.yaml)")
     ap.add_argument("--list", action="store_true", help="list the stages and exit")
     a = ap.parse_args(argv)
-    try:
+
+    def run():
         if a.list:
             for s in load_stages(a.pipeline or find_pipeline(), a.profile): print(f"{s.name}: {s.description}")
-            return 0
-        status = run_pipeline(a.profile, a.only, a.force, a.pipeline)
-        print(report(a.pipeline, a.profile, status))
-    except StageFailed as e:  # a real error: the notebook's traceback, then one line saying where to look
-        print(f"\n{_stage_error(e)}\n\n{e}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as e:  # a user error (bad pipeline file, unknown stage): one line, no traceback
-        print(f"{ap.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"\n{ap.prog}: interrupted; finished stages are kept, rerun to continue", file=sys.stderr)
-        return 130
-    return 0
+            return
+        print(report(a.pipeline, a.profile, run_pipeline(a.profile, a.only, a.force, a.pipeline)))
+    return _cli(ap.prog, run)
 
+
+# %% [markdown]
+# ## A custom leaderboard
+#
+# `sparsekv-leaderboard --methods quoka tova kvpress_snapkv --budgets 128 256` runs the `leaderboard` stage of
+# a profile (default `cpu`) on a selection of methods and measured budgets: each name is one of the
+# profile's labels, a registry name (`sparsekv.methods.names()`) or `kvpress_` and a press
+# (`sparsekv.presses.names()`); dense, the reference, is always in. It writes
+# `figures/custom/leaderboard_custom.png` and `reproduce/runs/custom/leaderboard_custom.md` (neither
+# committed), shows papermill's progress, and keeps its grids there, so an interrupted run resumes
+# where it stopped and a second selection reuses the rows the first one made.
+
+# %%
+#| export
+CUSTOM = "custom"  # the folders of a custom run: figures/custom, reproduce/runs/custom
+
+
+def leaderboard_stage(labels: list[str], budgets: list[int], profile: str = "cpu",
+                      pipeline: str | os.PathLike | None = None, n_windows: int | None = None) -> Stage:
+    """The `leaderboard` stage of `profile` on the methods `labels` (its labels, registry names or kvpress_<press>) at
+    the measured `budgets` (and `n_windows` windows if given), dense included, writing to the `custom` folders."""
+    from sparsekv import methods, presses  # torch: only when asked
+    stage = next((s for s in load_stages(pipeline or find_pipeline(), profile) if s.name == "leaderboard"), None)
+    if stage is None: raise ValueError(f"the pipeline has no leaderboard stage for profile {profile!r}")
+    known, specs = stage.params.get("method_specs", {}), {"dense": {}}
+    for label in labels:
+        press = label.removeprefix("kvpress_")
+        if label in known: specs[label] = known[label]
+        elif label in methods.names(): specs[label] = {}
+        elif label != press and press in presses.names(): specs[label] = {"press": press}
+        else:
+            raise ValueError(f"methods: {label!r} is none of profile {profile}'s labels {sorted(known)}, of the "
+                             f"registry's {methods.names()}, nor kvpress_<press> for a press of {presses.names()}")
+    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
+        raise ValueError(f"budgets must be one or more ints >= 1, got {budgets!r}")
+    params = {**stage.params, "stem": "leaderboard_custom", "method_specs": specs, "budgets": list(budgets)}
+    if n_windows is not None:
+        if isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1:
+            raise ValueError(f"windows must be an int >= 1, got {n_windows!r}")
+        params["n_windows"] = n_windows
+    outputs = [stage.root/"figures"/CUSTOM/"leaderboard_custom.png",
+               stage.root/"reproduce"/"runs"/CUSTOM/"leaderboard_custom.md"]
+    return Stage(name="leaderboard_custom", notebook=stage.notebook, params=params, outputs=outputs, root=stage.root,
+                 inputs=stage.inputs, description=stage.description)
+
+
+def leaderboard_main(argv: list[str] | None = None) -> int:
+    "Command line: `sparsekv-leaderboard --methods M [M ...] --budgets B [B ...] [--profile P] [--windows N]`."
+    ap = argparse.ArgumentParser(prog="sparsekv-leaderboard",
+                                 description="Run chosen methods through the leaderboard stage (resumable).")
+    ap.add_argument("--methods", nargs="+", required=True, metavar="M",
+                    help="the profile's labels, registry names or kvpress_<press> (dense is always in)")
+    ap.add_argument("--budgets", nargs="+", type=int, required=True, metavar="B",
+                    help="measured ceilings: KV entries per decode query and KV head")
+    ap.add_argument("--profile", default="cpu", choices=PROFILES, help="the parameter set to start from (default: cpu)")
+    ap.add_argument("--windows", type=int, help="held-out windows (default: the profile's)")
+    ap.add_argument("--pipeline", help="path to pipeline.yaml (default: the nearest reproduce/pipeline.yaml)")
+    a = ap.parse_args(argv)
+
+    def run():
+        stage = leaderboard_stage(a.methods, a.budgets, a.profile, a.pipeline, a.windows)
+        seconds = run_stage(stage, stage.root, CUSTOM)
+        print(stage.outputs[1].read_text())
+        print(f"{ap.prog}: {seconds:.0f} s; the table: {stage.outputs[1]}, the figure: {stage.outputs[0]}")
+    return _cli(ap.prog, run)
+
+
+# %% [markdown]
+# The selection is resolved before anything runs; a name that is no method, or a bad budget, stops
+# the command with one line naming it:
+
+# %%
+import io
+
+from fastcore.test import test_fail
+
+lb = leaderboard_stage(["quoka", "tova", "kvpress_knorm", "kvpress_lagkv"], [48, 64], profile="quick")
+test_eq(list(lb.params["method_specs"]), ["dense", "quoka", "tova", "kvpress_knorm", "kvpress_lagkv"])
+test_eq((lb.params["method_specs"]["kvpress_lagkv"], lb.params["budgets"], lb.params["stem"]),
+        ({"press": "lagkv"}, [48, 64], "leaderboard_custom"))
+test_eq([p.name for p in lb.outputs], ["leaderboard_custom.png", "leaderboard_custom.md"])
+test_eq(run_params(lb, CUSTOM)["out_dir"], "reproduce/runs/custom")
+test_fail(lambda: leaderboard_stage(["snapkv"], [48], profile="quick"), contains="kvpress_<press>")
+test_fail(lambda: leaderboard_stage(["quoka"], [0], profile="quick"), contains="budgets must be")
+test_fail(lambda: leaderboard_stage(["quoka"], [48], profile="quick", n_windows=0), contains="windows must be")
+with contextlib.redirect_stderr(io.StringIO()) as err:
+    test_eq(leaderboard_main(["--methods", "quoak", "--budgets", "48", "--profile", "quick"]), 2)
+assert "'quoak' is none of" in err.getvalue()
 
 # %% [markdown]
 # `python -m sparsekv.reproduce` runs `main`; the guard is exported but not evaluated here

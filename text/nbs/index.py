@@ -160,7 +160,8 @@ for name, params in [("streaming_llm", {}), ("quoka", dict(chunk_size=16, n_q=4)
 # %% [markdown]
 # The `leaderboard` stage runs this protocol over every method of every setting (evict while reading,
 # prefill selection, decode retrieval, QuoKA prefill with OVAL decode) and kvpress's presses, on
-# held-out prose at one measured budget: one table on the Results page.
+# held-out prose at one measured budget: one table on the Results page. `sparsekv-leaderboard --methods quoka
+# tova kvpress_snapkv --budgets 128 256` runs your own selection through it (resumable).
 
 # %% [markdown]
 # ## Real-model recipe
