@@ -40,7 +40,7 @@
 # | command | what it runs | time |
 # |---|---|---|
 # | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | 4 min 55 s (fresh clone whose `.venv` existed, Chromium installed by the run; creating `.venv` adds about 1.5 min) |
-# | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 4 min 44 s (fresh clone, quiet machine, 2026-12-01; the longest stage, `protocol`, 88 s) |
+# | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 4 min 47 s for its 15 stages (fresh clone, empty caches, quiet machine, 2026-12-02; the longest, `protocol` and `leaderboard`, 50 s and 47 s) |
 # | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | no quiet timing of all 15 stages yet: the 13 stages of 2026-12-01 summed to 59 min 09 s on a quiet machine (`quoka_observations` then 25 s); the new `speed`, the extended `quoka_observations` and the new `leaderboard` took 481 s, 346 s and 789 s beside other work (2026-12-02), so the total exceeds the target; each stage's last time is on the Results page |
 # | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable, its grids committed so a later run resumes them; only the stages that define `cpu-full`: `calibration`, `protocol` and `speed`) | `calibration`: 85 min for its 220 items (23 s per item on average, part of it on a shared machine, 2026-12-01); `protocol`: several hours, spread over sessions (its progress is in `reproduce/runs/cpu-full/protocol_*_grid.csv`) |
 #
@@ -75,11 +75,11 @@
 # dense. It prints each part's numbers as it ends and writes `gpu_check.json` and `gpu_check.md`
 # to `reproduce/runs/gpu-check/`. Without CUDA it says so in one line. `make gpu-check DRY=1`
 # runs the same parts on a CPU with tiny shapes (the gpu tests collected only, FlexAttention eager
-# and forward only, Triton interpreted, two gloo processes) in 86 s, and
+# and forward only, Triton interpreted, two gloo processes) in 40 s, and
 # `make reproduce PROFILE=gpu-smoke` runs every stage with the `gpu` profile's settings on a CPU
-# (tiny random models for the hub ids, small shapes, bfloat16 where the stage sets it) in about 8
-# minutes (together 9 min 27 s from a fresh clone with empty caches, 2026-12-02); `make test-all`
-# includes both.
+# (tiny random models for the hub ids, small shapes, bfloat16 where the stage sets it) in 191 s
+# (together 3 min 51 s from a fresh clone with empty caches on a quiet machine, 2026-12-02; the
+# earlier 9 min 27 s ran beside another job); `make test-all` includes both.
 
 # %% [markdown]
 # ## Use it
