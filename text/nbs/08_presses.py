@@ -34,7 +34,8 @@ torch.set_num_threads(1)  # tiny model: threads only add overhead
 
 # %% [markdown]
 # [kvpress](https://github.com/NVIDIA/kvpress) is the library people use to compress a KV cache. Its
-# *presses* work in one setting: **post-prefill compression**. The prompt is prefilled densely, and as each
+# *presses* work mostly in one setting, **post-prefill compression** (its decoding wrappers, which compress
+# every few generated tokens, are not run here). The prompt is prefilled densely, and as each
 # attention layer finishes the prefill the press scores that layer's cached entries and keeps the best
 # `int(S * (1 - compression_ratio))` of the prompt's `S`; generation then appends to the compressed cache,
 # which grows again by one entry per new token. Our eviction methods evict *while reading* (a bounded cache
