@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,19 +64,25 @@ class DistillStudent(nn.Module):
         "A bounded transformers Cache for decoding with this method (e.g. KVpopCache), or None."
         return None
 
+    def cached_loss(self, batch: dict, step: int) -> tuple[Tensor, dict[str, float]]:
+        """`mode="cached"`: the method loss from a batch of cached activations (`sparsekv.kvpop.offline`), without
+        running the model; only a method whose loss depends on the frozen base's activations alone can have one."""
+        raise NotImplementedError(f"{type(self).__name__} cannot train from cached activations (mode='cached'): "
+                                  "its loss needs the model's forward")
+
     def fsdp_units(self) -> list[nn.Module]:
         "Submodules the policy calls, each one FSDP2 unit (see `shard_for_training`); default: children with params."
         return [m for m in self.children() if any(True for _ in m.parameters())]
 
 # %% ../nbs/06_distill.ipynb #72e3f287
-MODES = ("full", "scorer_only")
+MODES = ("full", "scorer_only", "cached")
 
 
 @dataclass
 class DistillConfig:
     "Hyper-parameters of `distill` (App. F, Table 3)."
     steps: int = 2000
-    mode: str = "full"                          # "full" (base + new params) or "scorer_only" (base frozen)
+    mode: str = "full"                          # "full" (base + new params), "scorer_only" or "cached" (base frozen)
     base_lr: float = 8e-5                       # existing params: constant
     new_lr: float = 1e-3                        # new params: peak after warmup
     new_lr_min: float = 8e-5                    # new params: end of the cosine
@@ -233,13 +240,14 @@ def model_spec(model: nn.Module) -> dict:
     return dict(type=_class_name(model), config=config)
 
 
-def spec_differences(saved, now, prefix: str = "") -> list[str]:
-    "Dotted names of the fields where the nested dicts `saved` and `now` differ (tuples and lists compare equal)."
+def spec_differences(saved, now, prefix: str = "", where: str = "the checkpoint") -> list[str]:
+    """Dotted names of the fields where the nested dicts `saved` (kept in `where`) and `now` differ (tuples and lists
+    compare equal)."""
     if isinstance(saved, dict) and isinstance(now, dict):
         return [d for k in sorted(set(saved) | set(now), key=str)
-                for d in spec_differences(saved.get(k), now.get(k), f"{prefix}{k}.")]
+                for d in spec_differences(saved.get(k), now.get(k), f"{prefix}{k}.", where)]
     same = json.dumps(saved, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str)
-    return [] if same else [f"{prefix.rstrip('.')} ({saved!r} in the checkpoint, {now!r} now)"]
+    return [] if same else [f"{prefix.rstrip('.')} ({saved!r} in {where}, {now!r} now)"]
 
 # %% ../nbs/06_distill.ipynb #e8aebc2c
 def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> None:
@@ -286,9 +294,14 @@ def _run_eval(eval_fn, model, student, step: int) -> dict:
     return row
 
 
-def _micro_step(model, teacher, student, ids, config, step: int, autocast) -> dict[str, float]:
-    "Forward (teacher, then student under its policy) and backward of one micro-batch; its scalar losses and metrics."
-    full = config.mode == "full"
+def _micro_step(model, teacher, student, batch, config, step: int, autocast) -> dict[str, float]:
+    """Forward (teacher, then student under its policy; `cached`: the student's loss on cached activations) and
+    backward of one micro-batch; its scalar losses and metrics."""
+    if config.mode == "cached":
+        loss, metrics = student.cached_loss(batch, step)
+        (loss / config.grad_accum).backward()
+        return dict(loss=loss.item(), method_loss=loss.item(), **metrics)
+    ids, full = batch, config.mode == "full"
     need_kl = full or config.kl_metric
     with autocast:
         if need_kl:
@@ -307,7 +320,8 @@ def distill(model, student: DistillStudent, batches, config: DistillConfig, chec
             eval_every: int | None = None, teacher=None, progress: bool = True) -> pd.DataFrame:
     """Train `student` (and in full mode `model`) by distillation from the dense teacher (Alg. 1); resume from
     `checkpoint_dir/checkpoint.pt` when it exists. `teacher`: default a frozen copy of `model` (full) or `model` itself
-    (scorer_only). `batches`: re-iterable global batches [B, S], `config.grad_accum` per step."""
+    (scorer_only). `batches`: re-iterable global batches [B, S] (`cached`: dicts of cached activations, e.g.
+    `ActivationStore.batches`), `config.grad_accum` per step; a sequence resumes without reading skipped batches."""
     if not isinstance(student, DistillStudent):
         raise TypeError(f"student must be a DistillStudent, got {type(student).__name__}")
     if not isinstance(config, DistillConfig):
@@ -328,7 +342,8 @@ def distill(model, student: DistillStudent, batches, config: DistillConfig, chec
     if eval_fn is not None and start == 0: history.append(_run_eval(eval_fn, model, student, 0))
     model.train(full); student.train()
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=config.bf16 and device.type == "cuda")
-    it = itertools.islice(iter(batches), start * config.grad_accum, None)
+    skip = start * config.grad_accum
+    it = iter(batches[skip:]) if isinstance(batches, Sequence) else itertools.islice(iter(batches), skip, None)
     rank = world()[0]
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=f"distill {config.mode}",
                disable=not progress or rank != 0)
@@ -341,7 +356,9 @@ def distill(model, student: DistillStudent, batches, config: DistillConfig, chec
             if batch is None:
                 raise ValueError(f"batches ran out during step {i + 1} of {config.steps} "
                                  f"(grad_accum={config.grad_accum})")
-            scalars = _micro_step(model, teacher, student, rank_slice(batch).to(device), config, i, autocast)
+            batch = ({k: rank_slice(v).to(device) for k, v in batch.items()} if isinstance(batch, dict)
+                     else rank_slice(batch).to(device))
+            scalars = _micro_step(model, teacher, student, batch, config, i, autocast)
             for k, v in scalars.items(): sums[k] = sums.get(k, 0.0) + v / config.grad_accum
         gnorm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
         opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
@@ -424,7 +441,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--student", default="kvpop_mlp",
                    help="a trained method of sparsekv.methods (kvpop_mlp, kvpop_mlstm, streaming_llm_plus, dms; "
                    "also the earlier names kvpop, kvpop-mlstm, sinkwindow), at budget sink + window + k")
-    p.add_argument("--mode", default="scorer_only", choices=MODES)
+    p.add_argument("--mode", default="scorer_only", choices=("full", "scorer_only"),
+                   help="(training from cached activations: sparsekv.kvpop.offline.train_offline)")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--k", type=int, default=192)

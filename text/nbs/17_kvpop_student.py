@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import inspect
+import json
 import weakref
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -115,6 +117,19 @@ class KVpopTrainPolicy(AttentionPolicy):
         capture = st.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(capture):  # scorer inputs detached: gradients reach only scorers and decays (§3.3)
             pred = st.scorers.priority(ctx.layer_idx, k.detach(), v.detach(), ctx.key_positions)
+        if capture and st.target == "dense":  # the dense teacher's own pass: Eq. (2) exactly, as in cached training
+            out, lse = dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout), None
+        else: out, lse = self._sparse(q, k, v, ctx, pred, capture)
+        if capture:
+            with torch.no_grad():  # Eq. (8) with the dense or (Eq. 9) the sparse LSE, then the shared decay (Eq. 5)
+                r_tgt = future_attention_target(q, k, st.window, lse=lse, agg=st.agg, eps=st.eps, scale=ctx.scale)
+                target = st.scorers.decayed(ctx.layer_idx, r_tgt, ctx.key_positions)
+            st.captured.append((pred, target))
+        return out
+
+    def _sparse(self, q, k, v, ctx, pred, capture):
+        "Attention under the mask of the priorities `pred` (Eq. 26) and, when capturing, its sparse LSE (Eq. 9)."
+        st = self.student
         rank, cutoff = topk_cutoff(pred.detach(), st.k, st.sink, st.window)  # float32 ranking, no gradient
         if q.is_cuda and ctx.mask is None:  # FlexAttention with the on-the-fly mask: output and LSE in one pass
             out, lse = kvpop_attention(q, k, v, rank, cutoff, st.sink, st.window, scale=ctx.scale)
@@ -126,12 +141,7 @@ class KVpopTrainPolicy(AttentionPolicy):
             else:
                 out = dense_attention(q, k, v, m, ctx.scale, ctx.dropout)
                 with torch.no_grad(): lse = masked_logsumexp(attention_scores(q, k, m, ctx.scale)) if capture else None
-        if capture:
-            with torch.no_grad():  # Eq. (8)-(9) with the sparse LSE, then the shared decay (Eq. 5)
-                r_tgt = future_attention_target(q, k, st.window, lse=lse, agg=st.agg, eps=st.eps, scale=ctx.scale)
-                target = st.scorers.decayed(ctx.layer_idx, r_tgt, ctx.key_positions)
-            st.captured.append((pred, target))
-        return out
+        return out, lse
 
 
 # %% [markdown]
@@ -145,6 +155,9 @@ class KVpopTrainPolicy(AttentionPolicy):
 
 # %%
 #| export
+TARGETS = ("sparse", "dense")
+
+
 def step_generator(seed: int, step: int) -> torch.Generator:
     "A CPU generator seeded by (seed, step): the same random draws at a step whether the run was resumed or not."
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -156,7 +169,7 @@ class KVpopStudent(DistillStudent):
     def __init__(self, scorers: KVpopScorers, sink: int, window: int, k: int, n_boundaries: int = 64,
                  late_frac: float = 0.5, tau: float = 1.0, margin: bool = True, omega_min: float = 0.1,
                  tau_omega: float = 1.0, balance: bool = False, agg: str = "max", eps: float = 1e-6,
-                 weight: float = 1.0, seed: int = 0):
+                 weight: float = 1.0, seed: int = 0, target: str = "sparse"):
         super().__init__()
         if not isinstance(scorers, KVpopScorers):
             raise TypeError(f"scorers must be a KVpopScorers, got {type(scorers).__name__}")
@@ -167,7 +180,8 @@ class KVpopStudent(DistillStudent):
         self.scorers, self.n_boundaries, self.late_frac = scorers, n_boundaries, late_frac
         self.weight, self.seed = weight, seed
         self.loss_options = dict(tau=tau, margin=margin, omega_min=omega_min, tau_omega=tau_omega, balance=balance)
-        self.agg, self.eps = agg, eps
+        if target not in TARGETS: raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+        self.agg, self.eps, self.target = agg, eps, target
         self.captured: list[tuple[Tensor, Tensor]] = []
 
     @classmethod
@@ -193,6 +207,29 @@ class KVpopStudent(DistillStudent):
         if not self.captured:
             raise RuntimeError("method_loss needs a training forward under policy() in train() mode first")
         captured, self.captured = self.captured, []
+        return self._retention(captured, step)
+
+    def cached_loss(self, batch: dict, step: int) -> tuple[Tensor, dict[str, float]]:
+        """`method_loss` of a `target="dense"` step from cached activations: `batch` holds per layer the post-RoPE
+        'keys' and 'values' [B,L,Hkv,S,d] and the undecayed dense 'target' [B,L,Hkv,S] (`sparsekv.kvpop.offline`)."""
+        if self.target != "dense":
+            raise ValueError("cached activations hold the dense target (Eq. 2): train from them a student built with "
+                             f"target='dense', not target={self.target!r}")
+        keys, values, r_tgt = batch["keys"], batch["values"], batch["target"]
+        if keys.dim() != 5 or keys.shape[1] != len(self.scorers.scorers):
+            raise ValueError(f"batch['keys'] must be [B, L={len(self.scorers.scorers)}, Hkv, S, d], got "
+                             f"{tuple(keys.shape)}")
+        B, L, H, S, _ = keys.shape
+        pos = torch.arange(S, device=keys.device).expand(B, H, S)
+        captured = []
+        for layer in range(L):
+            pred = self.scorers.priority(layer, keys[:, layer].float(), values[:, layer].float(), pos)
+            with torch.no_grad(): target = self.scorers.decayed(layer, r_tgt[:, layer], pos)
+            captured.append((pred, target))
+        return self._retention(captured, step)
+
+    def _retention(self, captured: list[tuple[Tensor, Tensor]], step: int) -> tuple[Tensor, dict[str, float]]:
+        "Eq. (7) averaged over layers at the step's sampled boundary queries, and the top-k retention recall."
         S = captured[0][0].shape[-1]
         q = sample_boundary_queries(S, self.n_boundaries, self.sink, self.window, self.k, self.late_frac,
                                     generator=step_generator(self.seed, step), device=captured[0][0].device)
@@ -271,6 +308,38 @@ loss.backward()
 assert all(p.grad is not None for p in sc.parameters() if p.requires_grad and p.numel())
 assert all(p.grad is None for p in model.parameters())  # the retention loss never reaches the backbone
 sc.zero_grad()
+
+# %% [markdown]
+# ### The sparse and the dense target
+#
+# Alg. 1 normalizes the target with the sparse LSE of the student's own pass (Eq. 9) and runs later layers on the
+# sparse model's activations; the paper notes that the dense normalizer gives the exact target of Eq. (2) "where
+# exact supervision is desired". `target="dense"` is that exact variant: while training, each layer attends
+# densely (the teacher's own pass, so later layers see the teacher's activations too) and the target uses the
+# dense LSE; at inference (`eval()`) the student attends under its mask as always. With the base frozen,
+# everything this loss reads (post-RoPE keys and values, the undecayed target) is then a fixed function of the
+# window, so it can be computed once and cached; `cached_loss` is the same step from those cached tensors, without
+# the model ([`sparsekv.kvpop.offline`](19_kvpop_offline.ipynb) builds the cache and checks the two agree).
+# Which target to train on is our choice, not the paper's: the sparse one follows Alg. 1, the dense one Eq. (2).
+
+# %%
+dense_student = KVpopStudent(sc, sink=2, window=4, k=3, n_boundaries=8, target="dense")
+outputs.clear()
+hook = attn.register_forward_hook(lambda mod, args, out: outputs.append(out[0].detach()))
+with patch(model, dense_student.policy()):
+    dense_student.train()
+    model(ids)
+hook.remove()
+out_dense, lse_dense = attention_reference(qh, kh, vh, None, scale=attn.scaling)
+assert_close(outputs[0], attn.o_proj(out_dense.transpose(1, 2).reshape(B, S, -1)), atol=1e-5, rtol=1e-5)
+tgt_dense = sc.decayed(0, future_attention_target(qh, kh, 4, method="dense"), torch.arange(S).expand(B, kh.shape[1], S))
+assert_close(dense_student.captured[0][1], tgt_dense, atol=1e-5, rtol=1e-5)
+assert (dense_student.captured[0][1] - captured[0][1]).abs().max() > 1e-3  # the two targets differ
+dense_student.captured.clear()
+with patch(model, dense_student.policy()):
+    dense_student.eval()
+    assert_close(model(ids).logits, logits.detach())  # inference is the same sparse attention
+test_fail(lambda: KVpopStudent(sc, 2, 4, 3, target="exact"), contains="target must be one of")
 
 
 # %% [markdown]
@@ -389,21 +458,45 @@ test_fail(lambda: check_trained({"model": {}}, "t.pt", "kvpop_mlp", mlp), contai
 
 # %%
 #| export
+def shipped_checkpoints() -> dict[str, dict]:
+    "The trained students shipped in `sparsekv/checkpoints`: name -> manifest (model, data, settings, metrics)."
+    root = resources.files("sparsekv") / "checkpoints"
+    if not root.is_dir(): return {}
+    return {d.name: json.loads((d / "manifest.json").read_text()) for d in sorted(root.iterdir(), key=lambda d: d.name)
+            if (d / "trained.pt").is_file() and (d / "manifest.json").is_file()}
+
+
+def shipped_checkpoint(name: str, method: str, sink: int | None, window: int | None) -> tuple[Path, int, int]:
+    "(path of trained.pt, sink, window) of shipped checkpoint `name` for `method`; sink and window default to its own."
+    manifest = shipped_checkpoints()[name]
+    if manifest["method"] != method:
+        raise ValueError(f"checkpoint {name!r} holds a {manifest['method']} student, not one of {method}")
+    trained = dict(sink=manifest["sink"], window=manifest["window"])
+    given = dict(sink=trained["sink"] if sink is None else sink, window=trained["window"] if window is None else window)
+    if given != trained:  # the mLSTM's readout delay is the window, and the scorers learnt that split
+        raise ValueError(f"checkpoint {name!r} was trained with sink={trained['sink']}, window={trained['window']}; "
+                         f"got sink={given['sink']}, window={given['window']}")
+    return Path(str(resources.files("sparsekv") / "checkpoints" / name / "trained.pt")), given["sink"], given["window"]
+
+
 class TrainedMethod(EvictionMethod):
     """An eviction method trained by `distill`: `student(model)` for training; at inference its cache, from a fresh
-    student (untrained) or the `checkpoint` (`trained.pt` of the distill CLI, its 'student' state)."""
+    student (untrained) or the `checkpoint`: a `trained.pt` (the distill CLI's, its 'student' state) or the name
+    of a shipped one (`shipped_checkpoints()`, e.g. 'smollm2-135m-cr75-mlstm'; its sink and window by default)."""
     mode = "scorer_only"  # the distill mode its paper trains it in
 
     def __init__(self, budget: int, sink: int | None = None, window: int | None = None,
                  checkpoint: str | Path | None = None, chunk_size: int | None = None):
+        if isinstance(checkpoint, str) and checkpoint in shipped_checkpoints():
+            checkpoint, sink, window = shipped_checkpoint(checkpoint, self.name, sink, window)
         super().__init__(budget, sink, window, chunk_size)
         if self.k < 1:
             raise ValueError(f"budget={self.budget} leaves no long-range slot after sink={self.sink} and "
                              f"window={self.window}: "
                                         f"{self.name} needs budget >= sink + window + 1")
         if checkpoint is not None and not Path(checkpoint).is_file():
-            raise FileNotFoundError(f"checkpoint must be the trained.pt that sparsekv.distill saves, {checkpoint!r} "
-                                    "is no file")
+            raise FileNotFoundError(f"checkpoint must be the trained.pt that sparsekv.distill saves or a shipped "
+                                    f"one of {sorted(shipped_checkpoints())}, {checkpoint!r} is neither")
         self.checkpoint, self._students = checkpoint, weakref.WeakKeyDictionary()
 
     def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> DistillStudent:
@@ -489,5 +582,5 @@ with tempfile.TemporaryDirectory() as d:
     for a, b in zip(st.state_dict().values(), loaded.state_dict().values()): assert torch.equal(a, b)
     test_eq(loaded.training, False)
 test_fail(lambda: KVpopMLP(6, sink=2, window=4), contains="no long-range slot")
-test_fail(lambda: KVpopMLP(9, checkpoint="missing/trained.pt"), contains="no file")
+test_fail(lambda: KVpopMLP(9, checkpoint="missing/trained.pt"), contains="is neither")
 test_fail(lambda: KVpopMLP(9, tau_typo=1.0), contains="unexpected options")
