@@ -700,6 +700,119 @@ assert not torch.allclose(sc(k, v), sc0(k, v))
 
 
 # %% [markdown]
+# ### The score head against loops (Eq. 11, 42)
+#
+# The last step, $\hat r_u = \boldsymbol{a}_h^\top\operatorname{SiLU}(\operatorname{Norm}(\boldsymbol{h}_u)) + b_h$,
+# is the stateless part of the scorer: one dot product per token after an elementwise SiLU,
+# with the optional parameter-free layer norm $\operatorname{Norm}(\boldsymbol{h}) =
+# (\boldsymbol{h} - \mu)/\sqrt{\sigma^2 + 10^{-5}}$ ($\mu$, $\sigma^2$ the mean and the biased
+# variance over the $d/2$ coordinates). Check `score_head` against the same formula by loops
+# over batch, head and token, each sum written out in Python floats, with and without the norm,
+# for a sequence of readouts and for one token (decode). With the norm the score ignores a
+# positive rescaling of $\boldsymbol{h}$ (up to the norm's $10^{-5}$), without it it does not;
+# this matters for the output gate below.
+
+# %%
+def _score_head_loops(sc, h):
+    "Eq. (42) by loops over batch, head and token: layer norm, SiLU and the dot product written out in Python floats."
+    a, b = sc.score.weight[..., 0].tolist(), sc.score.bias[:, 0].tolist()   # a[head][j], b[head]
+    B, H, S, n = h.shape
+    r = torch.empty(B, H, S)
+    for i in range(B):
+        for hd in range(H):
+            for t in range(S):
+                x = h[i, hd, t].tolist()
+                if sc.norm:                                   # parameter-free layer norm, biased variance, eps 1e-5
+                    mu = sum(x) / n
+                    var = sum((xj - mu) ** 2 for xj in x) / n
+                    x = [(xj - mu) / math.sqrt(var + 1e-5) for xj in x]
+                silu = [xj / (1 + math.exp(-xj)) for xj in x]                # SiLU(x) = x sigma(x)
+                r[i, hd, t] = sum(a[hd][j] * silu[j] for j in range(n)) + b[hd]
+    return r
+
+torch.manual_seed(6)
+h = 3 * torch.randn(2, 3, 7, 4)                        # readouts [B, H, S, d/2] for d = 8, over SiLU's curved part
+for norm in (False, True):
+    sc = MLSTMScorer(3, 8, delay=2, norm=norm)
+    assert (sc.score_head(h) == 0).all()              # zero score head at initialization
+    with torch.no_grad(): sc.score.weight.normal_(); sc.score.bias.normal_()
+    ref = _score_head_loops(sc, h)
+    assert_close(sc.score_head(h), ref)
+    assert_close(sc.score_head(h[:, :, 4]), ref[:, :, 4])   # one token [B, H, d/2] (decode)
+    assert_close(sc.score_head(h.double()), ref)            # float64 readouts, float32 scores
+    if norm: assert_close(sc.score_head(2.5 * h), ref, rtol=1e-4, atol=1e-4)   # the norm ignores the scale of h
+    else: assert not torch.allclose(sc.score_head(2.5 * h), ref)
+
+# %% [markdown]
+# ## The output gate of Eq. (12), and what dropping it changes
+#
+# The mLSTM of xLSTM (App. A) has a third gate besides $i_t$ and $f_t$: a vector output gate
+# computed from the token, $\boldsymbol{o}_t = \sigma(\boldsymbol{x}_t W_{og})$ with $W_{og} \in
+# \mathbb{R}^{d \times d_v}$, which multiplies the normalized retrieval coordinate by coordinate
+# (Eq. (12)):
+#
+# $$\boldsymbol{h}_t = \boldsymbol{o}_t \odot \frac{\phi(\boldsymbol{q}_t)\,\boldsymbol{C}_t}{\phi(\boldsymbol{q}_t)\,\boldsymbol{z}_t}.$$
+#
+# KVpop's scorer removes it (App. A, to keep the retrofit small); `MLSTMScorer` has no output
+# gate. What that does and does not change:
+#
+# - **Nothing before the score head.** The gate acts on the readout only, after the state has
+#   been read: $\boldsymbol{C}_t$, $\boldsymbol{z}_t$, the stabilizer $m_t$, the delayed readout and
+#   the equivalence of the recurrent, parallel and chunkwise forms checked above are the same
+#   with or without it. In the score of token $u$ it would sit between the ratio of Eq. (41)
+#   and the score head, $\hat r_u = \boldsymbol{a}_h^\top\operatorname{SiLU}(\operatorname{Norm}(\boldsymbol{o}_u
+#   \odot \boldsymbol{h}_{u\mid u+w})) + b_h$, with the gate computed, say, from the scored token's
+#   $\boldsymbol{x}_u$ (the paper does not say which token's input a delayed readout would gate
+#   with; the check below uses $u$).
+# - **One projection less.** Per KV head $W_{og}$ would be a $2d \times d/2$ matrix, $d^2$
+#   parameters. Without it the scorer has $3d^2 + 4d + d/2 + 3$ per head (the counts below);
+#   the gate would add about a third.
+# - **The score function, in general.** $\boldsymbol{o}_u \in (0, 1)^{d/2}$ changes from token to
+#   token and from coordinate to coordinate, and SiLU is not linear, so the gate cannot be
+#   folded into $\boldsymbol{a}_h$: a gated head can score, and rank, tokens differently from the
+#   gate-free one on the same state. The gate is not a no-op; dropping it restricts the score
+#   head to the gate-free family, which is the gated one at $\boldsymbol{o} \equiv 1$ (the limit
+#   of large gate pre-activations).
+# - **Two cases where it changes nothing.** A gate of all ones is no gate. And with the norm, a
+#   gate that has one value per token, $\boldsymbol{o}_u = c_u \boldsymbol{1}$, is absorbed by the
+#   layer norm up to its constant: $\operatorname{Norm}_\varepsilon(c\,\boldsymbol{h}) =
+#   \operatorname{Norm}_{\varepsilon/c^2}(\boldsymbol{h})$; without the norm even such a scalar gate
+#   changes the ranking.
+#
+# Check on a small scorer with random score head and gate weights, for `norm=False` and
+# `norm=True`: the readout is computed independently (the unstabilized float64 loop reference);
+# an output gate of all ones, given exactly or as $\sigma$ of pre-activations shifted by 40
+# (which is 1 in float32), reproduces the gate-free scores; a vector gate from a random
+# $W_{og}$ changes the scores and the order of the tokens; a per-token scalar gate only moves
+# the norm's $\varepsilon$ to $\varepsilon / c^2$ with the norm, and reorders tokens without it.
+
+# %%
+torch.manual_seed(7)
+B, H, S, d, w = 1, 2, 16, 8, 3
+k, v = torch.randn(B, H, S, d), torch.randn(B, H, S, d)
+for norm in (False, True):
+    sc = MLSTMScorer(H, d, delay=w, norm=norm)
+    with torch.no_grad(): sc.score.weight.normal_(); sc.score.bias.normal_(); sc.gates.weight.normal_(0, 0.1)
+    q, kf, vf, log_i, log_f = sc.features(k, v)
+    h = mlstm_unstabilized_reference(q.double(), kf.double(), vf.double(), log_i.double(), log_f.double(), w).float()
+    r = sc(k, v)                                                          # the gate-free scorer
+    x = scorer_input(k, v)                                                # x_u = [k_u; v_u] of the scored token
+    pre = torch.einsum("bhsi,hio->bhso", x, torch.randn(H, 2 * d, d // 2))     # x_u W_og, Eq. (12)
+    for o in (torch.ones_like(h), torch.sigmoid(pre + 40)):               # sigma(40 + .) is 1 in float32
+        test_eq(o, torch.ones_like(h))
+        assert_close(sc.score_head(o * h), r, rtol=1e-4, atol=1e-4)      # an all-ones gate is no gate
+    gated = sc.score_head(torch.sigmoid(pre) * h)                         # a vector gate: other scores, other ranking
+    assert (gated - r).abs().max() > 0.1 and not torch.equal(gated.argsort(-1), r.argsort(-1))
+    c = torch.empty(B, H, S, 1).uniform_(0.2, 1.0)                        # one gate value per token
+    if norm:  # LN(c h) with eps is LN(h) with eps / c^2: the scalar gate only moves the norm's eps
+        hn = (h - h.mean(-1, keepdim=True)) / torch.sqrt(h.var(-1, unbiased=False, keepdim=True) + 1e-5 / c ** 2)
+        assert_close(sc.score_head(c * h), sc.score(F.silu(hn))[..., 0], rtol=1e-4, atol=1e-4)
+    else: assert not torch.equal(sc.score_head(c * h).argsort(-1), r.argsort(-1))
+    print(f"norm={norm}: max |score change| vector gate {(gated - r).abs().max().item():.3f}, "
+          f"scalar gate {(sc.score_head(c * h) - r).abs().max().item():.2e}")
+
+
+# %% [markdown]
 # ## Parameter counts
 #
 # Per KV head the mLSTM scorer has three $2d \times d/2$ projections, a $2d \to 2$ gate map with
