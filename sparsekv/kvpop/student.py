@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import weakref
 from importlib import resources
 from pathlib import Path
@@ -284,6 +285,10 @@ class KVpopMLP(TrainedMethod):
 
     def __init__(self, budget: int, sink: int | None = None, window: int | None = None,
                  checkpoint: str | Path | None = None, chunk_size: int | None = None, **options):
+        if isinstance(checkpoint, str) and checkpoint in shipped_checkpoints():
+            # the decay range is no parameter (only alpha is): the scorers' own, from the manifest
+            lg_min, lg_max = shipped_checkpoints()[checkpoint]["log_gamma_range"]
+            options = dict(gamma_min=math.exp(lg_min), gamma_max=math.exp(lg_max), **options)
         super().__init__(budget, sink, window, checkpoint, chunk_size)
         accepted = ((set(inspect.signature(KVpopStudent.for_model).parameters)
                      | set(inspect.signature(KVpopStudent).parameters))

@@ -42,7 +42,7 @@
 # | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | 4 min 55 s (fresh clone whose `.venv` existed, Chromium installed by the run; creating `.venv` adds about 1.5 min) |
 # | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 4 min 47 s for its 15 stages (fresh clone, empty caches, quiet machine, 2026-12-02; the longest, `protocol` and `leaderboard`, 50 s and 47 s) |
 # | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | no quiet timing of all 15 stages yet: the 13 stages of 2026-12-01 summed to 59 min 09 s on a quiet machine (`quoka_observations` then 25 s); the new `speed`, the extended `quoka_observations` and the new `leaderboard` took 481 s, 346 s and 789 s beside other work (2026-12-02), so the total exceeds the target; each stage's last time is on the Results page |
-# | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable, its grids committed so a later run resumes them; only the stages that define `cpu-full`: `calibration`, `protocol` and `speed`) | `calibration`: 85 min for its 220 items (23 s per item on average, part of it on a shared machine, 2026-12-01); `protocol`: several hours, spread over sessions (its progress is in `reproduce/runs/cpu-full/protocol_*_grid.csv`) |
+# | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable, its grids committed so a later run resumes them; only the stages that define `cpu-full`: `calibration`, `protocol`, `kvpop_train`, `quoka_observations` and `speed`) | `calibration`: 85 min for its 220 items (23 s per item on average, part of it on a shared machine, 2026-12-01); `protocol`: several hours, spread over sessions (its progress is in `reproduce/runs/cpu-full/protocol_*_grid.csv`); `kvpop_train`: about 1 h 50 min on 2 cores (activations of 64 windows cached once: 12 min; 5 sweep and 4 final students, 600 steps each; 16 held-out windows: ~2 min each), 2026-12-02 |
 #
 # `make reproduce` runs the papermill pipeline declared in `reproduce/pipeline.yaml` and writes
 # figures (PNG with the data behind them) to `figures/<profile>/` and a results summary to
@@ -118,8 +118,10 @@ m = methods.make("oval", budget=48, page_size=8, sink=8, recent=8, rank=4, eta=0
 out = m.generate(model, prompt, max_new_tokens=20)
 
 # %% [markdown]
-# A trained method takes `checkpoint=` (the `trained.pt` that `python -m sparsekv.distill` writes; without
-# it the scorers are fresh and rank neutrally). For your own loop, `patch` gives the cache to pass:
+# A trained method takes `checkpoint=`: the name of scorers shipped with the package
+# (`sparsekv.kvpop.student.shipped_checkpoints()`: KVpop-MLP and KVpop-mLSTM for SmolLM2 at 75% and 88%
+# compression, e.g. `checkpoint="smollm2-135m-cr75-mlstm"`), or the `trained.pt` that `python -m sparsekv.distill`
+# writes; without it the scorers are fresh and rank neutrally. For your own loop, `patch` gives the cache to pass:
 
 # %%
 m = methods.make("kvpop_mlstm", budget=52)  # 4 sinks + a window of 3 + 45 learned long-range slots
@@ -173,10 +175,9 @@ for name, params in [("streaming_llm", {}), ("quoka", dict(chunk_size=16, n_q=4)
 #
 # - **budget** $B = 384$ KV entries per KV head: a quarter of the 1,532 tokens, the 75% compression
 #   of the `cpu` profile.
-# - **KVpop**: its split scaled to $B$: $s = 4$ sinks, a window $w = \mathrm{round}(256B/4356) = 23$,
-#   $k = 357$ learned slots. Trained scorers ship with issue #15; until then give `checkpoint` the
-#   `trained.pt` of `python -m sparsekv.distill`, or the recipe runs StreamingLLM+, the KVpop paper's
-#   baseline at the same split (the 4 sinks and the 380 most recent tokens; here on the base model).
+# - **KVpop**: the shipped mLSTM scorers trained for SmolLM2 at 75% compression of 2,048-token windows
+#   (`checkpoint="smollm2-135m-cr75-mlstm"`), with their split: $s = 4$ sinks, a window $w = 64$ and
+#   $k = B - s - w = 316$ learned slots (the `kvpop_train` stage trains them and says how they compare).
 # - **QuoKA**: chunks of $B_{CP} = 128$ tokens, each reading $B_{SA} = B$ earlier keys chosen by
 #   $N_Q = 16$ queries (the paper's defaults).
 # - **OVAL**: pages of 32 tokens and rank 8 (the paper's), $\eta = 0.25$ (what the `oval_quality`
@@ -201,10 +202,9 @@ from sparsekv.kvpop.cache import cache_nbytes
 model, tok = load_model("smollm2-135m")
 ids = token_stream(tok, prose_text()[:8000])[None, :1500]  # [1, 1500]: the first 1,500 tokens of the prose
 n_new, B = 32, 384
-checkpoint = None  # a KVpop trained.pt; without it, StreamingLLM+ at KVpop's split
 runs = [
     methods.make("dense"),
-    methods.make("kvpop_mlstm" if checkpoint else "streaming_llm_plus", budget=B, checkpoint=checkpoint),
+    methods.make("kvpop_mlstm", budget=B, checkpoint="smollm2-135m-cr75-mlstm"),
     methods.make("quoka", budget=B, chunk_size=128, n_q=16),
     methods.make("oval", budget=B, page_size=32, rank=8, eta=0.25, sink=32, recent=32),
 ]

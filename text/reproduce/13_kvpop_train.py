@@ -57,9 +57,7 @@ eval_methods = ["streaming_llm", "tova:all", "tova:group", "h2o"]   # baselines 
 seed = 0
 
 # %%
-import json
 import math
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -155,7 +153,8 @@ def metrics(logits: torch.Tensor, teacher: torch.Tensor) -> dict:
     return dict(agreement=top1_agreement(logits, teacher).item(), kl=kl_to_teacher(logits, teacher).item())
 
 
-def train_student(scorer: str, cr: float, log_gamma: float | None, n_steps: int, tag: str) -> tuple[KVpopStudent, pd.DataFrame]:
+def train_student(scorer: str, cr: float, log_gamma: float | None, n_steps: int, tag: str
+                  ) -> tuple[KVpopStudent, pd.DataFrame]:
     "Train (or resume) one student from the cached activations; its history is saved beside its checkpoint."
     st = student_for(scorer, cr, log_gamma)
     config = DistillConfig(steps=n_steps, mode="cached", new_lr=new_lr, new_lr_min=min(8e-5, new_lr),
@@ -171,15 +170,25 @@ def mean_log_gamma(st: KVpopStudent) -> float:
 
 
 if train:
-    select_teacher = [dense_logits(select_ids[i:i + 1]) for i in range(len(select_ids))]
-    sweep_rows = []
-    for lg in [*sweep_log_gammas, None]:
-        name = "learned" if lg is None else f"{lg:g}"
-        st, _ = train_student(scorers[0], min(compressions), lg, sweep_steps, f"sweep_{scorers[0]}_{name}")
-        for i in range(len(select_ids)):
-            sweep_rows.append(dict(decay=name, window=i, final_log_gamma=mean_log_gamma(st),
-                                   **metrics(policy_logits(select_ids[i:i + 1], st.policy()), select_teacher[i])))
-    sweep = pd.DataFrame(sweep_rows)
+    sweep_students, select_teacher = {}, {}
+
+    def sweep_cell(c: dict) -> dict:
+        "Train (or load) the student of one decay setting; its agreement with the dense model on one selection window."
+        name, i = c["decay"], c["window"]
+        if name not in sweep_students:
+            lg = None if name == "learned" else float(name)
+            sweep_students[name] = train_student(scorers[0], min(compressions), lg, sweep_steps,
+                                                 f"sweep_{scorers[0]}_{name}")[0]
+        if i not in select_teacher: select_teacher[i] = dense_logits(select_ids[i:i + 1])
+        st = sweep_students[name]
+        return dict(final_log_gamma=mean_log_gamma(st),
+                    **metrics(policy_logits(select_ids[i:i + 1], st.policy()), select_teacher[i]))
+
+    names = [f"{lg:g}" for lg in sweep_log_gammas] + ["learned"]
+    sweep = run_grid([dict(decay=n, window=i) for n in names for i in range(len(select_ids))], sweep_cell,
+                     out / "sweep_grid.csv", desc="decay sweep",
+                     params=dict(model=model_name, S=S, scorer=scorers[0], sweep_steps=sweep_steps))
+    sweep["decay"] = sweep.decay.astype(str)
     sweep_table = sweep.groupby("decay", sort=False)[["agreement", "kl", "final_log_gamma"]].mean()
     chosen = sweep_table.agreement.idxmax()
     write_csv(Path(fig_dir) / "kvpop_train_decay_sweep.csv", sweep)
@@ -264,7 +273,8 @@ def cell(c: dict) -> dict:
 cells = [dict(item=i, method=m, compression=cr) for i in range(len(val_ids)) for cr in compressions
          for m in (["dense"] if cr == compressions[0] else []) + methods]
 grid = run_grid(cells, cell, out / "eval_grid.csv", desc="held-out windows",
-                params=dict(model=model_name, S=S, sink=sink, window=window, chosen=chosen, eviction_chunk=eviction_chunk,
+                params=dict(model=model_name, S=S, sink=sink, window=window, chosen=chosen,
+                            eviction_chunk=eviction_chunk,
                             scorers_from=f"trained, {steps} steps" if train else "shipped"))
 dense_rows = grid[grid.method == "dense"]
 results = pd.concat([grid[grid.method != "dense"]] + [dense_rows.assign(compression=cr) for cr in compressions])
@@ -336,7 +346,20 @@ if train:
     summary += ["Step time (one window, alternated in one run):", "", md(speed), "",
                 f"Decay sweep (KVpop-{scorers[0]}, CR {min(compressions):.1%}, {sweep_steps} steps; agreement with "
                 "the dense model on the selection windows):", "", md(sweep_table), ""]
-summary += ["Agreement with the dense model, mean ± s.e.:", "", compare_table(tables["agreement"]).to_markdown(), "",
+def verdict(metric: str, method: str, cr: float) -> str:
+    "A comparison in words: the paired difference to the best baseline ('ahead' only when its interval excludes 0)."
+    rows = tables[metric].set_index(["method", "budget"])
+    r, o = rows.loc[(method, cr)], rows.loc[("oracle", cr)]
+    better = (r.diff_base > 0) == (metric == "agreement")
+    word = ("ahead of" if better else "behind") if r.base_sig else "tied with"
+    return (f"{method} at CR {cr:.1%}, {metric}: {word} the best baseline {r.baseline} ({r.diff_base:+.4f} "
+            f"[{r.base_lo:+.4f}, {r.base_hi:+.4f}]); {method} {r['mean']:.4f}, the oracle {o['mean']:.4f}")
+
+
+summary += ["Verdicts (paired 95% intervals over the validation windows):", ""]
+summary += [f"- {verdict(m, f'kvpop_{sc}', cr)}" for cr in compressions for sc in scorers for m in ("agreement", "kl")]
+summary += ["", "Agreement with the dense model, mean ± s.e.:", "",
+            compare_table(tables["agreement"]).to_markdown(), "",
             "Agreement, difference to the best baseline [95% paired interval] (* excludes 0):", "",
             compare_table(tables["agreement"], "base").to_markdown(), "",
             "KL(dense || method), mean ± s.e.:", "", compare_table(tables["kl"]).to_markdown(), "",
