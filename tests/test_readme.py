@@ -9,6 +9,7 @@ import nbformat
 import pytest
 
 from sparsekv import methods
+from sparsekv.kvpop.student import shipped_checkpoints
 from sparsekv.docs import page_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,34 +53,30 @@ def test_readme_recipe_is_the_notebook_cell():
     assert 'load_model("smollm2-135m")' in code and ":1500]" in code and ".generate(" in code
 
 
-def recipe_runs(checkpoint=None) -> list:
-    "The recipe's `runs` (its method objects; no model runs), its `checkpoint` set to `checkpoint`."
+def recipe_runs() -> list:
+    "The recipe's `runs` (its method objects; no model runs)."
     assigns = {", ".join(n.id for n in ast.walk(s.targets[0]) if isinstance(n, ast.Name)): s
                for s in ast.parse(notebook_recipe()).body if isinstance(s, ast.Assign)}
-    assert ast.unparse(assigns["checkpoint"].value) == "None"  # the recipe runs what is shipped
     ns = {"methods": methods}
-    exec(compile(ast.Module([assigns["n_new, B"]], []), "recipe", "exec"), ns)
-    ns["checkpoint"] = checkpoint
-    exec(compile(ast.Module([assigns["runs"]], []), "recipe", "exec"), ns)
+    exec(compile(ast.Module([assigns["n_new, B"], assigns["runs"]], []), "recipe", "exec"), ns)
     return ns["runs"]
 
 
 def test_recipe_methods_and_parameters():
     "The recipe builds with this library, with the split and parameters its prose states."
     dense, kvpop, quoka, oval = recipe_runs()
-    assert (dense.name, kvpop.name, quoka.name, oval.name) == ("dense", "streaming_llm_plus", "quoka", "oval")
-    assert (kvpop.budget, kvpop.sink, kvpop.window, kvpop.k) == (384, 4, 23, 357)
+    assert (dense.name, kvpop.name, quoka.name, oval.name) == ("dense", "kvpop_mlstm", "quoka", "oval")
+    assert (kvpop.budget, kvpop.sink, kvpop.window, kvpop.k) == (384, 4, 64, 316)
     assert (quoka.budget, quoka.chunk_size, quoka.n_q) == (384, 128, 16)
     assert (oval.budget, oval.page_size, oval.rank, oval.eta, oval.sink, oval.recent) == (384, 32, 8, 0.25, 32, 32)
     for m in (kvpop, quoka, oval): assert m.name in methods.names()
 
 
-def test_recipe_takes_a_kvpop_checkpoint(tmp_path):
-    "Given a checkpoint path, the recipe's second method is KVpop (mLSTM scorers) at the same split."
-    ckpt = tmp_path/"trained.pt"
-    ckpt.write_bytes(b"")  # the method checks the file exists; the weights load only at generation
-    kvpop = recipe_runs(checkpoint=str(ckpt))[1]
-    assert (kvpop.name, kvpop.checkpoint, kvpop.sink, kvpop.window, kvpop.k) == ("kvpop_mlstm", str(ckpt), 4, 23, 357)
+def test_recipe_runs_the_shipped_kvpop_scorers():
+    "The recipe's KVpop loads the scorers shipped in the package (trained for SmolLM2 at CR 75%), not fresh ones."
+    kvpop = recipe_runs()[1]
+    assert Path(kvpop.checkpoint).is_file()
+    assert Path(kvpop.checkpoint).parent.name == "smollm2-135m-cr75-mlstm" in shipped_checkpoints()
 
 
 def relative_links(md: str) -> list[str]:
