@@ -329,7 +329,7 @@ for (sc, cr), st in trained.items() if train else ():
         weights = dict(student=st.state_dict(), spec=dict(method=f"kvpop_{sc}", student=student_spec(st)))
         with atomic_path(folder / "trained.pt") as tmp: torch.save(weights, tmp)
         write_json(folder / "manifest.json", manifest)
-pd.DataFrame(shipped or [dict(name=n, **m) for n, m in shipped_checkpoints().items()])
+pd.DataFrame(shipped or list(shipped_checkpoints().values()))
 
 
 # %%
