@@ -23,6 +23,7 @@ __all__ = ['BATCH_OPS', 'EvictionRule', 'SinkWindowRule', 'TopScoreRule', 'row_m
 # %% ../nbs/04_cache.ipynb #40ccaa34
 class EvictionRule:
     "Which cached entries each query sees, hence which a KV head keeps; the base rule keeps everything (dense)."
+    observes_attention = False  # True: scores come from the attention entries receive, not from the entries alone
 
     def scores(self, layer: "EvictingLayer", keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
         "Scores `[B,Hkv,S]` (float32) of new entries at insertion; zeros by default."
@@ -179,6 +180,17 @@ class EvictingLayer(DynamicLayer):
         if idx.shape[-1] == self.positions.shape[-1]: return
         self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
         self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
+
+    def absorb(self, keys: Tensor, values: Tensor) -> None:
+        """Take over a prompt's entries `[B,Hkv,S,D]` (positions 0..S-1) cached elsewhere, as one prefill of this empty
+        layer, and keep what the rule shows the next token."""
+        if self.seen: raise ValueError(f"absorb fills an empty layer; this one has seen {self.seen} tokens")
+        if self.rule.observes_attention:
+            raise ValueError(f"{type(self.rule).__name__} scores entries by the attention they receive: handing a "
+                             "prompt over replays no attention")
+        self.arm()
+        self.update(keys, values)
+        self.evict()
 
     def get_seq_length(self) -> int:
         "Number of tokens seen (the next token's position), not the number kept."

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from .attention import check_int
+from .cache import EvictingCache, GrowingCache, GrowingLayer
 from .hf import AttentionContext, AttentionPolicy, Method
 # The eviction methods live with KVpop: importing them registers them and makes them reachable from this module.
 from .kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
@@ -28,7 +29,7 @@ from .select import resolve_budget
 __all__ = ['PHASES', 'names', 'get', 'make', 'ModelShape', 'ScoringCost', 'queries_per_call', 'scoring_cost', 'Dense',
            'SelectionMethod', 'Quoka', 'BaselineSelection', 'MeanScores', 'SampleAttention', 'SparQ', 'Loki',
            'LessIsMore', 'PageRetrieval', 'Quest', 'ArkVale', 'KeyPCA', 'OVAL', 'OraclePages', 'RoutedPolicy',
-           'PrefillDecode']
+           'HandoffCache', 'PrefillDecode']
 
 # %% ../nbs/07_methods.ipynb #e9ad9286
 def names(family: str | None = None) -> list[str]:
@@ -37,14 +38,22 @@ def names(family: str | None = None) -> list[str]:
 
 
 def get(name: str) -> type:
-    "The method class registered as `name`."
-    if name not in Method.registry: raise ValueError(f"name must be one of {names()}, got {name!r}")
+    "The method class registered as `name`; 'first+then' (e.g. 'quoka+kvpop_mlstm') is a `PrefillDecode`."
+    if "+" in name:
+        for part in name.split("+", 1): get(part)
+        return PrefillDecode
+    if name not in Method.registry:
+        raise ValueError(f"name must be one of {names()} or 'prefill+decode' of two of them, got {name!r}")
     return Method.registry[name]
 
 
 def make(name: str, budget: int | None = None, **params) -> Method:
-    "Method `name` at `budget` KV entries per query and KV head, with its own `params` (the papers' defaults)."
+    """Method `name` at `budget` KV entries per query and KV head, with its own `params` (the papers' defaults);
+    'first+then': `PrefillDecode(budget, first, then, prefill_params=..., decode_params=...)`."""
     cls = get(name)
+    if "+" in name:
+        if {"prefill", "decode"} & set(params): raise TypeError(f"{name} names its parts: pass no prefill or decode")
+        params = dict(zip(("prefill", "decode"), name.split("+", 1))) | params
     sig = inspect.signature(cls).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in sig.values()):
         unknown = sorted(set(params) - set(sig) - {"budget"})
@@ -386,19 +395,61 @@ class RoutedPolicy(AttentionPolicy):
         return self.then(q, k, v, ctx)
 
 
-class PrefillDecode(Method):
-    "Method `prefill` (a name or a Method) for the prompt, `decode` for generation; names are made at `budget`."
-    name, family = "prefill_decode", "selection"
+class HandoffCache(GrowingCache):
+    """A `GrowingCache` while the prompt is read; at the first decode step (the model asks the mask sizes of one
+    query after some tokens) each layer's entries are handed to the layers of the evicting cache `then`."""
 
-    def __init__(self, budget: int | float, prefill: str | Method = "quoka", decode: str | Method = "oval"):
-        self.prefill, self.decode = (m if isinstance(m, Method) else make(m, budget) for m in (prefill, decode))
-        for role, m in (("prefill", self.prefill), ("decode", self.decode)):
-            if m.family == "eviction":
-                raise ValueError(f"{role} must not be an eviction method (its cache bounds both phases): {m.name!r}")
+    def __init__(self, then: EvictingCache, config=None):
+        if not isinstance(then, EvictingCache): raise TypeError(f"then must be an EvictingCache, got {type(then)}")
+        super().__init__(config=config)
+        self.then, self.handed_over = then, False
+
+    def hand_over(self) -> None:
+        "Give every growing layer's entries to `then`'s layer of the same index (`EvictingLayer.absorb`)."
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, GrowingLayer) and layer.get_seq_length():
+                self.layers[i] = self.then.layer(i)
+                self.layers[i].absorb(layer.keys, layer.values)
+        self.handed_over = True
+
+    def get_mask_sizes(self, cache_position: Tensor, layer_idx: int) -> tuple[int, int]:
+        # transformers asks before the layers run: the sizes are then the evicting layers'
+        if not self.handed_over and cache_position.shape[0] == 1 and self.get_seq_length(): self.hand_over()
+        return super().get_mask_sizes(cache_position, layer_idx)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if not self.handed_over and key_states.shape[2] == 1 and self.get_seq_length(layer_idx):
+            raise RuntimeError("HandoffCache hands the prompt over when the model asks for a decode step's mask "
+                               "sizes (get_mask_sizes); this model decoded without asking")
+        return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
+
+class PrefillDecode(Method):
+    """Method `prefill` (a name or a Method) for the prompt, `decode` for generation; names are made at `budget` with
+    `prefill_params`, `decode_params`. An eviction `decode` gets the prompt handed over (`HandoffCache`)."""
+    name, family = "prefill_decode", "selection"
+    handover = (StreamingLLM, KVpopMLP)  # eviction methods whose scores come from the entries alone
+
+    def __init__(self, budget: int | float, prefill: str | Method = "quoka", decode: str | Method = "oval",
+                 prefill_params: dict | None = None, decode_params: dict | None = None):
+        self.prefill, self.decode = (m if isinstance(m, Method) else make(m, budget, **(p or {}))
+                                     for m, p in ((prefill, prefill_params), (decode, decode_params)))
+        if self.prefill.family == "eviction":
+            raise ValueError(f"prefill must not be an eviction method (its cache bounds the prompt's reading too): "
+                             f"{self.prefill.name!r}")
+        if self.decode.family == "eviction" and (not isinstance(self.decode, self.handover)
+                                                 or isinstance(self.decode, StreamingLLMPlus)):
+            raise ValueError(f"decode: {self.decode.name!r} cannot take a prompt over; the eviction methods that "
+                             "can, scoring entries by themselves: streaming_llm, kvpop_mlp, kvpop_mlstm")
         self.budget, self.chunk_size = budget, self.prefill.chunk_size
 
     def policy(self) -> RoutedPolicy:
         return RoutedPolicy(self.prefill.policy(), self.decode.policy())
+
+    def cache(self, model):
+        "The prefill method's full cache; handed over to the decode method's at the first decode step if it evicts."
+        if self.decode.family != "eviction": return super().cache(model)
+        return HandoffCache(self.decode.cache(model), config=model.config)
 
     def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
         "The prefill method's cost at prefill, the decode method's at decode."

@@ -17,6 +17,8 @@ SMALL = {"selection": dict(chunk_size=8), "retrieval": dict(page_size=4, sink=4,
 # selection layer it attends densely).
 EXTRA = {"quoka": dict(n_q=2), "sample_attention": dict(n_q=2), "lessismore": dict(selection_layers=(0,))}
 PROMPT, NEW = 20, 6
+# every registered method, and compositions whose decode method evicts (the prompt handed over)
+NAMES = methods.names() + ["quoka+kvpop_mlstm", "dense+streaming_llm"]
 GEN = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
 
 
@@ -24,6 +26,10 @@ def build(name: str, budget) -> Method:
     "Method `name` at `budget` with the small-scale parameters above."
     if name == "prefill_decode":
         return methods.make(name, budget=budget, prefill=build("quoka", budget), decode=build("oval", budget))
+    if "+" in name:
+        return methods.make(name, budget, **{f"{role}_params": {**SMALL.get(methods.get(part).family, {}),
+                                                                **EXTRA.get(part, {})}
+                                            for role, part in zip(("prefill", "decode"), name.split("+"))})
     return methods.make(name, budget=budget, **SMALL.get(methods.get(name).family, {}), **EXTRA.get(name, {}))
 
 
@@ -36,7 +42,7 @@ def test_every_method_of_the_issue_is_registered():
     assert all(methods.get(n).family in ("dense", "eviction", "selection", "retrieval") for n in methods.names())
 
 
-@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("name", NAMES)
 def test_budget_of_the_whole_sequence_is_dense(tiny_model, name):
     "At a budget of the whole sequence (prompt + new tokens) every method generates the dense tokens and scores."
     ids, scored = prompt(tiny_model), dict(return_dict_in_generate=True, output_scores=True, **GEN)
@@ -46,13 +52,14 @@ def test_budget_of_the_whole_sequence_is_dense(tiny_model, name):
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("name", NAMES)
 def test_generate_a_batch_of_two_within_the_budget(tiny_llama, name):
     "A small budget: `generate` gives [2, prompt + new] ids; an eviction cache holds at most the budget between steps."
     budget, ids = 8, prompt(tiny_llama, seed=1)
     m = build(name, budget)
     assert m.generate(tiny_llama, ids, **GEN).shape == (2, PROMPT + NEW)
-    if m.family != "eviction": return
+    handover = m.name == "prefill_decode" and m.decode.family == "eviction"  # the prompt is read in full first
+    if m.family != "eviction" and not handover: return
     held = []
     with torch.no_grad(), m.patch(tiny_llama) as cache:
         sizes = lambda *_: held.append(max(layer.keys.shape[2] for layer in cache.layers))  # noqa: E731
@@ -60,7 +67,8 @@ def test_generate_a_batch_of_two_within_the_budget(tiny_llama, name):
         try: tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **GEN)
         finally: hook.remove()
     assert len(held) == NEW
-    if m.exact_budget: assert max(held) <= budget, held
+    if handover: assert held[0] == PROMPT and max(held[1:]) <= budget, held
+    elif m.exact_budget: assert max(held) <= budget, held
     else: assert max(held) <= PROMPT + NEW  # DMS: a learned target, see test_dms_budget_is_a_learned_target
 
 
@@ -74,7 +82,7 @@ def per_layer_head(meter) -> dict:
     return {key: (n, round(total, 6), most) for key, (n, total, most) in out.items()}
 
 
-@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("name", NAMES)
 def test_measured_budget_of_the_whole_sequence_is_dense(tiny_llama, name):
     "At a budget of the whole sequence every query of every layer and head attends to what dense attention does."
     ids = prompt(tiny_llama)
@@ -89,13 +97,13 @@ def nominal_bound(m: Method, phase: str, budget: int) -> int | None:
     page retrieval adds the partial page its complete pages leave out. None: no bound (dense, learned DMS, prefill of
     decode-time methods and of eviction's one-chunk prompt)."""
     if m.family == "eviction" and m.exact_budget: return budget if phase == "decode" else None
-    if m.name == "prefill_decode": return budget + m.prefill.chunk_size if phase == "prefill" else None
+    if m.name == "prefill_decode": return nominal_bound(m.prefill if phase == "prefill" else m.decode, phase, budget)
     if m.family == "selection": return budget + (m.chunk_size if phase == "prefill" else 1)
     if m.family == "retrieval": return budget + m.page_size - 1 if phase == "decode" else None
     return None
 
 
-@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("name", NAMES)
 def test_measured_budget_within_the_nominal_one(tiny_llama, name):
     "At a small budget, the last layer's queries attend to no more entries than the family's nominal bound allows."
     budget, ids, m = 8, prompt(tiny_llama, seed=1), build(name, 8)
@@ -108,7 +116,7 @@ def test_measured_budget_within_the_nominal_one(tiny_llama, name):
         assert most <= bound < PROMPT, (phase, most, bound)  # within the bound, and the bound leaves keys out
 
 
-@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("name", NAMES)
 def test_continuation_at_the_whole_window_is_dense(tiny_llama, name):
     "The protocol's teacher-forced continuation: dense at a budget of the whole window, a measured budget below it."
     win = prompt(tiny_llama, B=1, seed=3)
@@ -142,7 +150,7 @@ def test_dms_budget_is_a_learned_target(tiny_llama):
     assert cache.live_counts().max() <= m.sink + m.window
 
 
-@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("name", NAMES)
 def test_patch_restores_the_model(tiny_llama, name):
     "After the block, also one left by an exception: the same attention implementation, no hooks, the same outputs."
     ids = prompt(tiny_llama, B=1)

@@ -17,6 +17,10 @@ def build(name: str) -> Method:
     "Method `name` at BUDGET with the small-scale parameters above."
     if name == "prefill_decode":
         return methods.make(name, budget=BUDGET, prefill=build("quoka"), decode=build("oval"))
+    if "+" in name:
+        return methods.make(name, BUDGET, **{f"{role}_params": {**SMALL.get(methods.get(part).family, {}),
+                                                                **EXTRA.get(part, {})}
+                                             for role, part in zip(("prefill", "decode"), name.split("+"))})
     return methods.make(name, budget=BUDGET, **SMALL.get(methods.get(name).family, {}), **EXTRA.get(name, {}))
 
 
@@ -31,11 +35,11 @@ def padded_batch(seed=0):
 
 
 def refuses_padding(name: str) -> bool:
-    "Eviction methods keep a bounded cache per batch column: they take unpadded batches only."
-    return methods.get(name).family == "eviction"
+    "Eviction methods keep a bounded cache per batch column: they take unpadded batches only (also handed a prompt)."
+    return methods.get(name.split("+")[-1]).family == "eviction"
 
 
-@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("name", methods.names() + ["quoka+kvpop_mlstm"])
 def test_padded_rows_equal_rows_alone_or_refuse(tiny_llama, name):
     ids, mask, alone = padded_batch()
     m = build(name)

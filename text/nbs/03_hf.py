@@ -607,7 +607,11 @@ def _record_call(state: _Patch):
     def hook(module, args, kwargs):
         cache = kwargs.get("past_key_values")
         state.calls[module] = (cache, kwargs.get("cache_position"))
-        if isinstance(cache, EvictingCache): cache.layer(module.layer_idx).arm()
+        idx = module.layer_idx
+        # (a cache may also hold evicting layers among others: `sparsekv.methods.HandoffCache`)
+        layer = cache.layer(idx) if isinstance(cache, EvictingCache) else (
+            cache.layers[idx] if isinstance(cache, Cache) and idx < len(cache.layers) else None)
+        if isinstance(layer, EvictingLayer): layer.arm()
     return hook
 
 
@@ -1171,7 +1175,8 @@ class Method:
             raise ValueError("attention_mask must mark at least one token (1) in every row")
         if attention_mask is None: attention_mask = torch.ones_like(input_ids)
         with torch.no_grad(), self.patch(model) as cache:
-            if pads is not None and isinstance(cache, EvictingCache):
+            # (`sparsekv.methods.HandoffCache` hands the prompt to the evicting cache `then` later)
+            if pads is not None and EvictingCache in (type(cache).__mro__ + type(getattr(cache, "then", None)).__mro__):
                 raise ValueError(f"attention_mask: {self.name or type(self).__name__} evicts from a cache that takes "
                                  "unpadded batches only (padding would shift its rows); generate each prompt alone "
                                  "or batch prompts of equal length")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from sparsekv.attention import check_int
+from sparsekv.cache import EvictingCache, GrowingCache, GrowingLayer
 from sparsekv.hf import AttentionContext, AttentionPolicy, Method
 # The eviction methods live with KVpop: importing them registers them and makes them reachable from this module.
 from sparsekv.kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
@@ -31,10 +32,11 @@ from sparsekv.select import resolve_budget
 #| hide
 import torch
 from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
-from sparsekv.cache import EvictingCache
-from sparsekv.hf import chunked_prefill, patch
+from sparsekv.hf import DensePolicy, MaskPolicy, chunked_prefill, measure_attended, patch
+from sparsekv.kvpop.cache import KVpopCache, KVpopMaskPolicy, KVpopPolicy, random_scorers
 from sparsekv.kvpop.baselines import TOVARule
 from sparsekv.models import load_model
 from sparsekv.quoka.select import quoka_select
@@ -85,14 +87,22 @@ def names(family: str | None = None) -> list[str]:
 
 
 def get(name: str) -> type:
-    "The method class registered as `name`."
-    if name not in Method.registry: raise ValueError(f"name must be one of {names()}, got {name!r}")
+    "The method class registered as `name`; 'first+then' (e.g. 'quoka+kvpop_mlstm') is a `PrefillDecode`."
+    if "+" in name:
+        for part in name.split("+", 1): get(part)
+        return PrefillDecode
+    if name not in Method.registry:
+        raise ValueError(f"name must be one of {names()} or 'prefill+decode' of two of them, got {name!r}")
     return Method.registry[name]
 
 
 def make(name: str, budget: int | None = None, **params) -> Method:
-    "Method `name` at `budget` KV entries per query and KV head, with its own `params` (the papers' defaults)."
+    """Method `name` at `budget` KV entries per query and KV head, with its own `params` (the papers' defaults);
+    'first+then': `PrefillDecode(budget, first, then, prefill_params=..., decode_params=...)`."""
     cls = get(name)
+    if "+" in name:
+        if {"prefill", "decode"} & set(params): raise TypeError(f"{name} names its parts: pass no prefill or decode")
+        params = dict(zip(("prefill", "decode"), name.split("+", 1))) | params
     sig = inspect.signature(cls).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in sig.values()):
         unknown = sorted(set(params) - set(sig) - {"budget"})
@@ -484,8 +494,24 @@ class OraclePages(PageRetrieval):
 #
 # As kvpress composes presses (a decoding press around a prefill press), a method may wrap others:
 # `PrefillDecode` runs one method's policy (and chunking) for the prompt and another's for generation, e.g.
-# QuoKA's chunked prefill followed by OVAL's page retrieval. Both keep transformers' own cache, so neither may
-# be an eviction method (a bounded cache belongs to one method).
+# QuoKA's chunked prefill followed by OVAL's page retrieval, or by KVpop's bounded cache. `make` builds it from
+# a name `'first+then'`: `make("quoka+kvpop_mlstm", 128, decode_params={"checkpoint": "smollm2-135m-cr75-mlstm"})`.
+#
+# **The rule.** The prompt is read by the first method alone: its queries attend to what it selects from the
+# full cache (transformers' own, written in place), so the prompt's keys and values are exactly the first
+# method's. Generation belongs to the second method:
+# - a selection or retrieval method reads the same full cache with its own decode policy;
+# - an eviction method gets the prompt handed over (`HandoffCache`): at the first decode step every layer's
+#   entries go to the eviction method's empty cache as one prefill of that cache, which scores them and keeps
+#   what its rule shows the next token, and from there it evicts as it does alone. This is the eviction method's
+#   own state after a prefill of the same keys and values (the next cell checks it token by token), so its
+#   scores must come from the entries themselves (StreamingLLM, KVpop); TOVA and H2O score entries by the
+#   attention they receive, which a hand-over does not replay, and are refused.
+#
+# **The budgets.** One `budget` for both parts, each in its own terms: $B_{SA}$ earlier keys per prompt chunk
+# for QuoKA, $s + w + k$ kept entries for KVpop (or the decode token budget of a retrieval method). Memory: the
+# full prompt is stored while it is read (as QuoKA alone), then an eviction decode holds $s + w + k$ entries per
+# KV head whatever the length of the generation (a retrieval decode keeps the full cache).
 
 # %%
 #| export
@@ -502,19 +528,61 @@ class RoutedPolicy(AttentionPolicy):
         return self.then(q, k, v, ctx)
 
 
-class PrefillDecode(Method):
-    "Method `prefill` (a name or a Method) for the prompt, `decode` for generation; names are made at `budget`."
-    name, family = "prefill_decode", "selection"
+class HandoffCache(GrowingCache):
+    """A `GrowingCache` while the prompt is read; at the first decode step (the model asks the mask sizes of one
+    query after some tokens) each layer's entries are handed to the layers of the evicting cache `then`."""
 
-    def __init__(self, budget: int | float, prefill: str | Method = "quoka", decode: str | Method = "oval"):
-        self.prefill, self.decode = (m if isinstance(m, Method) else make(m, budget) for m in (prefill, decode))
-        for role, m in (("prefill", self.prefill), ("decode", self.decode)):
-            if m.family == "eviction":
-                raise ValueError(f"{role} must not be an eviction method (its cache bounds both phases): {m.name!r}")
+    def __init__(self, then: EvictingCache, config=None):
+        if not isinstance(then, EvictingCache): raise TypeError(f"then must be an EvictingCache, got {type(then)}")
+        super().__init__(config=config)
+        self.then, self.handed_over = then, False
+
+    def hand_over(self) -> None:
+        "Give every growing layer's entries to `then`'s layer of the same index (`EvictingLayer.absorb`)."
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, GrowingLayer) and layer.get_seq_length():
+                self.layers[i] = self.then.layer(i)
+                self.layers[i].absorb(layer.keys, layer.values)
+        self.handed_over = True
+
+    def get_mask_sizes(self, cache_position: Tensor, layer_idx: int) -> tuple[int, int]:
+        # transformers asks before the layers run: the sizes are then the evicting layers'
+        if not self.handed_over and cache_position.shape[0] == 1 and self.get_seq_length(): self.hand_over()
+        return super().get_mask_sizes(cache_position, layer_idx)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if not self.handed_over and key_states.shape[2] == 1 and self.get_seq_length(layer_idx):
+            raise RuntimeError("HandoffCache hands the prompt over when the model asks for a decode step's mask "
+                               "sizes (get_mask_sizes); this model decoded without asking")
+        return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
+
+class PrefillDecode(Method):
+    """Method `prefill` (a name or a Method) for the prompt, `decode` for generation; names are made at `budget` with
+    `prefill_params`, `decode_params`. An eviction `decode` gets the prompt handed over (`HandoffCache`)."""
+    name, family = "prefill_decode", "selection"
+    handover = (StreamingLLM, KVpopMLP)  # eviction methods whose scores come from the entries alone
+
+    def __init__(self, budget: int | float, prefill: str | Method = "quoka", decode: str | Method = "oval",
+                 prefill_params: dict | None = None, decode_params: dict | None = None):
+        self.prefill, self.decode = (m if isinstance(m, Method) else make(m, budget, **(p or {}))
+                                     for m, p in ((prefill, prefill_params), (decode, decode_params)))
+        if self.prefill.family == "eviction":
+            raise ValueError(f"prefill must not be an eviction method (its cache bounds the prompt's reading too): "
+                             f"{self.prefill.name!r}")
+        if self.decode.family == "eviction" and (not isinstance(self.decode, self.handover)
+                                                 or isinstance(self.decode, StreamingLLMPlus)):
+            raise ValueError(f"decode: {self.decode.name!r} cannot take a prompt over; the eviction methods that "
+                             "can, scoring entries by themselves: streaming_llm, kvpop_mlp, kvpop_mlstm")
         self.budget, self.chunk_size = budget, self.prefill.chunk_size
 
     def policy(self) -> RoutedPolicy:
         return RoutedPolicy(self.prefill.policy(), self.decode.policy())
+
+    def cache(self, model):
+        "The prefill method's full cache; handed over to the decode method's at the first decode step if it evicts."
+        if self.decode.family != "eviction": return super().cache(model)
+        return HandoffCache(self.decode.cache(model), config=model.config)
 
     def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
         "The prefill method's cost at prefill, the decode method's at decode."
@@ -522,6 +590,74 @@ class PrefillDecode(Method):
         return scoring_cost(self.prefill if phase == "prefill" else self.decode, shape, n_cached, phase, chunk)
 
 
+# %% [markdown]
+# The hand-over checked against its definition, on a tiny random Llama in float64 with random KVpop
+# scorers (MLP, and mLSTM with delayed readout): the prompt's queries attend densely, every later query
+# attends to what KVpop's teacher-forced mask (`KVpopMaskPolicy`, Eq. 26 on the whole sequence) shows it.
+# One full-sequence forward under that mask gives the reference logits; `dense+kvpop` prefilling the
+# prompt in one call and decoding the rest one token at a time must give the same logits at every decode
+# position, with at most $s + w + k$ (+ 1 pending for the mLSTM) entries per head after the hand-over.
+
+# %%
+class PromptDenseThenKVpop(MaskPolicy):
+    "Reference: queries before `P` causal (dense), later ones KVpop's teacher-forced mask on the whole sequence."
+    def __init__(self, P, *kvpop): self.P, self.kvpop = P, KVpopMaskPolicy(*kvpop)
+
+    def mask(self, q, k, v, ctx):
+        return self.kvpop.mask(q, k, v, ctx) | (ctx.query_positions < self.P)[:, None]
+
+
+m64, _ = load_model("tiny-llama", dtype=torch.float64)
+S, P, s, w, kk = 30, 17, 2, 3, 4
+seq = torch.randint(3, m64.config.vocab_size, (2, S), generator=torch.Generator().manual_seed(3))
+for kind in ("mlp", "mlstm"):
+    sc = random_scorers(m64, seed=1, kind=kind, delay=w if kind == "mlstm" else 0)
+    with torch.no_grad(), patch(m64, PromptDenseThenKVpop(P, sc, s, w, kk)): want = m64(seq).logits[:, P - 1:-1]
+    with torch.no_grad(): dense = m64(seq).logits[:, P - 1:-1]
+    cache = HandoffCache(KVpopCache(sc, s, w, kk), config=m64.config)
+    with torch.no_grad(), patch(m64, RoutedPolicy(DensePolicy(), KVpopPolicy())):
+        got = [m64(seq[:, :P], past_key_values=cache).logits[:, -1:]]
+        assert not cache.handed_over
+        for t in range(P, S - 1):
+            got.append(m64(seq[:, t:t + 1], past_key_values=cache).logits)
+            test_eq(max(l.positions.shape[-1] for l in cache.layers) <= s + w + kk + (kind == "mlstm"), True)
+    assert_close(torch.cat(got, 1), want)
+    assert (want - dense)[:, 1:].abs().max() > 1e-3  # the budget binds: not the dense logits
+print("hand-over: the composed decode equals the prompt-dense, KVpop-after mask (MLP and mLSTM)")
+
+# %% [markdown]
+# Through the registry: `make("dense+streaming_llm", ...)` generates what dense prefill followed by
+# StreamingLLM's mask gives token by token; `quoka+kvpop_mlstm` runs end to end and its decode queries
+# attend to exactly the budget; TOVA cannot take a prompt over, an eviction method cannot read one for another.
+
+# %%
+class PromptDenseThenWindow(MaskPolicy):
+    "Reference: queries before `P` causal, later ones StreamingLLM's sinks and recent tokens."
+    def __init__(self, P, sink, recent): self.P, self.sink, self.recent = P, sink, recent
+
+    def mask(self, q, k, v, ctx):
+        t, p = ctx.key_positions[:, :, None, :], ctx.query_positions[None, None, :, None]
+        return (t < self.sink) | (p - t < self.recent) | (p < self.P)
+
+
+sl = make("dense+streaming_llm", 12)
+test_eq((type(sl), type(sl.prefill).__name__, sl.decode.name, sl.chunk_size), (PrefillDecode, "Dense", "streaming_llm",
+                                                                                None))
+with torch.no_grad(), patch(m64, PromptDenseThenWindow(P, sl.decode.sink, sl.decode.window + sl.decode.k)):
+    want = m64(seq).logits[:, P - 1:-1]
+with torch.no_grad(), sl.patch(m64) as cache:
+    got = [m64(seq[:, :P], past_key_values=cache).logits[:, -1:]]
+    got += [m64(seq[:, t:t + 1], past_key_values=cache).logits for t in range(P, S - 1)]
+assert_close(torch.cat(got, 1), want)
+
+qk = make("quoka+kvpop_mlstm", 16, prefill_params=dict(chunk_size=8, n_q=2), decode_params=dict(sink=2, window=4))
+test_eq((qk.prefill.budget, qk.chunk_size, (qk.decode.sink, qk.decode.window, qk.decode.k)), (16, 8, (2, 4, 10)))
+with measure_attended() as meter: out = qk.generate(m64, seq, max_new_tokens=6, do_sample=False, pad_token_id=0)
+test_eq((out.shape, meter.max("decode")), ((2, S + 6), 16))
+test_fail(lambda: make("quoka+tova", 16), contains="cannot take a prompt over")
+test_fail(lambda: make("tova+oval", 16), contains="prefill must not be an eviction method")
+test_fail(lambda: make("quoka+nope", 16), contains="'prefill+decode' of two of them")
+test_fail(lambda: make("quoka+oval", 16, decode="quest"), contains="pass no prefill or decode")
 # %% [markdown]
 # ## Checks
 #
@@ -543,7 +679,6 @@ test_fail(lambda: make("tova", budget=0.5), contains="budget must be")       # e
 test_eq(make("quoka", budget=0.25).policy().budget, 0.25)                     # selection: also a fraction of the cache
 test_fail(lambda: make("oval", budget=16, sink=16, recent=8), contains="must cover sink + recent")
 test_fail(lambda: make("quoka", budget=8, n_q=0), contains="n_q")
-test_fail(lambda: PrefillDecode(8, decode="tova"), contains="must not be an eviction method")
 
 # %% [markdown]
 # Each family builds what the table says: TOVA the rule of its split, QuoKA and OVAL the policies with the

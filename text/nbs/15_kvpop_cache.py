@@ -312,6 +312,10 @@ class KVpopLayer(EvictingLayer):
         self._view(m)
         if cap > self.rule.budget + 1 >= m: self._seat(m, self.rule.budget + 1)  # give back what a prefill chunk needed
 
+    def absorb(self, keys: Tensor, values: Tensor) -> None:
+        self.kvpop_masked = True  # no query attends during a hand-over: there is nothing to mask
+        super().absorb(keys, values)
+
     def _apply(self, fn) -> None:
         "Apply `fn` to keys, values, positions and scores, then move them into buffers again."
         super()._apply(fn)

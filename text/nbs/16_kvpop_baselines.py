@@ -56,6 +56,7 @@ HEAD_REDUCTIONS = ("group", "all")
 
 class AttentionScoreRule(TopScoreRule):
     "Sinks, a window and the `k` best attention-based scores of older entries; `observe` turns attention into scores."
+    observes_attention = True
 
     def __init__(self, sink: int, window: int, k: int, heads: str = "group"):
         super().__init__(sink, window, k)
