@@ -24,7 +24,7 @@ from .attention import causal_mask, check_int, check_qkv, gather_keys
 from .cache import EvictingCache, EvictingLayer, GrowingCache
 
 # %% auto #0
-__all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'heads_mask', 'AttendedBudget', 'measure_attended', 'record_attended',
+__all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'heads_mask', 'AttendedBudget', 'measure_attended', 'record_attended', 'record_stored',
            'attended_counts', 'dense_attention', 'attend_selected', 'chosen_indices', 'attend_chosen', 'add_chunk_keys',
            'AttentionContext', 'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy', 'attention_modules',
            'patch', 'active_patch', 'check_input_ids', 'left_padding', 'chunked_prefill', 'Method']
@@ -41,8 +41,11 @@ def heads_mask(mask: Tensor, n_heads: int) -> Tensor:
 
 # %% ../nbs/03_hf.ipynb #fe427297
 class AttendedBudget:
-    "Per (phase, layer, query head): how many KV entries queries attended to (mean, max), from `measure_attended`."
-    def __init__(self): self._stats: dict = {}  # (phase, layer) -> [sum [Hq], queries, max [Hq]]
+    """Per (phase, layer, query head): how many KV entries queries attended to (mean, max); per (phase, layer): the
+    most entries and bytes its cache held at a call; from `measure_attended`."""
+    def __init__(self):
+        self._stats: dict = {}  # (phase, layer) -> [sum [Hq], queries, max [Hq]]
+        self._stored: dict = {}  # (phase, layer) -> [most entries per KV head, most bytes per sequence]
 
     def add(self, counts: Tensor, phase: str = "", layer: int = -1):
         "Record `counts` [B,Hq,Sq]: the KV entries each query of each head attended to in one call."
@@ -70,6 +73,21 @@ class AttendedBudget:
         "The most KV entries any recorded query of any head attended to (in `phase`: prefill or decode)."
         return int(max(float(s[2].max()) for s in self._of(phase)))
 
+    def add_stored(self, keys: Tensor, values: Tensor, phase: str = "", layer: int = -1):
+        "Record what one layer's cache holds at a call: `keys`, `values` `[B,Hkv,N,D]` (all entries, the new ones too)."
+        nbytes = keys[0].numel() * keys.element_size() + values[0].numel() * values.element_size()
+        s = self._stored.setdefault((phase, layer), [0, 0])
+        s[0], s[1] = max(s[0], keys.shape[2]), max(s[1], nbytes)
+
+    def stored(self, phase: str | None = None) -> dict:
+        """The most entries per KV head any layer held at a call (`entries`), and the sum over layers of each
+        layer's most bytes per sequence (`bytes`: the KV memory a sequence needs when every layer is at its peak)."""
+        rows = [(layer, s) for (p, layer), s in self._stored.items() if phase in (None, p)]
+        if not rows: raise ValueError("nothing was stored: run attention inside measure_attended()")
+        most = {}
+        for layer, s in rows: most[layer] = max(most.get(layer, 0), s[1])
+        return {"entries": max(s[0] for _, s in rows), "bytes": sum(most.values())}
+
 
 _METER: contextvars.ContextVar = contextvars.ContextVar("sparsekv_attended_budget", default=None)
 _WHERE: contextvars.ContextVar = contextvars.ContextVar("sparsekv_phase_layer", default=("", -1))
@@ -87,6 +105,11 @@ def measure_attended():
 def record_attended(counts: Tensor):
     "Add `counts` [B,Hq,Sq] (KV entries attended per query and head) to the active `measure_attended` budget, if any."
     if (budget := _METER.get()) is not None: budget.add(counts, *_WHERE.get())
+
+
+def record_stored(keys: Tensor, values: Tensor, phase: str, layer: int):
+    "Add one layer's cached `keys`, `values` at a call to the active `measure_attended` budget, if any."
+    if (budget := _METER.get()) is not None: budget.add_stored(keys, values, phase, layer)
 
 
 def attended_counts(mask: Tensor | None, B: int, Hq: int, sq: int, sk: int) -> Tensor:
@@ -336,6 +359,7 @@ def _sparsekv_attention(module, query, key, value, attention_mask, dropout=0.0, 
     token = _WHERE.set((ctx.kind, ctx.layer_idx))  # measure_attended records per phase and layer
     try: out = state.policy(query, key, value, ctx)
     finally: _WHERE.reset(token)
+    record_stored(key, value, ctx.kind, ctx.layer_idx)  # before an eviction: the most this call held
     if out.shape != query.shape[:3] + value.shape[-1:]:
         raise ValueError(f"{type(state.policy).__name__} returned shape {tuple(out.shape)}, expected [B,Hq,Sq,D] = "
                          f"{tuple(query.shape[:3] + value.shape[-1:])}")

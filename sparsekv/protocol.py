@@ -28,7 +28,7 @@ from .stats import compare
 
 # %% auto #0
 __all__ = ['BUDGET_COLUMNS', 'measured_budget', 'fit_budget', 'item_hash', 'prompt_ids', 'prefills_densely', 'dense_prefill',
-           'answer', 'window_logits', 'continuation', 'cost_columns', 'protocol_table']
+           'answer', 'window_logits', 'memory_columns', 'continuation', 'cost_columns', 'protocol_table']
 
 # %% ../nbs/43_protocol.ipynb #8a4f98c9
 BUDGET_COLUMNS = ("prefill_mean", "prefill_max", "decode_mean", "decode_max", "dense_layers", "decode_reads")
@@ -157,25 +157,38 @@ def _check_windows(ids, prefix: int) -> int:
 
 
 @torch.no_grad()
-def window_logits(method: Method, model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
-    "Next-token logits `[B, S - prefix, V]` after tokens `prefix - 1 .. S - 2` of windows `ids` `[B, S]`, `method` on."
+def window_logits(method: Method, model, ids: torch.Tensor, prefix: int, times: dict | None = None) -> torch.Tensor:
+    """Next-token logits `[B, S - prefix, V]` after tokens `prefix - 1 .. S - 2` of windows `ids` `[B, S]`, `method`
+    on; `times` (a dict) gets the wall seconds of the batch's prefill (`prefill_s`) and per decode step (`step_s`)."""
     prefix = _check_windows(ids, prefix)
     with method.patch(model) as cache:
+        start = time.perf_counter()
         cache = GrowingCache(config=model.config) if cache is None else cache
         if method.chunk_size: last = chunked_prefill(model, ids[:, :prefix], method.chunk_size, cache=cache)[1]
         else: last = model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True,
                            logits_to_keep=1).logits[:, -1]
-        steps = [last]
+        steps, decoding = [last], time.perf_counter()
         for t in range(prefix, ids.shape[1] - 1):  # teacher forcing: the true token, one decode step each
             steps.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        end = time.perf_counter()
+    if times is not None:
+        times |= {"prefill_s": decoding - start, "step_s": (end - decoding) / max(1, len(steps) - 1)}
     return torch.stack(steps, 1)
+
+
+def memory_columns(meter: AttendedBudget) -> dict:
+    """The most KV entries per KV head a layer held (`kv_peak`; `kv_decode` at decode steps) and the KV bytes per
+    sequence with every layer at its most (`kv_bytes_peak`, `kv_bytes_decode`), from `measure_attended`."""
+    got = {p: meter.stored(p if p != "peak" else None) for p in ("peak", "decode")}
+    return {f"kv_{p}": g["entries"] for p, g in got.items()} | {f"kv_bytes_{p}": g["bytes"] for p, g in got.items()}
 
 
 def continuation(method: Method, model, ids: torch.Tensor, prefix: int, dense_logits: torch.Tensor | None = None
                  ) -> list[dict]:
-    "Per window of `ids` `[B, S]`: agreement, KL and NLL of `method`'s next-token logits vs dense, measured budget."
-    start = time.perf_counter()
-    with measure_attended() as meter: got = window_logits(method, model, ids, prefix)
+    """Per window of `ids` `[B, S]`: agreement, KL and NLL of `method`'s next-token logits vs dense, measured budget,
+    KV memory (`memory_columns`), seconds per window, the batch's prefill seconds and milliseconds per decode step."""
+    start, times = time.perf_counter(), {}
+    with measure_attended() as meter: got = window_logits(method, model, ids, prefix, times)
     seconds = (time.perf_counter() - start) / ids.shape[0]
     if dense_logits is None:
         with torch.no_grad(): dense_logits = model(input_ids=ids).logits[:, prefix - 1:-1]
@@ -183,8 +196,10 @@ def continuation(method: Method, model, ids: torch.Tensor, prefix: int, dense_lo
         raise ValueError(f"dense_logits must be [B, S - prefix, V] = {tuple(got.shape)}, got "
                          f"{tuple(dense_logits.shape)}")
     budget = measured_budget(meter, n_keys=ids.shape[1] - 1)
+    cost = {**memory_columns(meter), "seconds": seconds, "prefill_s": times["prefill_s"],
+            "decode_ms": 1e3 * times["step_s"]}
     return [{"agreement": float(top1_agreement(g, d)), "kl": float(kl_to_teacher(g, d)),
-             "nll": float(token_nll(g, y, shift=False)[0].mean()), **budget, "seconds": seconds}
+             "nll": float(token_nll(g, y, shift=False)[0].mean()), **budget, **cost}
             for g, d, y in zip(got, dense_logits, ids[:, prefix:])]
 
 # %% ../nbs/43_protocol.ipynb #d28c090f

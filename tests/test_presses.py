@@ -75,6 +75,19 @@ def test_tova_press_agrees_with_sparsekv_tova(tiny_model):
     for a, b in zip(theirs.scores, ours.scores): assert_close(a, b)
 
 
+def test_streaming_llm_press_agrees_with_dense_prefill_then_streaming_llm(tiny_model):
+    "kvpress's StreamingLLM press keeps 4 sinks + the last prompt tokens: sparsekv's StreamingLLM handed the prompt."
+    ids = prompt(tiny_model, seed=4)
+    gen = dict(return_dict_in_generate=True, output_scores=True, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    theirs = presses.make("streaming_llm", 10).generate(tiny_model, ids, **gen)
+    ours = methods.make("dense+streaming_llm", 11, decode_params=dict(sink=4, window=2))
+    ours = ours.generate(tiny_model, ids, **gen)
+    assert torch.equal(theirs.sequences, ours.sequences)
+    for a, b in zip(theirs.scores, ours.scores): assert_close(a, b)
+    dense = tiny_model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+    assert not torch.allclose(dense.scores[1], ours.scores[1], atol=1e-3)  # the budget binds at the decode step
+
+
 def test_bad_input(tiny_llama):
     with pytest.raises(ValueError, match="name must be one of"): presses.make("snapk", 8)
     with pytest.raises(TypeError, match="pass budget"): presses.make("knorm", 8, compression_ratio=0.5)

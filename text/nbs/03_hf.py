@@ -117,8 +117,11 @@ test_eq(heads_mask(torch.tensor([True, False]).view(1, 2, 1, 1), 4)[0, :, 0, 0].
 # %%
 #| export
 class AttendedBudget:
-    "Per (phase, layer, query head): how many KV entries queries attended to (mean, max), from `measure_attended`."
-    def __init__(self): self._stats: dict = {}  # (phase, layer) -> [sum [Hq], queries, max [Hq]]
+    """Per (phase, layer, query head): how many KV entries queries attended to (mean, max); per (phase, layer): the
+    most entries and bytes its cache held at a call; from `measure_attended`."""
+    def __init__(self):
+        self._stats: dict = {}  # (phase, layer) -> [sum [Hq], queries, max [Hq]]
+        self._stored: dict = {}  # (phase, layer) -> [most entries per KV head, most bytes per sequence]
 
     def add(self, counts: Tensor, phase: str = "", layer: int = -1):
         "Record `counts` [B,Hq,Sq]: the KV entries each query of each head attended to in one call."
@@ -146,6 +149,21 @@ class AttendedBudget:
         "The most KV entries any recorded query of any head attended to (in `phase`: prefill or decode)."
         return int(max(float(s[2].max()) for s in self._of(phase)))
 
+    def add_stored(self, keys: Tensor, values: Tensor, phase: str = "", layer: int = -1):
+        "Record what one layer's cache holds at a call: `keys`, `values` `[B,Hkv,N,D]` (all entries, the new ones too)."
+        nbytes = keys[0].numel() * keys.element_size() + values[0].numel() * values.element_size()
+        s = self._stored.setdefault((phase, layer), [0, 0])
+        s[0], s[1] = max(s[0], keys.shape[2]), max(s[1], nbytes)
+
+    def stored(self, phase: str | None = None) -> dict:
+        """The most entries per KV head any layer held at a call (`entries`), and the sum over layers of each
+        layer's most bytes per sequence (`bytes`: the KV memory a sequence needs when every layer is at its peak)."""
+        rows = [(layer, s) for (p, layer), s in self._stored.items() if phase in (None, p)]
+        if not rows: raise ValueError("nothing was stored: run attention inside measure_attended()")
+        most = {}
+        for layer, s in rows: most[layer] = max(most.get(layer, 0), s[1])
+        return {"entries": max(s[0] for _, s in rows), "bytes": sum(most.values())}
+
 
 _METER: contextvars.ContextVar = contextvars.ContextVar("sparsekv_attended_budget", default=None)
 _WHERE: contextvars.ContextVar = contextvars.ContextVar("sparsekv_phase_layer", default=("", -1))
@@ -163,6 +181,11 @@ def measure_attended():
 def record_attended(counts: Tensor):
     "Add `counts` [B,Hq,Sq] (KV entries attended per query and head) to the active `measure_attended` budget, if any."
     if (budget := _METER.get()) is not None: budget.add(counts, *_WHERE.get())
+
+
+def record_stored(keys: Tensor, values: Tensor, phase: str, layer: int):
+    "Add one layer's cached `keys`, `values` at a call to the active `measure_attended` budget, if any."
+    if (budget := _METER.get()) is not None: budget.add_stored(keys, values, phase, layer)
 
 
 def attended_counts(mask: Tensor | None, B: int, Hq: int, sq: int, sk: int) -> Tensor:
@@ -574,6 +597,7 @@ def _sparsekv_attention(module, query, key, value, attention_mask, dropout=0.0, 
     token = _WHERE.set((ctx.kind, ctx.layer_idx))  # measure_attended records per phase and layer
     try: out = state.policy(query, key, value, ctx)
     finally: _WHERE.reset(token)
+    record_stored(key, value, ctx.kind, ctx.layer_idx)  # before an eviction: the most this call held
     if out.shape != query.shape[:3] + value.shape[-1:]:
         raise ValueError(f"{type(state.policy).__name__} returned shape {tuple(out.shape)}, expected [B,Hq,Sq,D] = "
                          f"{tuple(query.shape[:3] + value.shape[-1:])}")
@@ -1098,6 +1122,29 @@ chunked_prefill(model, ids[:1, :10], 3, cache=cache)
 cache.crop(7)
 test_eq(cache.get_seq_length(), 7)
 test_eq(cache.layers[0].positions[0, 1].tolist(), list(range(7)))
+
+# %% [markdown]
+# ### The memory a cache holds
+#
+# `measure_attended` also records, per phase and layer, the keys and values the layer's cache hands to
+# attention at each call: everything it holds at that moment, the new entries included, before an eviction
+# rule runs. Its most entries per KV head and the bytes they take per sequence are the cache's peak
+# (`AttendedBudget.stored`). Checked against what the caches hold, counted by hand: a full cache holds every
+# token (prompt of 10 in chunks of 3, then 2 decode steps), an evicting one $s + w$ entries at a decode
+# call (the $s + w - 1$ it kept and the new token) and at most $s + w - 1 + 3$ while a chunk of 3 is in.
+
+# %%
+L, Hkv, D = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+per_entry = 2 * Hkv * D * next(model.parameters()).element_size()  # a key and a value per KV head
+for cache, prefill_most, decode_most in ((None, 10, 12), (SinkWindowCache(2, 4), 2 + 4 - 1 + 3, 2 + 4)):
+    with measure_attended() as meter, torch.no_grad():
+        cache, _ = chunked_prefill(model, ids[:2, :10], 3, cache=cache)
+        with patch(model, DensePolicy()):
+            for t in (10, 11): model(ids[:2, t:t + 1], past_key_values=cache)
+    test_eq(meter.stored("prefill"), {"entries": prefill_most, "bytes": L * prefill_most * per_entry})
+    test_eq(meter.stored("decode"), {"entries": decode_most, "bytes": L * decode_most * per_entry})
+    test_eq(meter.stored(), meter.stored("prefill" if prefill_most > decode_most else "decode"))
+test_fail(lambda: AttendedBudget().stored(), contains="nothing was stored")
 
 # %% [markdown]
 # ## Methods: one object per method

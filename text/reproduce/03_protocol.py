@@ -83,7 +83,7 @@ from sparsekv.methods import ModelShape
 from sparsekv.models import load_model, tiny_model
 from sparsekv.protocol import (BUDGET_COLUMNS, answer, continuation, cost_columns, dense_prefill, fit_budget,
                                item_hash, prefills_densely, prompt_ids, protocol_table)
-from sparsekv.stats import compare_cell
+from sparsekv.stats import compare_cell, paired_ci
 
 # %%
 use_style()
@@ -105,7 +105,7 @@ def method_params(label: str) -> tuple:
     name, match = spec.pop("name", label), spec.pop("match_cost", None)
     family = methods.get(name).family
     # (a composition's parts take their own defaults: QuoKA's B_CP = 128)
-    if family == "selection" and name != "prefill_decode": spec.setdefault("chunk_size", chunk_size)
+    if family == "selection" and methods.get(name) is not methods.PrefillDecode: spec.setdefault("chunk_size", chunk_size)
     if family == "eviction": spec.setdefault("chunk_size", eviction_chunk)
     if match is not None:  # the per-key cost does not depend on the budget: match at any
         _, goal_name, goal_params = method_params(match)
@@ -116,11 +116,18 @@ def method_params(label: str) -> tuple:
 
 def setting(label: str) -> str:
     "Where the method acts: evict while reading, prefill selection, decode retrieval, post-prefill compression, ..."
-    make, name, _ = method_params(label)
+    make, name, params = method_params(label)
     if make is presses.make: return "post-prefill compression (kvpress)"
-    if name == "prefill_decode": return "selection prefill + retrieval decode"
+    if methods.get(name) is methods.PrefillDecode:
+        m = make(name, budgets[0], **params)
+        return f"{m.prefill.family} prefill + {m.decode.family} decode"
     return {"dense": "dense", "eviction": "evict while reading", "selection": "prefill selection",
             "retrieval": "decode retrieval"}[methods.get(name).family]
+
+
+def trained_for_the_model(params: dict) -> bool:
+    "Whether a method (or a composition's part) loads scorers trained for the model (`checkpoint`)."
+    return any("checkpoint" in p for p in (params, params.get("prefill_params") or {}, params.get("decode_params") or {}))
 
 
 # What a method attends to is set by its structure (slots, chunks, pages, sinks), not by the weights: the budgets are
@@ -133,15 +140,17 @@ probe_ids = torch.randint(3, probe_model.config.vocab_size, (1, probe_window),
                           generator=torch.Generator().manual_seed(0))
 
 
-def probe(m) -> dict:
-    "The measured budget of `m` on the probe window."
-    return continuation(m, probe_model, probe_ids, probe_window - probe_steps)[0]
+def probe(m, on=probe_model) -> dict:
+    "The measured budget of `m` on the probe window (`on` the probe model, or the model for trained scorers)."
+    return continuation(m, on, probe_ids, probe_window - probe_steps)[0]
 
 
 def fit_cell(cell: dict) -> dict:
     "The fitted nominal budget of one (method, budget) and its measurement on the probe."
     make, name, params = method_params(cell["method"])
-    m, got = fit_budget(name, cell["budget"], probe, make=make, **params)
+    # trained scorers have the model's shapes: fitted on the model itself
+    on = model if trained_for_the_model(params) else probe_model
+    m, got = fit_budget(name, cell["budget"], lambda m: probe(m, on), make=make, **params)
     return {"nominal": m.budget, **{k: got[k] for k in BUDGET_COLUMNS}}
 
 
@@ -354,6 +363,107 @@ plt.show()
 
 
 # %% [markdown]
+# ## Memory, time and the Pareto fronts
+#
+# What each method stores and how fast it runs, from the same prose runs (`sparsekv.protocol.memory_columns`):
+# the most KV entries per KV head any layer held, at its peak and during decode steps, and the KV memory per
+# sequence with every layer at its most (MiB); the batch's prefill seconds and milliseconds per decode step
+# (`prose_batch` windows at once, median over batches; wall time on this machine, so compare within one run).
+# A method is on a Pareto front when no other method has at least its agreement at no more cost, better on
+# one of the two.
+
+# %%
+def pareto_front(cost, quality) -> np.ndarray:
+    "Boolean per point: no other point has quality >= its own at cost <= its own, one of them strictly."
+    c, q = np.asarray(cost, float), np.asarray(quality, float)
+    dominated = (c[None] <= c[:, None]) & (q[None] >= q[:, None]) & ((c[None] < c[:, None]) | (q[None] > q[:, None]))
+    return ~dominated.any(1) & np.isfinite(c) & np.isfinite(q)  # a point without a measurement is on no front
+
+
+_c, _q = np.random.default_rng(0).integers(0, 5, (2, 40))  # ties included
+test_front = [not any(_c[j] <= _c[i] and _q[j] >= _q[i] and (_c[j] < _c[i] or _q[j] > _q[i]) for j in range(40))
+              for i in range(40)]
+assert pareto_front(_c, _q).tolist() == test_front
+
+MiB = 2 ** 20
+by_row = ["method", "budget"]
+usage = txt.assign(budget=txt.budget.fillna("-")).groupby(by_row, sort=False).agg(
+    kv_peak=("kv_peak", "max"), kv_decode=("kv_decode", "max"), kv_mib_peak=("kv_bytes_peak", "max"),
+    kv_mib_decode=("kv_bytes_decode", "max"), prefill_s=("prefill_s", "median"), decode_ms=("decode_ms", "median"))
+usage[["kv_mib_peak", "kv_mib_decode"]] /= MiB
+agree = tables["prose agreement"]  # (dense repeats once per budget)
+agree = agree.assign(budget=agree.budget.where(agree.method != reference, "-")).drop_duplicates(by_row)
+agree = agree.set_index(by_row)[["mean", "se"]]
+usage = usage.join(agree).reset_index()
+usage.insert(2, "setting", usage.method.map(setting))
+axes_of = {"kv_mib_peak": "KV MiB per sequence, peak", "kv_mib_decode": "KV MiB per sequence, while decoding",
+           "decode_ms": f"ms per decode step (batch of {prose_batch})"}
+for col in axes_of: usage[f"front_{col}"] = pareto_front(usage[col], usage["mean"])
+usage.round(3)
+
+# %%
+fig, axes = plt.subplots(1, len(axes_of), figsize=(6 * len(axes_of), 5.5), layout="constrained")
+colors = dict(zip(dict.fromkeys(usage.setting), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3))
+for ax, (col, title) in zip(axes, axes_of.items()):
+    for st, rows in usage.groupby("setting", sort=False):
+        ax.errorbar(rows[col], rows["mean"], yerr=1.96 * rows.se, fmt="o", ms=4, capsize=2, color=colors[st],
+                    label=st)
+    front = usage[usage[f"front_{col}"]].sort_values(col)
+    ax.step(front[col], front["mean"], where="post", color="k", lw=0.8, ls=":", label="Pareto front")
+    for r in usage.itertuples():
+        ax.annotate(f"{r.method}" + (f" @{r.budget}" if len(budgets) > 1 and r.budget != "-" else ""),
+                    (getattr(r, col), r.mean), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
+    ax.set(xlabel=title, ylabel="prose agreement with dense")
+axes[0].legend(fontsize=6)
+fig.suptitle(f"Quality against memory and decode time, {model_name} ({len(windows)} windows of {window} tokens; "
+             "error bars 95%)", fontsize=10)
+save_figure(fig, Path(fig_dir)/f"{stem}_pareto.png", data=usage)
+plt.show()
+
+
+# %% [markdown]
+# **Compositions against their parts.** For each composition with both parts in the table: the paired
+# difference in agreement from each part (95% interval over the same windows), their memory, and the fronts
+# the composition is on.
+
+# %%
+def same_method(label: str, part, b) -> bool:
+    "Whether the row `label` runs the method `part` (the same class and trained checkpoint)."
+    if label not in compressing or method_params(label)[0] is presses.make: return False
+    m = build(label, b)
+    return type(m) is type(part) and getattr(m, "checkpoint", None) == getattr(part, "checkpoint", None)
+
+
+def composition_verdicts() -> list[str]:
+    "One bullet per composition and budget: agreement against each part, memory, the fronts it is on."
+    out, rows = [], txt.assign(budget=txt.budget.fillna("-"))
+    for label in compressing:
+        make, name, params = method_params(label)
+        if make is presses.make or methods.get(name) is not methods.PrefillDecode: continue
+        for b in budgets:
+            m, me = build(label, b), usage[(usage.method == label) & (usage.budget == b)].iloc[0]
+            a = rows[(rows.method == label) & (rows.budget == b)].sort_values("window")
+            parts = []
+            for role in ("prefill", "decode"):
+                other = next((x for x in compressing if x != label and same_method(x, getattr(m, role), b)), None)
+                if other is None: continue
+                o = rows[(rows.method == other) & (rows.budget == b)].sort_values("window")
+                d, lo, hi = paired_ci(a.agreement.to_numpy(), o.agreement.to_numpy())
+                ou = usage[(usage.method == other) & (usage.budget == b)].iloc[0]
+                parts.append(f"vs {other} ({role}) {d:+.3f} [{lo:+.3f}, {hi:+.3f}]{'*' if lo > 0 or hi < 0 else ''} "
+                             f"at {ou.kv_mib_peak:.2f}/{ou.kv_mib_decode:.2f} MiB")
+            fronts = [axes_of[c] for c in axes_of if me[f"front_{c}"]]
+            out.append(f"- **{label} @ {b}** ({me.kv_mib_peak:.2f} MiB peak / {me.kv_mib_decode:.2f} MiB decoding): "
+                       + ("; ".join(parts) or "no part in the table") + "; on the front of: "
+                       + (", ".join(fronts) or "none") + ".")
+    return out
+
+
+verdicts = composition_verdicts()
+display(Markdown("\n".join(verdicts)))
+
+
+# %% [markdown]
 # ## Findings
 #
 # Read from the tables above: per table, the methods whose paired interval against dense excludes 0
@@ -401,6 +511,10 @@ lines = [f"Dense {model_name} ({dtype}, device {device}, {torch.get_num_threads(
          ceiling.round(1).to_markdown(index=False), ""]
 for name, t in tables.items():
     lines += [f"**{name}**", "", show(t).to_markdown(index=False), ""]
+usage_md = usage.drop(columns=[c for c in usage if c.startswith("front_")]).round(3)
+lines += ["**Memory and time** (KV entries per KV head and MiB per sequence, peak and while decoding; prefill s and "
+          f"ms per decode step of a batch of {prose_batch}; prose agreement):", "", usage_md.to_markdown(index=False),
+          "", "**Compositions**", "", *(verdicts or ["- none in this run"]), ""]
 lines += ["**Findings**", "", *notes, ""]
 write_text(Path(out_dir)/f"{stem}.md", "\n".join(lines))
 print("\n".join(lines))
