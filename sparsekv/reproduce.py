@@ -569,11 +569,13 @@ def leaderboard_stage(labels: list[str], budgets: list[int], profile: str = "cpu
     for label in labels:
         press = label.removeprefix("kvpress_")
         if label in known: specs[label] = known[label]
-        elif label in methods.names(): specs[label] = {}
+        elif label in methods.names() or "+" in label and set(label.split("+", 1)) <= set(methods.names()):
+            specs[label] = {}  # a registry name or a composition 'prefill+decode' of two
         elif label != press and press in presses.names(): specs[label] = {"press": press}
         else:
             raise ValueError(f"methods: {label!r} is none of profile {profile}'s labels {sorted(known)}, of the "
-                             f"registry's {methods.names()}, nor kvpress_<press> for a press of {presses.names()}")
+                             f"registry's {methods.names()} (or 'prefill+decode' of two), nor kvpress_<press> for a "
+                             f"press of {presses.names()}")
     if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
         raise ValueError(f"budgets must be one or more ints >= 1, got {budgets!r}")
     params = {**stage.params, "stem": "leaderboard_custom", "method_specs": specs, "budgets": list(budgets)}
@@ -592,7 +594,8 @@ def leaderboard_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sparsekv-leaderboard",
                                  description="Run chosen methods through the leaderboard stage (resumable).")
     ap.add_argument("--methods", nargs="+", required=True, metavar="M",
-                    help="the profile's labels, registry names or kvpress_<press> (dense is always in)")
+                    help="the profile's labels, registry names, compositions 'prefill+decode' of two, or "
+                         "kvpress_<press> (dense is always in)")
     ap.add_argument("--budgets", nargs="+", type=int, required=True, metavar="B",
                     help="measured ceilings: KV entries per decode query and KV head")
     ap.add_argument("--profile", default="cpu", choices=PROFILES, help="the parameter set to start from (default: cpu)")
