@@ -161,9 +161,14 @@ for name, params in [("streaming_llm", {}), ("quoka", dict(chunk_size=16, n_q=4)
 
 # %% [markdown]
 # The `leaderboard` stage runs this protocol over every method of every setting (evict while reading,
-# prefill selection, decode retrieval, QuoKA prefill with OVAL decode) and kvpress's presses, on
-# held-out prose at one measured budget: one table on the Results page. `sparsekv-leaderboard --methods quoka
-# tova kvpress_snapkv --budgets 128 256` runs your own selection through it (resumable).
+# prefill selection, decode retrieval, post-prefill compression by kvpress's presses), the shipped KVpop
+# scorers and the compositions no paper ran (QuoKA prefill with OVAL or KVpop decode), on held-out prose at
+# measured budgets of 1/4 and 1/8 of the context: quality with paired intervals, the KV memory each method
+# holds (at its peak and while decoding), prefill and decode time, and the Pareto fronts below; the tables are
+# on the Results page. `sparsekv-leaderboard --methods quoka tova quoka+kvpop_mlp kvpress_snapkv --budgets 128
+# 256` runs your own selection through it (resumable).
+#
+# ![Prose agreement with dense against KV memory at peak, KV memory while decoding and decode time, one point per method and budget, with the Pareto fronts](figures/cpu/leaderboard_pareto.png)
 
 # %% [markdown]
 # ## Real-model recipe

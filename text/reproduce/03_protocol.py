@@ -29,8 +29,13 @@
 #   scores (`probe_steps = window - prose_prefix`), or the ceiling check below fails. Their scoring
 #   cost is not counted.
 # - **The leaderboard** (#17) is this notebook run as its own stage (`stem: leaderboard`) with every
-#   method of every setting and the presses, on prose; the table's `setting` column says where each
-#   method acts.
+#   method of every setting, the shipped KVpop scorers, the compositions (`'quoka+kvpop_mlp'`: QuoKA reads
+#   the prompt, KVpop's bounded cache takes it over for generation; see the methods page) and the presses,
+#   on prose; the table's `setting` column says where each method acts. A method that cannot keep to a
+#   ceiling (the shipped KVpop scorers need their sink and window of 68 entries) is listed as not applicable.
+# - **Memory and time.** Every row also records the KV entries and bytes each layer's cache held (at its
+#   peak, and during decode steps) and the prefill and per-step wall time; the Pareto fronts put quality
+#   against each.
 # - **Statistics.** `protocol_table` (`sparsekv.stats.compare`): per method and budget, the mean
 #   with its standard error, the paired bootstrap 95% interval of the difference from dense and from
 #   the best other method; `*` marks an interval that excludes 0, and only those differences are
@@ -146,11 +151,13 @@ def probe(m, on=probe_model) -> dict:
 
 
 def fit_cell(cell: dict) -> dict:
-    "The fitted nominal budget of one (method, budget) and its measurement on the probe."
+    """The fitted nominal budget of one (method, budget) and its measurement on the probe; nominal 0 and the reason
+    when the method cannot keep to that ceiling (e.g. shipped KVpop scorers need their sink and window)."""
     make, name, params = method_params(cell["method"])
     # trained scorers have the model's shapes: fitted on the model itself
     on = model if trained_for_the_model(params) else probe_model
-    m, got = fit_budget(name, cell["budget"], lambda m: probe(m, on), make=make, **params)
+    try: m, got = fit_budget(name, cell["budget"], lambda m: probe(m, on), make=make, **params)
+    except ValueError as e: return {"nominal": 0, "not_applicable": str(e)}
     return {"nominal": m.budget, **{k: got[k] for k in BUDGET_COLUMNS}}
 
 
@@ -161,7 +168,9 @@ fits = run_grid([{"method": label, "budget": b} for label in compressing for b i
                         "heads": f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}",
                         "probe_window": probe_window,
                         "probe_steps": probe_steps, "chunk_size": chunk_size, "eviction_chunk": eviction_chunk})
-nominal = {(r.method, r.budget): int(r.nominal) for r in fits.itertuples()}
+nominal = {(r.method, r.budget): int(r.nominal) for r in fits.itertuples() if r.nominal > 0}
+not_applicable = [f"{r.method} @ {r.budget}: {r.not_applicable}" for r in fits.itertuples() if r.nominal == 0]
+print("\n".join(["not applicable:", *not_applicable]) if not_applicable else "every method fits every ceiling")
 
 
 def build(label: str, budget: int | None):
@@ -204,7 +213,7 @@ print(f"prose: {len(windows)} windows of {window} tokens, the last {window - pro
 
 # %%
 reference = next(label for label in method_specs if label not in compressing)
-runs = [(reference, 0)] + [(label, b) for b in budgets for label in compressing]
+runs = [(reference, 0)] + [(label, b) for b in budgets for label in compressing if (label, b) in nominal]
 # Prose windows run in batches of `prose_batch` (a decode step reads the weights once for the batch); the
 # cells go batch by batch, every method within a batch, so the dense logits of a batch are computed once.
 batch_of = lambda w: range(w - w % prose_batch, min(w - w % prose_batch + prose_batch, len(windows)))  # noqa: E731
@@ -317,7 +326,7 @@ def show(table: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
     return out
 
 
-kw = dict(reference=reference, baselines=compressing)
+kw = dict(reference=reference, baselines=list(dict.fromkeys(label for label, _ in runs[1:])))  # those that ran
 tables = {f"accuracy, {label}": protocol_table(acc[acc.cell == label], "correct", **kw) for label in cells}
 tables |= {"prose agreement": protocol_table(txt, "agreement", **kw),
            "prose KL": protocol_table(txt, "kl", higher_is_better=False, **kw),
@@ -340,7 +349,7 @@ def plot_table(t: pd.DataFrame, ax) -> None:
     rows = t[t.method != reference]
     labels, bs = list(dict.fromkeys(rows.method)), sorted(rows.budget.unique())
     for j, b in enumerate(bs):
-        r = rows[rows.budget == b].set_index("method").loc[labels]
+        r = rows[rows.budget == b].set_index("method").reindex(labels)  # NaN where a method does not apply
         x = np.arange(len(labels)) + (j - (len(bs) - 1) / 2) * 0.8 / len(bs)
         ax.errorbar(x, r["mean"], yerr=1.96 * r.se, fmt="o", capsize=3, label=f"budget {b}")
     ax.axhline(float(t.loc[t.method == reference, "mean"].iloc[0]), color="k", ls="--", lw=1, label=reference)
@@ -429,7 +438,7 @@ plt.show()
 # %%
 def same_method(label: str, part, b) -> bool:
     "Whether the row `label` runs the method `part` (the same class and trained checkpoint)."
-    if label not in compressing or method_params(label)[0] is presses.make: return False
+    if (label, b) not in nominal or method_params(label)[0] is presses.make: return False
     m = build(label, b)
     return type(m) is type(part) and getattr(m, "checkpoint", None) == getattr(part, "checkpoint", None)
 
@@ -440,7 +449,7 @@ def composition_verdicts() -> list[str]:
     for label in compressing:
         make, name, params = method_params(label)
         if make is presses.make or methods.get(name) is not methods.PrefillDecode: continue
-        for b in budgets:
+        for b in (b for b in budgets if (label, b) in nominal):
             m, me = build(label, b), usage[(usage.method == label) & (usage.budget == b)].iloc[0]
             a = rows[(rows.method == label) & (rows.budget == b)].sort_values("window")
             parts = []
@@ -509,6 +518,8 @@ lines = [f"Dense {model_name} ({dtype}, device {device}, {torch.get_num_threads(
          "**Measured budgets** (fitted nominal budget; decode mean / max over the real items in the compressed "
          "layers; dense layers; mean entries read per decode query over every layer):", "",
          ceiling.round(1).to_markdown(index=False), ""]
+if not_applicable: lines += ["**Not applicable** (no nominal budget keeps to the ceiling):", "",
+                             *(f"- {x}" for x in not_applicable), ""]
 for name, t in tables.items():
     lines += [f"**{name}**", "", show(t).to_markdown(index=False), ""]
 usage_md = usage.drop(columns=[c for c in usage if c.startswith("front_")]).round(3)
