@@ -169,7 +169,10 @@ def window_logits(method: Method, model, ids: torch.Tensor, prefix: int, times: 
                            logits_to_keep=1).logits[:, -1]
         steps, decoding = [last], time.perf_counter()
         for t in range(prefix, ids.shape[1] - 1):  # teacher forcing: the true token, one decode step each
-            steps.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+            # its position is t, whatever the cache holds (a press cut the prompt's cache: its length is not t)
+            pos = torch.tensor([t], device=ids.device)
+            steps.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,
+                               cache_position=pos).logits[:, -1])
         end = time.perf_counter()
     if times is not None:
         times |= {"prefill_s": decoding - start, "step_s": (end - decoding) / max(1, len(steps) - 1)}

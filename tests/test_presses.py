@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from sparsekv import methods, presses
 from sparsekv.hf import attention_modules, measure_attended
-from sparsekv.protocol import measured_budget
+from sparsekv.protocol import measured_budget, window_logits
 
 kvpress = pytest.importorskip("kvpress")
 
@@ -86,6 +86,15 @@ def test_streaming_llm_press_agrees_with_dense_prefill_then_streaming_llm(tiny_m
     for a, b in zip(theirs.scores, ours.scores): assert_close(a, b)
     dense = tiny_model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
     assert not torch.allclose(dense.scores[1], ours.scores[1], atol=1e-3)  # the budget binds at the decode step
+
+
+def test_teacher_forced_decode_keeps_positions_after_a_press(tiny_model):
+    "The protocol's continuation decodes token t at position t, also after a press cut the prompt's cache."
+    win = prompt(tiny_model, seed=5)
+    ours = methods.make("dense+streaming_llm", 11, decode_params=dict(sink=4, window=2))
+    theirs = presses.make("streaming_llm", 10)
+    got = [window_logits(m, tiny_model, win[:, :S - 6], S - 8) for m in (theirs, ours)]  # 2 steps: the same entries
+    assert_close(got[0], got[1])
 
 
 def test_bad_input(tiny_llama):
