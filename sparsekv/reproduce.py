@@ -346,7 +346,7 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     executed, failed = out_dir/f"{stage.name}.ipynb", out_dir/f"{stage.name}.failed.ipynb"
     failed.unlink(missing_ok=True)
     src, partial = _temp_notebooks(out_dir, stage.name)
-    start = time.time()
+    start, inputs = time.time(), input_hashes(stage)  # what the run reads: an input edited meanwhile stales it
     try:
         tag_parameters_cell(stage.notebook, src)
         # the kernel inherits TQDM_DISABLE: no progress bars in the notebook; its sockets go with the temporary folder
@@ -367,7 +367,7 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
         raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
     os.replace(clean_executed(partial, root), executed)
     seconds = time.time() - start
-    write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": input_hashes(stage),
+    write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": inputs,
                        "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1)})
     return seconds
 

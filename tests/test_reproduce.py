@@ -92,6 +92,17 @@ def test_forced_stage_killed_between_outputs_is_redone(tmp_path):
     assert (figs / "one.txt").read_text() == (figs / "two.txt").read_text() == "third"
 
 
+def test_input_edited_during_the_run_stales_the_stage(tmp_path):
+    "The stamp holds the inputs as the run read them: an input edited while the stage ran leaves it stale."
+    body = "Path(fig_dir, 'a.txt').write_text('x')\nPath(fig_dir).parent.parent.joinpath('data.txt').write_text('new')"
+    pipe = toy_project(tmp_path, [("a", body, ["figures/{profile}/a.txt"])])
+    pipe.write_text(pipe.read_text() + "    inputs: [data.txt]\n")
+    (tmp_path / "data.txt").write_text("old")
+    rp.run_pipeline("quick", pipeline=pipe, progress=False)
+    assert (tmp_path / "data.txt").read_text() == "new"
+    assert rp.run_pipeline("quick", pipeline=pipe, progress=False)["a"].startswith("ran")  # not "up to date"
+
+
 def test_only_and_interrupt_keep_other_stages_state(tmp_path, monkeypatch):
     pipe = toy_project(tmp_path, TWO)
     rp.run_pipeline("quick", pipeline=pipe, progress=False)
