@@ -168,7 +168,7 @@ for name, params in [("streaming_llm", {}), ("quoka", dict(chunk_size=16, n_q=4)
 # on the Results page. `sparsekv-leaderboard --methods quoka tova quoka+kvpop_mlp kvpress_snapkv --budgets 128
 # 256` runs your own selection through it (resumable).
 #
-# ![Prose agreement with dense against KV memory at peak, KV memory while decoding and decode time, one point per method and budget, with the Pareto fronts](figures/cpu/leaderboard_pareto.png)
+# ![Prose agreement with dense against KV memory at peak and while decoding, prefill time and decode time, one point per method and budget, with the Pareto fronts](figures/cpu/leaderboard_pareto.png)
 
 # %% [markdown]
 # ## Real-model recipe

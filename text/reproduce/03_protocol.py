@@ -406,12 +406,14 @@ agree = agree.set_index(by_row)[["mean", "se"]]
 usage = usage.join(agree).reset_index()
 usage.insert(2, "setting", usage.method.map(setting))
 axes_of = {"kv_mib_peak": "KV MiB per sequence, peak", "kv_mib_decode": "KV MiB per sequence, while decoding",
+           "prefill_s": f"prefill seconds (batch of {prose_batch})",
            "decode_ms": f"ms per decode step (batch of {prose_batch})"}
 for col in axes_of: usage[f"front_{col}"] = pareto_front(usage[col], usage["mean"])
 usage.round(3)
 
 # %%
-fig, axes = plt.subplots(1, len(axes_of), figsize=(6 * len(axes_of), 5.5), layout="constrained")
+fig, axes = plt.subplots(2, 2, figsize=(13, 11), layout="constrained")
+axes = axes.flatten()
 colors = dict(zip(dict.fromkeys(usage.setting), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3))
 for ax, (col, title) in zip(axes, axes_of.items()):
     for st, rows in usage.groupby("setting", sort=False):
@@ -424,8 +426,8 @@ for ax, (col, title) in zip(axes, axes_of.items()):
                     (getattr(r, col), r.mean), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
     ax.set(xlabel=title, ylabel="prose agreement with dense")
 axes[0].legend(fontsize=6)
-fig.suptitle(f"Quality against memory and decode time, {model_name} ({len(windows)} windows of {window} tokens; "
-             "error bars 95%)", fontsize=10)
+fig.suptitle(f"Quality against memory and time, {model_name} ({len(windows)} windows of {window} tokens; "
+             "error bars 95%; times: wall time on this machine)", fontsize=10)
 save_figure(fig, Path(fig_dir)/f"{stem}_pareto.png", data=usage)
 plt.show()
 
@@ -433,7 +435,19 @@ plt.show()
 # %% [markdown]
 # **Compositions against their parts.** For each composition with both parts in the table: the paired
 # difference in agreement from each part (95% interval over the same windows), their memory, and the fronts
-# the composition is on.
+# the composition is on. What to expect from the rule (methods page): every scored token of the prose is a
+# decode step, so a composition's quality there is mostly its decode method's, on better prompt keys and
+# values than the decode method would have made alone. QuoKA then KVpop holds the prompt while reading it
+# (QuoKA's peak) and KVpop's bounded cache while decoding, so it can win on decode memory (against QuoKA) and
+# on quality at equal decode memory (against KVpop alone, which also evicted while reading the prompt); but a
+# dense prefill followed by KVpop (`dense+kvpop_mlp`) holds the same memory with exact prompt keys and values,
+# so QuoKA's prefill can only pay off in prefill time, which it saves on long prompts (the `quoka_latency`
+# stage), not on a few hundred tokens. QuoKA
+# then OVAL keeps the whole cache like QuoKA alone, so it can only win on quality or time at that memory: its
+# decode reads whole 32-token pages (sink and recent regions rounded out to pages) where QuoKA's own decode
+# picks single tokens for each query at the same budget, and at a few hundred cached tokens page scoring saves
+# nothing measurable (OVAL's 78 multiply-adds per cached key at decode against QuoKA's 64); retrieval's gain
+# is reading contiguous pages of a long cache (the `oval_latency` and `speed` stages).
 
 # %%
 def same_method(label: str, part, b) -> bool:
