@@ -64,6 +64,7 @@ torch.set_num_threads(1)  # tiny model: threads only add overhead
 # | `selection` | chunked prefill of `chunk_size` ($B_{CP}$ = 128) tokens with a selection policy; decode likewise | `QuokaPolicy`, `BaselinePolicy(select_fn)`, `LessIsMorePolicy` | `GrowingCache` (the full cache, written in place) | $B_{SA}$ earlier keys per chunk (or a float fraction of the cache), plus the chunk's own keys causally |
 # | `retrieval` | dense prefill, sparse decode | `PageRetrievalPolicy(summary)` | `GrowingCache` (the full cache, written in place) | `token_budget`: sink, recent and top-scored pages, the sink and recent regions rounded out to pages |
 # | `dense` | exact attention | `DensePolicy` | `GrowingCache` | ignored |
+# | composition `'first+then'` (`PrefillDecode`) | one method reads the prompt, another generates (e.g. `quoka+kvpop_mlstm`, `dense+streaming_llm`) | `RoutedPolicy(first, then)` | the first's full cache, handed to the second's evicting cache at the first decode step (`HandoffCache`) when the second evicts | one budget, each part in its own terms |
 #
 # **Padded batches.** `generate(model, ids, attention_mask=...)` takes `generate`'s left padding. The dense,
 # selection and retrieval methods give each row exactly the tokens it gets alone (each row selects over its own
