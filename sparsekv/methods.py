@@ -437,8 +437,7 @@ class PrefillDecode(Method):
         if self.prefill.family == "eviction":
             raise ValueError(f"prefill must not be an eviction method (its cache bounds the prompt's reading too): "
                              f"{self.prefill.name!r}")
-        if self.decode.family == "eviction" and (not isinstance(self.decode, self.handover)
-                                                 or isinstance(self.decode, StreamingLLMPlus)):
+        if self.decode.family == "eviction" and not isinstance(self.decode, self.handover):
             raise ValueError(f"decode: {self.decode.name!r} cannot take a prompt over; the eviction methods that "
                              "can, scoring entries by themselves: streaming_llm, kvpop_mlp, kvpop_mlstm")
         self.budget, self.chunk_size = budget, self.prefill.chunk_size
