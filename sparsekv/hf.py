@@ -598,7 +598,7 @@ class Method:
         if attention_mask is None: attention_mask = torch.ones_like(input_ids)
         with torch.no_grad(), self.patch(model) as cache:
             # (`sparsekv.methods.HandoffCache` hands the prompt to the evicting cache `then` later)
-            if pads is not None and EvictingCache in (type(cache).__mro__ + type(getattr(cache, "then", None)).__mro__):
+            if pads is not None and any(isinstance(c, EvictingCache) for c in (cache, getattr(cache, "then", None))):
                 raise ValueError(f"attention_mask: {self.name or type(self).__name__} evicts from a cache that takes "
                                  "unpadded batches only (padding would shift its rows); generate each prompt alone "
                                  "or batch prompts of equal length")

@@ -367,7 +367,7 @@ def window_logits(method: Method, model, ids: torch.Tensor, prefix: int, times: 
 def memory_columns(meter: AttendedBudget) -> dict:
     """The most KV entries per KV head a layer held (`kv_peak`; `kv_decode` at decode steps) and the KV bytes per
     sequence with every layer at its most (`kv_bytes_peak`, `kv_bytes_decode`), from `measure_attended`."""
-    got = {p: meter.stored(p if p != "peak" else None) for p in ("peak", "decode")}
+    got = {"peak": meter.stored(), "decode": meter.stored("decode")}
     return {f"kv_{p}": g["entries"] for p, g in got.items()} | {f"kv_bytes_{p}": g["bytes"] for p, g in got.items()}
 
 
