@@ -55,10 +55,10 @@ def top_mask(scores: Tensor, n: int) -> Tensor:
 
 def top_budget_indices(scores: Tensor, n: int) -> Tensor:
     "Indices [..., n], ascending, of the `n` largest scores of each row (last dim); ties: the lower index wins."
-    _check_top(scores, n)
+    check_int(n, "n", 0, scores.shape[-1])
     if n and scores.numel():
         vals, idx = scores.topk(n, dim=-1, sorted=False)
-        # no tie at the cut: a unique set
+        # no tie at the cut: a unique set (topk ranks NaN first, so a NaN fails this test and top_mask refuses it)
         if ((scores >= vals.amin(-1, keepdim=True)).sum(-1) == n).all(): return idx.sort(-1).values
     # nonzero lists each row's entries in index order
     return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)

@@ -123,11 +123,6 @@ class PageSummary:
         "Score of one page for one query x [d] from its keys Kp [m, d] or its tensors tp, by explicit sums."
         raise NotImplementedError(f"{type(self).__name__} has no loop reference")
 
-    @classmethod
-    def rows_per_page(cls, page_size: int, rank: int | None) -> int:
-        "Rows per page of the packed matrix (rank: the basis rank of the summaries, else None)."
-        return 1
-
     def pack(self) -> tuple[Tensor, Tensor | None]:
         "The pages as packed rows [B, Hkv, P, rows, f] and a per-page second factor (the basis methods' R) or None."
         raise NotImplementedError
@@ -239,19 +234,17 @@ class KeyPCASummary(PageSummary):
         mu, B, R = (tp[n].double() for n in ("mu", "B", "R"))
         return math.log(sum(math.exp(s * float(R[t] @ (B.T @ x) + mu @ x)) for t in range(R.shape[0])))
 
-    @classmethod
-    def rows_per_page(cls, page_size, rank): return rank + 1
-
-    def pack(self): return torch.cat([self.tensors["B"].mT, self.tensors["mu"].unsqueeze(-2)], -2), self.tensors["R"]
+    # R is packed transposed, [r, m] per page: the batched product below then reads it row-major (~1.5x faster on CPU)
+    def pack(self): return torch.cat([self.tensors["B"].mT, self.tensors["mu"].unsqueeze(-2)], -2), self.tensors["R"].mT
 
     @classmethod
-    def unpack(cls, W, R): return {"mu": W[..., -1, :], "B": W[..., :-1, :].mT, "R": R}
+    def unpack(cls, W, R): return {"mu": W[..., -1, :], "B": W[..., :-1, :].mT, "R": R.mT}
 
     @staticmethod
     def packed_score(z, R):
-        (P, BH, m, r), GS = R.shape, z.shape[1]
+        (P, BH, r, m), GS = R.shape, z.shape[1]
         code = z[..., :r].permute(2, 0, 1, 3).reshape(P * BH, GS, r)             # c_p per page, [P*BH, GS, r]
-        logits = torch.bmm(code, R.reshape(P * BH, m, r).mT)                     # (R_p c_p)_t  [P*BH, GS, m]
+        logits = torch.bmm(code, R.reshape(P * BH, r, m))                        # (R_p c_p)_t  [P*BH, GS, m]
         return logits.view(P, BH, GS, m).logsumexp(-1).permute(1, 2, 0) + z[..., r]
 
     def scalars(self, page_size, head_dim):
@@ -288,9 +281,6 @@ class OracleSummary(PageSummary):
 
     def reference_page(self, x, Kp, tp, s):
         return math.log(sum(math.exp(s * float(Kp[t] @ x)) for t in range(Kp.shape[0])))
-
-    @classmethod
-    def rows_per_page(cls, page_size, rank): return page_size
 
     def pack(self): return self.tensors["K"], None
 

@@ -112,10 +112,10 @@ def top_mask(scores: Tensor, n: int) -> Tensor:
 
 def top_budget_indices(scores: Tensor, n: int) -> Tensor:
     "Indices [..., n], ascending, of the `n` largest scores of each row (last dim); ties: the lower index wins."
-    _check_top(scores, n)
+    check_int(n, "n", 0, scores.shape[-1])
     if n and scores.numel():
         vals, idx = scores.topk(n, dim=-1, sorted=False)
-        # no tie at the cut: a unique set
+        # no tie at the cut: a unique set (topk ranks NaN first, so a NaN fails this test and top_mask refuses it)
         if ((scores >= vals.amin(-1, keepdim=True)).sum(-1) == n).all(): return idx.sort(-1).values
     # nonzero lists each row's entries in index order
     return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)
@@ -152,6 +152,9 @@ for shape in [(3, 17), (2, 4, 9), (1, 1, 1)]:
             test_eq(top_mask(s, n).sum(-1), torch.full(shape[:-1], n))
 test_eq(top_budget_indices(torch.zeros(2, 6), 3), torch.tensor([[0, 1, 2], [0, 1, 2]]))   # all tied: the first n
 test_fail(lambda: top_mask(torch.tensor([1.0, math.nan]), 1), contains="NaN")
+for n in (1, 2, 3):  # a NaN anywhere in a row is refused, whichever entries the top n would be
+    test_fail(lambda: top_budget_indices(torch.tensor([[3.0, 2.0, 1.0], [1.0, math.nan, 2.0]]), n), contains="NaN")
+test_fail(lambda: top_budget_indices(torch.zeros(4), 5), contains="n must be")
 test_fail(lambda: top_mask(torch.zeros(4), 5), contains="n must be")
 
 

@@ -36,6 +36,7 @@ from sparsekv.eval import attention_fidelity
 from sparsekv.hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
 from sparsekv.oval.basis import output_metric
 from sparsekv.oval.summaries import METHODS, PageSummary, _check_cache, _group_queries, make_summary
+from sparsekv.select import top_budget_indices
 # the string API of the summaries, importable from here too
 from sparsekv.oval.summaries import build_summaries, score_pages, score_pages_reference, split_pages  # noqa: F401
 
@@ -152,8 +153,8 @@ def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int,
     sink_end, recent_start = always_kept(T, m, sink, recent)
     first, last = sink_end // m, recent_start // m                           # selectable pages [first, last)
     k = max(0, min(last - first, (budget - sink_end - (T - recent_start)) // m))
-    top = torch.sort(page_scores[..., first:last], dim=-1, descending=True, stable=True).indices[..., :k] + first
-    return torch.cat([torch.arange(first, device=dev).expand(*lead, -1), torch.sort(top, dim=-1).values,
+    top = top_budget_indices(page_scores[..., first:last], k) + first
+    return torch.cat([torch.arange(first, device=dev).expand(*lead, -1), top,
                       torch.arange(last, P, device=dev).expand(*lead, -1)], -1)
 
 def page_tokens(pages: Tensor, page_size: int, T: int) -> Tensor:
@@ -351,8 +352,8 @@ smol
 # KV head, chosen so that **one GEMM scores every page for every query head of the group**.
 # Each summary's score is a function of inner products of a query feature $\phi(sq)$ with the
 # page's rows $W_p$ ($s = 1/\sqrt d > 0$ folded into the query), and each `PageSummary` defines
-# that layout (see [`sparsekv.oval.summaries`](31_oval_summaries.ipynb)): `rows_per_page`
-# and `pack` give $W_p$, `features` gives $\phi$, `packed_score` turns the products into the
+# that layout (see [`sparsekv.oval.summaries`](31_oval_summaries.ipynb)): `pack` gives
+# $W_p$, `features` gives $\phi$, `packed_score` turns the products into the
 # page score. Quest: one row $[u;\ \ell]$ of $2d$ against $[sq^+;\ sq^-]$; ArkVale: one row
 # $[c;\ \rho]$ of $d+1$ against $[sq;\ \lVert sq\rVert]$; key PCA and OVAL: the $r+1$ rows
 # $[B_p^\top;\ \mu_p^\top]$, giving the code $c_p = sB_p^\top q$ and the mean term at once, then
@@ -390,13 +391,13 @@ class PackedPages:
     def __init__(self, method: str | PageSummary, page_size: int):
         # the first append's replaces spec
         self.spec, self.page_size = make_summary(method), check_int(page_size, "page_size", 1)
-        self.n_pages, self.heads, self.rank = 0, None, None
+        self.n_pages, self.heads, self.layout = 0, None, None
         self.W = self.R = None              # W [B*Hkv, capacity * rows, f]; R [capacity, B*Hkv, ...] (basis methods' R)
 
     @property
     def rows(self) -> int:
         "Rows of the packed matrix per page."
-        return self.spec.rows_per_page(self.page_size, self.rank)
+        return self.layout[2]
 
     def append(self, summary: PageSummary) -> "PackedPages":
         "Append the pages of `summary` (those completed since the last append, same batch and KV heads); returns self."
@@ -408,11 +409,11 @@ class PackedPages:
                              f"this store holds {self.spec.name!r} with {self.page_size}")
         rows, R = summary.pack()
         Bsz, Hkv, n, nr, f = rows.shape
-        if self.heads is None:
-            self.heads, self.rank, self.spec = (Bsz, Hkv), None if R is None else R.shape[-1], summary.with_tensors()
-        elif self.heads != (Bsz, Hkv) or (R is not None and R.shape[-1] != self.rank):
-            raise ValueError(f"summary has batch, KV heads {(Bsz, Hkv)} and rank "
-                             f"{None if R is None else R.shape[-1]}; this store holds {self.heads}, rank {self.rank}")
+        layout = (Bsz, Hkv, nr, f, None if R is None else tuple(R.shape[3:]))
+        if self.heads is None: self.heads, self.layout, self.spec = (Bsz, Hkv), layout, summary.with_tensors()
+        elif layout != self.layout:
+            raise ValueError(f"summary packs as (batch, KV heads, rows per page, features, factor per page) {layout}; "
+                             f"this store holds {self.layout} (another batch, head count or rank)")
         wd = torch.promote_types(rows.dtype, torch.float32)
         P, BH = self.n_pages, Bsz * Hkv
         rows = rows.to(wd).reshape(BH, n * nr, f)
@@ -475,6 +476,8 @@ for method in METHODS:
     assert_close(packed.scores(torch.stack([q, -q], 2), 0.3), score_pages(method, whole, torch.stack([q, -q], 2), 0.3))
 test_fail(lambda: packed.scores(q, scale=-1.0), contains="scale must be > 0")
 test_fail(lambda: packed.append(build_summaries("quest", K, V, 8)), contains="this store holds")
+rank3 = PackedPages("keypca", 8).append(build_summaries("keypca", K, V, 8, rank=3))
+test_fail(lambda: rank3.append(build_summaries("keypca", K, V, 8, rank=2)), contains="head count or rank")
 
 
 # %%

@@ -61,10 +61,10 @@ import pandas as pd
 import torch
 from matplotlib.ticker import FuncFormatter, NullFormatter, ScalarFormatter
 
-from sparsekv.hf import AttentionContext, DensePolicy, attend_selected
+from sparsekv.hf import AttentionContext, DensePolicy, attend_selected, dense_attention
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.oval.basis import output_metric
-from sparsekv.oval.pages import PackedPages, PageRetrievalPolicy, aggregate_gqa, select_pages
+from sparsekv.oval.pages import PackedPages, PageRetrievalPolicy, aggregate_gqa, gather_pages, select_pages, top_pages
 from sparsekv.oval.summaries import build_summaries, score_pages
 
 use_style()
@@ -112,7 +112,7 @@ G = output_metric(module.o_proj.weight, HQ, HKV, D)
 # the broadcast `score_pages` of the same summaries for reference.
 
 # %%
-steps, scoring, checks = [], [], []
+steps, scoring, checks, n_kept = [], [], [], {}
 for T in contexts:
     kb = torch.randn(1, HKV, T + repeats + 1, D, generator=gen)
     vb = torch.randn(1, HKV, T + repeats + 1, D, generator=gen)
@@ -135,8 +135,14 @@ for T in contexts:
     views = {m: p.summary() for m, p in packed.items()}
     calls = [(m, "packed", lambda q, m=m: packed[m].scores(q)) for m in METHODS[1:]]
     calls.append(("keypca", "score_pages", lambda q: score_pages("keypca", views["keypca"], q)))
+    # attention over each method's kept pages, gathered beforehand: the step's other essential part
+    kept = {m: top_pages(aggregate_gqa(packed[m].scores(qs[0, :, :, 0]), HKV), token_budget, page_size, sink, recent, T)
+            for m in METHODS[1:]}
+    kv_kept = {m: (gather_pages(kb[:, :, :T], p, page_size), gather_pages(vb[:, :, :T], p, page_size)) for m, p in kept.items()}
+    calls += [(m, "attend", lambda q, m=m: dense_attention(q[:, :, None], *kv_kept[m], None, D ** -0.5)) for m in METHODS[1:]]
+    n_kept[T] = kv_kept["oval"][0].shape[2]
     for j in range(repeats):
-        for m, path, f in calls[j % 4:] + calls[:j % 4]:
+        for m, path, f in calls[j % len(calls):] + calls[:j % len(calls)]:
             scoring.append({"T": T, "step": j, "method": m, "path": path, **seconds(lambda: f(qs[j, :, :, 0]))})
 steps, scoring = pd.DataFrame(steps), pd.DataFrame(scoring)
 pd.DataFrame(checks)
@@ -149,6 +155,7 @@ pd.DataFrame(checks)
 # %%
 lat = steps.groupby(["T", "method"], sort=False)[["seconds", "wall_seconds"]].median().set_axis(["step_s", "step_wall_s"], axis=1).reset_index()
 lat = lat.merge(scoring[scoring.path == "packed"].groupby(["T", "method"]).seconds.median().rename("score_s").reset_index(), how="left")
+lat = lat.merge(scoring[scoring.path == "attend"].groupby(["T", "method"]).seconds.median().rename("attend_s").reset_index(), how="left")
 lat["pages"] = lat["T"] // page_size
 lat["threads"] = torch.get_num_threads()
 lat
@@ -173,6 +180,45 @@ rat = pd.DataFrame({
     "wall_full_over_oval": paired_ratio(steps, "full", "oval", clock="wall_seconds"),
 }).reset_index()
 rat
+
+
+# %% [markdown]
+# ## How close page retrieval comes to its limit
+#
+# A decode step of one layer has two essential parts: scoring the pages and attending to the $n$
+# kept tokens. Counted in multiply-adds over the $H_q$ query heads, with $P = \lfloor T/m\rfloor$ pages:
+#
+# - full attention: $H_q \cdot 2Td$ ($q\cdot k$ and the weighted sum of values, every token);
+# - page retrieval: $H_q\,(2nd + c)$, with the scoring cost per query head $c$: Quest $2dP$ (one
+#   row of $2d$ per page), key PCA and OVAL $(r+1)dP + rmP$ (the code $c_p$ and the mean term, then the
+#   $m$ reconstructed logits $R_pc_p$ of rank $r$ per page).
+#
+# The **FLOP limit** is their ratio, the speed-up page retrieval would reach if every part ran at the
+# speed of full attention's arithmetic; its **efficiency** is the measured speed-up over that limit.
+# Beside it, the **component limit**: full attention's step over the measured time of the two essential
+# parts alone (the packed scoring, and SDPA over the kept pages gathered beforehand); the step's excess
+# over them is the selection (softmax over pages, top-k), the gather of the kept pages and the
+# bookkeeping. Times are medians of the same run.
+
+# %%
+def limit_macs(method: str, T: int, n: int) -> tuple[int, int]:
+    "Multiply-adds (full attention, page retrieval) of one decode step of one layer over T tokens, n of them kept."
+    P = T // page_size
+    score = 2 * D * P if method == "quest" else (rank + 1) * D * P + rank * page_size * P
+    return HQ * 2 * T * D, HQ * (2 * n * D + score)
+
+
+full_step = lat[lat.method == "full"].set_index("T").step_s
+limits = lat[lat.method != "full"].copy()
+limits["kept_tokens"] = limits["T"].map(n_kept)
+limits["flop_limit"] = [a / b for a, b in (limit_macs(r.method, r.T, r.kept_tokens) for r in limits.itertuples())]
+limits["speedup"] = [rat.set_index("T").loc[r.T, f"full_over_{r.method}"] for r in limits.itertuples()]
+limits["flop_efficiency"] = limits.speedup / limits.flop_limit
+limits["component_limit"] = limits["T"].map(full_step) / (limits.score_s + limits.attend_s)
+limits["component_efficiency"] = (limits.score_s + limits.attend_s) / limits.step_s
+limits = limits[["T", "method", "kept_tokens", "flop_limit", "speedup", "flop_efficiency", "component_limit", "component_efficiency"]]
+write_csv(Path(fig_dir)/"oval_latency_limits.csv", limits)
+limits
 
 # %% [markdown]
 # ## Summary construction per completed page
@@ -250,6 +296,15 @@ lines += ["", f"Goals at T = {max(contexts)}: OVAL scoring {big.oval_vs_keypca_s
           "", "Summary of one completed page (all KV heads, `build_summaries` + `PackedPages.append`), median over "
           f"{construction_pages} pages: " + ", ".join(f"{r.method} {1e6 * r.s_per_page:.1f} us ({r.us_per_page_head:.1f} us per KV head, "
                                                       f"{r.us_per_token_amortized:.1f} us per decoded token amortized)" for r in build.itertuples()) + "."]
+lines += ["", "How close to the limit (multiply-adds per step and query head: full 2Td; retrieval 2nd + c with c = 2dP for "
+          "Quest, (r+1)dP + rmP for key PCA and OVAL; FLOP limit = their ratio; efficiency = measured speed-up / limit; "
+          "component limit = full step / (packed scoring + SDPA over the kept pages, gathered beforehand), medians of this run; "
+          "component efficiency = those two parts' share of the method's step):", "",
+          limits.to_markdown(index=False, floatfmt=".2f")]
+top_lim = limits[limits["T"] == max(contexts)].set_index("method")
+lines += ["", f"Goal at T = {max(contexts)} (>= 85% of the limit): " + ", ".join(
+    f"{m} {top_lim.flop_efficiency[m]:.0%} of its FLOP limit ({top_lim.flop_limit[m]:.2f}x), {top_lim.component_efficiency[m]:.0%} "
+    f"of its component limit ({top_lim.component_limit[m]:.2f}x)" for m in ("oval", "quest")) + "."]
 paper_vs_ours = pd.DataFrame([
     {"claim": "OVAL's decode overhead over its key-only retrieval baseline",
      "paper": "Fig. 2(a) / §4.5: about 10% decode overhead over FreeKV on LongBench v2",
