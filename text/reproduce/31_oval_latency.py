@@ -136,9 +136,10 @@ for T in contexts:
     calls = [(m, "packed", lambda q, m=m: packed[m].scores(q)) for m in METHODS[1:]]
     calls.append(("keypca", "score_pages", lambda q: score_pages("keypca", views["keypca"], q)))
     # attention over each method's kept pages, gathered beforehand: the step's other essential part
-    kept = {m: top_pages(aggregate_gqa(packed[m].scores(qs[0, :, :, 0]), HKV), token_budget, page_size, sink, recent, T)
+    t = T + repeats  # the cache the stores summarize after the timed steps
+    kept = {m: top_pages(aggregate_gqa(packed[m].scores(qs[0, :, :, 0]), HKV), token_budget, page_size, sink, recent, t)
             for m in METHODS[1:]}
-    kv_kept = {m: (gather_pages(kb[:, :, :T], p, page_size), gather_pages(vb[:, :, :T], p, page_size)) for m, p in kept.items()}
+    kv_kept = {m: (gather_pages(kb[:, :, :t], p, page_size), gather_pages(vb[:, :, :t], p, page_size)) for m, p in kept.items()}
     calls += [(m, "attend", lambda q, m=m: dense_attention(q[:, :, None], *kv_kept[m], None, D ** -0.5)) for m in METHODS[1:]]
     n_kept[T] = kv_kept["oval"][0].shape[2]
     for j in range(repeats):
