@@ -50,13 +50,21 @@ def _token_of_rank(rank: Tensor, sink: int) -> Tensor:
     tokens = torch.arange(sink, S, device=rank.device).expand(*rank.shape[:-1], -1)
     return torch.empty_like(tokens).scatter_(-1, rank[..., sink:], tokens)
 
-def teacher_boundary(target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int, k: int
-                     ) -> tuple[Tensor, Tensor, Tensor]:
-    "Eq. (6): new eligible token `q - window`, teacher's boundary token, label `y` (+1 keep, -1 drop), int64 [B,H,|q|]."
+def _cutoffs(priority: Tensor, k: int, sink: int, window: int, cutoff: tuple[Tensor, Tensor] | None, name: str):
+    "`topk_cutoff(priority.detach(), k, sink, window)`, or `cutoff` (those already computed) after a shape check."
+    if cutoff is None: return topk_cutoff(priority.detach(), k, sink, window)
+    if len(cutoff) != 2 or any(c.shape != priority.shape for c in cutoff):
+        raise ValueError(f"{name} must be topk_cutoff's (rank, cutoff) of the priority, each {tuple(priority.shape)}")
+    return cutoff
+
+def teacher_boundary(target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int, k: int,
+                     cutoff: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Eq. (6): new eligible token `q - window`, teacher's boundary token, label `y` (+1 keep, -1 drop), int64
+    [B,H,|q|]; `cutoff`: `topk_cutoff(target_priority.detach(), k, sink, window)` if already at hand."""
     _check_priority(target_priority, "target_priority")
     B, H, S = target_priority.shape
     q = boundary_queries(q, S, sink, window, k, device=target_priority.device)
-    rank, cutoff = topk_cutoff(target_priority.detach(), k, sink, window)
+    rank, cutoff = _cutoffs(target_priority, k, sink, window, cutoff, "cutoff")
     tok = _token_of_rank(rank, sink)
     t_new = (q - window).expand(B, H, -1).contiguous()
     c_q, c_prev = cutoff[..., q], cutoff[..., q - 1]
@@ -127,15 +135,17 @@ def balance_weight(y: Tensor, c_min: float = 0.2, c_max: float = 5.0) -> Tensor:
 # %% ../../nbs/13_kvpop_loss.ipynb #ee537309
 def retention_loss(pred_priority: Tensor, target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int,
                    k: int, tau: float = 1.0, margin: bool = True, omega_min: float = 0.1, tau_omega: float = 1.0,
-                   balance: bool = False, c_min: float = 0.2, c_max: float = 5.0, reduction: str = "mean") -> Tensor:
-    "Eq. (7): weighted pairwise logistic loss between the new eligible token and the teacher's boundary token at `q`."
+                   balance: bool = False, c_min: float = 0.2, c_max: float = 5.0, reduction: str = "mean",
+                   target_cutoff: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Eq. (7): weighted pairwise logistic loss between the new eligible token and the teacher's boundary token at `q`;
+    `target_cutoff`: the teacher's `topk_cutoff` if already at hand."""
     _check_priority(pred_priority, "pred_priority")
     if pred_priority.shape != target_priority.shape:
         raise ValueError(f"pred_priority {tuple(pred_priority.shape)} and target_priority "
                          f"{tuple(target_priority.shape)} must have the same shape")
     if not tau > 0: raise ValueError(f"tau must be > 0, got {tau!r}")
     if reduction not in ("mean", "none"): raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-    t_new, t_bnd, y = teacher_boundary(target_priority, q, sink, window, k)
+    t_new, t_bnd, y = teacher_boundary(target_priority, q, sink, window, k, target_cutoff)
     pred = pred_priority.float()  # ranking and decay in float32 (App. F)
     z = y * (pred.gather(-1, t_new) - pred.gather(-1, t_bnd)) / tau
     w = 1.0
@@ -181,18 +191,22 @@ def retention_loss_reference(pred_score: Tensor, target_score: Tensor, log_gamma
     return sum(wi * t for wi, t in zip(w, terms)) / len(terms)
 
 # %% ../../nbs/13_kvpop_loss.ipynb #1410c912
-def kept_long_range(priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int, k: int) -> Tensor:
-    "Eq. (26), long-range part: `[B, H, len(q), S]`, True where token `t` is among the top-k of E(q) under `priority`."
+def kept_long_range(priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int, k: int,
+                    cutoff: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Eq. (26), long-range part: `[B, H, len(q), S]`, True where token `t` is among the top-k of E(q) under `priority`;
+    `cutoff`: `topk_cutoff(priority.detach(), k, sink, window)` if already at hand."""
     _check_priority(priority, "priority")
     S = priority.shape[-1]
     q = boundary_queries(q, S, sink, window, k, device=priority.device)
-    rank, cutoff = topk_cutoff(priority.detach(), k, sink, window)
+    rank, cutoff = _cutoffs(priority, k, sink, window, cutoff, "cutoff")
     t = torch.arange(S, device=priority.device)
     eligible = (t >= sink) & (t <= (q - window)[:, None])
     return eligible & (rank[..., None, :] <= cutoff[..., q, None])
 
 def retention_recall(pred_priority: Tensor, target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int,
-                     k: int) -> Tensor:
-    "`|student kept ∩ teacher kept| / k` at positions `q`, per row, head and position `[B, H, len(q)]` (§4, Fig. 7)."
-    both = kept_long_range(pred_priority, q, sink, window, k) & kept_long_range(target_priority, q, sink, window, k)
+                     k: int, target_cutoff: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """`|student kept ∩ teacher kept| / k` at positions `q`, per row, head and position `[B, H, len(q)]` (§4, Fig. 7);
+    `target_cutoff`: the teacher's `topk_cutoff` if already at hand."""
+    both = (kept_long_range(pred_priority, q, sink, window, k)
+            & kept_long_range(target_priority, q, sink, window, k, target_cutoff))
     return both.sum(-1) / k

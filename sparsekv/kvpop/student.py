@@ -153,10 +153,12 @@ class KVpopStudent(DistillStudent):
         S = captured[0][0].shape[-1]
         q = sample_boundary_queries(S, self.n_boundaries, self.sink, self.window, self.k, self.late_frac,
                                     generator=step_generator(self.seed, step), device=captured[0][0].device)
-        loss = torch.stack([retention_loss(p, t, q, self.sink, self.window, self.k, **self.loss_options)
-                            for p, t in captured]).mean()
-        recall = torch.stack([retention_recall(p.detach(), t, q, self.sink, self.window, self.k).float().mean()
-                              for p, t in captured]).mean()
+        losses, recalls, (s, w, k) = [], [], (self.sink, self.window, self.k)
+        for p, t in captured:
+            cut = topk_cutoff(t.detach(), k, s, w)  # the teacher's ranks and cutoffs: for the loss and the recall
+            losses.append(retention_loss(p, t, q, s, w, k, target_cutoff=cut, **self.loss_options))
+            recalls.append(retention_recall(p.detach(), t, q, s, w, k, cut).float().mean())
+        loss, recall = torch.stack(losses).mean(), torch.stack(recalls).mean()
         return self.weight * loss, {"retention_loss": loss.item(), "retention_recall": recall.item()}
 
     def inference_cache(self) -> KVpopCache:
