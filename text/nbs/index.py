@@ -41,7 +41,7 @@
 # |---|---|---|
 # | `make test` | every notebook's checks, ruff, the pytest suite (the docs site built and rendered included) | 4 min 55 s (fresh clone whose `.venv` existed, Chromium installed by the run; creating `.venv` adds about 1.5 min) |
 # | `make reproduce PROFILE=quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing | 4 min 47 s for its 15 stages (fresh clone, empty caches, quiet machine, 2026-12-02; the longest, `protocol` and `leaderboard`, 50 s and 47 s) |
-# | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | no quiet timing of all 15 stages yet: the 13 stages of 2026-12-01 summed to 59 min 09 s on a quiet machine (`quoka_observations` then 25 s); the new `speed` and the extended `quoka_observations` took 481 s and 346 s, the `leaderboard` (30 methods at two budgets) about 40 min and `kvpop_distill` (now 16 held-out windows, 24 full-model steps) 47 min, all beside other work (2026-12-02), so the total exceeds the target; each stage's last time is on the Results page |
+# | `make reproduce` | the `cpu` profile, the default: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) | no quiet timing of all 15 stages yet: the 13 stages of 2026-12-01 summed to 59 min 09 s on a quiet machine (`quoka_observations` then 25 s); the new `speed` and the extended `quoka_observations` took 481 s and 346 s, the `leaderboard` (30 methods at two budgets) about 40 min and `kvpop_distill` (16 held-out windows, 24 full-model steps, the base learning rate chosen among 4 on 8 selection windows) 68 min, all beside other work (2026-12-02), so the total exceeds the target; each stage's last time is on the Results page |
 # | `make reproduce PROFILE=cpu-full` | the headline evaluation with enough items for tight intervals (resumable, its grids committed so a later run resumes them; only the stages that define `cpu-full`: `calibration`, `protocol`, `kvpop_train`, `quoka_observations` and `speed`) | `calibration`: 85 min for its 220 items (23 s per item on average, part of it on a shared machine, 2026-12-01); `protocol`: several hours, spread over sessions (its progress is in `reproduce/runs/cpu-full/protocol_*_grid.csv`); `kvpop_train`: about 1 h 50 min on 2 cores (activations of 64 windows cached once: 12 min; 5 sweep and 4 final students, 600 steps each; 16 held-out windows: ~2 min each), 2026-12-02 |
 #
 # `make reproduce` runs the papermill pipeline declared in `reproduce/pipeline.yaml` and writes
@@ -193,7 +193,7 @@ for name, params in [("streaming_llm", {}), ("quoka", dict(chunk_size=16, n_q=4)
 # eviction method bounds the cache; QuoKA and OVAL keep all of it and bound what each query reads
 # (`reads`), which saves compute and memory traffic, not memory. One run each is not a benchmark:
 # the `speed` stage of the pipeline times every method against transformers' default side by
-# side, step by step, at 2k to 32k tokens (the Results page).
+# side, step by step, at 1k to 32k tokens (the Results page).
 
 # %%
 import time
