@@ -226,9 +226,9 @@ limits
 # pages (a copy of $2nd$ values per KV head from pages scattered over the whole cache: memory-bound,
 # and the same bytes SDPA then reads once more), the softmax over pages and the top-$k$, and some forty
 # small tensor operations of bookkeeping per call (checks, views, index arithmetic), each a few
-# microseconds on this CPU. At 8k the essential parts are most of the step; at 32k the cache (50 MB of keys and values per
-# layer here) no longer fits the CPU's caches, so the gather and the scoring stream from memory while the
-# limit's parts were timed back to back. Closing the rest of the gap takes a fused kernel that attends to
+# microseconds on this CPU. At 32k the cache (50 MB of keys and values per layer here) no longer fits
+# the CPU's caches, so within a step the gather and the scoring read from memory, while the limit's parts
+# were timed in a loop of their own. Closing the rest of the gap takes a fused kernel that attends to
 # the pages in place (no gather, no per-operation overhead), which this CPU path does not have.
 
 # %% [markdown]
