@@ -50,11 +50,12 @@ def _token_of_rank(rank: Tensor, sink: int) -> Tensor:
     tokens = torch.arange(sink, S, device=rank.device).expand(*rank.shape[:-1], -1)
     return torch.empty_like(tokens).scatter_(-1, rank[..., sink:], tokens)
 
-def _cutoffs(priority: Tensor, k: int, sink: int, window: int, cutoff: tuple[Tensor, Tensor] | None, name: str):
+def _cutoffs(priority: Tensor, k: int, sink: int, window: int, cutoff: tuple[Tensor, Tensor] | None):
     "`topk_cutoff(priority.detach(), k, sink, window)`, or `cutoff` (those already computed) after a shape check."
     if cutoff is None: return topk_cutoff(priority.detach(), k, sink, window)
     if len(cutoff) != 2 or any(c.shape != priority.shape for c in cutoff):
-        raise ValueError(f"{name} must be topk_cutoff's (rank, cutoff) of the priority, each {tuple(priority.shape)}")
+        raise ValueError("cutoff (target_cutoff) must be topk_cutoff's (rank, cutoff) of the priority, each "
+                         f"{tuple(priority.shape)}")
     return cutoff
 
 def teacher_boundary(target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int, k: int,
@@ -64,7 +65,7 @@ def teacher_boundary(target_priority: Tensor, q: Tensor | Sequence[int], sink: i
     _check_priority(target_priority, "target_priority")
     B, H, S = target_priority.shape
     q = boundary_queries(q, S, sink, window, k, device=target_priority.device)
-    rank, cutoff = _cutoffs(target_priority, k, sink, window, cutoff, "cutoff")
+    rank, cutoff = _cutoffs(target_priority, k, sink, window, cutoff)
     tok = _token_of_rank(rank, sink)
     t_new = (q - window).expand(B, H, -1).contiguous()
     c_q, c_prev = cutoff[..., q], cutoff[..., q - 1]
@@ -198,7 +199,7 @@ def kept_long_range(priority: Tensor, q: Tensor | Sequence[int], sink: int, wind
     _check_priority(priority, "priority")
     S = priority.shape[-1]
     q = boundary_queries(q, S, sink, window, k, device=priority.device)
-    rank, cutoff = _cutoffs(priority, k, sink, window, cutoff, "cutoff")
+    rank, cutoff = _cutoffs(priority, k, sink, window, cutoff)
     t = torch.arange(S, device=priority.device)
     eligible = (t >= sink) & (t <= (q - window)[:, None])
     return eligible & (rank[..., None, :] <= cutoff[..., q, None])
