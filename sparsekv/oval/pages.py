@@ -155,8 +155,14 @@ class PackedPages:
     def __init__(self, method: str | PageSummary, page_size: int):
         # the first append's replaces spec
         self.spec, self.page_size = make_summary(method), check_int(page_size, "page_size", 1)
-        self.n_pages, self.heads, self.layout = 0, None, None
+        # (batch, KV heads, rows per page, features, per-page factor shape), fixed by the first append
+        self.n_pages, self.layout = 0, None
         self.W = self.R = None              # W [B*Hkv, capacity * rows, f]; R [capacity, B*Hkv, ...] (basis methods' R)
+
+    @property
+    def heads(self) -> tuple[int, int] | None:
+        "(batch, KV heads) of the pages held; None before the first append."
+        return None if self.layout is None else self.layout[:2]
 
     @property
     def rows(self) -> int:
@@ -174,7 +180,7 @@ class PackedPages:
         rows, R = summary.pack()
         Bsz, Hkv, n, nr, f = rows.shape
         layout = (Bsz, Hkv, nr, f, None if R is None else tuple(R.shape[3:]))
-        if self.heads is None: self.heads, self.layout, self.spec = (Bsz, Hkv), layout, summary.with_tensors()
+        if self.layout is None: self.layout, self.spec = layout, summary.with_tensors()
         elif layout != self.layout:
             raise ValueError(f"summary packs as (batch, KV heads, rows per page, features, factor per page) {layout}; "
                              f"this store holds {self.layout} (another batch, head count or rank)")
