@@ -33,9 +33,9 @@ from .io import cache_dir
 __all__ = ['SMOLLM2_GGUF', 'SMOLLM2_NAME', 'CONVERSION_VERSION', 'COMPLETE_MARKER', 'VERIFIED_STAMP', 'GGUF_LLAMA_NAMES',
            'TINY_SPECIAL_TOKENS', 'CHATML_TEMPLATE', 'TINY_CONFIGS', 'CONFIG_ALIASES', 'HUB_KWARGS', 'TOKENIZER_FILES',
            'atomic_folder', 'quiet_transformers', 'smollm2_gguf_path', 'tokenizer_from_gguf', 'unpermute_rope_rows',
-           'write_completion_marker', 'smollm2_folder', 'convert_gguf_to_hf', 'conversion_problem', 'ensure_smollm2',
-           'hf_name_of_gguf_tensor', 'byte_to_unicode', 'byte_tokenizer', 'tiny_config', 'tiny_model', 'hub_reachable',
-           'load_model', 'ModelInfo', 'model_info']
+           'write_completion_marker', 'smollm2_folder', 'hf_model_from_gguf', 'convert_gguf_to_hf',
+           'conversion_problem', 'ensure_smollm2', 'hf_name_of_gguf_tensor', 'byte_to_unicode', 'byte_tokenizer',
+           'tiny_config', 'tiny_model', 'hub_reachable', 'load_model', 'ModelInfo', 'model_info']
 
 # %% ../nbs/01_models.ipynb #6f7bfe1c
 @contextlib.contextmanager
@@ -145,10 +145,10 @@ def smollm2_folder() -> Path:
     "Folder of the converted SmolLM2-135M-Instruct checkpoint in the cache (may not exist yet)."
     return cache_dir()/"models"/f"{SMOLLM2_NAME}-instruct-q4_1-v{CONVERSION_VERSION}"
 
-def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
-    "Convert a GGUF checkpoint into a Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
+def hf_model_from_gguf(gguf_path: str | os.PathLike):
+    "The GGUF checkpoint as an in-memory Hugging Face model (float32) and tokenizer, nothing written to disk."
     import gguf
-    gguf_path, dest = Path(gguf_path), Path(dest)
+    gguf_path = Path(gguf_path)
     with quiet_transformers():
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                           dtype=torch.float32)
@@ -156,7 +156,12 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) ->
     model.load_state_dict(gguf_model.state_dict(), assign=True, strict=True)
     model.tie_weights()
     model.generation_config = gguf_model.generation_config
-    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(gguf_path))
+    return model, tokenizer_from_gguf(gguf.GGUFReader(gguf_path))
+
+def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    "Convert a GGUF checkpoint into a Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
+    gguf_path, dest = Path(gguf_path), Path(dest)
+    model, tokenizer = hf_model_from_gguf(gguf_path)
     with atomic_folder(dest) as tmp, quiet_transformers():
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -364,10 +364,10 @@ def smollm2_folder() -> Path:
     "Folder of the converted SmolLM2-135M-Instruct checkpoint in the cache (may not exist yet)."
     return cache_dir()/"models"/f"{SMOLLM2_NAME}-instruct-q4_1-v{CONVERSION_VERSION}"
 
-def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
-    "Convert a GGUF checkpoint into a Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
+def hf_model_from_gguf(gguf_path: str | os.PathLike):
+    "The GGUF checkpoint as an in-memory Hugging Face model (float32) and tokenizer, nothing written to disk."
     import gguf
-    gguf_path, dest = Path(gguf_path), Path(dest)
+    gguf_path = Path(gguf_path)
     with quiet_transformers():
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                           dtype=torch.float32)
@@ -375,7 +375,12 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) ->
     model.load_state_dict(gguf_model.state_dict(), assign=True, strict=True)
     model.tie_weights()
     model.generation_config = gguf_model.generation_config
-    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(gguf_path))
+    return model, tokenizer_from_gguf(gguf.GGUFReader(gguf_path))
+
+def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    "Convert a GGUF checkpoint into a Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
+    gguf_path, dest = Path(gguf_path), Path(dest)
+    model, tokenizer = hf_model_from_gguf(gguf_path)
     with atomic_folder(dest) as tmp, quiet_transformers():
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
