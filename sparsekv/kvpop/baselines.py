@@ -126,13 +126,16 @@ class StreamingLLM(EvictionMethod):
 
 
 class TOVA(EvictionMethod):
-    "TOVA (Oren et al.): the k older entries most attended by the latest query; `heads` 'group' or 'all' (original)."
+    """TOVA (Oren et al.): the k older entries most attended by the latest query; `heads` 'all' (the paper's and
+    kvpress's: attention averaged over every query head, one kept set) or 'group' (per KV head's group)."""
     name = "tova"
     rule_class = TOVARule
+    default_heads = "all"
 
-    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, heads: str = "group",
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, heads: str | None = None,
                  chunk_size: int | None = None):
         super().__init__(budget, sink, window, chunk_size)
+        heads = self.default_heads if heads is None else heads
         if heads not in HEAD_REDUCTIONS: raise ValueError(f"heads must be one of {HEAD_REDUCTIONS}, got {heads!r}")
         self.heads = heads
 
@@ -147,6 +150,7 @@ class H2O(TOVA):
     "H2O (Zhang et al.): the k older entries with the most attention accumulated since they were cached."
     name = "h2o"
     rule_class = H2ORule
+    default_heads = "group"  # each KV head keeps its own heavy hitters, as H2O scores every head separately
 
 # %% ../../nbs/16_kvpop_baselines.ipynb #12baf0c2
 class RowsPolicy(MaskPolicy):

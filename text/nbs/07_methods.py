@@ -714,7 +714,7 @@ with torch.no_grad(), patch(model, PageRetrievalPolicy("oval", token_budget=16, 
     want = model.generate(ids, attention_mask=ones, **gen)
 test_eq(make("oval", budget=16, **oval).generate(model, ids, **gen), want)
 with torch.no_grad(), patch(model, TOVA(12).policy()):
-    want = model.generate(ids, attention_mask=ones, past_key_values=EvictingCache(TOVARule(4, 1, 7)), **gen)
+    want = model.generate(ids, attention_mask=ones, past_key_values=EvictingCache(TOVARule(4, 1, 7, "all")), **gen)
 test_eq(make("tova", budget=12).generate(model, ids, **gen), want)
 both = PrefillDecode(16, prefill=make("quoka", budget=8, chunk_size=8, n_q=2), decode=make("oval", budget=16, **oval))
 with torch.no_grad():

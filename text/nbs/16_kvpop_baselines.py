@@ -32,13 +32,14 @@ from sparsekv.models import load_model
 #   `SinkWindowRule(sink, window + k)`.
 # - **TOVA** (Oren et al.) evicts, at every step, the cached token with the lowest attention from
 #   the current query. The original averages the attention over *all* heads of a layer (every head
-#   then keeps the same tokens; kvpress's `TOVAPress` does the same); `heads="group"` averages over
-#   the query heads of each KV head instead, so heads keep different tokens. Here the score of an
+#   then keeps the same tokens; kvpress's `TOVAPress` does the same), and so does `TOVA` by default
+#   (`heads="all"`); `heads="group"` averages over the query heads of each KV head instead, so
+#   heads keep different tokens (a variant, labelled as such in the tables). Here the score of an
 #   entry is the attention it received from the latest query, and the `k` best of the tokens that
 #   left the window are kept: with `sink=0, window=1` this is exactly TOVA with a cache of `k`.
 # - **H2O** (Zhang et al.) keeps heavy hitters, the tokens with the largest *accumulated* attention
-#   (summed over all queries since the token entered the cache, mean over the group's query
-#   heads), plus a window of recent tokens.
+#   (summed over all queries since the token entered the cache, per KV head: mean over the group's
+#   query heads, `heads="group"`, its default), plus a window of recent tokens.
 #
 # The attention-based rules are `TopScoreRule`s whose scores the policy rewrites after computing
 # attention, before the dispatcher evicts (03_hf). A token evicted once is gone for good, so the
@@ -193,13 +194,16 @@ class StreamingLLM(EvictionMethod):
 
 
 class TOVA(EvictionMethod):
-    "TOVA (Oren et al.): the k older entries most attended by the latest query; `heads` 'group' or 'all' (original)."
+    """TOVA (Oren et al.): the k older entries most attended by the latest query; `heads` 'all' (the paper's and
+    kvpress's: attention averaged over every query head, one kept set) or 'group' (per KV head's group)."""
     name = "tova"
     rule_class = TOVARule
+    default_heads = "all"
 
-    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, heads: str = "group",
+    def __init__(self, budget: int, sink: int | None = None, window: int | None = None, heads: str | None = None,
                  chunk_size: int | None = None):
         super().__init__(budget, sink, window, chunk_size)
+        heads = self.default_heads if heads is None else heads
         if heads not in HEAD_REDUCTIONS: raise ValueError(f"heads must be one of {HEAD_REDUCTIONS}, got {heads!r}")
         self.heads = heads
 
@@ -214,6 +218,7 @@ class H2O(TOVA):
     "H2O (Zhang et al.): the k older entries with the most attention accumulated since they were cached."
     name = "h2o"
     rule_class = H2ORule
+    default_heads = "group"  # each KV head keeps its own heavy hitters, as H2O scores every head separately
 
 
 # %% [markdown]
@@ -230,6 +235,8 @@ test_fail(lambda: TOVA(8, heads="max"), contains="heads must be one of")
 test_eq(type(StreamingLLM(20, 2, 4).rule()).__name__, "SinkWindowRule")
 test_eq(StreamingLLM(20, 2, 4).rule().window, 4 + 14)
 test_eq([type(Method.registry[n](8).rule()).__name__ for n in ("tova", "h2o")], ["TOVARule", "H2ORule"])
+test_eq([Method.registry[n](8).rule().heads for n in ("tova", "h2o")], ["all", "group"])  # TOVA: the paper's
+test_eq(TOVA(8, heads="group").rule().heads, "group")
 
 
 def _baseline(name, sink, window, k, heads="group"):
