@@ -23,6 +23,9 @@
 #   attending to the selected earlier keys and its own; eviction methods prefill in chunks of
 #   `eviction_chunk` tokens and evict after each, so a chunk's queries see the kept entries and the
 #   chunk (charged in `prefill_max`); page retrieval prefills densely (its papers' setting).
+# - **TOVA** is the paper's (and kvpress's): the last query's attention averaged over every query head,
+#   one kept set for all KV heads; `tova_group` (`{name: tova, heads: group}`) averages within each KV
+#   head's group instead, a variant labelled as such.
 # - **kvpress's presses** (`{"press": name}` in `method_specs`, `sparsekv.presses`) prefill densely
 #   in one call and compress the prompt's cache once; generation then adds one entry per step, so
 #   their fit depends on the number of decode steps: the probe must decode as many steps as the prose

@@ -171,17 +171,23 @@ tova = make_method("tova", budget=sink + S + 1, sink=sink, window=S)
 torch.testing.assert_close(student_logits(val_ids[:1], tova.policy(), tova.cache(model), max(S // 4, 1)), teacher(0)[0], atol=2e-3, rtol=1e-3)
 m0
 
-
 # %% [markdown]
 # ## Training-free baselines
 #
 # StreamingLLM's sink+window pattern is exact as one masked chunk (`SinkWindowRule` masks every
-# query of a chunk exactly); TOVA and H2O use chunks of `eviction_chunk` tokens.
+# query of a chunk exactly); TOVA and H2O use chunks of `eviction_chunk` tokens. TOVA is its paper's
+# (attention averaged over every query head, one kept set for all KV heads); `tova_group` averages
+# within each KV head's group, the variant earlier runs of this stage used as "TOVA".
 
 # %%
+BASELINE_SPECS = {"streaming_llm": ("streaming_llm", {}), "tova": ("tova", {}),
+                  "tova_group": ("tova", {"heads": "group"}), "h2o": ("h2o", {})}
+
+
 def baseline_logits(name: str, cr: float, i: int) -> torch.Tensor:
     "Teacher-forced logits of training-free baseline `name` at compression cr on held-out window i."
-    m = make_method(name, budget=sink + window + ks[cr], sink=sink, window=window)
+    base, options = BASELINE_SPECS[name]
+    m = make_method(base, budget=sink + window + ks[cr], sink=sink, window=window, **options)
     return student_logits(val_ids[i:i + 1], m.policy(), m.cache(model), S if name == "streaming_llm" else eviction_chunk)
 
 
@@ -352,7 +358,7 @@ lr_table
 # they are left out of the table (the summary states them).
 
 # %%
-BASELINES = ("streaming_llm", "tova", "h2o")
+BASELINES = tuple(BASELINE_SPECS)
 METHODS = ("dense", *BASELINES, "streaming_llm_plus", "dms", "kvpop_mlp", "kvpop_mlstm", "kvpop_mlp_full")
 
 
