@@ -602,6 +602,7 @@ def _read_grid(path: Path) -> tuple[list[dict], list[str], list[int]]:
 # %% ../nbs/40_eval.ipynb #835232b7
 def _grid_frame(rows: list[dict], columns: list[str], keys: list[str]) -> pd.DataFrame:
     "The text `rows` as a DataFrame with pandas' type inference, without `row_check` and columns empty in every row."
+    if not rows: return pd.DataFrame(columns=keys)
     keep = [c for c in columns if c != ROW_CHECK and (c in keys or any(r.get(c, "") for r in rows))]
     buf = io.StringIO()
     pd.DataFrame(rows, columns=keep).to_csv(buf, index=False)
@@ -609,9 +610,13 @@ def _grid_frame(rows: list[dict], columns: list[str], keys: list[str]) -> pd.Dat
     return pd.read_csv(buf)
 
 def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str | os.PathLike, desc: str | None = None,
-             params: Mapping | None = None) -> pd.DataFrame:
+             params: Mapping | None = None, time_limit: float | None = None) -> pd.DataFrame:
     """Compute `fn(cell)` for every cell not yet in the CSV at `path` (keys: the cell's and `params`), adding one row
-    per cell atomically; return this grid's rows."""
+    per cell atomically; return this grid's rows. With `time_limit` (seconds) no cell starts after that long: the
+    rows returned are the cells done, in cell order, and `attrs["pending"]` counts the others (0 when complete)."""
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
+                                   or not time_limit >= 0):
+        raise ValueError(f"time_limit must be a number of seconds >= 0 or None, got {time_limit!r}")
     cells, params, keys = _grid_cells(cells, params)
     full = [{**params, **c} for c in cells]
     texts = [tuple(_cell_text(c.get(key), f"cell[{key!r}]") for key in keys) for c in full]
@@ -633,8 +638,10 @@ def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str 
                          f"other key columns), e.g. {suspect[0]}; "
                          if suspect else "") + "those cells are computed again")
     todo = [i for i in range(len(cells)) if i not in found]
+    start = time.perf_counter()
     with tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell") as bar:
         for i in todo:
+            if time_limit is not None and time.perf_counter() - start >= time_limit: break
             cell, text = cells[i], texts[i]
             bar.set_postfix_str(", ".join(f"{key}={val}" for key, val in cell.items()))
             t0 = time.perf_counter()
@@ -654,4 +661,6 @@ def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str 
             columns = list(dict.fromkeys([*columns, *(c for c in row if c != ROW_CHECK), ROW_CHECK]))
             write_csv(path, pd.DataFrame(rows, columns=columns))
             bar.update()
-    return _grid_frame([rows[found[i]] for i in range(len(cells))], columns, keys)
+    out = _grid_frame([rows[found[i]] for i in range(len(cells)) if i in found], columns, keys)
+    out.attrs["pending"] = len(cells) - len(found)
+    return out

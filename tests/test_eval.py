@@ -1,5 +1,6 @@
 "Tests of sparsekv.eval: metrics against brute-force references on random inputs, and the resumable grid runner."
 import math
+import time
 import warnings
 
 import numpy as np
@@ -555,6 +556,38 @@ def test_grid_resumes_after_interruption(tmp_path):
     calls.clear()
     run_grid(list(reversed(cells)), lambda c: (calls.append(c), metrics_of(c))[1], path)
     assert calls == []
+
+
+@pytest.mark.parametrize("limit,done", [(0, 0), (2.5, 3), (100, 12)])
+def test_grid_time_limit_stops_between_cells(tmp_path, monkeypatch, limit, done):
+    "Each cell takes one second of a fake clock: no cell starts once `limit` seconds have passed; a rerun resumes."
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def one_second(cell):
+        now[0] += 1
+        return metrics_of(cell)
+
+    cells, calls = grid_cells(), []
+    run_grid(cells[:1], metrics_of, tmp_path / "g.csv")                      # one cell in the file already
+    part = run_grid(cells, counting(calls, one_second), tmp_path / "g.csv", time_limit=limit)
+    want = cells[1:][:done] if done < 12 else cells[1:]
+    assert calls == want and part.attrs["pending"] == len(cells) - 1 - len(want)
+    assert part[["method", "budget", "task"]].to_dict("records") == cells[:1 + len(want)]
+    rest = run_grid(cells, counting(calls), tmp_path / "g.csv")
+    assert calls == cells[1:] and rest.attrs["pending"] == 0 and len(rest) == len(cells)
+
+
+def test_grid_time_limit_before_any_cell_gives_an_empty_frame(tmp_path):
+    got = run_grid(grid_cells(), metrics_of, tmp_path / "g.csv", time_limit=0)
+    assert got.empty and list(got.columns) == ["method", "budget", "task"] and got.attrs["pending"] == 12
+    assert not (tmp_path / "g.csv").exists()
+
+
+@pytest.mark.parametrize("limit", [-1, True, "60", float("nan")])
+def test_grid_time_limit_rejects_bad_values(tmp_path, limit):
+    with pytest.raises(ValueError, match="time_limit must be a number of seconds"):
+        run_grid(grid_cells(), metrics_of, tmp_path / "g.csv", time_limit=limit)
 
 
 def test_grid_matches_mixed_types_and_keeps_foreign_rows(tmp_path):

@@ -1273,6 +1273,7 @@ def _read_grid(path: Path) -> tuple[list[dict], list[str], list[int]]:
 #| export
 def _grid_frame(rows: list[dict], columns: list[str], keys: list[str]) -> pd.DataFrame:
     "The text `rows` as a DataFrame with pandas' type inference, without `row_check` and columns empty in every row."
+    if not rows: return pd.DataFrame(columns=keys)
     keep = [c for c in columns if c != ROW_CHECK and (c in keys or any(r.get(c, "") for r in rows))]
     buf = io.StringIO()
     pd.DataFrame(rows, columns=keep).to_csv(buf, index=False)
@@ -1280,9 +1281,13 @@ def _grid_frame(rows: list[dict], columns: list[str], keys: list[str]) -> pd.Dat
     return pd.read_csv(buf)
 
 def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str | os.PathLike, desc: str | None = None,
-             params: Mapping | None = None) -> pd.DataFrame:
+             params: Mapping | None = None, time_limit: float | None = None) -> pd.DataFrame:
     """Compute `fn(cell)` for every cell not yet in the CSV at `path` (keys: the cell's and `params`), adding one row
-    per cell atomically; return this grid's rows."""
+    per cell atomically; return this grid's rows. With `time_limit` (seconds) no cell starts after that long: the
+    rows returned are the cells done, in cell order, and `attrs["pending"]` counts the others (0 when complete)."""
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
+                                   or not time_limit >= 0):
+        raise ValueError(f"time_limit must be a number of seconds >= 0 or None, got {time_limit!r}")
     cells, params, keys = _grid_cells(cells, params)
     full = [{**params, **c} for c in cells]
     texts = [tuple(_cell_text(c.get(key), f"cell[{key!r}]") for key in keys) for c in full]
@@ -1304,8 +1309,10 @@ def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str 
                          f"other key columns), e.g. {suspect[0]}; "
                          if suspect else "") + "those cells are computed again")
     todo = [i for i in range(len(cells)) if i not in found]
+    start = time.perf_counter()
     with tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell") as bar:
         for i in todo:
+            if time_limit is not None and time.perf_counter() - start >= time_limit: break
             cell, text = cells[i], texts[i]
             bar.set_postfix_str(", ".join(f"{key}={val}" for key, val in cell.items()))
             t0 = time.perf_counter()
@@ -1325,7 +1332,9 @@ def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str 
             columns = list(dict.fromkeys([*columns, *(c for c in row if c != ROW_CHECK), ROW_CHECK]))
             write_csv(path, pd.DataFrame(rows, columns=columns))
             bar.update()
-    return _grid_frame([rows[found[i]] for i in range(len(cells))], columns, keys)
+    out = _grid_frame([rows[found[i]] for i in range(len(cells)) if i in found], columns, keys)
+    out.attrs["pending"] = len(cells) - len(found)
+    return out
 
 
 # %% [markdown]
@@ -1360,6 +1369,25 @@ with tempfile.TemporaryDirectory() as d:
     test_fail(lambda: run_grid([{"budget": 1}], lambda c: {"budget": 2}, Path(d) / "x.csv"),
               contains="repeat a cell key")
     test_fail(lambda: run_grid([], _fn, p), contains="cells is empty")
+
+# %% [markdown]
+# A time limit stops a long grid between cells: with none left (`time_limit=0`) only the rows already
+# in the file come back, in cell order, and `attrs["pending"]` counts the rest; a later call
+# completes the grid.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    p = Path(d) / "grid.csv"
+    run_grid(grid[1::2], _fn, p)                                             # every other cell done
+    calls.clear()
+    part = run_grid(grid, _fn, p, time_limit=0)
+    test_eq((calls, part.attrs["pending"]), ([], 2))
+    test_eq(part[["method", "budget"]].values.tolist(), [[c["method"], c["budget"]] for c in grid[1::2]])
+    whole = run_grid(grid, _fn, p, time_limit=3600)
+    test_eq((calls, whole.attrs["pending"], len(whole)), (grid[0::2], 0, 4))
+    test_fail(lambda: run_grid(grid, _fn, p, time_limit=-1), contains="time_limit must be")
+    none = run_grid(grid, _fn, Path(d) / "new.csv", time_limit=0)                # nothing done yet
+    test_eq((len(none), list(none.columns), none.attrs["pending"]), (0, ["method", "budget", "task"], 4))
 
 # %% [markdown]
 # The run's settings are keys too: the same cells under another `window` are computed again

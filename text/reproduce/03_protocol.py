@@ -23,6 +23,9 @@
 #   attending to the selected earlier keys and its own; eviction methods prefill in chunks of
 #   `eviction_chunk` tokens and evict after each, so a chunk's queries see the kept entries and the
 #   chunk (charged in `prefill_max`); page retrieval prefills densely (its papers' setting).
+# - **Long runs.** The `cpu-full` answer grid takes about ten hours on two cores: with `answers_hours` set, a run
+#   starts no answer cell after that many hours, compares the items every method finished and says so at the top
+#   of its summary; the next run (`--force`) continues where it stopped (the grid is committed).
 # - **TOVA** is the paper's (and kvpress's): the last query's attention averaged over every query head,
 #   one kept set for all KV heads; `tova_group` (`{name: tova, heads: group}`) averages within each KV
 #   head's group instead, a variant labelled as such.
@@ -71,6 +74,7 @@ prose_batch = 8  # windows per batch
 probe_window = 256  # tokens of the prose window the budgets are fitted on
 probe_steps = 40  # its decode steps (more than a page, so the partial page takes every size)
 min_claim_items = 10  # below this many items a bootstrap interval is too narrow to trust: no difference is claimed
+answers_hours = None  # start no answer cell after this many hours (None: all); the tables then use the finished items
 stem = "protocol"  # output names: {stem}.md, {stem}.png, {stem}_*_grid.csv (the leaderboard stage runs this notebook too)
 
 # %%
@@ -267,7 +271,14 @@ answer_cells = [{"method": label, "budget": b, "cell": x["cell"], "seed": x["see
                  "item": item_hash(x["item"])} for x in by_seed for label, b in runs]
 answers = run_grid(answer_cells, answer_row, Path(out_dir)/f"{stem}_answers_grid.csv", desc="answers",
                    params={"model_name": model_name, "dtype": dtype, "device": device, "extra_tokens": extra_tokens,
-                           "chunk_size": chunk_size, "eviction_chunk": eviction_chunk}) if answer_cells else None
+                           "chunk_size": chunk_size, "eviction_chunk": eviction_chunk},
+                   time_limit=None if answers_hours is None else 3600 * answers_hours) if answer_cells else None
+pending = 0 if answers is None else answers.attrs["pending"]
+if pending:  # a partial run: compare on the items every method finished (the order above finishes them one by one)
+    finished = answers.groupby("item").size().pipe(lambda n: n[n == len(runs)].index)
+    answers = answers[answers["item"].isin(finished)] if len(finished) else None
+    print(f"partial: {pending} of {len(answer_cells)} answer cells pending; {len(finished)} items finished by every "
+          "method are compared; run the stage again (--force) to continue")
 
 
 # %%
@@ -330,7 +341,9 @@ def show(table: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
 
 
 kw = dict(reference=reference, baselines=list(dict.fromkeys(label for label, _ in runs[1:])))  # those that ran
-tables = {f"accuracy, {label}": protocol_table(acc[acc.cell == label], "correct", **kw) for label in cells}
+# a partial run compares a cell once two of its items are finished (an interval needs two)
+tables = {f"accuracy, {label}": protocol_table(acc[acc.cell == label], "correct", **kw) for label in cells
+          if acc is not None and acc[acc.cell == label]["item"].nunique() >= 2}
 tables |= {"prose agreement": protocol_table(txt, "agreement", **kw),
            "prose KL": protocol_table(txt, "kl", higher_is_better=False, **kw),
            "prose NLL": protocol_table(txt, "nll", higher_is_better=False, **kw)}
@@ -527,14 +540,19 @@ notes = findings()
 display(Markdown("\n".join(notes)))
 
 # %%
+finished_items = {} if acc is None else acc.groupby("cell")["item"].nunique().to_dict()
 lines = [f"Dense {model_name} ({dtype}, device {device}, {torch.get_num_threads()} thread(s)). Accuracy cells: "
-         + ("; ".join(f"{label} ({len(items[label])} items of {items[label][0]['item']['context_tokens']} tokens)"
-                      for label in cells) or "none (prose alone)")
+         + ("; ".join(f"{label} ({finished_items.get(label, 0) if pending else len(items[label])}"
+                      f"{f' of {len(items[label])}' if pending else ''} items of "
+                      f"{items[label][0]['item']['context_tokens']} tokens)" for label in cells) or "none (prose alone)")
          + f"; prose: {len(windows)} held-out windows of {window} tokens, the last {window - prose_prefix} scored. "
          f"Selection prefill chunks of {chunk_size}, eviction prefill chunks of {eviction_chunk}.", "",
          "**Measured budgets** (fitted nominal budget; decode mean / max over the real items in the compressed "
          "layers; dense layers; mean entries read per decode query over every layer):", "",
          ceiling.round(1).to_markdown(index=False), ""]
+if pending: lines[1:1] = ["", f"**Partial run**: {pending} of {len(answer_cells)} answer cells are not computed yet "
+                          f"(`answers_hours = {answers_hours}`); the accuracy tables compare the items every method "
+                          "finished. The next run of this stage (`--force`) continues the grid."]
 if not_applicable: lines += ["**Not applicable** (no nominal budget keeps to the ceiling):", "",
                              *(f"- {x}" for x in not_applicable), ""]
 for name, t in tables.items():
