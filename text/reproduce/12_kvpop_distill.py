@@ -262,7 +262,9 @@ def heldout_eval(net, student) -> dict:
 
 def run_digest(method: str, cr: float, config: DistillConfig, fig5: bool) -> str:
     "Hash of every setting that shapes `method`'s trained student at compression cr and its checkpointed history."
-    return fingerprint(dict(config=asdict(config), method=method, model=model_name, dtype=dtype, device=device,
+    # the base's learning rate trains nothing in scorer-only mode: choosing another must not retrain those students
+    settings = asdict(config) | ({} if config.mode == "full" else {"base_lr": None})
+    return fingerprint(dict(config=settings, method=method, model=model_name, dtype=dtype, device=device,
                             seq_len=S, sink=sink, window=window, k=ks[cr], n_train=n_train, batch_size=batch_size,
                             data_seed=seed, dms_bias_scale=dms_bias_scale if method == "dms" else None,
                             fig5_eval=[eval_every, n_scored] if fig5 else None,  # the history's eval rows
