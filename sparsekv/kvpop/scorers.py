@@ -45,7 +45,7 @@ def scorer_input(k: Tensor, v: Tensor) -> Tensor:
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #315882fc
 class HeadwiseLinear(nn.Module):
-    "A linear map per KV head: y[..., h, s, :] = x[..., h, s, :] @ weight[h] + bias[h], one einsum for all heads."
+    "A linear map per KV head: y[..., h, s, :] = x[..., h, s, :] @ weight[h] + bias[h], one matmul for all heads."
     def __init__(self, num_heads: int, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.num_heads = check_int(num_heads, "num_heads", 1)
@@ -58,7 +58,7 @@ class HeadwiseLinear(nn.Module):
         if x.dim() < 3 or x.shape[-3] != self.num_heads or x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"x must be [..., H={self.num_heads}, S, {self.weight.shape[1]}], got shape "
                              f"{tuple(x.shape)}")
-        y = torch.einsum("...hsi,hio->...hso", x, self.weight)
+        y = x @ self.weight  # weight broadcasts over leading dims: einsum's bmm without its reshapes
         return y if self.bias is None else y + self.bias[:, None, :]
 
     def extra_repr(self) -> str:

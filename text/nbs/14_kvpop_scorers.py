@@ -76,7 +76,7 @@ test_fail(lambda: scorer_input(k.long(), v), contains="floating-point")
 # ## Headwise projections
 #
 # Every KV head has its own weights: a headwise linear map is a stack of $H$ matrices
-# $W^{(h)} \in \mathbb{R}^{d_\mathrm{in} \times d_\mathrm{out}}$, applied as one batched einsum
+# $W^{(h)} \in \mathbb{R}^{d_\mathrm{in} \times d_\mathrm{out}}$, applied as one batched matrix product
 # $y_{b,h,s,:} = x_{b,h,s,:} W^{(h)} + b^{(h)}$ instead of a loop over heads. Grouped-query
 # attention does not enter: the scorer sees KV heads only, so query heads sharing a KV head
 # share its score.
@@ -84,7 +84,7 @@ test_fail(lambda: scorer_input(k.long(), v), contains="floating-point")
 # %%
 #| export
 class HeadwiseLinear(nn.Module):
-    "A linear map per KV head: y[..., h, s, :] = x[..., h, s, :] @ weight[h] + bias[h], one einsum for all heads."
+    "A linear map per KV head: y[..., h, s, :] = x[..., h, s, :] @ weight[h] + bias[h], one matmul for all heads."
     def __init__(self, num_heads: int, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.num_heads = check_int(num_heads, "num_heads", 1)
@@ -97,7 +97,7 @@ class HeadwiseLinear(nn.Module):
         if x.dim() < 3 or x.shape[-3] != self.num_heads or x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"x must be [..., H={self.num_heads}, S, {self.weight.shape[1]}], got shape "
                              f"{tuple(x.shape)}")
-        y = torch.einsum("...hsi,hio->...hso", x, self.weight)
+        y = x @ self.weight  # weight broadcasts over leading dims: einsum's bmm without its reshapes
         return y if self.bias is None else y + self.bias[:, None, :]
 
     def extra_repr(self) -> str:

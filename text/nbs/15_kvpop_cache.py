@@ -78,7 +78,8 @@ class KVpopScorers(nn.Module):
         "Static priorities, float32, of raw scores r at absolute `positions` (same shape, heads in dim 1)."
         log_gamma = self.decays[self._layer(layer_idx)]().to(r.device, torch.float32)  # ranking in float32 (App. F)
         log_gamma = log_gamma.view(1, -1, *([1] * (r.dim() - 2)))
-        return r.float() - torch.div(positions, self.n, rounding_mode="floor").float() * log_gamma
+        steps = positions if self.n == 1 else torch.div(positions, self.n, rounding_mode="floor")
+        return torch.addcmul(r.float(), steps.float(), log_gamma, value=-1)
 
     def _layer(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < len(self.scorers):
