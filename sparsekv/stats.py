@@ -119,10 +119,11 @@ def _aligned(rows: pd.DataFrame, metric: str, method: str, item: str, order: lis
     if len(table) < 2: raise ValueError(f"results has {len(table)} item(s) {where}: an interval needs at least 2")
     return table
 
-def _diff(x: np.ndarray, y: np.ndarray, prefix: str, level: float, n_boot: int, seed: int) -> dict:
+def _diff(x: np.ndarray, y: np.ndarray, prefix: str, level: float, n_boot: int, seed: int, min_items: int) -> dict:
     "The paired difference `x - y` as `compare`'s columns: `diff_<prefix>`, `<prefix>_lo`, `_hi`, `_sig`."
     d, lo, hi = paired_ci(x, y, level, n_boot, seed)
-    return {f"diff_{prefix}": d, f"{prefix}_lo": lo, f"{prefix}_hi": hi, f"{prefix}_sig": bool(lo > 0 or hi < 0)}
+    sig = len(x) >= min_items and (lo > 0 or hi < 0)
+    return {f"diff_{prefix}": d, f"{prefix}_lo": lo, f"{prefix}_hi": hi, f"{prefix}_sig": bool(sig)}
 
 # %% ../nbs/41_stats.ipynb #90c54479
 def _reference_rows(ref: pd.DataFrame, budget: str, b, reference) -> pd.DataFrame:
@@ -133,7 +134,7 @@ def _reference_rows(ref: pd.DataFrame, budget: str, b, reference) -> pd.DataFram
     return ref
 
 def _compare_budget(table: pd.DataFrame, b, reference, cands: list, higher_is_better: bool, level: float,
-                    n_boot: int, seed: int) -> list[dict]:
+                    n_boot: int, seed: int, min_items: int) -> list[dict]:
     "`compare`'s rows at budget `b`, from its item × method `table` and the candidate baselines `cands`."
     means, rows = table.mean(), []
     for m in table.columns:
@@ -142,20 +143,21 @@ def _compare_budget(table: pd.DataFrame, b, reference, cands: list, higher_is_be
                                                               se=x.std(ddof=1) / math.sqrt(len(x)),
                                                               baseline=None, ref_sig=False, base_sig=False)
         if m != reference:
-            row |= _diff(x, table[reference].to_numpy(float), "ref", level, n_boot, seed)
+            row |= _diff(x, table[reference].to_numpy(float), "ref", level, n_boot, seed, min_items)
             rivals = [c for c in cands if c in table.columns and c not in (m, reference)]
             if rivals:  # min() keeps the first of equal keys: ties go to the candidate listed first
                 row["baseline"] = min(rivals, key=lambda c: -means[c] if higher_is_better else means[c])
-                row |= _diff(x, table[row["baseline"]].to_numpy(float), "base", level, n_boot, seed)
+                row |= _diff(x, table[row["baseline"]].to_numpy(float), "base", level, n_boot, seed, min_items)
         rows.append(row)
     return rows
 
 # %% ../nbs/41_stats.ipynb #145d469c
 def compare(results: pd.DataFrame, metric: str, method: str = "method", budget: str = "budget", item: str = "item",
             reference="dense", baselines: list | None = None, higher_is_better: bool = True, level: float = 0.95,
-            n_boot: int = 10_000, seed: int = 0) -> pd.DataFrame:
+            n_boot: int = 10_000, seed: int = 0, min_items: int = 16) -> pd.DataFrame:
     "Per budget and method of a long table: n, mean, standard error, paired intervals vs `reference` and best baseline."
     df = _check_results(results, metric, method, budget, item)
+    min_items = check_int(min_items, "min_items", 2)
     level, methods = _level(level), list(pd.unique(df[method]))  # the order of rows and of tie-breaks
     if not isinstance(higher_is_better, bool):
         raise TypeError(f"higher_is_better must be a bool, got {higher_is_better!r}")
@@ -171,16 +173,22 @@ def compare(results: pd.DataFrame, metric: str, method: str = "method", budget: 
     for b in _budgets(others[budget]):
         rows = pd.concat([_reference_rows(ref, budget, b, reference), others[others[budget] == b]])
         table = _aligned(rows, metric, method, item, methods, f"at {budget}={b!r}")
-        out += _compare_budget(table, b, reference, baselines or methods, higher_is_better, level, n_boot, seed)
+        out += _compare_budget(table, b, reference, baselines or methods, higher_is_better, level, n_boot, seed,
+                               min_items)
     out = pd.DataFrame(out, columns=COMPARE_COLUMNS)
-    out.attrs.update(metric=metric, reference=reference, level=level, higher_is_better=higher_is_better)
+    out.attrs.update(metric=metric, reference=reference, level=level, higher_is_better=higher_is_better,
+                     min_items=min_items)
     return out
 
 # %% ../nbs/41_stats.ipynb #31b5c012
 def compare_reference(results: pd.DataFrame, metric: str, method="method", budget="budget", item="item",
                       reference="dense", baselines=None, higher_is_better=True, level=0.95, n_boot=10_000,
-                      seed=0) -> list[dict]:
-    "Brute-force `compare` as a list of rows (`ref`, `base`: `(diff, lo, hi)`): Python loops and dicts."
+                      seed=0, min_items=16) -> list[dict]:
+    "Brute-force `compare` as a list of rows (`ref`, `base`: `(diff, lo, hi, marked)`): Python loops and dicts."
+    def interval(x, y):
+        d, lo, hi = paired_ci_reference(x, y, level, n_boot, seed)
+        return d, lo, hi, len(x) >= min_items and not lo <= 0 <= hi
+
     scores = {}
     for r in results.to_dict("records"):
         b = None if r[budget] != r[budget] else r[budget]  # NaN (no budget) as None, a usable dict key
@@ -195,14 +203,13 @@ def compare_reference(results: pd.DataFrame, metric: str, method="method", budge
             x = [s[i] for i in items]
             row = dict(method=m, budget=b, n=len(x), mean=means[m], se=statistics.stdev(x) / math.sqrt(len(x)))
             if m != reference:
-                row["ref"] = paired_ci_reference(x, [ref[i] for i in items], level, n_boot, seed)
+                row["ref"] = interval(x, [ref[i] for i in items])
                 best = None
                 for c in baselines or scores:
                     if c in at_b and c not in (m, reference) and (best is None or (
                             means[c] > means[best] if higher_is_better else means[c] < means[best])): best = c
                 if best is not None:
-                    row["baseline"], row["base"] = best, paired_ci_reference(x, [at_b[best][i] for i in items],
-                                                                              level, n_boot, seed)
+                    row["baseline"], row["base"] = best, interval(x, [at_b[best][i] for i in items])
             out.append(row)
     return out
 

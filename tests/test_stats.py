@@ -145,8 +145,8 @@ def assert_matches_reference(df, **kw):
         np.testing.assert_allclose([g["mean"], g["se"]], [w["mean"], w["se"]], rtol=0, atol=1e-12)
         for p in ("ref", "base"):
             if p in w:
-                np.testing.assert_allclose([g[f"diff_{p}"], g[f"{p}_lo"], g[f"{p}_hi"]], w[p], rtol=0, atol=1e-12)
-                assert g[f"{p}_sig"] == (w[p][1] > 0 or w[p][2] < 0)
+                np.testing.assert_allclose([g[f"diff_{p}"], g[f"{p}_lo"], g[f"{p}_hi"]], w[p][:3], rtol=0, atol=1e-12)
+                assert g[f"{p}_sig"] == w[p][3]
             else:
                 assert math.isnan(g[f"diff_{p}"]) and g[f"{p}_sig"] is False
     return got
@@ -160,6 +160,15 @@ def test_compare_matches_reference(seed, n_items, budgets, labels):
     got = assert_matches_reference(df, metric="agreement", n_boot=300, seed=seed)
     assert got.budget.unique().tolist() == sorted(f"{b}%" if labels else b for b in budgets)
     assert (got.n == n_items).all() and got.attrs["metric"] == "agreement"
+
+
+@pytest.mark.parametrize("min_items", [2, 8, 9, 16])
+def test_compare_marks_differences_only_from_min_items(min_items):
+    df = long_table(8, (64,), seed=5)  # 8 items; kvpop clearly behind dense at 64
+    got = assert_matches_reference(df, metric="agreement", n_boot=300, min_items=min_items).set_index("method")
+    assert got.loc["kvpop", "ref_hi"] < 0 and got.attrs["min_items"] == min_items
+    assert bool(got.loc["kvpop", "ref_sig"]) == (min_items <= 8)
+    assert (got.ref_sig.any() or got.base_sig.any()) == (min_items <= 8)
 
 
 def test_compare_numbers_by_hand():

@@ -352,6 +352,7 @@ def verdict(metric: str, method: str, cr: float) -> str:
     r, o = rows.loc[(method, cr)], rows.loc[("oracle", cr)]
     better = (r.diff_base > 0) == (metric == "agreement")
     word = ("ahead of" if better else "behind") if r.base_sig else "tied with"
+    if r.n < tables[metric].attrs["min_items"]: word = f"undecided ({r.n} windows: too few to tell) against"
     return (f"{method} at CR {cr:.1%}, {metric}: {word} the best baseline {r.baseline} ({r.diff_base:+.4f} "
             f"[{r.base_lo:+.4f}, {r.base_hi:+.4f}]); {method} {r['mean']:.4f}, the oracle {o['mean']:.4f}")
 

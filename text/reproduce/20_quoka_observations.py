@@ -363,7 +363,8 @@ dis_m, dis_e = at_top(cmp_mass), at_top(cmp_err)
 
 
 def verdict(r, lower_is_better: bool = False) -> str:
-    "`dissimilar` against its best rival in `compare`'s row r: ahead of, behind, or tied with it (interval holds 0)."
+    "`dissimilar` against its best rival in `compare`'s row r: ahead of, behind, tied with it, or too few windows."
+    if r.n < cmp_mass.attrs["min_items"]: return f"undecided against {r.baseline} ({r.n} windows: too few to tell)"
     if not r.base_sig: return f"tied with {r.baseline}"
     return f"{'ahead of' if (r.diff_base < 0) == lower_is_better else 'behind'} {r.baseline}"
 
