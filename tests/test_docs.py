@@ -57,13 +57,35 @@ def site_pages(dest: Path) -> list[str]:
                   if not p.relative_to(dest).parts[0].startswith("_") and p.stem not in ("genindex", "search"))
 
 
+def run_chromium(args: list[str], crashes_allowed: int = 2) -> str:
+    "Chromium's stdout; a browser that dies by a signal (headless Chromium segfaults now and then) is restarted."
+    for attempt in range(crashes_allowed + 1):
+        got = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        if got.returncode >= 0 or attempt == crashes_allowed: break
+    if got.returncode != 0:
+        raise subprocess.CalledProcessError(got.returncode, args, got.stdout, got.stderr)
+    return got.stdout
+
+
 def rendered_dom(url: str, profile: Path, screenshot: Path | None = None) -> str:
     "The DOM of `url` after its scripts (MathJax) ran, as Chromium sees it."
     args = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=15000"]
     if screenshot is not None:
-        subprocess.run([*args, "--window-size=1280,1600", f"--screenshot={screenshot}", url],
-                       capture_output=True, timeout=120, check=True)
-    return subprocess.run([*args, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True).stdout
+        run_chromium([*args, "--window-size=1280,1600", f"--screenshot={screenshot}", url])
+    return run_chromium([*args, "--dump-dom", url])
+
+
+def test_run_chromium_restarts_only_a_crashed_browser(tmp_path):
+    "A browser killed by a signal is restarted (up to twice); an ordinary failure is reported at once."
+    count = tmp_path/"runs"
+    crash_once = f'echo x >> {count}; [ $(wc -l < {count}) -ge 2 ] && echo ok || kill -SEGV $$'
+    assert run_chromium(["sh", "-c", crash_once]) == "ok\n" and len(count.read_text().split()) == 2
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        run_chromium(["sh", "-c", f"echo y >> {tmp_path/'fails'}; exit 3"])
+    assert err.value.returncode == 3 and len((tmp_path/"fails").read_text().split()) == 1
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        run_chromium(["sh", "-c", f"echo z >> {tmp_path/'crashes'}; kill -SEGV $$"])
+    assert err.value.returncode < 0 and len((tmp_path/"crashes").read_text().split()) == 3
 
 
 @pytest.fixture(scope="module")
