@@ -187,8 +187,10 @@ class Quoka(SelectionMethod):
                            self.decode, query_rank=self.query_rank, seed=self.seed)
 
     def key_cost(self, shape, S):
-        "min(N_Q, S) pre-aggregated unit queries (§3.3) times each unit key: min(N_Q, S) D."
-        return min(self.n_q, S) * shape.D, 0
+        """min(N_Q, S) pre-aggregated unit queries (§3.3) times each unit key: min(N_Q, S) D; ranking the queries
+        (N_Q < S, not 'random'): each of the G S queries dotted with its head's mean, G S D per call."""
+        ranks = self.n_q < S and self.query_rank != "random"
+        return min(self.n_q, S) * shape.D, shape.G * S * shape.D if ranks else 0
 
 
 class BaselineSelection(SelectionMethod):

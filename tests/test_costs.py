@@ -122,7 +122,7 @@ def test_matched_is_the_best_affordable_knob(name, phase):
 def test_cost_table_smollm2():
     t = cost_table(SMOLLM2).set_index(["method", "setting"])
     assert t.index[0] == ("quoka", "default")
-    assert t.loc[("quoka", "default"), "prefill_chunk"] == 1024 * 4096 * 3 * 30
+    assert t.loc[("quoka", "default"), "prefill_chunk"] == (1024 * 4096 + 3 * 128 * 64) * 3 * 30  # + the ranking, G S D
     assert t.xs("matched to quoka", level="setting").prefill_per_key.tolist() == [960, 768, 768]
     assert (t.xs("default", level="setting").query("decode_per_key > 0").index.size == len(SCORING))
 

@@ -114,8 +114,9 @@ def accumulation_dtype(x: Tensor) -> torch.dtype:
 def query_dissimilarity(q_chunk: Tensor) -> Tensor:
     "d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S]."
     q = q_chunk.to(accumulation_dtype(q_chunk))
-    m = q.mean(2, keepdim=True)  # M_Q per query head
-    return -(F.normalize(q, dim=-1, eps=EPS) * F.normalize(m, dim=-1, eps=EPS)).sum(-1)
+    m = F.normalize(q.mean(2, keepdim=True), dim=-1, eps=EPS)  # M_Q / |M_Q| per query head
+    # q·m̂ / |q|: one matrix-vector product and one norm, never the S unit queries (half the passes over the chunk)
+    return -(q @ m.mT).squeeze(-1) / q.norm(dim=-1).clamp_min(EPS)
 
 
 def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:

@@ -205,7 +205,8 @@ def check_cost(name: str, shape, n_cached: int, phase: str = "prefill", budget: 
 # ### QuoKA
 #
 # Alg. 1 keeps the $n = \min(N_Q, S)$ queries of each chunk least similar to their head's mean
-# query (§3.1: cosines with the mean, elementwise, $O(H_q S D)$ whatever $T$), and scores key $j$
+# query (§3.1: each query dotted with its head's unit mean query and divided by its norm, $G S D$
+# multiply-adds per KV head and call whatever $T$, none when $N_Q \ge S$), and scores key $j$
 # of KV head $h$ by the largest, over kept queries $i$, of the group-mean cosine (§3.2–3.3):
 #
 # $$s_j = \max_i \frac1G \sum_{g=1}^{G} \hat q_{g,i} \cdot \hat k_j = \max_i \bar q_i \cdot \hat k_j,
@@ -214,7 +215,7 @@ def check_cost(name: str, shape, n_cached: int, phase: str = "prefill", budget: 
 # The mean is linear, so the $G$ heads' unit queries are averaged before the product
 # (pre-aggregation): one $[n, D] \times [D, T]$ product per KV head,
 #
-# $$c_{\text{QuoKA}} = \min(N_Q, S)\, D \ \text{ per key},$$
+# $$c_{\text{QuoKA}} = \min(N_Q, S)\, D \ \text{ per key} \ + \ G S D \ \text{ per call},$$
 #
 # $N_Q D$ = 16 · 64 = 1,024 for SmolLM2 at the paper's $N_Q$ = 16, the issue's figure; without
 # pre-aggregation it would be $G$ times that. The unit keys $\hat k_j$ cost $D$ elementwise products
@@ -228,6 +229,7 @@ for sh in (tiny, SMOLLM2):
             check_cost("quoka", sh, T, chunk_size=8, **p)
             check_cost("quoka", sh, T, "decode", chunk_size=8, **p)
 test_eq(methods.make("quoka", 1024).scoring_cost(SMOLLM2, 4096).per_key, 1024)
+test_eq(methods.make("quoka", 1024).scoring_cost(SMOLLM2, 4096).per_step, 1024 * 4096 + 3 * 128 * 64)  # + G S D
 
 # %% [markdown]
 # ### SampleAttention
