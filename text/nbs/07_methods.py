@@ -731,8 +731,9 @@ assert not torch.equal(want, dense)  # the budgets really change the tokens
 # At SmolLM2-135M's shape (9 query heads over 3 KV heads of 64 dimensions, 30 layers) and the paper defaults
 # ($B_{CP}$ = 128, $N_Q$ = 16, $r = D/2$) the scoring costs per cached key are the figures: QuoKA
 # $N_Q D$ = 1,024, SparQ and Loki $G B_{CP} r$ = 12,288, mean of scores $G B_{CP} D$ = 24,576. OVAL scores at
-# decode only, $G(D(r+1) + m r)/m$ = 78 per key; eviction and dense attention choose nothing. QuoKA's figure
-# is what its code multiplies ([the costs page](42_costs.ipynb) counts every method).
+# decode only, $G(D(r+1) + m r)/m$ = 78 per key; eviction and dense attention choose nothing. QuoKA adds
+# $G B_{CP} D$ = 24,576 per chunk (ranking the chunk's queries), what 24 cached keys cost; its figures are
+# what its code multiplies ([the costs page](42_costs.ipynb) counts every method).
 
 # %%
 smol = ModelShape(9, 3, 64, 30)
@@ -743,7 +744,8 @@ test_eq(scoring_cost(make("tova", budget=1024), smol, 4096), ScoringCost())
 c = make("quoka", budget=1024).scoring_cost(smol, 4096)
 q, k = torch.randn(1, 9, 128, 64), torch.randn(1, 3, 4096, 64)
 with FlopCounterMode(display=False) as fc: quoka_select(q, k, 16, 1024)
-test_eq((fc.get_total_flops() // 2, c.per_step, c.total), (3 * 1024 * 4096, 1024 * 4096, 3 * 30 * 1024 * 4096))
+step = 1024 * 4096 + 3 * 128 * 64  # N_Q D per key, and G B_CP D per chunk ranking the queries
+test_eq((fc.get_total_flops() // 2, c.per_step, c.total), (3 * step, step, 3 * 30 * step))
 test_eq(make("quoka", budget=4096).scoring_cost(smol, 4096).per_step, 0)  # the chunk's earlier keys fit: dense
 test_fail(lambda: make("quoka", budget=8).scoring_cost(smol, 64, "generate"), contains="phase must be")
 test_fail(lambda: make("oval", budget=64).scoring_cost(smol, 64, "decode", chunk=4), contains="chunk must be")

@@ -160,7 +160,8 @@ def measured_cost(method: Method, shape, n_cached: int, phase: str = "prefill", 
 tiny = ModelShape(Hq=4, Hkv=2, D=16, layers=2)
 test_eq([measured_cost(methods.make(n, budget=8), tiny, 40) for n in ("dense", "tova")], [0, 0])
 test_eq(measured_cost(methods.make("quoka", budget=64), tiny, 64), 0)
-test_eq(measured_cost(methods.make("quoka", budget=64, chunk_size=8, n_q=2), tiny, 65), 2 * 16 * 65)
+# N_Q D per key over 65 keys, plus ranking the chunk's G S = 2 * 8 queries by their mean (D each)
+test_eq(measured_cost(methods.make("quoka", budget=64, chunk_size=8, n_q=2), tiny, 65), 2 * 16 * 65 + 2 * 8 * 16)
 
 
 # %% [markdown]
@@ -494,14 +495,15 @@ table = cost_table(SMOLLM2)
 table
 
 # %% [markdown]
-# Each row is the formula above (the per-key column times the keys, KV heads and scoring layers);
+# Each row is the formula above (the per-key column times the keys, plus any per-call term, times the KV heads
+# and scoring layers);
 # the matched rows cost at most QuoKA's 1,024 per key, and one more step of their knob would cost
 # more.
 
 # %%
 rows = table.set_index(["method", "setting"])
 test_eq(rows.loc[("quoka", "default"), ["prefill_per_key", "decode_per_key", "prefill_chunk"]].tolist(),
-        [1024, 64, 1024 * 4096 * 3 * 30])
+        [1024, 64, (1024 * 4096 + 3 * 128 * 64) * 3 * 30])
 test_eq(rows.loc[("oval", "default"), ["prefill_per_key", "decode_per_key", "decode_step"]].tolist(),
         [0, 78, 78 * 32 * (4096 // 32) * 3 * 29])
 test_eq(rows.loc[("lessismore", "default"), "prefill_chunk"], 24576 * 4096 * 3)
