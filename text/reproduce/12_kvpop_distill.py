@@ -33,7 +33,9 @@
 # forward). TOVA and H2O decide from the attention of the queries seen so far; they run through an
 # `EvictingCache` in chunks of `eviction_chunk` tokens: within a chunk the queries see the kept
 # entries and the chunk densely, eviction happens after the chunk (chunks of one token are exact
-# decoding).
+# decoding, what every profile but the quick one runs). The held-out windows go through them
+# `baseline_batch` at a time: each row of a batch evicts by its own attention, so a batch only shares
+# the per-token work of the forward.
 
 # %%
 #| parameters
@@ -60,12 +62,14 @@ n_select = 1                   # training-split windows never trained on: the ba
 dms_bias_scale = 50.0          # DMS: scale of its per-head gate bias (its effective LR); larger lets few steps open the gates
 eval_every = 1                 # Fig. 5: held-out agreement every eval_every steps
 eviction_chunk = 16            # TOVA/H2O teacher forcing: evict every eviction_chunk tokens (1: exact decoding)
+baseline_batch = 1             # held-out windows per teacher-forced pass of the training-free baselines
 heatmap_tokens = 112           # Fig. 6: the last evictable tokens shown
 recall_queries = 16            # Fig. 7: query positions per window
 seed = 0
 
 # %%
 import copy
+import inspect
 import re
 from dataclasses import asdict
 from functools import lru_cache
@@ -90,6 +94,7 @@ from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
 from sparsekv.methods import make as make_method
 from sparsekv.models import load_model, model_info
 from sparsekv.reproduce import fingerprint
+from sparsekv.stats import compare, paired_ci
 
 # %%
 use_style()
@@ -139,8 +144,9 @@ def student_logits(ids: torch.Tensor, policy: AttentionPolicy, cache=None, chunk
         out = []
         for a in range(0, ids.shape[1], chunk):
             pos = torch.arange(a, min(a + chunk, ids.shape[1]), device=ids.device)
-            out.append(net(ids[:, pos], past_key_values=cache, use_cache=True, cache_position=pos, position_ids=pos[None]).logits)
-    return torch.cat(out, 1)[:, -n_scored:].float()
+            logits = net(ids[:, pos], past_key_values=cache, use_cache=True, cache_position=pos, position_ids=pos[None]).logits
+            out.append(logits[:, max(0, S - n_scored - a):])  # only the scored positions: token by token, the rest is memory
+    return torch.cat(out, 1).float()
 
 
 @lru_cache(maxsize=None)
@@ -184,11 +190,21 @@ BASELINE_SPECS = {"streaming_llm": ("streaming_llm", {}), "tova": ("tova", {}),
                   "tova_group": ("tova", {"heads": "group"}), "h2o": ("h2o", {})}
 
 
-def baseline_logits(name: str, cr: float, i: int) -> torch.Tensor:
-    "Teacher-forced logits of training-free baseline `name` at compression cr on held-out window i."
+def baseline_logits(name: str, cr: float, rows: slice) -> torch.Tensor:
+    "Teacher-forced logits [len(rows), n_scored, V] of training-free baseline `name` at compression cr on held-out windows `rows`."
     base, options = BASELINE_SPECS[name]
     m = make_method(base, budget=sink + window + ks[cr], sink=sink, window=window, **options)
-    return student_logits(val_ids[i:i + 1], m.policy(), m.cache(model), S if name == "streaming_llm" else eviction_chunk)
+    return student_logits(val_ids[rows], m.policy(), m.cache(model), S if name == "streaming_llm" else eviction_chunk)
+
+
+@lru_cache(maxsize=None)
+def baseline_metrics(name: str, cr: float) -> tuple[dict, ...]:
+    "`window_metrics` of baseline `name` at compression cr on every held-out window, `baseline_batch` windows per pass."
+    out = []
+    for a in range(0, n_val, baseline_batch):
+        logits = baseline_logits(name, cr, slice(a, a + baseline_batch))
+        out += [window_metrics(row[None], i) for i, row in enumerate(logits, a)]
+    return tuple(out)
 
 
 # %% [markdown]
@@ -228,8 +244,10 @@ torch.testing.assert_close(one_chunk, torch.cat(stepped, 1), **tol)
 # three quarters of training (`target_for_budget`: the rate whose mean cache equals $s + w + k$). With
 # tens of steps instead of 2,000, the cpu profile raises the scorers' peak LR (`scorer_lr`) and DMS's
 # bias scale (`dms_bias_scale`, the effective LR of its per-head gate bias) so that both can move at
-# all; DMS's budget is only met on average, so the table reports the fraction of keys each method's
-# final query may attend to (`KV kept at end`, from DMS's hard decisions).
+# all; DMS's budget is only met on average, and only once its gates have learned to close: after the few
+# steps of the cpu profiles they stay mostly open, so the table reports the fraction of keys each method's
+# final query may attend to (`KV kept at end`, from DMS's hard decisions), and a comparison with DMS is at
+# equal budget only where that fraction matches.
 
 # %%
 def kvpop_scorers(kind: str, delay: int = 0) -> KVpopScorers:
@@ -313,7 +331,9 @@ def trained(method: str, cr: float):
 # trains StreamingLLM+ and KVpop-MLP full at the lower compression for `full_steps` steps; the LR with the
 # highest mean token accuracy vs the dense teacher over both methods on `n_select` **training-split windows
 # never trained on** becomes `base_lr` for every full-mode student. The held-out windows the results are
-# reported on take no part in the choice.
+# reported on take no part in the choice. The `cpu` profile lists one candidate, $8 \times 10^{-6}$, the choice of
+# the four-candidate sweep that the `cpu-full` profile runs (its first run, commit 87ab639, chose it), to stay
+# within the hour.
 
 # %%
 SELECT_METHODS = ("streaming_llm_plus", "kvpop_mlp_full")
@@ -365,9 +385,8 @@ METHODS = ("dense", *BASELINES, "streaming_llm_plus", "dms", "kvpop_mlp", "kvpop
 
 
 def method_logits(method: str, cr: float, i: int) -> torch.Tensor:
-    "Teacher-forced logits of `method` at compression cr on held-out window i."
+    "Teacher-forced logits of the dense teacher or trained `method` at compression cr on held-out window i (baselines: `baseline_metrics`)."
     if method == "dense": return teacher(i)[0]
-    if method in BASELINES: return baseline_logits(method, cr, i)
     net, student, _ = trained(method, cr)
     return student_logits(val_ids[i:i + 1], student.policy(), net=net)
 
@@ -383,7 +402,8 @@ def kv_kept(method: str, cr: float, i: int) -> float:
 
 def cell_metrics(cell: dict) -> dict:
     m, cr, i = cell["method"], cell["compression"], cell["window"]
-    return {**window_metrics(method_logits(m, cr, i), i), "kv_kept": kv_kept(m, cr, i)}
+    metrics = baseline_metrics(m, cr)[i] if m in BASELINES else window_metrics(method_logits(m, cr, i), i)
+    return {**metrics, "kv_kept": kv_kept(m, cr, i)}
 
 
 cells = [{"seq_len": S, "steps": steps, "full_steps": full_steps, "method": "dense", "compression": 0.0, "window": i} for i in range(n_val)]
@@ -594,23 +614,57 @@ save_figure(fig, Path(fig_dir)/"kvpop_distill_fig8_dms_eviction.png",
 #
 # The goal: KVpop-mLSTM keeps at least 95% of the dense teacher's token accuracy at 75% compression
 # (token accuracy vs the teacher is the top-1 agreement, which is 1 for the teacher) and beats
-# StreamingLLM, TOVA and StreamingLLM+ at both compressions.
+# StreamingLLM, TOVA, H2O and StreamingLLM+ at every compression. "Beats" means ahead on agreement with
+# the paired 95% interval over the held-out windows excluding 0, not a higher mean; the table after the
+# goal gives every KVpop student against every baseline on agreement and KL.
 
 # %%
 def value(method: str, cr: float, col: str = "agreement") -> float:
     return float(mean[(mean.method == method) & (mean.compression == cr)][col].iloc[0])
 
+
+def paired(a: str, b: str, cr: float, metric: str = "agreement") -> tuple[float, float, float] | None:
+    "Mean paired difference a - b of `metric` over the held-out windows at compression cr, 95% interval (None: one window)."
+    x, y = (res[(res.method == m) & (res.compression == cr)].sort_values("window")[metric].to_numpy() for m in (a, b))
+    return paired_ci(x, y) if len(x) > 1 else None
+
+
+# the project's rule (`compare`): below this many items the percentile interval undercovers (0.88 at 8, 41_stats)
+MIN_ITEMS = inspect.signature(compare).parameters["min_items"].default
+
+
+def verdict(ci: tuple[float, float, float] | None, higher_is_better: bool = True) -> str:
+    """'ahead', 'behind' or 'undecided' by whether the interval excludes 0 (undecided below MIN_ITEMS windows), with
+    the difference and interval."""
+    if ci is None: return "one window: no interval"
+    d, lo, hi = ci
+    better, worse = (lo > 0, hi < 0) if higher_is_better else (hi < 0, lo > 0)
+    word = ("undecided (too few windows)" if n_val < MIN_ITEMS else
+            "ahead" if better else "behind" if worse else "undecided")
+    return f"{word}, {d:+.4f} [{lo:+.4f}, {hi:+.4f}]"
+
+
+GOAL_BASELINES = ("streaming_llm", "tova", "h2o", "streaming_llm_plus")
 kv = {cr: value("kvpop_mlstm", cr) for cr in compressions}
 keeps = kv[cr5] >= 0.95
-beats = {cr: {b: kv[cr] > value(b, cr) for b in ("streaming_llm", "tova", "streaming_llm_plus")} for cr in compressions}
-met = keeps and all(all(v.values()) for v in beats.values())
+beats = {cr: {b: paired("kvpop_mlstm", b, cr) for b in GOAL_BASELINES} for cr in compressions}
+met = keeps and n_val >= MIN_ITEMS and all(ci is not None and ci[1] > 0 for v in beats.values() for ci in v.values())
 goal = [f"**Goal {'met' if met else 'not met'}.** KVpop-mLSTM's held-out token accuracy vs the teacher at CR {cr5:.0%} is "
         f"{kv[cr5]:.4f} ({'>=' if keeps else '<'} 0.95); its next-token accuracy on the text is "
         f"{value('kvpop_mlstm', cr5, 'rel_accuracy'):.3f} of the teacher's."]
 for cr in compressions:
-    goal.append(f"At CR {cr:.1%}: KVpop-mLSTM {kv[cr]:.4f} vs " + ", ".join(
-        f"{b} {value(b, cr):.4f} ({'beaten' if beats[cr][b] else 'not beaten'})" for b in beats[cr]) + ".")
+    goal.append(f"At CR {cr:.1%}, KVpop-mLSTM {kv[cr]:.4f} against " + "; ".join(
+        f"{b} {value(b, cr):.4f} ({verdict(ci)})" for b, ci in beats[cr].items()) + ".")
 print("\n".join(goal))
+
+# %%
+KVPOP = ("kvpop_mlp", "kvpop_mlstm", "kvpop_mlp_full")
+# DMS keeps what its gates leave open, not the budget: its measured KV beside each row says when a pair is unequal
+versus = pd.DataFrame([{"compression": cr, "kvpop": a, "baseline": b, "baseline KV kept": value(b, cr, "kv_kept"),
+                        "KVpop KV kept": value(a, cr, "kv_kept"), "agreement": verdict(paired(a, b, cr)),
+                        "kl": verdict(paired(a, b, cr, "kl"), higher_is_better=False)}
+                       for cr in compressions for a in KVPOP for b in (*BASELINES, "streaming_llm_plus", "dms")])
+versus
 
 # %% [markdown]
 # ## What adapting the model adds (the paper's StreamingLLM → StreamingLLM+ step)
@@ -625,8 +679,6 @@ print("\n".join(goal))
 # (agreement minus 1, and KL; both 0 for an unchanged model), i.e. how far the adaptation moved the model itself.
 
 # %%
-from sparsekv.stats import paired_ci
-
 PAIRS = [("streaming_llm_plus", "streaming_llm"), ("kvpop_mlp_full", "kvpop_mlp"),
          ("kvpop_mlp_full", "streaming_llm_plus"), ("dms", "streaming_llm_plus"), ("kvpop_mlp", "tova"),
          ("kvpop_mlp_full", "tova")]
@@ -733,6 +785,11 @@ lines = [f"SmolLM2-135M, held-out prose windows of S={S} tokens ({n_val} windows
          "training-split windows never trained on:", "", lr_table.to_markdown(index=False, floatfmt=".4g"), "",
          "Table 1/2 analogue (mean over held-out windows; relative = divided by the dense teacher):", "", md_table(table), "",
          *goal, "",
+         f"Every KVpop student against every baseline (paired differences KVpop - baseline over the {n_val} held-out "
+         f"windows, 95% bootstrap intervals; ahead/behind only when the interval excludes 0 over at least {MIN_ITEMS} "
+         "windows; KL: lower is ahead; "
+         "the KV each keeps at the end beside it: a pair is at equal budget only where the two agree):", "",
+         versus.to_markdown(index=False, floatfmt=".4f"), "",
          "Paper vs ours (Table 1 relative pass@1 of Qwen3-4B, quoted; ours: token accuracy vs the teacher and its "
          "binomial standard error; different metrics, so compare the ordering):", "", md_table(pd.DataFrame(rows)), "",
          *paper, "",
