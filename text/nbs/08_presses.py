@@ -264,6 +264,33 @@ for a, b in zip(theirs.scores, ours.scores): assert_close(a, b)
 full = make("tova", 40).generate(model, ids, **scored)
 assert not torch.allclose(full.scores[1], theirs.scores[1])   # the budget changes the second token's logits
 
+
+# %% [markdown]
+# **What a press keeps at a small budget.** SnapKV and PyramidKV never score their observation window, the
+# prompt's last `window_size` tokens (64 by default): they keep it whole and choose the rest of the budget
+# among the tokens before it. At a budget of at most `window_size` entries a press keeps the window and
+# nothing else, no attention sink and no earlier token. That is the setting of the `cpu` leaderboard (a
+# 448-token prompt cut to 64 entries so that decoding 64 tokens stays within 128), and SmolLM2 without its
+# sink collapses: SnapKV and PyramidKV agree with dense on 0.38-0.39 of the tokens there, kvpress's TOVA and
+# StreamingLLM (which keeps the sink) on 0.81 and 0.78 (the `cpu-full` leaderboard, 16 windows). On
+# SmolLM2's first 448 validation tokens at 64 entries, SnapKV and PyramidKV kept exactly positions 384-447
+# (one layer and head checked by hand). The check below shows it on the tiny Llama: with a window of 8 and a
+# budget of 8, SnapKV keeps exactly the prompt's last 8 positions in every layer and KV head.
+
+# %%
+def kept_positions(cache: DynamicCache, dense: DynamicCache) -> torch.Tensor:
+    "Prompt position of each key `cache` kept, per layer and KV head ([layers, H_kv, kept]), matched in `dense`'s keys."
+    return torch.stack([torch.cdist(a.keys[0], b.keys[0]).argmin(-1) for a, b in zip(cache.layers, dense.layers)])
+
+
+dense_cache = DynamicCache(config=model.config)
+with torch.no_grad(), patch(model, DensePolicy()): model(ids, past_key_values=dense_cache)
+with torch.no_grad(), make("snapkv", 8, window_size=8).patch(model) as cache: model(ids, past_key_values=cache)
+kept = kept_positions(cache, dense_cache).sort(-1).values
+test_eq(kept, torch.arange(32, 40).expand_as(kept))          # the window alone: no sink, nothing earlier
+with torch.no_grad(), make("streaming_llm", 8).patch(model) as cache: model(ids, past_key_values=cache)
+assert (kept_positions(cache, dense_cache) == 0).any(-1).all()  # kvpress's StreamingLLM keeps the sink
+
 # %% [markdown]
 # **In the protocol's harness.** A press runs through `sparsekv.protocol.continuation` like every method:
 # agreement, KL and NLL against dense and the measured budget per window. Bad input is refused:
