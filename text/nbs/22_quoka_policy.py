@@ -628,7 +628,7 @@ recall
 # The reproduction stage `quoka_accuracy` (`reproduce/22_quoka_accuracy`) takes it up on
 # RULER-style prompts of 2k tokens with every baseline: QuoKA's per-layer recall stays below
 # mean of scores, SparQ, Loki and SampleAttention at every budget from 128 to 1024 (its `cpu-full`
-# run; `make reproduce` scores 256 and 1024). Dot
+# run; `make reproduce` scores 256 and 512). Dot
 # products instead of cosines, keys centred by their mean, the mean over queries, and sinks
 # plus recent keys each move it by at most 0.003. Scoring the 16 kept queries by their exact
 # softmax recovers about a quarter of the gap to mean of scores (at $B_{SA} = 512$), scoring
