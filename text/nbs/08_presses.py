@@ -269,7 +269,7 @@ assert not torch.allclose(full.scores[1], theirs.scores[1])   # the budget chang
 # **What a press keeps at a small budget.** SnapKV and PyramidKV never score their observation window, the
 # prompt's last `window_size` tokens (64 by default): they keep it whole and choose the rest of the budget
 # among the tokens before it. At a budget of at most `window_size` entries a press keeps the window and
-# nothing else, no attention sink and no earlier token. That is the setting of the `cpu` leaderboard (a
+# nothing else, no attention sink and no earlier token. That is the leaderboard's setting (a
 # 448-token prompt cut to 64 entries so that decoding 64 tokens stays within 128), and SmolLM2 without its
 # sink collapses: SnapKV and PyramidKV agree with dense on 0.38-0.39 of the tokens there, kvpress's TOVA and
 # StreamingLLM (which keeps the sink) on 0.81 and 0.78 (the `cpu-full` leaderboard, 16 windows). On
