@@ -35,10 +35,11 @@ from .io import atomic_path, write_json, write_text
 # %% auto #0
 __all__ = ['PROFILES', 'REQUIRED_PROFILES', 'STAGE_KEYS', 'RUNNER_PARAMS', 'CUSTOM', 'Stage', 'find_pipeline',
            'notebook_parameters', 'profile_params', 'load_stages', 'run_params', 'injected_params', 'fingerprint',
-           'input_hashes', 'read_stamp', 'stale_reason', 'tag_parameters_cell', 'StageFailed', 'clean_executed',
-           'stamp_path', 'kernel_config', 'run_stage', 'stage_state', 'demote_headings', 'status_rows', 'write_summary',
-           'last_seconds', 'format_duration', 'progress_line', 'outputs_report', 'format_table', 'sigterm_as_interrupt',
-           'run_pipeline', 'report', 'main', 'leaderboard_stage', 'leaderboard_main']
+           'input_hashes', 'read_stamp', 'stale_reason', 'tag_parameters_cell', 'StageFailed', 'slowest_cells',
+           'clean_executed', 'stamp_path', 'kernel_config', 'run_stage', 'stage_state', 'demote_headings',
+           'status_rows', 'write_summary', 'last_seconds', 'format_duration', 'progress_line', 'outputs_report',
+           'format_table', 'sigterm_as_interrupt', 'run_pipeline', 'report', 'main', 'leaderboard_stage',
+           'leaderboard_main']
 
 # %% ../nbs/91_reproduce.ipynb #7bdba193
 PROFILES = ("quick", "cpu", "cpu-full", "gpu", "gpu-smoke")
@@ -295,6 +296,15 @@ def _published(output: dict, pairs) -> bool:
     if "traceback" in output: output["traceback"] = _unlocal(output["traceback"], pairs)
     return True
 
+def slowest_cells(nb_path: Path, n: int = 5) -> list[dict]:
+    "The `n` code cells of executed notebook `nb_path` that took longest (papermill's durations), slowest first."
+    import nbformat
+    nb = nbformat.read(nb_path, as_version=4)
+    timed = [dict(cell=i, seconds=round(c.metadata["papermill"]["duration"], 1),
+                  first_line=c.source.strip().partition("\n")[0][:80])
+             for i, c in enumerate(nb.cells) if c.metadata.get("papermill", {}).get("duration") is not None]
+    return sorted(timed, key=lambda r: -r["seconds"])[:n]
+
 def clean_executed(nb_path: Path, root: Path) -> Path:
     "Clean the executed notebook `nb_path` in place: no stderr, widgets, local paths or run-to-run metadata."
     import nbformat
@@ -365,10 +375,12 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     if stale:
         os.replace(partial, failed)
         raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
+    slowest = slowest_cells(partial)  # before cleaning drops the durations: where the next cut would pay
     os.replace(clean_executed(partial, root), executed)
     seconds = time.time() - start
     write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": inputs,
-                       "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1)})
+                       "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1),
+                       "slowest_cells": slowest})
     return seconds
 
 # %% ../nbs/91_reproduce.ipynb #fa29a2ab

@@ -239,6 +239,9 @@ def test_estimates_come_from_the_last_run(tmp_path, capsys):
     assert first[0].startswith("[1/2] a: no estimate yet, no estimate yet for the run"), first
     stamps = {s: json.loads((tmp_path / "reproduce/runs/quick/.stamps" / f"{s}.json").read_text()) for s in "ab"}
     assert all(st["seconds"] > 0 for st in stamps.values())
+    # each stamp names the stage's slowest cells, each timed within the stage's wall time
+    assert all(0 < len(st["slowest_cells"]) and 0 <= st["slowest_cells"][0]["seconds"] <= st["seconds"]
+               for st in stamps.values()), stamps
     rp.run_pipeline("quick", pipeline=pipe)
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")] == [
         "[1/2] a: up to date, skipped", "[2/2] b: up to date, skipped"]

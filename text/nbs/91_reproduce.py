@@ -381,6 +381,15 @@ def _published(output: dict, pairs) -> bool:
     if "traceback" in output: output["traceback"] = _unlocal(output["traceback"], pairs)
     return True
 
+def slowest_cells(nb_path: Path, n: int = 5) -> list[dict]:
+    "The `n` code cells of executed notebook `nb_path` that took longest (papermill's durations), slowest first."
+    import nbformat
+    nb = nbformat.read(nb_path, as_version=4)
+    timed = [dict(cell=i, seconds=round(c.metadata["papermill"]["duration"], 1),
+                  first_line=c.source.strip().partition("\n")[0][:80])
+             for i, c in enumerate(nb.cells) if c.metadata.get("papermill", {}).get("duration") is not None]
+    return sorted(timed, key=lambda r: -r["seconds"])[:n]
+
 def clean_executed(nb_path: Path, root: Path) -> Path:
     "Clean the executed notebook `nb_path` in place: no stderr, widgets, local paths or run-to-run metadata."
     import nbformat
@@ -412,6 +421,7 @@ with tempfile.TemporaryDirectory() as d:
                     new_output("execute_result", data={"text/plain": f"PosixPath('{d}')"}, execution_count=1)]
     nb = new_notebook(cells=[cell], metadata={"papermill": {"duration": 3.0}, "widgets": {}})
     _nbf.write(nb, d/"x.ipynb")
+    test_eq(slowest_cells(d/"x.ipynb"), [dict(cell=0, seconds=1.0, first_line=f"fig_dir = '{d}/figures/cpu'"[:80])])
     got = _nbf.read(clean_executed(d/"x.ipynb", d), as_version=4)
     test_eq(dict(got.metadata), {})
     test_eq((got.cells[0].source, dict(got.cells[0].metadata)), ("fig_dir = 'figures/cpu'", {"tags": ["x"]}))
@@ -478,10 +488,12 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     if stale:
         os.replace(partial, failed)
         raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
+    slowest = slowest_cells(partial)  # before cleaning drops the durations: where the next cut would pay
     os.replace(clean_executed(partial, root), executed)
     seconds = time.time() - start
     write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": inputs,
-                       "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1)})
+                       "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1),
+                       "slowest_cells": slowest})
     return seconds
 
 
