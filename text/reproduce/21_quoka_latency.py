@@ -7,7 +7,8 @@
 # One chunk of chunked prefill: $B_{CP} = 128$ queries attend to the $T$ cached keys of earlier
 # chunks and causally to their own 128 keys. We time the attention module's work for that chunk
 # on random (seeded) tensors with the head shapes of SmolLM2-135M (9 query / 3 KV heads,
-# $d = 64$) and Qwen3-4B (32 / 8, $d = 128$), in float32 and bfloat16:
+# $d = 64$) and Qwen3-4B (32 / 8, $d = 128$), in each of `dtypes` (float32 and bfloat16; the `cpu` profile float32
+# only, as CPUs run bfloat16 products far slower than GPUs do):
 #
 # - **dense**: `sparsekv.hf.dense_attention` over all $T + 128$ keys (what dense chunked
 #   prefill computes);
@@ -231,7 +232,7 @@ ratios
 
 # %%
 panels = list(times.groupby(["model", "dtype"]))
-n_cols = min(len(panels), 2)  # 2 x 2 for the two models and two dtypes
+n_cols = min(len(panels), 2)  # a panel per model and dtype, two per row
 n_rows = -(-len(panels) // n_cols)
 fig, axes = plt.subplots(n_rows, n_cols, figsize=(3.6 * n_cols, 2.6 * n_rows + 0.8), squeeze=False, sharey=True,
                          layout="constrained")
@@ -307,7 +308,7 @@ paper_vs_ours = [
     "| attention-module speed-up of QuoKA over dense, on a CPU | §4.6, Fig. 5(c): \"5-6x gains at long context "
     "lengths\" on an Intel Xeon W-2125 CPU (§1: 7x on CPUs; 5x at 30k tokens on an A100) | "
     f"{top_best.dense_over_quoka.min():.1f}x to {top_best.dense_over_quoka.max():.1f}x at T = {max(contexts)} "
-    f"({best_threads} thread(s), both head shapes and dtypes) | one chunk on random tensors against PyTorch SDPA, "
+    f"({best_threads} thread(s), both head shapes, {' and '.join(dtypes)}) | one chunk on random tensors against PyTorch SDPA, "
     "not FlashAttention or the paper's kernels; the paper's Fig. 5(c) lengths and B_SA are not in its text |",
     "| time to first token, QuoKA vs dense chunked prefill | §4: \"3x TTFT improvement on 50k tokens\" (Qwen3-4B, "
     f"A100) | {ttft['dense'] / ttft['quoka']:.2f}x on {ttft_tokens} tokens (SmolLM2-135M, B_SA = {ttft_budget}) | "
