@@ -74,10 +74,12 @@ prose_batch = 8  # windows per batch
 probe_window = 256  # tokens of the prose window the budgets are fitted on
 probe_steps = 40  # its decode steps (more than a page, so the partial page takes every size)
 min_claim_items = 16  # below this many items a bootstrap interval covers too little (41_stats): nothing is claimed
+target_se = 0.01  # the standard error asked of every headline cell: the findings say how many items it would take
 answers_hours = None  # start no answer cell after this many hours (None: all); the tables then use the finished items
 stem = "protocol"  # output names: {stem}.md, {stem}.png, {stem}_*_grid.csv (the leaderboard stage runs this notebook too)
 
 # %%
+import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -509,9 +511,30 @@ display(Markdown("\n".join(verdicts)))
 # (behind or ahead), the method ahead of all others when one is, and the largest standard error. With
 # fewer than `min_claim_items` items the percentile bootstrap is too narrow (its measured coverage in
 # `41_stats`: 0.45 at 2 items, 0.88 at 8, 0.92 from 16), so `compare` marks no difference and none is
-# claimed; the intervals are still printed.
+# claimed; the intervals are still printed. Beside the largest standard error stands the number of items
+# that would bring it to `target_se` (the evaluation issue asks 0.01 of agreement and accuracy): a standard
+# error falls as $1/\sqrt{n}$, so $n\,(\mathrm{se}/\mathrm{target})^2$ items. For an accuracy near 1/2
+# that is about $0.25/\mathrm{target}^2$ = 2,500 items at a target of 0.01, whatever the method.
 
 # %%
+def items_for_se(se: float, n: int, target: float) -> int:
+    "Items that bring a standard error `se` measured on `n` items down to `target` (se falls as 1/sqrt(n))."
+    return math.ceil(n * (se / target) ** 2)
+
+
+assert items_for_se(0.05, 100, 0.01) == 2500 and items_for_se(0.005, 40, 0.01) == 10
+_hits = np.r_[np.ones(28), np.zeros(27)]  # an accuracy of about 1/2 on 55 items: about 0.25 / 0.01**2 items
+assert abs(items_for_se(_hits.std(ddof=1) / np.sqrt(55), 55, 0.01) / 2500 - 1) < 0.02
+
+
+def largest_se(t) -> str:
+    "The table's largest standard error, its method, and the items a standard error of `target_se` would take."
+    r = t.loc[t.se.idxmax()]
+    if not r.se > 0: return "largest standard error 0.000"
+    return (f"largest standard error {r.se:.3f} ({r.method} @ {r.budget}; {target_se} would take about "
+            f"{items_for_se(r.se, int(r.n), target_se):,} items)")
+
+
 def findings() -> list[str]:
     "One bullet per table: who is behind dense (intervals excluding 0), who leads, the largest standard error."
     out = []
@@ -522,14 +545,14 @@ def findings() -> list[str]:
         lead = rows[rows.base_sig & ((rows.diff_base > 0) == t.attrs["higher_is_better"])]
         if t.n.iloc[0] < min_claim_items:
             out.append(f"- **{name}**: n = {int(t.n.iloc[0])} < {min_claim_items} items, no difference claimed; "
-                       f"largest standard error {t.se.max():.3f}.")
+                       f"{largest_se(t)}.")
             continue
         line = (f"- **{name}** ({better} is better, n = {int(t.n.iloc[0])}): behind dense: "
                 + (", ".join(f"{r.method} @ {r.budget} ({r.diff_ref:+.3f})" for r in behind.itertuples()) or "none")
                 + "; ahead of every other method: "
                 + (", ".join(f"{r.method} @ {r.budget} ({r.diff_base:+.3f} vs {r.baseline})"
                              for r in lead.itertuples()) or "none")
-                + f"; largest standard error {t.se.max():.3f}.")
+                + f"; {largest_se(t)}.")
         out.append(line)
     answer_s = 0 if acc is None else acc.seconds.sum()
     out.append(f"- Time: fits {fits.wall_s.sum():.0f} s, answers {answer_s:.0f} s, prose "
