@@ -171,26 +171,28 @@ class SelectionMethod(Method):
 
 class Quoka(SelectionMethod):
     """QuoKA (Alg. 2): the B_SA earlier keys of largest cosine with the N_Q = `n_q` most dissimilar queries
-    (`query_rank`: the ablations 'similar', 'random' with `seed`)."""
+    (`query_rank`: the ablations 'similar', 'random' with `seed`; `gqa_agg='max'`: the ablation of the head mean)."""
     name = "quoka"
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16,
                  query_select: str = "group", query_agg: str = "max", sinks: int = 0, recent: int = 0,
-                 query_rank: str = "dissimilar", seed: int = 0):
+                 query_rank: str = "dissimilar", seed: int = 0, gqa_agg: str = "mean"):
         super().__init__(budget, chunk_size, decode)
-        self.n_q, self.query_select, self.query_agg = n_q, query_select, query_agg
+        self.n_q, self.query_select, self.query_agg, self.gqa_agg = n_q, query_select, query_agg, gqa_agg
         self.sinks, self.recent, self.query_rank, self.seed = sinks, recent, query_rank, seed
         self.policy()
 
     def policy(self) -> QuokaPolicy:
         return QuokaPolicy(self.n_q, self.budget, self.query_select, self.query_agg, self.sinks, self.recent,
-                           self.decode, query_rank=self.query_rank, seed=self.seed)
+                           self.decode, query_rank=self.query_rank, seed=self.seed, gqa_agg=self.gqa_agg)
 
     def key_cost(self, shape, S):
-        """min(N_Q, S) pre-aggregated unit queries (§3.3) times each unit key: min(N_Q, S) D; ranking the queries
-        (N_Q < S, not 'random'): each of the G S queries dotted with its head's mean, G S D per call."""
+        """min(N_Q, S) pre-aggregated unit queries (§3.3) times each unit key: min(N_Q, S) D (G times that with
+        `gqa_agg='max'`, each head's queries apart); ranking the queries (N_Q < S, not 'random'): each of the G S
+        queries dotted with its head's mean, G S D per call."""
         ranks = self.n_q < S and self.query_rank != "random"
-        return min(self.n_q, S) * shape.D, shape.G * S * shape.D if ranks else 0
+        heads = shape.G if self.gqa_agg == "max" else 1
+        return heads * min(self.n_q, S) * shape.D, shape.G * S * shape.D if ranks else 0
 
 
 class BaselineSelection(SelectionMethod):

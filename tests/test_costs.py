@@ -10,7 +10,8 @@ from sparsekv.models import tiny_config
 SHAPES = [ModelShape(4, 2, 16, 2), ModelShape(4, 4, 8, 3), ModelShape(6, 1, 12, 2), SMOLLM2]
 # per method, parameter sets beyond the defaults (small pages so that a few hundred keys make several pages)
 PARAMS = {"quoka": [dict(n_q=1), dict(n_q=5, query_select="head", query_agg="mean"), dict(n_q=3, sinks=1, recent=2),
-                    dict(n_q=2, query_rank="random"), dict(n_q=4, query_rank="similar")],
+                    dict(n_q=2, query_rank="random"), dict(n_q=4, query_rank="similar"),
+                    dict(n_q=3, gqa_agg="max"), dict(n_q=2, query_agg="mean", gqa_agg="max", sinks=1)],
           "sample_attention": [dict(n_q=1), dict(n_q=7, seed=3)], "sparq": [dict(r=1), dict(r=3)],
           "loki": [dict(r=1), dict(r=4, center=True)], "mean_scores": [dict(scores="logits")],
           "lessismore": [dict(selection_layers=(0, 1), recent_ratio=0.5)],

@@ -54,7 +54,8 @@ def test_full_budget_equals_dense(every_tiny_model):
 @pytest.mark.parametrize("options", [dict(n_q=3, budget=6),
                                      dict(n_q=2, budget=7, query_select="head", query_agg="mean"),
                                      dict(n_q=16, budget=6),
-                                     dict(n_q=2, budget=6, query_rank="similar")])
+                                     dict(n_q=2, budget=6, query_rank="similar"),
+                                     dict(n_q=3, budget=6, gqa_agg="max")])
 def test_small_budget_matches_brute_force(every_tiny_model, options):
     """Every call: the selection is the reference Alg. 1 and the output the reference attention over it; the last
     logits differ from dense."""
@@ -63,7 +64,8 @@ def test_small_budget_matches_brute_force(every_tiny_model, options):
     _, last = chunked_prefill(every_tiny_model, ids, 5, rec)
     n, checked = options["budget"], 0
     sel = dict(n_q=options["n_q"], query_select=options.get("query_select", "group"),
-               query_agg=options.get("query_agg", "max"), query_rank=options.get("query_rank", "dissimilar"))
+               query_agg=options.get("query_agg", "max"), query_rank=options.get("query_rank", "dissimilar"),
+               gqa_agg=options.get("gqa_agg", "mean"))
     for q, k, v, ctx, idx, out in rec.calls:
         T = ctx.past_len
         assert (idx is None) == (T <= n)

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsekv.quoka.select import (QUERY_AGGS, QUERY_SELECT, UnitKeyCache, preaggregated_queries, query_dissimilarity,
-                                   quoka_decode_select, quoka_scores, quoka_scores_reference, quoka_select,
-                                   quoka_select_reference, select_queries, unit_keys)
+from sparsekv.quoka.select import (GQA_AGGS, QUERY_AGGS, QUERY_SELECT, UnitKeyCache, preaggregated_queries,
+                                   query_dissimilarity, quoka_decode_select, quoka_scores, quoka_scores_reference,
+                                   quoka_select, quoka_select_reference, select_queries, unit_keys)
 from sparsekv.select import resolve_budget, top_budget_indices, top_budget_indices_reference, top_mask
 
 # (S, T, n_q, budget): T > budget, T < budget, T == budget, n_q >= S, a single query, a fraction of the cache,
@@ -39,9 +39,11 @@ def check_indices(idx, B, Hkv, n, T):
 def test_select_matches_reference(G, mode, S, T, n_q, budget):
     q, k = make_qk(G, S, T, seed=1000 * G + 10 * S + T)
     for agg in QUERY_AGGS:
-        idx = quoka_select(q, k, n_q, budget, mode, agg)
-        torch.testing.assert_close(idx, quoka_select_reference(q, k, n_q, budget, mode, agg), rtol=0, atol=0)
-        check_indices(idx, 2, 2, resolve_budget(budget, T), T)
+        for gqa in GQA_AGGS:
+            idx = quoka_select(q, k, n_q, budget, mode, agg, gqa_agg=gqa)
+            want = quoka_select_reference(q, k, n_q, budget, mode, agg, gqa_agg=gqa)
+            torch.testing.assert_close(idx, want, rtol=0, atol=0)
+            check_indices(idx, 2, 2, resolve_budget(budget, T), T)
 
 
 @pytest.mark.parametrize("G", [1, 3, 4])
@@ -51,6 +53,9 @@ def test_scores_match_head_by_head_reference(G, mode):
     bfloat16 inputs."""
     q, k = make_qk(G, 24, 70, seed=G)
     for agg in QUERY_AGGS:
+        for gqa in GQA_AGGS:  # the head max: each head's queries apart, against the same loops
+            torch.testing.assert_close(quoka_scores(q, k, 6, mode, agg, gqa_agg=gqa),
+                                       quoka_scores_reference(q, k, 6, mode, agg, gqa_agg=gqa), rtol=0, atol=1e-12)
         want = quoka_scores_reference(q, k, 6, mode, agg)
         torch.testing.assert_close(quoka_scores(q, k, 6, mode, agg), want, rtol=0, atol=1e-12)
         torch.testing.assert_close(quoka_scores(q.float(), k.float(), 6, mode, agg).double(),
@@ -242,3 +247,23 @@ def test_meta_tensors_are_refused_by_name():
     with pytest.raises(ValueError, match="q_chunk is a meta tensor"): quoka_scores(q.to("meta"), k.to("meta"), 4)
     with pytest.raises(ValueError, match=r"k_unit must be the unit keys .* on cpu .* on meta"):
         quoka_select(q, k, 4, 8, k_unit=unit_keys(k).to("meta"))
+
+
+@pytest.mark.parametrize("mode", QUERY_SELECT)
+def test_head_max_ablation(mode):
+    """gqa_agg='max' is the largest of the per-head scores (explicit unit vectors), at least the head mean, equal to it
+    with one head per group; at decode too; an unknown value is refused by name."""
+    for G in (1, 3):
+        q, k = make_qk(G, 10, 40, seed=7 + G)
+        pos = select_queries(q, 4, G, mode)
+        qhat = F.normalize(q.gather(2, pos[..., None].expand(-1, -1, -1, q.shape[-1])), dim=-1)
+        c = torch.einsum("bhnd,bhtd->bhnt", qhat, F.normalize(k, dim=-1).repeat_interleave(G, 1))  # [B,Hq,n,T]
+        per_head = c.view(2, 2, G, 4, 40).amax(3)                                                   # [B,Hkv,G,T]
+        got = quoka_scores(q, k, 4, mode, gqa_agg="max")
+        torch.testing.assert_close(got, per_head.amax(2), rtol=0, atol=1e-12)
+        assert (got >= quoka_scores(q, k, 4, mode) - 1e-12).all()
+        if G == 1: torch.testing.assert_close(got, quoka_scores(q, k, 4, mode), rtol=0, atol=1e-12)
+        q1 = q[:, :, :1]
+        assert torch.equal(quoka_decode_select(q1, k, 9, gqa_agg="max"),
+                           quoka_select_reference(q1, k, 1, 9, gqa_agg="max"))
+    with pytest.raises(ValueError, match="gqa_agg"): quoka_select(q, k, 4, 8, gqa_agg="min")

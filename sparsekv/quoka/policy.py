@@ -82,13 +82,14 @@ class EarlierKeysPolicy(SelectionPolicy):
 class QuokaPolicy(EarlierKeysPolicy):
     """QuoKA (Alg. 2): each prefill chunk attends to the `budget` (B_SA) earlier keys Alg. 1 selects per KV head plus
     its own keys; decode likewise (§4.4) unless `decode=False`. `query_rank`: 'dissimilar' (the paper) or the
-    ablations 'similar' and 'random' (a generator seeded with `seed`), see `select_queries`."""
+    ablations 'similar' and 'random' (a generator seeded with `seed`), see `select_queries`; `gqa_agg`: 'mean' over a
+    group's heads (the paper) or the ablation 'max', see `quoka_scores`."""
 
     def __init__(self, n_q: int = 16, budget: int | float = 1024, query_select: str = "group", query_agg: str = "max",
                  sinks: int = 0, recent: int = 0, decode: bool = True, cache_unit_keys: bool = True,
-                 query_rank: str = "dissimilar", seed: int = 0):
-        check_quoka_options(n_q, query_select, query_agg, query_rank)
-        self.query_rank, self.seed = query_rank, check_int(seed, "seed")
+                 query_rank: str = "dissimilar", seed: int = 0, gqa_agg: str = "mean"):
+        check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
+        self.query_rank, self.seed, self.gqa_agg = query_rank, check_int(seed, "seed"), gqa_agg
         self.generator = torch.Generator().manual_seed(seed) if query_rank == "random" else None
         super().__init__(decode)
         if not isinstance(cache_unit_keys, bool):
@@ -104,16 +105,17 @@ class QuokaPolicy(EarlierKeysPolicy):
         to (Alg. 1; §4.4 for `kind='decode'`); `k_unit`: their unit keys if at hand."""
         if kind not in ("prefill", "decode"): raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
         if not (self.sinks or self.recent):
-            if kind == "decode": return quoka_decode_select(q, k_earlier, self.budget, k_unit)
+            if kind == "decode": return quoka_decode_select(q, k_earlier, self.budget, k_unit, self.gqa_agg)
             return quoka_select(q, k_earlier, self.n_q, self.budget, self.query_select, self.query_agg, k_unit,
-                                self.query_rank, self.generator)
+                                self.query_rank, self.generator, self.gqa_agg)
         if kind == "decode" and q.shape[2] != 1:
             raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got {tuple(q.shape)}")
         B, Hkv, T, _ = k_earlier.shape
         n = resolve_budget(self.budget, T)
         n_q = 1 if kind == "decode" else self.n_q
         # validates shapes even when n == T
-        s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg, k_unit, self.query_rank, self.generator)
+        s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg, k_unit, self.query_rank, self.generator,
+                         self.gqa_agg)
         if n == T: return all_key_indices(B, Hkv, T, k_earlier.device)
         return anchored_top_indices(s, n, self.sinks, self.recent)
 
@@ -133,7 +135,7 @@ class QuokaPolicy(EarlierKeysPolicy):
 
     def __repr__(self):
         return (f"QuokaPolicy(n_q={self.n_q}, budget={self.budget}, query_select={self.query_select!r}, "
-                f"query_agg={self.query_agg!r}, query_rank={self.query_rank!r}, "
+                f"query_agg={self.query_agg!r}, query_rank={self.query_rank!r}, gqa_agg={self.gqa_agg!r}, "
                 f"sinks={self.sinks}, recent={self.recent}, decode={self.decode_sparse})")
 
 # %% ../../nbs/22_quoka_policy.ipynb #8c37a4a9

@@ -15,15 +15,16 @@ from ..attention import check_int, check_qkv, require_data
 from ..select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %% auto #0
-__all__ = ['QUERY_SELECT', 'QUERY_AGGS', 'QUERY_RANKS', 'EPS', 'accumulation_dtype', 'query_dissimilarity', 'query_ranking',
-           'select_queries', 'preaggregated_queries', 'check_quoka_options', 'check_chunk', 'unit_keys',
-           'check_k_cache', 'UnitKeyCache', 'quoka_scores', 'quoka_select', 'quoka_scores_reference',
-           'quoka_select_reference', 'quoka_decode_select']
+__all__ = ['QUERY_SELECT', 'QUERY_AGGS', 'QUERY_RANKS', 'GQA_AGGS', 'EPS', 'accumulation_dtype', 'query_dissimilarity',
+           'query_ranking', 'select_queries', 'unit_queries', 'preaggregated_queries', 'check_quoka_options',
+           'check_chunk', 'unit_keys', 'check_k_cache', 'UnitKeyCache', 'quoka_scores', 'quoka_select',
+           'quoka_scores_reference', 'quoka_select_reference', 'quoka_decode_select']
 
 # %% ../../nbs/20_quoka_select.ipynb #5f79e258
 QUERY_SELECT = ("group", "head")
 QUERY_AGGS = ("max", "mean")
 QUERY_RANKS = ("dissimilar", "similar", "random")
+GQA_AGGS = ("mean", "max")
 EPS = 1e-12  # norms are clamped to at least EPS, as in F.normalize: a zero vector has cosine 0 with everything
 
 
@@ -60,17 +61,24 @@ def select_queries(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group
     return pos.repeat_interleave(G, dim=1)  # query head hG+g reads KV head h's positions
 
 # %% ../../nbs/20_quoka_select.ipynb #fc5832af
-def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
-    "Q̄ [B,Hkv,n,D]: row r the mean over a group's G heads of their r-th kept query (`pos`), each normalized (§3.3)."
+def unit_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
+    "Q̂ [B,Hkv,G,n,D]: each query head's kept queries (`pos`), normalized, under its KV head."
     B, Hq, _, D = q_chunk.shape
     q = q_chunk.to(accumulation_dtype(q_chunk)).gather(2, pos[..., None].expand(-1, -1, -1, D))
-    q = F.normalize(q, dim=-1, eps=EPS)  # normalize, then average: the mean of cosines is linear in the unit queries
-    return q.view(B, Hq // G, G, pos.shape[-1], D).mean(2)
+    return F.normalize(q, dim=-1, eps=EPS).view(B, Hq // G, G, pos.shape[-1], D)
 
 
-def check_quoka_options(n_q: int, query_select: str, query_agg: str, query_rank: str = "dissimilar"):
-    "Raise naming the argument unless N_Q is an int >= 1 and the modes are among QUERY_SELECT, QUERY_AGGS, QUERY_RANKS."
+def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
+    "Q̄ [B,Hkv,n,D]: row r the mean over a group's G heads of their r-th kept query (`pos`), each normalized (§3.3)."
+    return unit_queries(q_chunk, pos, G).mean(2)  # normalize, then average: the mean of cosines is linear in them
+
+
+def check_quoka_options(n_q: int, query_select: str, query_agg: str, query_rank: str = "dissimilar",
+                        gqa_agg: str = "mean"):
+    """Raise naming the argument unless N_Q is an int >= 1 and the modes are among QUERY_SELECT, QUERY_AGGS,
+    QUERY_RANKS and GQA_AGGS."""
     check_int(n_q, "n_q (N_Q)", 1)
+    if gqa_agg not in GQA_AGGS: raise ValueError(f"gqa_agg must be one of {GQA_AGGS}, got {gqa_agg!r}")
     if query_rank not in QUERY_RANKS: raise ValueError(f"query_rank must be one of {QUERY_RANKS}, got {query_rank!r}")
     if query_select not in QUERY_SELECT:
         raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
@@ -135,37 +143,43 @@ class UnitKeyCache:
 
 def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max",
                  k_unit: Tensor | None = None, query_rank: str = "dissimilar",
-                 generator: torch.Generator | None = None) -> Tensor:
+                 generator: torch.Generator | None = None, gqa_agg: str = "mean") -> Tensor:
     """QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂
-    (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand; `query_rank`, `generator`: see `select_queries`."""
-    check_quoka_options(n_q, query_select, query_agg, query_rank)
+    (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand; `query_rank`, `generator`: see `select_queries`;
+    `gqa_agg='max'` (an ablation): the max over the group's heads of each head's score, not pre-aggregated."""
+    check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     G = check_chunk(q_chunk, k_cache)
-    qbar = preaggregated_queries(q_chunk, select_queries(q_chunk, n_q, G, query_select, query_rank, generator), G)
+    pos = select_queries(q_chunk, n_q, G, query_select, query_rank, generator)
+    dtype = accumulation_dtype(q_chunk)
     if k_unit is None: k_unit = unit_keys(k_cache)
-    elif (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != qbar.dtype
+    elif (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != dtype
           or k_unit.device != k_cache.device):
         got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
-        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {qbar.dtype} on "
+        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
                          f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
-    s = qbar @ k_unit.transpose(-1, -2)  # [B,Hkv,n,T]: group-mean cosines
-    return s.amax(2) if query_agg == "max" else s.mean(2)
+    agg = (lambda s, dim: s.amax(dim)) if query_agg == "max" else (lambda s, dim: s.mean(dim))
+    if gqa_agg == "mean": return agg(preaggregated_queries(q_chunk, pos, G) @ k_unit.mT, 2)  # [B,Hkv,n,T] rows
+    qhat = unit_queries(q_chunk, pos, G)                                      # [B,Hkv,G,n,D]
+    return agg(qhat @ k_unit.mT.unsqueeze(2), 3).amax(2)                      # each head's score, then the max
 
 # %% ../../nbs/20_quoka_select.ipynb #6e2ad7ae
 def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
                  query_select: str = "group", query_agg: str = "max", k_unit: Tensor | None = None,
-                 query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:
+                 query_rank: str = "dissimilar", generator: torch.Generator | None = None,
+                 gqa_agg: str = "mean") -> Tensor:
     """Alg. 1: indices [B,Hkv,min(B_SA,T)] (int64, ascending, ties to the lower index) of the cached keys
     k_cache [B,Hkv,T,D] that the chunk q_chunk [B,Hq,S,D] (post-RoPE) attends to; all keys if T <= B_SA.
     `budget`: B_SA as an int, or a float fraction of T; `n_q`: N_Q queries kept per chunk;
     `k_unit`: `unit_keys(k_cache)` if at hand (e.g. from a `UnitKeyCache`); `query_rank`: 'dissimilar' (the paper),
-    or the ablations 'similar' and 'random' (drawn from `generator`)."""
-    check_quoka_options(n_q, query_select, query_agg, query_rank)
+    or the ablations 'similar' and 'random' (drawn from `generator`); `gqa_agg`: 'mean' over the heads of a group
+    (the paper, pre-aggregated) or the ablation 'max'."""
+    check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, _ = k_cache.shape
     n = resolve_budget(budget, T)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)  # T <= B_SA: nothing to select
     return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank,
-                                           generator), n)
+                                           generator, gqa_agg), n)
 
 # %% ../../nbs/20_quoka_select.ipynb #b2ef64dc
 def _ranked(values: list, n: int) -> list:
@@ -175,10 +189,10 @@ def _ranked(values: list, n: int) -> list:
 
 def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group",
                            query_agg: str = "max", query_rank: str = "dissimilar",
-                           generator: torch.Generator | None = None) -> Tensor:
+                           generator: torch.Generator | None = None, gqa_agg: str = "mean") -> Tensor:
     """`quoka_scores` by loops over batch, KV head, query head and kept query in float64 (no pre-aggregation);
     'random' ranks by the same draw, torch.rand([B,Hq,S]) from `generator`."""
-    check_quoka_options(n_q, query_select, query_agg, query_rank)
+    check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     G = check_chunk(q_chunk, k_cache)
     q, k = q_chunk.double(), k_cache.double()
     B, Hq, S, D = q.shape
@@ -201,30 +215,29 @@ def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, quer
             else:
                 kept = {hq: _ranked(dis[hq], n) for hq in heads}
             khat = torch.stack([unit(k[b, h, j]) for j in range(T)]) if T else k.new_zeros(0, D)
-            rows = []
-            for r in range(n):
-                # cosines of all keys with head hq's r-th kept query
-                per_head = [khat @ unit(q[b, hq, kept[hq][r]]) for hq in heads]
-                rows.append(sum(per_head) / G)
-            rows = torch.stack(rows)
-            out[b, h] = rows.amax(0) if query_agg == "max" else rows.mean(0)
+            # cosines [G, n, T] of all keys with head hq's r-th kept query
+            c = torch.stack([torch.stack([khat @ unit(q[b, hq, kept[hq][r]]) for r in range(n)]) for hq in heads])
+            reduce = (lambda x, dim: x.amax(dim)) if query_agg == "max" else (lambda x, dim: x.mean(dim))
+            # 'mean': the group mean at each row, then over rows; 'max': each head over its rows, then the largest
+            out[b, h] = reduce(c.mean(0), 0) if gqa_agg == "mean" else reduce(c, 1).amax(0)
     return out
 
 
 def quoka_select_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
                            query_select: str = "group", query_agg: str = "max", query_rank: str = "dissimilar",
-                           generator: torch.Generator | None = None) -> Tensor:
+                           generator: torch.Generator | None = None, gqa_agg: str = "mean") -> Tensor:
     "`quoka_select` from `quoka_scores_reference` and a Python sort of every row."
     n = resolve_budget(budget, k_cache.shape[2])
-    check_quoka_options(n_q, query_select, query_agg, query_rank)
+    check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     if n == k_cache.shape[2]: query_rank = "dissimilar"  # quoka_select keeps every key without ranking (or drawing)
-    scores = quoka_scores_reference(q_chunk, k_cache, n_q, query_select, query_agg, query_rank, generator)
+    scores = quoka_scores_reference(q_chunk, k_cache, n_q, query_select, query_agg, query_rank, generator, gqa_agg)
     return top_budget_indices_reference(scores, n)
 
 # %% ../../nbs/20_quoka_select.ipynb #4ed0feb3
-def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024, k_unit: Tensor | None = None) -> Tensor:
+def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024, k_unit: Tensor | None = None,
+                        gqa_agg: str = "mean") -> Tensor:
     "Generation (§4.4): indices [B,Hkv,min(B_SA,T)] for one query per head q [B,Hq,1,D], no subselection, same scoring."
     if isinstance(q, Tensor) and q.dim() == 4 and q.shape[2] != 1:
         raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got shape {tuple(q.shape)}; use "
                          "quoka_select for a chunk")
-    return quoka_select(q, k_cache, 1, budget, k_unit=k_unit)
+    return quoka_select(q, k_cache, 1, budget, k_unit=k_unit, gqa_agg=gqa_agg)

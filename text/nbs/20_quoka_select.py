@@ -103,6 +103,7 @@ from torch.testing import assert_close
 QUERY_SELECT = ("group", "head")
 QUERY_AGGS = ("max", "mean")
 QUERY_RANKS = ("dissimilar", "similar", "random")
+GQA_AGGS = ("mean", "max")
 EPS = 1e-12  # norms are clamped to at least EPS, as in F.normalize: a zero vector has cosine 0 with everything
 
 
@@ -285,20 +286,39 @@ test_eq(select_queries(q, 4, G, "head", "random", torch.Generator().manual_seed(
 # choice; `query_agg="mean"` replaces it by the mean, the alternative the paper ablates
 # (Appendix I), for the same experiment here. The identity above is unaffected (a mean of
 # means is linear too).
+#
+# **An ablation of the head mean (`gqa_agg="max"`, not the paper's).** §3.3 rests the mean
+# over a group's heads on "head-level importance is correlated". Where one head of a group
+# attends to a key the others ignore (a retrieval head), the mean divides that head's cosine
+# by $G$ and the key can fall out of the budget. `gqa_agg="max"` scores a key by its largest
+# head score instead, $\max_g \max_i c_{g,i}$ (with `query_agg="mean"`: $\max_g \frac{1}{|I|}
+# \sum_i c_{g,i}$); a max is not linear, so the $G$ heads' unit queries stay separate rows and
+# the scoring costs $G$ times the pre-aggregated product. The `protocol` stage's needle items
+# motivate it: on SmolLM2 ($G = 3$) the needle items QuoKA misses at $B_{SA} = 256$ lose the
+# needle in the last prefill chunk, and in a first probe on a few of them the head max found
+# it again where more queries alone did not; `quoka_heads` in the `protocol` stage's method
+# list is where it is measured on every item, with paired intervals.
 
 # %%
 #| export
-def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
-    "Q̄ [B,Hkv,n,D]: row r the mean over a group's G heads of their r-th kept query (`pos`), each normalized (§3.3)."
+def unit_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
+    "Q̂ [B,Hkv,G,n,D]: each query head's kept queries (`pos`), normalized, under its KV head."
     B, Hq, _, D = q_chunk.shape
     q = q_chunk.to(accumulation_dtype(q_chunk)).gather(2, pos[..., None].expand(-1, -1, -1, D))
-    q = F.normalize(q, dim=-1, eps=EPS)  # normalize, then average: the mean of cosines is linear in the unit queries
-    return q.view(B, Hq // G, G, pos.shape[-1], D).mean(2)
+    return F.normalize(q, dim=-1, eps=EPS).view(B, Hq // G, G, pos.shape[-1], D)
 
 
-def check_quoka_options(n_q: int, query_select: str, query_agg: str, query_rank: str = "dissimilar"):
-    "Raise naming the argument unless N_Q is an int >= 1 and the modes are among QUERY_SELECT, QUERY_AGGS, QUERY_RANKS."
+def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
+    "Q̄ [B,Hkv,n,D]: row r the mean over a group's G heads of their r-th kept query (`pos`), each normalized (§3.3)."
+    return unit_queries(q_chunk, pos, G).mean(2)  # normalize, then average: the mean of cosines is linear in them
+
+
+def check_quoka_options(n_q: int, query_select: str, query_agg: str, query_rank: str = "dissimilar",
+                        gqa_agg: str = "mean"):
+    """Raise naming the argument unless N_Q is an int >= 1 and the modes are among QUERY_SELECT, QUERY_AGGS,
+    QUERY_RANKS and GQA_AGGS."""
     check_int(n_q, "n_q (N_Q)", 1)
+    if gqa_agg not in GQA_AGGS: raise ValueError(f"gqa_agg must be one of {GQA_AGGS}, got {gqa_agg!r}")
     if query_rank not in QUERY_RANKS: raise ValueError(f"query_rank must be one of {QUERY_RANKS}, got {query_rank!r}")
     if query_select not in QUERY_SELECT:
         raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
@@ -363,20 +383,24 @@ class UnitKeyCache:
 
 def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max",
                  k_unit: Tensor | None = None, query_rank: str = "dissimilar",
-                 generator: torch.Generator | None = None) -> Tensor:
+                 generator: torch.Generator | None = None, gqa_agg: str = "mean") -> Tensor:
     """QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂
-    (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand; `query_rank`, `generator`: see `select_queries`."""
-    check_quoka_options(n_q, query_select, query_agg, query_rank)
+    (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand; `query_rank`, `generator`: see `select_queries`;
+    `gqa_agg='max'` (an ablation): the max over the group's heads of each head's score, not pre-aggregated."""
+    check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     G = check_chunk(q_chunk, k_cache)
-    qbar = preaggregated_queries(q_chunk, select_queries(q_chunk, n_q, G, query_select, query_rank, generator), G)
+    pos = select_queries(q_chunk, n_q, G, query_select, query_rank, generator)
+    dtype = accumulation_dtype(q_chunk)
     if k_unit is None: k_unit = unit_keys(k_cache)
-    elif (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != qbar.dtype
+    elif (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != dtype
           or k_unit.device != k_cache.device):
         got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
-        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {qbar.dtype} on "
+        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
                          f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
-    s = qbar @ k_unit.transpose(-1, -2)  # [B,Hkv,n,T]: group-mean cosines
-    return s.amax(2) if query_agg == "max" else s.mean(2)
+    agg = (lambda s, dim: s.amax(dim)) if query_agg == "max" else (lambda s, dim: s.mean(dim))
+    if gqa_agg == "mean": return agg(preaggregated_queries(q_chunk, pos, G) @ k_unit.mT, 2)  # [B,Hkv,n,T] rows
+    qhat = unit_queries(q_chunk, pos, G)                                      # [B,Hkv,G,n,D]
+    return agg(qhat @ k_unit.mT.unsqueeze(2), 3).amax(2)                      # each head's score, then the max
 
 
 # %% [markdown]
@@ -404,13 +428,14 @@ for G in (1, 3, 4):
         assert_close(quoka_scores(q, k, n_q, mode), sigma, rtol=0, atol=1e-12)
         assert_close(quoka_scores(q, k, n_q, mode, "mean"), c.mean(2).mean(2), rtol=0, atol=1e-12)
         tau = c.amax(3).mean(2)                                               # max per head, then mean over heads
+        assert_close(quoka_scores(q, k, n_q, mode, gqa_agg="max"), c.amax(3).amax(2), rtol=0, atol=1e-12)
+        assert_close(quoka_scores(q, k, n_q, mode, "mean", gqa_agg="max"), c.mean(3).amax(2), rtol=0, atol=1e-12)
         assert (tau >= sigma - 1e-12).all()
         if G > 1: assert (tau - sigma).abs().max() > 1e-3                     # the orders differ
         else: assert_close(tau, sigma)                                        # ... unless there is one head
         qbar_raw = q.gather(2, pos[..., None].expand(-1, -1, -1, D)).view(B, Hkv, G, n_q, D).mean(2)
         raw_first = (F.normalize(qbar_raw, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)).amax(2)
         if G > 1: assert (raw_first - sigma).abs().max() > 1e-3               # average-then-normalize is another score
-
 
 # %% [markdown]
 # ## The theorem of §3.1: a candidate statement (reconstruction)
@@ -509,19 +534,21 @@ assert_close(qh[i_far] @ k_star, Mh @ k_star + rho[i_far])
 #| export
 def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
                  query_select: str = "group", query_agg: str = "max", k_unit: Tensor | None = None,
-                 query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:
+                 query_rank: str = "dissimilar", generator: torch.Generator | None = None,
+                 gqa_agg: str = "mean") -> Tensor:
     """Alg. 1: indices [B,Hkv,min(B_SA,T)] (int64, ascending, ties to the lower index) of the cached keys
     k_cache [B,Hkv,T,D] that the chunk q_chunk [B,Hq,S,D] (post-RoPE) attends to; all keys if T <= B_SA.
     `budget`: B_SA as an int, or a float fraction of T; `n_q`: N_Q queries kept per chunk;
     `k_unit`: `unit_keys(k_cache)` if at hand (e.g. from a `UnitKeyCache`); `query_rank`: 'dissimilar' (the paper),
-    or the ablations 'similar' and 'random' (drawn from `generator`)."""
-    check_quoka_options(n_q, query_select, query_agg, query_rank)
+    or the ablations 'similar' and 'random' (drawn from `generator`); `gqa_agg`: 'mean' over the heads of a group
+    (the paper, pre-aggregated) or the ablation 'max'."""
+    check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, _ = k_cache.shape
     n = resolve_budget(budget, T)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)  # T <= B_SA: nothing to select
     return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank,
-                                           generator), n)
+                                           generator, gqa_agg), n)
 
 
 # %% [markdown]
@@ -542,10 +569,10 @@ def _ranked(values: list, n: int) -> list:
 
 def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group",
                            query_agg: str = "max", query_rank: str = "dissimilar",
-                           generator: torch.Generator | None = None) -> Tensor:
+                           generator: torch.Generator | None = None, gqa_agg: str = "mean") -> Tensor:
     """`quoka_scores` by loops over batch, KV head, query head and kept query in float64 (no pre-aggregation);
     'random' ranks by the same draw, torch.rand([B,Hq,S]) from `generator`."""
-    check_quoka_options(n_q, query_select, query_agg, query_rank)
+    check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     G = check_chunk(q_chunk, k_cache)
     q, k = q_chunk.double(), k_cache.double()
     B, Hq, S, D = q.shape
@@ -568,24 +595,22 @@ def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, quer
             else:
                 kept = {hq: _ranked(dis[hq], n) for hq in heads}
             khat = torch.stack([unit(k[b, h, j]) for j in range(T)]) if T else k.new_zeros(0, D)
-            rows = []
-            for r in range(n):
-                # cosines of all keys with head hq's r-th kept query
-                per_head = [khat @ unit(q[b, hq, kept[hq][r]]) for hq in heads]
-                rows.append(sum(per_head) / G)
-            rows = torch.stack(rows)
-            out[b, h] = rows.amax(0) if query_agg == "max" else rows.mean(0)
+            # cosines [G, n, T] of all keys with head hq's r-th kept query
+            c = torch.stack([torch.stack([khat @ unit(q[b, hq, kept[hq][r]]) for r in range(n)]) for hq in heads])
+            reduce = (lambda x, dim: x.amax(dim)) if query_agg == "max" else (lambda x, dim: x.mean(dim))
+            # 'mean': the group mean at each row, then over rows; 'max': each head over its rows, then the largest
+            out[b, h] = reduce(c.mean(0), 0) if gqa_agg == "mean" else reduce(c, 1).amax(0)
     return out
 
 
 def quoka_select_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
                            query_select: str = "group", query_agg: str = "max", query_rank: str = "dissimilar",
-                           generator: torch.Generator | None = None) -> Tensor:
+                           generator: torch.Generator | None = None, gqa_agg: str = "mean") -> Tensor:
     "`quoka_select` from `quoka_scores_reference` and a Python sort of every row."
     n = resolve_budget(budget, k_cache.shape[2])
-    check_quoka_options(n_q, query_select, query_agg, query_rank)
+    check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     if n == k_cache.shape[2]: query_rank = "dissimilar"  # quoka_select keeps every key without ranking (or drawing)
-    scores = quoka_scores_reference(q_chunk, k_cache, n_q, query_select, query_agg, query_rank, generator)
+    scores = quoka_scores_reference(q_chunk, k_cache, n_q, query_select, query_agg, query_rank, generator, gqa_agg)
     return top_budget_indices_reference(scores, n)
 
 
@@ -618,6 +643,9 @@ for G in (1, 3, 4):
             assert (idx[..., 1:] > idx[..., :-1]).all()
             assert_close(quoka_scores(q.float(), k.float(), n_q, mode), quoka_scores_reference(q, k, n_q, mode).float(),
                          rtol=1e-5, atol=1e-5)
+            for agg in QUERY_AGGS:  # the head-max ablation, both query aggregations
+                test_eq(quoka_select(q, k, n_q, budget, mode, agg, gqa_agg="max"),
+                        quoka_select_reference(q, k, n_q, budget, mode, agg, gqa_agg="max"))
 test_eq(quoka_select(*_qk(3, 8, 6), 4, 6), torch.arange(6).expand(2, 2, 6))        # T == B_SA: every key
 test_eq(quoka_select(*_qk(3, 8, 0), 4, 6).shape, (2, 2, 0))                         # empty cache (first chunk)
 test_eq(quoka_select_reference(*_qk(3, 8, 0), 4, 6).shape, (2, 2, 0))
@@ -686,12 +714,13 @@ test_eq(quoka_select(torch.ones(1, 1, 4, 3), torch.ones(1, 1, 9, 3), 2, 5), torc
 
 # %%
 #| export
-def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024, k_unit: Tensor | None = None) -> Tensor:
+def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024, k_unit: Tensor | None = None,
+                        gqa_agg: str = "mean") -> Tensor:
     "Generation (§4.4): indices [B,Hkv,min(B_SA,T)] for one query per head q [B,Hq,1,D], no subselection, same scoring."
     if isinstance(q, Tensor) and q.dim() == 4 and q.shape[2] != 1:
         raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got shape {tuple(q.shape)}; use "
                          "quoka_select for a chunk")
-    return quoka_select(q, k_cache, 1, budget, k_unit=k_unit)
+    return quoka_select(q, k_cache, 1, budget, k_unit=k_unit, gqa_agg=gqa_agg)
 
 
 # %%
@@ -701,6 +730,7 @@ for G in (1, 3):
     want = top_budget_indices_reference((qbar @ F.normalize(k, dim=-1).transpose(-1, -2))[:, :, 0], 12)
     test_eq(quoka_decode_select(q, k, 12), want)
     test_eq(quoka_decode_select(q, k, 12), quoka_select_reference(q, k, 16, 12))
+    test_eq(quoka_decode_select(q, k, 12, gqa_agg="max"), quoka_select_reference(q, k, 16, 12, gqa_agg="max"))
 test_fail(lambda: quoka_decode_select(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 9, 4)), contains="one query per head")
 
 # %% [markdown]
@@ -718,6 +748,7 @@ test_fail(lambda: quoka_select(q, k, 0, 8), contains="n_q")
 test_fail(lambda: quoka_select(q, k, 4.0, 8), contains="n_q")
 test_fail(lambda: quoka_select(q, k, 4, 8, "token"), contains="query_select")
 test_fail(lambda: quoka_select(q, k, 4, 8, query_agg="sum"), contains="query_agg")
+test_fail(lambda: quoka_select(q, k, 4, 8, gqa_agg="sum"), contains="gqa_agg")
 test_fail(lambda: quoka_select(q, k, 4, 8, query_rank="far"), contains="query_rank")
 test_fail(lambda: quoka_select(q, k, 4, -1), contains="budget")
 test_fail(lambda: quoka_select(q, k.masked_fill(k > 2, math.nan), 4, 8), contains="NaN")
