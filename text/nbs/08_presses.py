@@ -271,8 +271,8 @@ assert not torch.allclose(full.scores[1], theirs.scores[1])   # the budget chang
 # among the tokens before it. At a budget of at most `window_size` entries a press keeps the window and
 # nothing else, no attention sink and no earlier token. That is the leaderboard's setting (a
 # 448-token prompt cut to 64 entries so that decoding 64 tokens stays within 128), and SmolLM2 without its
-# sink collapses: SnapKV and PyramidKV agree with dense on 0.38-0.39 of the tokens there, kvpress's TOVA and
-# StreamingLLM (which keeps the sink) on 0.81 and 0.78 (the `cpu-full` leaderboard, 16 windows). On
+# sink collapses: SnapKV and PyramidKV agree with dense on 0.41-0.42 of the tokens there, kvpress's TOVA and
+# StreamingLLM (which keeps the sink) on 0.79 and 0.78 (the `cpu-full` leaderboard, 80 windows). On
 # SmolLM2's first 448 validation tokens at 64 entries, SnapKV and PyramidKV kept exactly positions 384-447
 # (one layer and head checked by hand). The check below shows it on the tiny Llama: with a window of 8 and a
 # budget of 8, SnapKV keeps exactly the prompt's last 8 positions in every layer and KV head.
