@@ -295,9 +295,10 @@ test_eq(select_queries(q, 4, G, "head", "random", torch.Generator().manual_seed(
 # \sum_i c_{g,i}$); a max is not linear, so the $G$ heads' unit queries stay separate rows and
 # the scoring costs $G$ times the pre-aggregated product. The `protocol` stage's needle items
 # motivate it: on SmolLM2 ($G = 3$) the needle items QuoKA misses at $B_{SA} = 256$ lose the
-# needle in the last prefill chunk, and in a first probe on a few of them the head max found
-# it again where more queries alone did not; `quoka_heads` in the `protocol` stage's method
-# list is where it is measured on every item, with paired intervals.
+# needle in the last prefill chunk. In a first probe on a few of them, keeping every chunk
+# query ($N_Q = B_{CP}$) found the needle only with the head max, at about mean-of-scores'
+# cost; at $N_Q = 16$ the head max found it on some and lost others. `quoka_heads` in the
+# `protocol` stage's method list measures it on every item, with paired intervals.
 
 # %%
 #| export
