@@ -157,10 +157,10 @@ def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: 
         got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
         raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
                          f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
-    agg = (lambda s, dim: s.amax(dim)) if query_agg == "max" else (lambda s, dim: s.mean(dim))
-    if gqa_agg == "mean": return agg(preaggregated_queries(q_chunk, pos, G) @ k_unit.mT, 2)  # [B,Hkv,n,T] rows
-    qhat = unit_queries(q_chunk, pos, G)                                      # [B,Hkv,G,n,D]
-    return agg(qhat @ k_unit.mT.unsqueeze(2), 3).amax(2)                      # each head's score, then the max
+    if gqa_agg == "mean": s = preaggregated_queries(q_chunk, pos, G) @ k_unit.mT       # [B,Hkv,n,T]: group means
+    else: s = unit_queries(q_chunk, pos, G) @ k_unit.mT.unsqueeze(2)                   # [B,Hkv,G,n,T]: each head
+    s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries
+    return s if gqa_agg == "mean" else s.amax(2)                                       # then the largest head
 
 # %% ../../nbs/20_quoka_select.ipynb #6e2ad7ae
 def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
@@ -217,9 +217,9 @@ def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, quer
             khat = torch.stack([unit(k[b, h, j]) for j in range(T)]) if T else k.new_zeros(0, D)
             # cosines [G, n, T] of all keys with head hq's r-th kept query
             c = torch.stack([torch.stack([khat @ unit(q[b, hq, kept[hq][r]]) for r in range(n)]) for hq in heads])
-            reduce = (lambda x, dim: x.amax(dim)) if query_agg == "max" else (lambda x, dim: x.mean(dim))
             # 'mean': the group mean at each row, then over rows; 'max': each head over its rows, then the largest
-            out[b, h] = reduce(c.mean(0), 0) if gqa_agg == "mean" else reduce(c, 1).amax(0)
+            rows = c.mean(0, keepdim=True) if gqa_agg == "mean" else c
+            out[b, h] = (rows.amax(1) if query_agg == "max" else rows.mean(1)).amax(0)
     return out
 
 
