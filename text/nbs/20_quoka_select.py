@@ -112,32 +112,48 @@ def accumulation_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def query_dissimilarity(q_chunk: Tensor) -> Tensor:
-    "d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S]."
-    q = q_chunk.to(accumulation_dtype(q_chunk))
-    m = F.normalize(q.mean(2, keepdim=True), dim=-1, eps=EPS)  # M_Q / |M_Q| per query head
-    # q·m̂ / |q|: one matrix-vector product and one norm, never the S unit queries (half the passes over the chunk)
-    return -(q @ m.mT).squeeze(-1) / q.norm(dim=-1).clamp_min(EPS)
+def unit_chunk_queries(q_chunk: Tensor) -> Tensor:
+    "Q̂ [B,Hq,S,D]: every query of the chunk q_chunk [B,Hq,S,D] divided by max(|q|, EPS), in the accumulation dtype."
+    return F.normalize(q_chunk.to(accumulation_dtype(q_chunk)), dim=-1, eps=EPS)
 
 
-def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:
+def query_dissimilarity(q_chunk: Tensor, q_unit: Tensor | None = None) -> Tensor:
+    """d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S];
+    `q_unit`: `unit_chunk_queries(q_chunk)` if at hand."""
+    B, Hq, S, D = q_chunk.shape
+    m = unit_chunk_queries(q_chunk.to(accumulation_dtype(q_chunk)).mean(2, keepdim=True))  # M_Q / |M_Q| per query head
+    q_unit = unit_chunk_queries(q_chunk) if q_unit is None else q_unit
+    # bmm on 3-D views: three tensor ops where `@` on 4-D ones takes seven (at S = 128 the ops, not the FLOPs, cost)
+    return -torch.bmm(q_unit.reshape(B * Hq, S, D), m.view(B * Hq, D, 1)).view(B, Hq, S)
+
+
+def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: torch.Generator | None = None,
+                  q_unit: Tensor | None = None) -> Tensor:
     "What select_queries keeps the largest of, [B,Hq,S]: d (§3.1), -d ('similar'), or uniform draws ('random')."
     if query_rank == "random": return torch.rand(q_chunk.shape[:3], generator=generator).to(q_chunk.device)
-    d = query_dissimilarity(q_chunk)
+    d = query_dissimilarity(q_chunk, q_unit)
     return d if query_rank == "dissimilar" else -d
+
+
+def kept_positions(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group", query_rank: str = "dissimilar",
+                   generator: torch.Generator | None = None, q_unit: Tensor | None = None) -> Tensor:
+    """Positions [B,Hkv,g,n] (g = 1 for 'group': shared by the KV head's G query heads; g = G for 'head'),
+    n = min(n_q, S), ascending, of the kept queries (ties to the lower position); see `select_queries`."""
+    B, Hq, S, _ = q_chunk.shape
+    if n_q >= S: return torch.arange(S, device=q_chunk.device).expand(B, Hq // G, 1, S)  # keep every query
+    d = query_ranking(q_chunk, query_rank, generator, q_unit).view(B, Hq // G, G, S)
+    if query_select == "group": d = d.mean(2, keepdim=True)  # one ranking per KV head, by the group-mean dissimilarity
+    # one stable sort of the S entries breaks ties to the lower position (top_budget_indices, for long rows, takes eight ops)
+    return d.sort(dim=-1, descending=True, stable=True).indices[..., :n_q].sort(dim=-1).values
 
 
 def select_queries(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group", query_rank: str = "dissimilar",
                    generator: torch.Generator | None = None) -> Tensor:
     """Positions [B,Hq,n], n = min(n_q, S), ascending, of each head's kept queries (§3.1; `query_rank`: the ablation's
     ranking, see `query_ranking`); 'group': the same positions for a KV group."""
-    B, Hq, S, _ = q_chunk.shape
-    if n_q >= S: return torch.arange(S, device=q_chunk.device).expand(B, Hq, S)  # keep every query
-    d = query_ranking(q_chunk, query_rank, generator)
-    if query_select == "head": return top_budget_indices(d, n_q)
-    # one ranking per KV head, by the group-mean dissimilarity
-    pos = top_budget_indices(d.view(B, Hq // G, G, S).mean(2), n_q)
-    return pos.repeat_interleave(G, dim=1)  # query head hG+g reads KV head h's positions
+    B, Hq = q_chunk.shape[:2]
+    pos = kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)
+    return pos.expand(-1, -1, G, -1).reshape(B, Hq, -1)  # query head hG+g reads KV head h's positions
 
 
 # %% [markdown]
@@ -302,11 +318,17 @@ test_eq(select_queries(q, 4, G, "head", "random", torch.Generator().manual_seed(
 
 # %%
 #| export
+def kept_unit_queries(q_unit: Tensor, pos: Tensor) -> Tensor:
+    "Q̂ [B,Hkv,G,n,D]: the unit queries q_unit [B,Hq,S,D] at positions pos [B,Hkv,g,n] (`kept_positions`), per KV head."
+    B, Hkv, _, n = pos.shape
+    _, Hq, S, D = q_unit.shape
+    return q_unit.view(B, Hkv, Hq // Hkv, S, D).gather(3, pos[..., None].expand(-1, -1, Hq // Hkv, -1, D))
+
+
 def unit_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
-    "Q̂ [B,Hkv,G,n,D]: each query head's kept queries (`pos`), normalized, under its KV head."
-    B, Hq, _, D = q_chunk.shape
-    q = q_chunk.to(accumulation_dtype(q_chunk)).gather(2, pos[..., None].expand(-1, -1, -1, D))
-    return F.normalize(q, dim=-1, eps=EPS).view(B, Hq // G, G, pos.shape[-1], D)
+    "Q̂ [B,Hkv,G,n,D]: each query head's kept queries (`pos` [B,Hq,n]), normalized, under its KV head."
+    B, Hq, n = pos.shape
+    return kept_unit_queries(unit_chunk_queries(q_chunk), pos.reshape(B, Hq // G, G, n))
 
 
 def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
@@ -377,7 +399,8 @@ class UnitKeyCache:
             grown = k_cache.new_empty(B, Hkv, size, D, dtype=dtype)
             if self.length: grown[:, :, :self.length] = self.buffer[:, :, :self.length]
             self.buffer = grown
-        self.buffer[:, :, self.length:T] = unit_keys(k_cache[:, :, self.length:T])
+        new = k_cache[:, :, self.length:T].to(dtype)  # unit_keys written in place: no temporary, no copy
+        torch.div(new, new.norm(dim=-1, keepdim=True).clamp_min(EPS), out=self.buffer[:, :, self.length:T])
         self.length = T
         return self.buffer[:, :, :T]
 
@@ -390,7 +413,6 @@ def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: 
     `gqa_agg='max'` (an ablation): the max over the group's heads of each head's score, not pre-aggregated."""
     check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     G = check_chunk(q_chunk, k_cache)
-    pos = select_queries(q_chunk, n_q, G, query_select, query_rank, generator)
     dtype = accumulation_dtype(q_chunk)
     if k_unit is None: k_unit = unit_keys(k_cache)
     elif (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != dtype
@@ -398,8 +420,10 @@ def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: 
         got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
         raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
                          f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
-    if gqa_agg == "mean": s = preaggregated_queries(q_chunk, pos, G) @ k_unit.mT       # [B,Hkv,n,T]: group means
-    else: s = unit_queries(q_chunk, pos, G) @ k_unit.mT.unsqueeze(2)                   # [B,Hkv,G,n,T]: each head
+    q_unit = unit_chunk_queries(q_chunk)  # normalized once: ranked, then gathered (the unit kept queries)
+    rows = kept_unit_queries(q_unit, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator, q_unit))
+    if gqa_agg == "mean": s = rows.mean(2) @ k_unit.mT           # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
+    else: s = rows @ k_unit.mT.unsqueeze(2)                      # [B,Hkv,G,n,T]: each head
     s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries
     return s if gqa_agg == "mean" else s.amax(2)                                       # then the largest head
 
