@@ -65,7 +65,7 @@ def kept_positions(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group
     if n_q >= S: return torch.arange(S, device=q_chunk.device).expand(B, Hq // G, 1, S)  # keep every query
     d = query_ranking(q_chunk, query_rank, generator, q_unit).view(B, Hq // G, G, S)
     if query_select == "group": d = d.mean(2, keepdim=True)  # one ranking per KV head, by the group-mean dissimilarity
-    # one stable sort of the S entries breaks ties to the lower position (top_budget_indices, for long rows, takes eight ops)
+    # one stable sort of the S entries breaks ties to the lower position (top_budget_indices takes eight ops)
     return d.sort(dim=-1, descending=True, stable=True).indices[..., :n_q].sort(dim=-1).values
 
 
