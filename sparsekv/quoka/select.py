@@ -15,7 +15,7 @@ from ..attention import check_int, check_qkv, require_data
 from ..select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %% auto #0
-__all__ = ['QUERY_SELECT', 'QUERY_AGGS', 'QUERY_RANKS', 'GQA_AGGS', 'EPS', 'accumulation_dtype', 'unit_chunk_queries',
+__all__ = ['QUERY_SELECT', 'QUERY_AGGS', 'QUERY_RANKS', 'GQA_AGGS', 'EPS', 'accumulation_dtype', 'unit_vectors',
            'query_dissimilarity', 'query_ranking', 'kept_positions', 'select_queries', 'kept_unit_queries',
            'unit_queries', 'preaggregated_queries', 'check_quoka_options', 'check_chunk', 'unit_keys', 'check_k_cache',
            'UnitKeyCache', 'quoka_scores', 'quoka_select', 'quoka_scores_reference', 'quoka_select_reference',
@@ -34,17 +34,17 @@ def accumulation_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def unit_chunk_queries(q_chunk: Tensor) -> Tensor:
-    "Q̂ [B,Hq,S,D]: every query of the chunk q_chunk [B,Hq,S,D] divided by max(|q|, EPS), in the accumulation dtype."
-    return F.normalize(q_chunk.to(accumulation_dtype(q_chunk)), dim=-1, eps=EPS)
+def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
+    "x / max(|x|, EPS) along the last dim (each query or key), in the accumulation dtype; written into `out` if given."
+    return F.normalize(x.to(accumulation_dtype(x)), dim=-1, eps=EPS, out=out)
 
 
 def query_dissimilarity(q_chunk: Tensor, q_unit: Tensor | None = None) -> Tensor:
     """d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S];
-    `q_unit`: `unit_chunk_queries(q_chunk)` if at hand."""
+    `q_unit`: `unit_vectors(q_chunk)` if at hand."""
     B, Hq, S, D = q_chunk.shape
-    m = unit_chunk_queries(q_chunk.to(accumulation_dtype(q_chunk)).mean(2, keepdim=True))  # M_Q / |M_Q| per query head
-    q_unit = unit_chunk_queries(q_chunk) if q_unit is None else q_unit
+    m = unit_vectors(q_chunk.to(accumulation_dtype(q_chunk)).mean(2, keepdim=True))  # M_Q / |M_Q| per query head
+    q_unit = unit_vectors(q_chunk) if q_unit is None else q_unit
     # bmm on 3-D views: three tensor ops where `@` on 4-D ones takes seven (at S = 128 the ops, not the FLOPs, cost)
     return -torch.bmm(q_unit.reshape(B * Hq, S, D), m.view(B * Hq, D, 1)).view(B, Hq, S)
 
@@ -88,7 +88,7 @@ def kept_unit_queries(q_unit: Tensor, pos: Tensor) -> Tensor:
 def unit_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
     "Q̂ [B,Hkv,G,n,D]: each query head's kept queries (`pos` [B,Hq,n]), normalized, under its KV head."
     B, Hq, n = pos.shape
-    return kept_unit_queries(unit_chunk_queries(q_chunk), pos.reshape(B, Hq // G, G, n))
+    return kept_unit_queries(unit_vectors(q_chunk), pos.reshape(B, Hq // G, G, n))
 
 
 def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
@@ -121,7 +121,7 @@ def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
 
 def unit_keys(k: Tensor) -> Tensor:
     "k̂ = k / max(|k|, EPS) per key, in the accumulation dtype: [..., T, D]."
-    return F.normalize(k.to(accumulation_dtype(k)), dim=-1, eps=EPS)
+    return unit_vectors(k)
 
 
 def check_k_cache(k_cache: Tensor) -> Tensor:
@@ -159,8 +159,7 @@ class UnitKeyCache:
             grown = k_cache.new_empty(B, Hkv, size, D, dtype=dtype)
             if self.length: grown[:, :, :self.length] = self.buffer[:, :, :self.length]
             self.buffer = grown
-        new = k_cache[:, :, self.length:T].to(dtype)  # unit_keys written in place: no temporary, no copy
-        torch.div(new, new.norm(dim=-1, keepdim=True).clamp_min(EPS), out=self.buffer[:, :, self.length:T])
+        unit_vectors(k_cache[:, :, self.length:T], out=self.buffer[:, :, self.length:T])  # in place: no copy
         self.length = T
         return self.buffer[:, :, :T]
 
@@ -180,7 +179,7 @@ def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: 
         got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
         raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
                          f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
-    q_unit = unit_chunk_queries(q_chunk)  # normalized once: ranked, then gathered (the unit kept queries)
+    q_unit = unit_vectors(q_chunk)  # normalized once: ranked, then gathered (the unit kept queries)
     rows = kept_unit_queries(q_unit, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator, q_unit))
     if gqa_agg == "mean": s = rows.mean(2) @ k_unit.mT           # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
     else: s = rows @ k_unit.mT.unsqueeze(2)                      # [B,Hkv,G,n,T]: each head

@@ -317,10 +317,10 @@ def op_count(f) -> int:
     return c.n
 
 
-T = min(contexts)
-_q, _k, _ = chunk_tensors(*shapes["SmolLM2-135M"], T, chunk_size, torch.float32, seed)
-_sel, _floor = cached_quoka_select(_k[:, :, :T]), floor_select(_q, _k[:, :, :T])  # built outside the count
-ops = {"selection": op_count(lambda: _sel(_q, _k[:, :, :T])), "floor": op_count(lambda: _floor(_q, None))}
+_T = min(contexts)
+_q, _k, _ = chunk_tensors(*shapes["SmolLM2-135M"], _T, chunk_size, torch.float32, seed)
+_sel, _floor = cached_quoka_select(_k[:, :, :_T]), floor_select(_q, _k[:, :, :_T])  # built outside the count
+ops = {"selection": op_count(lambda: _sel(_q, _k[:, :, :_T])), "floor": op_count(lambda: _floor(_q, None))}
 excess = quoka_rows.reset_index().assign(excess_ms=lambda r: 1e3 * (r.selection_over_floor - 1) * r.floor_seconds)
 print(ops)
 excess[["model", "dtype", "threads", "T", "floor_seconds", "selection_over_floor", "excess_ms"]]
