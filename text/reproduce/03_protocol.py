@@ -76,7 +76,7 @@ probe_steps = 40  # its decode steps (more than a page, so the partial page take
 min_claim_items = 16  # below this many items a bootstrap interval covers too little (41_stats): nothing is claimed
 target_se = 0.01  # the standard error asked of every headline cell: the findings say how many items it would take
 answers_hours = None  # start no answer cell after this many hours (None: all); the tables then use the finished items
-ablations = {}  # variant label -> the label it ablates (e.g. quoka_heads: quoka): a paired difference per table
+pairs = []  # [method, other] labels (e.g. [quoka_heads, quoka], [quoka, sparq_matched]): a paired difference per table
 stem = "protocol"  # output names: {stem}.md, {stem}.png, {stem}_*_grid.csv (the leaderboard stage runs this notebook too)
 
 # %%
@@ -101,6 +101,9 @@ from sparsekv.protocol import (BUDGET_COLUMNS, answer, continuation, cost_column
 from sparsekv.stats import compare_cell, paired_ci
 
 # %%
+_unknown = [x for pair in pairs for x in pair if x not in method_specs]
+if _unknown or any(len(pair) != 2 for pair in pairs):
+    raise ValueError(f"pairs must be [method, other] labels of method_specs {list(method_specs)}, got {pairs!r}")
 use_style()
 model, tok = load_model(model_name, dtype=dtype, device=device)
 shape = ModelShape.of(model)
@@ -506,33 +509,33 @@ display(Markdown("\n".join(verdicts)))
 
 
 # %% [markdown]
-# **Ablations against their base.** For each `ablations` pair (a variant of a method and the method it
-# varies, e.g. QuoKA with the head max in place of §3.3's head mean against QuoKA), the paired difference on
-# the items and windows of every table, with its 95% interval (`*`: excludes 0, on at least `min_claim_items`).
+# **Paired comparisons.** For each of `pairs`, `[method, other]`: an ablation against its base (QuoKA with
+# the head max in place of §3.3's head mean, against QuoKA) or a claim of a paper (QuoKA against each baseline
+# cost-matched to it, OVAL against key PCA, key PCA against Quest), the method minus the other on the items and
+# windows of every table both finished, with its 95% interval (`*`: excludes 0, on at least `min_claim_items`).
 
 # %%
-def ablation_lines() -> list[str]:
-    "One bullet per ablation pair and budget: the variant minus its base on each table's items, with the interval."
+def pair_lines() -> list[str]:
+    "One bullet per pair and budget: the method minus the other on each table's items, with the interval."
     sources = {f"accuracy, {label}": (acc[acc.cell == label], "correct") for label in cells if acc is not None}
     sources |= {"prose agreement": (txt, "agreement"), "prose KL": (txt, "kl")}
     out = []
-    for variant, base in ablations.items():
-        if variant not in method_specs or base not in method_specs: continue
+    for this, other in pairs:
         for b in budgets:
             parts = []
             for name, (rows, metric) in sources.items():
-                pair = rows[(rows.method == variant) & (rows.budget == b)][["item", metric]].merge(
-                    rows[(rows.method == base) & (rows.budget == b)][["item", metric]], on="item", suffixes=("", "_base"))
+                pair = rows[(rows.method == this) & (rows.budget == b)][["item", metric]].merge(
+                    rows[(rows.method == other) & (rows.budget == b)][["item", metric]], on="item", suffixes=("", "_other"))
                 if len(pair) < 2: continue
-                d, lo, hi = paired_ci(pair[metric].to_numpy(), pair[f"{metric}_base"].to_numpy())
+                d, lo, hi = paired_ci(pair[metric].to_numpy(), pair[f"{metric}_other"].to_numpy())
                 claim = len(pair) >= min_claim_items and (lo > 0 or hi < 0)  # as the tables: no claim on few items
                 parts.append(f"{name} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]{'*' if claim else ''} (n = {len(pair)})")
-            out.append(f"- **{variant} vs {base} @ {b}**: " + ("; ".join(parts) or "no item finished by both") + ".")
+            out.append(f"- **{this} vs {other} @ {b}**: " + ("; ".join(parts) or "no item finished by both") + ".")
     return out
 
 
-ablated = ablation_lines()
-display(Markdown("\n".join(ablated or ["no ablation pair in this run"])))
+paired = pair_lines()
+display(Markdown("\n".join(paired or ["no pair in this run"])))
 
 
 # %% [markdown]
@@ -616,7 +619,7 @@ usage_md = usage.drop(columns=[c for c in usage if c.startswith("front_")]).roun
 lines += ["**Memory and time** (KV entries per KV head and MiB per sequence, peak and while decoding; prefill s and "
           f"ms per decode step of a batch of {prose_batch}; prose agreement):", "", usage_md.to_markdown(index=False),
           "", "**Compositions**", "", *(verdicts or ["- none in this run"]), ""]
-if ablated: lines += ["**Ablations** (variant minus base, paired, 95% interval):", "", *ablated, ""]
+if paired: lines += ["**Paired comparisons** (method minus other, paired, 95% interval):", "", *paired, ""]
 lines += ["**Findings**", "", *notes, ""]
 write_text(Path(out_dir)/f"{stem}.md", "\n".join(lines))
 print("\n".join(lines))
