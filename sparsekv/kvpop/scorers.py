@@ -214,7 +214,7 @@ def mlstm_recurrent(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tenso
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #8509e4e0
 def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, normalizer: str = "ratio",
-                              eps: float = 1e-6, chunk_size: int = 256) -> tuple[Tensor, MLSTMState]:
+                              eps: float = 1e-6, chunk_size: int = 128) -> tuple[Tensor, MLSTMState]:
     "Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state."
     B, H, S, dk = q.shape
     dv, L = v.shape[-1], check_int(chunk_size, "chunk_size", 1)
@@ -245,7 +245,7 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
     return (num / (den + eps)).reshape(B, H, N * L, dv)[:, :, :S], state
 
 def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
-                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 256) -> Tensor:
+                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 128) -> Tensor:
     "`mlstm_parallel` with memory linear in S: immediate chunkwise readout of the query shifted by `delay`, [B,H,S,dv]."
     S, w = q.shape[-2], min(check_int(delay, "delay"), q.shape[-2])
     q_read = torch.cat([torch.zeros_like(q[:, :, :w]), q[:, :, :S - w]], dim=2)  # step t reads token t - w
@@ -258,7 +258,7 @@ class MLSTMScorer(nn.Module):
     def __init__(self, num_kv_heads: int, head_dim: int, *, delay: int, soft_cap: float | None = 15.0,
                  norm: bool = False, normalizer: str = "ratio", eps: float = 1e-6,
                  forget_bias: tuple[float, float] = (3.0, 6.0),
-                 input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 256):
+                 input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 128):
         super().__init__()
         self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = check_int(head_dim, "head_dim", 1)

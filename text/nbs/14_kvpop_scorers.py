@@ -21,6 +21,8 @@ from sparsekv.attention import check_int
 
 # %%
 #| hide
+import time
+
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
@@ -488,11 +490,17 @@ assert_close(mlstm_parallel(q, kf, vf, i_pre, F.logsigmoid(f_pre), 0, "mlstm"), 
 # The states at chunk boundaries follow from the same formula at $t$ = the chunk's last token:
 # a loop over $S/L$ chunks. Sequences are padded to a multiple of $L$ with tokens that neither
 # write ($\log i = -\infty$) nor decay ($\log f = 0$), which leaves the state unchanged.
+#
+# The chunk length trades the $L \times L$ intra-chunk work ($O(SLd)$) against the loop over
+# chunks. The default $L = 128$ was chosen by the benchmark after the scorer module below: on this CPU
+# the intra-chunk tensors of a chunk of 256 no longer stay in cache, and training (forward and
+# backward) at $S = 2048$ ran about 1.5× slower with them than with 128 (1.45–1.6× in three runs
+# beside other work; the benchmark prints the ratio of its own run).
 
 # %%
 #| export
 def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, normalizer: str = "ratio",
-                              eps: float = 1e-6, chunk_size: int = 256) -> tuple[Tensor, MLSTMState]:
+                              eps: float = 1e-6, chunk_size: int = 128) -> tuple[Tensor, MLSTMState]:
     "Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state."
     B, H, S, dk = q.shape
     dv, L = v.shape[-1], check_int(chunk_size, "chunk_size", 1)
@@ -523,7 +531,7 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
     return (num / (den + eps)).reshape(B, H, N * L, dv)[:, :, :S], state
 
 def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
-                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 256) -> Tensor:
+                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 128) -> Tensor:
     "`mlstm_parallel` with memory linear in S: immediate chunkwise readout of the query shifted by `delay`, [B,H,S,dv]."
     S, w = q.shape[-2], min(check_int(delay, "delay"), q.shape[-2])
     q_read = torch.cat([torch.zeros_like(q[:, :, :w]), q[:, :, :S - w]], dim=2)  # step t reads token t - w
@@ -582,7 +590,7 @@ class MLSTMScorer(nn.Module):
     def __init__(self, num_kv_heads: int, head_dim: int, *, delay: int, soft_cap: float | None = 15.0,
                  norm: bool = False, normalizer: str = "ratio", eps: float = 1e-6,
                  forget_bias: tuple[float, float] = (3.0, 6.0),
-                 input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 256):
+                 input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 128):
         super().__init__()
         self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = check_int(head_dim, "head_dim", 1)
@@ -742,6 +750,33 @@ for norm in (False, True):
     assert_close(sc.score_head(h.double()), ref)            # float64 readouts, float32 scores
     if norm: assert_close(sc.score_head(2.5 * h), ref, rtol=1e-4, atol=1e-4)   # the norm ignores the scale of h
     else: assert not torch.allclose(sc.score_head(2.5 * h), ref)
+
+
+# %% [markdown]
+# Benchmark (no assertion, these machines are noisy): one training step of the chunkwise form, forward
+# and backward through a 3-head scorer at $S = 2048$, $d = 64$ (SmolLM2's KV heads), per chunk length,
+# timed in alternation (best of 3) and printed as a ratio to $L = 256$; the readouts of every length
+# agree to rounding.
+
+# %%
+def chunk_step_seconds(chunk_sizes=(64, 128, 256), S: int = 2048, repeats: int = 3) -> dict:
+    "Best time of forward + backward of MLSTMScorer(3, 64) over S tokens per chunk length, alternating the lengths."
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 3, S, 64, generator=g), torch.randn(1, 3, S, 64, generator=g)
+    scorer, best = MLSTMScorer(3, 64, delay=64), dict.fromkeys(chunk_sizes, math.inf)
+    for _ in range(repeats):
+        for L in chunk_sizes:
+            scorer.chunk_size = L
+            start = time.perf_counter()
+            scorer(k, v).square().mean().backward()
+            best[L] = min(best[L], time.perf_counter() - start)
+    return best
+
+step_s = chunk_step_seconds()
+_x = torch.randn(1, 3, 2048, 64, generator=torch.Generator().manual_seed(1))
+_feats = MLSTMScorer(3, 64, delay=64).features(_x, _x.flip(2))
+for L in (64, 256): assert_close(mlstm_chunkwise(*_feats, 64, chunk_size=L), mlstm_chunkwise(*_feats, 64))
+print("  ".join(f"L = {L}: {1e3 * t:.0f} ms ({step_s[256] / t:.2f}x of L = 256)" for L, t in step_s.items()))
 
 # %% [markdown]
 # ## The output gate of Eq. (12), and what dropping it changes
