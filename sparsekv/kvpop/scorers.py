@@ -20,7 +20,8 @@ from ..attention import check_int
 __all__ = ['NORMALIZERS', 'check_kv', 'scorer_input', 'HeadwiseLinear', 'headwise_linear_reference', 'LinearScorer', 'MLPScorer',
            'mlp_scorer_reference', 'hedgehog', 'soft_cap', 'MLSTMState', 'mlstm_init_state', 'mlstm_step',
            'check_normalizer', 'mlstm_readout', 'mlstm_unstabilized_reference', 'readout_positions', 'mlstm_parallel',
-           'mlstm_recurrent', 'mlstm_chunkwise_immediate', 'mlstm_chunkwise', 'MLSTMScorer', 'count_parameters']
+           'mlstm_recurrent', 'chunk_states', 'mlstm_chunkwise_immediate', 'mlstm_chunkwise', 'MLSTMScorer',
+           'count_parameters']
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #61e82836
 def check_kv(k: Tensor, v: Tensor, num_kv_heads: int | None = None, head_dim: int | None = None) -> None:
@@ -213,8 +214,28 @@ def mlstm_recurrent(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tenso
     return h
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #8509e4e0
+def chunk_states(k: Tensor, v: Tensor, b: Tensor, log_i: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], MLSTMState]:
+    """The stabilized states entering each chunk, (C [B,H,N,dk,dv], n [B,H,N,dk], m [B,H,N]), and the final state, of
+    chunked k [B,H,N,L,dk], v [B,H,N,L,dv], in-chunk cumulative log-forget b and log-input gates [B,H,N,L]."""
+    B, H, N, L, dk = k.shape
+    F_j = b[..., -1]                                                   # each chunk's total log-forget
+    g = F_j[..., None] - b + log_i                                     # log-weight of token s in its chunk's end state
+    a = g.amax(-1)
+    kw = k * torch.exp(g - a[..., None])[..., None]
+    dC, dn = kw.transpose(-1, -2) @ v, kw.sum(-2)                      # each chunk's own writes, scaled by e^-a_j
+    # N x N in float64: differences of cumulative sums over many chunks lose float32 precision
+    Phi = torch.cumsum(F_j.double(), -1)
+    W = (Phi[..., :, None] - Phi[..., None, :] + a.double()[..., None, :]).masked_fill(
+        torch.ones(N, N, dtype=torch.bool, device=k.device).triu(1), -math.inf)  # chunk j' in the state after chunk j
+    m = W.amax(-1)
+    E = torch.exp(W - m[..., None]).to(k.dtype)
+    C, n, m = (E @ dC.flatten(-2)).view(dC.shape), E @ dn, m.to(k.dtype)
+    empty = mlstm_init_state(B, H, dk, v.shape[-1], k.device, k.dtype)
+    entering = tuple(torch.cat([e[:, :, None], x[:, :, :-1]], 2) for e, x in zip(empty, (C, n, m)))
+    return entering, MLSTMState(C[:, :, -1], n[:, :, -1], m[..., -1])
+
 def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, normalizer: str = "ratio",
-                              eps: float = 1e-6, chunk_size: int = 128) -> tuple[Tensor, MLSTMState]:
+                              eps: float = 1e-6, chunk_size: int = 64) -> tuple[Tensor, MLSTMState]:
     "Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state."
     B, H, S, dk = q.shape
     dv, L = v.shape[-1], check_int(chunk_size, "chunk_size", 1)
@@ -222,16 +243,7 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
     q, k, v = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, N, L, -1) for t in (q, k, v))
     log_i = F.pad(log_i, (0, pad), value=-math.inf).reshape(B, H, N, L)  # padding writes nothing ...
     b = torch.cumsum(F.pad(log_f, (0, pad)).reshape(B, H, N, L), dim=-1)  # ... and does not decay
-    g = b[..., -1:] - b + log_i  # log-weight of token s in its chunk's end state
-    state, entering = mlstm_init_state(B, H, dk, dv, q.device, q.dtype), []
-    for j in range(N):
-        entering.append(state)
-        m = torch.maximum(b[:, :, j, -1] + state.m, g[:, :, j].amax(-1))
-        decay, write = torch.exp(b[:, :, j, -1] + state.m - m), torch.exp(g[:, :, j] - m[..., None])  # [B,H], [B,H,L]
-        kw = k[:, :, j] * write[..., None]
-        state = MLSTMState(decay[..., None, None] * state.C + kw.transpose(-1, -2) @ v[:, :, j],
-                           decay[..., None] * state.n + kw.sum(-2), m)
-    C_in, n_in, m_in = (torch.stack(t, dim=2) for t in zip(*entering))  # [B,H,N,dk,dv], [B,H,N,dk], [B,H,N]
+    (C_in, n_in, m_in), state = chunk_states(k, v, b, log_i)
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     log_D = (b[..., :, None] - b[..., None, :] + log_i[..., None, :]).masked_fill(~causal, -math.inf)
     log_prev = b + m_in[..., None]  # log-scale of the entering state at row t
@@ -245,7 +257,7 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
     return (num / (den + eps)).reshape(B, H, N * L, dv)[:, :, :S], state
 
 def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
-                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 128) -> Tensor:
+                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 64) -> Tensor:
     "`mlstm_parallel` with memory linear in S: immediate chunkwise readout of the query shifted by `delay`, [B,H,S,dv]."
     S, w = q.shape[-2], min(check_int(delay, "delay"), q.shape[-2])
     q_read = torch.cat([torch.zeros_like(q[:, :, :w]), q[:, :, :S - w]], dim=2)  # step t reads token t - w
@@ -258,7 +270,7 @@ class MLSTMScorer(nn.Module):
     def __init__(self, num_kv_heads: int, head_dim: int, *, delay: int, soft_cap: float | None = 15.0,
                  norm: bool = False, normalizer: str = "ratio", eps: float = 1e-6,
                  forget_bias: tuple[float, float] = (3.0, 6.0),
-                 input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 128):
+                 input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 64):
         super().__init__()
         self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = check_int(head_dim, "head_dim", 1)

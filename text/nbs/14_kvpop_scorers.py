@@ -487,20 +487,57 @@ assert_close(mlstm_parallel(q, kf, vf, i_pre, F.logsigmoid(f_pre), 0, "mlstm"), 
 # so with $m_t = \max(b_t + m^-, \max_s (b_t - b_s + \log i_s))$ the readout of row $t$ is an
 # intra-chunk $L \times L$ masked product plus the inter-chunk term
 # $e^{b_t + m^- - m_t}\,\tilde{\boldsymbol{q}}_t^\top\bar{\boldsymbol{C}}^-$ (same for the normalizer).
-# The states at chunk boundaries follow from the same formula at $t$ = the chunk's last token:
-# a loop over $S/L$ chunks. Sequences are padded to a multiple of $L$ with tokens that neither
-# write ($\log i = -\infty$) nor decay ($\log f = 0$), which leaves the state unchanged.
+# Sequences are padded to a multiple of $L$ with tokens that neither write ($\log i = -\infty$)
+# nor decay ($\log f = 0$), which leaves the state unchanged.
 #
-# The chunk length trades the $L \times L$ intra-chunk work ($O(SLd)$) against the loop over
-# chunks. The default $L = 128$ was chosen by the benchmark after the scorer module below: on this CPU
-# the intra-chunk tensors of a chunk of 256 no longer stay in cache, and training (forward and
-# backward) at $S = 2048$ ran about 1.5× slower with them than with 128 (1.45–1.6× in three runs
-# beside other work; the benchmark prints the ratio of its own run).
+# *The states at chunk boundaries, all at once.* The same unrolling at $t$ = the last token of chunk
+# $j$ gives the state after it. With $F_j$ the chunk's total log-forget, $g_{js} = F_j - b_{js} + \log i_{js}$
+# the log-weight of its token $s$ in that state and $a_j = \max_s g_{js}$, the chunk's own writes are
+# $e^{a_j}\Delta\boldsymbol{C}_j$ with $\Delta\boldsymbol{C}_j = \sum_s e^{g_{js} - a_j}\tilde{\boldsymbol{k}}_s
+# \tilde{\boldsymbol{v}}_s^\top$ (one batched product for all chunks). Between chunk $j'$ and the end of chunk
+# $j \ge j'$ they decay by $F_{j'+1} + \dots + F_j = \Phi_j - \Phi_{j'}$, $\Phi_j = \sum_{i \le j} F_i$, so
+#
+# $$W_{jj'} = \Phi_j - \Phi_{j'} + a_{j'},\qquad m_j = \max_{j' \le j} W_{jj'},\qquad
+# \bar{\boldsymbol{C}}_j = \sum_{j' \le j} e^{W_{jj'} - m_j}\,\Delta\boldsymbol{C}_{j'}$$
+#
+# (and $\bar{\boldsymbol{n}}_j$ alike): an $N \times N$ lower-triangular matrix times the stacked chunk
+# writes, no loop over chunks. Unrolling the recurrence $m_j = \max(F_j + m_{j-1}, a_j)$ from the empty
+# state's $m = -\infty$ gives the same stabilizer $m_j$, so the states equal the recurrent ones. The small
+# matrix is computed in float64: over many chunks the differences $\Phi_j - \Phi_{j'}$ of float32 sums lose
+# precision (at $S = 2048$ and $L = 1$ the readouts drifted to $4 \cdot 10^{-5}$ from the float64 reference,
+# against $10^{-6}$ for a loop over chunks).
+#
+# The chunk length trades the $L \times L$ intra-chunk work, $O(SLd)$, against the per-chunk states,
+# $O(Nd^2)$ with $N = S/L$. The default $L = 64$ was chosen by the benchmark after the scorer module
+# below: on this CPU a training step (forward and backward) at $S = 2048$ ran about 1.5× faster with 64
+# than with 256, whose $256 \times 256$ intra-chunk tensors no longer stay in cache; and without the loop
+# over chunks (a loop of $N$ state updates, each a handful of small operations and their backward) it
+# ran about 2× faster than with one (measured beside other work; the benchmark prints its own run).
 
 # %%
 #| export
+def chunk_states(k: Tensor, v: Tensor, b: Tensor, log_i: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], MLSTMState]:
+    """The stabilized states entering each chunk, (C [B,H,N,dk,dv], n [B,H,N,dk], m [B,H,N]), and the final state, of
+    chunked k [B,H,N,L,dk], v [B,H,N,L,dv], in-chunk cumulative log-forget b and log-input gates [B,H,N,L]."""
+    B, H, N, L, dk = k.shape
+    F_j = b[..., -1]                                                   # each chunk's total log-forget
+    g = F_j[..., None] - b + log_i                                     # log-weight of token s in its chunk's end state
+    a = g.amax(-1)
+    kw = k * torch.exp(g - a[..., None])[..., None]
+    dC, dn = kw.transpose(-1, -2) @ v, kw.sum(-2)                      # each chunk's own writes, scaled by e^-a_j
+    # N x N in float64: differences of cumulative sums over many chunks lose float32 precision
+    Phi = torch.cumsum(F_j.double(), -1)
+    W = (Phi[..., :, None] - Phi[..., None, :] + a.double()[..., None, :]).masked_fill(
+        torch.ones(N, N, dtype=torch.bool, device=k.device).triu(1), -math.inf)  # chunk j' in the state after chunk j
+    m = W.amax(-1)
+    E = torch.exp(W - m[..., None]).to(k.dtype)
+    C, n, m = (E @ dC.flatten(-2)).view(dC.shape), E @ dn, m.to(k.dtype)
+    empty = mlstm_init_state(B, H, dk, v.shape[-1], k.device, k.dtype)
+    entering = tuple(torch.cat([e[:, :, None], x[:, :, :-1]], 2) for e, x in zip(empty, (C, n, m)))
+    return entering, MLSTMState(C[:, :, -1], n[:, :, -1], m[..., -1])
+
 def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, normalizer: str = "ratio",
-                              eps: float = 1e-6, chunk_size: int = 128) -> tuple[Tensor, MLSTMState]:
+                              eps: float = 1e-6, chunk_size: int = 64) -> tuple[Tensor, MLSTMState]:
     "Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state."
     B, H, S, dk = q.shape
     dv, L = v.shape[-1], check_int(chunk_size, "chunk_size", 1)
@@ -508,16 +545,7 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
     q, k, v = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, N, L, -1) for t in (q, k, v))
     log_i = F.pad(log_i, (0, pad), value=-math.inf).reshape(B, H, N, L)  # padding writes nothing ...
     b = torch.cumsum(F.pad(log_f, (0, pad)).reshape(B, H, N, L), dim=-1)  # ... and does not decay
-    g = b[..., -1:] - b + log_i  # log-weight of token s in its chunk's end state
-    state, entering = mlstm_init_state(B, H, dk, dv, q.device, q.dtype), []
-    for j in range(N):
-        entering.append(state)
-        m = torch.maximum(b[:, :, j, -1] + state.m, g[:, :, j].amax(-1))
-        decay, write = torch.exp(b[:, :, j, -1] + state.m - m), torch.exp(g[:, :, j] - m[..., None])  # [B,H], [B,H,L]
-        kw = k[:, :, j] * write[..., None]
-        state = MLSTMState(decay[..., None, None] * state.C + kw.transpose(-1, -2) @ v[:, :, j],
-                           decay[..., None] * state.n + kw.sum(-2), m)
-    C_in, n_in, m_in = (torch.stack(t, dim=2) for t in zip(*entering))  # [B,H,N,dk,dv], [B,H,N,dk], [B,H,N]
+    (C_in, n_in, m_in), state = chunk_states(k, v, b, log_i)
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     log_D = (b[..., :, None] - b[..., None, :] + log_i[..., None, :]).masked_fill(~causal, -math.inf)
     log_prev = b + m_in[..., None]  # log-scale of the entering state at row t
@@ -531,7 +559,7 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
     return (num / (den + eps)).reshape(B, H, N * L, dv)[:, :, :S], state
 
 def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
-                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 128) -> Tensor:
+                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 64) -> Tensor:
     "`mlstm_parallel` with memory linear in S: immediate chunkwise readout of the query shifted by `delay`, [B,H,S,dv]."
     S, w = q.shape[-2], min(check_int(delay, "delay"), q.shape[-2])
     q_read = torch.cat([torch.zeros_like(q[:, :, :w]), q[:, :, :S - w]], dim=2)  # step t reads token t - w
@@ -558,6 +586,13 @@ _, final = mlstm_chunkwise_immediate(q, kf, vf, log_i, log_f, chunk_size=7)
 state = mlstm_init_state(B, H, dk, dv)
 for t in range(S): state = mlstm_step(state, kf[:, :, t], vf[:, :, t], log_i[..., t], log_f[..., t])
 for a, b in zip(final, state): assert_close(a, b)
+# many chunks (1,024 of one token): the float64 chunk matrix keeps the readouts at float32 accuracy
+g = torch.Generator().manual_seed(6)
+q1, k1 = (hedgehog(torch.randn(1, 2, 1024, 8, generator=g)) for _ in range(2))
+v1, i1, f1 = torch.randn(1, 2, 1024, 8, generator=g), torch.randn(1, 2, 1024, generator=g), F.logsigmoid(
+    2 * torch.randn(1, 2, 1024, generator=g) + 2)
+want = mlstm_parallel(*(t.double() for t in (q1, k1, v1, i1, f1)), delay=5)
+assert (mlstm_chunkwise(q1, k1, v1, i1, f1, 5, chunk_size=1).double() - want).abs().max() < 4e-6  # float32 sums: 1.5e-5
 
 
 # %% [markdown]
@@ -590,7 +625,7 @@ class MLSTMScorer(nn.Module):
     def __init__(self, num_kv_heads: int, head_dim: int, *, delay: int, soft_cap: float | None = 15.0,
                  norm: bool = False, normalizer: str = "ratio", eps: float = 1e-6,
                  forget_bias: tuple[float, float] = (3.0, 6.0),
-                 input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 128):
+                 input_bias: float = 0.0, init_std: float = 0.02, chunk_size: int = 64):
         super().__init__()
         self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
         self.head_dim = check_int(head_dim, "head_dim", 1)
@@ -759,7 +794,7 @@ for norm in (False, True):
 # agree to rounding.
 
 # %%
-def chunk_step_seconds(chunk_sizes=(64, 128, 256), S: int = 2048, repeats: int = 3) -> dict:
+def chunk_step_seconds(chunk_sizes=(32, 64, 128, 256), S: int = 2048, repeats: int = 3) -> dict:
     "Best time of forward + backward of MLSTMScorer(3, 64) over S tokens per chunk length, alternating the lengths."
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 3, S, 64, generator=g), torch.randn(1, 3, S, 64, generator=g)
@@ -775,7 +810,7 @@ def chunk_step_seconds(chunk_sizes=(64, 128, 256), S: int = 2048, repeats: int =
 step_s = chunk_step_seconds()
 _x = torch.randn(1, 3, 2048, 64, generator=torch.Generator().manual_seed(1))
 _feats = MLSTMScorer(3, 64, delay=64).features(_x, _x.flip(2))
-for L in (64, 256): assert_close(mlstm_chunkwise(*_feats, 64, chunk_size=L), mlstm_chunkwise(*_feats, 64))
+for L in (32, 128, 256): assert_close(mlstm_chunkwise(*_feats, 64, chunk_size=L), mlstm_chunkwise(*_feats, 64))
 print("  ".join(f"L = {L}: {1e3 * t:.0f} ms ({step_s[256] / t:.2f}x of L = 256)" for L, t in step_s.items()))
 
 # %% [markdown]
