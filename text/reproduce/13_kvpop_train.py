@@ -44,6 +44,7 @@ scorers = ["mlp", "mlstm"]
 n_train = 4                    # training windows, cached once (cycled over the steps)
 n_select = 2                   # training-split windows never trained on: the decay is chosen on them
 n_val = 2                      # held-out validation windows (None: all the split holds)
+n_val_train = 0                # training-split windows never trained on, added to the held-out windows
 steps = 4                      # optimizer steps per final student
 sweep_steps = 2                # optimizer steps per decay setting
 sweep_log_gammas = [-0.01, -0.001]   # fixed per-token log(gamma) tried beside the learned decay
@@ -89,13 +90,15 @@ S = seq_len
 budgets = {cr: round((1 - cr) * S) for cr in compressions}
 ks = {cr: budgets[cr] - sink - window for cr in compressions}
 n_scored = S - budgets[min(compressions)]
-windows = packed_sequences(tok, S, "train", n=n_train + n_select, seed=seed)
-train_ids, select_ids = windows[:n_train], windows[n_train:]
-val_ids = packed_sequences(tok, S, "validation", n=n_val, seed=seed)
+windows = packed_sequences(tok, S, "train", n=n_train + n_select + n_val_train, seed=seed)
+train_ids, select_ids = windows[:n_train], windows[n_train:n_train + n_select]
+# the validation split holds 23 windows at S = 2,048: more held-out windows come from the training split, never trained on
+val_ids = torch.cat([packed_sequences(tok, S, "validation", n=n_val, seed=seed), windows[n_train + n_select:]])
 lg_min, lg_max = (math.log(g) * 16384 / S for g in (0.999, 0.999999))   # the paper's range per token at S
 out = Path(out_dir) / "kvpop_train"
 print(model_info(model), f"; S={S}, sink {sink}, window {window}, budgets {budgets}, k {ks}; {n_train} train, "
-      f"{n_select} selection, {len(val_ids)} validation windows; log gamma range [{lg_min:.2e}, {lg_max:.2e}]; "
+      f"{n_select} selection, {len(val_ids)} held-out windows ({n_val_train} of them from the training split); "
+      f"log gamma range [{lg_min:.2e}, {lg_max:.2e}]; "
       f"{torch.get_num_threads()} threads")
 
 
@@ -341,7 +344,8 @@ source = (f"{n_train} training windows (cached once, {per_window_mb:.0f} MB each
           f"chosen on {n_select} training-split windows never trained on" if train else
           f"the shipped scorers ({', '.join(shipped_name(sc, cr) for sc in scorers for cr in compressions)})")
 summary = [f"SmolLM2 ({model_name}), S={S}, sink {sink}, window {window}, k {ks}; {source}; {len(val_ids)} "
-           f"validation windows; TOVA/H2O evict every {eviction_chunk} tokens; decay {chosen}.", ""]
+           f"held-out windows ({len(val_ids) - n_val_train} from the validation split, {n_val_train} never-trained ones from "
+           f"the training split); TOVA/H2O evict every {eviction_chunk} tokens; decay {chosen}.", ""]
 if train:
     summary += ["Step time (one window, alternated in one run):", "", md(speed), "",
                 f"Decay sweep (KVpop-{scorers[0]}, CR {min(compressions):.1%}, {sweep_steps} steps; agreement with "
@@ -357,7 +361,7 @@ def verdict(metric: str, method: str, cr: float) -> str:
             f"[{r.base_lo:+.4f}, {r.base_hi:+.4f}]); {method} {r['mean']:.4f}, the oracle {o['mean']:.4f}")
 
 
-summary += ["Verdicts (paired 95% intervals over the validation windows):", ""]
+summary += ["Verdicts (paired 95% intervals over the held-out windows):", ""]
 summary += [f"- {verdict(m, f'kvpop_{sc}', cr)}" for cr in compressions for sc in scorers for m in ("agreement", "kl")]
 summary += ["", "Agreement with the dense model, mean ± s.e.:", "",
             compare_table(tables["agreement"]).to_markdown(), "",
