@@ -58,6 +58,7 @@ eval_methods = ["streaming_llm", "tova:all", "tova:group", "h2o"]   # baselines 
 seed = 0
 
 # %%
+import functools
 import math
 import subprocess
 from pathlib import Path
@@ -119,10 +120,19 @@ def student_for(scorer: str, cr: float, log_gamma: float | None) -> KVpopStudent
     return st
 
 
+activations = out / f"activations_S{S}_w{window}"
+
+
+@functools.cache
+def training_store():
+    "Every training window's activations, cached when a student is first trained (a rerun resumes the folder)."
+    return cache_activations(model, train_ids, activations, window=window)
+
+
 if train:
-    store = cache_activations(model, train_ids, out / f"activations_S{S}_w{window}", window=window)
-    per_window_mb = sum(t.numel() * t.element_size() for t in store[0].values()) / 2**20
-    first = ActivationBatches(store, [[0]])[0]  # train_ids[0]'s activations
+    first_store = cache_activations(model, train_ids[:1], activations, window=window)
+    per_window_mb = sum(t.numel() * t.element_size() for t in first_store[0].values()) / 2**20
+    first = ActivationBatches(first_store, [[0]])[0]  # train_ids[0]'s activations
     speed = pd.DataFrame([dict(scorer=sc, **step_seconds(model, student_for(sc, min(compressions), None),
                                                          train_ids[:1], first, repeats=2)) for sc in scorers])
     print(f"{per_window_mb:.1f} MB of activations per window")
@@ -163,7 +173,7 @@ def train_student(scorer: str, cr: float, log_gamma: float | None, n_steps: int,
     config = DistillConfig(steps=n_steps, mode="cached", new_lr=new_lr, new_lr_min=min(8e-5, new_lr),
                            warmup_steps=min(warmup_steps, n_steps), checkpoint_every=max(1, n_steps // 10), seed=seed)
     folder = out / tag
-    hist = train_offline(model, st, store, config, checkpoint_dir=folder)
+    hist = train_offline(model, st, training_store(), config, checkpoint_dir=folder)
     write_csv(folder / "history.csv", hist)
     return st.eval(), hist
 
@@ -189,7 +199,7 @@ if train:
 
     names = [f"{lg:g}" for lg in sweep_log_gammas] + ["learned"]
     sweep = run_grid([dict(decay=n, window=i) for n in names for i in range(len(select_ids))], sweep_cell,
-                     out / "sweep_grid.csv", desc="decay sweep",
+                     Path(out_dir) / "kvpop_train_sweep_grid.csv", desc="decay sweep",
                      params=dict(model=model_name, S=S, scorer=scorers[0], sweep_steps=sweep_steps))
     sweep["decay"] = sweep.decay.astype(str)
     sweep_table = sweep.groupby("decay", sort=False)[["agreement", "kl", "final_log_gamma"]].mean()
@@ -201,24 +211,74 @@ if train:
 
 # %% [markdown]
 # ## The final scorers
+#
+# With `ship=True` each final student is written to `sparsekv/checkpoints/<model>-cr<CR>-<scorer>/` as soon as it
+# is trained: its weights, its training history and a manifest (model, data windows, settings, steps, commit; the
+# validation metrics once the evaluation below has run), where
+# `methods.make("kvpop_mlstm", budget=..., checkpoint="smollm2-135m-cr75-mlstm")` finds it. A run that finds a
+# shipped student trained with exactly its settings reuses it instead of training it again, so a run interrupted
+# after some students (hours on a CPU) resumes from the committed ones.
 
 # %%
 def shipped_name(sc: str, cr: float) -> str:
     return f"{model_name}-cr{round(cr * 100)}-{sc}"
 
 
-trained, histories = {}, []
+def shipped_folder(sc: str, cr: float) -> Path:
+    return Path(sparsekv.__file__).parent / "checkpoints" / shipped_name(sc, cr)
+
+
+def commit() -> str:
+    try: return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError): return "unknown"
+
+
+def training_settings(sc: str, cr: float) -> dict:
+    "Everything a final student's training depends on: a shipped student with the same settings is this student."
+    return dict(method=f"kvpop_{sc}", model=model_name, budget=sink + window + ks[cr], sink=sink, window=window,
+                k=ks[cr], seq_len=S, compression=cr, decay=chosen, log_gamma_range=[lg_min, lg_max], steps=steps,
+                batch_size=1, new_lr=new_lr, n_boundaries=n_boundaries, target="dense",
+                data=dict(corpus="World English Bible (prose)", split="train", seq_len=S, n_windows=n_train,
+                          seed=seed))
+
+
+def shipped_student(sc: str, cr: float) -> KVpopStudent:
+    m = make_method(f"kvpop_{sc}", budget=sink + window + ks[cr], checkpoint=shipped_name(sc, cr))
+    return m.trained_student(model)
+
+
+def already_shipped(sc: str, cr: float) -> bool:
+    "Whether the shipped student of (sc, cr) was trained with this run's settings (by an interrupted run of it)."
+    manifest = shipped_checkpoints().get(shipped_name(sc, cr), {})
+    return all(manifest.get(key) == value for key, value in training_settings(sc, cr).items())
+
+
+def ship_student(sc: str, cr: float, st: KVpopStudent, hist: pd.DataFrame):
+    folder = shipped_folder(sc, cr)
+    weights = dict(student=st.state_dict(), spec=dict(method=f"kvpop_{sc}", student=student_spec(st)))
+    with atomic_path(folder / "trained.pt") as tmp: torch.save(weights, tmp)
+    write_csv(folder / "history.csv", hist.round(6))  # the learning curve, shipped beside the weights
+    write_json(folder / "manifest.json", dict(name=shipped_name(sc, cr), **training_settings(sc, cr),
+                                              mean_log_gamma=mean_log_gamma(st), commit=commit(), validation=None))
+
+
+trained, histories, reused = {}, [], []
 for cr in compressions:
     for sc in scorers:
         if not train:  # the shipped scorers, as a user gets them
-            m = make_method(f"kvpop_{sc}", budget=sink + window + ks[cr], checkpoint=shipped_name(sc, cr))
-            trained[(sc, cr)] = m.trained_student(model)
+            trained[(sc, cr)] = shipped_student(sc, cr)
             chosen = shipped_checkpoints()[shipped_name(sc, cr)]["decay"]
             continue
-        st, hist = train_student(sc, cr, None if chosen == "learned" else float(chosen), steps,
-                                 f"{sc}_cr{round(cr * 1000)}_{chosen}")
-        trained[(sc, cr)] = st
+        if ship and already_shipped(sc, cr):
+            trained[(sc, cr)] = shipped_student(sc, cr)
+            hist = pd.read_csv(shipped_folder(sc, cr) / "history.csv")
+            reused.append(shipped_name(sc, cr))
+        else:
+            trained[(sc, cr)], hist = train_student(sc, cr, None if chosen == "learned" else float(chosen), steps,
+                                                    f"{sc}_cr{round(cr * 1000)}_{chosen}")
+            if ship: ship_student(sc, cr, trained[(sc, cr)], hist)
         histories.append(hist.assign(scorer=sc, compression=cr))
+print(f"reused shipped students trained by an earlier run of these settings: {reused or 'none'}")
 if train:
     history = pd.concat(histories)
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -275,10 +335,12 @@ def cell(c: dict) -> dict:
 
 cells = [dict(item=i, method=m, compression=cr) for i in range(len(val_ids)) for cr in compressions
          for m in (["dense"] if cr == compressions[0] else []) + methods]
-grid = run_grid(cells, cell, out / "eval_grid.csv", desc="held-out windows",
+students = ", ".join(f"{shipped_name(sc, cr)} of {shipped_checkpoints()[shipped_name(sc, cr)]['commit'][:10]}"
+                     if ship or not train else f"{shipped_name(sc, cr)} trained in this run" for sc, cr in trained)
+grid = run_grid(cells, cell, Path(out_dir) / "kvpop_train_eval_grid.csv", desc="held-out windows",
                 params=dict(model=model_name, S=S, sink=sink, window=window, chosen=chosen,
-                            eviction_chunk=eviction_chunk,
-                            scorers_from=f"trained, {steps} steps" if train else "shipped"))
+                            eviction_chunk=eviction_chunk, n_val_train=n_val_train,
+                            scorers_from=f"trained, {steps} steps" if train else "shipped", students=students))
 dense_rows = grid[grid.method == "dense"]
 results = pd.concat([grid[grid.method != "dense"]] + [dense_rows.assign(compression=cr) for cr in compressions])
 tables = {}
@@ -305,34 +367,22 @@ save_figure(fig, Path(fig_dir) / "kvpop_train.png", results)
 # %% [markdown]
 # ## Shipped scorers
 #
-# With `ship=True` the final scorers are written to `sparsekv/checkpoints/<model>-cr<CR>-<scorer>/` with a
-# manifest (model, data windows, settings, steps, commit, validation metrics), where
-# `methods.make("kvpop_mlstm", budget=..., checkpoint="smollm2-135m-cr75-mlstm")` finds them.
+# The manifests of this run's students, with their agreement on the held-out windows (written into the shipped
+# manifests when `ship=True`).
 
 # %%
-def commit() -> str:
-    try: return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError): return "unknown"
-
-
-shipped = []
-for (sc, cr), st in trained.items() if train else ():
-    name = shipped_name(sc, cr)
+def manifest_of(sc: str, cr: float) -> dict:
     agree = tables["agreement"].set_index(["method", "budget"]).loc[(f"kvpop_{sc}", cr)]
-    manifest = dict(name=name, method=f"kvpop_{sc}", model=model_name, budget=sink + window + ks[cr], sink=sink,
-                    window=window, k=ks[cr], seq_len=S, compression=cr, decay=chosen,
-                    log_gamma_range=[lg_min, lg_max], mean_log_gamma=mean_log_gamma(st), steps=steps, batch_size=1,
-                    new_lr=new_lr, n_boundaries=n_boundaries, target="dense",
-                    data=dict(corpus="World English Bible (prose)", split="train", seq_len=S, n_windows=n_train,
-                              seed=seed), commit=commit(),
-                    validation=dict(windows=len(val_ids), agreement=float(agree["mean"]), se=float(agree["se"])))
-    shipped.append(manifest)
-    if ship:
-        folder = Path(sparsekv.__file__).parent / "checkpoints" / name
-        weights = dict(student=st.state_dict(), spec=dict(method=f"kvpop_{sc}", student=student_spec(st)))
-        with atomic_path(folder / "trained.pt") as tmp: torch.save(weights, tmp)
-        write_json(folder / "manifest.json", manifest)
-pd.DataFrame(shipped or list(shipped_checkpoints().values()))
+    validation = dict(windows=len(val_ids), agreement=float(agree["mean"]), se=float(agree["se"]))
+    if ship: return {**shipped_checkpoints()[shipped_name(sc, cr)], "validation": validation}
+    return dict(name=shipped_name(sc, cr), **training_settings(sc, cr),
+                mean_log_gamma=mean_log_gamma(trained[(sc, cr)]), commit=commit(), validation=validation)
+
+
+shipped = [manifest_of(sc, cr) for sc, cr in trained] if train else list(shipped_checkpoints().values())
+for manifest in shipped if train and ship else ():
+    write_json(Path(sparsekv.__file__).parent / "checkpoints" / manifest["name"] / "manifest.json", manifest)
+pd.DataFrame(shipped)
 
 
 # %%
@@ -343,6 +393,7 @@ def md(df: pd.DataFrame) -> str:
 source = (f"{n_train} training windows (cached once, {per_window_mb:.0f} MB each), {steps} steps per student, decay "
           f"chosen on {n_select} training-split windows never trained on" if train else
           f"the shipped scorers ({', '.join(shipped_name(sc, cr) for sc in scorers for cr in compressions)})")
+if reused: source += f" (trained by an earlier, interrupted run of these settings and shipped: {', '.join(reused)})"
 summary = [f"SmolLM2 ({model_name}), S={S}, sink {sink}, window {window}, k {ks}; {source}; {len(val_ids)} "
            f"held-out windows ({len(val_ids) - n_val_train} from the validation split, {n_val_train} never-trained ones from "
            f"the training split); TOVA/H2O evict every {eviction_chunk} tokens; decay {chosen}.", ""]
