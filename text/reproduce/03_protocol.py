@@ -80,6 +80,7 @@ pairs = []  # [method, other] labels (e.g. [quoka_heads, quoka], [quoka, sparq_m
 stem = "protocol"  # output names: {stem}.md, {stem}.png, {stem}_*_grid.csv (the leaderboard stage runs this notebook too)
 
 # %%
+import hashlib
 import math
 from pathlib import Path
 
@@ -89,6 +90,7 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
+import sparsekv
 from sparsekv import methods, presses
 from sparsekv.costs import KNOBS, matched
 from sparsekv.data import make_task, packed_sequences
@@ -143,9 +145,24 @@ def setting(label: str) -> str:
             "retrieval": "decode retrieval"}[methods.get(name).family]
 
 
+def checkpoints_of(params: dict) -> list[str]:
+    "The trained scorers (`checkpoint`: a shipped name or a path) a method or a composition's parts load."
+    return [p["checkpoint"] for p in (params, params.get("prefill_params") or {}, params.get("decode_params") or {})
+            if "checkpoint" in p]
+
+
 def trained_for_the_model(params: dict) -> bool:
-    "Whether a method (or a composition's part) loads scorers trained for the model (`checkpoint`)."
-    return any("checkpoint" in p for p in (params, params.get("prefill_params") or {}, params.get("decode_params") or {}))
+    return bool(checkpoints_of(params))
+
+
+def weights_key(label: str) -> dict:
+    """`{"scorers": "name@hash, ..."}` for a method that loads trained scorers (by content), else `{}`: a grid cell
+    computed with other weights (scorers retrained and shipped again) is computed again, not reused."""
+    def content(checkpoint: str) -> str:
+        shipped = Path(sparsekv.__file__).parent / "checkpoints" / checkpoint / "trained.pt"
+        return hashlib.sha256((shipped if shipped.is_file() else Path(checkpoint)).read_bytes()).hexdigest()[:12]
+    names = checkpoints_of(method_params(label)[2])
+    return {"scorers": ", ".join(f"{c}@{content(c)}" for c in names)} if names else {}
 
 
 # What a method attends to is set by its structure (slots, chunks, pages, sinks), not by the weights: the budgets are
@@ -247,7 +264,8 @@ def prose_row(cell: dict) -> dict:
     return done_rows[key].pop(cell["window"])
 
 
-prose_cells = [{"method": label, "budget": b, "window": w}
+weights = {label: weights_key(label) for label in method_specs}
+prose_cells = [{"method": label, "budget": b, **weights[label], "window": w}
                for start in range(0, len(windows), prose_batch) for label, b in runs for w in batch_of(start)]
 prose = run_grid(prose_cells, prose_row, Path(out_dir)/f"{stem}_prose_grid.csv", desc="prose",
                  params={"model_name": model_name, "dtype": dtype, "device": device, "chunk_size": chunk_size,
@@ -273,7 +291,7 @@ def answer_row(cell: dict) -> dict:
 # on the items it finished, with every cell at every depth; the methods that prefill densely share one prefill per item
 # (`cells: {}` runs prose alone)
 by_seed = sorted((x for its in items.values() for x in its), key=lambda x: x["seed"])  # stable: cells, depths
-answer_cells = [{"method": label, "budget": b, "cell": x["cell"], "seed": x["seed"], "depth": x["depth"],
+answer_cells = [{"method": label, "budget": b, **weights[label], "cell": x["cell"], "seed": x["seed"], "depth": x["depth"],
                  "item": item_hash(x["item"])} for x in by_seed for label, b in runs]
 answers = run_grid(answer_cells, answer_row, Path(out_dir)/f"{stem}_answers_grid.csv", desc="answers",
                    params={"model_name": model_name, "dtype": dtype, "device": device, "extra_tokens": extra_tokens,
