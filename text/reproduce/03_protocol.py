@@ -291,8 +291,8 @@ def answer_row(cell: dict) -> dict:
 # on the items it finished, with every cell at every depth; the methods that prefill densely share one prefill per item
 # (`cells: {}` runs prose alone)
 by_seed = sorted((x for its in items.values() for x in its), key=lambda x: x["seed"])  # stable: cells, depths
-answer_cells = [{"method": label, "budget": b, **weights[label], "cell": x["cell"], "seed": x["seed"], "depth": x["depth"],
-                 "item": item_hash(x["item"])} for x in by_seed for label, b in runs]
+answer_cells = [{"method": label, "budget": b, **weights[label], "cell": x["cell"], "seed": x["seed"],
+                 "depth": x["depth"], "item": item_hash(x["item"])} for x in by_seed for label, b in runs]
 answers = run_grid(answer_cells, answer_row, Path(out_dir)/f"{stem}_answers_grid.csv", desc="answers",
                    params={"model_name": model_name, "dtype": dtype, "device": device, "extra_tokens": extra_tokens,
                            "chunk_size": chunk_size, "eviction_chunk": eviction_chunk},

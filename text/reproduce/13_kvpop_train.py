@@ -380,8 +380,8 @@ def manifest_of(sc: str, cr: float) -> dict:
 
 
 shipped = [manifest_of(sc, cr) for sc, cr in trained] if train else list(shipped_checkpoints().values())
-for manifest in shipped if train and ship else ():
-    write_json(Path(sparsekv.__file__).parent / "checkpoints" / manifest["name"] / "manifest.json", manifest)
+for (sc, cr), manifest in zip(trained, shipped) if train and ship else ():
+    write_json(shipped_folder(sc, cr) / "manifest.json", manifest)
 pd.DataFrame(shipped)
 
 
