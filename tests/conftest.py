@@ -2,15 +2,15 @@
 import os
 
 import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
+if not torch.cuda.is_available():  # Triton kernels compile only for a GPU; here they run interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
 
 
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     "Two test workers share two cores; tiny tensors gain nothing from intra-op threads, which then spin (10x slower)."
-    import torch
-
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -22,8 +22,6 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     has_cuda = torch.cuda.is_available()
     for item in items:
         if "slow" in item.keywords and not config.getoption("--run-slow"):

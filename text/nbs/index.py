@@ -67,13 +67,14 @@
 # ### First run on a GPU
 #
 # `make gpu-check` runs every CUDA path of the package once, each part in its own process under
-# its own time limit (8 minutes in all at most), so that a short loan of a GPU is not spent on a
+# its own time limit (10 minutes in all at most), so that a short loan of a GPU is not spent on a
 # typo: the gpu-marked tests and notebook cells; compiled FlexAttention for the KVpop target and
 # mask, forward and backward, against the dense path; the Triton cutoff kernel against the torch
 # backend at 64k tokens; three bf16 distillation steps under `torchrun` (FSDP2 with two or more
 # GPUs); and prefill and decode times of dense, KVpop, QuoKA and OVAL at 32k tokens, as ratios to
 # dense. It prints each part's numbers as it ends and writes `gpu_check.json` and `gpu_check.md`
-# to `reproduce/runs/gpu-check/`. Without CUDA it says so in one line. `make gpu-check DRY=1`
+# to `reproduce/runs/gpu-check/` (its first run, on an H200: `reproduce/gpu_check_results/`).
+# Without CUDA it says so in one line. `make gpu-check DRY=1`
 # runs the same parts on a CPU with tiny shapes (the gpu tests collected only, FlexAttention eager
 # and forward only, Triton interpreted, two gloo processes) in 40 s, and
 # `make reproduce PROFILE=gpu-smoke` runs every stage with the `gpu` profile's settings on a CPU
