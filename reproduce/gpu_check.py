@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +198,7 @@ def part_bench(dry: bool) -> dict:
     res = {"model": name, "context": S, "decode_steps": steps, "budget": budget, "device": device, "methods": {}}
     gen = dict(do_sample=False, pad_token_id=0)
 
-    def clocked(m) -> list[float]:
+    def clocked(generate) -> list[float]:
         "Seconds from the call to each new token's logits (generate asks for them once per token, after its step)."
         start, ticks = time.perf_counter(), []
 
@@ -205,15 +206,25 @@ def part_bench(dry: bool) -> dict:
             _sync(device)
             ticks.append(time.perf_counter() - start)
             return scores
-        m.generate(model, ids, max_new_tokens=1 + steps, min_new_tokens=1 + steps, logits_processor=[tick], **gen)
+        generate(max_new_tokens=1 + steps, min_new_tokens=1 + steps, logits_processor=[tick], **gen)
         return ticks
 
     methods.make("dense").generate(model, ids, max_new_tokens=2, **gen)  # warm-up at full length: kernels, allocator
-    for label in ("dense", "kvpop_mlp", "quoka", "oval"):
-        m = methods.make(label) if label == "dense" else methods.make(label, budget)
-        ticks = clocked(m)  # decode steps timed one by one: no prefill time subtracted, which is noisy at 32k
-        per_token = sorted(b - a for a, b in zip(ticks, ticks[1:]))
+    for label in ("dense", "hf_sdpa", "kvpop_mlp", "quoka", "oval"):  # hf_sdpa: the unpatched model, for our overhead
+        m = methods.make(label) if label == "dense" else None if label == "hf_sdpa" else methods.make(label, budget)
+        ticks = clocked(partial(model.generate, ids) if m is None else partial(m.generate, model, ids))
+        per_token = sorted(b - a for a, b in zip(ticks, ticks[1:]))  # one by one: no noisy prefill time subtracted
         res["methods"][label] = {"prefill_s": ticks[0], "decode_ms": 1e3 * per_token[len(per_token) // 2]}
+    prof, logits_seen = torch.profiler.profile(), []
+
+    def decode_only(input_ids, scores):  # profile from the first new token's logits to the fifth's: 4 decode steps
+        logits_seen.append(len(logits_seen))
+        if len(logits_seen) in (1, 5): (prof.start if len(logits_seen) == 1 else prof.stop)()
+        return scores
+    # where a dense decode step's time goes (host or device), for the speed work
+    methods.make("dense").generate(model, ids, max_new_tokens=5, min_new_tokens=5, logits_processor=[decode_only],
+                                   **gen)
+    res["dense_profile_top_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     dense = res["methods"]["dense"]
     for r in res["methods"].values():
         r["prefill_speedup"] = dense["prefill_s"] / r["prefill_s"]
