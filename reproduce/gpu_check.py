@@ -41,8 +41,8 @@ def part_tests(dry: bool) -> dict:
     "The gpu-marked tests; on CUDA also the notebooks' gpu cells. Dry: only collected (they need CUDA to run)."
     # only the files that hold gpu tests: the others import dev tools (papermill, nbdev) a GPU image may lack
     files = [str(f) for f in sorted((ROOT / "tests").glob("test_*.py")) if "pytest.mark.gpu" in f.read_text()]
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
-    if dry: cmd.insert(-len(files), "--collect-only")
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+           *(["--collect-only"] if dry else []), *files]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", out.stdout)}
     res = {"pytest": counts, "pytest_rc": out.returncode}
