@@ -52,6 +52,7 @@ new_lr = 1e-3                  # peak learning rate of the scorers (Table 3)
 warmup_steps = 1
 n_boundaries = 64              # boundary queries per window and step (Eq. 25)
 eviction_chunk = 16            # TOVA/H2O: evict every eviction_chunk tokens
+recall_queries = 64            # query positions per held-out window at which retention recall is measured
 train = True                   # False: evaluate the shipped scorers (sparsekv/checkpoints) instead of training
 ship = False                   # copy the final scorers into sparsekv/checkpoints (the shipped scorers)
 eval_methods = ["streaming_llm", "tova:all", "tova:group", "h2o"]   # baselines (name:heads for TOVA/H2O)
@@ -74,6 +75,7 @@ from sparsekv.eval import kl_to_teacher, run_grid, top1_agreement
 from sparsekv.hf import AttentionPolicy, dense_attention, patch
 from sparsekv.io import atomic_path, save_figure, use_style, write_csv, write_json, write_text
 from sparsekv.kvpop.cutoff import topk_cutoff
+from sparsekv.kvpop.loss import retention_recall
 from sparsekv.kvpop.mask import kvpop_mask
 from sparsekv.kvpop.offline import ActivationBatches, cache_activations, step_seconds, train_offline
 from sparsekv.kvpop.student import KVpopStudent, shipped_checkpoints
@@ -363,6 +365,131 @@ for ax, metric in zip(axes, ("agreement", "kl")):
     ax.legend()
 save_figure(fig, Path(fig_dir) / "kvpop_train.png", results)
 
+# %% [markdown]
+# ## Every student against every baseline
+#
+# #15's goal asks each KVpop student to be ahead of each baseline, not only of the best one. Below, each student's
+# paired difference to each baseline over the same held-out windows (`compare` with that baseline alone): "ahead"
+# or "behind" only where the 95% interval excludes 0 over at least `min_items` windows, otherwise "tied".
+# StreamingLLM+ (the model trained under StreamingLLM's pattern) is not in this stage: training the whole model at
+# S = 2,048 does not fit a CPU session; `kvpop_distill` compares it with the same students' recipe at S = 512.
+
+# %%
+kvpop_methods = [f"kvpop_{sc}" for sc in scorers]
+
+
+def against(baseline: str, metric: str) -> pd.DataFrame:
+    "The students' `compare` rows with `baseline` as the only baseline: their paired differences to it."
+    cmp = compare(results, metric, budget="compression", baselines=[baseline], higher_is_better=metric == "agreement")
+    return cmp[cmp.method.isin(kvpop_methods)].assign(metric=metric)
+
+
+def verdict(r) -> str:
+    "A `compare` row's difference to its baseline in words: ahead or behind only when its interval excludes 0."
+    word = ("ahead" if r.better else "behind") if r.base_sig else "tied"
+    if r.n < tables[r.metric].attrs["min_items"]: word = "undecided (too few windows)"
+    return f"{word}, {r.diff_base:+.4f} [{r.base_lo:+.4f}, {r.base_hi:+.4f}]"
+
+
+pairs = pd.concat([against(b, m) for b in eval_methods for m in ("agreement", "kl")])
+pairs["better"] = (pairs.diff_base > 0) == (pairs.metric == "agreement")
+pairs["verdict"] = [verdict(r) for r in pairs.itertuples()]
+versus = pairs.pivot_table(index=["budget", "method", "baseline"], columns="metric", values="verdict",
+                           aggfunc="first", sort=False)
+ahead_of_all = (pairs.base_sig & pairs.better).groupby(pairs.method).all()
+write_csv(Path(fig_dir) / "kvpop_train_pairs.csv", pairs)
+versus
+
+# %% [markdown]
+# ## Retention recall (Fig. 7 analogue at S = 2,048)
+#
+# The fraction of the teacher's top-$k$ long-range tokens that a student keeps, at `recall_queries` query
+# positions evenly spaced from the first full cache to the end of each held-out window, averaged over layers and
+# KV heads. Two teachers, labelled: the **undecayed** dense future-attention target (Eq. 8: the paper's
+# "full-attention teacher's top-k" read literally), and the target **decayed** by the student's own $\gamma$
+# (Eq. 5: what its loss trains against, and what the training history's recall measures). StreamingLLM (the $k$
+# most recent eligible tokens) is the reference; it has no decay. The held-out windows' activations are cached
+# as the training windows' are (keys, values and the undecayed target, once per window).
+
+# %%
+val_store = cache_activations(model, val_ids, out / f"val_activations_S{S}_w{window}", window=window)
+
+
+@torch.no_grad()
+def window_recall(i: int) -> list[dict]:
+    "Mean retention recall of held-out window i for each student and StreamingLLM, each compression and teacher."
+    batch = ActivationBatches(val_store, [[i]])[0]
+    keys, values, r_tgt = (batch[n].float() for n in ("keys", "values", "target"))
+    L, H = keys.shape[1:3]
+    pos = torch.arange(S).expand(1, H, S)
+    rows = []
+    for cr in compressions:
+        q = torch.linspace(sink + window + ks[cr], S - 1, recall_queries).round().long().unique()
+        for method in ["streaming_llm", *kvpop_methods]:
+            st = trained.get((method.removeprefix("kvpop_"), cr))
+            for teacher in ("undecayed",) if st is None else ("undecayed", "decayed"):
+                recall = []
+                for l in range(L):
+                    target = r_tgt[:, l] if teacher == "undecayed" else st.scorers.decayed(l, r_tgt[:, l], pos)
+                    pred = pos.float() if st is None else st.scorers.priority(l, keys[:, l], values[:, l], pos)
+                    recall.append(retention_recall(pred, target, q, sink, window, ks[cr]).mean())
+                rows.append(dict(window=i, compression=cr, method=method, teacher=teacher,
+                                 recall=float(torch.stack(recall).mean())))
+    return rows
+
+
+recall = pd.DataFrame([row for i in range(len(val_ids)) for row in window_recall(i)])
+write_csv(Path(fig_dir) / "kvpop_train_recall.csv", recall)
+recall_table = recall.groupby(["compression", "method", "teacher"], sort=False).recall.agg(["mean", "sem"])
+recall_table
+
+# %% [markdown]
+# ## Paper vs ours
+#
+# The paper's numbers are quoted from its Table 1 (Qwen3-4B, average pass@1 on AIME/HMMT relative to the teacher,
+# 16k tokens, B = 4,096 / 2,048; its KVpop trains every parameter for 2,000 steps of 128 sequences). Ours: top-1
+# agreement with the dense model on held-out prose (the dense model's is 1, so it is already relative), the
+# scorers trained with the base frozen. The metrics differ, so the comparable parts are the ordering of the
+# methods and the size of the gaps. The oracle row is the ceiling of any scorer of this target at this budget with
+# this frozen base: the dense future-attention target itself, decayed, used as the priority.
+
+# %%
+# Table 1, Qwen3-4B, Rel.; the paper's TOVA is ours with heads="all"
+PAPER_REL = {0.75: {"streaming_llm": 0.76, "tova:all": 0.73, "kvpop_mlp": 0.98, "kvpop_mlstm": 0.98},
+             0.875: {"streaming_llm": 0.47, "tova:all": 0.58, "kvpop_mlp": 0.93, "kvpop_mlstm": 0.97}}
+agreement = tables["agreement"].set_index(["method", "budget"])["mean"]
+paper_rows = [{"method": m, **{k: v for cr in compressions for k, v in (
+                  (f"paper rel. pass@1, CR {cr:.1%}", PAPER_REL.get(cr, {}).get(m)),
+                  (f"ours agreement, CR {cr:.1%}", agreement[(m, cr)]))}}
+              for m in [*eval_methods, *kvpop_methods, "oracle"]]
+
+
+def gap_closed(m: str, cr: float) -> str:
+    "The share of TOVA's agreement gap to the oracle that method m closes (none to close: n/a)."
+    room = agreement[("oracle", cr)] - agreement[("tova:all", cr)]
+    return f"{(agreement[(m, cr)] - agreement[('tova:all', cr)]) / room:.0%}" if room > 0 else "n/a"
+
+
+mlstm_recall = recall_table.loc[(min(compressions), "kvpop_mlstm")]["mean"]
+paper = ["| claim | paper | ours | why they differ |", "|---|---|---|---|",
+         f"| KVpop keeps ~0.98 of the teacher at CR 75% (Table 1) | KVpop 0.98, KVpop-MLP 0.98 | KVpop-mLSTM "
+         f"{agreement[('kvpop_mlstm', 0.75)]:.3f}, KVpop-MLP {agreement[('kvpop_mlp', 0.75)]:.3f}; the oracle "
+         f"{agreement[('oracle', 0.75)]:.3f} | the oracle is the ceiling of a scorer with this frozen base, below "
+         "0.98: what remains is the base's own adaptation (the paper trains all parameters) |"
+         if 0.75 in compressions else "",
+         "| learned eviction far ahead of TOVA (Table 1, CR 75% / 88%) | +0.25 / +0.39 relative pass@1 | "
+         + ", ".join(f"KVpop-{sc} {agreement[(f'kvpop_{sc}', cr)] - agreement[('tova:all', cr)]:+.3f} at CR "
+                     f"{cr:.1%} ({gap_closed(f'kvpop_{sc}', cr)} of TOVA's gap to the oracle)"
+                     for sc in scorers for cr in compressions)
+         + " | the oracle itself is only " + ", ".join(
+             f"{agreement[('oracle', cr)] - agreement[('tova:all', cr)]:+.3f}" for cr in compressions)
+         + " above TOVA on this model and length (the paper's TOVA collapses at 16k): little room to win |",
+         f"| KVpop recovers the teacher's top-k (Fig. 7, §4.3, CR 75%) | \"a global mean recall of 81%\" | "
+         f"KVpop-mLSTM {mlstm_recall['undecayed']:.2f} against the undecayed teacher, {mlstm_recall['decayed']:.2f} "
+         f"against the teacher decayed by its own gamma (CR {min(compressions):.1%}) | S = {S:,} and w = {window} "
+         "instead of 16,384 and 256; the paper does not say which teacher |"]
+pd.DataFrame(paper_rows)
+
 
 # %% [markdown]
 # ## Shipped scorers
@@ -401,19 +528,13 @@ if train:
     summary += ["Step time (one window, alternated in one run):", "", md(speed), "",
                 f"Decay sweep (KVpop-{scorers[0]}, CR {min(compressions):.1%}, {sweep_steps} steps; agreement with "
                 "the dense model on the selection windows):", "", md(sweep_table), ""]
-def verdict(metric: str, method: str, cr: float) -> str:
-    "A comparison in words: the paired difference to the best baseline ('ahead' only when its interval excludes 0)."
-    rows = tables[metric].set_index(["method", "budget"])
-    r, o = rows.loc[(method, cr)], rows.loc[("oracle", cr)]
-    better = (r.diff_base > 0) == (metric == "agreement")
-    word = ("ahead of" if better else "behind") if r.base_sig else "tied with"
-    if r.n < tables[metric].attrs["min_items"]: word = f"undecided ({r.n} windows: too few to tell) against"
-    return (f"{method} at CR {cr:.1%}, {metric}: {word} the best baseline {r.baseline} ({r.diff_base:+.4f} "
-            f"[{r.base_lo:+.4f}, {r.base_hi:+.4f}]); {method} {r['mean']:.4f}, the oracle {o['mean']:.4f}")
-
-
-summary += ["Verdicts (paired 95% intervals over the held-out windows):", ""]
-summary += [f"- {verdict(m, f'kvpop_{sc}', cr)}" for cr in compressions for sc in scorers for m in ("agreement", "kl")]
+summary += ["Each student against each baseline (paired 95% intervals over the held-out windows; ahead/behind only "
+            "where the interval excludes 0):", "", versus.reset_index().to_markdown(index=False), "",
+            "Ahead of every baseline at every compression on both metrics: "
+            + ", ".join(f"{m} {'yes' if ahead_of_all[m] else 'no'}" for m in kvpop_methods), "",
+            f"Retention recall at {recall_queries} query positions per window, mean and s.e. over windows:", "",
+            md(recall_table), "", "Paper vs ours:", "", md(pd.DataFrame(paper_rows)), "",
+            *[line for line in paper if line]]
 summary += ["", "Agreement with the dense model, mean ± s.e.:", "",
             compare_table(tables["agreement"]).to_markdown(), "",
             "Agreement, difference to the best baseline [95% paired interval] (* excludes 0):", "",
