@@ -53,6 +53,9 @@ warmup_steps = 1
 n_boundaries = 64              # boundary queries per window and step (Eq. 25)
 eviction_chunk = 16            # TOVA/H2O: evict every eviction_chunk tokens
 recall_queries = 64            # query positions per held-out window at which retention recall is measured
+every_token = []               # baselines also run evicting every token (as #15 asks), labelled <name>@1
+every_token_hours = None       # stop starting every-token batches after this long (None: all windows); a rerun resumes
+baseline_batch = 8             # held-out windows per every-token pass (one forward per token: a batch amortizes it)
 train = True                   # False: evaluate the shipped scorers (sparsekv/checkpoints) instead of training
 ship = False                   # copy the final scorers into sparsekv/checkpoints (the shipped scorers)
 eval_methods = ["streaming_llm", "tova:all", "tova:group", "h2o"]   # baselines (name:heads for TOVA/H2O)
@@ -151,17 +154,20 @@ def dense_logits(ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def policy_logits(ids: torch.Tensor, policy: AttentionPolicy, cache=None, chunk: int | None = None) -> torch.Tensor:
-    "Logits of the scored positions under `policy` (one forward), or through `cache` in chunks of `chunk` tokens."
-    ids = ids.to(device)
+def policy_logits(ids: torch.Tensor, policy: AttentionPolicy, cache=None, chunk: int | None = None,
+                  first: int | None = None) -> torch.Tensor:
+    """Logits of the scored positions under `policy` (one forward), or through `cache`: a first chunk of `first`
+    tokens (default: `chunk`), then chunks of `chunk` tokens."""
+    ids, start = ids.to(device), ids.shape[1] - n_scored
     with patch(model, policy):
         if cache is None: return model(ids, logits_to_keep=n_scored).logits.float()
-        parts = []
-        for a in range(0, ids.shape[1], chunk):
-            pos = torch.arange(a, min(a + chunk, ids.shape[1]), device=ids.device)
-            parts.append(model(ids[:, pos], past_key_values=cache, use_cache=True, cache_position=pos,
-                               position_ids=pos[None]).logits.float())
-    return torch.cat(parts, 1)[:, -n_scored:]
+        parts, bounds = [], [0, *range(first or chunk, ids.shape[1], chunk), ids.shape[1]]
+        for a, b in zip(bounds, bounds[1:]):
+            pos, keep = torch.arange(a, b, device=ids.device), b - max(a, start)  # keep: scored positions in it
+            out = model(ids[:, pos], past_key_values=cache, use_cache=True, cache_position=pos, position_ids=pos[None],
+                        logits_to_keep=max(keep, 1))
+            if keep > 0: parts.append(out.logits.float()[:, -keep:])
+    return torch.cat(parts, 1)
 
 
 def metrics(logits: torch.Tensor, teacher: torch.Tensor) -> dict:
@@ -311,15 +317,19 @@ class OraclePolicy(AttentionPolicy):
 
 
 
+def evicting_baseline(name: str, cr: float):
+    "TOVA or H2O, `name` as 'method:heads' (heads default 'group'), at compression cr's budget, sinks and window."
+    base, _, heads = name.partition(":")
+    return make_method(base, budget=sink + window + ks[cr], sink=sink, window=window, heads=heads or "group")
+
+
 def method_logits(name: str, cr: float, ids: torch.Tensor) -> torch.Tensor:
     if name.startswith("kvpop_"): return policy_logits(ids, trained[(name.removeprefix("kvpop_"), cr)].policy())
     if name == "oracle": return policy_logits(ids, OraclePolicy(ks[cr], mean_log_gamma(trained[(scorers[0], cr)])))
-    budget = dict(budget=sink + window + ks[cr], sink=sink, window=window)
     if name == "streaming_llm":
-        m = make_method(name, **budget)
+        m = make_method(name, budget=sink + window + ks[cr], sink=sink, window=window)
         return policy_logits(ids, m.policy(), m.cache(model), S)  # exact in one chunk
-    base, _, heads = name.partition(":")
-    m = make_method(base, **budget, heads=heads or "group")
+    m = evicting_baseline(name, cr)
     return policy_logits(ids, m.policy(), m.cache(model), eviction_chunk)
 
 
@@ -378,10 +388,11 @@ save_figure(fig, Path(fig_dir) / "kvpop_train.png", results)
 kvpop_methods = [f"kvpop_{sc}" for sc in scorers]
 
 
-def against(baseline: str, metric: str) -> pd.DataFrame:
-    "The students' `compare` rows with `baseline` as the only baseline: their paired differences to it."
-    cmp = compare(results, metric, budget="compression", baselines=[baseline], higher_is_better=metric == "agreement")
-    return cmp[cmp.method.isin(kvpop_methods)].assign(metric=metric)
+def against(baseline: str, metric: str, res: pd.DataFrame | None = None) -> pd.DataFrame:
+    "`compare`'s rows of `res` (default: `results`) with `baseline` as the only baseline: the paired differences to it."
+    cmp = compare(results if res is None else res, metric, budget="compression", baselines=[baseline],
+                  higher_is_better=metric == "agreement")
+    return cmp[cmp.baseline == baseline].assign(metric=metric)
 
 
 def verdict(r) -> str:
@@ -392,6 +403,7 @@ def verdict(r) -> str:
 
 
 pairs = pd.concat([against(b, m) for b in eval_methods for m in ("agreement", "kl")])
+pairs = pairs[pairs.method.isin(kvpop_methods)]
 pairs["better"] = (pairs.diff_base > 0) == (pairs.metric == "agreement")
 pairs["verdict"] = [verdict(r) for r in pairs.itertuples()]
 versus = pairs.pivot_table(index=["budget", "method", "baseline"], columns="metric", values="verdict",
@@ -399,6 +411,73 @@ versus = pairs.pivot_table(index=["budget", "method", "baseline"], columns="metr
 ahead_of_all = (pairs.base_sig & pairs.better).groupby(pairs.method).all()
 write_csv(Path(fig_dir) / "kvpop_train_pairs.csv", pairs)
 versus
+
+
+# %% [markdown]
+# ## Baselines evicting every token
+#
+# The tables above let TOVA and H2O evict every `eviction_chunk` tokens, so a query sees up to `eviction_chunk - 1`
+# keys beyond the budget: an advantage to them. #15 asks for eviction at every token, as the TOVA and H2O papers
+# do; that is one forward per token (on 2 cores about a minute per window, baseline and compression, at
+# `baseline_batch` windows per pass), so the baselines in `every_token` run it on as many held-out windows as
+# `every_token_hours` allows, and a rerun adds more. No eviction happens before the cache holds its budget $B$, so
+# the first $B$ tokens go in as one chunk, exactly as one by one (checked on the quick profile by running them one
+# by one). Below, over the windows done: the students, and the same baseline evicting in chunks, each against the
+# baseline evicting every token.
+
+# %%
+def every_token_metrics(name: str, cr: float, a: int) -> list[dict]:
+    "Metrics of held-out windows a, a + 1, ... (one batch) under baseline `name` evicting every token."
+    m = evicting_baseline(name, cr)
+    logits = policy_logits(val_ids[a:a + baseline_batch], m.policy(), m.cache(model), 1, first=m.budget)
+    return [metrics(logits[j:j + 1], dense_logits(val_ids[a + j:a + j + 1])) for j in range(logits.shape[0])]
+
+
+if S <= 256:  # short windows (the quick profile): the first B tokens in one chunk give what one by one gives
+    for name in every_token:
+        m = evicting_baseline(name, min(compressions))
+        # the same evictions: float noise only (a different kept set moves logits by far more than 1e-3)
+        torch.testing.assert_close(policy_logits(val_ids[:1], m.policy(), m.cache(model), 1, first=m.budget),
+                                   policy_logits(val_ids[:1], m.policy(), m.cache(model), 1), atol=1e-3, rtol=1e-4)
+
+
+every_memo = {}
+
+
+def every_token_cell(c: dict) -> dict:
+    "One held-out window under a baseline evicting every token (its whole batch computed once)."
+    name, cr, i = c["method"].removesuffix("@1"), c["compression"], c["item"]
+    a = i - i % baseline_batch
+    if (name, cr, a) not in every_memo:
+        every_memo.clear()
+        every_memo[(name, cr, a)] = every_token_metrics(name, cr, a)
+    return every_memo[(name, cr, a)][i - a]
+
+
+every = run_grid([dict(item=i, method=f"{m}@1", compression=cr) for m in every_token for cr in compressions
+                  for i in range(len(val_ids))], every_token_cell, Path(out_dir) / "kvpop_train_every_token_grid.csv",
+                 desc="every-token baselines", params=dict(model=model_name, S=S, sink=sink, window=window,
+                                                           baseline_batch=baseline_batch),
+                 time_limit=None if every_token_hours is None else every_token_hours * 3600)
+every_windows = {cr: every[every.compression == cr].groupby("item").method.count() for cr in compressions}
+every_windows = {cr: n[n == len(every_token)].index for cr, n in every_windows.items()}
+ready = {cr: w for cr, w in every_windows.items() if len(w) >= 2}  # an interval needs two windows
+every_pairs = pd.DataFrame()
+if ready:
+    both = pd.concat([results, every])
+    on_them = pd.concat([both[(both.compression == cr) & both.item.isin(w)] for cr, w in ready.items()])
+    every_pairs = pd.concat([against(f"{b}@1", m, on_them) for b in every_token for m in ("agreement", "kl")])
+    # the students, and each chunked baseline against its own every-token run
+    every_pairs = every_pairs[every_pairs.method.isin(kvpop_methods)
+                              | (every_pairs.method + "@1" == every_pairs.baseline)]
+    every_pairs["better"] = (every_pairs.diff_base > 0) == (every_pairs.metric == "agreement")
+    every_pairs["verdict"] = [verdict(r) for r in every_pairs.itertuples()]
+    write_csv(Path(fig_dir) / "kvpop_train_every_token.csv", every_pairs)
+every_done = ", ".join(f"CR {cr:.1%}: {len(w)} of {len(val_ids)} windows" for cr, w in every_windows.items())
+every_versus = (every_pairs.pivot_table(index=["budget", "method", "baseline", "n"], columns="metric", values="verdict",
+                                        aggfunc="first", sort=False).reset_index() if len(every_pairs) else None)
+print(every_done)
+every_versus
 
 # %% [markdown]
 # ## Retention recall (Fig. 7 analogue at S = 2,048)
@@ -531,8 +610,12 @@ if train:
 summary += ["Each student against each baseline (paired 95% intervals over the held-out windows; ahead/behind only "
             "where the interval excludes 0):", "", versus.reset_index().to_markdown(index=False), "",
             "Ahead of every baseline at every compression on both metrics: "
-            + ", ".join(f"{m} {'yes' if ahead_of_all[m] else 'no'}" for m in kvpop_methods), "",
-            f"Retention recall at {recall_queries} query positions per window, mean and s.e. over windows:", "",
+            + ", ".join(f"{m} {'yes' if ahead_of_all[m] else 'no'}" for m in kvpop_methods), ""]
+if every_token:
+    summary += [f"Against the baselines evicting every token ({every_done}; the same baseline evicting every "
+                f"{eviction_chunk} tokens is the row that shows what chunks gave it):", "",
+                "(fewer than 2 windows done)" if every_versus is None else every_versus.to_markdown(index=False), ""]
+summary += [f"Retention recall at {recall_queries} query positions per window, mean and s.e. over windows:", "",
             md(recall_table), "", "Paper vs ours:", "", md(pd.DataFrame(paper_rows)), "",
             *[line for line in paper if line]]
 summary += ["", "Agreement with the dense model, mean ± s.e.:", "",
