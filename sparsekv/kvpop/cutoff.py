@@ -1,4 +1,4 @@
-"""KVpop's learned per-head decay, the static priority it induces, and the Fenwick-tree cutoff of Alg. 2.
+"""KVpop's learned per-head decay, the static priority it induces, and the cutoff of Alg. 2: its Fenwick tree, and a wavelet matrix for all queries at once.
 
 Docs: https://sparsekv.github.io/sparsekv/kvpop_cutoff.html.md"""
 
@@ -198,26 +198,29 @@ def cutoff_python(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
 
 # %% ../../nbs/11_kvpop_cutoff.ipynb #45e825b6
 def cutoff_torch(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
-    "Cutoffs [B,H,S] by Alg. 2's binary lifting for all queries at once, Fenwick node counts by sort + searchsorted."
+    "Cutoffs [B,H,S]: the k-th smallest rank of each prefix E(q), all queries at once, by a wavelet matrix of the ranks."
     B, H, S = rank.shape
     n = max(S - sink, 0)
     cutoff = torch.full((B * H, S), S, dtype=torch.int64, device=rank.device)
     first = sink + window + k - 1  # the first query with |E(q)| >= k; before it, cutoff = S
     if n == 0 or first >= S: return cutoff.reshape(B, H, S)
     m = eligible_count(S, sink, window, rank.device)[first:]  # E(q) = the first m[q] eligible tokens in time order
-    r = rank[..., sink:].reshape(B * H, n)
+    r = rank[..., sink:].reshape(B * H, n)  # this bit's order of the ranks (entry order at first)
+    a, b = torch.zeros_like(cutoff[:, first:]), m.expand(B * H, -1)  # the tokens in play: positions [a, b) of r
+    rest, tau = torch.full_like(a, k), torch.zeros_like(a)
     u = torch.arange(n, device=rank.device)
-    p = torch.zeros(B * H, S - first, dtype=torch.int64, device=rank.device)
-    rest = torch.full_like(p, k)
-    for level in range(n.bit_length() - 1, -1, -1):
-        step = 1 << level
-        keys = ((r >> level) * (n + 1) + u).sort(-1).values  # by rank block, then entry time
-        j = p >> level
-        node = torch.searchsorted(keys, j * (n + 1) + m) - j * step  # T_q[p + step]: eligible tokens in block j
-        move = (p + step <= n) & (node < rest)
-        p = torch.where(move, p + step, p)
-        rest = torch.where(move, rest - node, rest)
-    cutoff[:, first:] = p
+    zeros = torch.zeros(B * H, n + 1, dtype=torch.int64, device=rank.device)  # Z(i): zeros among the first i
+    for level in range(max(n - 1, 1).bit_length() - 1, -1, -1):
+        bit = (r >> level) & 1
+        torch.cumsum(1 - bit, -1, out=zeros[:, 1:])
+        N, za, zb = zeros[:, -1:], zeros.gather(-1, a), zeros.gather(-1, b)
+        one = rest > zb - za  # fewer than `rest` zeros in play: this bit of tau is 1
+        tau |= one.long() << level
+        rest = torch.where(one, rest - (zb - za), rest)
+        a, b = torch.where(one, N + a - za, za), torch.where(one, N + b - zb, zb)
+        if level:  # the next bit's order: a stable partition, zeros first
+            r = torch.empty_like(r).scatter_(-1, torch.where(bit == 0, zeros[:, :-1], N + u - zeros[:, :-1]), r)
+    cutoff[:, first:] = tau
     return cutoff.reshape(B, H, S)
 
 # %% ../../nbs/11_kvpop_cutoff.ipynb #3562e261

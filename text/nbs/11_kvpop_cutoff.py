@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Static priorities and the running top-k cutoff
 #
-# > KVpop's learned per-head decay, the static priority it induces, and the Fenwick-tree cutoff of Alg. 2.
+# > KVpop's learned per-head decay, the static priority it induces, and the cutoff of Alg. 2: its Fenwick tree, and a wavelet matrix for all queries at once.
 
 # %%
 #| default_exp kvpop.cutoff
@@ -43,7 +43,8 @@ from torch.testing import assert_close
 #
 # This notebook turns that query-dependent ranking into a single static one (§3.1, App.
 # B.3), and computes the running top-$k$ threshold for all $q$ in $O(S \log S)$ with a
-# Fenwick tree (§3.2, App. C.2, Alg. 2). The mask built from it is in
+# Fenwick tree (§3.2, App. C.2, Alg. 2), and for all $q$ at once with a wavelet matrix of the
+# ranks (the `torch` backend). The mask built from it is in
 # `sparsekv.kvpop.mask`.
 #
 # ## The learned decay (Eq. 21)
@@ -487,60 +488,79 @@ def cutoff_python(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
 # Vectorized over heads in PyTorch, each of them would be a separate operator call of a few
 # microseconds, some $2 S \log_2 S \approx 460\,000$ calls at $S = 16384$: seconds of
 # pure overhead.
-# The binary lifting itself, though, does not need the tree to be *built* step by step:
-# it only reads nodes $T[p + 2^l]$, and at time $q$ such a node holds
+# The question each query asks, though, does not need the tree to be built in time order:
+# number the eligible tokens by entry time $u = t - s$ ($n = S - s$ of them); then
+# $\mathcal{E}(q)$ is the prefix $u < m_q$ ($m_q = |\mathcal{E}(q)|$) and
 #
-# $$T_q[p + 2^l] = \#\{\,t \in \mathcal{E}(q) : p \le \mathrm{rank}(t) < p + 2^l\,\}
-# = \#\{\,t \in \mathcal{E}(q) : \lfloor \mathrm{rank}(t) / 2^l \rfloor = j\,\}, \quad j = p / 2^l,$$
+# $$\tau_q = \text{the } k\text{-th smallest of } r_0, \dots, r_{m_q - 1}, \qquad r_u = \mathrm{rank}(s + u),$$
 #
-# because $p$ is a multiple of $2^{l+1}$: the node covers one aligned block of $2^l$ ranks.
-# So all queries can run the descent together, level by level, if we can count, for every
-# query, the eligible tokens in a given rank block. Number the eligible tokens by entry
-# time $u = t - s$ ($\mathcal{E}(q)$ is the prefix $u < m_q$, $m_q = |\mathcal{E}(q)|$)
-# and give each the key
+# a $k$-th smallest query on a prefix of one fixed sequence, which all queries can answer
+# together, reading the ranks' bits from the top ($L = \lceil \log_2 n \rceil$ bits):
 #
-# $$\kappa_l(t) = \lfloor \mathrm{rank}(t)/2^l \rfloor\,(n + 1) + u, \qquad n = S - s .$$
+# - **One bit at a time.** Of the tokens still in play (at first the prefix), let $z$ have a
+#   0 in the current bit. If $z \ge k$, the answer has a 0 there and only those $z$ tokens
+#   stay in play; else it has a 1, the $z$ smaller ones are counted ($k \leftarrow k - z$)
+#   and the others stay. After $L$ bits the bits chosen spell $\tau_q$.
+# - **Counting $z$ in $O(1)$: a wavelet matrix.** Before reading bit $l$, reorder the
+#   sequence stably by that bit (zeros first, each side in its previous order), once for all
+#   queries. If the tokens in play occupy positions $[a, b)$ of the order at bit $l$, with
+#   $Z_l(i)$ the zeros among its first $i$ positions (a prefix sum) and $N_l = Z_l(n)$, then
+#   $z = Z_l(b) - Z_l(a)$, and in the next order the zeros of $[a, b)$ occupy
+#   $[Z_l(a), Z_l(b))$ and its ones $[N_l + a - Z_l(a), N_l + b - Z_l(b))$: a stable
+#   partition moves each side's members together, keeping their order, so the tokens in play
+#   stay one contiguous range at every bit. The prefix starts as $[0, m_q)$.
 #
-# Sorting the keys groups tokens by block, and by entry time inside a block. Ranks are a
-# permutation of $0..n-1$, so exactly $j\,2^l$ tokens lie in blocks before $j$, and block
-# $j$ starts at sorted position $j\,2^l$. Since $u \le n - 1$ and $m_q \le n$, a key lies
-# below $j(n+1) + m_q$ iff its token is in an earlier block, or in block $j$ with
-# $u < m_q$, i.e. eligible at $q$. Counting the keys below that value with a binary
-# search and removing the earlier blocks:
-#
-# $$T_q[p + 2^l] = \mathrm{searchsorted}\big(\mathrm{sort}(\kappa_l),\; j(n+1) + m_q\big) - j\,2^l .$$
-#
-# Queries before $q = s + w + k - 1$ have fewer than $k$ eligible tokens ($\tau_q = S$)
-# and are skipped. Per level that is one sort of $n$ keys and one batched binary search
-# for the remaining queries, vectorized over all (batch, head) pairs: $O(S \log^2 S)$ work in
-# $\lceil \log_2 S \rceil$ rounds of a few large tensor operations, and $O(S)$ memory per
-# head (the keys, and $p$ and the remaining count per query). It returns the same
-# $\tau_q$ as Alg. 2, since it is the same descent reading the same node values.
+# Per bit: one prefix sum and one stable partition of the $n$ ranks (shared by all queries)
+# and two lookups per query, vectorized over all (batch, head) pairs: $O(S \log S)$ work
+# in $\lceil \log_2 S \rceil$ rounds of a few large tensor operations, $O(S)$ memory per
+# head. (An earlier version counted Fenwick nodes with one sort of $n$ keys per bit:
+# $O(S \log^2 S)$, two to three times slower on this CPU at $S$ = 2,048 to 16,384.) Queries
+# before $q = s + w + k - 1$ have fewer than $k$ eligible tokens ($\tau_q = S$) and are
+# skipped. It returns Alg. 2's $\tau_q$ exactly: both give the $k$-th smallest rank of
+# $\mathcal{E}(q)$, checked below against the brute force.
 
 # %%
 #| export
 def cutoff_torch(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
-    "Cutoffs [B,H,S] by Alg. 2's binary lifting for all queries at once, Fenwick node counts by sort + searchsorted."
+    "Cutoffs [B,H,S]: the k-th smallest rank of each prefix E(q), all queries at once, by a wavelet matrix of the ranks."
     B, H, S = rank.shape
     n = max(S - sink, 0)
     cutoff = torch.full((B * H, S), S, dtype=torch.int64, device=rank.device)
     first = sink + window + k - 1  # the first query with |E(q)| >= k; before it, cutoff = S
     if n == 0 or first >= S: return cutoff.reshape(B, H, S)
     m = eligible_count(S, sink, window, rank.device)[first:]  # E(q) = the first m[q] eligible tokens in time order
-    r = rank[..., sink:].reshape(B * H, n)
+    r = rank[..., sink:].reshape(B * H, n)  # this bit's order of the ranks (entry order at first)
+    a, b = torch.zeros_like(cutoff[:, first:]), m.expand(B * H, -1)  # the tokens in play: positions [a, b) of r
+    rest, tau = torch.full_like(a, k), torch.zeros_like(a)
     u = torch.arange(n, device=rank.device)
-    p = torch.zeros(B * H, S - first, dtype=torch.int64, device=rank.device)
-    rest = torch.full_like(p, k)
-    for level in range(n.bit_length() - 1, -1, -1):
-        step = 1 << level
-        keys = ((r >> level) * (n + 1) + u).sort(-1).values  # by rank block, then entry time
-        j = p >> level
-        node = torch.searchsorted(keys, j * (n + 1) + m) - j * step  # T_q[p + step]: eligible tokens in block j
-        move = (p + step <= n) & (node < rest)
-        p = torch.where(move, p + step, p)
-        rest = torch.where(move, rest - node, rest)
-    cutoff[:, first:] = p
+    zeros = torch.zeros(B * H, n + 1, dtype=torch.int64, device=rank.device)  # Z(i): zeros among the first i
+    for level in range(max(n - 1, 1).bit_length() - 1, -1, -1):
+        bit = (r >> level) & 1
+        torch.cumsum(1 - bit, -1, out=zeros[:, 1:])
+        N, za, zb = zeros[:, -1:], zeros.gather(-1, a), zeros.gather(-1, b)
+        one = rest > zb - za  # fewer than `rest` zeros in play: this bit of tau is 1
+        tau |= one.long() << level
+        rest = torch.where(one, rest - (zb - za), rest)
+        a, b = torch.where(one, N + a - za, za), torch.where(one, N + b - zb, zb)
+        if level:  # the next bit's order: a stable partition, zeros first
+            r = torch.empty_like(r).scatter_(-1, torch.where(bit == 0, zeros[:, :-1], N + u - zeros[:, :-1]), r)
+    cutoff[:, first:] = tau
     return cutoff.reshape(B, H, S)
+
+
+# %%
+# the step it rests on, by brute force: after a stable partition by one bit, the zeros and the ones of every
+# range [a, b) sit at [Z(a), Z(b)) and [N + a - Z(a), N + b - Z(b)), in their old order
+torch.manual_seed(6)
+r = torch.randperm(37)
+bit = (r >> 3) & 1
+order = torch.cat([r[bit == 0], r[bit == 1]])
+Z = torch.cat([torch.zeros(1, dtype=torch.int64), (1 - bit).cumsum(0)])
+N = int(Z[-1])
+for a in range(38):
+    for b in range(a, 38):
+        test_eq(order[Z[a]:Z[b]], r[a:b][bit[a:b] == 0])
+        test_eq(order[N + a - Z[a]:N + b - Z[b]], r[a:b][bit[a:b] == 1])
 
 
 # %% [markdown]
@@ -658,7 +678,7 @@ for S, k, sink, window in ((1, 1, 0, 1), (2, 1, 0, 1), (7, 2, 1, 2), (17, 4, 1, 
 #
 # | `backend` | what runs | where |
 # |---|---|---|
-# | `"torch"` | all-queries binary lifting (sort + searchsorted per level) | any device |
+# | `"torch"` | all queries at once: a wavelet matrix of the ranks (prefix sum + stable partition per bit) | any device |
 # | `"triton"` | one program per (batch, head): Fenwick tree and binary lifting in the kernel | CUDA; CPU under `TRITON_INTERPRET=1` |
 # | `"python"` | Alg. 2 with the `Fenwick` class | CPU loops, for reading and testing |
 #

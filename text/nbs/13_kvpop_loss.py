@@ -133,7 +133,7 @@ for _q, _t_new, _t_bnd in [(49, 45, 10), (30, 26, 25), (20, 16, 0)]:
 #   "fewer than $k$" sentinel) because $|\mathcal{E}(q-1)| = q - w - s \ge k$.
 #
 # So the boundary at all sampled positions costs one `topk_cutoff` pass over the target
-# priorities (one sort and the Fenwick scan of App. C.2, computed once for all positions as
+# priorities (one sort and the cutoffs of App. C.2 for all positions at once, as
 # App. B.6 says) and a few gathers; no second top-$k$ for the first dropped token.
 
 # %%

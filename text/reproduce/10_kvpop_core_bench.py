@@ -1,7 +1,7 @@
 # %% [markdown]
 # # KVpop core: cutoff and target benchmarks
 #
-# > Speed and memory of the Fenwick cutoff and of the chunked future-attention target, each against its baseline in the same run.
+# > Speed and memory of the cutoff (all queries at once) and of the chunked future-attention target, each against its baseline in the same run.
 
 # %% [markdown]
 # Two performance targets of the KVpop core, measured side by side with their baselines
