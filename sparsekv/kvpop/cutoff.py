@@ -198,7 +198,7 @@ def cutoff_python(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
 
 # %% ../../nbs/11_kvpop_cutoff.ipynb #45e825b6
 def cutoff_torch(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
-    "Cutoffs [B,H,S]: the k-th smallest rank of each prefix E(q), all queries at once, by a wavelet matrix of the ranks."
+    "Cutoffs [B,H,S]: the k-th smallest rank of each prefix E(q), for all queries at once by a wavelet matrix of ranks."
     B, H, S = rank.shape
     n = max(S - sink, 0)
     cutoff = torch.full((B * H, S), S, dtype=torch.int64, device=rank.device)
