@@ -454,28 +454,29 @@ def every_token_cell(c: dict) -> dict:
     return every_memo[(name, cr, a)][i - a]
 
 
-every = run_grid([dict(item=i, method=f"{m}@1", compression=cr) for m in every_token for cr in compressions
-                  for i in range(len(val_ids))], every_token_cell, Path(out_dir) / "kvpop_train_every_token_grid.csv",
-                 desc="every-token baselines", params=dict(model=model_name, S=S, sink=sink, window=window,
-                                                           baseline_batch=baseline_batch),
-                 time_limit=None if every_token_hours is None else every_token_hours * 3600)
-every_windows = {cr: every[every.compression == cr].groupby("item").method.count() for cr in compressions}
-every_windows = {cr: n[n == len(every_token)].index for cr, n in every_windows.items()}
-ready = {cr: w for cr, w in every_windows.items() if len(w) >= 2}  # an interval needs two windows
-every_pairs = pd.DataFrame()
-if ready:
-    both = pd.concat([results, every])
-    on_them = pd.concat([both[(both.compression == cr) & both.item.isin(w)] for cr, w in ready.items()])
-    every_pairs = pd.concat([against(f"{b}@1", m, on_them) for b in every_token for m in ("agreement", "kl")])
-    # the students, and each chunked baseline against its own every-token run
-    every_pairs = every_pairs[every_pairs.method.isin(kvpop_methods)
-                              | (every_pairs.method + "@1" == every_pairs.baseline)]
-    every_pairs["better"] = (every_pairs.diff_base > 0) == (every_pairs.metric == "agreement")
-    every_pairs["verdict"] = [verdict(r) for r in every_pairs.itertuples()]
-    write_csv(Path(fig_dir) / "kvpop_train_every_token.csv", every_pairs)
-every_done = ", ".join(f"CR {cr:.1%}: {len(w)} of {len(val_ids)} windows" for cr, w in every_windows.items())
-every_versus = (every_pairs.pivot_table(index=["budget", "method", "baseline", "n"], columns="metric", values="verdict",
-                                        aggfunc="first", sort=False).reset_index() if len(every_pairs) else None)
+every_pairs, every_versus, every_done = pd.DataFrame(), None, "no baseline evicting every token in this profile"
+if every_token:
+    every = run_grid([dict(item=i, method=f"{m}@1", compression=cr) for m in every_token for cr in compressions
+                      for i in range(len(val_ids))], every_token_cell,
+                     Path(out_dir) / "kvpop_train_every_token_grid.csv", desc="every-token baselines",
+                     params=dict(model=model_name, S=S, sink=sink, window=window, baseline_batch=baseline_batch),
+                     time_limit=None if every_token_hours is None else every_token_hours * 3600)
+    every_windows = {cr: every[every.compression == cr].groupby("item").method.count() for cr in compressions}
+    every_windows = {cr: n[n == len(every_token)].index for cr, n in every_windows.items()}
+    every_done = ", ".join(f"CR {cr:.1%}: {len(w)} of {len(val_ids)} windows" for cr, w in every_windows.items())
+    ready = {cr: w for cr, w in every_windows.items() if len(w) >= 2}  # an interval needs two windows
+    if ready:
+        both = pd.concat([results, every])
+        on_them = pd.concat([both[(both.compression == cr) & both.item.isin(w)] for cr, w in ready.items()])
+        every_pairs = pd.concat([against(f"{b}@1", m, on_them) for b in every_token for m in ("agreement", "kl")])
+        # the students, and each chunked baseline against its own every-token run
+        every_pairs = every_pairs[every_pairs.method.isin(kvpop_methods)
+                                  | (every_pairs.method + "@1" == every_pairs.baseline)]
+        every_pairs["better"] = (every_pairs.diff_base > 0) == (every_pairs.metric == "agreement")
+        every_pairs["verdict"] = [verdict(r) for r in every_pairs.itertuples()]
+        write_csv(Path(fig_dir) / "kvpop_train_every_token.csv", every_pairs)
+        every_versus = every_pairs.pivot_table(index=["budget", "method", "baseline", "n"], columns="metric",
+                                               values="verdict", aggfunc="first", sort=False).reset_index()
 print(every_done)
 every_versus
 
