@@ -65,6 +65,7 @@ seed = 0
 import functools
 import math
 import subprocess
+import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -456,11 +457,17 @@ def every_token_cell(c: dict) -> dict:
 
 every_pairs, every_versus, every_done = pd.DataFrame(), None, "no baseline evicting every token in this profile"
 if every_token:
-    every = run_grid([dict(item=i, method=f"{m}@1", compression=cr) for m in every_token for cr in compressions
-                      for i in range(len(val_ids))], every_token_cell,
-                     Path(out_dir) / "kvpop_train_every_token_grid.csv", desc="every-token baselines",
-                     params=dict(model=model_name, S=S, sink=sink, window=window, baseline_batch=baseline_batch),
-                     time_limit=None if every_token_hours is None else every_token_hours * 3600)
+    start, parts = time.perf_counter(), []
+    for m, cr, a in [(m, cr, a) for m in every_token for cr in compressions for a in range(0, len(val_ids),
+                                                                                          baseline_batch)]:
+        # the time box holds between batches: a batch started is finished and saved; one past it only reads
+        over = every_token_hours is not None and time.perf_counter() - start > every_token_hours * 3600
+        parts.append(run_grid([dict(item=i, method=f"{m}@1", compression=cr)
+                               for i in range(a, min(a + baseline_batch, len(val_ids)))], every_token_cell,
+                              Path(out_dir) / "kvpop_train_every_token_grid.csv", desc=f"{m} every token, CR {cr}",
+                              params=dict(model=model_name, S=S, sink=sink, window=window,
+                                          baseline_batch=baseline_batch), time_limit=0 if over else None))
+    every = pd.concat(parts)
     every_windows = {cr: every[every.compression == cr].groupby("item").method.count() for cr in compressions}
     every_windows = {cr: n[n == len(every_token)].index for cr, n in every_windows.items()}
     every_done = ", ".join(f"CR {cr:.1%}: {len(w)} of {len(val_ids)} windows" for cr, w in every_windows.items())
