@@ -393,7 +393,9 @@ def against(baseline: str, metric: str, res: pd.DataFrame | None = None) -> pd.D
     "`compare`'s rows of `res` (default: `results`) with `baseline` as the only baseline: the paired differences to it."
     cmp = compare(results if res is None else res, metric, budget="compression", baselines=[baseline],
                   higher_is_better=metric == "agreement")
-    return cmp[cmp.baseline == baseline].assign(metric=metric)
+    cmp = cmp[cmp.baseline == baseline].assign(metric=metric)
+    cmp["better"] = (cmp.diff_base > 0) == (metric == "agreement")
+    return cmp.assign(verdict=[verdict(r) for r in cmp.itertuples()])
 
 
 def verdict(r) -> str:
@@ -405,8 +407,6 @@ def verdict(r) -> str:
 
 pairs = pd.concat([against(b, m) for b in eval_methods for m in ("agreement", "kl")])
 pairs = pairs[pairs.method.isin(kvpop_methods)]
-pairs["better"] = (pairs.diff_base > 0) == (pairs.metric == "agreement")
-pairs["verdict"] = [verdict(r) for r in pairs.itertuples()]
 versus = pairs.pivot_table(index=["budget", "method", "baseline"], columns="metric", values="verdict",
                            aggfunc="first", sort=False)
 ahead_of_all = (pairs.base_sig & pairs.better).groupby(pairs.method).all()
@@ -479,8 +479,6 @@ if every_token:
         # the students, and each chunked baseline against its own every-token run
         every_pairs = every_pairs[every_pairs.method.isin(kvpop_methods)
                                   | (every_pairs.method + "@1" == every_pairs.baseline)]
-        every_pairs["better"] = (every_pairs.diff_base > 0) == (every_pairs.metric == "agreement")
-        every_pairs["verdict"] = [verdict(r) for r in every_pairs.itertuples()]
         write_csv(Path(fig_dir) / "kvpop_train_every_token.csv", every_pairs)
         every_versus = every_pairs.pivot_table(index=["budget", "method", "baseline", "n"], columns="metric",
                                                values="verdict", aggfunc="first", sort=False).reset_index()
