@@ -116,6 +116,24 @@ def test_chunked_prefill_then_generate(tiny_llama64_gqa_mha, kind):
     assert torch.equal(out, seq)
 
 
+@pytest.mark.parametrize("kind", ["mlstm", "mlstm0"])
+@pytest.mark.parametrize("chunk", [1, 2, 5, 16])
+def test_recurrent_scores_equal_parallel_priorities(tiny_llama64_gqa_mha, kind, chunk):
+    """A recurrent scorer's scores in the cache after prefill chunks of one token, of fewer and more tokens than its
+    delay, and of the whole prompt, are its parallel (chunkwise) priorities; the tokens not yet read are pending."""
+    model = tiny_llama64_gqa_mha
+    s, w, k = 2, 3, 16  # k >= the prompt: nothing is evicted, every layer holds every token
+    scorers, ids = make_scorers(model, kind, 4, w), ids_of(model, 2, 16, seed=3)
+    cache = KVpopCache(scorers, s, w, k)
+    chunked_prefill(model, ids, chunk, KVpopPolicy(), cache)
+    for l, layer in enumerate(cache.layers):
+        assert layer.positions.shape[-1] == ids.shape[1]
+        read = layer.positions < layer.kvpop_readout.pending_from
+        assert int(read.sum(-1).min()) == ids.shape[1] - (w if kind == "mlstm" else 0)
+        want = scorers.priority(l, layer.keys, layer.values, layer.positions)
+        assert_close(layer.scores[read], want[read], rtol=1e-4, atol=1e-5)
+
+
 def test_priority_is_static_priority_and_mask_is_reference():
     torch.manual_seed(0)
     sc = KVpopScorers.mlp(1, 2, 4, n=3)

@@ -214,9 +214,11 @@ def mlstm_recurrent(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tenso
     return h
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #8509e4e0
-def chunk_states(k: Tensor, v: Tensor, b: Tensor, log_i: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], MLSTMState]:
+def chunk_states(k: Tensor, v: Tensor, b: Tensor, log_i: Tensor, initial: MLSTMState | None = None
+                 ) -> tuple[tuple[Tensor, Tensor, Tensor], MLSTMState]:
     """The stabilized states entering each chunk, (C [B,H,N,dk,dv], n [B,H,N,dk], m [B,H,N]), and the final state, of
-    chunked k [B,H,N,L,dk], v [B,H,N,L,dv], in-chunk cumulative log-forget b and log-input gates [B,H,N,L]."""
+    chunked k [B,H,N,L,dk], v [B,H,N,L,dv], in-chunk cumulative log-forget b and log-input gates [B,H,N,L], starting
+    from the state `initial` (None: the empty state)."""
     B, H, N, L, dk = k.shape
     F_j = b[..., -1]                                                   # each chunk's total log-forget
     g = F_j[..., None] - b + log_i                                     # log-weight of token s in its chunk's end state
@@ -227,23 +229,28 @@ def chunk_states(k: Tensor, v: Tensor, b: Tensor, log_i: Tensor) -> tuple[tuple[
     Phi = torch.cumsum(F_j.double(), -1)
     W = (Phi[..., :, None] - Phi[..., None, :] + a.double()[..., None, :]).masked_fill(
         torch.ones(N, N, dtype=torch.bool, device=k.device).triu(1), -math.inf)  # chunk j' in the state after chunk j
+    if initial is not None:  # one more column: the initial state, e^m0 of it decayed by every chunk up to j
+        W = torch.cat([Phi[..., None] + initial.m.double()[..., None, None], W], -1)
+        dC, dn = torch.cat([initial.C[:, :, None], dC], 2), torch.cat([initial.n[:, :, None], dn], 2)
     m = W.amax(-1)
     E = torch.exp(W - m[..., None]).to(k.dtype)
-    C, n, m = (E @ dC.flatten(-2)).view(dC.shape), E @ dn, m.to(k.dtype)
-    empty = mlstm_init_state(B, H, dk, v.shape[-1], k.device, k.dtype)
-    entering = tuple(torch.cat([e[:, :, None], x[:, :, :-1]], 2) for e, x in zip(empty, (C, n, m)))
+    C, n, m = (E @ dC.flatten(-2)).view(B, H, N, dk, -1), E @ dn, m.to(k.dtype)
+    first = mlstm_init_state(B, H, dk, v.shape[-1], k.device, k.dtype) if initial is None else initial
+    entering = tuple(torch.cat([e[:, :, None], x[:, :, :-1]], 2) for e, x in zip(first, (C, n, m)))
     return entering, MLSTMState(C[:, :, -1], n[:, :, -1], m[..., -1])
 
 def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, normalizer: str = "ratio",
-                              eps: float = 1e-6, chunk_size: int = 64) -> tuple[Tensor, MLSTMState]:
-    "Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state."
+                              eps: float = 1e-6, chunk_size: int = 64, initial: MLSTMState | None = None
+                              ) -> tuple[Tensor, MLSTMState]:
+    """Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state; the tokens
+    continue the state `initial` (None: they start the sequence)."""
     B, H, S, dk = q.shape
     dv, L = v.shape[-1], check_int(chunk_size, "chunk_size", 1)
     N, pad = -(-S // L), -S % L
     q, k, v = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, N, L, -1) for t in (q, k, v))
     log_i = F.pad(log_i, (0, pad), value=-math.inf).reshape(B, H, N, L)  # padding writes nothing ...
     b = torch.cumsum(F.pad(log_f, (0, pad)).reshape(B, H, N, L), dim=-1)  # ... and does not decay
-    (C_in, n_in, m_in), state = chunk_states(k, v, b, log_i)
+    (C_in, n_in, m_in), state = chunk_states(k, v, b, log_i, initial)
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     log_D = (b[..., :, None] - b[..., None, :] + log_i[..., None, :]).masked_fill(~causal, -math.inf)
     log_prev = b + m_in[..., None]  # log-scale of the entering state at row t

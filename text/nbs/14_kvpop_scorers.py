@@ -501,7 +501,10 @@ assert_close(mlstm_parallel(q, kf, vf, i_pre, F.logsigmoid(f_pre), 0, "mlstm"), 
 # \bar{\boldsymbol{C}}_j = \sum_{j' \le j} e^{W_{jj'} - m_j}\,\Delta\boldsymbol{C}_{j'}$$
 #
 # (and $\bar{\boldsymbol{n}}_j$ alike): an $N \times N$ lower-triangular matrix times the stacked chunk
-# writes, no loop over chunks. Unrolling the recurrence $m_j = \max(F_j + m_{j-1}, a_j)$ from the empty
+# writes, no loop over chunks. A sequence that continues a state $(\bar{\boldsymbol{C}}_0, \bar{\boldsymbol{n}}_0,
+# m_0)$ (a prefill chunk after earlier ones, in the cache) adds one column: that state is $e^{m_0}\bar{\boldsymbol{C}}_0$
+# unstabilized and decays by $\Phi_j$ up to the end of chunk $j$, so $W_{j,0} = \Phi_j + m_0$ with
+# $\bar{\boldsymbol{C}}_0$ as its write; it is also the state entering the first chunk. Unrolling the recurrence $m_j = \max(F_j + m_{j-1}, a_j)$ from the empty
 # state's $m = -\infty$ gives the same stabilizer $m_j$, so the states equal the recurrent ones. The small
 # matrix is computed in float64: over many chunks the differences $\Phi_j - \Phi_{j'}$ of float32 sums lose
 # precision (at $S = 2048$ and $L = 1$ the readouts drifted to $4 \cdot 10^{-5}$ from the float64 reference,
@@ -516,9 +519,11 @@ assert_close(mlstm_parallel(q, kf, vf, i_pre, F.logsigmoid(f_pre), 0, "mlstm"), 
 
 # %%
 #| export
-def chunk_states(k: Tensor, v: Tensor, b: Tensor, log_i: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], MLSTMState]:
+def chunk_states(k: Tensor, v: Tensor, b: Tensor, log_i: Tensor, initial: MLSTMState | None = None
+                 ) -> tuple[tuple[Tensor, Tensor, Tensor], MLSTMState]:
     """The stabilized states entering each chunk, (C [B,H,N,dk,dv], n [B,H,N,dk], m [B,H,N]), and the final state, of
-    chunked k [B,H,N,L,dk], v [B,H,N,L,dv], in-chunk cumulative log-forget b and log-input gates [B,H,N,L]."""
+    chunked k [B,H,N,L,dk], v [B,H,N,L,dv], in-chunk cumulative log-forget b and log-input gates [B,H,N,L], starting
+    from the state `initial` (None: the empty state)."""
     B, H, N, L, dk = k.shape
     F_j = b[..., -1]                                                   # each chunk's total log-forget
     g = F_j[..., None] - b + log_i                                     # log-weight of token s in its chunk's end state
@@ -529,23 +534,28 @@ def chunk_states(k: Tensor, v: Tensor, b: Tensor, log_i: Tensor) -> tuple[tuple[
     Phi = torch.cumsum(F_j.double(), -1)
     W = (Phi[..., :, None] - Phi[..., None, :] + a.double()[..., None, :]).masked_fill(
         torch.ones(N, N, dtype=torch.bool, device=k.device).triu(1), -math.inf)  # chunk j' in the state after chunk j
+    if initial is not None:  # one more column: the initial state, e^m0 of it decayed by every chunk up to j
+        W = torch.cat([Phi[..., None] + initial.m.double()[..., None, None], W], -1)
+        dC, dn = torch.cat([initial.C[:, :, None], dC], 2), torch.cat([initial.n[:, :, None], dn], 2)
     m = W.amax(-1)
     E = torch.exp(W - m[..., None]).to(k.dtype)
-    C, n, m = (E @ dC.flatten(-2)).view(dC.shape), E @ dn, m.to(k.dtype)
-    empty = mlstm_init_state(B, H, dk, v.shape[-1], k.device, k.dtype)
-    entering = tuple(torch.cat([e[:, :, None], x[:, :, :-1]], 2) for e, x in zip(empty, (C, n, m)))
+    C, n, m = (E @ dC.flatten(-2)).view(B, H, N, dk, -1), E @ dn, m.to(k.dtype)
+    first = mlstm_init_state(B, H, dk, v.shape[-1], k.device, k.dtype) if initial is None else initial
+    entering = tuple(torch.cat([e[:, :, None], x[:, :, :-1]], 2) for e, x in zip(first, (C, n, m)))
     return entering, MLSTMState(C[:, :, -1], n[:, :, -1], m[..., -1])
 
 def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, normalizer: str = "ratio",
-                              eps: float = 1e-6, chunk_size: int = 64) -> tuple[Tensor, MLSTMState]:
-    "Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state."
+                              eps: float = 1e-6, chunk_size: int = 64, initial: MLSTMState | None = None
+                              ) -> tuple[Tensor, MLSTMState]:
+    """Immediate readouts h[t] from state t ([B,H,S,dv]) by the chunkwise form, and the final state; the tokens
+    continue the state `initial` (None: they start the sequence)."""
     B, H, S, dk = q.shape
     dv, L = v.shape[-1], check_int(chunk_size, "chunk_size", 1)
     N, pad = -(-S // L), -S % L
     q, k, v = (F.pad(t, (0, 0, 0, pad)).reshape(B, H, N, L, -1) for t in (q, k, v))
     log_i = F.pad(log_i, (0, pad), value=-math.inf).reshape(B, H, N, L)  # padding writes nothing ...
     b = torch.cumsum(F.pad(log_f, (0, pad)).reshape(B, H, N, L), dim=-1)  # ... and does not decay
-    (C_in, n_in, m_in), state = chunk_states(k, v, b, log_i)
+    (C_in, n_in, m_in), state = chunk_states(k, v, b, log_i, initial)
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     log_D = (b[..., :, None] - b[..., None, :] + log_i[..., None, :]).masked_fill(~causal, -math.inf)
     log_prev = b + m_in[..., None]  # log-scale of the entering state at row t
@@ -586,6 +596,19 @@ _, final = mlstm_chunkwise_immediate(q, kf, vf, log_i, log_f, chunk_size=7)
 state = mlstm_init_state(B, H, dk, dv)
 for t in range(S): state = mlstm_step(state, kf[:, :, t], vf[:, :, t], log_i[..., t], log_f[..., t])
 for a, b in zip(final, state): assert_close(a, b)
+# continuing a state: rows t0.. and the final state as if the sequence had been read whole, for splits inside the
+# first chunk, on a chunk boundary and in the last chunk; from the empty state, as without one
+whole, whole_final = mlstm_chunkwise_immediate(q, kf, vf, log_i, log_f, chunk_size=7)
+for t0 in (1, 14, 40):
+    state = mlstm_init_state(B, H, dk, dv)
+    for t in range(t0): state = mlstm_step(state, kf[:, :, t], vf[:, :, t], log_i[..., t], log_f[..., t])
+    for chunk_size in (1, 7, 64):
+        h, final = mlstm_chunkwise_immediate(*(x[:, :, t0:] for x in (q, kf, vf, log_i, log_f)), chunk_size=chunk_size,
+                                             initial=state)
+        assert_close(h, whole[:, :, t0:], rtol=1e-4, atol=1e-5)
+        for a, b in zip(final, whole_final): assert_close(a, b)
+assert_close(mlstm_chunkwise_immediate(q, kf, vf, log_i, log_f, chunk_size=7, initial=mlstm_init_state(B, H, dk, dv)),
+             (whole, whole_final))
 # many chunks (1,024 of one token): the float64 chunk matrix keeps the readouts at float32 accuracy
 g = torch.Generator().manual_seed(6)
 q1, k1 = (hedgehog(torch.randn(1, 2, 1024, 8, generator=g)) for _ in range(2))

@@ -18,7 +18,7 @@ from sparsekv.cache import EvictingCache, EvictingLayer, SinkWindowRule, TopScor
 from sparsekv.hf import DensePolicy, MaskPolicy, dense_attention
 from sparsekv.kvpop.cutoff import LogDecay, check_budget, topk_cutoff
 from sparsekv.kvpop.mask import kvpop_mask
-from sparsekv.kvpop.scorers import MLPScorer, MLSTMScorer, mlstm_step
+from sparsekv.kvpop.scorers import MLPScorer, MLSTMScorer, mlstm_chunkwise_immediate, mlstm_readout, mlstm_step
 
 # %%
 #| hide
@@ -176,25 +176,32 @@ class KVpopRule(TopScoreRule):
         return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
 
     def _recurrent_scores(self, layer, keys, values, positions):
-        "Step the layer's mLSTM over new tokens, read out tokens u = t - delay, give them their static priorities."
+        """Run the layer's mLSTM over new tokens (a step at decode, the chunkwise form over a prefill chunk), read out
+        tokens u = t - delay, give them their static priorities."""
         scorer, start, S = self.kvpop.scorers[layer.layer_idx], layer.seen, keys.shape[2]
         if start == 0 or getattr(layer, "kvpop_readout", None) is None:  # a new sequence
             layer.kvpop_readout = DelayedReadout(scorer.init_state(keys.shape[0], keys.device),
                                                  scorer.query_feature(keys[:, :, :0], values[:, :, :0]))
         ro = layer.kvpop_readout
         q, kf, vf, log_i, log_f = scorer.features(keys, values)  # once for the chunk
-        ro.queue = torch.cat([ro.queue, q], dim=2)  # read features of unread tokens
-        raw = []
-        for j in range(S):
-            ro.state = mlstm_step(ro.state, kf[:, :, j], vf[:, :, j], log_i[:, :, j], log_f[:, :, j])
-            if start + j >= self.delay:  # token u = t - delay reads the state after t (Eq. 41)
-                raw.append(scorer.readout(ro.state, ro.queue[:, :, 0]))
-                ro.queue = ro.queue[:, :, 1:]
-        read = torch.arange(ro.pending_from, ro.pending_from + len(raw), device=keys.device)
+        queue = torch.cat([ro.queue, q], dim=2)  # read features of unread tokens, oldest first
+        # steps t = start + j >= delay read token u = t - delay from the state after t (Eq. 41): the last R steps
+        first = min(S, max(self.delay - start, 0))
+        R = S - first
+        if S == 1:  # decode: one step (the chunkwise form would pad it to a whole chunk)
+            ro.state = mlstm_step(ro.state, kf[:, :, 0], vf[:, :, 0], log_i[:, :, 0], log_f[:, :, 0])
+            raw = scorer.score_head(mlstm_readout(ro.state, queue[:, :, :R], scorer.normalizer, scorer.eps))
+        else:  # every state of the chunk at once, continuing the layer's state; steps before `first` read nothing
+            q_read = torch.cat([torch.zeros_like(q[:, :, :first]), queue[:, :, :R]], dim=2)
+            h, ro.state = mlstm_chunkwise_immediate(q_read, kf, vf, log_i, log_f, scorer.normalizer, scorer.eps,
+                                                    scorer.chunk_size, ro.state)
+            raw = scorer.score_head(h[:, :, first:])
+        ro.queue = queue[:, :, R:]
+        read = torch.arange(ro.pending_from, ro.pending_from + R, device=keys.device)
         # pending: never ranked before it is read
         new = torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)
-        if raw:
-            prio = self.kvpop.decayed(layer.layer_idx, torch.stack(raw, -1), read.expand(*positions.shape[:2], -1))
+        if R:
+            prio = self.kvpop.decayed(layer.layer_idx, raw, read.expand(*positions.shape[:2], -1))
             old = layer.positions[..., None] == read  # [B,H,N,R]: cached entries read now
             # in place (buffers)
             layer.scores.copy_(torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores))
