@@ -117,31 +117,28 @@ def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
     return F.normalize(x.to(accumulation_dtype(x)), dim=-1, eps=EPS, out=out)
 
 
-def query_dissimilarity(q_chunk: Tensor, q_unit: Tensor | None = None) -> Tensor:
-    """d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S];
-    `q_unit`: `unit_vectors(q_chunk)` if at hand."""
-    B, Hq, S, D = q_chunk.shape
-    m = unit_vectors(q_chunk.to(accumulation_dtype(q_chunk)).mean(2, keepdim=True))  # M_Q / |M_Q| per query head
-    q_unit = unit_vectors(q_chunk) if q_unit is None else q_unit
-    # bmm on 3-D views: three tensor ops where `@` on 4-D ones takes seven (at S = 128 the ops, not the FLOPs, cost)
-    return -torch.bmm(q_unit.reshape(B * Hq, S, D), m.view(B * Hq, D, 1)).view(B, Hq, S)
+def query_dissimilarity(q_chunk: Tensor) -> Tensor:
+    """d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S]."""
+    q = q_chunk.to(accumulation_dtype(q_chunk))
+    m = unit_vectors(q.mean(2, keepdim=True))  # M_Q / |M_Q| per query head
+    # q_i . M_Q / |q_i| reads the chunk twice and writes S numbers a head: normalizing every q_i first writes S x D
+    return torch.linalg.vecdot(q, m).div_(torch.linalg.vector_norm(q, dim=-1).clamp_min_(EPS)).neg_()
 
 
-def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: torch.Generator | None = None,
-                  q_unit: Tensor | None = None) -> Tensor:
+def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:
     "What select_queries keeps the largest of, [B,Hq,S]: d (§3.1), -d ('similar'), or uniform draws ('random')."
     if query_rank == "random": return torch.rand(q_chunk.shape[:3], generator=generator).to(q_chunk.device)
-    d = query_dissimilarity(q_chunk, q_unit)
-    return d if query_rank == "dissimilar" else -d
+    d = query_dissimilarity(q_chunk)
+    return d if query_rank == "dissimilar" else d.neg_()
 
 
 def kept_positions(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group", query_rank: str = "dissimilar",
-                   generator: torch.Generator | None = None, q_unit: Tensor | None = None) -> Tensor:
+                   generator: torch.Generator | None = None) -> Tensor:
     """Positions [B,Hkv,g,n] (g = 1 for 'group': shared by the KV head's G query heads; g = G for 'head'),
     n = min(n_q, S), ascending, of the kept queries (ties to the lower position); see `select_queries`."""
     B, Hq, S, _ = q_chunk.shape
     if n_q >= S: return torch.arange(S, device=q_chunk.device).expand(B, Hq // G, 1, S)  # keep every query
-    d = query_ranking(q_chunk, query_rank, generator, q_unit).view(B, Hq // G, G, S)
+    d = query_ranking(q_chunk, query_rank, generator).view(B, Hq // G, G, S)
     if query_select == "group": d = d.mean(2, keepdim=True)  # one ranking per KV head, by the group-mean dissimilarity
     # one stable sort of the S entries breaks ties to the lower position (top_budget_indices takes eight ops)
     return d.sort(dim=-1, descending=True, stable=True).indices[..., :n_q].sort(dim=-1).values
@@ -318,17 +315,17 @@ test_eq(select_queries(q, 4, G, "head", "random", torch.Generator().manual_seed(
 
 # %%
 #| export
-def kept_unit_queries(q_unit: Tensor, pos: Tensor) -> Tensor:
-    "Q̂ [B,Hkv,G,n,D]: the unit queries q_unit [B,Hq,S,D] at positions pos [B,Hkv,g,n] (`kept_positions`), per KV head."
+def kept_queries(q_chunk: Tensor, pos: Tensor) -> Tensor:
+    "[B,Hkv,G,n,D]: the queries of q_chunk [B,Hq,S,D] at positions pos [B,Hkv,g,n] (`kept_positions`), per KV head."
     B, Hkv, _, n = pos.shape
-    _, Hq, S, D = q_unit.shape
-    return q_unit.view(B, Hkv, Hq // Hkv, S, D).gather(3, pos[..., None].expand(-1, -1, Hq // Hkv, -1, D))
+    _, Hq, S, D = q_chunk.shape
+    return q_chunk.view(B, Hkv, Hq // Hkv, S, D).gather(3, pos[..., None].expand(-1, -1, Hq // Hkv, -1, D))
 
 
 def unit_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
     "Q̂ [B,Hkv,G,n,D]: each query head's kept queries (`pos` [B,Hq,n]), normalized, under its KV head."
     B, Hq, n = pos.shape
-    return kept_unit_queries(unit_vectors(q_chunk), pos.reshape(B, Hq // G, G, n))
+    return unit_vectors(kept_queries(q_chunk, pos.reshape(B, Hq // G, G, n)))  # only the kept rows are normalized
 
 
 def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
@@ -419,8 +416,7 @@ def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: 
         got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
         raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
                          f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
-    q_unit = unit_vectors(q_chunk)  # normalized once: ranked, then gathered (the unit kept queries)
-    rows = kept_unit_queries(q_unit, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator, q_unit))
+    rows = unit_vectors(kept_queries(q_chunk, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)))
     if gqa_agg == "mean": s = rows.mean(2) @ k_unit.mT           # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
     else: s = rows @ k_unit.mT.unsqueeze(2)                      # [B,Hkv,G,n,T]: each head
     s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries
