@@ -39,7 +39,7 @@ def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
 
 
 def query_dissimilarity(q_chunk: Tensor) -> Tensor:
-    """d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S]."""
+    "d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S]."
     q = q_chunk.to(accumulation_dtype(q_chunk))
     m = unit_vectors(q.mean(2, keepdim=True))  # M_Q / |M_Q| per query head
     # q_i . M_Q / |q_i| reads the chunk twice and writes S numbers a head: normalizing every q_i first writes S x D
