@@ -345,7 +345,7 @@ lines = [f"{model_name} ({info.num_layers} layers, {info.num_kv_heads} KV heads,
          f"on this CPU. Budget B = {budget_fraction:g} L per KV head. Speed-up: transformers' default "
          "(DynamicCache, unpatched) over the method, the median over "
          f"{repeats} alternating steps of the ratio within a step (CPU time of the thread at 1 thread, wall time at "
-         "more; slowest_step and fastest_step: the smallest and largest of those ratios). Synthetic against real fill at L = {L0}: {synthetic_over_real:.2f}x per step. Eviction methods run "
+         f"more; slowest_step and fastest_step: the smallest and largest of those ratios). Synthetic against real fill at L = {L0}: {synthetic_over_real:.2f}x per step. Eviction methods run "
          "at position min(L, 2B) (their cache holds B entries at any later position). Attention share: time inside "
          "the method's attention policy (scoring, selection, attention) over the step; cache share: time inside the "
          "cache's update (writes; an evicting cache's scoring and eviction), the method's and the default's.", "",
