@@ -40,10 +40,13 @@ def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
 
 def query_dissimilarity(q_chunk: Tensor) -> Tensor:
     "d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S]."
+    B, Hq, S, D = q_chunk.shape
     q = q_chunk.to(accumulation_dtype(q_chunk))
     m = unit_vectors(q.mean(2, keepdim=True))  # M_Q / |M_Q| per query head
-    # q_i . M_Q / |q_i| reads the chunk twice and writes S numbers a head: normalizing every q_i first writes S x D
-    return torch.linalg.vecdot(q, m).div_(torch.linalg.vector_norm(q, dim=-1).clamp_min_(EPS)).neg_()
+    # q_i . M_Q / |q_i| reads the chunk twice and writes S numbers a head: normalizing every q_i first writes S x D.
+    # A product (bmm), not vecdot: FLOP counters (sparsekv.costs) count the G S D multiply-adds of ranking only there
+    dots = torch.bmm(q.reshape(B * Hq, S, D), m.view(B * Hq, D, 1)).view(B, Hq, S)
+    return dots.div_(torch.linalg.vector_norm(q, dim=-1).clamp_min_(EPS)).neg_()
 
 
 def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:
