@@ -137,12 +137,11 @@ for T in contexts:
     calls = [("keypca", "score_pages", lambda q: score_pages("keypca", views["keypca"], q))]
     # attention over each method's kept pages, gathered beforehand: the step's other essential part
     t = T + repeats  # the cache the stores summarize after the timed steps
-    kept = {m: top_pages(aggregate_gqa(packed[m].scores(qs[0, :, :, 0]), HKV), token_budget, page_size, sink, recent, t)
-            for m in METHODS[1:]}
+    page_scores = {m: packed[m].scores(qs[0, :, :, 0]) for m in METHODS[1:]}
+    kept = {m: top_pages(aggregate_gqa(page_scores[m], HKV), token_budget, page_size, sink, recent, t) for m in METHODS[1:]}
     kv_kept = {m: (gather_pages(kb[:, :, :t], p, page_size), gather_pages(vb[:, :, :t], p, page_size)) for m, p in kept.items()}
     calls += [(m, "attend", lambda q, m=m: dense_attention(q[:, :, None], *kv_kept[m], None, D ** -0.5)) for m in METHODS[1:]]
     # the step's other parts: choosing the pages from their scores, gathering the kept pages
-    page_scores = {m: packed[m].scores(qs[0, :, :, 0]) for m in METHODS[1:]}
     parts = [(m, "choose", lambda q, m=m: top_pages(aggregate_gqa(page_scores[m], HKV), token_budget, page_size, sink,
                                                     recent, t)) for m in METHODS[1:]]
     parts += [(m, "gather", lambda q, m=m: (gather_pages(kb[:, :, :t], kept[m], page_size),
