@@ -18,13 +18,15 @@
 #   many KV entries per head, in the layers the method compresses (page retrieval and LessIsMore keep
 #   some layers dense by design; the `dense_layers` and `decode_reads` columns show what that costs).
 #   Every row records what its queries attended to, and a check below holds each method to the
-#   ceiling on the real items.
+#   ceiling on the real items. A method's own `budgets` (in `method_specs`) replace the run's for it: a costly
+#   method can run at the headline ceiling alone while another is also measured at more.
 # - **Prefill.** Selection methods prefill in chunks of `chunk_size` ($B_{CP}$) tokens, each chunk
 #   attending to the selected earlier keys and its own; eviction methods prefill in chunks of
 #   `eviction_chunk` tokens and evict after each, so a chunk's queries see the kept entries and the
 #   chunk (charged in `prefill_max`); page retrieval prefills densely (its papers' setting).
 # - **Long runs.** The `cpu-full` answer grid takes about ten hours on two cores: with `answers_hours` set, a run
-#   starts no answer cell after that many hours, compares the items every method finished and says so at the top
+#   starts no answer cell after that many hours, compares at each budget the items dense and every method at that
+#   budget finished, and says so at the top
 #   of its summary; the next run (`--force`) continues where it stopped (the grid is committed).
 # - **TOVA** is the paper's (and kvpress's): the last query's attention averaged over every query head,
 #   one kept set for all KV heads; `tova_group` (`{name: tova, heads: group}`) averages within each KV
@@ -62,7 +64,8 @@ seeds = [0]
 extra_tokens = 3  # decode steps beyond the answer's own tokens
 budgets = [64]  # measured ceilings: KV entries per decode query and KV head
 # label -> {"name": registry name (default: the label), "match_cost": a label whose scoring cost per key this method's
-#           cost knob is matched to (`sparsekv.costs.matched`), **its parameters}
+#           cost knob is matched to (`sparsekv.costs.matched`), "budgets": its ceilings (default: `budgets`),
+#           **its parameters}
 #       or {"press": a kvpress press of `sparsekv.presses`, **its options}
 method_specs = {"dense": {}, "streaming_llm": {}, "tova": {}, "quoka": {}, "quest": {}}
 chunk_size = 128  # B_CP of the selection methods
@@ -120,7 +123,7 @@ def method_params(label: str) -> tuple:
     """The factory (`methods.make`, or `presses.make` for a kvpress press), name and parameters of the method labelled
     `label`: the protocol's chunk sizes filled in, and with `match_cost: other` its cost knob (rank, sampled queries)
     set to cost per key what method `other` costs."""
-    spec = dict(method_specs[label])
+    spec = {k: v for k, v in method_specs[label].items() if k != "budgets"}
     if "press" in spec: return presses.make, spec.pop("press"), spec  # a press prefills densely in one call
     name, match = spec.pop("name", label), spec.pop("match_cost", None)
     family = methods.get(name).family
@@ -191,8 +194,17 @@ def fit_cell(cell: dict) -> dict:
     return {"nominal": m.budget, **{k: got[k] for k in BUDGET_COLUMNS}}
 
 
+def budgets_of(label: str) -> list[int]:
+    "The measured ceilings the method labelled `label` runs at: its own `budgets`, else the run's."
+    own = method_specs[label].get("budgets", budgets)
+    if not own or not all(isinstance(b, int) and b > 0 for b in own):
+        raise ValueError(f"method_specs[{label!r}]['budgets'] must be a list of positive ints, got {own!r}")
+    return list(own)
+
+
 compressing = [label for label in method_specs if setting(label) != "dense"]
-fits = run_grid([{"method": label, "budget": b} for label in compressing for b in budgets], fit_cell,
+all_budgets = sorted({b for label in compressing for b in budgets_of(label)})
+fits = run_grid([{"method": label, "budget": b} for label in compressing for b in budgets_of(label)], fit_cell,
                 Path(out_dir)/f"{stem}_fits_grid.csv", desc="fit budgets",
                 params={"layers": cfg.num_hidden_layers,
                         "heads": f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}",
@@ -243,7 +255,7 @@ print(f"prose: {len(windows)} windows of {window} tokens, the last {window - pro
 
 # %%
 reference = next(label for label in method_specs if label not in compressing)
-runs = [(reference, 0)] + [(label, b) for b in budgets for label in compressing if (label, b) in nominal]
+runs = [(reference, 0)] + [(label, b) for b in all_budgets for label in compressing if (label, b) in nominal]
 # Prose windows run in batches of `prose_batch` (a decode step reads the weights once for the batch); the
 # cells go batch by batch, every method within a batch, so the dense logits of a batch are computed once.
 batch_of = lambda w: range(w - w % prose_batch, min(w - w % prose_batch + prose_batch, len(windows)))  # noqa: E731
@@ -298,11 +310,17 @@ answers = run_grid(answer_cells, answer_row, Path(out_dir)/f"{stem}_answers_grid
                            "chunk_size": chunk_size, "eviction_chunk": eviction_chunk},
                    time_limit=None if answers_hours is None else 3600 * answers_hours) if answer_cells else None
 pending = 0 if answers is None else answers.attrs["pending"]
-if pending:  # a partial run: compare on the items every method finished (the order above finishes them one by one)
-    finished = answers.groupby("item").size().pipe(lambda n: n[n == len(runs)].index)
-    answers = answers[answers["item"].isin(finished)] if len(finished) else None
-    print(f"partial: {pending} of {len(answer_cells)} answer cells pending; {len(finished)} items finished by every "
-          "method are compared; run the stage again (--force) to continue")
+if pending:  # a partial run: at each budget, compare on the items dense and every method at it finished
+    n_runs = pd.Series([b for _, b in runs]).value_counts()
+    n_done = answers.groupby(["budget", "item"]).size()
+    done = {(b, i) for (b, i), n in n_done.items() if n == n_runs[b]}
+    finished = {b: {i for b2, i in done if b2 == b and (0, i) in done} for b in all_budgets}
+    kept = [(b, i) in done and (0, i) in done if b else any(i in f for f in finished.values())
+            for b, i in zip(answers.budget, answers["item"])]
+    answers = answers[kept] if any(kept) else None
+    finished_note = ", ".join(f"{len(f)} at {b}" for b, f in finished.items())
+    print(f"partial: {pending} of {len(answer_cells)} answer cells pending; compared per budget on the items dense "
+          f"and every method at it finished ({finished_note}); run the stage again (--force) to continue")
 
 
 # %%
@@ -462,7 +480,7 @@ for ax, (col, title) in zip(axes, axes_of.items()):
     front = usage[usage[f"front_{col}"]].sort_values(col)
     ax.step(front[col], front["mean"], where="post", color="k", lw=0.8, ls=":", label="Pareto front")
     for r in usage.itertuples():
-        ax.annotate(f"{r.method}" + (f" @{r.budget}" if len(budgets) > 1 and r.budget != "-" else ""),
+        ax.annotate(f"{r.method}" + (f" @{r.budget}" if len(all_budgets) > 1 and r.budget != "-" else ""),
                     (getattr(r, col), r.mean), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
     ax.set(xlabel=title, ylabel="prose agreement with dense")
 axes[0].legend(fontsize=6)
@@ -503,7 +521,7 @@ def composition_verdicts() -> list[str]:
     for label in compressing:
         make, name, params = method_params(label)
         if make is presses.make or methods.get(name) is not methods.PrefillDecode: continue
-        for b in (b for b in budgets if (label, b) in nominal):
+        for b in (b for b in all_budgets if (label, b) in nominal):
             m, me = build(label, b), usage[(usage.method == label) & (usage.budget == b)].iloc[0]
             a = rows[(rows.method == label) & (rows.budget == b)].sort_values("window")
             parts = []
@@ -538,8 +556,9 @@ def pair_lines() -> list[str]:
     sources = {f"accuracy, {label}": (acc[acc.cell == label], "correct") for label in cells if acc is not None}
     sources |= {"prose agreement": (txt, "agreement"), "prose KL": (txt, "kl")}
     out = []
+    runs_at = lambda label, b: label == reference or (label, b) in nominal  # noqa: E731
     for this, other in pairs:
-        for b in budgets:
+        for b in (b for b in all_budgets if runs_at(this, b) and runs_at(other, b)):
             parts = []
             for name, (rows, metric) in sources.items():
                 pair = rows[(rows.method == this) & (rows.budget == b)][["item", metric]].merge(
@@ -627,8 +646,8 @@ lines = [f"Dense {model_name} ({dtype}, device {device}, {torch.get_num_threads(
          "layers; dense layers; mean entries read per decode query over every layer):", "",
          ceiling.round(1).to_markdown(index=False), ""]
 if pending: lines[1:1] = ["", f"**Partial run**: {pending} of {len(answer_cells)} answer cells are not computed yet "
-                          f"(`answers_hours = {answers_hours}`); the accuracy tables compare the items every method "
-                          "finished. The next run of this stage (`--force`) continues the grid."]
+                          f"(`answers_hours = {answers_hours}`); at each budget the accuracy tables compare the items "
+                          f"dense and every method at that budget finished ({finished_note}). The next run of this stage (`--force`) continues the grid."]
 if not_applicable: lines += ["**Not applicable** (no nominal budget keeps to the ceiling):", "",
                              *(f"- {x}" for x in not_applicable), ""]
 for name, t in tables.items():
