@@ -491,6 +491,60 @@ plt.show()
 
 
 # %% [markdown]
+# ## Accuracy against scoring cost
+#
+# What each compressing method spends choosing the entries it keeps, against the accuracy it gets at the same
+# measured budget: scoring multiply-adds per cached key and KV head (`sparsekv.costs`), per prefill chunk and per
+# decode step, on a symmetric-log axis (0: a method that does not score in that phase). Dense is the dashed line:
+# it scores nothing but reads every entry, so it is no point on a front. At each budget, a method is on the front
+# when no other method at that budget has at least its accuracy at no more cost. A cost-matched baseline
+# (`match_cost`) sits at its goal's prefill cost by construction, so the prefill panel is where QuoKA's claim
+# against them is read. kvpress's presses are left out (their scoring is not counted).
+
+# %%
+def cost_points(t: pd.DataFrame) -> pd.DataFrame:
+    "The compressing rows of one accuracy table whose scoring costs are counted, with each row's setting."
+    t = t[(t.method != reference) & t.prefill_cost.notna() & t.decode_cost.notna()]
+    return t.assign(setting=t.method.map(setting))[[*by_row, "setting", "mean", "se", "prefill_cost", "decode_cost"]]
+
+
+def cost_front(pts: pd.DataFrame, col: str) -> pd.DataFrame:
+    "The rows of `pts` on the accuracy front by the cost in column `col`, budget by budget, cheapest first."
+    per_budget = [at[pareto_front(at[col], at["mean"])] for _, at in pts.groupby("budget")]
+    return pd.concat([pts.iloc[:0], *per_budget]).sort_values(["budget", col])
+
+
+phases = {"prefill_cost": "scoring MACs per key and prefill chunk",
+          "decode_cost": "scoring MACs per key and decode step"}
+acc_points = {name: cost_points(t) for name, t in tables.items() if name.startswith("accuracy, ")}
+if acc_points:
+    fig, axes = plt.subplots(len(acc_points), 2, figsize=(13, 4.8 * len(acc_points)), layout="constrained",
+                             squeeze=False)
+    for row, (name, pts) in zip(axes, acc_points.items()):
+        for ax, (col, title) in zip(row, phases.items()):
+            for st, r in pts.groupby("setting", sort=False):
+                ax.errorbar(r[col], r["mean"], yerr=1.96 * r.se, fmt="o", ms=4, capsize=2, color=colors.get(st),
+                            label=st)
+            for b, front in cost_front(pts, col).groupby("budget"):
+                ax.step(front[col], front["mean"], where="post", color="k", lw=0.8, ls=":",
+                        label="front" + (f" @{b}" if len(all_budgets) > 1 else ""))
+            ax.axhline(float(tables[name].loc[tables[name].method == reference, "mean"].iloc[0]), color="k", ls="--",
+                       lw=1, label=reference)
+            for r in pts.itertuples():
+                ax.annotate(r.method + (f" @{r.budget}" if len(all_budgets) > 1 else ""),
+                            (getattr(r, col), r.mean), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
+            ax.set_xscale("symlog", linthresh=1)
+            ax.set_xlim(left=-0.5)  # costs are >= 0: no negative decades
+            ax.set(xlabel=title, ylabel="accuracy", title=name)
+        row[0].legend(fontsize=6)
+    fig.suptitle(f"Accuracy against scoring cost, {model_name}, at equal measured budgets (error bars 95%; dotted: "
+                 "the front at each budget; dashed: dense)", fontsize=10)
+    save_figure(fig, Path(fig_dir)/f"{stem}_cost.png",
+                data=pd.concat([pts.assign(table=name) for name, pts in acc_points.items()], ignore_index=True))
+    plt.show()
+
+
+# %% [markdown]
 # **Compositions against their parts.** For each composition with both parts in the table: the paired
 # difference in agreement from each part (95% interval over the same windows), their memory, and the fronts
 # the composition is on. What to expect from the rule (methods page): every scored token of the prose is a
@@ -647,7 +701,8 @@ lines = [f"Dense {model_name} ({dtype}, device {device}, {torch.get_num_threads(
          ceiling.round(1).to_markdown(index=False), ""]
 if pending: lines[1:1] = ["", f"**Partial run**: {pending} of {len(answer_cells)} answer cells are not computed yet "
                           f"(`answers_hours = {answers_hours}`); at each budget the accuracy tables compare the items "
-                          f"dense and every method at that budget finished ({finished_note}). The next run of this stage (`--force`) continues the grid."]
+                          f"dense and every method at that budget finished ({finished_note}). The next run of this "
+                          "stage (`--force`) continues the grid."]
 if not_applicable: lines += ["**Not applicable** (no nominal budget keeps to the ceiling):", "",
                              *(f"- {x}" for x in not_applicable), ""]
 for name, t in tables.items():
@@ -656,6 +711,10 @@ usage_md = usage.drop(columns=[c for c in usage if c.startswith("front_")]).roun
 lines += ["**Memory and time** (KV entries per KV head and MiB per sequence, peak and while decoding; prefill s and "
           f"ms per decode step of a batch of {prose_batch}; prose agreement):", "", usage_md.to_markdown(index=False),
           "", "**Compositions**", "", *(verdicts or ["- none in this run"]), ""]
+for name, pts in acc_points.items():
+    front = {c: ", ".join(f"{r.method} @{r.budget}" for r in cost_front(pts, c).itertuples()) for c in phases}
+    lines += [f"**{name} against scoring cost** (`{stem}_cost.png`): on the front by prefill cost (cheapest first): "
+              f"{front['prefill_cost']}; by decode cost: {front['decode_cost']}.", ""]
 if paired: lines += ["**Paired comparisons** (method minus other, paired, 95% interval):", "", *paired, ""]
 lines += ["**Findings**", "", *notes, ""]
 write_text(Path(out_dir)/f"{stem}.md", "\n".join(lines))
