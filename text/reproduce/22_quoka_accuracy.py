@@ -66,6 +66,11 @@ ablation_n_qs = [1, 4, 16, 64]
 ablation_chunk_sizes = [64, 128]
 lessismore_layers = [2, 15]
 goal_budget = 1024  # the goal's B_SA
+# needle retention and the low tail (the protocol stage's niah_single items: same length, depths and seeds)
+retention_length = 512
+retention_depths = [0.0, 1.0]
+retention_seeds = [0]
+retention_budget = 128
 
 # %%
 import copy
@@ -81,7 +86,7 @@ from sparsekv.attention import causal_mask
 from sparsekv.quoka.baselines import (LessIsMoreSelector, loki_select, mean_score_select, sample_attention_select,
                                       sparq_select)
 from sparsekv.data import make_task, score_exact
-from sparsekv.eval import attention_fidelity, run_grid
+from sparsekv.eval import attention_fidelity, needle_retention, query_quantile, run_grid
 from sparsekv.hf import DensePolicy, chunked_prefill, patch
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.models import load_model
@@ -264,22 +269,29 @@ def selection(method: str, budget: int, layer: int, q, k_earlier, scale, selecto
     return fn(q, k_earlier, budget, scale=scale, **opts)
 
 
-def layer_fidelity(key: tuple, method: str, budget: int, c: int) -> list[dict]:
-    "Per layer: mean mass recall and relative output error of `method`'s selection for the last c recorded queries as the chunk."
+def last_chunk_fidelity(key: tuple, method: str, budget: int, c: int):
+    """Per layer of the dense recording of sample `key`, with the last `c` recorded queries as the chunk: the layer,
+    the kept keys `[1, Hkv, S]` (`method`'s selection among the earlier ones, and the chunk's own), and the per-query
+    mass recall and relative output error `[1, Hq, c]` of exact attention over them."""
     _, qs, kvs = dense_record(key)
     selector = LessIsMoreSelector(budget, tuple(lessismore_layers)) if method == "lessismore" else None
-    rows = []
     for layer in range(n_layers):
         k, v, scale = kvs[layer]
         q = qs[layer][:, :, -c:]
         S = k.shape[2]
         T = S - c
         idx = selection(method, budget, layer, q, k[:, :, :T], scale, selector)
-        keep = torch.ones(1, k.shape[1], 1, S, dtype=torch.bool, device=k.device)
-        keep[..., :T] = torch.zeros(1, k.shape[1], T, dtype=torch.bool, device=k.device).scatter(2, idx, True)[:, :, None]
-        mass, err = attention_fidelity(q, k, v, keep, causal_mask(c, S).to(k.device)[None, None], scale=scale)
-        rows.append({"layer": layer, "mass_recall": mass.nanmean().item(), "output_error": err.nanmean().item()})
-    return rows
+        keep = torch.ones(1, k.shape[1], S, dtype=torch.bool, device=k.device)
+        keep[..., :T] = torch.zeros(1, k.shape[1], T, dtype=torch.bool, device=k.device).scatter(2, idx, True)
+        mass, err = attention_fidelity(q, k, v, keep[:, :, None], causal_mask(c, S).to(k.device)[None, None],
+                                       scale=scale)
+        yield layer, keep, mass, err
+
+
+def layer_fidelity(key: tuple, method: str, budget: int, c: int) -> list[dict]:
+    "Per layer: mean mass recall and relative output error of `method`'s selection for the last c recorded queries as the chunk."
+    return [{"layer": layer, "mass_recall": mass.nanmean().item(), "output_error": err.nanmean().item()}
+            for layer, _, mass, err in last_chunk_fidelity(key, method, budget, c)]
 
 
 def fidelity_cell(cell: dict) -> dict:
@@ -398,6 +410,90 @@ fig.suptitle(f"QuoKA Fig. 4 analogue: single needle, SmolLM2-135M, B_CP = {chunk
              f"colour: attention-mass recall of the selection\ntext: exact match of the answer "
              f"(mean of {len(niah_seeds)} seed(s))", fontsize=9)
 save_figure(fig, Path(fig_dir)/"quoka_accuracy_niah.png", data=niah_plot)
+plt.show()
+
+
+# %% [markdown]
+# ## Needle retention and the low tail of the mass
+#
+# The mean mass recall can hide what decides a retrieval item: whether the needle's tokens are kept at all, by
+# every head, and how much mass the worst-served queries keep. On single-needle items of `retention_length`
+# tokens (in the `cpu-full` profile the protocol stage's `niah_single` items: the same length, needle depths and
+# seeds, so its accuracy table reads beside this one), each method's selection for the prompt's last chunk is
+# scored per layer on the dense recording, as in the fidelity grid: **needle retention** per KV head
+# (`needle_retention`: the share of the needle sentence's tokens kept; tokens inside the chunk count as kept), and
+# the **5th percentile** of the per-query mass recall over heads and queries (`query_quantile`). The needle's
+# tokens are those whose characters overlap the needle sentence in the prompt (the tokenizer's offsets).
+
+# %%
+def needle_positions(item: dict) -> torch.Tensor:
+    "Token positions, in the sample's ids, of the tokens overlapping the item's (one) needle sentence."
+    text = item["prompt"] + " " + item["answer_prefix"]  # as `sample` tokenizes it
+    start = item["prompt"].index(item["needles"][0])
+    end = start + len(item["needles"][0])
+    offsets = tok(text, return_offsets_mapping=True)["offset_mapping"]
+    return torch.tensor([i for i, (a, b) in enumerate(offsets) if a < end and b > start])
+
+
+_item, _ids = sample("niah_single", retention_length, retention_seeds[0], retention_depths[0])
+_pos = needle_positions(_item)
+assert _item["answer"] in tok.decode(_ids[0, _pos]) and (_pos.diff() == 1).all()  # the needle, in one piece
+assert _item["answer"] not in tok.decode(_ids[0, :_pos[0]]) + tok.decode(_ids[0, _pos[-1] + 1:])
+
+
+def retention_cell(cell: dict) -> dict:
+    """Per layer of one needle item: each KV head's needle retention (`needle@layer.head`), and the mean and 5th
+    percentile of the per-query mass recall (`mass@layer`, `p05@layer`) of `method`'s last-chunk selection."""
+    key = ("niah_single", cell["length"], cell["seed"], cell["depth"])
+    needle = needle_positions(sample(*key)[0])
+    out = {}
+    for layer, keep, mass, _ in last_chunk_fidelity(key, cell["method"], cell["budget"], chunk_size):
+        out |= {f"needle@{layer}.{h}": r for h, r in enumerate(needle_retention(keep, needle)[0].tolist())}
+        out |= {f"mass@{layer}": mass.nanmean().item(), f"p05@{layer}": query_quantile(mass, 0.05).item()}
+    return out
+
+
+retention_methods = [m for m in niah_methods if m != "dense"]
+retention_cells = [{"task": "niah_single", "length": retention_length, "depth": d, "seed": s, "method": m,
+                    "budget": retention_budget} for s in retention_seeds for d in retention_depths
+                   for m in retention_methods]
+retention = grid_rows(retention_cells, retention_cell, "quoka_accuracy_retention_grid.csv", "needle retention",
+                      selecting)
+assert len(retention) == len(retention_cells)
+
+
+def long_metric(prefix: str, where: list[str]) -> pd.DataFrame:
+    "The retention grid's `prefix@...` columns as rows: method, seed, depth, the `where` parts and the value."
+    cols = [c for c in retention if c.startswith(prefix + "@")]
+    out = retention.melt(id_vars=["method", "seed", "depth"], value_vars=cols, var_name="at")
+    out[where] = out.pop("at").str[len(prefix) + 1:].str.split(".", expand=True).astype(int)
+    return out
+
+
+kept_needle = long_metric("needle", ["layer", "head"])
+tails = long_metric("mass", ["layer"]).merge(long_metric("p05", ["layer"]), on=["method", "seed", "depth", "layer"],
+                                             suffixes=("_mean", "_p05"))
+retention_table = pd.concat([
+    kept_needle.groupby("method").value.agg(needle_retention="mean", whole_needle=lambda r: (r == 1).mean(),
+                                            needle_lost=lambda r: (r == 0).mean()),
+    tails.groupby("method")[["value_mean", "value_p05"]].mean().set_axis(["mass_recall", "mass_p05"], axis=1)],
+    axis=1).loc[retention_methods]
+write_csv(Path(fig_dir)/"quoka_accuracy_retention.csv", retention_table.reset_index())
+retention_table
+
+# %%
+fig, axes = panel_grid(len(retention_methods), 1.6, 4.2, per_row=len(retention_methods), sharey=True)
+by_head = kept_needle.groupby(["method", "layer", "head"]).value.mean()
+for ax, m in zip(axes, retention_methods):
+    im = ax.imshow(by_head[m].unstack("head").to_numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    ax.set(xlabel="KV head", title=m)
+    ax.grid(False)
+axes[0].set_ylabel("layer")
+fig.colorbar(im, ax=axes, label="needle retention (mean over items)", shrink=0.9)
+fig.suptitle(f"QuoKA Fig. 4 companion (no paper figure): share of the needle's tokens each KV head keeps for the "
+             f"last chunk,\nsingle needle, L = {retention_length}, B_SA = {retention_budget}, "
+             f"{retention.groupby(['seed', 'depth']).ngroups} item(s)", fontsize=9)
+save_figure(fig, Path(fig_dir)/"quoka_accuracy_retention.png", data=by_head.reset_index())
 plt.show()
 
 
@@ -548,6 +644,11 @@ lines = [
     f". With {len(ruler_seeds)} prompt(s) per task one prompt moves a task's score by {1 / len(ruler_seeds):.0%}, so the accuracy comparison is coarse; "
     f"the fidelity measure ranks the selections without that noise: best mass recall at this budget: {best_fid} "
     f"({fid_goal.loc[best_fid, 'mass_recall']:.3f}), QuoKA {fid_goal.loc['quoka', 'mass_recall']:.3f}.", "",
+    f"**Needle retention and the low tail** (single needle, L = {retention_length}, B_SA = {retention_budget}, "
+    f"{retention.groupby(['seed', 'depth']).ngroups} item(s); each method's selection for the last chunk on the dense "
+    "recording; per item, layer and KV head: the mean share of the needle sentence's tokens kept, the share of heads "
+    "keeping all of them and none; the per-query mass recall's mean and 5th percentile, mean over items and layers):",
+    "", fmt(retention_table), "",
     "**QuoKA vs mean-of-scores on SmolLM2** (variants of QuoKA's scoring, same budget, mean over layers):", "", fmt(var_tab), "",
     f"Keys per layer (mean over prompts): mean cosine of a key with the layer's mean key from {stat.mean_cos_to_mean_key.min():.2f} "
     f"to {stat.mean_cos_to_mean_key.max():.2f} (mean {stat.mean_cos_to_mean_key.mean():.2f}); share of |k|^2 in the two largest of "
