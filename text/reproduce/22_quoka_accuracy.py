@@ -422,8 +422,11 @@ plt.show()
 # seeds, so its accuracy table reads beside this one), each method's selection for the prompt's last chunk is
 # scored per layer on the dense recording, as in the fidelity grid: **needle retention** per KV head
 # (`needle_retention`: the share of the needle sentence's tokens kept; tokens inside the chunk count as kept), and
-# the **5th percentile** of the per-query mass recall over heads and queries (`query_quantile`). The needle's
-# tokens are those whose characters overlap the needle sentence in the prompt (the tokenizer's offsets).
+# the **5th percentile** of the per-query mass recall over heads and queries (`query_quantile`). The same for the
+# **single-query selection** of the prompt's last query, the one that predicts the answer's first token: what a
+# method keeps at a decode step (QuoKA's §4.4 decode scoring is its Alg. 1 with one query; checked below), where
+# a chunk's selection is shared by 128 queries. The needle's tokens are those whose characters overlap the needle
+# sentence in the prompt (the tokenizer's offsets).
 
 # %%
 def needle_positions(item: dict) -> torch.Tensor:
@@ -439,17 +442,23 @@ _item, _ids = sample("niah_single", retention_length, retention_seeds[0], retent
 _pos = needle_positions(_item)
 assert _item["answer"] in tok.decode(_ids[0, _pos]) and (_pos.diff() == 1).all()  # the needle, in one piece
 assert _item["answer"] not in tok.decode(_ids[0, :_pos[0]]) + tok.decode(_ids[0, _pos[-1] + 1:])
+_q, _k = torch.randn(1, 9, 1, 64), torch.randn(1, 3, 300, 64)  # one query: QuoKA's decode scoring is Alg. 1's
+assert torch.equal(QuokaPolicy(n_q, 100).earlier_indices(_q, _k, "decode").sort(-1).values,
+                   selection("quoka", 100, 0, _q, _k, 0.125).sort(-1).values)
 
 
 def retention_cell(cell: dict) -> dict:
-    """Per layer of one needle item: each KV head's needle retention (`needle@layer.head`), and the mean and 5th
-    percentile of the per-query mass recall (`mass@layer`, `p05@layer`) of `method`'s last-chunk selection."""
+    """Per layer of one needle item: each KV head's needle retention (`needle@layer.head`) and the mean and 5th
+    percentile of the per-query mass recall (`mass@layer`, `p05@layer`) of `method`'s last-chunk selection; and
+    the needle retention and mass recall of its selection for the last query alone (`q1needle@...`, `q1mass@...`)."""
     key = ("niah_single", cell["length"], cell["seed"], cell["depth"])
     needle = needle_positions(sample(*key)[0])
     out = {}
-    for layer, keep, mass, _ in last_chunk_fidelity(key, cell["method"], cell["budget"], chunk_size):
-        out |= {f"needle@{layer}.{h}": r for h, r in enumerate(needle_retention(keep, needle)[0].tolist())}
-        out |= {f"mass@{layer}": mass.nanmean().item(), f"p05@{layer}": query_quantile(mass, 0.05).item()}
+    for c, pre in ((chunk_size, ""), (1, "q1")):
+        for layer, keep, mass, _ in last_chunk_fidelity(key, cell["method"], cell["budget"], c):
+            out |= {f"{pre}needle@{layer}.{h}": r for h, r in enumerate(needle_retention(keep, needle)[0].tolist())}
+            out |= {f"{pre}mass@{layer}": mass.nanmean().item()}
+            if c > 1: out[f"p05@{layer}"] = query_quantile(mass, 0.05).item()
     return out
 
 
@@ -470,29 +479,38 @@ def long_metric(prefix: str, where: list[str]) -> pd.DataFrame:
     return out
 
 
-kept_needle = long_metric("needle", ["layer", "head"])
-tails = long_metric("mass", ["layer"]).merge(long_metric("p05", ["layer"]), on=["method", "seed", "depth", "layer"],
-                                             suffixes=("_mean", "_p05"))
-retention_table = pd.concat([
-    kept_needle.groupby("method").value.agg(needle_retention="mean", whole_needle=lambda r: (r == 1).mean(),
-                                            needle_lost=lambda r: (r == 0).mean()),
-    tails.groupby("method")[["value_mean", "value_p05"]].mean().set_axis(["mass_recall", "mass_p05"], axis=1)],
-    axis=1).loc[retention_methods]
+def retention_summary(pre: str) -> pd.DataFrame:
+    "Per method, for the selection `pre` ('': the chunk's, 'q1': the last query's): needle and mass columns."
+    kept = long_metric(pre + "needle", ["layer", "head"]).groupby("method").value
+    return pd.concat([kept.agg(needle_retention="mean", whole_needle=lambda r: (r == 1).mean(),
+                               needle_lost=lambda r: (r == 0).mean()),
+                      long_metric(pre + "mass", ["layer"]).groupby("method").value.mean().rename("mass_recall")],
+                     axis=1).add_prefix(f"{pre}_" if pre else "")
+
+
+retention_table = pd.concat([retention_summary(""),
+                             long_metric("p05", ["layer"]).groupby("method").value.mean().rename("mass_p05"),
+                             retention_summary("q1")], axis=1).loc[retention_methods]
 write_csv(Path(fig_dir)/"quoka_accuracy_retention.csv", retention_table.reset_index())
 retention_table
 
 # %%
-fig, axes = panel_grid(len(retention_methods), 1.6, 4.2, per_row=len(retention_methods), sharey=True)
-by_head = kept_needle.groupby(["method", "layer", "head"]).value.mean()
-for ax, m in zip(axes, retention_methods):
-    im = ax.imshow(by_head[m].unstack("head").to_numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
-    ax.set(xlabel="KV head", title=m)
+n_m = len(retention_methods)
+fig, axes = panel_grid(2 * n_m, 1.9, 4.2, per_row=n_m, sharey=True)
+by_head = pd.concat({pre or "chunk": long_metric(pre + "needle", ["layer", "head"]).groupby(["method", "layer", "head"])
+                     .value.mean() for pre in ("", "q1")}, names=["selection"])
+for i, ax in enumerate(axes):
+    sel, m = ("chunk", "q1")[i // n_m], retention_methods[i % n_m]
+    im = ax.imshow(by_head[sel, m].unstack("head").to_numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    ax.set_title(f"{m}\n{'last chunk' if sel == 'chunk' else 'last query'}", fontsize=8)
+    ax.set_xlabel("KV head")
     ax.grid(False)
-axes[0].set_ylabel("layer")
+for ax in axes[::n_m]: ax.set_ylabel("layer")
 fig.colorbar(im, ax=axes, label="needle retention (mean over items)", shrink=0.9)
-fig.suptitle(f"QuoKA Fig. 4 companion (no paper figure): share of the needle's tokens each KV head keeps for the "
-             f"last chunk,\nsingle needle, L = {retention_length}, B_SA = {retention_budget}, "
-             f"{retention.groupby(['seed', 'depth']).ngroups} item(s)", fontsize=9)
+fig.suptitle(f"QuoKA Fig. 4 companion (no paper figure): share of the needle's tokens each KV head keeps, selecting for "
+             f"the last chunk (top) and for the last query alone (bottom, as at decode),\nsingle needle, "
+             f"L = {retention_length}, B_SA = {retention_budget}, {retention.groupby(['seed', 'depth']).ngroups} item(s)",
+             fontsize=9)
 save_figure(fig, Path(fig_dir)/"quoka_accuracy_retention.png", data=by_head.reset_index())
 plt.show()
 
@@ -647,7 +665,8 @@ lines = [
     f"**Needle retention and the low tail** (single needle, L = {retention_length}, B_SA = {retention_budget}, "
     f"{retention.groupby(['seed', 'depth']).ngroups} item(s); each method's selection for the last chunk on the dense "
     "recording; per item, layer and KV head: the mean share of the needle sentence's tokens kept, the share of heads "
-    "keeping all of them and none; the per-query mass recall's mean and 5th percentile, mean over items and layers):",
+    "keeping all of them and none; the per-query mass recall's mean and 5th percentile, mean over items and layers; "
+    "`q1_`: the same for the selection of the prompt's last query alone, as at a decode step):",
     "", fmt(retention_table), "",
     "**QuoKA vs mean-of-scores on SmolLM2** (variants of QuoKA's scoring, same budget, mean over layers):", "", fmt(var_tab), "",
     f"Keys per layer (mean over prompts): mean cosine of a key with the layer's mean key from {stat.mean_cos_to_mean_key.min():.2f} "
