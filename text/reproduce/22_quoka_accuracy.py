@@ -425,8 +425,10 @@ plt.show()
 # the **5th percentile** of the per-query mass recall over heads and queries (`query_quantile`). The same for the
 # **single-query selection** of the prompt's last query, the one that predicts the answer's first token: what a
 # method keeps at a decode step (QuoKA's §4.4 decode scoring is its Alg. 1 with one query; checked below), where
-# a chunk's selection is shared by 128 queries. The needle's tokens are those whose characters overlap the needle
-# sentence in the prompt (the tokenizer's offsets).
+# a chunk's selection is shared by 128 queries. Most heads do not read the needle, so beside the mean over heads
+# stands the retention **weighted** by the dense attention mass the last query puts on the needle in each head
+# (`needle_weighted`: 1 when every head that reads the needle keeps all of it). The needle's tokens are those whose
+# characters overlap the needle sentence in the prompt (the tokenizer's offsets).
 
 # %%
 def needle_positions(item: dict) -> torch.Tensor:
@@ -447,13 +449,35 @@ assert torch.equal(QuokaPolicy(n_q, 100).earlier_indices(_q, _k, "decode").sort(
                    selection("quoka", 100, 0, _q, _k, 0.125).sort(-1).values)
 
 
+def dense_needle_mass(key: tuple, needle: torch.Tensor) -> list[torch.Tensor]:
+    "Per layer: the dense attention mass the last recorded query puts on the needle, `[Hkv]` (mean over each group)."
+    _, qs, kvs = dense_record(key)
+    out = []
+    for layer in range(n_layers):
+        k, _, scale = kvs[layer]
+        q = qs[layer][0, :, -1]  # [Hq, D]
+        p = torch.softmax(scale * torch.einsum("hd,hsd->hs", q, k[0].repeat_interleave(q.shape[0] // k.shape[1], 0)), -1)
+        out.append(p[:, needle].sum(-1).view(k.shape[1], -1).mean(-1))
+    return out
+
+
+_key = ("niah_single", retention_length, retention_seeds[0], retention_depths[0])  # the sample checked above
+_, _qs, _kvs = dense_record(_key)
+_k, _, _scale = _kvs[1]
+_G = _qs[1].shape[1] // _k.shape[1]
+_ref = [torch.softmax(_scale * _k[0, h // _G] @ _qs[1][0, h, -1], -1)[_pos].sum() for h in range(_qs[1].shape[1])]
+torch.testing.assert_close(dense_needle_mass(_key, _pos)[1], torch.stack(_ref).view(-1, _G).mean(-1))
+
+
 def retention_cell(cell: dict) -> dict:
     """Per layer of one needle item: each KV head's needle retention (`needle@layer.head`) and the mean and 5th
     percentile of the per-query mass recall (`mass@layer`, `p05@layer`) of `method`'s last-chunk selection; and
-    the needle retention and mass recall of its selection for the last query alone (`q1needle@...`, `q1mass@...`)."""
+    the needle retention and mass recall of its selection for the last query alone (`q1needle@...`, `q1mass@...`);
+    and the dense attention mass the last query puts on the needle, per KV head (`onneedle@layer.head`)."""
     key = ("niah_single", cell["length"], cell["seed"], cell["depth"])
     needle = needle_positions(sample(*key)[0])
-    out = {}
+    out = {f"onneedle@{layer}.{h}": m for layer, on in enumerate(dense_needle_mass(key, needle))
+           for h, m in enumerate(on.tolist())}
     for c, pre in ((chunk_size, ""), (1, "q1")):
         for layer, keep, mass, _ in last_chunk_fidelity(key, cell["method"], cell["budget"], c):
             out |= {f"{pre}needle@{layer}.{h}": r for h, r in enumerate(needle_retention(keep, needle)[0].tolist())}
@@ -480,10 +504,15 @@ def long_metric(prefix: str, where: list[str]) -> pd.DataFrame:
 
 
 def retention_summary(pre: str) -> pd.DataFrame:
-    "Per method, for the selection `pre` ('': the chunk's, 'q1': the last query's): needle and mass columns."
-    kept = long_metric(pre + "needle", ["layer", "head"]).groupby("method").value
-    return pd.concat([kept.agg(needle_retention="mean", whole_needle=lambda r: (r == 1).mean(),
-                               needle_lost=lambda r: (r == 0).mean()),
+    """Per method, for the selection `pre` ('': the chunk's, 'q1': the last query's): needle retention (mean, and
+    weighted by the dense attention the last query puts on the needle in each head), shares of heads keeping all
+    of the needle and none, and the mean mass recall."""
+    at = ["method", "seed", "depth", "layer", "head"]
+    kept = long_metric(pre + "needle", at[3:]).merge(long_metric("onneedle", at[3:]), on=at, suffixes=("", "_w"))
+    weighted = (kept.value * kept.value_w).groupby(kept.method).sum() / kept.value_w.groupby(kept.method).sum()
+    return pd.concat([kept.groupby("method").value.agg(needle_retention="mean", whole_needle=lambda r: (r == 1).mean(),
+                                                       needle_lost=lambda r: (r == 0).mean()),
+                      weighted.rename("needle_weighted"),
                       long_metric(pre + "mass", ["layer"]).groupby("method").value.mean().rename("mass_recall")],
                      axis=1).add_prefix(f"{pre}_" if pre else "")
 
@@ -665,7 +694,8 @@ lines = [
     f"**Needle retention and the low tail** (single needle, L = {retention_length}, B_SA = {retention_budget}, "
     f"{retention.groupby(['seed', 'depth']).ngroups} item(s); each method's selection for the last chunk on the dense "
     "recording; per item, layer and KV head: the mean share of the needle sentence's tokens kept, the share of heads "
-    "keeping all of them and none; the per-query mass recall's mean and 5th percentile, mean over items and layers; "
+    "keeping all of them and none, and the retention weighted by the dense attention the last query puts on the "
+    "needle in each head; the per-query mass recall's mean and 5th percentile, mean over items and layers; "
     "`q1_`: the same for the selection of the prompt's last query alone, as at a decode step):",
     "", fmt(retention_table), "",
     "**QuoKA vs mean-of-scores on SmolLM2** (variants of QuoKA's scoring, same budget, mean over layers):", "", fmt(var_tab), "",
