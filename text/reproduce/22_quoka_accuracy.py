@@ -82,7 +82,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from sparsekv.attention import causal_mask
+from sparsekv.attention import attention_scores, causal_mask
 from sparsekv.quoka.baselines import (LessIsMoreSelector, loki_select, mean_score_select, sample_attention_select,
                                       sparq_select)
 from sparsekv.data import make_task, score_exact
@@ -455,8 +455,7 @@ def dense_needle_mass(key: tuple, needle: torch.Tensor) -> list[torch.Tensor]:
     out = []
     for layer in range(n_layers):
         k, _, scale = kvs[layer]
-        q = qs[layer][0, :, -1]  # [Hq, D]
-        p = torch.softmax(scale * torch.einsum("hd,hsd->hs", q, k[0].repeat_interleave(q.shape[0] // k.shape[1], 0)), -1)
+        p = attention_scores(qs[layer][:, :, -1:], k, scale=scale).softmax(-1)[0, :, 0]  # [Hq, S]: sees every key
         out.append(p[:, needle].sum(-1).view(k.shape[1], -1).mean(-1))
     return out
 
