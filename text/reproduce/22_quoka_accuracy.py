@@ -90,6 +90,7 @@ from sparsekv.eval import attention_fidelity, needle_retention, query_quantile, 
 from sparsekv.hf import DensePolicy, chunked_prefill, patch
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.models import load_model
+from sparsekv.protocol import item_hash
 from sparsekv.quoka.select import quoka_scores, quoka_select, select_queries
 from sparsekv.select import resolve_budget, top_budget_indices
 from sparsekv.quoka.policy import BaselinePolicy, LessIsMorePolicy, QuokaPolicy
@@ -502,13 +503,24 @@ def long_metric(prefix: str, where: list[str]) -> pd.DataFrame:
     return out
 
 
+def kept_and_mass(pre: str) -> pd.DataFrame:
+    "Per method, item, layer and head: the needle retention of selection `pre` and the last query's dense needle mass."
+    at = ["method", "seed", "depth", "layer", "head"]
+    return long_metric(pre + "needle", at[3:]).merge(long_metric("onneedle", at[3:]), on=at, suffixes=("", "_w"))
+
+
+def weighted_retention(kept: pd.DataFrame, by: list[str]) -> pd.Series:
+    "Per group of `by`: the needle retention weighted by the last query's dense needle mass in each head."
+    g = kept.assign(product=kept.value * kept.value_w).groupby(by)
+    return g["product"].sum() / g.value_w.sum()
+
+
 def retention_summary(pre: str) -> pd.DataFrame:
     """Per method, for the selection `pre` ('': the chunk's, 'q1': the last query's): needle retention (mean, and
     weighted by the dense attention the last query puts on the needle in each head), shares of heads keeping all
     of the needle and none, and the mean mass recall."""
-    at = ["method", "seed", "depth", "layer", "head"]
-    kept = long_metric(pre + "needle", at[3:]).merge(long_metric("onneedle", at[3:]), on=at, suffixes=("", "_w"))
-    weighted = (kept.value * kept.value_w).groupby(kept.method).sum() / kept.value_w.groupby(kept.method).sum()
+    kept = kept_and_mass(pre)
+    weighted = weighted_retention(kept, ["method"])
     return pd.concat([kept.groupby("method").value.agg(needle_retention="mean", whole_needle=lambda r: (r == 1).mean(),
                                                        needle_lost=lambda r: (r == 0).mean()),
                       weighted.rename("needle_weighted"),
@@ -541,6 +553,82 @@ fig.suptitle(f"QuoKA Fig. 4 companion (no paper figure): share of the needle's t
              fontsize=9)
 save_figure(fig, Path(fig_dir)/"quoka_accuracy_retention.png", data=by_head.reset_index())
 plt.show()
+
+
+# %% [markdown]
+# ### Retention on the items answered and missed
+#
+# Does a method miss the items on which it kept less of the needle? Where the protocol stage has answered these
+# same items (in `cpu-full`: its `niah_single` cell; matched by the item's hash, so only identical prompts join),
+# each method's answers at B_SA = `retention_budget` split its items into answered and missed. Per item the
+# weighted needle retention pools that item's layers and heads; the two groups' means are compared with a
+# two-sample bootstrap 95% interval (each group's items resampled apart: the groups are different items, so no
+# pairing), only where each group has at least 16 items, as `compare` requires. The depth-1.0 items are left out:
+# their needle lies in the last chunk, which every method keeps.
+
+# %%
+def two_sample_ci(a, b, level: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    "`(mean(a) - mean(b), lo, hi)`: the difference of two groups' means and its bootstrap percentile interval."
+    a, b, rng = np.asarray(a, float), np.asarray(b, float), np.random.default_rng(seed)
+    draws = a[rng.integers(0, len(a), (n_boot, len(a)))].mean(1) - b[rng.integers(0, len(b), (n_boot, len(b)))].mean(1)
+    lo, hi = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return a.mean() - b.mean(), lo, hi
+
+
+# %%
+def percentile_reference(values: list, q: float) -> float:
+    "The `q` quantile of `values` by linear interpolation between the sorted values (numpy's default)."
+    v, h = sorted(values), q * (len(values) - 1)
+    return v[int(h)] + (h - int(h)) * (v[min(int(h) + 1, len(v) - 1)] - v[int(h)])
+
+
+_a, _b = np.random.default_rng(1).normal(size=(2, 9))
+_r = np.random.default_rng(0)  # the same draws as two_sample_ci's, summed one resample at a time
+_ia, _ib = _r.integers(0, 9, (300, 9)), _r.integers(0, 9, (300, 9))
+_loop = [sum(_a[i] for i in _ia[k]) / 9 - sum(_b[i] for i in _ib[k]) / 9 for k in range(300)]
+assert np.allclose(two_sample_ci(_a, _b, n_boot=300),
+                   (_a.mean() - _b.mean(), percentile_reference(_loop, 0.025), percentile_reference(_loop, 0.975)))
+assert two_sample_ci([1.0, 1.0], [0.0, 0.0]) == (1.0, 1.0, 1.0)  # no spread, no interval
+
+
+# %%
+def answered_items() -> pd.DataFrame:
+    "The protocol's answers at `retention_budget` on these items (method, seed, depth, correct); empty where none."
+    path = Path(out_dir)/"protocol_answers_grid.csv"
+    if not path.exists(): return pd.DataFrame(columns=["method", "seed", "depth", "correct"])
+    hashes = {item_hash(sample("niah_single", retention_length, s, d)[0]): (s, d)
+              for s in retention_seeds for d in retention_depths}
+    a = pd.read_csv(path)
+    a = a[a.item.isin(hashes) & (a.budget == retention_budget) & a.method.isin(retention_methods)]
+    return a.assign(seed=[hashes[h][0] for h in a.item], depth=[hashes[h][1] for h in a.item])[
+        ["method", "seed", "depth", "correct"]]
+
+
+min_items = 16  # as `sparsekv.stats.compare`: below it the percentile bootstrap's measured coverage falls short of 95%
+
+
+def retention_by_answer(answers: pd.DataFrame) -> pd.DataFrame:
+    """Per method and selection (last chunk, last query): the items answered and missed (needle before the last
+    chunk), each group's mean weighted retention per item and the difference with its interval."""
+    per_item = pd.concat({pre or "chunk": weighted_retention(kept_and_mass(pre), ["method", "seed", "depth"])
+                          for pre in ("", "q1")}, axis=1).reset_index()
+    joined = per_item.merge(answers, on=["method", "seed", "depth"])
+    joined = joined[joined.depth < 1.0]
+    rows = []
+    for (m, sel), g in joined.melt(id_vars=["method", "seed", "depth", "correct"], value_vars=["chunk", "q1"],
+                                   var_name="selection").groupby(["method", "selection"], sort=False):
+        hit, miss = g.value[g.correct == 1], g.value[g.correct == 0]
+        d, lo, hi = two_sample_ci(hit, miss) if min(len(hit), len(miss)) >= min_items else (np.nan,) * 3
+        rows.append({"method": m, "selection": sel, "answered": len(hit), "missed": len(miss),
+                     "retention_answered": hit.mean(), "retention_missed": miss.mean(), "diff": d, "lo": lo, "hi": hi})
+    return pd.DataFrame(rows)
+
+
+answers_here = answered_items()
+by_answer = retention_by_answer(answers_here) if len(answers_here) else None
+print(f"{len(answers_here)} protocol answers on these items" + ("" if len(answers_here) else
+      " (the protocol has not run these items in this profile): no split"))
+by_answer
 
 
 # %% [markdown]
@@ -697,6 +785,10 @@ lines = [
     "needle in each head; the per-query mass recall's mean and 5th percentile, mean over items and layers; "
     "`q1_`: the same for the selection of the prompt's last query alone, as at a decode step):",
     "", fmt(retention_table), "",
+    *([f"**Retention on the items answered and missed** (the protocol's answers at B_SA = {retention_budget} joined to "
+       "these items; per item the weighted needle retention; difference answered - missed with a two-sample bootstrap "
+       f"95% interval; no interval where a group has fewer than {min_items} items; needle before the last chunk):",
+       "", by_answer.round(3).to_markdown(index=False), ""] if by_answer is not None else []),
     "**QuoKA vs mean-of-scores on SmolLM2** (variants of QuoKA's scoring, same budget, mean over layers):", "", fmt(var_tab), "",
     f"Keys per layer (mean over prompts): mean cosine of a key with the layer's mean key from {stat.mean_cos_to_mean_key.min():.2f} "
     f"to {stat.mean_cos_to_mean_key.max():.2f} (mean {stat.mean_cos_to_mean_key.mean():.2f}); share of |k|^2 in the two largest of "
