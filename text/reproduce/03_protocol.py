@@ -26,8 +26,8 @@
 #   chunk (charged in `prefill_max`); page retrieval prefills densely (its papers' setting).
 # - **Long runs.** The `cpu-full` answer grid takes about ten hours on two cores: with `answers_hours` set, a run
 #   starts no answer cell after that many hours, compares at each budget the items dense and every method at that
-#   budget finished, and says so at the top
-#   of its summary; the next run (`--force`) continues where it stopped (the grid is committed).
+#   budget finished, and says so at the top of its summary; the next run (`--force`) continues where it stopped
+#   (the grid is committed).
 # - **TOVA** is the paper's (and kvpress's): the last query's attention averaged over every query head,
 #   one kept set for all KV heads; `tova_group` (`{name: tova, heads: group}`) averages within each KV
 #   head's group instead, a variant labelled as such.
@@ -569,6 +569,12 @@ def same_method(label: str, part, b) -> bool:
     return type(m) is type(part) and getattr(m, "checkpoint", None) == getattr(part, "checkpoint", None)
 
 
+def memory(u) -> str:
+    "A usage row's KV MiB per sequence, peak and while decoding (prose rows from before these were measured have none)."
+    if not np.isfinite(u.kv_mib_peak): return "memory not recorded"
+    return f"{u.kv_mib_peak:.2f} MiB peak / {u.kv_mib_decode:.2f} MiB decoding"
+
+
 def composition_verdicts() -> list[str]:
     "One bullet per composition and budget: agreement against each part, memory, the fronts it is on."
     out, rows = [], txt.assign(budget=txt.budget.fillna("-"))
@@ -586,9 +592,9 @@ def composition_verdicts() -> list[str]:
                 d, lo, hi = paired_ci(a.agreement.to_numpy(), o.agreement.to_numpy())
                 ou = usage[(usage.method == other) & (usage.budget == b)].iloc[0]
                 parts.append(f"vs {other} ({role}) {d:+.3f} [{lo:+.3f}, {hi:+.3f}]{'*' if lo > 0 or hi < 0 else ''} "
-                             f"at {ou.kv_mib_peak:.2f}/{ou.kv_mib_decode:.2f} MiB")
+                             f"at {memory(ou)}")
             fronts = [axes_of[c] for c in axes_of if me[f"front_{c}"]]
-            out.append(f"- **{label} @ {b}** ({me.kv_mib_peak:.2f} MiB peak / {me.kv_mib_decode:.2f} MiB decoding): "
+            out.append(f"- **{label} @ {b}** ({memory(me)}): "
                        + ("; ".join(parts) or "no part in the table") + "; on the front of: "
                        + (", ".join(fronts) or "none") + ".")
     return out
@@ -709,7 +715,8 @@ for name, t in tables.items():
     lines += [f"**{name}**", "", show(t).to_markdown(index=False), ""]
 usage_md = usage.drop(columns=[c for c in usage if c.startswith("front_")]).round(3)
 lines += ["**Memory and time** (KV entries per KV head and MiB per sequence, peak and while decoding; prefill s and "
-          f"ms per decode step of a batch of {prose_batch}; prose agreement):", "", usage_md.to_markdown(index=False),
+          f"ms per decode step of a batch of {prose_batch}; prose agreement; nan: prose rows computed before memory and "
+          "time were recorded, reused from the committed grid):", "", usage_md.to_markdown(index=False),
           "", "**Compositions**", "", *(verdicts or ["- none in this run"]), ""]
 for name, pts in acc_points.items():
     front = {c: ", ".join(f"{r.method} @{r.budget}" for r in cost_front(pts, c).itertuples()) for c in phases}
