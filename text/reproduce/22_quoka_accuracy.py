@@ -89,10 +89,13 @@ from sparsekv.data import make_task, score_exact
 from sparsekv.eval import attention_fidelity, needle_retention, query_quantile, run_grid
 from sparsekv.hf import DensePolicy, chunked_prefill, patch
 from sparsekv.io import save_figure, use_style, write_csv, write_text
+from sparsekv.methods import make as make_method
 from sparsekv.models import load_model
 from sparsekv.protocol import item_hash
+from sparsekv.reproduce import find_pipeline, load_stages, notebook_parameters
 from sparsekv.quoka.select import quoka_scores, quoka_select, select_queries
 from sparsekv.select import resolve_budget, top_budget_indices
+from sparsekv.stats import paired_ci
 from sparsekv.quoka.policy import BaselinePolicy, LessIsMorePolicy, QuokaPolicy
 
 # %%
@@ -707,6 +710,94 @@ abl_df
 
 
 # %% [markdown]
+# ## The ablations on the protocol's items (Tables 5/6, 11 and 12 analogue, on accuracy)
+#
+# The sweeps above score attention mass; the paper's ablations score task accuracy. The `protocol` stage answers
+# the calibrated retrieval items with QuoKA at several settings: every label of its `method_specs` whose method is
+# `quoka`, each at its own budgets. Each label's settings are read back from the method it builds (so a default
+# changed in `sparsekv.methods` shows here), and its answers from the protocol's grid. Per cell: the accuracy, its
+# paired difference with dense, and with the default QuoKA (label `quoka`) at the same B_SA, both on the same items.
+
+# %%
+def protocol_params() -> dict:
+    "The `protocol` stage's parameters in this profile (its notebook's defaults under the profile's), {} if it has none."
+    stage = next((s for s in load_stages(find_pipeline(), profile) if s.name == "protocol"), None)
+    return {} if stage is None else {**notebook_parameters(stage.notebook), **stage.params}
+
+
+def protocol_quoka_settings(params: dict) -> pd.DataFrame:
+    "The protocol's QuoKA labels, each with its B_CP, N_Q, query ranking and head aggregation."
+    rows = []
+    for label, spec in params.get("method_specs", {}).items():
+        spec = {k: v for k, v in spec.items() if k != "budgets"}
+        if spec.pop("name", label) != "quoka": continue
+        m = make_method("quoka", budget=1, **{"chunk_size": params["chunk_size"], **spec})
+        rows.append({"method": label, "B_CP": m.chunk_size, "N_Q": m.n_q, "queries": m.query_rank, "heads": m.gqa_agg})
+    return pd.DataFrame(rows, columns=["method", "B_CP", "N_Q", "queries", "heads"])
+
+
+def protocol_answers(labels) -> pd.DataFrame:
+    "The protocol's answers of dense and of `labels` in this profile (method, budget, cell, item, correct)."
+    path = Path(out_dir)/"protocol_answers_grid.csv"
+    if not path.exists(): return pd.DataFrame(columns=["method", "budget", "cell", "item", "correct"])
+    a = pd.read_csv(path)
+    return a[a.method.isin(["dense", *labels])][["method", "budget", "cell", "item", "correct"]]
+
+
+def paired_vs(answers: pd.DataFrame, x: pd.Series, method: str, budget=None) -> tuple[float, float, float]:
+    "`x` (correct per item) minus `method`'s answers on the same items: (diff, lo, hi); nan under `min_items` items."
+    other = answers[(answers.method == method) & ((answers.budget == budget) if budget is not None else True)]
+    y = other.set_index("item").correct.reindex(x.index).dropna()
+    return paired_ci(x[y.index], y) if len(y) >= min_items else (np.nan,) * 3
+
+
+def protocol_ablation(settings: pd.DataFrame, answers: pd.DataFrame, lengths: dict) -> pd.DataFrame:
+    """Per QuoKA label, budget and cell (of length `lengths[cell]`): items, accuracy, minus dense and minus the
+    default QuoKA at that budget."""
+    rows = []
+    for (m, b, cell), g in answers[answers.method != "dense"].groupby(["method", "budget", "cell"]):
+        x, base = g.set_index("item").correct, answers[answers.cell == cell]
+        vs_quoka = (np.nan,) * 3 if m == "quoka" else paired_vs(base, x, "quoka", b)
+        rows.append({"method": m, "B_SA": b, "cell": cell, "B_SA/L": b / lengths[cell], "n": len(x), "accuracy": x.mean(),
+                     **dict(zip(["dense_diff", "dense_lo", "dense_hi"], paired_vs(base, x, "dense"))),
+                     **dict(zip(["quoka_diff", "quoka_lo", "quoka_hi"], vs_quoka))})
+    cols = ["method", "B_SA", "cell", "B_SA/L", "n", "accuracy", "dense_diff", "dense_lo", "dense_hi", "quoka_diff", "quoka_lo",
+            "quoka_hi"]
+    return settings.merge(pd.DataFrame(rows, columns=cols), on="method")
+
+
+def with_intervals(df: pd.DataFrame) -> pd.DataFrame:
+    "`df` with each (diff, lo, hi) triple shown as one 'diff [lo, hi]' column (* where 0 is outside; blank: none)."
+    out = df.drop(columns=[c for c in df if c.endswith(("_diff", "_lo", "_hi"))])
+    for who in ("dense", "quoka"):
+        d, lo, hi = df[f"{who}_diff"], df[f"{who}_lo"], df[f"{who}_hi"]
+        out[f"vs {who}"] = [("" if np.isnan(x) else f"{x:+.3f} [{l:+.3f}, {h:+.3f}]" + ("*" if l > 0 or h < 0 else ""))
+                            for x, l, h in zip(d, lo, hi)]
+    return out.round({"accuracy": 3, "B_SA/L": 3})
+
+
+proto = protocol_params()
+quoka_settings = protocol_quoka_settings(proto)
+protocol_abl = protocol_ablation(quoka_settings, protocol_answers(quoka_settings.method),
+                                 {c: spec["length"] for c, spec in proto.get("cells", {}).items()})
+print(f"{len(quoka_settings)} QuoKA setting(s) in the protocol's method list, {len(protocol_abl)} (setting, B_SA, cell) "
+      "row(s) answered" + ("" if len(protocol_abl) else " (the protocol has not run in this profile)"))
+with_intervals(protocol_abl)
+
+# %% [markdown]
+# A check of the paired differences against a loop: each label's accuracy minus the default's, recomputed item by
+# item from the grid, equals the mean difference in the table.
+
+# %%
+_grid = protocol_answers(quoka_settings.method)
+for _r in protocol_abl.dropna(subset=["quoka_diff"]).itertuples():
+    _mine = {i: c for i, c in _grid[(_grid.method == _r.method) & (_grid.budget == _r.B_SA) & (_grid.cell == _r.cell)][["item", "correct"]].values}
+    _dflt = {i: c for i, c in _grid[(_grid.method == "quoka") & (_grid.budget == _r.B_SA) & (_grid.cell == _r.cell)][["item", "correct"]].values}
+    _both = [i for i in _mine if i in _dflt]
+    assert np.isclose(sum(_mine[i] - _dflt[i] for i in _both) / len(_both), _r.quoka_diff), _r
+
+
+# %% [markdown]
 # ## Paper vs ours
 #
 # The paper's claims beside this run's numbers. Ours are exact-match scores on SmolLM2-135M at the profile's lengths
@@ -744,7 +835,45 @@ def paper_vs_ours_rows() -> list[str]:
             "| stable under B_CP (Table 11) | §4.5: \"QuoKA maintains stable performance under varying B_CP\" | mass "
             f"recall from {cp.min():.3f} to {cp.max():.3f} over B_CP {list(cp.index)} | as above |"]
 
-paper_vs_ours = paper_vs_ours_rows()
+SETTINGS = ["B_CP", "N_Q", "queries", "heads"]
+
+
+def varied_alone(col: str) -> pd.DataFrame:
+    "The protocol rows of the QuoKA labels that differ from the default `quoka` in `col` alone."
+    base = quoka_settings.set_index("method").loc["quoka", SETTINGS]
+    alone = [r.method for _, r in quoka_settings.iterrows() if list(base.index[r[SETTINGS].values != base.values]) == [col]]
+    return protocol_abl[protocol_abl.method.isin(alone)]
+
+
+def ci_text(diff: float, lo: float, hi: float) -> str:
+    return f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def protocol_claim_rows() -> list[str]:
+    "Paper-vs-ours rows for §4.5's claims on the protocol's accuracy; none where the protocol has no default QuoKA."
+    if "quoka" not in set(protocol_abl.method): return []
+    lengths = sorted({spec["length"] for spec in proto["cells"].values()})
+    G = model.config.num_attention_heads // model.config.num_key_value_heads
+    why = (f"{model_name}, G = {G} query heads per KV head, averaged before scoring (§3.3), L = {lengths}, "
+           f"{protocol_abl.n.max()} items a cell; the paper: 3B+ models up to 30k tokens")
+    q = protocol_abl[protocol_abl.method == "quoka"].dropna(subset=["dense_diff"])
+    worst = q.loc[q.groupby("B_SA").dense_diff.idxmin()]
+    within = worst[worst.dense_diff >= -0.03]
+    small = (f"fewer than {min_items} items a cell: not compared" if not len(q) else
+             f"within 3% of dense in every cell from B_SA/L = {within['B_SA/L'].min():.1%}" if len(within) else
+             "more than 3% behind dense at every measured B_SA; worst cell: " + "; ".join(
+                 f"{r['B_SA/L']:.1%} ({r.cell}) {ci_text(r.dense_diff, r.dense_lo, r.dense_hi)}" for _, r in worst.iterrows()))
+    per_change = lambda col: "; ".join(f"{col} = {r[col]} at B_SA {r.B_SA}, {r.cell}: {r.accuracy:.3f}, vs the default "
+                                       f"{ci_text(r.quoka_diff, r.quoka_lo, r.quoka_hi)}" for _, r in varied_alone(col).dropna(subset=["quoka_diff"]).iterrows())
+    base = quoka_settings.set_index("method").loc["quoka"]
+    return [f"| small loss under sparsity, on the protocol's accuracy | §4.5 (as above) | {small} | {why} |",
+            f"| N_Q = B_CP/16 costs little (Table 12), on accuracy | §4.5 (as above) | default N_Q = {base.N_Q}, B_CP = "
+            f"{base.B_CP}; {per_change('N_Q') or 'no other N_Q measured'} | as above |",
+            f"| stable under B_CP (Table 11), on accuracy | §4.5 (as above) | default B_CP = {base.B_CP}; "
+            f"{per_change('B_CP') or 'no other B_CP measured'} (N_Q = {base.N_Q} throughout) | as above |"]
+
+
+paper_vs_ours = paper_vs_ours_rows() + protocol_claim_rows()
 
 # %% [markdown]
 # ## The fragment
@@ -795,6 +924,10 @@ lines = [
     f"{model.config.hidden_size // model.config.num_attention_heads} channels from {stat.top2_channel_share.min():.2f} to "
     f"{stat.top2_channel_share.max():.2f} (mean {stat.top2_channel_share.mean():.2f}).", "",
     "**Ablations** (QuoKA mass recall / output error, mean over layers and prompts; B_SA sweep at the default B_CP, N_Q and B_CP sweeps "
-    f"at B_SA = {ruler_budgets[-1]}):", "", abl_df[["param", "length", "value", "mass_recall", "output_error"]].round(3).to_markdown(index=False), ""]
+    f"at B_SA = {ruler_budgets[-1]}):", "", abl_df[["param", "length", "value", "mass_recall", "output_error"]].round(3).to_markdown(index=False), "",
+    *(["**The ablations on the protocol's items** (accuracy per QuoKA setting of the protocol stage, B_SA and cell; "
+       "paired differences with dense and with the default QuoKA at the same B_SA on the same items, 95% intervals, "
+       "* where 0 is outside, blank under 16 items):", "", with_intervals(protocol_abl).to_markdown(index=False), ""]
+      if len(protocol_abl) else [])]
 write_text(Path(out_dir)/"quoka_accuracy.md", "\n".join(lines + ["**Paper vs ours**", "", *paper_vs_ours, ""]))
 print("\n".join(lines + ["**Paper vs ours**", "", *paper_vs_ours]))
