@@ -720,7 +720,7 @@ abl_df
 
 # %%
 def protocol_params() -> dict:
-    "The `protocol` stage's parameters in this profile (its notebook's defaults under the profile's), {} if it has none."
+    "The `protocol` stage's parameters in this profile (its notebook's defaults under the profile's); {} if none."
     stage = next((s for s in load_stages(find_pipeline(), profile) if s.name == "protocol"), None)
     return {} if stage is None else {**notebook_parameters(stage.notebook), **stage.params}
 
@@ -758,11 +758,12 @@ def protocol_ablation(settings: pd.DataFrame, answers: pd.DataFrame, lengths: di
     for (m, b, cell), g in answers[answers.method != "dense"].groupby(["method", "budget", "cell"]):
         x, base = g.set_index("item").correct, answers[answers.cell == cell]
         vs_quoka = (np.nan,) * 3 if m == "quoka" else paired_vs(base, x, "quoka", b)
-        rows.append({"method": m, "B_SA": b, "cell": cell, "B_SA/L": b / lengths[cell], "n": len(x), "accuracy": x.mean(),
+        rows.append({"method": m, "B_SA": b, "cell": cell, "B_SA/L": b / lengths[cell], "n": len(x),
+                     "accuracy": x.mean(),
                      **dict(zip(["dense_diff", "dense_lo", "dense_hi"], paired_vs(base, x, "dense"))),
                      **dict(zip(["quoka_diff", "quoka_lo", "quoka_hi"], vs_quoka))})
-    cols = ["method", "B_SA", "cell", "B_SA/L", "n", "accuracy", "dense_diff", "dense_lo", "dense_hi", "quoka_diff", "quoka_lo",
-            "quoka_hi"]
+    cols = ["method", "B_SA", "cell", "B_SA/L", "n", "accuracy", *(f"{who}_{part}" for who in ("dense", "quoka")
+                                                                   for part in ("diff", "lo", "hi"))]
     return settings.merge(pd.DataFrame(rows, columns=cols), on="method")
 
 
@@ -780,8 +781,8 @@ proto = protocol_params()
 quoka_settings = protocol_quoka_settings(proto)
 protocol_abl = protocol_ablation(quoka_settings, protocol_answers(quoka_settings.method),
                                  {c: spec["length"] for c, spec in proto.get("cells", {}).items()})
-print(f"{len(quoka_settings)} QuoKA setting(s) in the protocol's method list, {len(protocol_abl)} (setting, B_SA, cell) "
-      "row(s) answered" + ("" if len(protocol_abl) else " (the protocol has not run in this profile)"))
+print(f"{len(quoka_settings)} QuoKA setting(s) in the protocol's method list, {len(protocol_abl)} "
+      "(setting, B_SA, cell) row(s) answered" + ("" if len(protocol_abl) else " (no protocol answers in this profile)"))
 with_intervals(protocol_abl)
 
 # %% [markdown]
@@ -790,9 +791,10 @@ with_intervals(protocol_abl)
 
 # %%
 _grid = protocol_answers(quoka_settings.method)
+_correct = lambda m, b, cell: dict(_grid[(_grid.method == m) & (_grid.budget == b) & (_grid.cell == cell)][
+    ["item", "correct"]].values)
 for _r in protocol_abl.dropna(subset=["quoka_diff"]).itertuples():
-    _mine = {i: c for i, c in _grid[(_grid.method == _r.method) & (_grid.budget == _r.B_SA) & (_grid.cell == _r.cell)][["item", "correct"]].values}
-    _dflt = {i: c for i, c in _grid[(_grid.method == "quoka") & (_grid.budget == _r.B_SA) & (_grid.cell == _r.cell)][["item", "correct"]].values}
+    _mine, _dflt = _correct(_r.method, _r.B_SA, _r.cell), _correct("quoka", _r.B_SA, _r.cell)
     _both = [i for i in _mine if i in _dflt]
     assert np.isclose(sum(_mine[i] - _dflt[i] for i in _both) / len(_both), _r.quoka_diff), _r
 
@@ -841,7 +843,8 @@ SETTINGS = ["B_CP", "N_Q", "queries", "heads"]
 def varied_alone(col: str) -> pd.DataFrame:
     "The protocol rows of the QuoKA labels that differ from the default `quoka` in `col` alone."
     base = quoka_settings.set_index("method").loc["quoka", SETTINGS]
-    alone = [r.method for _, r in quoka_settings.iterrows() if list(base.index[r[SETTINGS].values != base.values]) == [col]]
+    alone = [r.method for _, r in quoka_settings.iterrows()
+             if list(base.index[r[SETTINGS].values != base.values]) == [col]]
     return protocol_abl[protocol_abl.method.isin(alone)]
 
 
@@ -862,13 +865,15 @@ def protocol_claim_rows() -> list[str]:
     small = (f"fewer than {min_items} items a cell: not compared" if not len(q) else
              f"within 3% of dense in every cell from B_SA/L = {within['B_SA/L'].min():.1%}" if len(within) else
              "more than 3% behind dense at every measured B_SA; worst cell: " + "; ".join(
-                 f"{r['B_SA/L']:.1%} ({r.cell}) {ci_text(r.dense_diff, r.dense_lo, r.dense_hi)}" for _, r in worst.iterrows()))
+                 f"{r['B_SA/L']:.1%} ({r.cell}) {ci_text(r.dense_diff, r.dense_lo, r.dense_hi)}"
+                 for _, r in worst.iterrows()))
     per_change = lambda col: "; ".join(f"{col} = {r[col]} at B_SA {r.B_SA}, {r.cell}: {r.accuracy:.3f}, vs the default "
-                                       f"{ci_text(r.quoka_diff, r.quoka_lo, r.quoka_hi)}" for _, r in varied_alone(col).dropna(subset=["quoka_diff"]).iterrows())
+                                       f"{ci_text(r.quoka_diff, r.quoka_lo, r.quoka_hi)}"
+                                       for _, r in varied_alone(col).dropna(subset=["quoka_diff"]).iterrows())
     base = quoka_settings.set_index("method").loc["quoka"]
     return [f"| small loss under sparsity, on the protocol's accuracy | §4.5 (as above) | {small} | {why} |",
-            f"| N_Q = B_CP/16 costs little (Table 12), on accuracy | §4.5 (as above) | default N_Q = {base.N_Q}, B_CP = "
-            f"{base.B_CP}; {per_change('N_Q') or 'no other N_Q measured'} | as above |",
+            f"| N_Q = B_CP/16 costs little (Table 12), on accuracy | §4.5 (as above) | default N_Q = {base.N_Q}, "
+            f"B_CP = {base.B_CP}; {per_change('N_Q') or 'no other N_Q measured'} | as above |",
             f"| stable under B_CP (Table 11), on accuracy | §4.5 (as above) | default B_CP = {base.B_CP}; "
             f"{per_change('B_CP') or 'no other B_CP measured'} (N_Q = {base.N_Q} throughout) | as above |"]
 
