@@ -323,6 +323,16 @@ test_eq(select_queries(q, 4, G, "head", "random", torch.Generator().manual_seed(
 # above) the two approximations compound: the head max alone lifts QuoKA from 0.564 / 0.618 to 0.709 / 0.818,
 # all queries alone change nothing (0.545 / 0.582), and both together (`quoka_all_heads`) reach 0.982 / 0.945,
 # with mean-of-scores (0.982 / 1.000) and at its prefill scoring cost ($G S D$ per key and chunk).
+#
+# **Over $B_{SA}$ and $B_{CP}$ (`cpu-full` `protocol`, the same 110 items).** QuoKA's accuracy (niah / passkey) grows
+# with the budget (passkey's dip from 64 to 128 is within noise): 0.382 / 0.382 at $B_{SA} = 64$ (1.6% of the 4,096 tokens), 0.436 / 0.327 at 128 (3.1%),
+# 0.564 / 0.618 at 256 (6.25%) and 0.691 / 0.691 at 480 (11.7%), behind dense at every one; mean-of-scores already
+# answers 0.855 / 1.000 at 64. Against SampleAttention cost-matched to QuoKA's prefill scoring, QuoKA is ahead at 256
+# (+0.164 [+0.055, +0.273], +0.218 [+0.109, +0.327]) but tied at 128 (+0.036 [−0.073, +0.145], −0.018 [−0.091, +0.055])
+# and at 64 (+0.055 [−0.036, +0.145], +0.036 [−0.036, +0.109]): at the smallest budgets both cheap selections lose most
+# needles. The chunk size matters little, as the paper's Table 11 says: at 256, $B_{CP} = 64$ answers 0.600 / 0.564 and
+# $B_{CP} = 256$ 0.564 / 0.600, each tied with $B_{CP} = 128$ (every paired interval contains 0; tables in
+# `reproduce/runs/cpu-full/quoka_accuracy.md`).
 
 # %%
 #| export
