@@ -330,7 +330,9 @@ test_eq(select_queries(q, 4, G, "head", "random", torch.Generator().manual_seed(
 # answers 0.855 / 1.000 at 64. Against SampleAttention cost-matched to QuoKA's prefill scoring, QuoKA is ahead at 256
 # (+0.164 [+0.055, +0.273], +0.218 [+0.109, +0.327]) but tied at 128 (+0.036 [−0.073, +0.145], −0.018 [−0.091, +0.055])
 # and at 64 (+0.055 [−0.036, +0.145], +0.036 [−0.036, +0.109]): at the smallest budgets both cheap selections lose most
-# needles. The chunk size matters little, as the paper's Table 11 says: at 256, $B_{CP} = 64$ answers 0.600 / 0.564 and
+# needles. SparQ and Loki cost-matched to QuoKA answer nothing at 128 or 256 (QuoKA +0.436 / +0.327 and +0.564 / +0.618
+# ahead, every interval excluding 0), and SampleAttention at its own default (three times QuoKA's prefill scoring)
+# answers 0.564 / 0.382 at 128. The chunk size matters little, as the paper's Table 11 says: at 256, $B_{CP} = 64$ answers 0.600 / 0.564 and
 # $B_{CP} = 256$ 0.564 / 0.600, each tied with $B_{CP} = 128$ (every paired interval contains 0; tables in
 # `reproduce/runs/cpu-full/quoka_accuracy.md`).
 
