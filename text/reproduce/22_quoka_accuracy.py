@@ -767,12 +767,16 @@ def protocol_ablation(settings: pd.DataFrame, answers: pd.DataFrame, lengths: di
     return settings.merge(pd.DataFrame(rows, columns=cols), on="method")
 
 
+def ci_text(diff: float, lo: float, hi: float) -> str:
+    return f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
 def with_intervals(df: pd.DataFrame) -> pd.DataFrame:
     "`df` with each (diff, lo, hi) triple shown as one 'diff [lo, hi]' column (* where 0 is outside; blank: none)."
     out = df.drop(columns=[c for c in df if c.endswith(("_diff", "_lo", "_hi"))])
     for who in ("dense", "quoka"):
         d, lo, hi = df[f"{who}_diff"], df[f"{who}_lo"], df[f"{who}_hi"]
-        out[f"vs {who}"] = [("" if np.isnan(x) else f"{x:+.3f} [{l:+.3f}, {h:+.3f}]" + ("*" if l > 0 or h < 0 else ""))
+        out[f"vs {who}"] = [("" if np.isnan(x) else ci_text(x, l, h) + ("*" if l > 0 or h < 0 else ""))
                             for x, l, h in zip(d, lo, hi)]
     return out.round({"accuracy": 3, "B_SA/L": 3})
 
@@ -846,10 +850,6 @@ def varied_alone(col: str) -> pd.DataFrame:
     alone = [r.method for _, r in quoka_settings.iterrows()
              if list(base.index[r[SETTINGS].values != base.values]) == [col]]
     return protocol_abl[protocol_abl.method.isin(alone)]
-
-
-def ci_text(diff: float, lo: float, hi: float) -> str:
-    return f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
 
 def protocol_claim_rows() -> list[str]:
@@ -932,7 +932,7 @@ lines = [
     f"at B_SA = {ruler_budgets[-1]}):", "", abl_df[["param", "length", "value", "mass_recall", "output_error"]].round(3).to_markdown(index=False), "",
     *(["**The ablations on the protocol's items** (accuracy per QuoKA setting of the protocol stage, B_SA and cell; "
        "paired differences with dense and with the default QuoKA at the same B_SA on the same items, 95% intervals, "
-       "* where 0 is outside, blank under 16 items):", "", with_intervals(protocol_abl).to_markdown(index=False), ""]
+       f"* where 0 is outside, blank under {min_items} items):", "", with_intervals(protocol_abl).to_markdown(index=False), ""]
       if len(protocol_abl) else [])]
 write_text(Path(out_dir)/"quoka_accuracy.md", "\n".join(lines + ["**Paper vs ours**", "", *paper_vs_ours, ""]))
 print("\n".join(lines + ["**Paper vs ours**", "", *paper_vs_ours]))
