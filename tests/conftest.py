@@ -1,4 +1,6 @@
-"Pytest configuration: `slow` tests run with --run-slow, `gpu` tests only where CUDA is available."
+"""Pytest configuration: `slow` tests run with --run-slow, `gpu` tests only where CUDA is available, `peers` tests (the
+kvpress cross-checks) with --peers, in the peer environment (`make test-peers`)."""
+import importlib
 import os
 
 import pytest
@@ -19,6 +21,8 @@ def one_torch_thread():
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+    parser.addoption("--peers", action="store_true",
+                     help="run the tests marked peers (kvpress cross-checks; kvpress missing is then a failure)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,6 +32,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="slow: run with `make test-all` (--run-slow)"))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="gpu: needs a CUDA device"))
+        if "peers" in item.keywords and not config.getoption("--peers"):
+            item.add_marker(pytest.mark.skip(reason="peers: kvpress cross-check, run by `make test-peers` (.venv-peers)"))
+
+
+@pytest.fixture(scope="session")
+def kvpress():
+    "kvpress, which only the peer environment holds; with --peers its absence fails the test instead of skipping it."
+    try: return importlib.import_module("kvpress")
+    except ImportError as e:
+        pytest.fail(f"--peers runs the kvpress cross-checks, but kvpress is not installed ({e}): run them with "
+                    "`make test-peers`, which builds the peer environment .venv-peers")
 
 
 # every tiny model a test uses: (load_model name, config overrides); all share load_model's default seed

@@ -45,7 +45,7 @@ def _teacher_forced(model, ids, cache, prefill, chunk, policy=None):
     with torch.no_grad(), patch(model, policy or DensePolicy()):
         for c in range(0, prefill, chunk):
             pos = torch.arange(c, min(c + chunk, prefill), device=ids.device)
-            rows.append(model(ids[:, pos], past_key_values=cache, cache_position=pos, position_ids=pos[None]).logits)
+            rows.append(model(ids[:, pos], past_key_values=cache, position_ids=pos[None]).logits)
         for t in range(prefill, ids.shape[1]):
             rows.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
     return torch.cat(rows, 1)
@@ -324,7 +324,9 @@ def test_evicting_cache_errors(tiny_model):
 def test_crop(tiny_model):
     ids = _ids(1, 10, 14)
     cache, _ = chunked_prefill(tiny_model, ids, 3, cache=SinkWindowCache(2, 4))
-    with pytest.raises(ValueError, match="already evicted"): cache.crop(8)
+    with pytest.raises(ValueError, match="already evicted"): cache.crop(-2)
+    # transformers' convention: minus the number of tokens to drop; an absolute length is refused
+    with pytest.raises(ValueError, match="tokens_to_remove must be an int <= 0"): cache.crop(8)
     cache, _ = chunked_prefill(tiny_model, ids, 3, cache=SinkWindowCache(2, 64))
     cache.crop(-3)
     assert cache.get_seq_length() == 7 and cache.layers[0].positions[0, 0].tolist() == list(range(7))

@@ -90,9 +90,9 @@ def kept_positions_by_keys(kept_keys, all_keys):
             for h in range(all_keys.shape[0])]
 
 
-def test_against_kvpress(tiny_llama64):
+@pytest.mark.peers
+def test_against_kvpress(tiny_llama64, kvpress):
     "kvpress compresses once after a dense prefill; ours with a one-chunk prefill does the same for TOVA (heads='all')."
-    kvpress = pytest.importorskip("kvpress")
     ids = ids_of(tiny_llama64, 20, seed=2)
     with torch.no_grad():
         full = tiny_llama64(ids, past_key_values=DynamicCache(config=tiny_llama64.config)).past_key_values

@@ -141,8 +141,7 @@ def decode(model, st, ids, prefill=0, chunk=1):
     with torch.no_grad(), patch(model, st.policy()):
         for a in range(0, prefill, chunk):
             pos = torch.arange(a, min(a + chunk, prefill))
-            rows.append(model(ids[:, pos], past_key_values=cache, cache_position=pos,
-                              position_ids=pos.expand(ids.shape[0], -1)).logits)
+            rows.append(model(ids[:, pos], past_key_values=cache, position_ids=pos.expand(ids.shape[0], -1)).logits)
         for t in range(prefill, ids.shape[1]): rows.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
     return torch.cat(rows, 1), cache
 
@@ -198,10 +197,10 @@ def test_eviction_ratios_hand_built(tiny_llama):
     with pytest.raises(ValueError, match="needs more than"): eviction_ratios(st, tiny_llama, ids_of(7))
 
 
-def test_against_kvpress():
+@pytest.mark.peers
+def test_against_kvpress(kvpress):
     """kvpress DMSPress (threshold on a scorer, window of recent tokens) evicts the same positions as DMSCache,
     given the same decisions."""
-    kvpress = pytest.importorskip("kvpress")
     model = load_model("tiny-llama")[0]  # its own instance: kvpress leaves state on the attention modules
     window = 4
     st = random_student(model, window=window, seed=5)

@@ -9,7 +9,7 @@ from sparsekv import methods, presses
 from sparsekv.hf import attention_modules, measure_attended
 from sparsekv.protocol import measured_budget, window_logits
 
-kvpress = pytest.importorskip("kvpress")
+pytestmark = [pytest.mark.peers, pytest.mark.usefixtures("kvpress")]
 
 OPTIONS = {"snapkv": dict(window_size=8), "pyramidkv": dict(window_size=8)}  # kvpress's windows need S > window
 S = 40

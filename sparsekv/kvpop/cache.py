@@ -191,10 +191,9 @@ class KVpopLayer(EvictingLayer):
     def _view(self, n: int) -> None:
         self.keys, self.values, self.positions, self.scores = (b[:, :, :n] for b in self._buffers)
 
-    def update(self, key_states: Tensor, value_states: Tensor,
-               cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         "Write new entries with positions and scores after the kept ones; return all entries' keys and values."
-        pos, sc = self.scored_entries(key_states, value_states, cache_kwargs)
+        pos, sc = self.scored_entries(key_states, value_states)
         s, n = key_states.shape[2], self.positions.shape[-1]
         if n + s > self._buffers[0].shape[2]: self._seat(n, n + s)
         for b, x in zip(self._buffers, (key_states, value_states, pos, sc)): b[:, :, n:n + s] = x

@@ -236,5 +236,5 @@ def last_chunk_logits(model, input_ids: Tensor, chunk_size: int, policy=None) ->
     with torch.no_grad(), patch(model, policy or DensePolicy()):
         state = active_patch(model)
         state.kind, state.chunk_index = "prefill", start // chunk_size  # a one-token last chunk is still prefill
-        return model(input_ids=input_ids[:, start:], past_key_values=cache, use_cache=True, cache_position=pos,
+        return model(input_ids=input_ids[:, start:], past_key_values=cache, use_cache=True,
                      position_ids=pos.expand(input_ids.shape[0], -1)).logits

@@ -508,8 +508,10 @@ class SelectionPolicy(AttentionPolicy):
 # registry that `patch` fills, so differently patched models (a teacher and a student) coexist.
 #
 # Two things the attention function is not given are the cache and the query positions.
-# A forward pre-hook on each attention module records them from the keyword arguments of
-# its call (`past_key_values`, `cache_position`) just before the call.
+# A forward pre-hook on each attention module records them just before the call: the cache from
+# its keyword arguments (`past_key_values`) and, since the model passes no positions to the cache
+# any more, the number of tokens the layer has seen before the call (`get_seq_length` of that
+# layer: an evicting layer counts tokens seen, not kept). The queries are the tokens that follow.
 #
 # `patch` sets the attention implementation with `model.set_attn_implementation`, which
 # propagates to sub-models, and restores every config's previous value on exit, even when the
@@ -557,10 +559,11 @@ def _configs(model: PreTrainedModel) -> list:
 #| export
 def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout) -> AttentionContext:
     "Build the policy's context for one call of `module`."
-    cache, cache_position = state.calls.pop(module, (None, None))
+    cache, seen = state.calls.pop(module, (None, None))
     B, hkv, sk = key.shape[:3]
     sq, idx = query.shape[2], module.layer_idx
-    if cache_position is None: cache_position = torch.arange(sk - sq, sk, device=key.device)
+    if seen is None: seen = sk - sq  # no cache: the keys are this call's own
+    query_positions = torch.arange(seen, seen + sq, device=key.device)
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             raise TypeError(f"{ATTN_NAME} attention needs a boolean mask, got {attention_mask.dtype}")
@@ -578,10 +581,10 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
                              "mask hides keys (padding?); generate each prompt alone or batch prompts of equal length")
         key_positions = layer.positions
         # a decode query sees every kept entry by construction (see `EvictionRule.keep`)
-        mask = layer.rule.visible(layer, cache_position) if sq > 1 else None
-    else: key_positions = (torch.arange(sk, device=key.device) + (cache_position[-1] + 1 - sk)).expand(B, hkv, sk)
+        mask = layer.rule.visible(layer, query_positions) if sq > 1 else None
+    else: key_positions = (torch.arange(sk, device=key.device) + (seen + sq - sk)).expand(B, hkv, sk)
     chunk_index = state.chunk_index if state.chunk_index is not None else (0 if kind == "prefill" else None)
-    return AttentionContext(layer_idx=idx, kind=kind, query_positions=cache_position, key_positions=key_positions,
+    return AttentionContext(layer_idx=idx, kind=kind, query_positions=query_positions, key_positions=key_positions,
                             mask=mask, scale=scaling if scaling is not None else key.shape[-1] ** -0.5, module=module,
                             chunk_index=chunk_index, cache=cache, dropout=dropout)
 
@@ -614,8 +617,10 @@ AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 def _checked_prepare(prepare):
     "Wrap `prepare_inputs_for_generation`: refuse, clearly, a cache that already holds every token of `input_ids`."
     def wrapped(input_ids, *args, **kwargs):
-        pos, cache = kwargs.get("cache_position"), kwargs.get("past_key_values")
-        if cache is not None and pos is not None and pos.numel() == 0:
+        # generate feeds input_ids[:, -n:] with n = len(input_ids) - tokens cached: with n <= 0 it would feed all of
+        # them (-0) or the wrong tail
+        cache, n = kwargs.get("past_key_values"), kwargs.get("next_sequence_length")
+        if cache is not None and n is not None and n <= 0:
             raise ValueError(
                 f"past_key_values already holds {cache.get_seq_length()} tokens and input_ids {input_ids.shape[1]}: "
                 "generate has no new token to feed. To generate after chunked_prefill, prefill all but the last "
@@ -627,14 +632,14 @@ def _checked_prepare(prepare):
 
 
 def _record_call(state: _Patch):
-    "Forward pre-hook recording the cache and query positions of an attention module's call."
+    "Forward pre-hook recording an attention module's cache and the tokens its layer saw before the call."
     def hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        state.calls[module] = (cache, kwargs.get("cache_position"))
-        idx = module.layer_idx
+        cache, idx = kwargs.get("past_key_values"), module.layer_idx
         # (a cache may also hold evicting layers among others: `sparsekv.methods.HandoffCache`)
         layer = cache.layer(idx) if isinstance(cache, EvictingCache) else (
             cache.layers[idx] if isinstance(cache, Cache) and idx < len(cache.layers) else None)
+        seen = None if not isinstance(cache, Cache) else layer.get_seq_length() if layer is not None else 0
+        state.calls[module] = (cache, seen)
         if isinstance(layer, EvictingLayer): layer.arm()
     return hook
 
@@ -725,8 +730,8 @@ test_eq(rec.seen, [(0, "prefill", 0, [0, 1, 2, 3, 4], (2, 2, 5), 0), (1, "prefil
 #
 # QuoKA processes a prompt in chunks of $B_{CP}$ tokens: chunk $c$ has queries at positions
 # $cB_{CP}, \dots, (c+1)B_{CP}-1$ and attends to the cache of earlier chunks plus its own keys.
-# Each call passes the cache and `cache_position` (the true positions, also used for RoPE through
-# `position_ids`). Only the last position's logits are computed (`logits_to_keep=1`): a prompt of
+# Each call passes the cache and the chunk's true positions as `position_ids` (RoPE); the cache
+# knows where the chunk starts (the tokens it has seen). Only the last position's logits are computed (`logits_to_keep=1`): a prompt of
 # 8k tokens would otherwise materialize `[8k, vocab]` logits per chunk.
 #
 # To continue with `generate`, prefill all but the last prompt token and pass the cache: generate
@@ -806,8 +811,7 @@ def _prefill_chunks(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, 
             pos = torch.arange(start + a, start + e, device=input_ids.device)
             rows = (dict(position_ids=pos.expand(B, -1)) if attention_mask is None
                     else dict(position_ids=row_pos[:, a:e], attention_mask=mask[:, :e]))
-            out = model(input_ids=input_ids[:, a:e], past_key_values=cache, use_cache=True, cache_position=pos,
-                        logits_to_keep=1, **rows)
+            out = model(input_ids=input_ids[:, a:e], past_key_values=cache, use_cache=True, logits_to_keep=1, **rows)
     return out.logits[:, -1]
 
 
@@ -1017,7 +1021,7 @@ def _teacher_forced(model, ids, cache, prefill, chunk):
     with torch.no_grad(), patch(model, DensePolicy()):
         for c in range(0, prefill, chunk):
             pos = torch.arange(c, min(c + chunk, prefill))
-            rows.append(model(ids[:, pos], past_key_values=cache, cache_position=pos, position_ids=pos[None]).logits)
+            rows.append(model(ids[:, pos], past_key_values=cache, position_ids=pos[None]).logits)
         for t in range(prefill, ids.shape[1]):
             rows.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
     return torch.cat(rows, 1)
@@ -1116,10 +1120,10 @@ for layer_idx, (sc, pos) in pol.written.items():
 test_fail(lambda: model(prompt, past_key_values=SinkWindowCache(2, 4)), contains="only inside sparsekv.hf.patch")
 cache = SinkWindowCache(2, 4)
 chunked_prefill(model, ids[:1, :10], 3, cache=cache)
-test_fail(lambda: cache.crop(8), contains="already evicted")
+test_fail(lambda: cache.crop(-2), contains="already evicted")
 cache = SinkWindowCache(2, 64)
 chunked_prefill(model, ids[:1, :10], 3, cache=cache)
-cache.crop(7)
+cache.crop(-3)
 test_eq(cache.get_seq_length(), 7)
 test_eq(cache.layers[0].positions[0, 1].tolist(), list(range(7)))
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from sparsekv.attention import check_int, evictable, gather_keys, is_causal, sink_window_visible
+from sparsekv.attention import IntArgumentError, check_int, evictable, gather_keys, is_causal, sink_window_visible
 
 # %%
 #| hide
@@ -39,7 +39,7 @@ from torch.testing import assert_close
 # `get_seq_length()`, so an evicting layer reports the number of tokens *seen*, not kept.
 #
 # **Masks.** The model builds the mask of a call once, for layer 0, from
-# `get_mask_sizes(cache_position)`, which returns a key count $L$ and an offset $o$: key slot $j$
+# `get_mask_sizes(query_length)`, which returns a key count $L$ and an offset $o$: key slot $j$
 # stands for position $o + j$ and is visible to query position $p$ iff $o + j \le p$. After $T$ tokens
 # seen, the cache returns its $N$ kept entries followed by the $S_q$ new ones, so we report
 # $L = N + S_q$ and $o = T - N$: the kept entries get stand-in positions $T-N, \dots, T-1$, all before
@@ -231,8 +231,43 @@ test_fail(lambda: row_map("crop", 1), contains="op must be one of")
 
 
 # %% [markdown]
+# ## The layer contract of `transformers`
+#
+# A cache layer answers four calls of the model and of `generate`: `update(keys, values)` (the model
+# passes nothing else: positions are the layer's own business), `get_seq_length()` (tokens seen: the
+# model derives default positions from it), `get_mask_sizes(query_length)` (the key count and offset
+# of the causal mask of the next call of `query_length` tokens) and `crop(tokens_to_remove)`, which
+# since transformers 5.3 takes the number of tokens to drop as a negative int (0 drops nothing) and
+# refuses a positive one, as an absolute length was before. Two helpers read those arguments for every
+# layer here. The peer environment (kvpress's transformers 5.2, see the README) still passes
+# `get_mask_sizes` the tensor of the new tokens' cache positions, so `query_count` reads its length.
+
+# %%
+#| export
+def query_count(query_length: int | Tensor) -> int:
+    "New tokens of a call from `get_mask_sizes`' argument: an int, or (transformers 5.2) their cache positions [Sq]."
+    if isinstance(query_length, Tensor): return query_length.shape[0]
+    return check_int(query_length, "query_length", 0)
+
+
+def tokens_to_lose(tokens_to_remove: int, seen: int) -> int:
+    "How many of `seen` tokens `crop(tokens_to_remove)` drops: `-tokens_to_remove`, at most `seen`."
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+        raise IntArgumentError(f"tokens_to_remove must be an int <= 0 (minus the number of last tokens to drop, as "
+                               f"transformers crops), got {tokens_to_remove!r}")
+    return min(-tokens_to_remove, seen)
+
+
+# %%
+test_eq((query_count(3), query_count(torch.arange(5, 9))), (3, 4))
+test_eq([tokens_to_lose(n, 4) for n in (0, -1, -4, -9)], [0, 1, 4, 4])
+test_fail(lambda: tokens_to_lose(2, 4), contains="tokens_to_remove must be an int <= 0")
+test_fail(lambda: query_count(1.5), contains="query_length")
+
+
+# %% [markdown]
 # The layer stores keys, values, positions and scores; `update` appends, `evict` gathers the kept
-# entries (all four tensors), `crop` undoes the last tokens as long as nothing before the cut was
+# entries (all four tensors), `crop` undoes the last tokens as long as none of them was
 # evicted, and the batch operations `generate` uses (beam search, `batch_select_indices`) carry
 # positions and scores along.
 
@@ -258,8 +293,7 @@ class EvictingLayer(DynamicLayer):
         "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
         self.armed = True
 
-    def scored_entries(self, key_states: Tensor, value_states: Tensor,
-                       cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+    def scored_entries(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
         "Positions [B,H,s] and rule scores of the entries an armed `update` gets (checks the call, disarms the layer)."
         if not self.armed:
             raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts "
@@ -267,10 +301,6 @@ class EvictingLayer(DynamicLayer):
         self.armed = False
         if not self.is_initialized: self.lazy_initialization(key_states, value_states)
         s = key_states.shape[2]
-        pos = (cache_kwargs or {}).get("cache_position")
-        if pos is not None and (pos.shape[0] != s or int(pos[0]) != self.seen):
-            raise ValueError(f"cache_position must continue the sequence at {self.seen} for {s} tokens, got "
-                             f"{pos.tolist()}")
         pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
         sc = self.rule.scores(self, key_states, value_states, pos)
         if sc.shape != pos.shape or not torch.isfinite(sc).all():
@@ -278,10 +308,9 @@ class EvictingLayer(DynamicLayer):
                              f"{tuple(pos.shape)}, got {tuple(sc.shape)}")
         return pos, sc
 
-    def update(self, key_states: Tensor, value_states: Tensor,
-               cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
-        "Append the new entries with their positions and scores; return all entries' keys and values."
-        pos, sc = self.scored_entries(key_states, value_states, cache_kwargs)
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        "Append the new entries (positions: the next ones seen) with their scores; return all entries' keys and values."
+        pos, sc = self.scored_entries(key_states, value_states)
         s = key_states.shape[2]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
@@ -313,12 +342,13 @@ class EvictingLayer(DynamicLayer):
         "Number of tokens seen (the next token's position), not the number kept."
         return self.seen
 
-    def get_mask_sizes(self, cache_position: Tensor) -> tuple[int, int]:
-        "(kept entries + new tokens, offset) so that the model's causal mask shows every kept entry."
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        "(kept entries + `query_length` new tokens, offset) so that the model's causal mask shows every kept entry."
         n = self.positions.shape[-1] if self.is_initialized else 0
-        return n + cache_position.shape[0], self.seen - n
+        return n + query_count(query_length), self.seen - n
 
-    def get_max_cache_shape(self) -> int:
+    def get_max_length(self) -> int:
+        "-1: no maximum (the budget bounds what is kept, not the tokens seen)."
         return -1
 
     def _apply(self, fn) -> None:
@@ -327,10 +357,10 @@ class EvictingLayer(DynamicLayer):
             self.keys, self.values, self.positions, self.scores = map(
                 fn, (self.keys, self.values, self.positions, self.scores))
 
-    def crop(self, max_length: int) -> None:
-        "Forget the tokens from position `max_length` on (negative: drop that many); fails if an earlier was evicted."
-        if max_length < 0: max_length = self.seen + max_length
-        if self.seen <= max_length: return
+    def crop(self, tokens_to_remove: int) -> None:
+        "Forget the last `tokens_to_remove` tokens seen (an int <= 0, as transformers takes it); fails if one was evicted."
+        max_length = self.seen - tokens_to_lose(tokens_to_remove, self.seen)
+        if self.seen == max_length: return
         if self.is_initialized and ((self.positions < max_length).sum(-1) != max_length).any():
             raise ValueError(f"cannot crop to {max_length} tokens: some of them were already evicted")
         self._apply(lambda x: x[:, :, :max_length])
@@ -370,8 +400,8 @@ class EvictingCache(Cache):
         while len(self.layers) <= layer_idx: self.layers.append(EvictingLayer(self.rule, len(self.layers)))
         return self.layers[layer_idx]
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        return self.layer(layer_idx).update(key_states, value_states, cache_kwargs)
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layer(layer_idx).update(key_states, value_states)
 
 
 class SinkWindowCache(EvictingCache):
@@ -396,7 +426,7 @@ test_eq(lay.rule.visible(lay, torch.tensor([6]))[0, 0, 0].tolist(), [True, True,
 lay.evict()
 test_eq(lay.positions[0].tolist(), [[0, 1, 5, 6]] * 2)
 assert_close(lay.keys, k7[:, :, [0, 1, 5, 6]])
-test_eq((lay.get_seq_length(), lay.get_mask_sizes(torch.tensor([7]))), (7, (5, 3)))
+test_eq((lay.get_seq_length(), lay.get_mask_sizes(1)), (7, (5, 3)))
 test_fail(lambda: lay.update(k7, k7), contains="only inside sparsekv.hf.patch")
 
 
@@ -460,8 +490,7 @@ class GrowingLayer(DynamicLayer):
             k[:, :, :self._n], v[:, :, :self._n] = self.keys, self.values
         self._k, self._v = k, v
 
-    def update(self, key_states: Tensor, value_states: Tensor,
-               cache_kwargs: dict | None = None) -> tuple[Tensor, Tensor]:
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         "Write the new entries after the filled ones (growing the buffers when full); views of all filled entries."
         if not self.is_initialized: self.lazy_initialization(key_states, value_states)
         n, m = self._n, key_states.shape[-2]
@@ -475,9 +504,9 @@ class GrowingLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._n
 
-    def crop(self, max_length: int) -> None:
-        "Forget the entries from `max_length` on (negative: drop that many); the buffers stay."
-        self._n = min(self._n, max(0, max_length if max_length >= 0 else self._n + max_length))
+    def crop(self, tokens_to_remove: int) -> None:
+        "Forget the last `tokens_to_remove` entries (an int <= 0, as transformers takes it); the buffers stay."
+        self._n -= tokens_to_lose(tokens_to_remove, self._n)
 
     def reset(self) -> None:
         self._n = 0
@@ -530,9 +559,8 @@ for _ in range(12):
     feed((ref, grow), 1)
     caps.append(grow.capacity)
 test_eq(sorted(set(caps)), [5, 10, 20])  # the first write fills 5 exactly; then it doubles when full
-test_eq((grow.get_seq_length(), grow.get_mask_sizes(torch.tensor([17]))),
-        (ref.get_seq_length(), ref.get_mask_sizes(torch.tensor([17]))))
-for op, arg in (("crop", 9), ("crop", -2), ("reorder_cache", torch.tensor([1, 0])),
+test_eq((grow.get_seq_length(), grow.get_mask_sizes(1)), (ref.get_seq_length(), ref.get_mask_sizes(1)))
+for op, arg in (("crop", -8), ("crop", -2), ("crop", 0), ("reorder_cache", torch.tensor([1, 0])),
                 ("batch_repeat_interleave", 2), ("batch_select_indices", torch.tensor([0, 3]))):
     for lay in (ref, grow): getattr(lay, op)(arg)
     test_eq(grow.keys, ref.keys)

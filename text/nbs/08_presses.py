@@ -20,6 +20,8 @@ from sparsekv.hf import DensePolicy, Method, attention_modules, left_padding, pa
 
 # %%
 #| hide
+import importlib.util
+
 import torch
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
@@ -110,27 +112,38 @@ def make_press(name: str, **options):
     if name not in PRESSES: raise ValueError(f"name must be one of {names()}, got {name!r}")
     try: kvpress = importlib.import_module("kvpress")
     except ImportError as e:
-        raise ImportError("presses need kvpress: pip install 'sparsekv[peers]' (or kvpress)") from e
+        raise ImportError("presses need kvpress, which caps transformers below 5.3: `make peers` builds the peer "
+                          "environment .venv-peers that has it (or pip install 'sparsekv[peers]' in its own "
+                          "environment)") from e
     if "compression_ratio" in options:
         raise TypeError("compression_ratio: the press keeps `budget` entries; pass budget to make() instead")
     return getattr(kvpress, PRESSES[name])(**options)
 
 
 # %% [markdown]
+# kvpress caps transformers below 5.3, so it lives in an environment of its own (`make peers` builds
+# `.venv-peers`; the README says which transformers each holds). Elsewhere a press is refused in one line
+# that says so:
+
+# %%
+if importlib.util.find_spec("kvpress") is None:
+    test_fail(lambda: make_press("knorm"), contains="`make peers` builds the peer environment")
+
+# %% [markdown]
 # ## Compressing to the budget after the prefill
 #
 # `compress_after_prefill(model, press, budget)` hooks every attention module. After a module's first
-# prefill call, when the cache holds exactly the call's tokens (kvpress's test: the last cache position is
-# the query length minus one), it sets the press's ratio for that prompt length and replaces the layer's keys
+# prefill call, when the cache holds exactly the call's tokens (kvpress's test, there on the last cache
+# position), it sets the press's ratio for that prompt length and replaces the layer's keys
 # and values by what `press.compress` keeps. Later calls (decode steps) leave the cache alone. As kvpress does,
 # it lends each attention module the model's rotary embedding for the block (presses that rotate queries read
 # it there), and takes it back afterwards.
 
 # %%
 #| export
-def is_first_prefill(kwargs: dict, n_queries: int) -> bool:
-    "Whether an attention call holds the whole prompt: its last cache position is n_queries - 1."
-    return int(kwargs["cache_position"][-1]) + 1 == n_queries
+def is_first_prefill(layer, n_queries: int) -> bool:
+    "Whether an attention call of `n_queries` tokens read the whole prompt: its cache `layer` holds exactly those."
+    return layer.get_seq_length() == n_queries
 
 
 @contextlib.contextmanager
@@ -140,8 +153,8 @@ def compress_after_prefill(model, press, budget: int):
 
     def hook(module, args, kwargs, output):
         h = kwargs["hidden_states"]
-        if not is_first_prefill(kwargs, h.shape[1]): return output
         layer = kwargs["past_key_values"].layers[module.layer_idx]
+        if not is_first_prefill(layer, h.shape[1]): return output
         press.compression_ratio = keep_ratio(budget, layer.keys.shape[2])
         if press.compression_ratio:
             layer.keys, layer.values = press.compress(module, h, layer.keys, layer.values, output[1], kwargs)
@@ -213,6 +226,7 @@ def make(name: str, budget: int, **press_options) -> PressMethod:
 # exactly what is cached. At a budget of the whole prompt every press generates the dense tokens.
 
 # %%
+#| peers
 model, _ = load_model("tiny-llama")
 ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
 gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -237,6 +251,7 @@ print(f"{len(names())} presses run here: {', '.join(names())}")
 # with the same press and ratio: for every press, after the prefill the kept keys and values are identical.
 
 # %%
+#| peers
 for name in names():
     ours, theirs = make(name, 16, **options.get(name, {})), DynamicCache(config=model.config)
     torch.manual_seed(0)  # RandomPress and the leverage sketches draw
@@ -256,6 +271,7 @@ for name in names():
 # the first to read the compressed cache; after it ours evicts again while kvpress's cache grows).
 
 # %%
+#| peers
 scored = dict(return_dict_in_generate=True, output_scores=True, max_new_tokens=2, do_sample=False, pad_token_id=0)
 theirs = make("tova", 16).generate(model, ids, **scored)
 ours = methods.make("tova", budget=17, sink=0, window=2, heads="all").generate(model, ids, **scored)
@@ -278,6 +294,7 @@ assert not torch.allclose(full.scores[1], theirs.scores[1])   # the budget chang
 # budget of 8, SnapKV keeps exactly the prompt's last 8 positions in every layer and KV head.
 
 # %%
+#| peers
 def kept_positions(cache: DynamicCache, dense: DynamicCache) -> torch.Tensor:
     "Prompt position of each key `cache` kept, per layer and KV head ([layers, H_kv, kept]), matched in `dense`'s keys."
     return torch.stack([torch.cdist(a.keys[0], b.keys[0]).argmin(-1) for a, b in zip(cache.layers, dense.layers)])
@@ -296,6 +313,7 @@ assert (kept_positions(cache, dense_cache) == 0).any(-1).all()  # kvpress's Stre
 # agreement, KL and NLL against dense and the measured budget per window. Bad input is refused:
 
 # %%
+#| peers
 windows = torch.randint(3, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
 rows = continuation(make("knorm", 16), model, windows, prefix=32)
 test_eq(len(rows), 2)

@@ -645,8 +645,7 @@ def dms_decode(model, student, ids, prefill=0, chunk=1):
     with torch.no_grad(), patch(model, student.policy()):
         for a in range(0, prefill, chunk):
             pos = torch.arange(a, min(a + chunk, prefill))
-            rows.append(model(ids[:, pos], past_key_values=cache, cache_position=pos,
-                              position_ids=pos.expand(ids.shape[0], -1)).logits)
+            rows.append(model(ids[:, pos], past_key_values=cache, position_ids=pos.expand(ids.shape[0], -1)).logits)
         for t in range(prefill, ids.shape[1]): rows.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
     return torch.cat(rows, 1), cache
 

@@ -217,12 +217,17 @@ paged = lambda m: dict(decode_max=4 * math.ceil(m.budget / 4) + 3)  # noqa: E731
 for target in range(8, 40):
     m, _ = fit_budget("streaming_llm", target, paged)
     test_eq(m.budget, max(b for b in range(1, target + 1) if paged(SimpleNamespace(budget=b))["decode_max"] <= target))
-# any factory with methods.make's signature: a kvpress press keeps b prompt entries and decode adds one per step,
-# so 4 new tokens read at most b + 3
-m, got = fit_budget("knorm", 17, probe, make=presses.make)
-test_eq((m.budget, got["decode_max"]), (14, 17))
 test_fail(lambda: fit_budget("quest", 7, probe, **SMALL["quest"]), contains="budget=7 must cover")  # sink + recent
 test_fail(lambda: fit_budget("quest", 8, probe, **SMALL["quest"]), contains="even at its smallest budget 8")
+
+# %% [markdown]
+# Any factory with `methods.make`'s signature fits too: a kvpress press (in the peer environment, see the
+# README) keeps $b$ prompt entries and decode adds one per step, so 4 new tokens read at most $b + 3$.
+
+# %%
+#| peers
+m, got = fit_budget("knorm", 17, probe, make=presses.make)
+test_eq((m.budget, got["decode_max"]), (14, 17))
 
 
 # %% [markdown]
@@ -355,9 +360,9 @@ def window_logits(method: Method, model, ids: torch.Tensor, prefix: int, times: 
         steps, decoding = [last], time.perf_counter()
         for t in range(prefix, ids.shape[1] - 1):  # teacher forcing: the true token, one decode step each
             # its position is t, whatever the cache holds (a press cut the prompt's cache: its length is not t)
-            pos = torch.tensor([t], device=ids.device)
+            pos = torch.full((ids.shape[0], 1), t, device=ids.device)
             steps.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,
-                               cache_position=pos).logits[:, -1])
+                               position_ids=pos).logits[:, -1])
         end = time.perf_counter()
     if times is not None:
         times |= {"prefill_s": decoding - start, "step_s": (end - decoding) / max(1, len(steps) - 1)}

@@ -24,6 +24,10 @@
 # make reproduce            # run the experiment pipeline (PROFILE=cpu by default)
 # ```
 #
+# sparsekv runs on transformers ≥ 5.2 (no upper bound); `.venv` pins the current 5.23.0. kvpress caps
+# transformers below 5.3, so its cross-checks and the leaderboard's press rows run in a second environment,
+# `.venv-peers` on transformers 5.2.0 (`make peers` builds it, `make test-peers` runs them; CI runs both).
+#
 # What each needs on a bare Debian machine, as root, with PyPI, the npm registry and Debian's apt
 # sources reachable:
 #
@@ -109,7 +113,7 @@ prompt = torch.randint(0, model.config.vocab_size, (2, 96), generator=torch.Gene
 # decode, e.g. QuoKA then OVAL). `generate` prefills (in chunks where the method needs it) and decodes;
 # other keywords go to `transformers`' `generate`. kvpress's presses run as methods too, in their own
 # setting (compress the prompt's cache once after the prefill): `sparsekv.presses.make("snapkv", budget=48)`
-# (with the `peers` extra installed; `presses.names()` lists the 13 that run offline).
+# (in the peer environment, below; `presses.names()` lists the 13 that run offline).
 
 # %%
 m = methods.make("tova", budget=48)

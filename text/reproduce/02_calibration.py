@@ -150,7 +150,7 @@ class PrefixReuse:
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         "Logits of the last position of `ids` [L] and the number of prompt tokens whose keys and values were reused."
         n = min(common_prefix(self.ids, ids), len(ids) - 1)  # at least one token to compute the logits from
-        if n: self.cache.crop(n)  # drops the rest of the previous prompt and its generated tokens
+        if n: self.cache.crop(n - self.cache.get_seq_length())  # drops the rest of the previous prompt and its answer
         out = model(input_ids=ids[None, n:], past_key_values=self.cache if n else None, use_cache=True,
                     logits_to_keep=1)
         self.ids, self.cache = ids, out.past_key_values

@@ -144,7 +144,7 @@ def student_logits(ids: torch.Tensor, policy: AttentionPolicy, cache=None, chunk
         out = []
         for a in range(0, ids.shape[1], chunk):
             pos = torch.arange(a, min(a + chunk, ids.shape[1]), device=ids.device)
-            logits = net(ids[:, pos], past_key_values=cache, use_cache=True, cache_position=pos, position_ids=pos[None]).logits
+            logits = net(ids[:, pos], past_key_values=cache, use_cache=True, position_ids=pos[None]).logits
             out.append(logits[:, max(0, S - n_scored - a):])  # only the scored positions: token by token, the rest is memory
     return torch.cat(out, 1).float()
 

@@ -165,7 +165,7 @@ def policy_logits(ids: torch.Tensor, policy: AttentionPolicy, cache=None, chunk:
         parts, bounds = [], [0, *range(first or chunk, ids.shape[1], chunk), ids.shape[1]]
         for a, b in zip(bounds, bounds[1:]):
             pos, keep = torch.arange(a, b, device=ids.device), b - max(a, start)  # keep: scored positions in it
-            out = model(ids[:, pos], past_key_values=cache, use_cache=True, cache_position=pos, position_ids=pos[None],
+            out = model(ids[:, pos], past_key_values=cache, use_cache=True, position_ids=pos[None],
                         logits_to_keep=max(keep, 1))
             if keep > 0: parts.append(out.logits.float()[:, -keep:])
     return torch.cat(parts, 1)

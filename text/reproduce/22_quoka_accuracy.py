@@ -165,7 +165,7 @@ def greedy_answer(key: tuple, policy, budget: int, n_new: int) -> str:
     with torch.no_grad(), patch(model, policy or DensePolicy()):
         for i in range(n_new - 1):
             pos = torch.tensor([ids.shape[1] + i], device=device)
-            logits = model(input_ids=out[-1][:, None], past_key_values=cache, use_cache=True, cache_position=pos,
+            logits = model(input_ids=out[-1][:, None], past_key_values=cache, use_cache=True,
                            position_ids=pos[None]).logits[:, -1]
             out.append(logits.argmax(-1))
     return tok.decode(torch.stack(out, 1)[0], skip_special_tokens=True)
@@ -184,7 +184,7 @@ def dense_record(key: tuple) -> tuple[str, dict, dict]:
     with torch.no_grad(), patch(model, DensePolicy()):
         for i in range(new_tokens[key[0]] - 1):
             pos = torch.tensor([ids.shape[1] + i], device=device)
-            out.append(model(input_ids=out[-1][:, None], past_key_values=cache, use_cache=True, cache_position=pos,
+            out.append(model(input_ids=out[-1][:, None], past_key_values=cache, use_cache=True,
                              position_ids=pos[None]).logits[:, -1].argmax(-1))
     return tok.decode(torch.stack(out, 1)[0], skip_special_tokens=True), rec.q, rec.kv
 

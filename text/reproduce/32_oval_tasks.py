@@ -132,7 +132,7 @@ def decode_arms(cache, first: torch.Tensor, policies: list, n_new: int, teacher:
     with torch.no_grad(), patch(model, ArmsPolicy(policies)):
         for i in range(n_new):
             pos = torch.tensor([c.get_seq_length()], device=device)
-            out = model(input_ids=x, past_key_values=c, use_cache=True, cache_position=pos, position_ids=pos.expand(A, 1), logits_to_keep=1)
+            out = model(input_ids=x, past_key_values=c, use_cache=True, position_ids=pos.expand(A, 1), logits_to_keep=1)
             step = out.logits[:, -1].float()
             toks.append(step.argmax(-1))
             if teacher is not None: logits.append(step)
