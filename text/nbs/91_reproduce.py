@@ -18,7 +18,9 @@
 #   this machine at small scale, `gpu` for the papers' scale); every stage defines these three.
 #   `cpu-full` is optional: the headline evaluation on this machine with enough items for
 #   tight intervals (hours, resumable); `make reproduce PROFILE=cpu-full` runs only the
-#   stages that define it. `gpu-smoke`, optional too, runs the `gpu` profile's code on this CPU
+#   stages that define it. `qwen-full`, optional too, is `cpu-full`'s evaluation on the second model
+#   (Qwen2.5-Coder-0.5B-Instruct, `make qwen` installs it), so every claim is decided on two models.
+#   `gpu-smoke`, optional too, runs the `gpu` profile's code on this CPU
 #   before a GPU is at hand: `from: gpu` takes that profile's params, and the entries beside it
 #   override them (a tiny random model for a hub id, `device: cpu`, small shapes);
 # - `outputs`: the files the stage promises, with `{profile}` standing for the profile;
@@ -74,8 +76,9 @@ from sparsekv.io import atomic_path, write_json, write_text
 
 # %%
 #| export
-PROFILES = ("quick", "cpu", "cpu-full", "gpu", "gpu-smoke")
-REQUIRED_PROFILES = ("quick", "cpu", "gpu")  # every stage has these; one without `cpu-full` params is not part of it
+PROFILES = ("quick", "cpu", "cpu-full", "qwen-full", "gpu", "gpu-smoke")
+# every stage has these; one without `cpu-full` (or `qwen-full`) params is not part of that profile
+REQUIRED_PROFILES = ("quick", "cpu", "gpu")
 
 @dataclass
 class Stage:

@@ -172,8 +172,9 @@ def weights_key(label: str) -> dict:
 # fitted on a random model with the real one's layers and heads, a hundred times cheaper, and the rows below check
 # the fit on the real model and items.
 cfg = model.config
+# (width: 16 per query head, the tiny model's head dim; transformers wants the width a multiple of the heads)
 probe_model = tiny_model("tiny-llama", num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
-                         num_kv_heads=cfg.num_key_value_heads)[0]
+                         num_kv_heads=cfg.num_key_value_heads, hidden_size=16 * cfg.num_attention_heads)[0]
 probe_ids = torch.randint(3, probe_model.config.vocab_size, (1, probe_window),
                           generator=torch.Generator().manual_seed(0))
 
@@ -204,7 +205,22 @@ def budgets_of(label: str) -> list[int]:
 
 compressing = [label for label in method_specs if setting(label) != "dense"]
 all_budgets = sorted({b for label in compressing for b in budgets_of(label)})
-fits = run_grid([{"method": label, "budget": b} for label in compressing for b in budgets_of(label)], fit_cell,
+# kvpress's presses run only in the peer environment (kvpress caps transformers below 5.3, see the README): elsewhere
+# their rows are read from the grids where a run there stored them, and never computed
+unavailable = {label for label in method_specs if method_params(label)[0] is presses.make and not presses.available()}
+
+
+def stored_or_run(cells: list[dict], fn, path, desc: str, params: dict, time_limit=None) -> pd.DataFrame:
+    "`run_grid` over `cells`, except that those of `unavailable` methods are only read: every stored row, in cell order."
+    if here := [c for c in cells if c["method"] not in unavailable]: run_grid(here, fn, path, desc, params, time_limit)
+    rows = run_grid(cells, fn, path, desc, params, time_limit=0)
+    if missing := sorted({c["method"] for c in cells} & unavailable - set(rows.method)):
+        print(f"not run here (kvpress is in the peer environment: `make peers`, then this stage with "
+              f".venv-peers/bin/python -m sparsekv.reproduce --only {stem}): {', '.join(missing)}")
+    return rows
+
+
+fits = stored_or_run([{"method": label, "budget": b} for label in compressing for b in budgets_of(label)], fit_cell,
                 Path(out_dir)/f"{stem}_fits_grid.csv", desc="fit budgets",
                 params={"layers": cfg.num_hidden_layers,
                         "heads": f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}",
@@ -279,7 +295,7 @@ def prose_row(cell: dict) -> dict:
 weights = {label: weights_key(label) for label in method_specs}
 prose_cells = [{"method": label, "budget": b, **weights[label], "window": w}
                for start in range(0, len(windows), prose_batch) for label, b in runs for w in batch_of(start)]
-prose = run_grid(prose_cells, prose_row, Path(out_dir)/f"{stem}_prose_grid.csv", desc="prose",
+prose = stored_or_run(prose_cells, prose_row, Path(out_dir)/f"{stem}_prose_grid.csv", desc="prose",
                  params={"model_name": model_name, "dtype": dtype, "device": device, "chunk_size": chunk_size,
                          "eviction_chunk": eviction_chunk, "window_tokens": window, "prose_prefix": prose_prefix})
 
@@ -305,7 +321,7 @@ def answer_row(cell: dict) -> dict:
 by_seed = sorted((x for its in items.values() for x in its), key=lambda x: x["seed"])  # stable: cells, depths
 answer_cells = [{"method": label, "budget": b, **weights[label], "cell": x["cell"], "seed": x["seed"],
                  "depth": x["depth"], "item": item_hash(x["item"])} for x in by_seed for label, b in runs]
-answers = run_grid(answer_cells, answer_row, Path(out_dir)/f"{stem}_answers_grid.csv", desc="answers",
+answers = stored_or_run(answer_cells, answer_row, Path(out_dir)/f"{stem}_answers_grid.csv", desc="answers",
                    params={"model_name": model_name, "dtype": dtype, "device": device, "extra_tokens": extra_tokens,
                            "chunk_size": chunk_size, "eviction_chunk": eviction_chunk},
                    time_limit=None if answers_hours is None else 3600 * answers_hours) if answer_cells else None
