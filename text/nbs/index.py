@@ -113,7 +113,7 @@ prompt = torch.randint(0, model.config.vocab_size, (2, 96), generator=torch.Gene
 # decode, e.g. QuoKA then OVAL). `generate` prefills (in chunks where the method needs it) and decodes;
 # other keywords go to `transformers`' `generate`. kvpress's presses run as methods too, in their own
 # setting (compress the prompt's cache once after the prefill): `sparsekv.presses.make("snapkv", budget=48)`
-# (in the peer environment, below; `presses.names()` lists the 13 that run offline).
+# (in the peer environment `.venv-peers`, see above; `presses.names()` lists the 13 that run offline).
 
 # %%
 m = methods.make("tova", budget=48)
