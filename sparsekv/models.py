@@ -36,9 +36,9 @@ from .io import cache_dir
 __all__ = ['SMOLLM2_GGUF', 'QWEN2_SPLIT', 'SMOLLM2_NAME', 'SMOLLM2_GEOMETRY', 'CONVERSION_VERSION', 'COMPLETE_MARKER',
            'VERIFIED_STAMP', 'GGUF_LLAMA_NAMES', 'QWEN_CODER_GGUF', 'QWEN_CODER_NAME', 'QWEN_CODER_GEOMETRY',
            'TINY_SPECIAL_TOKENS', 'CHATML_TEMPLATE', 'TINY_CONFIGS', 'CONFIG_ALIASES', 'HUB_KWARGS', 'TOKENIZER_FILES',
-           'atomic_folder', 'quiet_transformers', 'save_folder', 'smollm2_gguf_path', 'gguf_pre_tokenizer',
-           'tokenizer_from_gguf', 'unpermute_rope_rows', 'gguf_geometry', 'config_geometry', 'check_geometry',
-           'write_completion_marker', 'smollm2_folder', 'hf_model_from_gguf', 'convert_gguf_to_hf',
+           'MODEL_LABELS', 'atomic_folder', 'quiet_transformers', 'save_folder', 'smollm2_gguf_path',
+           'gguf_pre_tokenizer', 'tokenizer_from_gguf', 'unpermute_rope_rows', 'gguf_geometry', 'config_geometry',
+           'check_geometry', 'write_completion_marker', 'smollm2_folder', 'hf_model_from_gguf', 'convert_gguf_to_hf',
            'conversion_problem', 'ensure_converted', 'ensure_smollm2', 'hf_name_of_gguf_tensor', 'GGUFPart',
            'GGUFParts', 'gguf_part_path', 'assemble_gguf', 'assembled_gguf', 'qwen_coder_folder', 'ensure_qwen_coder',
            'byte_to_unicode', 'byte_tokenizer', 'tiny_config', 'tiny_model', 'hub_reachable', 'load_model', 'ModelInfo',
@@ -563,6 +563,9 @@ def _resolve(name: str, kwargs: dict) -> str:
         # transformers does not pass local_files_only on to its PEFT adapter lookup, which then retries the network
         kwargs.setdefault("adapter_kwargs", {"local_files_only": True, "cache_dir": kwargs.get("cache_dir")})
     return name
+
+# the offline models' names as results tables and figures print them
+MODEL_LABELS = {SMOLLM2_NAME: "SmolLM2-135M", QWEN_CODER_NAME: "Qwen2.5-Coder-0.5B"}
 
 def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", **kwargs):

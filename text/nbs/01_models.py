@@ -1134,6 +1134,9 @@ def _resolve(name: str, kwargs: dict) -> str:
         kwargs.setdefault("adapter_kwargs", {"local_files_only": True, "cache_dir": kwargs.get("cache_dir")})
     return name
 
+# the offline models' names as results tables and figures print them
+MODEL_LABELS = {SMOLLM2_NAME: "SmolLM2-135M", QWEN_CODER_NAME: "Qwen2.5-Coder-0.5B"}
+
 def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", **kwargs):
     """Load `(model, tokenizer)` in eval mode: 'smollm2-135m' or 'qwen2.5-coder-0.5b' (offline, converted once from

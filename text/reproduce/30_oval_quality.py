@@ -1,11 +1,12 @@
 # %% [markdown]
-# # OVAL: page retrieval quality on SmolLM2 activations
+# # OVAL: page retrieval quality on real activations
 #
 # > Attention-mass recall and attention-output error of page retrieval with Quest, ArkVale, key-PCA, OVAL (per eta) and oracle summaries, on real activations over long prose; eta sensitivity (Table 4 analogue) and eta chosen on calibration windows, scored on held-out ones (Table 3 analogue).
 
 # %% [markdown]
 # End-task accuracy mixes retrieval quality with how hard the task is. This stage measures the
-# retrieval itself, on the queries, keys and values SmolLM2-135M produces over windows of prose
+# retrieval itself, on the queries, keys and values a real model (`model_name`: SmolLM2-135M, or
+# Qwen2.5-Coder-0.5B in the `qwen-full` profile) produces over windows of prose
 # (captured with `CapturePolicy` during one dense forward pass):
 #
 # - for each layer and window, the last `n_queries` queries (the decode positions of the window's
@@ -65,7 +66,7 @@ from sparsekv.data import packed_sequences, reasoning_problems, token_stream
 from sparsekv.eval import attention_fidelity, run_grid
 from sparsekv.hf import patch
 from sparsekv.io import save_figure, use_style, write_csv, write_text
-from sparsekv.models import load_model, model_info
+from sparsekv.models import MODEL_LABELS, load_model, model_info
 from sparsekv.oval.basis import centre_page, output_metric, page_basis, page_risks
 from sparsekv.oval.pages import CapturePolicy, aggregate_gqa, select_pages
 from sparsekv.oval.summaries import build_summaries, score_pages
@@ -74,6 +75,7 @@ use_style()
 torch.manual_seed(seed)
 model, tok = load_model(model_name, dtype=dtype)
 info = model_info(model)
+label = MODEL_LABELS.get(model_name, model_name)  # the model's name in titles and tables
 layers = list(range(info.num_layers)) if layers is None else list(layers)
 
 def reasoning_window(i: int) -> torch.Tensor:
@@ -229,13 +231,13 @@ for i, (src, b) in enumerate(rows):
             ax.axhline(t.loc[m, metric_name], color=c, ls="--", lw=1.2, label=m)
         ax.set(ylabel=name, title=f"{src}, budget {b} of {seq_len}", xlabel="eta" if i == len(rows) - 1 else None)
 fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=9)
-fig.suptitle(f"OVAL Table 4 analogue: page retrieval quality vs eta on SmolLM2-135M activations\n({len(layers)} layers, "
+fig.suptitle(f"OVAL Table 4 analogue: page retrieval quality vs eta on {label} activations\n({len(layers)} layers, "
              f"{n_calib}+{n_heldout} prose + {n_reasoning} reasoning windows, page {page_size}, rank {rank})", fontsize=11)
 save_figure(fig, Path(fig_dir)/"oval_quality.png", data=table4)  # writes table4 to oval_quality.csv
 
 
 # %% [markdown]
-# **Where the theory says OVAL should win, measured on SmolLM2** (`30_oval_basis` §16). At
+# **Where the theory says OVAL should win, measured on the model** (`30_oval_basis` §16). At
 # leading order the output-risk gain of OVAL at $\eta = 1$ over key PCA is $\rho = 1 + (1 - a)/\tau$,
 # with $a$ the key–output alignment (the share of the best attainable output sensitivity that key
 # PCA's basis captures) and $\tau$ the output sensitivity beyond rank $r$ relative to the top $r$.
@@ -300,7 +302,7 @@ axes[1].set(xlabel="key-output alignment a", ylabel="tail tau", title="per KV he
 axes[2].scatter(by_layer.rho_model, by_layer.measured_error_ratio, s=14)
 axes[2].axhline(1, color="k", lw=0.8)
 axes[2].set(xlabel="predicted gain rho", ylabel="measured error ratio", title=f"per layer (Spearman {rank_corr:.2f})")
-fig.suptitle(f"Where OVAL should beat key PCA on SmolLM2-135M: rank {rank}, {len(windows['heldout'])} held-out window(s)",
+fig.suptitle(f"Where OVAL should beat key PCA on {label}: rank {rank}, {len(windows['heldout'])} held-out window(s)",
              fontsize=11)
 save_figure(fig, Path(fig_dir)/"oval_theory.png", data=theory)
 
@@ -373,7 +375,7 @@ paper_vs_ours = pd.DataFrame([
 paper_vs_ours
 
 # %%
-lines = [f"SmolLM2-135M activations over windows of {seq_len} tokens ({n_calib} calibration + {n_heldout} held-out prose, "
+lines = [f"{label} activations over windows of {seq_len} tokens ({n_calib} calibration + {n_heldout} held-out prose, "
          f"{n_reasoning} gsm_symbolic reasoning), {len(layers)} layers, last {n_queries} queries per window; page {page_size}, rank {rank}, "
          f"sink {sink}, recent {recent}, budgets {budgets} (fractions {budget_fractions} of the window; the paper keeps 2048 of up to 16k tokens, 1/8).", "",
          "Mean per source, method and eta (Table 4 analogue):", "", md_table(table4.drop(columns=["method", "eta"])), "",
