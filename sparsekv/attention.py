@@ -69,9 +69,13 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor | None = None) -> int:
 
 # %% ../nbs/00_attention.ipynb #3673b570
 def require_finite(name: str, x: Tensor | None, neg_inf: bool = False) -> None:
-    "Raise ValueError if x holds NaN or inf (`neg_inf=True` allows -inf, e.g. masked logits); None, meta: no check."
-    if x is None or x.device.type == "meta": return
-    ok = (x < math.inf).all() if neg_inf else torch.isfinite(x).all()
+    """Raise ValueError if x holds NaN or inf (`neg_inf=True` allows -inf, e.g. masked logits), checking every entry
+    by one reduction; None, meta, empty and integer tensors: no check."""
+    if x is None or x.device.type == "meta" or not x.is_floating_point() or x.numel() == 0: return
+    if neg_inf: ok = x.amax().item() < math.inf  # NaN < inf is False
+    else: ok = math.isfinite((x.sum() if x.dtype in (torch.float32, torch.float64) else x.sum(dtype=torch.float32))
+                             .item())
+    if not ok and not neg_inf: ok = bool(torch.isfinite(x).all())  # the sum overflowed, or an entry is not finite
     if not ok: raise ValueError(f"{name} contains NaN or {'+inf' if neg_inf else 'inf'}")
 
 # %% ../nbs/00_attention.ipynb #f5ecaf8f

@@ -15,9 +15,11 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,15 +37,15 @@ from tqdm.auto import tqdm
 from .data import packed_sequences
 from .eval import kl_to_teacher
 from .hf import AttentionPolicy, patch
-from .io import atomic_path, write_csv
+from .io import DamagedFileError, atomic_path_with_digest, digest_path, verify_digest, write_csv
 from .models import load_model
 
 # %% auto #0
-__all__ = ['MODES', 'RESUMABLE_CHANGES', 'STUDENT_ALIASES', 'USER_ERRORS', 'DistillStudent', 'DistillConfig', 'new_param_lr',
-           'trainable_groups', 'make_optimizer', 'distill_kl', 'epoch_batches', 'world', 'rank_slice', 'rng_state',
-           'set_rng_state', 'save_checkpoint', 'student_spec', 'model_spec', 'spec_differences', 'check_resume',
-           'load_checkpoint', 'distill', 'teacher_eval', 'decoder_layers', 'shard_model', 'shard_for_training',
-           'full_state', 'parse_args', 'main', 'train_from_args']
+__all__ = ['MODES', 'RESUMABLE_CHANGES', 'UNREADABLE', 'STUDENT_ALIASES', 'USER_ERRORS', 'DistillStudent', 'DistillConfig',
+           'new_param_lr', 'trainable_groups', 'make_optimizer', 'distill_kl', 'epoch_batches', 'world', 'rank_slice',
+           'rng_state', 'set_rng_state', 'save_checkpoint', 'student_spec', 'model_spec', 'spec_differences',
+           'load_torch_file', 'check_resume', 'load_checkpoint', 'distill', 'teacher_eval', 'decoder_layers',
+           'shard_model', 'shard_for_training', 'full_state', 'parse_args', 'main', 'train_from_args']
 
 # %% ../nbs/06_distill.ipynb #65dc5ebf
 class DistillStudent(nn.Module):
@@ -205,7 +207,7 @@ def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, ste
         ckpt = dict(step=step, batches_consumed=step * config.grad_accum, model=model_sd, optimizer=opt_sd,
                     scheduler=sched.state_dict(), rng=rng_state(), history=history, config=asdict(config),
                     spec=dict(model=model_spec(model), student=student_spec(student)))
-        with atomic_path(path) as tmp: torch.save(ckpt, tmp)
+        with atomic_path_with_digest(path) as tmp: torch.save(ckpt, tmp)
     if world()[1] > 1: dist.barrier()
 
 # %% ../nbs/06_distill.ipynb #fe813457
@@ -250,6 +252,25 @@ def spec_differences(saved, now, prefix: str = "", where: str = "the checkpoint"
     return [] if same else [f"{prefix.rstrip('.')} ({saved!r} in {where}, {now!r} now)"]
 
 # %% ../nbs/06_distill.ipynb #e8aebc2c
+# what torch.load raises on damaged bytes (the zip reader's RuntimeError, OSError [Errno 22] of a cut file, ...)
+UNREADABLE = (RuntimeError, EOFError, KeyError, ValueError, OSError, pickle.UnpicklingError)
+
+
+def load_torch_file(path, rebuild: str, digests: list[str] | None = None, recorded_in=None, **load_kwargs):
+    """`torch.load(path, **load_kwargs)` after `io.verify_digest(path, rebuild, digests, recorded_in)`; a file without
+    a recorded digest loads with a warning; bytes torch cannot read raise a `DamagedFileError` naming `path`."""
+    verified = verify_digest(path, rebuild, digests, recorded_in)
+    if not verified:
+        warnings.warn(f"{path} has no recorded digest ({digest_path(path).name}; written by an older sparsekv or by "
+                      "hand), so it is loaded unverified; if you trust it, record its digest with "
+                      f"sparsekv.io.record_digest({str(path)!r})", stacklevel=3)
+    try: return torch.load(path, **load_kwargs)
+    except UNREADABLE as e:
+        if verified: raise  # intact bytes: the error is not the file's
+        raise DamagedFileError(f"{path} cannot be read by torch.load ({type(e).__name__}: {e}): it is damaged, cut "
+                               f"short or not a torch file; {rebuild}") from e
+
+# %% ../nbs/06_distill.ipynb #ee509115
 def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> None:
     "Raise a ValueError naming each field where checkpoint `ckpt`'s run differs from this one (more `steps` is fine)."
     if "spec" not in ckpt:
@@ -267,7 +288,8 @@ def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> Non
 
 def load_checkpoint(path, model, student, opt, sched, config: DistillConfig) -> tuple[int, list[dict]]:
     "Restore checkpoint `path` of this run (`check_resume`) into model, student, optimizer, scheduler: (step, history)."
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_torch_file(path, f"delete it and {digest_path(path).name} to train from the start (or restore both "
+                           "from a copy)", map_location="cpu", weights_only=False)
     check_resume(ckpt, path, model, student, config)
     set_state_dict(_state_container(model, student, config), opt, model_state_dict=ckpt["model"],
                    optim_state_dict=ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
@@ -510,7 +532,7 @@ def train_from_args(a: argparse.Namespace) -> pd.DataFrame:
                        **({"model": full_state(model)} if config.mode == "full" else {}))
         if out is not None and world()[0] == 0:
             write_csv(out / "history.csv", history)
-            with atomic_path(out / "trained.pt") as tmp: torch.save(weights, tmp)
+            with atomic_path_with_digest(out / "trained.pt") as tmp: torch.save(weights, tmp)
         return history
     finally:
         if distributed: dist.destroy_process_group()

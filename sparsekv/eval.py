@@ -547,7 +547,7 @@ def _cell_text(value, name: str) -> str:
     if isinstance(value, (bool, np.bool_)): return str(bool(value))
     if isinstance(value, numbers.Integral): return str(int(value))
     if isinstance(value, numbers.Real): return repr(float(value))
-    if isinstance(value, str): return value
+    if isinstance(value, str): return value + '""' if set(value) <= {'"'} else value  # '' apart from None
     raise TypeError(f"{name} must be a str, int, float, bool, None or a one-element tensor, got {type(value).__name__}")
 
 def _check_keys(d: Mapping, what: str) -> dict:

@@ -440,10 +440,13 @@ def active_patch(model: nn.Module) -> _Patch | None:
 
 # %% ../nbs/03_hf.ipynb #a18923f0
 def check_input_ids(model: PreTrainedModel, input_ids: Tensor) -> Tensor:
-    "`input_ids` if it is a non-empty int64 tensor [B,S] of token ids of `model`'s vocabulary."
+    "`input_ids` if it is a non-empty int64 tensor [B,S] (B, S >= 1) of token ids of `model`'s vocabulary."
     if (not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long
-            or input_ids.shape[1] == 0):
-        raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
+            or 0 in input_ids.shape):
+        got = (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor)
+               else type(input_ids).__name__)
+        raise ValueError(f"input_ids must be a non-empty int64 tensor [B,S] (at least one row and one token), "
+                         f"got {got}")
     emb = model.get_input_embeddings()
     V = emb.num_embeddings if emb is not None else model.config.vocab_size
     lo, hi = (int(x) for x in input_ids.aminmax())

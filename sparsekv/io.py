@@ -8,8 +8,10 @@ Docs: https://sparsekv.github.io/sparsekv/io.html.md"""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -17,7 +19,9 @@ import matplotlib
 import pandas as pd
 
 # %% auto #0
-__all__ = ['atomic_path', 'write_text', 'write_json', 'write_csv', 'cache_dir', 'use_style', 'save_figure']
+__all__ = ['DIGEST_SUFFIX', 'atomic_path', 'write_text', 'write_json', 'write_csv', 'cache_dir', 'DamagedFileError',
+           'file_sha256', 'digest_path', 'read_digests', 'atomic_path_with_digest', 'record_digest', 'verify_digest',
+           'use_style', 'save_figure']
 
 # %% ../nbs/90_io.ipynb #0ba45dad
 def _umask() -> int:
@@ -61,6 +65,71 @@ def cache_dir() -> Path:
     import platformdirs
     if env := os.environ.get("SPARSEKV_CACHE"): return Path(env).expanduser()
     return Path(platformdirs.user_cache_dir("sparsekv"))
+
+# %% ../nbs/90_io.ipynb #6004465c
+class DamagedFileError(OSError):
+    "A file whose bytes do not match the digest recorded beside it (or inside its manifest)."
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    "The SHA-256 of the file at `path`, in hex, read in 4 MiB blocks."
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22): h.update(block)
+    return h.hexdigest()
+
+# %% ../nbs/90_io.ipynb #8e5b3b39
+DIGEST_SUFFIX = ".sha256"
+
+
+def digest_path(path: str | os.PathLike) -> Path:
+    "Where the digest of `path` is kept: `NAME.sha256` beside it."
+    path = Path(path)
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def read_digests(path: str | os.PathLike) -> list[str] | None:
+    "The digests `path`'s digest file accepts (the current first), or None when it has no digest file."
+    try: lines = digest_path(path).read_text(encoding="ascii").split("\n")
+    except FileNotFoundError: return None
+    except (OSError, UnicodeDecodeError) as e: raise DamagedFileError(f"cannot read {digest_path(path)} ({e})") from e
+    digests = [line.split()[0] for line in lines if line.strip() and not line.startswith("#")]
+    if not digests or not all(re.fullmatch(r"[0-9a-f]{64}", d) for d in digests):
+        raise DamagedFileError(f"{digest_path(path)} is not a digest file (lines '<sha256>  {Path(path).name}')")
+    return digests
+
+# %% ../nbs/90_io.ipynb #c1866f21
+@contextlib.contextmanager
+def atomic_path_with_digest(path: str | os.PathLike):
+    "`atomic_path`, then the digest of what was written beside it (`NAME.sha256`); both survive a kill in between."
+    path, name = Path(path), Path(path).name
+    with atomic_path(path) as tmp:
+        yield tmp
+        try: old = (read_digests(path) or [None])[0] if path.exists() else None
+        except DamagedFileError: old = None  # an unreadable digest file is replaced, not a reason to lose the write
+        new = file_sha256(tmp)
+        # between the two renames both versions are accepted: the old digest is the one recorded, never recomputed
+        write_text(digest_path(path), f"{new}  {name}\n" + (f"# previous\n{old}  {name}\n" if old else ""))
+    write_text(digest_path(path), f"{new}  {name}\n")
+
+
+def record_digest(path: str | os.PathLike) -> Path:
+    "Record the digest of `path` as it is now beside it (for a file you trust that was written without one)."
+    return write_text(digest_path(path), f"{file_sha256(path)}  {Path(path).name}\n")
+
+# %% ../nbs/90_io.ipynb #e72c7ad8
+def verify_digest(path: str | os.PathLike, rebuild: str, digests: list[str] | None = None,
+                  recorded_in: str | os.PathLike | None = None) -> bool:
+    """Check the file at `path` against `digests` recorded in `recorded_in` (default: its digest file): True if it
+    matches, False when no digest is recorded; a mismatch raises a `DamagedFileError` naming the file, the digest
+    expected and found, and what rebuilds it (`rebuild`)."""
+    path = Path(path)
+    if digests is None: digests, recorded_in = read_digests(path), digest_path(path)
+    if digests is None: return False
+    found = file_sha256(path)
+    if found in digests: return True
+    raise DamagedFileError(f"{path} is damaged: its SHA-256 is {found}, expected {digests[0]} (recorded in "
+                           f"{recorded_in}); {rebuild}")
 
 # %% ../nbs/90_io.ipynb #2146f4eb
 def use_style():

@@ -7,18 +7,21 @@ Docs: https://sparsekv.github.io/sparsekv/methods.html.md"""
 # %% ../nbs/07_methods.ipynb #639a33c1
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from .attention import check_int
 from .cache import EvictingCache, GrowingCache, GrowingLayer, query_count
-from .hf import AttentionContext, AttentionPolicy, Method
+from .hf import METHOD_FAMILIES, AttentionContext, AttentionPolicy, Method
 # The eviction methods live with KVpop: importing them registers them and makes them reachable from this module.
 from .kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
 from .kvpop.dms import DMS  # noqa: F401
 from .kvpop.student import KVpopMLP, KVpopMLSTM, StreamingLLMPlus, TrainedMethod  # noqa: F401
+from .models import model_info
 from .oval.pages import PageRetrievalPolicy
 from .quoka.baselines import (MEAN_SCORES, LessIsMoreSelector, _check_rank, loki_select, mean_score_select,
                                       sample_attention_select, sparq_select)
@@ -34,13 +37,21 @@ __all__ = ['PHASES', 'names', 'get', 'make', 'ModelShape', 'ScoringCost', 'queri
 # %% ../nbs/07_methods.ipynb #e9ad9286
 def names(family: str | None = None) -> list[str]:
     "The registered method names (of `family`, one of `sparsekv.hf.METHOD_FAMILIES`, if given), sorted."
+    if family is not None and family not in METHOD_FAMILIES:
+        raise ValueError(f"family must be one of {METHOD_FAMILIES} or None, got {family!r}")
     return sorted(n for n, c in Method.registry.items() if family is None or c.family == family)
 
 
 def get(name: str) -> type:
     "The method class registered as `name`; 'first+then' (e.g. 'quoka+kvpop_mlstm') is a `PrefillDecode`."
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a method name (a str), one of {names()} or 'prefill+decode' of two of them, "
+                        f"got {name!r}")
+    if name.count("+") > 1:  # 'a+b+c' would read as a+(b+c): b's decode silently replaced by c's
+        raise ValueError(f"name {name!r} composes {name.count('+') + 1} methods; a composition is 'prefill+decode' "
+                         "of two (one reads the prompt, the other generates)")
     if "+" in name:
-        for part in name.split("+", 1): get(part)
+        for part in name.split("+"): get(part)
         return PrefillDecode
     if name not in Method.registry:
         raise ValueError(f"name must be one of {names()} or 'prefill+decode' of two of them, got {name!r}")
@@ -151,6 +162,15 @@ class SelectionMethod(Method):
         resolve_budget(budget, 0)
         return budget
 
+    def check_model(self, model) -> None:
+        "Raise naming the parameter if one does not fit `model` (its layers, its head dim); none here."
+
+    @contextlib.contextmanager
+    def patch(self, model):
+        "`Method.patch`, after `check_model(model)`: what only the model can tell is checked before any work."
+        self.check_model(model)
+        with super().patch(model) as cache: yield cache
+
     def key_cost(self, shape: ModelShape, S: int) -> tuple[int, int]:
         "Multiply-adds per KV head choosing keys for S queries per head: (per cached key, per call besides the keys)."
         raise NotImplementedError(f"{type(self).__name__} must implement key_cost(shape, S)")
@@ -229,7 +249,7 @@ class SampleAttention(BaselineSelection):
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16, seed: int = 0):
         super().__init__(budget, chunk_size, decode)
-        self.n_q, self.seed = n_q, seed
+        self.n_q, self.seed = check_int(n_q, "n_q", 1), check_int(seed, "seed")
 
     def options(self): return dict(n_q=self.n_q, seed=self.seed)
 
@@ -244,9 +264,13 @@ class SparQ(BaselineSelection):
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None):
         super().__init__(budget, chunk_size, decode)
-        self.r = r
+        self.r = None if r is None else check_int(r, "r (channels kept)", 1)
 
     def options(self): return dict(r=self.r)
+
+    def check_model(self, model):
+        "r at most the model's head dim."
+        _check_rank(self.r, model_info(model).head_dim, "r (channels kept, at most the head dim)")
 
     def key_cost(self, shape, S):
         "Every query's top-r channels times the same channels of each key: G S r."
@@ -260,7 +284,13 @@ class Loki(BaselineSelection):
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None,
                  center: bool = False):
         super().__init__(budget, chunk_size, decode)
-        self.r, self.center = r, center
+        self.r = None if r is None else check_int(r, "r (principal directions)", 1)
+        if not isinstance(center, bool): raise TypeError(f"center must be a bool, got {center!r}")
+        self.center = center
+
+    def check_model(self, model):
+        "r at most the model's head dim."
+        _check_rank(self.r, model_info(model).head_dim, "r (principal directions, at most the head dim)")
 
     def options(self): return dict(r=self.r, center=self.center)
 
@@ -280,8 +310,8 @@ class LessIsMore(SelectionMethod):
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, selection_layers=(2,),
                  recent_ratio: float = 0.25):
         super().__init__(budget, chunk_size, decode)
+        LessIsMoreSelector(self.budget, selection_layers, recent_ratio)  # checks both, naming them
         self.selection_layers, self.recent_ratio = tuple(selection_layers), recent_ratio
-        self.policy()
 
     def policy(self) -> LessIsMorePolicy:
         return LessIsMorePolicy(LessIsMoreSelector(self.budget, self.selection_layers, self.recent_ratio), self.decode)
@@ -293,6 +323,13 @@ class LessIsMore(SelectionMethod):
     def scoring_layers(self, shape):
         "Only the selection layers score."
         return sum(layer < shape.layers for layer in self.selection_layers)
+
+    def check_model(self, model):
+        "Every selection layer is a layer of the model (one beyond it would never select: dense attention)."
+        L = model_info(model).num_layers
+        if self.selection_layers[-1] >= L:
+            raise ValueError(f"selection_layers must be layer indices in [0, {L}) of this model ({L} layers), got "
+                             f"{self.selection_layers}")
 
 # %% ../nbs/07_methods.ipynb #7454637e
 class PageRetrieval(Method):
@@ -436,6 +473,10 @@ class PrefillDecode(Method):
 
     def __init__(self, budget: int | float, prefill: str | Method = "quoka", decode: str | Method = "oval",
                  prefill_params: dict | None = None, decode_params: dict | None = None):
+        for part, params in (("prefill_params", prefill_params), ("decode_params", decode_params)):
+            if params is not None and not isinstance(params, Mapping):
+                raise TypeError(f"{part} must be a dict of the part's parameter names to values (or None), got "
+                                f"{type(params).__name__} {params!r}")
         self.prefill, self.decode = (m if isinstance(m, Method) else make(m, budget, **(p or {}))
                                      for m, p in ((prefill, prefill_params), (decode, decode_params)))
         if self.prefill.family == "eviction":
@@ -448,6 +489,13 @@ class PrefillDecode(Method):
 
     def policy(self) -> RoutedPolicy:
         return RoutedPolicy(self.prefill.policy(), self.decode.policy())
+
+    @contextlib.contextmanager
+    def patch(self, model):
+        "`Method.patch`, after each part's `check_model(model)` (if it has one)."
+        for part in (self.prefill, self.decode):
+            if hasattr(part, "check_model"): part.check_model(model)
+        with super().patch(model) as cache: yield cache
 
     def cache(self, model):
         "The prefill method's full cache; handed over to the decode method's at the first decode step if it evicts."

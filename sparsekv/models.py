@@ -30,7 +30,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from .io import cache_dir
+from .io import cache_dir, file_sha256
 
 # %% auto #0
 __all__ = ['SMOLLM2_GGUF', 'QWEN2_SPLIT', 'SMOLLM2_NAME', 'SMOLLM2_GEOMETRY', 'CONVERSION_VERSION', 'COMPLETE_MARKER',
@@ -201,12 +201,6 @@ SMOLLM2_GEOMETRY = dict(architecture="llama", num_layers=30, num_q_heads=9, num_
 CONVERSION_VERSION = 2  # bump when the converted folder's content changes (2: completion marker)
 COMPLETE_MARKER, VERIFIED_STAMP = "sparsekv_complete.json", ".sparsekv_verified.json"
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22): h.update(block)
-    return h.hexdigest()
-
 def _folder_files(folder: Path) -> list[Path]:
     "The files of `folder` the completion marker covers (all but the marker and the verification stamp)."
     return sorted(p for p in folder.iterdir() if p.is_file() and p.name not in (COMPLETE_MARKER, VERIFIED_STAMP))
@@ -215,11 +209,10 @@ def _stat_signature(folder: Path, names) -> dict[str, list[int]]:
     return {n: [(folder/n).stat().st_size, (folder/n).stat().st_mtime_ns] for n in names}
 
 def write_completion_marker(folder: str | os.PathLike) -> Path:
-    "Write `folder`'s completion marker (size and SHA-256 of every file), last, and remember the folder as verified."
+    "Write `folder`'s completion marker (size and SHA-256 of every file), last."
     folder = Path(folder)
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _folder_files(folder)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in _folder_files(folder)}
     (folder/COMPLETE_MARKER).write_text(json.dumps({"files": files}, indent=2) + "\n")
-    (folder/VERIFIED_STAMP).write_text(json.dumps(_stat_signature(folder, files)))
     return folder/COMPLETE_MARKER
 
 def smollm2_folder() -> Path:
@@ -255,6 +248,8 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) ->
         write_completion_marker(tmp)
     return dest
 
+_VERIFIED: dict[str, dict] = {}  # folder -> size and modification time of its files when this process hashed them
+
 def conversion_problem(folder: str | os.PathLike) -> str | None:
     "Why `folder` is not a complete conversion (no marker, a file missing, cut short or changed), or None when it is."
     folder = Path(folder)
@@ -266,12 +261,11 @@ def conversion_problem(folder: str | os.PathLike) -> str | None:
         if not (folder/name).is_file(): return f"{name} is missing"
         if (size := (folder/name).stat().st_size) != want["bytes"]:
             return f"{name} has {size} bytes, not {want['bytes']}"
-    try: verified = json.loads((folder/VERIFIED_STAMP).read_text())
-    except (OSError, ValueError): verified = None
-    if verified == _stat_signature(folder, files): return None
+    key, signature = os.fspath(folder.resolve()), _stat_signature(folder, files)
+    if _VERIFIED.get(key) == signature: return None  # hashed in this process, unchanged since
     for name, want in files.items():
-        if _sha256(folder/name) != want["sha256"]: return f"{name} does not match its checksum (corrupted)"
-    with contextlib.suppress(OSError): (folder/VERIFIED_STAMP).write_text(json.dumps(_stat_signature(folder, files)))
+        if file_sha256(folder/name) != want["sha256"]: return f"{name} does not match its checksum (corrupted)"
+    _VERIFIED[key] = signature
     return None
 
 def ensure_converted(dest: str | os.PathLike, label: str, gguf_file: Callable[[], ContextManager[Path]],

@@ -11,7 +11,9 @@ import hashlib
 import json
 import copy
 import math
+import numbers
 import time
+from collections.abc import Mapping
 from typing import Callable
 
 import pandas as pd
@@ -27,8 +29,9 @@ from .methods import PHASES, ModelShape, scoring_cost
 from .stats import compare
 
 # %% auto #0
-__all__ = ['BUDGET_COLUMNS', 'measured_budget', 'fit_budget', 'item_hash', 'prompt_ids', 'prefills_densely', 'dense_prefill',
-           'answer', 'window_logits', 'memory_columns', 'continuation', 'cost_columns', 'protocol_table']
+__all__ = ['BUDGET_COLUMNS', 'measured_budget', 'measured_max', 'fit_budget', 'item_hash', 'prompt_ids', 'prefills_densely',
+           'dense_prefill', 'answer', 'window_logits', 'memory_columns', 'continuation', 'cost_columns',
+           'protocol_table']
 
 # %% ../nbs/43_protocol.ipynb #8a4f98c9
 BUDGET_COLUMNS = ("prefill_mean", "prefill_max", "decode_mean", "decode_max", "dense_layers", "decode_reads")
@@ -54,6 +57,21 @@ def measured_budget(meter: AttendedBudget, n_keys: int | None = None) -> dict:
     return out
 
 # %% ../nbs/43_protocol.ipynb #0c3e97ec
+def measured_max(measurement, phase: str, what: str) -> float:
+    """The `<phase>_max` of a `measure` result (KV entries per query, NaN when no query ran); else a TypeError or
+    ValueError naming the key and `what` was measured."""
+    key = f"{phase}_max"
+    if not isinstance(measurement, Mapping) or key not in measurement:
+        raise TypeError(f"measure must return a dict holding {key!r} (`measured_budget` columns); for {what} it "
+                        f"returned {type(measurement).__name__} {str(measurement)[:80]}")
+    x = measurement[key]
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"measure's {key} must be a number of KV entries, got {x!r} for {what}")
+    if math.isnan(x): raise ValueError(f"{what} ran no {phase} query in the probe ({key} is NaN)")
+    if not 0 <= x < math.inf: raise ValueError(f"measure's {key} must be a finite count >= 0, got {x!r} for {what}")
+    return float(x)
+
+# %% ../nbs/43_protocol.ipynb #e54aa8aa
 def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase: str = "decode",
                make: Callable[..., Method] | None = None, **params) -> tuple[Method, dict]:
     """`make(name, b, **params)` (default `methods.make`; e.g. `presses.make`) at the largest nominal `b <= target`
@@ -66,8 +84,7 @@ def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase:
 
     def most(b: int) -> float:
         if b not in seen: seen[b] = measure(make(name, b, **params))
-        if math.isnan(seen[b][f"{phase}_max"]): raise ValueError(f"{name} ran no {phase} query in the probe")
-        return seen[b][f"{phase}_max"]
+        return measured_max(seen[b], phase, f"{name} at budget {b}")
 
     first = next((b for b in range(1, target + 1) if _builds(make, name, b, params)), None)
     if first is None: make(name, target, **params)  # raises the method's own error

@@ -35,11 +35,11 @@ from .io import atomic_path, write_json, write_text
 # %% auto #0
 __all__ = ['PROFILES', 'REQUIRED_PROFILES', 'STAGE_KEYS', 'RUNNER_PARAMS', 'CUSTOM', 'Stage', 'find_pipeline',
            'notebook_parameters', 'profile_params', 'load_stages', 'run_params', 'injected_params', 'fingerprint',
-           'input_hashes', 'read_stamp', 'stale_reason', 'tag_parameters_cell', 'StageFailed', 'slowest_cells',
-           'clean_executed', 'stamp_path', 'kernel_config', 'run_stage', 'stage_state', 'demote_headings',
-           'status_rows', 'write_summary', 'last_seconds', 'format_duration', 'progress_line', 'outputs_report',
-           'format_table', 'sigterm_as_interrupt', 'run_pipeline', 'report', 'main', 'leaderboard_stage',
-           'leaderboard_main']
+           'input_hashes', 'output_hashes', 'read_stamp', 'stale_reason', 'tag_parameters_cell', 'StageFailed',
+           'slowest_cells', 'clean_executed', 'stamp_path', 'kernel_config', 'run_stage', 'stage_state',
+           'demote_headings', 'status_rows', 'write_summary', 'last_seconds', 'format_duration', 'progress_line',
+           'outputs_report', 'format_table', 'sigterm_as_interrupt', 'run_pipeline', 'report', 'main',
+           'leaderboard_stage', 'leaderboard_main']
 
 # %% ../nbs/91_reproduce.ipynb #7bdba193
 PROFILES = ("quick", "cpu", "cpu-full", "qwen-full", "gpu", "gpu-smoke")
@@ -66,8 +66,14 @@ def find_pipeline(start: str | os.PathLike | None = None) -> Path:
         if (d/"reproduce"/"pipeline.yaml").is_file(): return d/"reproduce"/"pipeline.yaml"
     raise FileNotFoundError(f"no reproduce/pipeline.yaml at or above {here}; pass --pipeline PATH")
 
-def _expand_inputs(root: Path, patterns: list[str]) -> list[Path]:
-    return sorted({Path(p) for pat in patterns for p in glob.glob(str(root/pat), recursive=True)})
+def _expand_inputs(root: Path, patterns: list[str], where: str) -> list[Path]:
+    "The files the `inputs` globs of a stage match; a glob that matches no file is an error naming it (a typo)."
+    found = set()
+    for pat in patterns:
+        files = {Path(p) for p in glob.glob(str(root/pat), recursive=True) if Path(p).is_file()}
+        if not files: raise ValueError(f"{where}: inputs pattern {pat!r} matches no file under {root}")
+        found |= files
+    return sorted(found)
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     "YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last silently)."
@@ -82,7 +88,9 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 def _read_spec(pipeline: Path) -> dict:
     "The `stages` mapping of `pipeline`, after checking the file's overall shape."
-    try: spec = yaml.load(pipeline.read_text(), Loader=_UniqueKeyLoader)
+    try: spec = yaml.load(pipeline.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{pipeline} is not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8") from e
     except yaml.YAMLError as e: raise ValueError(f"{pipeline} is not valid YAML: {' '.join(str(e).split())}") from e
     stages = spec.get("stages") if isinstance(spec, dict) else None
     if not isinstance(stages, dict) or not stages:
@@ -213,7 +221,7 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
         _check_params(params, notebook_parameters(nb), f"{where}: params.{profile}")
         stages.append(Stage(name=str(name), notebook=nb, params=params, root=root,
                             outputs=[_output_path(root, o, profile, where) for o in s["outputs"]],
-                            inputs=[nb, *_expand_inputs(root, s.get("inputs", []))],
+                            inputs=[nb, *_expand_inputs(root, s.get("inputs", []), where)],
                             description=s.get("description", ""),
                             captions={_output_path(root, o, profile, where): c.strip()
                                       for o, c in s.get("captions", {}).items()}))
@@ -232,10 +240,17 @@ def fingerprint(params: dict) -> str:
     "A short hash of `params`, stable across runs."
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+def _content_hashes(paths: list[Path], root: Path) -> dict[str, str]:
+    "Short content hash of each file of `paths`, by its path relative to `root`."
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in paths}
+
 def input_hashes(stage: Stage) -> dict[str, str]:
     "Content hash of each input of `stage`, by its path relative to the repository."
-    return {p.relative_to(stage.root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
-            for p in stage.inputs}
+    return _content_hashes(stage.inputs, stage.root)
+
+def output_hashes(stage: Stage) -> dict[str, str]:
+    "Content hash of each output of `stage` (all must exist), by its path relative to the repository."
+    return _content_hashes(stage.outputs, stage.root)
 
 def read_stamp(stamp: Path) -> dict | None:
     "The stamp a finished stage wrote, or None (none, or unreadable)."
@@ -252,7 +267,10 @@ def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str
     if made.get("fingerprint") != fingerprint(params): return "parameters changed"
     old = made.get("inputs", {})
     changed = [Path(p).name for p, h in input_hashes(stage).items() if old.get(p) != h]
-    return f"input changed: {changed[0]}" if changed else None
+    if changed: return f"input changed: {changed[0]}"
+    if "outputs" not in made: return None  # an older stamp: the outputs are not recorded (see `stage_state`)
+    changed = [Path(p).name for p, h in output_hashes(stage).items() if made["outputs"].get(p) != h]
+    return f"output changed since the run: {changed[0]}" if changed else None
 
 # %% ../nbs/91_reproduce.ipynb #106c9ed0
 def tag_parameters_cell(nb_path: Path, dest: Path) -> Path:
@@ -380,6 +398,7 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     os.replace(clean_executed(partial, root), executed)
     seconds = time.time() - start
     write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": inputs,
+                       "outputs": output_hashes(stage),
                        "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1),
                        "slowest_cells": slowest})
     return seconds
@@ -396,7 +415,9 @@ def stage_state(stage: Stage, root: Path, profile: str) -> str:
     stamp = stamp_path(root, profile, stage.name)
     reason = stale_reason(stage, out_dir/f"{stage.name}.ipynb", stamp, run_params(stage, profile))
     made = read_stamp(stamp)
-    if reason is None: return f"up to date (made {made.get('finished', 'earlier')})"
+    if reason is None:
+        unrecorded = "" if "outputs" in made else "; outputs not recorded in its stamp: recorded at its next run"
+        return f"up to date (made {made.get('finished', 'earlier')}{unrecorded})"
     if made is None and not (out_dir/f"{stage.name}.ipynb").exists(): return "not run"
     return f"stale: {reason}"
 
@@ -557,12 +578,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", metavar="STAGE", help="run only this stage")
     ap.add_argument("--force", action="store_true", help="rerun stages even when up to date")
     ap.add_argument("--pipeline", help="path to pipeline.yaml (default: the nearest reproduce/pipeline.yaml)")
-    ap.add_argument("--list", action="store_true", help="list the stages and exit")
+    ap.add_argument("--list", action="store_true", help="list the stages, their state (and why stale), and exit")
     a = ap.parse_args(argv)
 
     def run():
         if a.list:
-            for s in load_stages(a.pipeline or find_pipeline(), a.profile): print(f"{s.name}: {s.description}")
+            pipeline = Path(a.pipeline) if a.pipeline else find_pipeline()
+            root, stages = pipeline.resolve().parent.parent, load_stages(pipeline, a.profile)
+            print(format_table([(s.name, stage_state(s, root, a.profile), s.description) for s in stages],
+                               ("stage", "status", "description")))
             return
         print(report(a.pipeline, a.profile, run_pipeline(a.profile, a.only, a.force, a.pipeline)))
     return _cli(ap.prog, run)

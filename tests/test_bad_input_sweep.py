@@ -17,12 +17,14 @@ import io
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 from unittest import mock
 
@@ -41,16 +43,19 @@ from sparsekv.cache import SinkWindowCache  # noqa: E402
 from sparsekv.distill import DistillConfig, distill, epoch_batches, main as distill_main  # noqa: E402
 from sparsekv.eval import kl_to_teacher, run_grid  # noqa: E402
 from sparsekv.hf import DensePolicy, chunked_prefill, patch  # noqa: E402
+from sparsekv.io import DamagedFileError, atomic_path_with_digest  # noqa: E402
 from sparsekv.kvpop.cache import KVpopCache, KVpopPolicy, random_scorers  # noqa: E402
 from sparsekv.kvpop.cutoff import topk_cutoff, topk_cutoff_reference  # noqa: E402
 from sparsekv.kvpop.mask import kvpop_mask, kvpop_mask_reference  # noqa: E402
 from sparsekv.kvpop.student import KVpopMLP, KVpopMLSTM, KVpopStudent, StreamingLLMPlus  # noqa: E402
 from sparsekv.kvpop.target import future_attention_target  # noqa: E402
 from sparsekv.models import load_model  # noqa: E402
+from sparsekv.kvpop import student as student_module  # noqa: E402
 from sparsekv.oval.basis import page_basis, page_basis_reference  # noqa: E402
 from sparsekv.oval.pages import PageRetrievalPolicy  # noqa: E402
+from sparsekv.protocol import fit_budget  # noqa: E402
 from sparsekv.quoka.policy import QuokaPolicy  # noqa: E402
-from sparsekv.quoka.select import quoka_select, quoka_select_reference  # noqa: E402
+from sparsekv.quoka.select import quoka_select, quoka_select_reference, unit_keys  # noqa: E402
 from sparsekv.select import resolve_budget  # noqa: E402
 
 CLEAR, RIGHT, UNCLEAR, WRONG = "clear error", "right answer", "unclear error", "silently wrong"
@@ -674,6 +679,355 @@ def distill_cli_bad_window():
 @error("unclear errors", CLIError, r"error: could not load 'no/such'")
 def distill_cli_unknown_model():
     distill_cli("--model", "no/such")
+
+
+# --- every artifact carries its digest: shipped scorers, trained.pt, distill checkpoints, stage outputs -----------
+
+def damage(path: Path, n: int = 256, at: float = 0.5) -> Path:
+    """Zero `n` bytes of `path` from `at` of its length, keeping its size and modification time: a silent disk error
+    (the damaged-file fixture of the checkpoint, shipped-scorer and stamp cases)."""
+    st = path.stat()
+    start = min(int(st.st_size * at), st.st_size - 1)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        old = f.read(n)
+        f.seek(start)
+        f.write(bytes(len(old)))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert any(old) and (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    return path
+
+
+SHIPPED = "smollm2-135m-cr75-mlp"
+
+
+@contextlib.contextmanager
+def _shipped_copy():
+    "A copy of shipped scorer SHIPPED that `checkpoint=SHIPPED` reads instead of the package's (which stays intact)."
+    root = Path(str(student_module.resources.files("sparsekv") / "checkpoints"))
+    with tempfile.TemporaryDirectory() as d:
+        shutil.copytree(root / SHIPPED, Path(d) / "checkpoints" / SHIPPED)
+        with mock.patch.object(student_module, "resources", SimpleNamespace(files=lambda package: Path(d))):
+            yield Path(d) / "checkpoints" / SHIPPED
+
+
+@functools.cache
+def smollm2_shaped():
+    "A tiny random model of SmolLM2's layers, KV heads and head dim (what the shipped scorers were trained for)."
+    return load_model("tiny-llama", num_layers=30, num_heads=9, num_kv_heads=3, hidden_size=9 * 64, head_dim=64)[0]
+
+
+@right("damaged artifacts")
+def shipped_scorer_loads_verified():
+    "The intact shipped scorer loads without a warning, its state the file's own."
+    with _shipped_copy() as folder, warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        st = methods.make("kvpop_mlp", 512, checkpoint=SHIPPED).trained_student(smollm2_shaped())
+        want = torch.load(folder / "trained.pt", weights_only=True)["student"]
+    got = st.state_dict()
+    return ([str(x.message) for x in w if "unverified" in str(x.message)], [torch.equal(got[k], want[k]) for k in want]
+            ), ([], [True] * len(want))
+
+
+@error("damaged artifacts", DamagedFileError,
+       rf"{SHIPPED}/trained\.pt is damaged: its SHA-256 is [0-9a-f]{{64}}, expected [0-9a-f]{{64}} \(recorded in "
+       r"\S+manifest\.json\); re-install sparsekv")
+def shipped_scorer_with_bytes_zeroed():
+    with _shipped_copy() as folder:
+        damage(folder / "trained.pt")
+        methods.make("kvpop_mlp", 512, checkpoint=SHIPPED).cache(smollm2_shaped())
+
+
+def _user_trained_pt(d, digest=True) -> Path:
+    "A trained.pt as the distill CLI writes it (with its digest file, or without: an older version's) at budget 9."
+    st = KVpopMLP(9, 2, 4).student(tiny())
+    path = Path(d) / "trained.pt"
+    with atomic_path_with_digest(path) as tmp: torch.save({"student": st.state_dict()}, tmp)
+    if not digest: (Path(d) / "trained.pt.sha256").unlink()
+    return path
+
+
+def _load_user_trained(edit, digest=True):
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a file without a digest loads with a warning
+        path = edit(_user_trained_pt(d, digest))
+        KVpopMLP(9, 2, 4, checkpoint=path).cache(tiny())
+
+
+@error("damaged artifacts", DamagedFileError, r"/trained\.pt is damaged: its SHA-256 is .*\.sha256\); retrain it")
+def user_trained_pt_with_bytes_zeroed():
+    _load_user_trained(damage)
+
+
+@error("damaged artifacts", DamagedFileError, r"/trained\.pt is damaged: its SHA-256 is")
+def user_trained_pt_cut_short():
+    _load_user_trained(lambda p: os.truncate(p, 1000) or p)
+
+
+@error("damaged artifacts", DamagedFileError, r"/trained\.pt cannot be read by torch\.load .*damaged, cut short")
+def user_trained_pt_cut_short_without_digest():
+    _load_user_trained(lambda p: os.truncate(p, 1000) or p, digest=False)
+
+
+@error("damaged artifacts", DamagedFileError, r"/trained\.pt cannot be read by torch\.load \(EOFError")
+def user_trained_pt_empty_without_digest():
+    _load_user_trained(lambda p: p.write_bytes(b"") and p or p, digest=False)
+
+
+def _resume_damaged(edit):
+    "Resume the sweep's 2-step distill run from a copy of its checkpoint folder, damaged by `edit(checkpoint.pt)`."
+    d, seqs, cfg = _trained_checkpoint()
+    with tempfile.TemporaryDirectory() as copy, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shutil.copytree(d, copy, dirs_exist_ok=True)
+        edit(Path(copy) / "checkpoint.pt")
+        student = KVpopStudent.for_model(tiny(), sink=2, window=4, k=6, n_boundaries=8)
+        distill(tiny(), student, epoch_batches(seqs, 2, cfg.steps), cfg, checkpoint_dir=copy, progress=False)
+
+
+@error("damaged artifacts", DamagedFileError,
+       r"/checkpoint\.pt is damaged: its SHA-256 is .*; delete it and checkpoint\.pt\.sha256 to train from the start")
+def distill_checkpoint_with_kib_zeroed():
+    _resume_damaged(lambda p: damage(p, 1024))
+
+
+@error("damaged artifacts", DamagedFileError, r"/checkpoint\.pt is damaged: its SHA-256 is")
+def distill_checkpoint_cut_short():
+    _resume_damaged(lambda p: os.truncate(p, p.stat().st_size // 2))
+
+
+@error("damaged artifacts", DamagedFileError, r"/checkpoint\.pt cannot be read by torch\.load \(EOFError")
+def distill_checkpoint_empty_without_digest():
+    _resume_damaged(lambda p: (p.write_bytes(b""), p.with_name("checkpoint.pt.sha256").unlink()))
+
+
+@right("damaged artifacts")
+def stage_output_changed_in_place_is_stale():
+    "An output with bytes changed (size and modification time kept) makes its stage stale; the rerun remakes it."
+    with _toy_project_run() as (root, pipe):
+        out = root / "figures" / "quick" / "a.txt"
+        damage(out, 2, at=0.0)
+        state = rp.stage_state(rp.load_stages(pipe, "quick")[0], root, "quick")
+        status = rp.run_pipeline("quick", pipeline=pipe, progress=False)
+        return (state, status["a"].startswith("ran"), status["b"], out.read_text()), (
+            "stale: output changed since the run: a.txt", True, "up to date (skipped)", "first")
+
+
+@right("damaged artifacts")
+def stage_output_truncated_is_stale():
+    with _toy_project_run() as (root, pipe):
+        out = root / "figures" / "quick" / "b.txt"
+        os.truncate(out, 2)
+        status = rp.run_pipeline("quick", pipeline=pipe, progress=False)
+        return (status["a"], status["b"].startswith("ran"), out.read_text()), ("up to date (skipped)", True, "first")
+
+
+@right("damaged artifacts")
+def stamp_without_output_digests_stays_up_to_date():
+    "A stamp written before outputs were hashed (the committed runs'): up to date, saying its outputs are not recorded."
+    with _toy_project_run() as (root, pipe):
+        stamp = rp.stamp_path(root, "quick", "a")
+        rp.write_json(stamp, {k: v for k, v in rp.read_stamp(stamp).items() if k != "outputs"})
+        state = rp.stage_state(rp.load_stages(pipe, "quick")[0], root, "quick")
+        status = rp.run_pipeline("quick", pipeline=pipe, progress=False)
+        return (state.startswith("up to date (made "), state.endswith("outputs not recorded in its stamp: recorded at "
+                                                                       "its next run)"), status["a"]), (
+            True, True, "up to date (skipped)")
+
+
+@error("damaged artifacts", ValueError, r"stage 'a' in \S+pipeline\.yaml: inputs pattern 'data/\*\.csv' matches no "
+       r"file")
+def pipeline_inputs_pattern_matching_nothing():
+    with tempfile.TemporaryDirectory() as d:
+        pipe = _toy_pipeline(Path(d))
+        pipe.write_text(pipe.read_text().replace("  b:", "    inputs: ['data/*.csv']\n  b:"))
+        rp.load_stages(pipe, "quick")
+
+
+@error("damaged artifacts", ValueError, r"\S+pipeline\.yaml is not UTF-8 text")
+def pipeline_file_not_utf8():
+    with tempfile.TemporaryDirectory() as d:
+        pipe = _toy_pipeline(Path(d))
+        pipe.write_bytes(pipe.read_bytes() + "# caf\u00e9\n".encode("latin-1"))
+        rp.load_stages(pipe, "quick")
+
+
+# --- methods validated when made: names, compositions, parameters; what only the model knows at patch ------------
+
+@error("validated at make", TypeError, r"name must be a method name \(a str\).*got None")
+def make_none_name():
+    methods.make(None, 48)
+
+
+@error("validated at make", TypeError, r"name must be a method name \(a str\).*got 123")
+def make_int_name():
+    methods.make(123, 48)
+
+
+@error("validated at make", ValueError, r"name 'quoka\+oval\+quest' composes 3 methods; a composition is "
+       r"'prefill\+decode' of two")
+def make_nested_composition():
+    methods.make("quoka+oval+quest", 48)
+
+
+@error("validated at make", ValueError, r"family must be one of \('dense', 'eviction', 'selection', 'retrieval'\)")
+def names_of_unknown_family():
+    methods.names("bogus_family")
+
+
+@error("validated at make", TypeError, r"prefill_params must be a dict .*got str 'n_q=2'")
+def make_prefill_params_not_a_mapping():
+    methods.make("quoka+oval", 48, prefill_params="n_q=2")
+
+
+@error("validated at make", TypeError, r"decode_params must be a dict")
+def make_decode_params_not_a_mapping():
+    methods.make("quoka+oval", 48, decode_params=["eta", 0.5])
+
+
+@error("validated at make", ValueError, r"r \(channels kept\) must be an int >= 1, got 0")
+def make_sparq_rank_zero():
+    methods.make("sparq", 48, r=0)
+
+
+@error("validated at make", ValueError, r"r \(principal directions\) must be an int >= 1, got -1")
+def make_loki_negative_rank():
+    methods.make("loki", 48, r=-1)
+
+
+@error("validated at make", TypeError, r"seed must be an int >= 0, got 'x'")
+def make_sample_attention_string_seed():
+    methods.make("sample_attention", 48, seed="x")
+
+
+@error("validated at make", ValueError, r"n_q must be an int >= 1, got 0")
+def make_sample_attention_no_queries():
+    methods.make("sample_attention", 48, n_q=0)
+
+
+@error("validated at make", ValueError, r"n_boundaries must be an int >= 1, got 0")
+def make_kvpop_option_out_of_range():
+    methods.make("kvpop_mlp", 48, n_boundaries=0)
+
+
+@error("validated at make", ValueError, r"selection_layers must be layer indices in \[0, 2\) of this model \(2 "
+       r"layers\), got \(99,\)")
+def lessismore_layer_beyond_the_model():
+    methods.make("lessismore", 12, selection_layers=(99,), chunk_size=8).generate(
+        tiny(), ids(1, 20, 3), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+@error("validated at make", ValueError,
+       r"r \(channels kept, at most the head dim\) must be an int in \[1, 16\], got 17")
+def sparq_rank_beyond_head_dim():
+    methods.make("sparq", 12, r=17, chunk_size=8).generate(tiny(), ids(1, 20, 3), max_new_tokens=2, do_sample=False,
+                                                           pad_token_id=0)
+
+
+@right("validated at make")
+def budget_beyond_any_sequence_is_dense():
+    "A budget no sequence can fill (10**12 entries) is not preallocated: the method keeps everything, like dense."
+    x = ids(1, 17, 5)
+    with torch.no_grad(): want = tiny().generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6,
+                                                 do_sample=False, pad_token_id=0)
+    return methods.make("kvpop_mlp", 10**12).generate(tiny(), x, max_new_tokens=6, do_sample=False,
+                                                      pad_token_id=0), want
+
+
+EMPTY_EXTRA = {"quoka": dict(n_q=2), "sample_attention": dict(n_q=2), "lessismore": dict(selection_layers=(0,))}
+for _name in [n for n in methods.names() if n != "prefill_decode"] + ["quoka+kvpop_mlstm"]:
+    def _empty(name=_name):
+        methods.make(name, 12, **EMPTY_EXTRA.get(name, {})).generate(tiny(), ids(2, 17, 1)[:0], max_new_tokens=2,
+                                                                      do_sample=False, pad_token_id=0)
+    _empty.__name__ = f"empty_batch_{_name.replace('+', '_then_')}"
+    error("validated at make", ValueError, r"input_ids must be a non-empty .*\(0, 17\)")(_empty)
+
+
+@error("validated at make", ValueError, r"input_ids must be a non-empty .*\(0, 17\)")
+def empty_batch_chunked_prefill():
+    chunked_prefill(tiny(), ids(2, 17, 1)[:0], 4)
+
+
+def _fit(measurement):
+    return fit_budget("tova", 16, lambda m: measurement)
+
+
+@error("validated at make", TypeError, r"measure must return a dict holding 'decode_max'.*tova at budget 16")
+def fit_budget_measurement_without_decode_max():
+    _fit({"prefill_max": 12.0})
+
+
+@error("validated at make", TypeError, r"measure's decode_max must be a number of KV entries, got '12'")
+def fit_budget_measurement_as_text():
+    _fit({"decode_max": "12"})
+
+
+@error("validated at make", ValueError, r"measure's decode_max must be a finite count >= 0, got inf")
+def fit_budget_infinite_measurement():
+    _fit({"decode_max": math.inf})
+
+
+@right("validated at make")
+def grid_none_and_empty_string_are_two_settings():
+    "params={'window': None} then {'window': ''}: each computes its own rows, and reruns reuse only their own."
+    calls = []
+    def fn(c):
+        calls.append(c["budget"])
+        return {"acc": c["budget"] / 1000}
+    with tempfile.TemporaryDirectory() as d:
+        for window in (None, "", None, ""): run_grid([{"budget": 2}], fn, Path(d) / "g.csv", params={"window": window})
+        first = (Path(d) / "g.csv").read_text().splitlines()[1].split(",")[0]
+    return (calls, first), ([2, 2], "")
+
+
+# --- non-finite input: every entry checked, by a reduction, not the positions that happen to be read --------------
+
+def _q_with(value, at):
+    q = randn(1, 4, 8, 16)
+    q[at] = value
+    return q
+
+
+for _value, _label in ((math.nan, "nan"), (math.inf, "inf"), (-math.inf, "neg_inf")):
+    for _at, _where in (((0, 0, 2, 3), "dropped_query"), ((0, 0, 0, 0), "first_query")):
+        def _nonfinite(value=_value, at=_at):
+            quoka_select(_q_with(value, at), randn(1, 2, 32, 16, seed=1), 2, 5)
+        _nonfinite.__name__ = f"quoka_select_{_label}_in_{_where}"
+        error("non-finite everywhere", ValueError, r"q_chunk contains NaN or inf")(_nonfinite)
+
+
+@error("non-finite everywhere", ValueError, r"k_cache contains NaN or inf")
+def quoka_decode_select_inf_key():
+    from sparsekv.quoka.select import quoka_decode_select
+    k = randn(1, 2, 32, 16, seed=1)
+    k[0, 1, 30, 5] = math.inf
+    quoka_decode_select(randn(1, 4, 1, 16), k, 5)
+
+
+@error("non-finite everywhere", ValueError, r"k_unit must be the unit keys of k_cache")
+def quoka_select_unit_keys_of_other_keys():
+    k = randn(1, 2, 32, 16, seed=1)
+    quoka_select(randn(1, 4, 8, 16), k, 2, 5, k_unit=unit_keys(randn(1, 2, 32, 16, seed=9)))
+
+
+@error("non-finite everywhere", ValueError, r"\bq contains NaN or inf")
+def nan_in_page_score_query():
+    from sparsekv.oval.basis import page_score
+    mu, B, R = page_basis(randn(2, 8, 16), randn(2, 8, 16, seed=1), rank=2)
+    page_score(randn(2, 16).index_fill(-1, torch.tensor([3]), math.nan), mu, B, R)
+
+
+@error("non-finite everywhere", ValueError, r"\bk contains NaN or inf")
+def inf_in_scorer_keys():
+    from sparsekv.kvpop.scorers import MLPScorer
+    k = randn(1, 2, 8, 16).index_fill(2, torch.tensor([6]), -math.inf)
+    MLPScorer(2, 16)(k, randn(1, 2, 8, 16, seed=1))
+
+
+@error("non-finite everywhere", ValueError, r"\bK contains NaN or inf")
+def nan_in_quest_page_keys():
+    from sparsekv.oval.summaries import QuestSummary
+    QuestSummary().summarize(randn(1, 2, 16, 16).index_fill(2, torch.tensor([9]), math.nan), None, 4)
 
 
 # --- plain validation of the public API: shapes, heads, budgets, dtypes, empty and length-1 input, bool ints ----

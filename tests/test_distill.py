@@ -19,6 +19,7 @@ from sparsekv.kvpop.cache import random_scorers
 from sparsekv.distill import (DistillConfig, distill, epoch_batches, full_state, main, new_param_lr, rank_slice,
                               shard_for_training, student_spec)
 from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
+from sparsekv.io import verify_digest
 from sparsekv.models import load_model
 
 LOSS_COLS = ["step", "loss", "kl", "method_loss", "retention_loss", "retention_recall", "grad_norm", "lr_base",
@@ -49,7 +50,7 @@ def test_resume_is_bit_identical():
         m2, s2, _, _ = setup("full", steps=6, batch=2)
         with pytest.raises(RuntimeError, match="simulated crash"):
             distill(m2, s2, crashing(), cfg, checkpoint_dir=d, progress=False)
-        assert sorted(os.listdir(d)) == ["checkpoint.pt"]  # atomic: no partial file left
+        assert sorted(os.listdir(d)) == ["checkpoint.pt", "checkpoint.pt.sha256"]  # atomic: no partial file left
         m2, s2, _, _ = setup("full", steps=6, batch=2, seed=0)
         teacher = copy.deepcopy(m2)  # the teacher is the original base, not restored from the checkpoint
         with torch.no_grad():
@@ -169,6 +170,7 @@ def test_main_single_process(tmp_path):
     # scorer-only: no model weights; the student with its method and description (see test_kvpop_student)
     assert (tmp_path / "history.csv").is_file() and set(trained) == {"student", "spec"}
     assert trained["spec"]["method"] == "kvpop_mlp" and trained["spec"]["student"]["type"] == "KVpopStudent"
+    assert verify_digest(tmp_path / "trained.pt", "retrain it")  # written with its digest, checked when loaded
 
 
 def test_module_runs_as_a_script(tmp_path):
@@ -278,8 +280,9 @@ def test_resume_refuses_checkpoint_without_description(tmp_path):
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     del ckpt["spec"]
     torch.save(ckpt, tmp_path / "checkpoint.pt")
+    (tmp_path / "checkpoint.pt.sha256").unlink()  # an older version wrote neither the description nor the digest
     model, student, data, cfg = setup("scorer_only", steps=2)
-    with pytest.raises(ValueError, match="older version"):
+    with pytest.raises(ValueError, match="older version"), pytest.warns(UserWarning, match="loaded unverified"):
         distill(model, student, data, cfg, checkpoint_dir=tmp_path, progress=False)
 
 

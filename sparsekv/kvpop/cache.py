@@ -179,7 +179,12 @@ class KVpopLayer(EvictingLayer):
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self._seat(0, self.rule.budget + 1)
+        self._seat(0, self._capacity(key_states.shape[2]))
+
+    def _capacity(self, need: int, have: int = 0) -> int:
+        "Slots for `need` entries: s + w + k + 1 once the sequence can fill them; until then at least twice `have`."
+        full = self.rule.budget + 1
+        return max(need, min(full, max(2 * have, need, 256)))
 
     def _seat(self, n: int, capacity: int) -> None:
         "Move the first `n` entries into fresh buffers of `capacity` entries and point the views at them."
@@ -195,7 +200,7 @@ class KVpopLayer(EvictingLayer):
         "Write new entries with positions and scores after the kept ones; return all entries' keys and values."
         pos, sc = self.scored_entries(key_states, value_states)
         s, n = key_states.shape[2], self.positions.shape[-1]
-        if n + s > self._buffers[0].shape[2]: self._seat(n, n + s)
+        if n + s > self._buffers[0].shape[2]: self._seat(n, self._capacity(n + s, self._buffers[0].shape[2]))
         for b, x in zip(self._buffers, (key_states, value_states, pos, sc)): b[:, :, n:n + s] = x
         self._view(n + s)
         self.seen += s
@@ -242,7 +247,8 @@ class KVpopLayer(EvictingLayer):
         "Apply `fn` to keys, values, positions and scores, then move them into buffers again."
         super()._apply(fn)
         if self.is_initialized:
-            self._seat(self.positions.shape[-1], max(self.positions.shape[-1], self.rule.budget + 1))
+            n = self.positions.shape[-1]
+            self._seat(n, self._capacity(n, self._buffers[0].shape[2] // 2))
 
     def apply_rows(self, fn) -> None:
         "Apply the batch-row map `fn` to the entries and to a recurrent scorer's state and queue (`DelayedReadout`)."

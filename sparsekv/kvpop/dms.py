@@ -292,7 +292,9 @@ class DMSStudent(DistillStudent):
         self.decisions = DMSDecisions(num_layers, num_kv_heads, head_dim, hidden, init_logit, bias_scale)
         self.window, self.target = check_int(window, "window", 1), check_fraction("target", target)
         self.ramp_steps, self.tau = check_int(ramp_steps, "ramp_steps", 1), check_temperature(tau)
-        if not weight >= 0: raise ValueError(f"weight must be >= 0, got {weight!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        if not isinstance(hard, bool): raise TypeError(f"hard must be a bool, got {hard!r}")
         check_int(sink, "sink")
         if backend not in DMS_BACKENDS: raise ValueError(f"backend must be one of {DMS_BACKENDS}, got {backend!r}")
         self.weight, self.hard, self.sink, self.backend = float(weight), bool(hard), sink, backend
@@ -358,6 +360,7 @@ class DMS(TrainedMethod):
             raise TypeError(f"unexpected options {sorted(set(options) - accepted)} for dms; accepted: "
                             f"{sorted(accepted)}")
         self.options = options
+        DMSStudent(1, 1, 2, self.window, 0.0, 1, sink=self.sink, **options)  # every option checked now, cheaply
 
     def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> DMSStudent:
         "A fresh student, target `target_for_budget` at `seq_len` (None: 0, for inference), ramped over 3/4 of `steps`."

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import check_int
+from ..attention import check_int, require_finite
 
 # %% auto #0
 __all__ = ['NORMALIZERS', 'check_kv', 'scorer_input', 'HeadwiseLinear', 'headwise_linear_reference', 'LinearScorer', 'MLPScorer',
@@ -25,13 +25,14 @@ __all__ = ['NORMALIZERS', 'check_kv', 'scorer_input', 'HeadwiseLinear', 'headwis
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #61e82836
 def check_kv(k: Tensor, v: Tensor, num_kv_heads: int | None = None, head_dim: int | None = None) -> None:
-    "Validate keys/values: floating-point tensors of the same shape [..., Hkv, d] (optionally matching the scorer)."
+    "Validate keys/values: finite floating-point tensors of one shape [..., Hkv, d] (optionally matching the scorer)."
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() < 2:
             raise TypeError(f"{name} must be a floating-point tensor [B, Hkv, S, d] or [B, Hkv, d], "
                             f"got {getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    require_finite("k", k), require_finite("v", v)  # a scorer maps a NaN key to a NaN priority
     heads_dim = -3 if k.dim() >= 4 else -2
     if num_kv_heads is not None and k.shape[heads_dim] != num_kv_heads:
         raise ValueError(f"k/v have {k.shape[heads_dim]} KV heads, the scorer was built for "

@@ -19,20 +19,21 @@ from torch import Tensor, nn
 
 from ..attention import attention_scores, check_int, masked_attention, masked_logsumexp, sink_window_visible
 from ..cache import SinkWindowCache
-from ..distill import DistillStudent, student_spec
+from ..distill import DistillStudent, load_torch_file, student_spec
 from ..hf import AttentionPolicy, MaskPolicy, dense_attention, heads_mask
+from ..io import file_sha256, write_json
 from .baselines import EvictionMethod
 from .cache import KVpopCache, KVpopPolicy, KVpopScorers
 from .cutoff import check_budget, topk_cutoff
 from .loss import retention_loss, retention_recall, sample_boundary_queries
 from .mask import kvpop_attention, kvpop_mask
-from .target import future_attention_target
+from .target import AGGS, future_attention_target
 from ..models import model_info
 
 # %% auto #0
-__all__ = ['TARGETS', 'KVpopTrainPolicy', 'step_generator', 'KVpopStudent', 'SinkWindowPolicy', 'SinkWindowStudent',
-           'check_trained', 'shipped_checkpoints', 'shipped_checkpoint', 'TrainedMethod', 'KVpopMLP', 'KVpopMLSTM',
-           'StreamingLLMPlus']
+__all__ = ['TARGETS', 'SHIPPED_FILES', 'KVpopTrainPolicy', 'step_generator', 'KVpopStudent', 'SinkWindowPolicy',
+           'SinkWindowStudent', 'check_trained', 'manifest_with_digests', 'write_shipped_manifest', 'trained_digests',
+           'shipped_checkpoints', 'shipped_checkpoint', 'TrainedMethod', 'KVpopMLP', 'KVpopMLSTM', 'StreamingLLMPlus']
 
 # %% ../../nbs/17_kvpop_student.ipynb #fc5acd57
 class KVpopTrainPolicy(AttentionPolicy):
@@ -94,9 +95,18 @@ class KVpopStudent(DistillStudent):
         if not isinstance(scorers, KVpopScorers):
             raise TypeError(f"scorers must be a KVpopScorers, got {type(scorers).__name__}")
         self.k, self.sink, self.window = check_budget(k, sink, window)
-        if isinstance(n_boundaries, bool) or not isinstance(n_boundaries, int) or n_boundaries < 1:
-            raise ValueError(f"n_boundaries must be an int >= 1, got {n_boundaries!r}")
-        if not weight >= 0: raise ValueError(f"weight must be >= 0, got {weight!r}")
+        check_int(n_boundaries, "n_boundaries", 1), check_int(seed, "seed")
+        for name, x, lo, hi in (("late_frac", late_frac, 0, 1), ("omega_min", omega_min, 0, 1),
+                                ("weight", weight, 0, math.inf), ("tau", tau, 0, math.inf),
+                                ("tau_omega", tau_omega, 0, math.inf), ("eps", eps, 0, math.inf)):
+            open_lo = name in ("tau", "tau_omega", "eps")
+            if (isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+                    or not (lo < x if open_lo else lo <= x) or x > hi):
+                raise ValueError(f"{name} must be a finite number in {'(' if open_lo else '['}{lo}, {hi}"
+                                 f"{')' if hi == math.inf else ']'}, got {x!r}")
+        for name, x in (("margin", margin), ("balance", balance)):
+            if not isinstance(x, bool): raise TypeError(f"{name} must be a bool, got {x!r}")
+        if agg not in AGGS: raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
         self.scorers, self.n_boundaries, self.late_frac = scorers, n_boundaries, late_frac
         self.weight, self.seed = weight, seed
         self.loss_options = dict(tau=tau, margin=margin, omega_min=omega_min, tau_omega=tau_omega, balance=balance)
@@ -109,12 +119,20 @@ class KVpopStudent(DistillStudent):
                   gamma_max: float = 0.999999, **options) -> "KVpopStudent":
         "Fresh float32 scorers for `model`'s layers ('mlp', or 'mlstm' with delay = window, §3.3), Table 3 decays."
         info = model_info(model)
-        args = info.num_layers, info.num_kv_heads, info.head_dim
+        return cls.for_shape(info.num_layers, info.num_kv_heads, info.head_dim, sink, window, k, scorer, n, gamma_min,
+                             gamma_max, next(model.parameters()).device, **options)
+
+    @classmethod
+    def for_shape(cls, num_layers: int, num_kv_heads: int, head_dim: int, sink: int, window: int, k: int,
+                  scorer: str = "mlp", n: int = 1, gamma_min: float = 0.999, gamma_max: float = 0.999999,
+                  device=None, **options) -> "KVpopStudent":
+        "`for_model` for a model of `num_layers` layers of `num_kv_heads` KV heads of `head_dim`, on `device`."
+        args = num_layers, num_kv_heads, head_dim
         if scorer == "mlp": sc = KVpopScorers.mlp(*args, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
         elif scorer == "mlstm":
             sc = KVpopScorers.mlstm(*args, delay=window, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
         else: raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {scorer!r}")
-        return cls(sc.to(next(model.parameters()).device), sink, window, k, **options)
+        return cls(sc.to(device), sink, window, k, **options)
 
     def policy(self) -> KVpopTrainPolicy:
         return KVpopTrainPolicy(self)
@@ -221,12 +239,49 @@ def check_trained(ckpt, path, name: str, student: nn.Module) -> None:
                          + ", ".join(shapes[:3]))
 
 # %% ../../nbs/17_kvpop_student.ipynb #817b966b
+SHIPPED_FILES = ("trained.pt", "history.csv")
+
+
+def manifest_with_digests(folder: str | Path, manifest: dict) -> dict:
+    "`manifest` with `files`: the size and SHA-256 of each of `SHIPPED_FILES` in `folder` (what a load checks)."
+    folder = Path(folder)
+    missing = [n for n in SHIPPED_FILES if not (folder / n).is_file()]
+    if missing: raise FileNotFoundError(f"{folder} lacks {missing}: a shipped student needs {list(SHIPPED_FILES)}")
+    return {**manifest, "files": {n: {"bytes": (folder / n).stat().st_size, "sha256": file_sha256(folder / n)}
+                                  for n in SHIPPED_FILES}}
+
+
+def write_shipped_manifest(folder: str | Path, manifest: dict) -> Path:
+    "Write `folder/manifest.json`: `manifest` with the digests of the folder's files (`manifest_with_digests`)."
+    return write_json(Path(folder) / "manifest.json", manifest_with_digests(folder, manifest))
+
+# %% ../../nbs/17_kvpop_student.ipynb #d6caf921
+def trained_digests(path: str | Path) -> tuple[list[str] | None, Path | None, str]:
+    """(digests, where recorded, what rebuilds it) of a trained.pt: its folder's manifest (a shipped student), else its
+    digest file; digests None when neither records one."""
+    path = Path(path)
+    manifest = path.parent / "manifest.json"
+    try: entry = json.loads(manifest.read_text())["files"][path.name]
+    except (OSError, ValueError, KeyError, TypeError): entry = None
+    if isinstance(entry, dict) and "sha256" in entry:
+        return [entry["sha256"]], manifest, (f"re-install sparsekv (pip install --force-reinstall --no-deps sparsekv; "
+                                             f"in a clone: git checkout -- {path.parent}) or retrain it (the "
+                                             "kvpop_train stage with ship=True)")
+    return None, None, ("retrain it (python -m sparsekv.distill --out FOLDER writes trained.pt with its digest) or "
+                        "restore it and its .sha256 from a copy")
+
+# %% ../../nbs/17_kvpop_student.ipynb #734e4daf
 def shipped_checkpoints() -> dict[str, dict]:
-    "The trained students shipped in `sparsekv/checkpoints`: name -> manifest (model, data, settings, metrics)."
+    "The trained students shipped in `sparsekv/checkpoints`: name -> manifest (model, data, settings, metrics, files)."
     root = resources.files("sparsekv") / "checkpoints"
     if not root.is_dir(): return {}
-    return {d.name: json.loads((d / "manifest.json").read_text()) for d in sorted(root.iterdir(), key=lambda d: d.name)
-            if (d / "trained.pt").is_file() and (d / "manifest.json").is_file()}
+    out = {}
+    for d in sorted(root.iterdir(), key=lambda d: d.name):
+        if not ((d / "trained.pt").is_file() and (d / "manifest.json").is_file()): continue
+        try: out[d.name] = json.loads((d / "manifest.json").read_text())
+        except ValueError as e:
+            raise ValueError(f"{d / 'manifest.json'} is not valid JSON ({e}): re-install sparsekv") from e
+    return out
 
 
 def shipped_checkpoint(name: str, method: str, sink: int | None, window: int | None) -> tuple[Path, int, int]:
@@ -271,7 +326,9 @@ class TrainedMethod(EvictionMethod):
         if model not in self._students:
             st = self.student(model)
             if self.checkpoint is not None:
-                ckpt = torch.load(self.checkpoint, map_location=next(model.parameters()).device, weights_only=True)
+                digests, recorded_in, rebuild = trained_digests(self.checkpoint)
+                ckpt = load_torch_file(self.checkpoint, rebuild, digests, recorded_in,
+                                       map_location=next(model.parameters()).device, weights_only=True)
                 check_trained(ckpt, self.checkpoint, self.name, st)
                 st.load_state_dict(ckpt["student"])
             self._students[model] = st.eval()
@@ -294,11 +351,13 @@ class KVpopMLP(TrainedMethod):
         super().__init__(budget, sink, window, checkpoint, chunk_size)
         accepted = ((set(inspect.signature(KVpopStudent.for_model).parameters)
                      | set(inspect.signature(KVpopStudent).parameters))
-                    - {"model", "scorers", "sink", "window", "k", "scorer", "seed", "options"})
+                    - {"model", "scorers", "sink", "window", "k", "scorer", "seed", "options", "device"})
         if set(options) - accepted:
             raise TypeError(f"unexpected options {sorted(set(options) - accepted)} for {self.name}; accepted: "
                             f"{sorted(accepted)}")
         self.options = options
+        # every option checked now, on scorers of one layer and head, instead of when a model is patched
+        KVpopStudent.for_shape(1, 1, 2, self.sink, self.window, self.k, scorer=self.scorer, **options)
 
     def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> KVpopStudent:
         return KVpopStudent.for_model(model, self.sink, self.window, self.k, scorer=self.scorer, seed=seed,

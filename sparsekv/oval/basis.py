@@ -226,7 +226,7 @@ def _scale(scale: float | None, d: int) -> float:
 def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None = None) -> Tensor:
     """Page score logsumexp_t((R_t . B^T q + mu . q) * scale) from the summary (§3.3): q [..., d], mu [..., d],
     B [..., d, r], R [..., m, r] broadcast -> [...]."""
-    for name, x in (("q", q), ("mu", mu), ("B", B), ("R", R)): _check_tensor(x, name)
+    for name, x in (("q", q), ("mu", mu), ("B", B), ("R", R)): _check_tensor(x, name), require_finite(name, x)
     d = q.shape[-1]
     if mu.shape[-1] != d or B.dim() < 2 or B.shape[-2] != d or R.dim() < 2 or R.shape[-1] != B.shape[-1]:
         raise ValueError(f"need q [..., d], mu [..., d], B [..., d, r], R [..., m, r] with one d and r, got "
@@ -241,6 +241,7 @@ def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None 
 def page_lse_exact(q: Tensor, K: Tensor, scale: float | None = None) -> Tensor:
     "Exact page log-mass logsumexp_t(k_t . q * scale) of the keys: q [..., d], K [..., m, d] broadcast -> [...]."
     _check_tensor(q, "q"); _check_tensor(K, "K")
+    require_finite("q", q), require_finite("K", K)
     if K.dim() < 2 or K.shape[-1] != q.shape[-1]:
         raise ValueError(f"need q [..., d] and K [..., m, d] with one d, got {tuple(q.shape)} and {tuple(K.shape)}")
     wd = _work_dtype(q, K)

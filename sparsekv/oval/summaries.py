@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..attention import check_int
+from ..attention import check_int, require_finite
 from .basis import check_eta, page_basis, page_lse_exact, page_score
 
 # %% auto #0
@@ -41,6 +41,7 @@ def _group_queries(q: Tensor, Hkv: int) -> tuple[Tensor, bool]:
     if not isinstance(q, Tensor) or not q.is_floating_point():
         raise TypeError("q must be a floating-point torch.Tensor")
     if q.dim() not in (3, 4): raise ValueError(f"q must be [B, Hq, d] or [B, Hq, S, d], got shape {tuple(q.shape)}")
+    require_finite("q", q)  # every query: one NaN would make a whole row of page scores NaN
     single = q.dim() == 3
     if single: q = q.unsqueeze(2)
     B, Hq, S, d = q.shape
@@ -73,6 +74,7 @@ class PageSummary:
     def summarize(self, K: Tensor, V: Tensor | None = None, page_size: int = 32) -> PageSummary:
         "A copy holding the summaries [B, Hkv, P, ...] of the complete pages of K (and V) [B, Hkv, T, d]."
         _check_cache(K, "K")
+        require_finite("K", K), require_finite("V", V)
         m = check_int(page_size, "page_size", 1)
         return self.with_tensors(m, K.shape[2], self.build(K, V, m))
 

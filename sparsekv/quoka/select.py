@@ -11,14 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention import check_int, check_qkv, require_data
+from ..attention import check_int, check_qkv, require_data, require_finite
 from ..select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %% auto #0
 __all__ = ['QUERY_SELECT', 'QUERY_AGGS', 'QUERY_RANKS', 'GQA_AGGS', 'EPS', 'accumulation_dtype', 'unit_vectors',
            'query_dissimilarity', 'query_ranking', 'kept_positions', 'select_queries', 'kept_queries', 'unit_queries',
            'preaggregated_queries', 'check_quoka_options', 'check_chunk', 'unit_keys', 'check_k_cache', 'UnitKeyCache',
-           'quoka_scores', 'quoka_select', 'quoka_scores_reference', 'quoka_select_reference', 'quoka_decode_select']
+           'quoka_scores', 'check_unit_keys', 'quoka_select', 'quoka_scores_reference', 'quoka_select_reference',
+           'quoka_decode_select']
 
 # %% ../../nbs/20_quoka_select.ipynb #5f79e258
 QUERY_SELECT = ("group", "head")
@@ -115,6 +116,8 @@ def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
     try: G = check_qkv(q_chunk, k_cache)
     except (TypeError, ValueError) as e: raise type(e)(f"q_chunk (as q) / k_cache (as k): {e}") from None
     require_data("q_chunk", q_chunk); require_data("k_cache", k_cache)  # selection reads values
+    # every entry (a NaN in a query that is not kept still moves the mean query, hence which queries are kept)
+    require_finite("q_chunk", q_chunk); require_finite("k_cache", k_cache)
     return G
 
 
@@ -170,19 +173,37 @@ def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: 
     (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand; `query_rank`, `generator`: see `select_queries`;
     `gqa_agg='max'` (an ablation): the max over the group's heads of each head's score, not pre-aggregated."""
     check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
-    G = check_chunk(q_chunk, k_cache)
-    dtype = accumulation_dtype(q_chunk)
-    if k_unit is None: k_unit = unit_keys(k_cache)
-    elif (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != dtype
-          or k_unit.device != k_cache.device):
-        got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
-        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
-                         f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
+    check_chunk(q_chunk, k_cache)
+    return _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank, generator, gqa_agg)
+
+
+def _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank, generator, gqa_agg) -> Tensor:
+    "`quoka_scores` of arguments already checked (`check_quoka_options`, `check_chunk`)."
+    G = q_chunk.shape[1] // k_cache.shape[1]
+    k_unit = unit_keys(k_cache) if k_unit is None else check_unit_keys(k_unit, k_cache)
     rows = unit_vectors(kept_queries(q_chunk, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)))
     if gqa_agg == "mean": s = rows.mean(2) @ k_unit.mT           # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
     else: s = rows @ k_unit.mT.unsqueeze(2)                      # [B,Hkv,G,n,T]: each head
     s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries
     return s if gqa_agg == "mean" else s.amax(2)                                       # then the largest head
+
+# %% ../../nbs/20_quoka_select.ipynb #9e4b8657
+def check_unit_keys(k_unit: Tensor, k_cache: Tensor) -> Tensor:
+    """`k_unit` if it is a tensor like `unit_keys(k_cache)` whose first, middle and last keys are those of `k_cache`
+    (unit keys of other keys, e.g. another layer's or a stale cache's, are refused); else a ValueError naming it."""
+    dtype = accumulation_dtype(k_cache)
+    if (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != dtype
+            or k_unit.device != k_cache.device):
+        got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
+        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
+                         f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
+    T = k_cache.shape[2]
+    at = torch.tensor(sorted({0, T // 2, T - 1}), device=k_cache.device) if T else None
+    if T and not torch.allclose(k_unit.index_select(2, at), unit_vectors(k_cache.index_select(2, at)), rtol=1e-5,
+                                atol=1e-6, equal_nan=True):
+        raise ValueError("k_unit must be the unit keys of k_cache (`unit_keys(k_cache)`); its keys at positions "
+                         f"{at.tolist()} are not those of k_cache (another layer's, or a cache that changed?)")
+    return k_unit
 
 # %% ../../nbs/20_quoka_select.ipynb #6e2ad7ae
 def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
@@ -200,8 +221,8 @@ def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | 
     B, Hkv, T, _ = k_cache.shape
     n = resolve_budget(budget, T)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)  # T <= B_SA: nothing to select
-    return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank,
-                                           generator, gqa_agg), n)
+    return top_budget_indices(_quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank,
+                                            generator, gqa_agg), n)
 
 # %% ../../nbs/20_quoka_select.ipynb #b2ef64dc
 def _ranked(values: list, n: int) -> list:

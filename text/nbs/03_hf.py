@@ -754,10 +754,13 @@ test_eq(rec.seen, [(0, "prefill", 0, [0, 1, 2, 3, 4], (2, 2, 5), 0), (1, "prefil
 # %%
 #| export
 def check_input_ids(model: PreTrainedModel, input_ids: Tensor) -> Tensor:
-    "`input_ids` if it is a non-empty int64 tensor [B,S] of token ids of `model`'s vocabulary."
+    "`input_ids` if it is a non-empty int64 tensor [B,S] (B, S >= 1) of token ids of `model`'s vocabulary."
     if (not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long
-            or input_ids.shape[1] == 0):
-        raise ValueError("input_ids must be a non-empty int64 tensor [B,S]")
+            or 0 in input_ids.shape):
+        got = (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor)
+               else type(input_ids).__name__)
+        raise ValueError(f"input_ids must be a non-empty int64 tensor [B,S] (at least one row and one token), "
+                         f"got {got}")
     emb = model.get_input_embeddings()
     V = emb.num_embeddings if emb is not None else model.config.vocab_size
     lo, hi = (int(x) for x in input_ids.aminmax())
@@ -780,6 +783,19 @@ def left_padding(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor | N
         raise ValueError("attention_mask must pad on the left (0s before the tokens of each row), as generate pads "
                          "decoder-only prompts")
     return pads if bool(pads.any()) else None
+
+
+# %% [markdown]
+# Checks: an empty batch (no row, or no token) and ids outside the vocabulary are refused by name; a left-padded mask
+# gives each row's padding, and a mask padded on the right is refused.
+
+# %%
+test_fail(lambda: check_input_ids(model, torch.zeros(0, 5, dtype=torch.long)), contains="shape (0, 5)")
+test_fail(lambda: check_input_ids(model, torch.zeros(1, 0, dtype=torch.long)), contains="at least one row and one")
+test_fail(lambda: check_input_ids(model, torch.tensor([[1, 10**6]])), contains="the model's vocabulary")
+_m = torch.tensor([[0, 0, 1], [1, 1, 1]])
+test_eq(left_padding(_m, torch.ones_like(_m)).tolist(), [2, 0])
+test_fail(lambda: left_padding(_m.flip(1), torch.ones_like(_m)), contains="pad on the left")
 
 
 # %%

@@ -18,9 +18,11 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,7 +40,7 @@ from tqdm.auto import tqdm
 from sparsekv.data import packed_sequences
 from sparsekv.eval import kl_to_teacher
 from sparsekv.hf import AttentionPolicy, patch
-from sparsekv.io import atomic_path, write_csv
+from sparsekv.io import DamagedFileError, atomic_path_with_digest, digest_path, verify_digest, write_csv
 from sparsekv.models import load_model
 
 # %%
@@ -246,7 +248,9 @@ assert_close(distill_kl(zs, zt, top_k=8, temperature=2.0), 4 * token_kl(zs / 2, 
 # packed sequences (deterministic shuffles per epoch). A checkpoint holds everything a resumed run needs to
 # continue **bit-identically**: model (full mode), student, optimizer, scheduler, the number of batches consumed,
 # RNG states and the history so far. It is written atomically (`io.atomic_path`), so an interrupted write
-# leaves the previous checkpoint. The boundary positions are drawn from generators seeded by the step, so
+# leaves the previous checkpoint, and with its SHA-256 beside it (`checkpoint.pt.sha256`,
+# `io.atomic_path_with_digest`), checked before it is resumed: a checkpoint changed on disk after it was
+# written would otherwise load with some weights or optimizer moments silently different. The boundary positions are drawn from generators seeded by the step, so
 # they do not depend on the process' RNG stream.
 #
 # Under `torch.distributed` every rank takes its slice of each global batch; state dicts are gathered to full
@@ -311,7 +315,7 @@ def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, ste
         ckpt = dict(step=step, batches_consumed=step * config.grad_accum, model=model_sd, optimizer=opt_sd,
                     scheduler=sched.state_dict(), rng=rng_state(), history=history, config=asdict(config),
                     spec=dict(model=model_spec(model), student=student_spec(student)))
-        with atomic_path(path) as tmp: torch.save(ckpt, tmp)
+        with atomic_path_with_digest(path) as tmp: torch.save(ckpt, tmp)
     if world()[1] > 1: dist.barrier()
 
 
@@ -369,6 +373,50 @@ def spec_differences(saved, now, prefix: str = "", where: str = "the checkpoint"
     return [] if same else [f"{prefix.rstrip('.')} ({saved!r} in {where}, {now!r} now)"]
 
 
+# %% [markdown]
+# `load_torch_file` is `torch.load` behind that check. A file written without a digest (by an older version, or
+# saved by hand) still loads, with a warning saying how to record its digest; one that `torch.load` cannot read is
+# a `DamagedFileError` naming it, instead of the zip reader's "failed finding central directory", an empty
+# `EOFError`, an `OSError [Errno 22]` or a `KeyError` of the unpickler.
+
+# %%
+#| export
+# what torch.load raises on damaged bytes (the zip reader's RuntimeError, OSError [Errno 22] of a cut file, ...)
+UNREADABLE = (RuntimeError, EOFError, KeyError, ValueError, OSError, pickle.UnpicklingError)
+
+
+def load_torch_file(path, rebuild: str, digests: list[str] | None = None, recorded_in=None, **load_kwargs):
+    """`torch.load(path, **load_kwargs)` after `io.verify_digest(path, rebuild, digests, recorded_in)`; a file without
+    a recorded digest loads with a warning; bytes torch cannot read raise a `DamagedFileError` naming `path`."""
+    verified = verify_digest(path, rebuild, digests, recorded_in)
+    if not verified:
+        warnings.warn(f"{path} has no recorded digest ({digest_path(path).name}; written by an older sparsekv or by "
+                      "hand), so it is loaded unverified; if you trust it, record its digest with "
+                      f"sparsekv.io.record_digest({str(path)!r})", stacklevel=3)
+    try: return torch.load(path, **load_kwargs)
+    except UNREADABLE as e:
+        if verified: raise  # intact bytes: the error is not the file's
+        raise DamagedFileError(f"{path} cannot be read by torch.load ({type(e).__name__}: {e}): it is damaged, cut "
+                               f"short or not a torch file; {rebuild}") from e
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    f = Path(d)/"x.pt"
+    with atomic_path_with_digest(f) as tmp: torch.save({"a": torch.ones(3)}, tmp)
+    test_eq(load_torch_file(f, "rebuild it", weights_only=True)["a"], torch.ones(3))
+    digest_path(f).unlink()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        load_torch_file(f, "rebuild it", weights_only=True)
+    assert "loaded unverified" in str(w[0].message) and "record_digest" in str(w[0].message)
+    f.write_bytes(b"not a torch file")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        test_fail(lambda: load_torch_file(f, "rebuild it", weights_only=True), exc=DamagedFileError,
+                  contains=f"{f} cannot be read by torch.load")
+
+
 # %%
 #| export
 def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> None:
@@ -388,7 +436,8 @@ def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> Non
 
 def load_checkpoint(path, model, student, opt, sched, config: DistillConfig) -> tuple[int, list[dict]]:
     "Restore checkpoint `path` of this run (`check_resume`) into model, student, optimizer, scheduler: (step, history)."
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_torch_file(path, f"delete it and {digest_path(path).name} to train from the start (or restore both "
+                           "from a copy)", map_location="cpu", weights_only=False)
     check_resume(ckpt, path, model, student, config)
     set_state_dict(_state_container(model, student, config), opt, model_state_dict=ckpt["model"],
                    optim_state_dict=ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
@@ -656,6 +705,40 @@ with tempfile.TemporaryDirectory() as d:
 
 
 # %% [markdown]
+# A checkpoint changed after it was written is refused before anything loads: 1 KiB zeroed in the middle (size and
+# modification time kept, so no listing shows it) names the file and the digests; so does one cut short. A checkpoint
+# without its digest file (an older version's) resumes with a warning; one torch cannot read, without a digest, is
+# refused naming the file.
+
+# %%
+def zero_bytes(path, n=1024):
+    "Zero `n` bytes in the middle of `path`, keeping its size and modification time (a silent disk error)."
+    st = path.stat()
+    with open(path, "r+b") as f: f.seek(st.st_size // 2); f.write(bytes(n))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+with tempfile.TemporaryDirectory() as d:
+    ck = Path(d)/"checkpoint.pt"
+    distill(m0, s0, epoch_batches(seqs0, 2, 2), cfg0, checkpoint_dir=d, progress=False)
+    good = ck.read_bytes()
+    resume = lambda: distill(m0, s0, epoch_batches(seqs0, 2, 2), cfg0, checkpoint_dir=d, progress=False)
+    zero_bytes(ck)
+    test_fail(resume, exc=DamagedFileError, contains=f"{ck} is damaged: its SHA-256 is")
+    test_fail(resume, contains="to train from the start")
+    os.truncate(ck, len(good) // 2)
+    test_fail(resume, exc=DamagedFileError, contains=f"{ck} is damaged")
+    ck.write_bytes(good)
+    (Path(d)/"checkpoint.pt.sha256").unlink()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        resume()
+    assert any("loaded unverified" in str(x.message) for x in w), [str(x.message) for x in w]
+    ck.write_bytes(b"")
+    test_fail(resume, exc=DamagedFileError, contains=f"{ck} cannot be read by torch.load")
+
+
+# %% [markdown]
 # ## Several processes: FSDP2 under `torchrun`
 #
 # On several devices the base model, its frozen teacher and the student are sharded with FSDP2
@@ -795,7 +878,7 @@ def train_from_args(a: argparse.Namespace) -> pd.DataFrame:
                        **({"model": full_state(model)} if config.mode == "full" else {}))
         if out is not None and world()[0] == 0:
             write_csv(out / "history.csv", history)
-            with atomic_path(out / "trained.pt") as tmp: torch.save(weights, tmp)
+            with atomic_path_with_digest(out / "trained.pt") as tmp: torch.save(weights, tmp)
         return history
     finally:
         if distributed: dist.destroy_process_group()

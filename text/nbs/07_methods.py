@@ -10,18 +10,21 @@
 #| export
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from sparsekv.attention import check_int
 from sparsekv.cache import EvictingCache, GrowingCache, GrowingLayer, query_count
-from sparsekv.hf import AttentionContext, AttentionPolicy, Method
+from sparsekv.hf import METHOD_FAMILIES, AttentionContext, AttentionPolicy, Method
 # The eviction methods live with KVpop: importing them registers them and makes them reachable from this module.
 from sparsekv.kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
 from sparsekv.kvpop.dms import DMS  # noqa: F401
 from sparsekv.kvpop.student import KVpopMLP, KVpopMLSTM, StreamingLLMPlus, TrainedMethod  # noqa: F401
+from sparsekv.models import model_info
 from sparsekv.oval.pages import PageRetrievalPolicy
 from sparsekv.quoka.baselines import (MEAN_SCORES, LessIsMoreSelector, _check_rank, loki_select, mean_score_select,
                                       sample_attention_select, sparq_select)
@@ -84,13 +87,21 @@ torch.set_num_threads(1)  # tiny model: threads only add overhead
 #| export
 def names(family: str | None = None) -> list[str]:
     "The registered method names (of `family`, one of `sparsekv.hf.METHOD_FAMILIES`, if given), sorted."
+    if family is not None and family not in METHOD_FAMILIES:
+        raise ValueError(f"family must be one of {METHOD_FAMILIES} or None, got {family!r}")
     return sorted(n for n, c in Method.registry.items() if family is None or c.family == family)
 
 
 def get(name: str) -> type:
     "The method class registered as `name`; 'first+then' (e.g. 'quoka+kvpop_mlstm') is a `PrefillDecode`."
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a method name (a str), one of {names()} or 'prefill+decode' of two of them, "
+                        f"got {name!r}")
+    if name.count("+") > 1:  # 'a+b+c' would read as a+(b+c): b's decode silently replaced by c's
+        raise ValueError(f"name {name!r} composes {name.count('+') + 1} methods; a composition is 'prefill+decode' "
+                         "of two (one reads the prompt, the other generates)")
     if "+" in name:
-        for part in name.split("+", 1): get(part)
+        for part in name.split("+"): get(part)
         return PrefillDecode
     if name not in Method.registry:
         raise ValueError(f"name must be one of {names()} or 'prefill+decode' of two of them, got {name!r}")
@@ -249,6 +260,15 @@ class SelectionMethod(Method):
         resolve_budget(budget, 0)
         return budget
 
+    def check_model(self, model) -> None:
+        "Raise naming the parameter if one does not fit `model` (its layers, its head dim); none here."
+
+    @contextlib.contextmanager
+    def patch(self, model):
+        "`Method.patch`, after `check_model(model)`: what only the model can tell is checked before any work."
+        self.check_model(model)
+        with super().patch(model) as cache: yield cache
+
     def key_cost(self, shape: ModelShape, S: int) -> tuple[int, int]:
         "Multiply-adds per KV head choosing keys for S queries per head: (per cached key, per call besides the keys)."
         raise NotImplementedError(f"{type(self).__name__} must implement key_cost(shape, S)")
@@ -327,7 +347,7 @@ class SampleAttention(BaselineSelection):
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16, seed: int = 0):
         super().__init__(budget, chunk_size, decode)
-        self.n_q, self.seed = n_q, seed
+        self.n_q, self.seed = check_int(n_q, "n_q", 1), check_int(seed, "seed")
 
     def options(self): return dict(n_q=self.n_q, seed=self.seed)
 
@@ -342,9 +362,13 @@ class SparQ(BaselineSelection):
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None):
         super().__init__(budget, chunk_size, decode)
-        self.r = r
+        self.r = None if r is None else check_int(r, "r (channels kept)", 1)
 
     def options(self): return dict(r=self.r)
+
+    def check_model(self, model):
+        "r at most the model's head dim."
+        _check_rank(self.r, model_info(model).head_dim, "r (channels kept, at most the head dim)")
 
     def key_cost(self, shape, S):
         "Every query's top-r channels times the same channels of each key: G S r."
@@ -358,7 +382,13 @@ class Loki(BaselineSelection):
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None,
                  center: bool = False):
         super().__init__(budget, chunk_size, decode)
-        self.r, self.center = r, center
+        self.r = None if r is None else check_int(r, "r (principal directions)", 1)
+        if not isinstance(center, bool): raise TypeError(f"center must be a bool, got {center!r}")
+        self.center = center
+
+    def check_model(self, model):
+        "r at most the model's head dim."
+        _check_rank(self.r, model_info(model).head_dim, "r (principal directions, at most the head dim)")
 
     def options(self): return dict(r=self.r, center=self.center)
 
@@ -378,8 +408,8 @@ class LessIsMore(SelectionMethod):
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, selection_layers=(2,),
                  recent_ratio: float = 0.25):
         super().__init__(budget, chunk_size, decode)
+        LessIsMoreSelector(self.budget, selection_layers, recent_ratio)  # checks both, naming them
         self.selection_layers, self.recent_ratio = tuple(selection_layers), recent_ratio
-        self.policy()
 
     def policy(self) -> LessIsMorePolicy:
         return LessIsMorePolicy(LessIsMoreSelector(self.budget, self.selection_layers, self.recent_ratio), self.decode)
@@ -391,6 +421,13 @@ class LessIsMore(SelectionMethod):
     def scoring_layers(self, shape):
         "Only the selection layers score."
         return sum(layer < shape.layers for layer in self.selection_layers)
+
+    def check_model(self, model):
+        "Every selection layer is a layer of the model (one beyond it would never select: dense attention)."
+        L = model_info(model).num_layers
+        if self.selection_layers[-1] >= L:
+            raise ValueError(f"selection_layers must be layer indices in [0, {L}) of this model ({L} layers), got "
+                             f"{self.selection_layers}")
 
 
 # %% [markdown]
@@ -570,6 +607,10 @@ class PrefillDecode(Method):
 
     def __init__(self, budget: int | float, prefill: str | Method = "quoka", decode: str | Method = "oval",
                  prefill_params: dict | None = None, decode_params: dict | None = None):
+        for part, params in (("prefill_params", prefill_params), ("decode_params", decode_params)):
+            if params is not None and not isinstance(params, Mapping):
+                raise TypeError(f"{part} must be a dict of the part's parameter names to values (or None), got "
+                                f"{type(params).__name__} {params!r}")
         self.prefill, self.decode = (m if isinstance(m, Method) else make(m, budget, **(p or {}))
                                      for m, p in ((prefill, prefill_params), (decode, decode_params)))
         if self.prefill.family == "eviction":
@@ -582,6 +623,13 @@ class PrefillDecode(Method):
 
     def policy(self) -> RoutedPolicy:
         return RoutedPolicy(self.prefill.policy(), self.decode.policy())
+
+    @contextlib.contextmanager
+    def patch(self, model):
+        "`Method.patch`, after each part's `check_model(model)` (if it has one)."
+        for part in (self.prefill, self.decode):
+            if hasattr(part, "check_model"): part.check_model(model)
+        with super().patch(model) as cache: yield cache
 
     def cache(self, model):
         "The prefill method's full cache; handed over to the decode method's at the first decode step if it evicts."
@@ -685,6 +733,42 @@ test_fail(lambda: make("tova", budget=0.5), contains="budget must be")       # e
 test_eq(make("quoka", budget=0.25).policy().budget, 0.25)                     # selection: also a fraction of the cache
 test_fail(lambda: make("oval", budget=16, sink=16, recent=8), contains="must cover sink + recent")
 test_fail(lambda: make("quoka", budget=8, n_q=0), contains="n_q")
+
+# %% [markdown]
+# Every parameter is checked when the method is made, naming it and what it accepts, and what only the model knows
+# (its layers, its head dim) when it is patched, before any work. A name must be a string and a family one of
+# `METHOD_FAMILIES`. A composition has two parts: `'quoka+oval+quest'` would otherwise read as QuoKA then
+# `'oval+quest'`, whose decode is Quest's alone (OVAL silently dropped).
+
+# %%
+for call, exc, msg in [(lambda: make(None, 48), TypeError, "name must be a method name (a str)"),
+                       (lambda: make(123, 48), TypeError, "got 123"),
+                       (lambda: names("bogus_family"), ValueError, "family must be one of"),
+                       (lambda: make("quoka+oval+quest", 48), ValueError, "composes 3 methods"),
+                       (lambda: make("quoka+oval", 48, prefill_params="n_q=2"), TypeError,
+                        "prefill_params must be a dict"),
+                       (lambda: make("quoka+oval", 48, decode_params=[("eta", 1)]), TypeError, "decode_params"),
+                       (lambda: make("sparq", 48, r=0), ValueError, "r (channels kept) must be an int >= 1"),
+                       (lambda: make("loki", 48, r=-1), ValueError, "r (principal directions) must be an int >= 1"),
+                       (lambda: make("loki", 48, center=1), TypeError, "center must be a bool"),
+                       (lambda: make("sample_attention", 48, seed="x"), TypeError, "seed must be an int"),
+                       (lambda: make("sample_attention", 48, n_q=0), ValueError, "n_q must be an int >= 1"),
+                       (lambda: make("lessismore", 48, selection_layers=5), TypeError, "selection_layers must be"),
+                       (lambda: make("kvpop_mlp", 48, n_boundaries=0), ValueError, "n_boundaries must be an int"),
+                       (lambda: make("kvpop_mlp", 48, gamma_min=2.0), ValueError, "gamma_min"),
+                       (lambda: make("kvpop_mlstm", 48, tau=-1), ValueError, "tau must be a finite number in (0"),
+                       (lambda: make("kvpop_mlp", 48, margin="yes"), TypeError, "margin must be a bool"),
+                       (lambda: make("dms", 48, tau=0), ValueError, "tau must be a number > 0"),
+                       (lambda: make("dms", 48, hidden=0), ValueError, "hidden must be an int >= 1")]:
+    test_fail(call, exc=exc, contains=msg)
+test_eq(names("retrieval"), names("retrieval"))  # a known family still lists its methods
+x16 = torch.randint(3, 259, (1, 20), generator=torch.Generator().manual_seed(1))
+for m, msg in [(make("lessismore", 12, selection_layers=(99,), chunk_size=8), "layer indices in [0, 2) of this model"),
+               (make("sparq", 12, r=17, chunk_size=8), "r (channels kept, at most the head dim) must be an int in"),
+               (make("loki", 12, r=99, chunk_size=8), "at most the head dim"),
+               (make("quoka+lessismore", 12, decode_params=dict(selection_layers=(5,))), "selection_layers")]:
+    test_fail(lambda: m.generate(m64, x16, max_new_tokens=2, do_sample=False, pad_token_id=0), exc=ValueError,
+              contains=msg)
 
 # %% [markdown]
 # Each family builds what the table says: TOVA the rule of its split, QuoKA and OVAL the policies with the

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparsekv.attention import check_int
+from sparsekv.attention import check_int, require_finite
 
 # %%
 #| hide
@@ -45,13 +45,14 @@ from torch.testing import assert_close
 # %%
 #| export
 def check_kv(k: Tensor, v: Tensor, num_kv_heads: int | None = None, head_dim: int | None = None) -> None:
-    "Validate keys/values: floating-point tensors of the same shape [..., Hkv, d] (optionally matching the scorer)."
+    "Validate keys/values: finite floating-point tensors of one shape [..., Hkv, d] (optionally matching the scorer)."
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() < 2:
             raise TypeError(f"{name} must be a floating-point tensor [B, Hkv, S, d] or [B, Hkv, d], "
                             f"got {getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    require_finite("k", k), require_finite("v", v)  # a scorer maps a NaN key to a NaN priority
     heads_dim = -3 if k.dim() >= 4 else -2
     if num_kv_heads is not None and k.shape[heads_dim] != num_kv_heads:
         raise ValueError(f"k/v have {k.shape[heads_dim]} KV heads, the scorer was built for "
@@ -72,6 +73,9 @@ test_eq(x.shape, (2, 3, 5, 8)); assert not x.requires_grad
 assert_close(x[..., :4], k.detach()); assert_close(x[..., 4:], v)
 test_fail(lambda: scorer_input(k, v[..., :3]), contains="same shape")
 test_fail(lambda: scorer_input(k.long(), v), contains="floating-point")
+for bad in (math.nan, math.inf, -math.inf):  # every entry is checked, by one reduction
+    test_fail(lambda: scorer_input(k.index_fill(-2, torch.tensor([0]), bad), v), contains="k contains NaN")
+    test_fail(lambda: scorer_input(k, v.index_fill(-1, torch.tensor([0]), bad)), contains="v contains NaN")
 
 
 # %% [markdown]

@@ -22,14 +22,15 @@ from torch import Tensor, nn
 
 from sparsekv.attention import attention_scores, check_int, masked_attention, masked_logsumexp, sink_window_visible
 from sparsekv.cache import SinkWindowCache
-from sparsekv.distill import DistillStudent, student_spec
+from sparsekv.distill import DistillStudent, load_torch_file, student_spec
 from sparsekv.hf import AttentionPolicy, MaskPolicy, dense_attention, heads_mask
+from sparsekv.io import file_sha256, write_json
 from sparsekv.kvpop.baselines import EvictionMethod
 from sparsekv.kvpop.cache import KVpopCache, KVpopPolicy, KVpopScorers
 from sparsekv.kvpop.cutoff import check_budget, topk_cutoff
 from sparsekv.kvpop.loss import retention_loss, retention_recall, sample_boundary_queries
 from sparsekv.kvpop.mask import kvpop_attention, kvpop_mask
-from sparsekv.kvpop.target import future_attention_target
+from sparsekv.kvpop.target import AGGS, future_attention_target
 from sparsekv.models import model_info
 
 # %%
@@ -175,9 +176,18 @@ class KVpopStudent(DistillStudent):
         if not isinstance(scorers, KVpopScorers):
             raise TypeError(f"scorers must be a KVpopScorers, got {type(scorers).__name__}")
         self.k, self.sink, self.window = check_budget(k, sink, window)
-        if isinstance(n_boundaries, bool) or not isinstance(n_boundaries, int) or n_boundaries < 1:
-            raise ValueError(f"n_boundaries must be an int >= 1, got {n_boundaries!r}")
-        if not weight >= 0: raise ValueError(f"weight must be >= 0, got {weight!r}")
+        check_int(n_boundaries, "n_boundaries", 1), check_int(seed, "seed")
+        for name, x, lo, hi in (("late_frac", late_frac, 0, 1), ("omega_min", omega_min, 0, 1),
+                                ("weight", weight, 0, math.inf), ("tau", tau, 0, math.inf),
+                                ("tau_omega", tau_omega, 0, math.inf), ("eps", eps, 0, math.inf)):
+            open_lo = name in ("tau", "tau_omega", "eps")
+            if (isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+                    or not (lo < x if open_lo else lo <= x) or x > hi):
+                raise ValueError(f"{name} must be a finite number in {'(' if open_lo else '['}{lo}, {hi}"
+                                 f"{')' if hi == math.inf else ']'}, got {x!r}")
+        for name, x in (("margin", margin), ("balance", balance)):
+            if not isinstance(x, bool): raise TypeError(f"{name} must be a bool, got {x!r}")
+        if agg not in AGGS: raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
         self.scorers, self.n_boundaries, self.late_frac = scorers, n_boundaries, late_frac
         self.weight, self.seed = weight, seed
         self.loss_options = dict(tau=tau, margin=margin, omega_min=omega_min, tau_omega=tau_omega, balance=balance)
@@ -190,12 +200,20 @@ class KVpopStudent(DistillStudent):
                   gamma_max: float = 0.999999, **options) -> "KVpopStudent":
         "Fresh float32 scorers for `model`'s layers ('mlp', or 'mlstm' with delay = window, §3.3), Table 3 decays."
         info = model_info(model)
-        args = info.num_layers, info.num_kv_heads, info.head_dim
+        return cls.for_shape(info.num_layers, info.num_kv_heads, info.head_dim, sink, window, k, scorer, n, gamma_min,
+                             gamma_max, next(model.parameters()).device, **options)
+
+    @classmethod
+    def for_shape(cls, num_layers: int, num_kv_heads: int, head_dim: int, sink: int, window: int, k: int,
+                  scorer: str = "mlp", n: int = 1, gamma_min: float = 0.999, gamma_max: float = 0.999999,
+                  device=None, **options) -> "KVpopStudent":
+        "`for_model` for a model of `num_layers` layers of `num_kv_heads` KV heads of `head_dim`, on `device`."
+        args = num_layers, num_kv_heads, head_dim
         if scorer == "mlp": sc = KVpopScorers.mlp(*args, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
         elif scorer == "mlstm":
             sc = KVpopScorers.mlstm(*args, delay=window, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
         else: raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {scorer!r}")
-        return cls(sc.to(next(model.parameters()).device), sink, window, k, **options)
+        return cls(sc.to(device), sink, window, k, **options)
 
     def policy(self) -> KVpopTrainPolicy:
         return KVpopTrainPolicy(self)
@@ -458,15 +476,85 @@ test_fail(lambda: check_trained(ck, "t.pt", "kvpop_mlp", KVpopStudent.for_model(
           contains="trained on another model")
 test_fail(lambda: check_trained({"model": {}}, "t.pt", "kvpop_mlp", mlp), contains="holds no 'student' state")
 
+# %% [markdown]
+# Every file a trained student loads from carries its SHA-256: the distill CLI writes `trained.pt.sha256` beside a
+# `trained.pt` (`io.atomic_path_with_digest`), and a shipped student's `manifest.json` records the size and digest of
+# each file of its folder under `files` (`write_shipped_manifest` adds them). `trained_digests` finds the record of a
+# file, and loading refuses a file that does not match it (`distill.load_torch_file`), naming what re-installs or
+# retrains it: some bytes zeroed in a `trained.pt` still load as a valid state, with changed weights.
+
+# %%
+#| export
+SHIPPED_FILES = ("trained.pt", "history.csv")
+
+
+def manifest_with_digests(folder: str | Path, manifest: dict) -> dict:
+    "`manifest` with `files`: the size and SHA-256 of each of `SHIPPED_FILES` in `folder` (what a load checks)."
+    folder = Path(folder)
+    missing = [n for n in SHIPPED_FILES if not (folder / n).is_file()]
+    if missing: raise FileNotFoundError(f"{folder} lacks {missing}: a shipped student needs {list(SHIPPED_FILES)}")
+    return {**manifest, "files": {n: {"bytes": (folder / n).stat().st_size, "sha256": file_sha256(folder / n)}
+                                  for n in SHIPPED_FILES}}
+
+
+def write_shipped_manifest(folder: str | Path, manifest: dict) -> Path:
+    "Write `folder/manifest.json`: `manifest` with the digests of the folder's files (`manifest_with_digests`)."
+    return write_json(Path(folder) / "manifest.json", manifest_with_digests(folder, manifest))
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    for n in SHIPPED_FILES: (Path(d)/n).write_bytes(n.encode())
+    write_shipped_manifest(d, {"name": "x", "files": "replaced"})
+    test_eq(json.loads((Path(d)/"manifest.json").read_text()),
+            {"name": "x", "files": {n: {"bytes": len(n), "sha256": file_sha256(Path(d)/n)} for n in SHIPPED_FILES}})
+    (Path(d)/"history.csv").unlink()
+    test_fail(lambda: write_shipped_manifest(d, {}), contains="lacks ['history.csv']")
+
+
+# %% [markdown]
+# A `trained.pt` in a folder whose manifest records it is a shipped student's (re-installing restores it); any other
+# is a training run's (its digest file, written by the distill CLI).
+
+# %%
+#| export
+def trained_digests(path: str | Path) -> tuple[list[str] | None, Path | None, str]:
+    """(digests, where recorded, what rebuilds it) of a trained.pt: its folder's manifest (a shipped student), else its
+    digest file; digests None when neither records one."""
+    path = Path(path)
+    manifest = path.parent / "manifest.json"
+    try: entry = json.loads(manifest.read_text())["files"][path.name]
+    except (OSError, ValueError, KeyError, TypeError): entry = None
+    if isinstance(entry, dict) and "sha256" in entry:
+        return [entry["sha256"]], manifest, (f"re-install sparsekv (pip install --force-reinstall --no-deps sparsekv; "
+                                             f"in a clone: git checkout -- {path.parent}) or retrain it (the "
+                                             "kvpop_train stage with ship=True)")
+    return None, None, ("retrain it (python -m sparsekv.distill --out FOLDER writes trained.pt with its digest) or "
+                        "restore it and its .sha256 from a copy")
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    for n in SHIPPED_FILES: (Path(d)/n).write_bytes(n.encode())
+    test_eq(trained_digests(Path(d)/"trained.pt")[:2], (None, None))
+    write_shipped_manifest(d, {})
+    test_eq(trained_digests(Path(d)/"trained.pt")[:2], ([file_sha256(Path(d)/"trained.pt")], Path(d)/"manifest.json"))
+    assert "re-install sparsekv" in trained_digests(Path(d)/"trained.pt")[2]
+
 
 # %%
 #| export
 def shipped_checkpoints() -> dict[str, dict]:
-    "The trained students shipped in `sparsekv/checkpoints`: name -> manifest (model, data, settings, metrics)."
+    "The trained students shipped in `sparsekv/checkpoints`: name -> manifest (model, data, settings, metrics, files)."
     root = resources.files("sparsekv") / "checkpoints"
     if not root.is_dir(): return {}
-    return {d.name: json.loads((d / "manifest.json").read_text()) for d in sorted(root.iterdir(), key=lambda d: d.name)
-            if (d / "trained.pt").is_file() and (d / "manifest.json").is_file()}
+    out = {}
+    for d in sorted(root.iterdir(), key=lambda d: d.name):
+        if not ((d / "trained.pt").is_file() and (d / "manifest.json").is_file()): continue
+        try: out[d.name] = json.loads((d / "manifest.json").read_text())
+        except ValueError as e:
+            raise ValueError(f"{d / 'manifest.json'} is not valid JSON ({e}): re-install sparsekv") from e
+    return out
 
 
 def shipped_checkpoint(name: str, method: str, sink: int | None, window: int | None) -> tuple[Path, int, int]:
@@ -511,7 +599,9 @@ class TrainedMethod(EvictionMethod):
         if model not in self._students:
             st = self.student(model)
             if self.checkpoint is not None:
-                ckpt = torch.load(self.checkpoint, map_location=next(model.parameters()).device, weights_only=True)
+                digests, recorded_in, rebuild = trained_digests(self.checkpoint)
+                ckpt = load_torch_file(self.checkpoint, rebuild, digests, recorded_in,
+                                       map_location=next(model.parameters()).device, weights_only=True)
                 check_trained(ckpt, self.checkpoint, self.name, st)
                 st.load_state_dict(ckpt["student"])
             self._students[model] = st.eval()
@@ -534,11 +624,13 @@ class KVpopMLP(TrainedMethod):
         super().__init__(budget, sink, window, checkpoint, chunk_size)
         accepted = ((set(inspect.signature(KVpopStudent.for_model).parameters)
                      | set(inspect.signature(KVpopStudent).parameters))
-                    - {"model", "scorers", "sink", "window", "k", "scorer", "seed", "options"})
+                    - {"model", "scorers", "sink", "window", "k", "scorer", "seed", "options", "device"})
         if set(options) - accepted:
             raise TypeError(f"unexpected options {sorted(set(options) - accepted)} for {self.name}; accepted: "
                             f"{sorted(accepted)}")
         self.options = options
+        # every option checked now, on scorers of one layer and head, instead of when a model is patched
+        KVpopStudent.for_shape(1, 1, 2, self.sink, self.window, self.k, scorer=self.scorer, **options)
 
     def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> KVpopStudent:
         return KVpopStudent.for_model(model, self.sink, self.window, self.k, scorer=self.scorer, seed=seed,
@@ -591,3 +683,64 @@ with tempfile.TemporaryDirectory() as d:
 test_fail(lambda: KVpopMLP(6, sink=2, window=4), contains="no long-range slot")
 test_fail(lambda: KVpopMLP(9, checkpoint="missing/trained.pt"), contains="is neither")
 test_fail(lambda: KVpopMLP(9, tau_typo=1.0), contains="unexpected options")
+
+# %% [markdown]
+# Check the digests: every shipped file matches its manifest; a copy of a shipped folder loads without a word, and
+# with 256 bytes of its `trained.pt` zeroed (size and modification time kept) is refused naming the file, the
+# digest expected and how to re-install it. A `trained.pt` written with its digest file behaves the same way; one
+# without (saved by hand, or by an older version) loads with a warning saying how to record its digest, and one that
+# torch cannot read is refused naming it.
+
+# %%
+import os
+import shutil
+import warnings
+
+from sparsekv.io import DamagedFileError, atomic_path_with_digest
+
+
+def zero_bytes(path, n=256):
+    "Zero `n` bytes in the middle of `path`, keeping its size and modification time."
+    st = path.stat()
+    with open(path, "r+b") as f: f.seek(st.st_size // 2); f.write(bytes(n))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def load_quietly(method):
+    "The method's trained student for the tiny model, and the warnings loading it raised."
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        method.trained_student(model)
+    return [str(x.message) for x in w]
+
+
+root = Path(str(resources.files("sparsekv") / "checkpoints"))
+for name, manifest in shipped_checkpoints().items():
+    test_eq(sorted(manifest["files"]), sorted(SHIPPED_FILES))
+    for f, entry in manifest["files"].items():
+        test_eq((entry["bytes"], entry["sha256"]), ((root/name/f).stat().st_size, file_sha256(root/name/f)))
+with tempfile.TemporaryDirectory() as d:
+    shipped = Path(shutil.copytree(root/"smollm2-135m-cr75-mlp", Path(d)/"cr75"))
+    test_eq(trained_digests(shipped/"trained.pt")[:2],
+            ([shipped_checkpoints()["smollm2-135m-cr75-mlp"]["files"]["trained.pt"]["sha256"]],
+             shipped/"manifest.json"))
+    zero_bytes(shipped/"trained.pt")
+    sm = load_model("tiny-llama", num_layers=30, num_heads=9, num_kv_heads=3, hidden_size=9 * 64)[0]
+    test_fail(lambda: KVpopMLP(512, 4, 64, checkpoint=shipped/"trained.pt").trained_student(sm), exc=DamagedFileError,
+              contains=f"{shipped/'trained.pt'} is damaged: its SHA-256 is")
+    test_fail(lambda: KVpopMLP(512, 4, 64, checkpoint=shipped/"trained.pt").trained_student(sm),
+              contains="re-install sparsekv")
+    user = Path(d)/"run"/"trained.pt"
+    with atomic_path_with_digest(user) as tmp: torch.save({"student": st.state_dict()}, tmp)
+    test_eq(load_quietly(KVpopMLSTM(9, 2, 4, checkpoint=user)), [])
+    zero_bytes(user)
+    test_fail(lambda: KVpopMLSTM(9, 2, 4, checkpoint=user).trained_student(model), exc=DamagedFileError,
+              contains=f"{user} is damaged")
+    (Path(d)/"run"/"trained.pt.sha256").unlink()
+    torch.save({"student": st.state_dict()}, user)
+    assert "loaded unverified" in load_quietly(KVpopMLSTM(9, 2, 4, checkpoint=user))[0]
+    os.truncate(user, 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        test_fail(lambda: KVpopMLSTM(9, 2, 4, checkpoint=user).trained_student(model), exc=DamagedFileError,
+                  contains=f"{user} cannot be read by torch.load")

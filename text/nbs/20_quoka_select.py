@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparsekv.attention import check_int, check_qkv, require_data
+from sparsekv.attention import check_int, check_qkv, require_data, require_finite
 from sparsekv.select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %%
@@ -376,6 +376,8 @@ def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
     try: G = check_qkv(q_chunk, k_cache)
     except (TypeError, ValueError) as e: raise type(e)(f"q_chunk (as q) / k_cache (as k): {e}") from None
     require_data("q_chunk", q_chunk); require_data("k_cache", k_cache)  # selection reads values
+    # every entry (a NaN in a query that is not kept still moves the mean query, hence which queries are kept)
+    require_finite("q_chunk", q_chunk); require_finite("k_cache", k_cache)
     return G
 
 
@@ -431,20 +433,52 @@ def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: 
     (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand; `query_rank`, `generator`: see `select_queries`;
     `gqa_agg='max'` (an ablation): the max over the group's heads of each head's score, not pre-aggregated."""
     check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
-    G = check_chunk(q_chunk, k_cache)
-    dtype = accumulation_dtype(q_chunk)
-    if k_unit is None: k_unit = unit_keys(k_cache)
-    elif (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != dtype
-          or k_unit.device != k_cache.device):
-        got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
-        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
-                         f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
+    check_chunk(q_chunk, k_cache)
+    return _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank, generator, gqa_agg)
+
+
+def _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank, generator, gqa_agg) -> Tensor:
+    "`quoka_scores` of arguments already checked (`check_quoka_options`, `check_chunk`)."
+    G = q_chunk.shape[1] // k_cache.shape[1]
+    k_unit = unit_keys(k_cache) if k_unit is None else check_unit_keys(k_unit, k_cache)
     rows = unit_vectors(kept_queries(q_chunk, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)))
     if gqa_agg == "mean": s = rows.mean(2) @ k_unit.mT           # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
     else: s = rows @ k_unit.mT.unsqueeze(2)                      # [B,Hkv,G,n,T]: each head
     s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries
     return s if gqa_agg == "mean" else s.amax(2)                                       # then the largest head
 
+
+# %% [markdown]
+# Unit keys given by the caller are checked for what they are, cheaply: their shape, dtype and device, and their
+# first, middle and last keys against `unit_keys` of those of `k_cache` (three keys a call, not the cache). Unit keys
+# of other keys of the right shape (another layer's, another sequence's) would otherwise be scored silently.
+
+# %%
+#| export
+def check_unit_keys(k_unit: Tensor, k_cache: Tensor) -> Tensor:
+    """`k_unit` if it is a tensor like `unit_keys(k_cache)` whose first, middle and last keys are those of `k_cache`
+    (unit keys of other keys, e.g. another layer's or a stale cache's, are refused); else a ValueError naming it."""
+    dtype = accumulation_dtype(k_cache)
+    if (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != dtype
+            or k_unit.device != k_cache.device):
+        got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
+        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
+                         f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
+    T = k_cache.shape[2]
+    at = torch.tensor(sorted({0, T // 2, T - 1}), device=k_cache.device) if T else None
+    if T and not torch.allclose(k_unit.index_select(2, at), unit_vectors(k_cache.index_select(2, at)), rtol=1e-5,
+                                atol=1e-6, equal_nan=True):
+        raise ValueError("k_unit must be the unit keys of k_cache (`unit_keys(k_cache)`); its keys at positions "
+                         f"{at.tolist()} are not those of k_cache (another layer's, or a cache that changed?)")
+    return k_unit
+
+
+# %%
+_k = torch.randn(1, 2, 9, 4, generator=torch.Generator().manual_seed(0))
+test_eq(check_unit_keys(unit_keys(_k), _k), unit_keys(_k))
+test_eq(check_unit_keys(unit_keys(_k[:, :, :0]), _k[:, :, :0]).shape, (1, 2, 0, 4))
+test_fail(lambda: check_unit_keys(unit_keys(_k.roll(1, 2)), _k), contains="positions [0, 4, 8] are not those of")
+test_fail(lambda: check_unit_keys(unit_keys(_k)[:, :1], _k), contains="k_unit must be the unit keys [B,Hkv,T,D]")
 
 # %% [markdown]
 # Check the pre-aggregation identity against the head-by-head computation: all $G \cdot |I|$
@@ -590,8 +624,8 @@ def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | 
     B, Hkv, T, _ = k_cache.shape
     n = resolve_budget(budget, T)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)  # T <= B_SA: nothing to select
-    return top_budget_indices(quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank,
-                                           generator, gqa_agg), n)
+    return top_budget_indices(_quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank,
+                                            generator, gqa_agg), n)
 
 
 # %% [markdown]
@@ -719,6 +753,8 @@ q, k = _qk(3, 8, 20)
 test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k)[:, :, :5]), contains="k_unit")
 test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k).float()), contains="k_unit")
 test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k).to("meta")), contains="k_unit")
+test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k.flip(2))), contains="k_unit must be the unit keys of k")
+test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k + 1)), contains="positions [0, 10, 19]")
 test_fail(lambda: quoka_select(q.to("meta"), k.to("meta"), 4, 8), contains="q_chunk is a meta tensor")
 test_fail(lambda: UnitKeyCache().update(k[0]), contains="k_cache")
 # beam search reorders the cache's rows (apply_rows with the same map): the unit keys follow
@@ -795,3 +831,57 @@ test_fail(lambda: quoka_select(q, k, 4, 8, gqa_agg="sum"), contains="gqa_agg")
 test_fail(lambda: quoka_select(q, k, 4, 8, query_rank="far"), contains="query_rank")
 test_fail(lambda: quoka_select(q, k, 4, -1), contains="budget")
 test_fail(lambda: quoka_select(q, k.masked_fill(k > 2, math.nan), 4, 8), contains="NaN")
+
+# %% [markdown]
+# Every entry of the queries and keys is checked, not the queries that happen to be kept: a NaN or an infinity in a
+# query the selection drops still moves the chunk's mean query, hence the ranking and which queries are kept, so the
+# indices would silently change. Here a query of a chunk of 8 that is not among the 2 kept holds each non-finite value
+# in turn, refused naming `q_chunk` (at decode too); and in any key, naming `k_cache`.
+
+# %%
+q, k = _qk(3, 8, 20, dtype=torch.float32)
+clean = quoka_select(q, k, 2, 5)
+dropped = next(i for i in range(8) if i not in kept_positions(q, 2, 3)[0, 0, 0].tolist())
+for bad in (math.nan, math.inf, -math.inf):
+    qb = q.clone(); qb[0, 0, dropped, 3] = bad
+    test_fail(lambda: quoka_select(qb, k, 2, 5), contains="q_chunk contains NaN or inf")
+    kb = k.clone(); kb[1, 1, 7, 0] = bad
+    test_fail(lambda: quoka_select(q, kb, 2, 5), contains="k_cache contains NaN or inf")
+    test_fail(lambda: quoka_decode_select(qb[:, :, dropped:dropped + 1], k, 5), contains="q_chunk contains NaN or inf")
+test_eq(quoka_select(q, k, 2, 5), clean)
+
+# %% [markdown]
+# What the checks cost: `quoka_select` at SmolLM2's shape (9 query heads over 3 KV heads of 64 dims), a prefill chunk
+# of $B_{CP} = 128$ queries and a decode query over 1,024 and 4,096 cached keys, with the checks and with
+# `require_finite` replaced by a no-op, side by side (best of 5 runs, one thread). The checks are two sums over
+# `q_chunk` and `k_cache`: measured on a shared 2-core machine, about 4-12% of a prefill chunk's selection and about
+# 12% of a decode query's (whose selection is one product over the cache, the same order of work as the sum).
+
+# %%
+import time
+from unittest import mock
+
+
+def best_seconds(fn, repeats=20, runs=5):
+    fn()
+    return min(timeit(fn, repeats) for _ in range(runs))
+
+
+def timeit(fn, repeats):
+    t0 = time.perf_counter()
+    for _ in range(repeats): fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+threads = torch.get_num_threads()
+torch.set_num_threads(1)
+for T in (1024, 4096):
+    k = torch.randn(1, 3, T, 64)
+    for S in (128, 1):
+        q = torch.randn(1, 9, S, 64)
+        checked = best_seconds(lambda: quoka_select(q, k, 16, 256))
+        with mock.patch(f"{quoka_select.__module__}.require_finite", lambda *a, **kw: None):
+            unchecked = best_seconds(lambda: quoka_select(q, k, 16, 256))
+        print(f"T={T:5d} {'prefill chunk' if S > 1 else 'decode query '}: checked {checked * 1e3:.3f} ms, unchecked "
+              f"{unchecked * 1e3:.3f} ms, ratio {checked / unchecked:.3f}")
+torch.set_num_threads(threads)

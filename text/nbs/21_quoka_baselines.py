@@ -668,6 +668,8 @@ class LessIsMoreSelector:
     def __init__(self, budget: int | float = 1024, selection_layers=(2,), recent_ratio: float = 0.25,
                  scale: float | None = None):
         resolve_budget(budget, 0)  # validates the budget
+        if not isinstance(selection_layers, (list, tuple, range)):
+            raise TypeError(f"selection_layers must be a list or tuple of layer indices, got {selection_layers!r}")
         layers = tuple(selection_layers)
         if (not layers or any(isinstance(l, bool) or not isinstance(l, int) or l < 0 for l in layers)
                 or list(layers) != sorted(set(layers))):

@@ -769,6 +769,7 @@ plain = mse_logits(zhat_of(X, top_eigvecs(M_key, r)[0], qcorr))                #
 (mw, sew), (mp, sep) = mc_mean(whitened), mc_mean(plain)
 assert abs(mw - trJMJ(Xt.T @ Xt, Bt) / d) < 4 * sew and mw < mp - 4 * (sew + sep)
 
+
 # %% [markdown]
 # ### Non-uniform attention within the page (App. A.5.2)
 #
@@ -1298,7 +1299,7 @@ def _scale(scale: float | None, d: int) -> float:
 def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None = None) -> Tensor:
     """Page score logsumexp_t((R_t . B^T q + mu . q) * scale) from the summary (§3.3): q [..., d], mu [..., d],
     B [..., d, r], R [..., m, r] broadcast -> [...]."""
-    for name, x in (("q", q), ("mu", mu), ("B", B), ("R", R)): _check_tensor(x, name)
+    for name, x in (("q", q), ("mu", mu), ("B", B), ("R", R)): _check_tensor(x, name), require_finite(name, x)
     d = q.shape[-1]
     if mu.shape[-1] != d or B.dim() < 2 or B.shape[-2] != d or R.dim() < 2 or R.shape[-1] != B.shape[-1]:
         raise ValueError(f"need q [..., d], mu [..., d], B [..., d, r], R [..., m, r] with one d and r, got "
@@ -1313,6 +1314,7 @@ def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None 
 def page_lse_exact(q: Tensor, K: Tensor, scale: float | None = None) -> Tensor:
     "Exact page log-mass logsumexp_t(k_t . q * scale) of the keys: q [..., d], K [..., m, d] broadcast -> [...]."
     _check_tensor(q, "q"); _check_tensor(K, "K")
+    require_finite("q", q), require_finite("K", K)
     if K.dim() < 2 or K.shape[-1] != q.shape[-1]:
         raise ValueError(f"need q [..., d] and K [..., m, d] with one d, got {tuple(q.shape)} and {tuple(K.shape)}")
     wd = _work_dtype(q, K)
@@ -1348,6 +1350,12 @@ loop = torch.tensor([[[float(page_score(qg[h, g, 0], mu_[h, p], B_[h, p], R_[h, 
 assert_close(sc, loop)
 test_fail(lambda: page_score(qg, mu_[:, None], B_[:, None], R_[:, None, :, :, :4]), contains="need q")
 test_fail(lambda: page_lse_exact(qg, Kb[..., :8]), contains="need q")
+for bad in (math.nan, math.inf, -math.inf):  # every entry of every input, by one reduction each
+    test_fail(lambda: page_score(qg.index_fill(-1, torch.tensor([1]), bad), mu_[:, None], B_[:, None], R_[:, None]),
+              contains="q contains NaN or inf")
+    test_fail(lambda: page_score(qg, mu_[:, None], B_[:, None], R_[:, None].index_fill(-2, torch.tensor([2]), bad)),
+              contains="R contains NaN or inf")
+    test_fail(lambda: page_lse_exact(qg, Kb.index_fill(-2, torch.tensor([3]), bad)), contains="K contains NaN or inf")
 
 # %% [markdown]
 # ## 16. Where the output-aware basis should win: a controlled setting

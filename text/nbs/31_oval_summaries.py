@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from sparsekv.attention import check_int
+from sparsekv.attention import check_int, require_finite
 from sparsekv.oval.basis import check_eta, page_basis, page_lse_exact, page_score
 
 # %%
@@ -95,6 +95,7 @@ def _group_queries(q: Tensor, Hkv: int) -> tuple[Tensor, bool]:
     if not isinstance(q, Tensor) or not q.is_floating_point():
         raise TypeError("q must be a floating-point torch.Tensor")
     if q.dim() not in (3, 4): raise ValueError(f"q must be [B, Hq, d] or [B, Hq, S, d], got shape {tuple(q.shape)}")
+    require_finite("q", q)  # every query: one NaN would make a whole row of page scores NaN
     single = q.dim() == 3
     if single: q = q.unsqueeze(2)
     B, Hq, S, d = q.shape
@@ -159,6 +160,7 @@ class PageSummary:
     def summarize(self, K: Tensor, V: Tensor | None = None, page_size: int = 32) -> PageSummary:
         "A copy holding the summaries [B, Hkv, P, ...] of the complete pages of K (and V) [B, Hkv, T, d]."
         _check_cache(K, "K")
+        require_finite("K", K), require_finite("V", V)
         m = check_int(page_size, "page_size", 1)
         return self.with_tensors(m, K.shape[2], self.build(K, V, m))
 
@@ -507,6 +509,12 @@ assert not torch.allclose(OVALSummary(rank=3, eta=1.0, G=G).summarize(K, V, 8).s
 assert_close(OVALSummary(rank=3).with_metric(G).summarize(K, V, 8).score(q), sc)
 test_fail(lambda: OVALSummary().summarize(K, None, 8), contains="V is required")
 test_fail(lambda: OVALSummary(G=G[0]).summarize(K, V, 8), contains="G must be [Hkv=2")
+for bad in (math.nan, math.inf, -math.inf):  # a key of a page, a value, a query: each refused, named
+    test_fail(lambda: QuestSummary().summarize(K.index_fill(2, torch.tensor([3]), bad), None, 8),
+              contains="K contains NaN or inf")
+    test_fail(lambda: OVALSummary().summarize(K, V.index_fill(2, torch.tensor([5]), bad), 8),
+              contains="V contains NaN or inf")
+    test_fail(lambda: oval.score(q.index_fill(1, torch.tensor([2]), bad)), contains="q contains NaN or inf")
 test_fail(lambda: OVALSummary(eta=1.5), contains="eta must be a number in [0, 1]")
 
 

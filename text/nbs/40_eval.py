@@ -1180,7 +1180,10 @@ test_fail(lambda: pass_at_k([True, False], 1), contains="2-D array")
 # Matching compares text, so values are written in a canonical form and old rows are read
 # back as text: `None` is empty, booleans `True`/`False`, integers as digits, floats by
 # `repr` (which round-trips exactly), one-element tensors and NumPy scalars as their Python
-# value. An integer key `1` and a float key `1.0` are different cells. Metric names may not
+# value. An integer key `1` and a float key `1.0` are different cells. The empty string is not `None`
+# (`window=""` and `window=None` are two settings), so it is stored as `""` (two quote characters) and any string
+# made of quote characters only gets two more; every other string is stored as it is. `None` keeps the empty field
+# older files hold, so their rows still match. Metric names may not
 # repeat a cell key, `wall_s` or `row_check`. The function returns the rows of this grid's
 # cells, one per cell in the order of `cells`, read with pandas' type inference (columns empty
 # in all of them are left out).
@@ -1208,7 +1211,7 @@ def _cell_text(value, name: str) -> str:
     if isinstance(value, (bool, np.bool_)): return str(bool(value))
     if isinstance(value, numbers.Integral): return str(int(value))
     if isinstance(value, numbers.Real): return repr(float(value))
-    if isinstance(value, str): return value
+    if isinstance(value, str): return value + '""' if set(value) <= {'"'} else value  # '' apart from None
     raise TypeError(f"{name} must be a str, int, float, bool, None or a one-element tensor, got {type(value).__name__}")
 
 def _check_keys(d: Mapping, what: str) -> dict:
@@ -1406,6 +1409,20 @@ with tempfile.TemporaryDirectory() as d:
     test_eq(len(run_grid(grid, _fn, p, params={"model": "tiny-llama", "window": 4})), 4)
     test_eq(calls, [])
     test_fail(lambda: run_grid(grid, _fn, p, params={"budget": 1}), contains="both set ['budget']")
+
+# %% [markdown]
+# `None` and the empty string are two settings: each computes its own rows, a rerun of either reuses its own, and
+# `None` is stored as the empty field older files hold. The canonical text keeps every string apart from every other.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    p = Path(d) / "grid.csv"
+    calls.clear()
+    for window in (None, "", None, ""): run_grid(grid[:2], _fn, p, params={"window": window})
+    test_eq(calls, grid[:2] * 2)
+    test_eq([line.split(",")[0] for line in p.read_text().splitlines()[1:]], ["", "", '""""""', '""""""'])
+texts = ["", '"', '""', "a", 'a""', "None"]
+test_eq(len({_cell_text(t, "x") for t in texts} | {_cell_text(None, "x")}), len(texts) + 1)
 
 # %% [markdown]
 # A damaged file: a row cut short, a row with an extra field and a key rewritten from `256` to

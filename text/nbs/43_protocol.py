@@ -33,7 +33,9 @@ import hashlib
 import json
 import copy
 import math
+import numbers
 import time
+from collections.abc import Mapping
 from typing import Callable
 
 import pandas as pd
@@ -150,6 +152,33 @@ got
 # and raises when even that budget exceeds the target. It assumes $f$ grows with $b$; every row of a
 # comparison carries its own measurement, so a table shows whether the fit held on the real items.
 
+# %% [markdown]
+# A measurement is `measure(method)`'s dict of `measured_budget` columns; `fit_budget` reads its `<phase>_max`, a
+# count of KV entries. Anything else (the key missing, text, an infinity) is refused naming the key and the method.
+
+# %%
+#| export
+def measured_max(measurement, phase: str, what: str) -> float:
+    """The `<phase>_max` of a `measure` result (KV entries per query, NaN when no query ran); else a TypeError or
+    ValueError naming the key and `what` was measured."""
+    key = f"{phase}_max"
+    if not isinstance(measurement, Mapping) or key not in measurement:
+        raise TypeError(f"measure must return a dict holding {key!r} (`measured_budget` columns); for {what} it "
+                        f"returned {type(measurement).__name__} {str(measurement)[:80]}")
+    x = measurement[key]
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"measure's {key} must be a number of KV entries, got {x!r} for {what}")
+    if math.isnan(x): raise ValueError(f"{what} ran no {phase} query in the probe ({key} is NaN)")
+    if not 0 <= x < math.inf: raise ValueError(f"measure's {key} must be a finite count >= 0, got {x!r} for {what}")
+    return float(x)
+
+
+# %%
+test_eq(measured_max({"decode_max": 12, "prefill_max": 40.0}, "decode", "m"), 12.0)
+test_fail(lambda: measured_max({"decode_max": math.inf}, "decode", "m at 3"), contains="got inf for m at 3")
+test_fail(lambda: measured_max({"decode_max": True}, "decode", "m"), contains="must be a number")
+
+
 # %%
 #| export
 def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase: str = "decode",
@@ -164,8 +193,7 @@ def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase:
 
     def most(b: int) -> float:
         if b not in seen: seen[b] = measure(make(name, b, **params))
-        if math.isnan(seen[b][f"{phase}_max"]): raise ValueError(f"{name} ran no {phase} query in the probe")
-        return seen[b][f"{phase}_max"]
+        return measured_max(seen[b], phase, f"{name} at budget {b}")
 
     first = next((b for b in range(1, target + 1) if _builds(make, name, b, params)), None)
     if first is None: make(name, target, **params)  # raises the method's own error
@@ -219,6 +247,13 @@ for target in range(8, 40):
     test_eq(m.budget, max(b for b in range(1, target + 1) if paged(SimpleNamespace(budget=b))["decode_max"] <= target))
 test_fail(lambda: fit_budget("quest", 7, probe, **SMALL["quest"]), contains="budget=7 must cover")  # sink + recent
 test_fail(lambda: fit_budget("quest", 8, probe, **SMALL["quest"]), contains="even at its smallest budget 8")
+# a measurement that is not one: no decode_max, not a mapping, not a number, infinite
+for bad, exc, msg in [({"prefill_max": 3.0}, TypeError, "holding 'decode_max'"), ("12", TypeError, "returned str"),
+                      ({"decode_max": "12"}, TypeError, "decode_max must be a number"),
+                      ({"decode_max": math.inf}, ValueError, "decode_max must be a finite count"),
+                      ({"decode_max": math.nan}, ValueError, "ran no decode query")]:
+    test_fail(lambda: fit_budget("tova", 16, lambda m: bad), exc=exc, contains=msg)
+    test_fail(lambda: fit_budget("tova", 16, lambda m: bad), contains="tova at budget 16")
 
 # %% [markdown]
 # Any factory with `methods.make`'s signature fits too: a kvpress press (in the peer environment, see the

@@ -17,8 +17,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -99,6 +101,170 @@ with _tf.TemporaryDirectory() as d:
     test_eq(p.stat().st_mode & 0o777, 0o666 & ~_umask())
     write_json(Path(d)/"sub"/"r.json", {"b": 1, "a": [1, 2]})
     test_eq(json.loads((Path(d)/"sub"/"r.json").read_text()), {"a": [1, 2], "b": 1})
+
+
+# %% [markdown]
+# ## Digests
+#
+# An atomic write protects a file from an interrupted writer, not from what happens to it afterwards: a disk
+# error, a stray write or a hand edit changes bytes and keeps the name. `torch.load` of such a file can still
+# succeed (a zeroed run of bytes inside a tensor is a valid tensor), so weights or an optimizer state load
+# silently wrong. A file we load later is therefore written with its SHA-256 digest beside it,
+# `NAME.sha256` (the `sha256sum` format, so `sha256sum -c NAME.sha256` checks it too), and checked against
+# it before it is read. A mismatch is a `DamagedFileError` naming the file, the digest recorded and the digest
+# found, and what rebuilds the file.
+#
+# The file and its digest are two renames, and a process can be killed between them. So while a new version
+# is moved into place the digest file records both the old digest and the new one (`previous`), and only
+# then the new one alone: a file that matches either is one of the two complete versions, and a damaged
+# file matches neither.
+
+# %%
+#| export
+class DamagedFileError(OSError):
+    "A file whose bytes do not match the digest recorded beside it (or inside its manifest)."
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    "The SHA-256 of the file at `path`, in hex, read in 4 MiB blocks."
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22): h.update(block)
+    return h.hexdigest()
+
+
+# %%
+with _tf.TemporaryDirectory() as d:
+    (Path(d)/"w.bin").write_bytes(b"x" * (5 << 20))  # more than one block
+    test_eq(file_sha256(Path(d)/"w.bin"), hashlib.sha256(b"x" * (5 << 20)).hexdigest())
+assert issubclass(DamagedFileError, OSError)  # a file problem: callers that catch OSError see it
+
+# %% [markdown]
+# The digest file holds one `<sha256>  NAME` line, and during a replacement a second one after a `# previous` line.
+
+# %%
+#| export
+DIGEST_SUFFIX = ".sha256"
+
+
+def digest_path(path: str | os.PathLike) -> Path:
+    "Where the digest of `path` is kept: `NAME.sha256` beside it."
+    path = Path(path)
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def read_digests(path: str | os.PathLike) -> list[str] | None:
+    "The digests `path`'s digest file accepts (the current first), or None when it has no digest file."
+    try: lines = digest_path(path).read_text(encoding="ascii").split("\n")
+    except FileNotFoundError: return None
+    except (OSError, UnicodeDecodeError) as e: raise DamagedFileError(f"cannot read {digest_path(path)} ({e})") from e
+    digests = [line.split()[0] for line in lines if line.strip() and not line.startswith("#")]
+    if not digests or not all(re.fullmatch(r"[0-9a-f]{64}", d) for d in digests):
+        raise DamagedFileError(f"{digest_path(path)} is not a digest file (lines '<sha256>  {Path(path).name}')")
+    return digests
+
+
+# %%
+with _tf.TemporaryDirectory() as d:
+    p, a, b = Path(d)/"w.bin", "a" * 64, "b" * 64
+    test_eq((digest_path(p), read_digests(p)), (Path(d)/"w.bin.sha256", None))
+    digest_path(p).write_text(f"{a}  w.bin\n# previous\n{b}  w.bin\n")
+    test_eq(read_digests(p), [a, b])
+    digest_path(p).write_text("not a digest\n")
+    test_fail(lambda: read_digests(p), contains="is not a digest file")
+
+
+# %% [markdown]
+# Writing: `atomic_path_with_digest` is `atomic_path` followed by the digest of what was written. `record_digest`
+# records the digest of a file as it is now (a file one trusts that an older version wrote without one).
+
+# %%
+#| export
+@contextlib.contextmanager
+def atomic_path_with_digest(path: str | os.PathLike):
+    "`atomic_path`, then the digest of what was written beside it (`NAME.sha256`); both survive a kill in between."
+    path, name = Path(path), Path(path).name
+    with atomic_path(path) as tmp:
+        yield tmp
+        try: old = (read_digests(path) or [None])[0] if path.exists() else None
+        except DamagedFileError: old = None  # an unreadable digest file is replaced, not a reason to lose the write
+        new = file_sha256(tmp)
+        # between the two renames both versions are accepted: the old digest is the one recorded, never recomputed
+        write_text(digest_path(path), f"{new}  {name}\n" + (f"# previous\n{old}  {name}\n" if old else ""))
+    write_text(digest_path(path), f"{new}  {name}\n")
+
+
+def record_digest(path: str | os.PathLike) -> Path:
+    "Record the digest of `path` as it is now beside it (for a file you trust that was written without one)."
+    return write_text(digest_path(path), f"{file_sha256(path)}  {Path(path).name}\n")
+
+
+# %% [markdown]
+# Check: the digest file names the file's digest; killed between the file's rename and the digest's, the digest file
+# accepts both versions, so whichever of the two the file holds is accepted; `record_digest` writes the same line.
+
+# %%
+with _tf.TemporaryDirectory() as d:
+    p = Path(d)/"w.bin"
+    with atomic_path_with_digest(p) as tmp: tmp.write_bytes(b"first version")
+    test_eq(digest_path(p).read_text(), f"{hashlib.sha256(b'first version').hexdigest()}  w.bin\n")
+    def _killed_between():
+        with atomic_path(p) as tmp:  # what atomic_path_with_digest does, killed after the file's rename
+            tmp.write_bytes(b"second")
+            old = read_digests(p)[0]
+            write_text(digest_path(p), f"{file_sha256(tmp)}  w.bin\n# previous\n{old}  w.bin\n")
+        raise KeyboardInterrupt
+    test_fail(_killed_between, exc=KeyboardInterrupt)
+    test_eq((p.read_bytes(), file_sha256(p) in read_digests(p)), (b"second", True))
+    test_eq(read_digests(p)[1], hashlib.sha256(b"first version").hexdigest())
+    written = digest_path(p).read_text().splitlines()[0] + "\n"
+    record_digest(p)
+    test_eq(digest_path(p).read_text(), written)
+
+
+# %% [markdown]
+# Reading: `verify_digest` checks a file against its digest file, or against digests recorded elsewhere (a manifest).
+
+# %%
+#| export
+def verify_digest(path: str | os.PathLike, rebuild: str, digests: list[str] | None = None,
+                  recorded_in: str | os.PathLike | None = None) -> bool:
+    """Check the file at `path` against `digests` recorded in `recorded_in` (default: its digest file): True if it
+    matches, False when no digest is recorded; a mismatch raises a `DamagedFileError` naming the file, the digest
+    expected and found, and what rebuilds it (`rebuild`)."""
+    path = Path(path)
+    if digests is None: digests, recorded_in = read_digests(path), digest_path(path)
+    if digests is None: return False
+    found = file_sha256(path)
+    if found in digests: return True
+    raise DamagedFileError(f"{path} is damaged: its SHA-256 is {found}, expected {digests[0]} (recorded in "
+                           f"{recorded_in}); {rebuild}")
+
+
+# %% [markdown]
+# Check: a file written with its digest verifies; one byte changed (size and modification time kept, so no listing
+# shows it) is refused naming the file, both digests and what rebuilds it; a file without a digest file reports False
+# (the caller decides what an unverified file means); digests given by the caller are checked the same way.
+
+# %%
+with _tf.TemporaryDirectory() as d:
+    p = Path(d)/"w.bin"
+    with atomic_path_with_digest(p) as tmp: tmp.write_bytes(b"first version")
+    test_eq(verify_digest(p, "rebuild it"), True)
+    st = p.stat()
+    with open(p, "r+b") as f: f.seek(3); f.write(b"X")
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    test_eq((p.stat().st_size, p.stat().st_mtime_ns), (st.st_size, st.st_mtime_ns))
+    want = hashlib.sha256(b"first version").hexdigest()
+    test_fail(lambda: verify_digest(p, "rebuild it"), exc=DamagedFileError,
+              contains=f"{p} is damaged: its SHA-256 is {file_sha256(p)}, expected {want} (recorded in "
+                       f"{digest_path(p)}); rebuild it")
+    test_fail(lambda: verify_digest(p, "re-install", [want], "manifest.json"), contains="(recorded in manifest.json)")
+    test_eq(verify_digest(p, "re-install", [file_sha256(p)], "manifest.json"), True)
+    (Path(d)/"plain.bin").write_bytes(b"x")
+    test_eq(verify_digest(Path(d)/"plain.bin", "rebuild it"), False)
+    record_digest(Path(d)/"plain.bin")
+    test_eq(verify_digest(Path(d)/"plain.bin", "rebuild it"), True)
 
 
 # %% [markdown]

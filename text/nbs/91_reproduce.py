@@ -24,7 +24,8 @@
 #   before a GPU is at hand: `from: gpu` takes that profile's params, and the entries beside it
 #   override them (a tiny random model for a hub id, `device: cpu`, small shapes);
 # - `outputs`: the files the stage promises, with `{profile}` standing for the profile;
-# - `inputs` (optional): further files (globs) whose change makes the stage stale;
+# - `inputs` (optional): further files (globs) whose change makes the stage stale; each glob must match a file
+#   (one that matches nothing is a typo, which would silently drop the input);
 # - `description` (optional): one line on what the stage reproduces;
 # - `captions` (optional): for a PNG of `outputs` (written exactly as there, with `{profile}`),
 #   the one-line caption naming the paper's figure or table it reproduces (the docs' Results page).
@@ -33,8 +34,9 @@
 # (`figures/<profile>/`) and `out_dir` (`reproduce/runs/<profile>/`), as absolute paths;
 # it runs with `reproduce/` as working directory, as it does when opened in JupyterLab.
 #
-# A stage is **skipped** when all its outputs and its executed notebook exist and were made
-# from the same parameters and the same content of its inputs; `--force` reruns it. Executed
+# A stage is **skipped** when all its outputs and its executed notebook exist, were made
+# from the same parameters and the same content of its inputs, and its outputs are unchanged since;
+# `--force` reruns it. `--list` shows each stage's state, and why a stale one must run. Executed
 # notebooks are written to a temporary file (named uniquely per run) and renamed when the stage
 # succeeds; a failing stage stops the run and its executed notebook is kept as
 # `<stage>.failed.ipynb` for inspection. Each stage may write a Markdown fragment
@@ -102,8 +104,14 @@ def find_pipeline(start: str | os.PathLike | None = None) -> Path:
         if (d/"reproduce"/"pipeline.yaml").is_file(): return d/"reproduce"/"pipeline.yaml"
     raise FileNotFoundError(f"no reproduce/pipeline.yaml at or above {here}; pass --pipeline PATH")
 
-def _expand_inputs(root: Path, patterns: list[str]) -> list[Path]:
-    return sorted({Path(p) for pat in patterns for p in glob.glob(str(root/pat), recursive=True)})
+def _expand_inputs(root: Path, patterns: list[str], where: str) -> list[Path]:
+    "The files the `inputs` globs of a stage match; a glob that matches no file is an error naming it (a typo)."
+    found = set()
+    for pat in patterns:
+        files = {Path(p) for p in glob.glob(str(root/pat), recursive=True) if Path(p).is_file()}
+        if not files: raise ValueError(f"{where}: inputs pattern {pat!r} matches no file under {root}")
+        found |= files
+    return sorted(found)
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     "YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last silently)."
@@ -118,7 +126,9 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 def _read_spec(pipeline: Path) -> dict:
     "The `stages` mapping of `pipeline`, after checking the file's overall shape."
-    try: spec = yaml.load(pipeline.read_text(), Loader=_UniqueKeyLoader)
+    try: spec = yaml.load(pipeline.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{pipeline} is not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8") from e
     except yaml.YAMLError as e: raise ValueError(f"{pipeline} is not valid YAML: {' '.join(str(e).split())}") from e
     stages = spec.get("stages") if isinstance(spec, dict) else None
     if not isinstance(stages, dict) or not stages:
@@ -262,7 +272,7 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
         _check_params(params, notebook_parameters(nb), f"{where}: params.{profile}")
         stages.append(Stage(name=str(name), notebook=nb, params=params, root=root,
                             outputs=[_output_path(root, o, profile, where) for o in s["outputs"]],
-                            inputs=[nb, *_expand_inputs(root, s.get("inputs", []))],
+                            inputs=[nb, *_expand_inputs(root, s.get("inputs", []), where)],
                             description=s.get("description", ""),
                             captions={_output_path(root, o, profile, where): c.strip()
                                       for o, c in s.get("captions", {}).items()}))
@@ -284,6 +294,12 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
 # The stamp is deleted **before** a stage runs and written only after all its outputs are: a
 # stage killed half-way (even a forced rerun of an up-to-date stage) has no stamp, so the next
 # run redoes it instead of keeping outputs of two different runs.
+#
+# The stamp also records the content hash of each **output** the run wrote. An output cut short, edited
+# or replaced afterwards (a CSV truncated by a full disk, a figure overwritten by hand) makes the
+# stage stale, naming the output, instead of a rerun reporting "up to date". Stamps written before outputs were
+# hashed (the committed runs' stamps) have no such record: their stage is not made stale for that (hours
+# of reruns for nothing); its state says the outputs are not recorded, and the stage's next run records them.
 
 # %%
 #| export
@@ -299,10 +315,17 @@ def fingerprint(params: dict) -> str:
     "A short hash of `params`, stable across runs."
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+def _content_hashes(paths: list[Path], root: Path) -> dict[str, str]:
+    "Short content hash of each file of `paths`, by its path relative to `root`."
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in paths}
+
 def input_hashes(stage: Stage) -> dict[str, str]:
     "Content hash of each input of `stage`, by its path relative to the repository."
-    return {p.relative_to(stage.root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
-            for p in stage.inputs}
+    return _content_hashes(stage.inputs, stage.root)
+
+def output_hashes(stage: Stage) -> dict[str, str]:
+    "Content hash of each output of `stage` (all must exist), by its path relative to the repository."
+    return _content_hashes(stage.outputs, stage.root)
 
 def read_stamp(stamp: Path) -> dict | None:
     "The stamp a finished stage wrote, or None (none, or unreadable)."
@@ -319,7 +342,10 @@ def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str
     if made.get("fingerprint") != fingerprint(params): return "parameters changed"
     old = made.get("inputs", {})
     changed = [Path(p).name for p, h in input_hashes(stage).items() if old.get(p) != h]
-    return f"input changed: {changed[0]}" if changed else None
+    if changed: return f"input changed: {changed[0]}"
+    if "outputs" not in made: return None  # an older stamp: the outputs are not recorded (see `stage_state`)
+    changed = [Path(p).name for p, h in output_hashes(stage).items() if made["outputs"].get(p) != h]
+    return f"output changed since the run: {changed[0]}" if changed else None
 
 
 # %% [markdown]
@@ -495,6 +521,7 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
     os.replace(clean_executed(partial, root), executed)
     seconds = time.time() - start
     write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": inputs,
+                       "outputs": output_hashes(stage),
                        "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1),
                        "slowest_cells": slowest})
     return seconds
@@ -522,7 +549,9 @@ def stage_state(stage: Stage, root: Path, profile: str) -> str:
     stamp = stamp_path(root, profile, stage.name)
     reason = stale_reason(stage, out_dir/f"{stage.name}.ipynb", stamp, run_params(stage, profile))
     made = read_stamp(stamp)
-    if reason is None: return f"up to date (made {made.get('finished', 'earlier')})"
+    if reason is None:
+        unrecorded = "" if "outputs" in made else "; outputs not recorded in its stamp: recorded at its next run"
+        return f"up to date (made {made.get('finished', 'earlier')}{unrecorded})"
     if made is None and not (out_dir/f"{stage.name}.ipynb").exists(): return "not run"
     return f"stale: {reason}"
 
@@ -732,12 +761,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", metavar="STAGE", help="run only this stage")
     ap.add_argument("--force", action="store_true", help="rerun stages even when up to date")
     ap.add_argument("--pipeline", help="path to pipeline.yaml (default: the nearest reproduce/pipeline.yaml)")
-    ap.add_argument("--list", action="store_true", help="list the stages and exit")
+    ap.add_argument("--list", action="store_true", help="list the stages, their state (and why stale), and exit")
     a = ap.parse_args(argv)
 
     def run():
         if a.list:
-            for s in load_stages(a.pipeline or find_pipeline(), a.profile): print(f"{s.name}: {s.description}")
+            pipeline = Path(a.pipeline) if a.pipeline else find_pipeline()
+            root, stages = pipeline.resolve().parent.parent, load_stages(pipeline, a.profile)
+            print(format_table([(s.name, stage_state(s, root, a.profile), s.description) for s in stages],
+                               ("stage", "status", "description")))
             return
         print(report(a.pipeline, a.profile, run_pipeline(a.profile, a.only, a.force, a.pipeline)))
     return _cli(ap.prog, run)
@@ -912,6 +944,35 @@ with tempfile.TemporaryDirectory() as d:
 test_fail(lambda: load_stages("reproduce/pipeline.yaml", "tpu"), contains="profile must be one of")
 
 # %% [markdown]
+# An output changed after its run (here cut to nothing) makes its stage stale, naming the output, and `--list` says
+# so; the rerun records the new outputs. A stamp without output digests (an older version's) keeps its stage up to
+# date, says its outputs are not recorded, and the stage's next run records them.
+
+# %%
+import io
+
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); pipe = _toy_project(d)
+    run_pipeline("quick", pipeline=pipe, progress=False)
+    out, a = d/"figures"/"quick"/"a.txt", load_stages(pipe, "quick")[0]
+    out.write_text("")
+    test_eq(stage_state(a, d, "quick"), "stale: output changed since the run: a.txt")
+    with contextlib.redirect_stdout(io.StringIO()) as listed:
+        test_eq(main(["--pipeline", str(pipe), "--profile", "quick", "--list"]), 0)
+    assert "a      stale: output changed since the run: a.txt" in listed.getvalue(), listed.getvalue()
+    assert run_pipeline("quick", pipeline=pipe, progress=False)["a"].startswith("ran")
+    test_eq(out.read_text(), "1")
+    stamp = stamp_path(d, "quick", "a")
+    made = read_stamp(stamp)
+    test_eq(made["outputs"], {"figures/quick/a.txt": hashlib.sha256(b"1").hexdigest()[:16]})
+    write_json(stamp, {k: v for k, v in made.items() if k != "outputs"})   # as an older version wrote it
+    out.write_text("edited")
+    assert stage_state(a, d, "quick").endswith("outputs not recorded in its stamp: recorded at its next run)")
+    test_eq(run_pipeline("quick", pipeline=pipe, progress=False)["a"], "up to date (skipped)")
+    run_pipeline("quick", only="a", force=True, pipeline=pipe, progress=False)
+    assert "outputs" in read_stamp(stamp) and "not recorded" not in stage_state(a, d, "quick")
+
+# %% [markdown]
 # `cpu-full` is optional per stage: only the stages that give it params belong to that profile,
 # while a stage lacking the params of a required profile cannot run in it.
 
@@ -971,8 +1032,8 @@ with tempfile.TemporaryDirectory() as d:
     test_eq([p.name for p in (d/"reproduce"/"runs"/"quick").glob(".*.ipynb")], [])  # no temporary notebook left
 
 # %% [markdown]
-# A pipeline file that is empty, not YAML, or shaped otherwise than documented is refused with
-# an error naming the file and what is wrong:
+# A pipeline file that is empty, not YAML, not UTF-8, shaped otherwise than documented, or with an `inputs`
+# glob that matches no file, is refused with an error naming the file (and stage) and what is wrong:
 
 # %%
 with tempfile.TemporaryDirectory() as d:
@@ -984,6 +1045,12 @@ with tempfile.TemporaryDirectory() as d:
         pipe.write_text(text)
         test_fail(lambda: load_stages(pipe, "quick"), contains=msg)
         test_fail(lambda: load_stages(pipe, "quick"), contains=str(pipe))
+    pipe.write_bytes(b"stages:\n  a: {notebook: caf\xe9.ipynb}\n")                   # Latin-1, not UTF-8
+    test_fail(lambda: load_stages(pipe, "quick"), contains=f"{pipe.resolve()} is not UTF-8 text")
+    pipe.write_text("stages:\n  a: {notebook: reproduce/a.ipynb, params: {quick: {n: 1}}, outputs: [],"
+                    " inputs: [sparsekv/nope/*.py]}\n")                                # a typo drops an input
+    test_fail(lambda: load_stages(pipe, "quick"), contains="stage 'a'")
+    test_fail(lambda: load_stages(pipe, "quick"), contains="inputs pattern 'sparsekv/nope/*.py' matches no file")
 
 # %% [markdown]
 # So is a stage with a key it does not know, a caption for a file that is not one of its

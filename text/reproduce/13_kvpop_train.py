@@ -77,12 +77,12 @@ from sparsekv.data import packed_sequences
 from sparsekv.distill import DistillConfig, student_spec
 from sparsekv.eval import kl_to_teacher, run_grid, top1_agreement
 from sparsekv.hf import AttentionPolicy, dense_attention, patch
-from sparsekv.io import atomic_path, save_figure, use_style, write_csv, write_json, write_text
+from sparsekv.io import atomic_path, save_figure, use_style, write_csv, write_text
 from sparsekv.kvpop.cutoff import topk_cutoff
 from sparsekv.kvpop.loss import retention_recall
 from sparsekv.kvpop.mask import kvpop_mask
 from sparsekv.kvpop.offline import ActivationBatches, cache_activations, step_seconds, train_offline
-from sparsekv.kvpop.student import KVpopStudent, shipped_checkpoints
+from sparsekv.kvpop.student import KVpopStudent, shipped_checkpoints, write_shipped_manifest
 from sparsekv.kvpop.target import future_attention_target
 from sparsekv.methods import make as make_method
 from sparsekv.models import load_model, model_info
@@ -267,8 +267,8 @@ def ship_student(sc: str, cr: float, st: KVpopStudent, hist: pd.DataFrame):
     weights = dict(student=st.state_dict(), spec=dict(method=f"kvpop_{sc}", student=student_spec(st)))
     with atomic_path(folder / "trained.pt") as tmp: torch.save(weights, tmp)
     write_csv(folder / "history.csv", hist.round(6))  # the learning curve, shipped beside the weights
-    write_json(folder / "manifest.json", dict(name=shipped_name(sc, cr), **training_settings(sc, cr),
-                                              mean_log_gamma=mean_log_gamma(st), commit=commit(), validation=None))
+    write_shipped_manifest(folder, dict(name=shipped_name(sc, cr), **training_settings(sc, cr),
+                                        mean_log_gamma=mean_log_gamma(st), commit=commit(), validation=None))
 
 
 trained, histories, reused = {}, [], []
@@ -646,7 +646,7 @@ def manifest_of(sc: str, cr: float) -> dict:
 
 shipped = [manifest_of(sc, cr) for sc, cr in trained] if train else list(shipped_checkpoints().values())
 for (sc, cr), manifest in zip(trained, shipped) if train and ship else ():
-    write_json(shipped_folder(sc, cr) / "manifest.json", manifest)
+    write_shipped_manifest(shipped_folder(sc, cr), manifest)
 pd.DataFrame(shipped)
 
 
