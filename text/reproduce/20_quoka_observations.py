@@ -96,7 +96,7 @@ def panel_grid(n: int, width: float = 3.4, height: float = 2.9, per_row: int = 3
 # %%
 model, tok = load_model(model_name)
 info = model_info(model)
-label = MODEL_LABELS.get(model_name, model_name)  # the model's name in titles and tables
+model_label = MODEL_LABELS.get(model_name, model_name)  # the model's name in titles and tables
 if prefix_len % chunk_size: raise ValueError(f"prefix_len must be a multiple of chunk_size={chunk_size}, got {prefix_len}")
 if max(layers) >= info.num_layers: raise ValueError(f"layers must lie below {info.num_layers}, got {layers}")
 ids = token_stream(tok)[prose_offset:prose_offset + prefix_len][None]
@@ -165,7 +165,7 @@ for ax, (l, g) in zip(axes, obs.groupby("layer")):
 for ax in axes[::3]: ax.set_ylabel(f"keys for {mass:.0%} of the mass")
 fig.legend(*axes[0].get_legend_handles_labels(), title="query head", loc="outside right center", markerscale=3)
 fig.suptitle(f"QuoKA Fig. 2(a) analogue: a query's similarity to the mean query vs the keys it needs\n"
-             f"{label}, last chunk of {chunk_size} queries after {prefix_len - chunk_size} tokens", fontsize=10)
+             f"{model_label}, last chunk of {chunk_size} queries after {prefix_len - chunk_size} tokens", fontsize=10)
 save_figure(fig, Path(fig_dir)/"quoka_fig2a_similarity_vs_keys.png", data=obs)
 plt.show()
 
@@ -207,7 +207,7 @@ for ax, (l, g) in zip(axes, scores.groupby("layer")):
 for ax in axes[::3]: ax.set_ylabel("keys (all query heads)")
 fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2)
 fig.suptitle(f"QuoKA Fig. 3 analogue: per-key max vs mean attention over the queries of a chunk\n"
-             f"{label}, last chunk of {chunk_size} queries, its {prefix_len - chunk_size} earlier keys",
+             f"{model_label}, last chunk of {chunk_size} queries, its {prefix_len - chunk_size} earlier keys",
              fontsize=10)
 save_figure(fig, Path(fig_dir)/"quoka_fig3_max_vs_mean.png", data=scores)
 plt.show()
@@ -244,7 +244,7 @@ def window_ids(tok, w: int, length: int) -> torch.Tensor:
 
 all_layers = list(range(info.num_layers))
 windows = {w: last_chunk(model, window_ids(tok, w, prefix_len), all_layers) for w in range(n_windows)}
-premise = pd.DataFrame([{"model": label, "window": w, "layer": l, "head": h, "spearman": r}
+premise = pd.DataFrame([{"model": model_label, "window": w, "layer": l, "head": h, "spearman": r}
                         for w, qkv in windows.items() for l in all_layers
                         for h, r in enumerate(head_premise(qkv[l][0], qkv[l][1], qkv[l][3]))])
 for name in tiny_models:  # untrained: random weights, the same statistic on the start of the same windows' text
@@ -261,13 +261,13 @@ per_layer = premise.groupby(["model", "layer"]).spearman.agg(
 per_layer
 
 # %%
-real = premise[premise.model == label]
+real = premise[premise.model == model_label]
 heat = real.groupby(["layer", "head"]).spearman.mean().unstack()
 fig, ax = plt.subplots(figsize=(4.2 + 0.25 * heat.shape[1], 0.18 * heat.shape[0] + 1.6), layout="constrained")
 im = ax.imshow(heat.to_numpy(), cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
 ax.set(xlabel="query head", ylabel="layer", xticks=range(heat.shape[1]), yticks=range(0, heat.shape[0], 2))
 fig.colorbar(im, ax=ax, label=r"Spearman $\rho$ of $\cos(M_Q, q_i)$ with $n_{90}$ (premise: < 0)")
-ax.set_title(f"QuoKA's premise per head, {label}\nmean over {n_windows} prose windows of {prefix_len} tokens",
+ax.set_title(f"QuoKA's premise per head, {model_label}\nmean over {n_windows} prose windows of {prefix_len} tokens",
              fontsize=10)
 save_figure(fig, Path(fig_dir)/"quoka_premise_heads.png", data=premise)
 plt.show()
@@ -335,7 +335,7 @@ plot_compare(cmp_mass, axes[0])
 plot_compare(cmp_err, axes[1])
 axes[0].set(xlabel="$B_{SA}$", ylabel="attention-mass recall")
 axes[1].set(xlabel="$B_{SA}$", ylabel="relative output error")
-fig.suptitle(f"Which queries QuoKA keeps (N_Q = {n_q} of B_CP = {chunk_size}), {label}, mean over "
+fig.suptitle(f"Which queries QuoKA keeps (N_Q = {n_q} of B_CP = {chunk_size}), {model_label}, mean over "
              f"{len(all_layers)} layers; ± 95% over {n_windows} windows", fontsize=10)
 save_figure(fig, Path(fig_dir)/"quoka_query_choice.png", data=choice)
 plt.show()
@@ -352,13 +352,13 @@ n_neg = int((corr.spearman < 0).sum())
 ratio_p50, share10 = scores.max_over_mean.median(), (scores.max_over_mean > 10).mean()
 top_overlap = overlap.overlap.mean()
 fig2a_why = ("agrees (no number to compare)" if n_neg == len(layers) else
-             f"the opposite sign in {len(layers) - n_neg} of {len(layers)} layers: {label} on {prefix_len} tokens "
+             f"the opposite sign in {len(layers) - n_neg} of {len(layers)} layers: {model_label} on {prefix_len} tokens "
              "of prose, not the paper's 3-30B models (§4); the text names no model, layer or length for its plot")
 fig3_why = ("agrees (no number to compare)" if share10 >= 0.05 else
             f"a lighter tail: only {share10:.1%} of keys with max/mean > 10 at this chunk and prefix length")
-real_layers = per_layer[per_layer.model == label]
+real_layers = per_layer[per_layer.model == model_label]
 neg_layers = int((real_layers["mean"] < 0).sum())
-tiny_mean = per_layer[per_layer.model != label].groupby("model")["mean"].mean()
+tiny_mean = per_layer[per_layer.model != model_label].groupby("model")["mean"].mean()
 b_top = max(ablation_budgets)
 at_top = lambda cmp: cmp[(cmp.method == "dissimilar") & (cmp.budget == b_top)].iloc[0]
 dis_m, dis_e = at_top(cmp_mass), at_top(cmp_err)
@@ -394,7 +394,7 @@ paper_vs_ours = [
     "keeping them buys nothing |"]
 
 # %%
-lines = [f"{label}, prose prefix of {prefix_len} tokens, chunked prefill with B_CP = {chunk_size}; "
+lines = [f"{model_label}, prose prefix of {prefix_len} tokens, chunked prefill with B_CP = {chunk_size}; "
          f"the last chunk's {chunk_size} queries, layers {layers}.", "",
          f"Figure 2(a): Spearman correlation between cos(M_Q, q_i) and the keys holding {mass:.0%} of q_i's attention "
          "(pooled over query heads, and the mean of the per-head correlations); negative = dissimilar queries attend more broadly.", "",
@@ -403,7 +403,7 @@ lines = [f"{label}, prose prefix of {prefix_len} tokens, chunked prefill with B_
          f"of max/mean, the share of keys with max/mean > 10, and the overlap of the top-{budget} keys by max and by mean.", "",
          tails.to_markdown(index=False, floatfmt=".3g"), "",
          f"The premise per head: Spearman of cos(M_Q, q_i) with the keys for {mass:.0%} of the mass, per query head, "
-         f"over {n_windows} windows of {prefix_len} prose tokens ({label}) and {tiny_prefix_len} tokens (untrained "
+         f"over {n_windows} windows of {prefix_len} prose tokens ({model_label}) and {tiny_prefix_len} tokens (untrained "
          "tiny models); per layer the mean over heads and windows, its standard error, and the share of negative heads.",
          "", per_layer.to_markdown(index=False, floatfmt=".3g"), "",
          f"Which queries QuoKA keeps, N_Q = {n_q} of B_CP = {chunk_size} (all: every query, the reference), paired 95% "

@@ -75,7 +75,7 @@ use_style()
 torch.manual_seed(seed)
 model, tok = load_model(model_name, dtype=dtype)
 info = model_info(model)
-label = MODEL_LABELS.get(model_name, model_name)  # the model's name in titles and tables
+model_label = MODEL_LABELS.get(model_name, model_name)  # the model's name in titles and tables
 layers = list(range(info.num_layers)) if layers is None else list(layers)
 
 def reasoning_window(i: int) -> torch.Tensor:
@@ -231,7 +231,7 @@ for i, (src, b) in enumerate(rows):
             ax.axhline(t.loc[m, metric_name], color=c, ls="--", lw=1.2, label=m)
         ax.set(ylabel=name, title=f"{src}, budget {b} of {seq_len}", xlabel="eta" if i == len(rows) - 1 else None)
 fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=9)
-fig.suptitle(f"OVAL Table 4 analogue: page retrieval quality vs eta on {label} activations\n({len(layers)} layers, "
+fig.suptitle(f"OVAL Table 4 analogue: page retrieval quality vs eta on {model_label} activations\n({len(layers)} layers, "
              f"{n_calib}+{n_heldout} prose + {n_reasoning} reasoning windows, page {page_size}, rank {rank})", fontsize=11)
 save_figure(fig, Path(fig_dir)/"oval_quality.png", data=table4)  # writes table4 to oval_quality.csv
 
@@ -302,7 +302,7 @@ axes[1].set(xlabel="key-output alignment a", ylabel="tail tau", title="per KV he
 axes[2].scatter(by_layer.rho_model, by_layer.measured_error_ratio, s=14)
 axes[2].axhline(1, color="k", lw=0.8)
 axes[2].set(xlabel="predicted gain rho", ylabel="measured error ratio", title=f"per layer (Spearman {rank_corr:.2f})")
-fig.suptitle(f"Where OVAL should beat key PCA on {label}: rank {rank}, {len(windows['heldout'])} held-out window(s)",
+fig.suptitle(f"Where OVAL should beat key PCA on {model_label}: rank {rank}, {len(windows['heldout'])} held-out window(s)",
              fontsize=11)
 save_figure(fig, Path(fig_dir)/"oval_theory.png", data=theory)
 
@@ -375,7 +375,7 @@ paper_vs_ours = pd.DataFrame([
 paper_vs_ours
 
 # %%
-lines = [f"{label} activations over windows of {seq_len} tokens ({n_calib} calibration + {n_heldout} held-out prose, "
+lines = [f"{model_label} activations over windows of {seq_len} tokens ({n_calib} calibration + {n_heldout} held-out prose, "
          f"{n_reasoning} gsm_symbolic reasoning), {len(layers)} layers, last {n_queries} queries per window; page {page_size}, rank {rank}, "
          f"sink {sink}, recent {recent}, budgets {budgets} (fractions {budget_fractions} of the window; the paper keeps 2048 of up to 16k tokens, 1/8).", "",
          "Mean per source, method and eta (Table 4 analogue):", "", md_table(table4.drop(columns=["method", "eta"])), "",
