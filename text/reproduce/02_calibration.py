@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Calibration: which tasks dense SmolLM2-135M solves
+# # Calibration: which tasks the dense model solves
 #
 # > Dense accuracy per task and context length, with its standard error: the cells where the uncompressed model scores at least 0.9 on at least 50 items are the accuracy cells every method comparison uses.
 
@@ -70,12 +70,13 @@ from IPython.display import Markdown, display
 from sparsekv.data import PASSKEY_PHRASINGS, SYNTHETIC_TASKS, count_tokens, make_task, score_exact
 from sparsekv.eval import run_grid
 from sparsekv.io import save_figure, use_style, write_csv, write_text
-from sparsekv.models import load_model
+from sparsekv.models import load_model, model_info
 from sparsekv.protocol import item_hash, prompt_ids
 
 # %%
 use_style()
 model, tok = load_model(model_name, dtype=dtype, device=device)
+n_params = sum(p.numel() for p in model.parameters())
 print(f"{model_name}, {dtype}, device {device}, {torch.get_num_threads()} thread(s); lengths {lengths}, "
       f"{len(seeds)} seed(s) x {len(depths)} depth(s) = {len(seeds) * len(depths)} items per task and length")
 
@@ -357,7 +358,8 @@ paper_vs_ours = [
     "| claim | paper | ours | why they differ |", "|---|---|---|---|",
     "| the dense model retrieves a single needle at every length and depth | QuoKA §4.1, Fig. 4: full attention on "
     "Llama3.2-3B-Instruct up to 30K tokens (no number in the text) | best cell: " + fmt_cell(best)
-    + f"; usable cells: {int(table.usable.sum())} of {len(table)} | a 135M model with an 8k training context, "
+    + f"; usable cells: {int(table.usable.sum())} of {len(table)} | a {n_params / 1e6:.0f}M model with a "
+    f"{(model_info(model).max_positions or 0) // 1024}k training context, "
     f"lengths {all_lengths} |",
     "| dense RULER scores are the ceiling of every method | QuoKA Table 1 and OVAL Tables 1-2 report full attention "
     "beside each method (their numbers are not in our copies' text) | the accuracies above, with their intervals | "
