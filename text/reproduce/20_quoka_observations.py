@@ -156,7 +156,7 @@ corr
 # %%
 fig, axes = panel_grid(len(layers))
 heads = sorted(obs["head"].unique())
-colours = dict(zip(heads, plt.get_cmap("tab10").colors))
+colours = dict(zip(heads, plt.get_cmap("tab20").colors if len(heads) <= 20 else plt.get_cmap("viridis")(np.linspace(0, 1, len(heads)))))
 for ax, (l, g) in zip(axes, obs.groupby("layer")):
     for h, gh in g.groupby("head"):
         ax.scatter(gh.cos_to_mean, gh.keys_for_mass, color=colours[h], s=5, alpha=0.6, label=f"head {h}")
