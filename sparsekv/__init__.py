@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 #   names, make        sparsekv.methods' (the registry); kvpress's presses go by `sparsekv.presses.names` and `.make`
 #   METHODS            withheld (it reads like `methods`, the registry): `TARGET_METHODS` (sparsekv.kvpop.target, the
 #                      target's backends) and `SUMMARY_METHODS` (sparsekv.oval.summaries, the page summaries)
-#   main               withheld (three command lines): `distill_main`, `docs_main`, `reproduce_main`
+#   main               withheld (three command lines): `distill_main` (sparsekv.train), `docs_main`, `reproduce_main`
 #   distill            the module sparsekv.distill (Python sets a package's attribute to its submodule on import, so the
 #                      name cannot stay the function): the loop is `sparsekv.distill.distill`, also `distill_loop`
 import importlib as _importlib
@@ -24,7 +24,7 @@ _COMMON = {"load_model": "models", "patch": "hf", "chunked_prefill": "hf", "Meth
            "KVpopCache": "kvpop.cache", "KVpopPolicy": "kvpop.cache", "DistillConfig": "distill",
            "retention_recall": "eval", "names": "methods", "make": "methods"}
 _RENAMED = {"kvpop_retention_recall": ("kvpop.loss", "retention_recall"), "TARGET_METHODS": ("kvpop.target", "METHODS"),
-            "SUMMARY_METHODS": ("oval.summaries", "METHODS"), "distill_main": ("distill", "main"),
+            "SUMMARY_METHODS": ("oval.summaries", "METHODS"), "distill_main": ("train", "main"),
             "docs_main": ("docs", "main"), "reproduce_main": ("reproduce", "main"),
             "distill_loop": ("distill", "distill")}
 _WITHHELD = {"main": "distill_main, docs_main or reproduce_main", "METHODS": "TARGET_METHODS or SUMMARY_METHODS"}

@@ -40,7 +40,8 @@ from sparsekv import models  # noqa: E402
 from sparsekv import reproduce as rp  # noqa: E402
 from sparsekv.attention import attention_reference, check_int  # noqa: E402
 from sparsekv.cache import SinkWindowCache  # noqa: E402
-from sparsekv.distill import DistillConfig, distill, epoch_batches, main as distill_main  # noqa: E402
+from sparsekv.distill import DistillConfig, distill, epoch_batches  # noqa: E402
+from sparsekv.train import main as distill_main  # noqa: E402
 from sparsekv.eval import kl_to_teacher, run_grid  # noqa: E402
 from sparsekv.hf import DensePolicy, chunked_prefill, patch  # noqa: E402
 from sparsekv.io import DamagedFileError, atomic_path_with_digest  # noqa: E402

@@ -16,11 +16,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparsekv.kvpop.cache import random_scorers
-from sparsekv.distill import (DistillConfig, distill, epoch_batches, full_state, main, new_param_lr, rank_slice,
+from sparsekv.distill import (DistillConfig, distill, epoch_batches, full_state, new_param_lr, rank_slice,
                               shard_for_training, student_spec)
 from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
 from sparsekv.io import verify_digest
 from sparsekv.models import load_model
+from sparsekv.train import main
 
 LOSS_COLS = ["step", "loss", "kl", "method_loss", "retention_loss", "retention_recall", "grad_norm", "lr_base",
              "lr_new"]
@@ -174,8 +175,8 @@ def test_main_single_process(tmp_path):
 
 
 def test_module_runs_as_a_script(tmp_path):
-    "`python -m sparsekv.distill`, as users and torchrun start it (not `main` imported): trains and writes its files."
-    run = subprocess.run([sys.executable, "-m", "sparsekv.distill", "--model", "tiny-llama", "--seq-len", "32",
+    "`python -m sparsekv.train`, as users and torchrun start it (not `main` imported): trains and writes its files."
+    run = subprocess.run([sys.executable, "-m", "sparsekv.train", "--model", "tiny-llama", "--seq-len", "32",
                           "--steps", "2", "--batch-size", "2", "--sink", "2", "--window", "4", "--k", "6",
                           "--warmup-steps", "1", "--device", "cpu", "--out", str(tmp_path)],
                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -196,13 +197,13 @@ def test_cli_user_error_is_one_line(args, msg, capsys):
     with pytest.raises(SystemExit) as e: main(args + ["--steps", "1", "--seq-len", "16"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("python -m sparsekv.distill: error: ") and msg in err and "--debug" in err
+    assert err.startswith("python -m sparsekv.train: error: ") and msg in err and "--debug" in err
     with pytest.raises((ValueError, OSError), match=re.escape(msg)):
         main(args + ["--steps", "1", "--seq-len", "16", "--debug"])
 
 
 def test_cli_keeps_the_traceback_of_a_bug(monkeypatch):
-    import sparsekv.distill as d
+    import sparsekv.train as d
     monkeypatch.setattr(d, "load_model", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"): main(["--model", "tiny-llama", "--steps", "1"])
 
@@ -210,7 +211,7 @@ def test_cli_keeps_the_traceback_of_a_bug(monkeypatch):
 def test_cli_as_a_process_prints_one_line(tmp_path):
     import subprocess
     import sys
-    res = subprocess.run([sys.executable, "-m", "sparsekv.distill", "--student", "quoka"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "sparsekv.train", "--student", "quoka"], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         res.stderr.strip()] and "--student must be a trained method" in res.stderr, res.stderr

@@ -29,7 +29,7 @@ def test_ambiguous_names_have_one_documented_meaning():
     assert sparsekv.retention_recall is ev.retention_recall and sparsekv.kvpop_retention_recall is loss.retention_recall
     assert sparsekv.TARGET_METHODS is target.METHODS
     assert sparsekv.make is sparsekv.methods.make and sparsekv.names is sparsekv.methods.names
-    assert sparsekv.distill_main is importlib.import_module("sparsekv.distill").main
+    assert sparsekv.distill_main is importlib.import_module("sparsekv.train").main
     assert sparsekv.distill is importlib.import_module("sparsekv.distill")
     assert sparsekv.distill_loop is sparsekv.distill.distill
     for name in ("main", "METHODS"):
