@@ -223,7 +223,7 @@ def test_compiled_flex_on_cuda(G, Sq, Sk):
             torch.testing.assert_close(g.grad, w.grad, rtol=1e-4, atol=1e-4)
 
 
-# --- non-finite input and more queries than keys (issue 12) ---------------------------------
+# --- non-finite input and more queries than keys ---------------------------------
 
 @pytest.mark.parametrize("name, value", [("q", math.nan), ("k", math.inf), ("v", -math.inf)])
 def test_attention_reference_refuses_non_finite(name, value):

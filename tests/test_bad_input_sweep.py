@@ -1,4 +1,4 @@
-"""A bad-input sweep the team can rerun: every case of issue 12 and the plain validations of the public API.
+"""A bad-input sweep the team can rerun: every bad input the team has met and the plain validations of the public API.
 
 Each case declares its expected outcome: `error` (an exception type and a regex that names the argument or the
 problem) or `right` (the case returns `(got, want)`, `want` from an independent reference: the dense, unpadded,
@@ -66,7 +66,7 @@ CLEAR, RIGHT, UNCLEAR, WRONG = "clear error", "right answer", "unclear error", "
 class Case:
     "One input: `run()` raises (expect 'error': `exc` whose message matches `match`) or returns (got, want)."
     name: str
-    item: str                          # where it comes from: an item of issue 12, or the API's validation
+    item: str                          # where it comes from: a case met in use, or the API's validation
     expect: str                        # 'error' or 'right'
     run: Callable
     exc: type | tuple = ()
@@ -575,7 +575,7 @@ def missing_tokenizer_names_the_folder():
     _damaged_local_folder(lambda d: (d / "tokenizer.json").unlink())
 
 
-# --- unclear errors of issue 12 --------------------------------------------------------------------------------
+# --- unclear errors --------------------------------------------------------------------------------
 
 @error("unclear errors", ValueError, r"priority is a meta tensor.*tensor with data")
 def meta_priority_topk_cutoff():

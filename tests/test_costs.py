@@ -90,7 +90,7 @@ def test_prefill_decode_routes_each_phase():
 
 
 def test_the_issue_figures():
-    "Issue 14: QuoKA N_Q D = 1,024, SparQ/Loki at r = 32 12,288, mean of scores 24,576 per cached key (SmolLM2)."
+    "QuoKA N_Q D = 1,024, SparQ/Loki at r = 32 12,288, mean of scores 24,576 per cached key (SmolLM2)."
     per_key = {n: methods.make(n, 1024).scoring_cost(SMOLLM2, 4096).per_key for n in ("quoka", "sparq", "loki",
                                                                                        "mean_scores")}
     assert per_key == dict(quoka=1024, sparq=12288, loki=12288, mean_scores=24576)

@@ -324,7 +324,7 @@ def test_tasks_with_a_byte_tokenizer(tmp_path, monkeypatch):
     assert len("".join(pieces).encode()) == 500 and points[-1] == 500
 
 
-# --- tasks the default model solves (issue 14, item 2) --------------------------------------------------------------
+# --- tasks the default model solves --------------------------------------------------------------
 
 NEW_TASKS = ("passkey", "induction_copy", "kv_retrieval")
 

@@ -184,7 +184,7 @@ def test_module_runs_as_a_script(tmp_path):
     assert (tmp_path / "trained.pt").is_file() and len((tmp_path / "history.csv").read_text().splitlines()) == 3
 
 
-# --- the command line: a user error is one line, a bug keeps its traceback (issue 12, unclear errors) -------------
+# --- the command line: a user error is one line, a bug keeps its traceback -------------
 
 @pytest.mark.parametrize("args,msg", [
     (["--student", "quoka"], "--student must be a trained method, one of"),
@@ -217,7 +217,7 @@ def test_cli_as_a_process_prints_one_line(tmp_path):
         res.stderr.strip()] and "--student must be a trained method" in res.stderr, res.stderr
 
 
-# --- checkpoints answer for one run only (issue 12, item 3) ------------------------------------------------------
+# --- checkpoints answer for one run only ------------------------------------------------------
 
 def _checkpointed(d, mode="scorer_only", steps=2, **student_kw):
     "Train `steps` steps with a checkpoint in `d`; return the setup's model, data and config."

@@ -255,7 +255,7 @@ def test_readme_links_exist():
     assert module_index(ROOT)["settings"]["doc_host"] not in readme
 
 
-# --- the Results page and the executed runs (issue 13, item 3) -----------------------------------------------------
+# --- the Results page and the executed runs -----------------------------------------------------
 
 
 def article(page_html: str) -> str:

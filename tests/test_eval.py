@@ -641,7 +641,7 @@ def test_grid_rejects_bad_input(tmp_path, cells, fn, msg):
     assert msg in str(e.value)
 
 
-# --- grid runner: every setting is a key, damaged files are recomputed (issue 12, items 3 and 4) ----------------
+# --- grid runner: every setting is a key, damaged files are recomputed ----------------
 
 def counting(calls, fn=metrics_of):
     return lambda c: (calls.append(dict(c)), fn(c))[1]

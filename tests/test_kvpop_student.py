@@ -27,7 +27,7 @@ def test_student_attention_is_the_kvpop_mask_policy(name):
     assert loss.ndim == 0 and loss.item() > 0 and 0 <= metrics["retention_recall"] <= 1 and student.captured == []
 
 
-# --- a trained.pt of another method or scorer type is refused, naming both (issue 12, unclear errors) -------------
+# --- a trained.pt of another method or scorer type is refused, naming both -------------
 
 def _saved(tmp_path, method, model, spec=True):
     "A trained.pt as the distill CLI writes it for `method` (with or without its description)."

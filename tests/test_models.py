@@ -186,7 +186,7 @@ def test_model_info_reads_configs_without_head_dim_or_kv_heads():
     assert model_info(gpt2).group_size == 1
 
 
-# --- the model cache checks its folders, load errors name them, offline fails fast (issue 12, item 8) ------------
+# --- the model cache checks its folders, load errors name them, offline fails fast ------------
 
 
 def tiny_converter(calls):

@@ -1,4 +1,4 @@
-"""Padded batches (issue #12): every method either gives each left-padded row what the row gets alone, or refuses
+"""Padded batches: every method either gives each left-padded row what the row gets alone, or refuses
 padding with a clear error before any work."""
 import pytest
 import torch

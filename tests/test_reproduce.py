@@ -48,7 +48,7 @@ def test_cli_rejects_unknown_stage():
     assert res.returncode != 0 and "only must name a stage" in res.stderr
 
 
-# --- stage bookkeeping and pipeline files (issue 12, items 5 and 7) ----------------------------------------------
+# --- stage bookkeeping and pipeline files ----------------------------------------------
 
 
 def toy_project(root, bodies):
@@ -229,7 +229,7 @@ def test_params_may_be_null_or_int_for_float(tmp_path):
     assert stage.captions == {tmp_path / "figures" / "quick" / "a.png": "Fig. 3 of the paper"}
 
 
-# --- progress, estimates and the report at the end (issue 13, item 2) ----------------------------------------------
+# --- progress, estimates and the report at the end ----------------------------------------------
 
 
 def test_estimates_come_from_the_last_run(tmp_path, capsys):
@@ -273,7 +273,7 @@ def test_report_names_every_output_and_each_stage(tmp_path):
     assert re.search(r"^a +ran in \d+ s$", text, re.M) and re.search(r"^b +not run$", text, re.M), text
 
 
-# --- executed notebooks fit to commit (issue 13, item 3) -------------------------------------------------------------
+# --- executed notebooks fit to commit -------------------------------------------------------------
 
 
 def test_executed_notebook_has_no_noise(tmp_path):

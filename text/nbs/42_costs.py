@@ -517,7 +517,7 @@ test_fail(lambda: cost_table(SMOLLM2, target="oval"), contains="target must be")
 # %% [markdown]
 # ## The issue's figures
 #
-# The figures issue 14 quotes are the formulas' at SmolLM2's shape and the paper settings: QuoKA
+# The figures quoted for comparison are the formulas' at SmolLM2's shape and the paper settings: QuoKA
 # $N_Q D$ = 1,024, SparQ and Loki at $r$ = 32 $G B_{CP} r$ = 12,288, mean of scores $G B_{CP} D$ =
 # 24,576, all per cached key and KV head per chunk. They differ from what this package's code
 # multiplies in two places, both stated and counted above: SparQ's code multiplies full-width masked

@@ -36,7 +36,7 @@
 #   their fit depends on the number of decode steps: the probe must decode as many steps as the prose
 #   scores (`probe_steps = window - prose_prefix`), or the ceiling check below fails. Their scoring
 #   cost is not counted.
-# - **The leaderboard** (#17) is this notebook run as its own stage (`stem: leaderboard`) with every
+# - **The leaderboard** is this notebook run as its own stage (`stem: leaderboard`) with every
 #   method of every setting, the shipped KVpop scorers, the compositions (`'quoka+kvpop_mlp'`: QuoKA reads
 #   the prompt, KVpop's bounded cache takes it over for generation; see the methods page) and the presses,
 #   on prose; the table's `setting` column says where each method acts. A method that cannot keep to a

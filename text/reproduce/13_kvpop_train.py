@@ -53,7 +53,7 @@ warmup_steps = 1
 n_boundaries = 64              # boundary queries per window and step (Eq. 25)
 eviction_chunk = 16            # TOVA/H2O: evict every eviction_chunk tokens
 recall_queries = 64            # query positions per held-out window at which retention recall is measured
-every_token = []               # baselines also run evicting every token (as #15 asks), labelled <name>@1
+every_token = []               # baselines also run evicting every token (as the TOVA and H2O papers do), labelled <name>@1
 every_token_hours = None       # stop starting every-token batches after this long (None: all windows); a rerun resumes
 baseline_batch = 8             # held-out windows per every-token pass (one forward per token: a batch amortizes it)
 train = True                   # False: evaluate the shipped scorers (sparsekv/checkpoints) instead of training
@@ -379,7 +379,7 @@ save_figure(fig, Path(fig_dir) / "kvpop_train.png", results)
 # %% [markdown]
 # ## Every student against every baseline
 #
-# #15's goal asks each KVpop student to be ahead of each baseline, not only of the best one. Below, each student's
+# The goal is each KVpop student ahead of each baseline, not only of the best one. Below, each student's
 # paired difference to each baseline over the same held-out windows (`compare` with that baseline alone): "ahead"
 # or "behind" only where the 95% interval excludes 0 over at least `min_items` windows, otherwise "tied".
 # StreamingLLM+ (the model trained under StreamingLLM's pattern) is not in this stage: training the whole model at
@@ -426,7 +426,7 @@ versus
 # ## Baselines evicting every token
 #
 # The tables above let TOVA and H2O evict every `eviction_chunk` tokens, so a query sees up to `eviction_chunk - 1`
-# keys beyond the budget: an advantage to them. #15 asks for eviction at every token, as the TOVA and H2O papers
+# keys beyond the budget: an advantage to them. Eviction at every token is what the TOVA and H2O papers
 # do; that is one forward per token (on 2 cores about a minute per window, baseline and compression, at
 # `baseline_batch` windows per pass), so the baselines in `every_token` run it on as many held-out windows as
 # `every_token_hours` allows, and a rerun adds more. No eviction happens before the cache holds its budget $B$, so
@@ -585,7 +585,7 @@ pd.DataFrame(paper_rows)
 
 
 # %% [markdown]
-# ## #15's goals, measured
+# ## The goals, measured
 #
 # Each goal of the issue beside what this run measured. "yes" only where every paired interval the goal needs
 # excludes 0 in the goal's direction over at least `min_items` windows; StreamingLLM+ (the whole model trained
@@ -674,7 +674,7 @@ if every_token:
     summary += [f"Against the baselines evicting every token ({every_done}; the same baseline evicting every "
                 f"{eviction_chunk} tokens is the row that shows what chunks gave it):", "",
                 "(fewer than 2 windows done)" if every_versus is None else every_versus.to_markdown(index=False), ""]
-summary += ["#15's goals, measured:", "", goals.to_markdown(index=False), ""]
+summary += ["The goals, measured:", "", goals.to_markdown(index=False), ""]
 summary += [f"Retention recall at {recall_queries} query positions per window, mean and s.e. over windows:", "",
             md(recall_table), "", "Paper vs ours:", "", md(pd.DataFrame(paper_rows)), "",
             *[line for line in paper if line]]
