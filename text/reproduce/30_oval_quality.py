@@ -333,7 +333,7 @@ for (src, b), t in table4.groupby(["source", "budget"], sort=False):
 
 # %% [markdown]
 # **Paper vs ours.** The paper's numbers are end-task accuracies (avg@$k$ of 8B-14B reasoning
-# models at 16k tokens); ours are retrieval metrics on a 135M model's activations, so only the
+# models at 16k tokens); ours are retrieval metrics on a small model's activations, so only the
 # direction of each claim is comparable.
 
 # %%
@@ -349,7 +349,8 @@ paper_vs_ours = pd.DataFrame([
      "ours": "prose, output error, best OVAL vs key PCA: "
              + per_budget("prose", lambda r: f"{r['best OVAL error']:.4f} vs {r['key PCA error']:.4f}")
              + "; mass recall: " + per_budget("prose", lambda r: f"{r['best OVAL recall']:.4f} vs {r['key PCA recall']:.4f}"),
-     "why they differ": "OVAL trades key fidelity (mass recall) for output sensitivity; retrieval metrics of a 135M model averaged over layers, not accuracy"},
+     "why they differ": "OVAL trades key fidelity (mass recall) for output sensitivity; retrieval metrics of "
+                        f"{model_label} averaged over layers, not accuracy"},
     {"claim": "OVAL retrieves better than Quest and ArkVale",
      "paper": "Table 1: Llama 8B average avg@k, eta* 55.69 vs Quest 47.81, ArkVale 49.64",
      "ours": "prose mass recall, best OVAL / Quest / ArkVale: "
