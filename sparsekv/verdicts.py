@@ -20,7 +20,7 @@ from .stats import paired_ci
 
 # %% auto #0
 __all__ = ['VERDICTS', 'SIDES', 'decide', 'Measure', 'Claim', 'parse_claim', 'load_claims', 'read_grid', 'evaluate',
-           'verdict_rows', 'verdicts_markdown']
+           'verdict_rows', 'verdicts_markdown', 'agreement_summary']
 
 # %% ../nbs/44_verdicts.ipynb #117d766c
 VERDICTS = ("confirmed", "refuted", "tied", "undecided", "pending", "not tested")
@@ -187,3 +187,19 @@ def verdicts_markdown(rows: pd.DataFrame, claims: list[Claim]) -> str:
         lines.append("| " + " | ".join([c.paper, c.claim, c.paper_says, c.measures + margin,
                                           *(_cell(rs[m]) for m in models), differ]).replace("\n", " ") + " |")
     return "\n".join(lines) + "\n"
+
+# %% ../nbs/44_verdicts.ipynb #98bc1e0d
+def agreement_summary(rows: pd.DataFrame) -> str:
+    "One paragraph: which claims got the same verdict on every model of `rows`, which differ, which are pending."
+    label = lambda m: MODEL_LABELS.get(m, m)
+    same, differ, pending, open_ = [], [], [], ("pending", "not tested")
+    for claim, g in rows.groupby("claim", sort=False):
+        v = dict(zip(g.model, g.verdict))
+        if any(x in open_ for x in v.values()):
+            pending.append(f"{claim} ({', '.join(f'{label(m)} {x}' for m, x in v.items() if x in open_)})")
+        elif len(set(v.values())) == 1: same.append(f"{claim} ({next(iter(v.values()))})")
+        else: differ.append(f"{claim} ({', '.join(f'{label(m)} {x}' for m, x in v.items())})")
+    say = lambda xs: "; ".join(xs) if xs else "none"
+    return (f"Decided on every model: {len(same) + len(differ)} of {len(same) + len(differ) + len(pending)} claims. "
+            f"The same verdict on each: {say(same)}. Different verdicts: {say(differ)}. "
+            f"Not decided yet: {say(pending)}.")

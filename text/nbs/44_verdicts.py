@@ -324,6 +324,34 @@ md = verdicts_markdown(rows, [c])
 assert "+0.667 [" in md and "**confirmed**" in md and md.count("not tested") == 2 and md.count("\n") == 3
 
 # %% [markdown]
+# Under the table, one generated sentence says what changed with the model: the claims decided on
+# every model, those with the same verdict on all, those whose verdicts differ, and those still
+# pending somewhere.
+
+# %%
+#| export
+def agreement_summary(rows: pd.DataFrame) -> str:
+    "One paragraph: which claims got the same verdict on every model of `rows`, which differ, which are pending."
+    label = lambda m: MODEL_LABELS.get(m, m)
+    same, differ, pending, open_ = [], [], [], ("pending", "not tested")
+    for claim, g in rows.groupby("claim", sort=False):
+        v = dict(zip(g.model, g.verdict))
+        if any(x in open_ for x in v.values()):
+            pending.append(f"{claim} ({', '.join(f'{label(m)} {x}' for m, x in v.items() if x in open_)})")
+        elif len(set(v.values())) == 1: same.append(f"{claim} ({next(iter(v.values()))})")
+        else: differ.append(f"{claim} ({', '.join(f'{label(m)} {x}' for m, x in v.items())})")
+    say = lambda xs: "; ".join(xs) if xs else "none"
+    return (f"Decided on every model: {len(same) + len(differ)} of {len(same) + len(differ) + len(pending)} claims. "
+            f"The same verdict on each: {say(same)}. Different verdicts: {say(differ)}. "
+            f"Not decided yet: {say(pending)}.")
+
+# %%
+s = agreement_summary(pd.DataFrame({"claim": ["a", "a", "b", "b", "c", "c"], "model": ["m1", "m2"] * 3,
+                                    "verdict": ["confirmed", "confirmed", "tied", "refuted", "refuted", "pending"]}))
+assert s.startswith("Decided on every model: 2 of 3 claims.") and "each: a (confirmed)." in s, s
+assert "Different verdicts: b (m1 tied, m2 refuted)." in s and s.endswith("Not decided yet: c (m2 pending).")
+
+# %% [markdown]
 # The `verdicts` stage of the pipeline (`reproduce/40_verdicts.ipynb`) writes this table for the
 # committed grids to `reproduce/runs/verdicts.md` with the rows beside it (`verdicts.csv`); the
 # README shows it, and `tests/test_verdicts.py` recomputes every cell from its grid.

@@ -25,7 +25,7 @@ root = ".."
 from pathlib import Path
 
 from sparsekv.io import write_csv, write_text
-from sparsekv.verdicts import load_claims, verdict_rows, verdicts_markdown
+from sparsekv.verdicts import agreement_summary, load_claims, verdict_rows, verdicts_markdown
 
 models, claims = load_claims(claims_file)
 rows = verdict_rows(claims, models, root)
@@ -45,6 +45,6 @@ intro = ("Each claim is decided by the paired 95% interval of the difference it 
          "from the committed grids (`reproduce/claims.yaml` names each grid).\n\n")
 runs = Path(out_dir).parent
 write_csv(runs/"verdicts.csv", rows)
-write_text(runs/"verdicts.md", intro + table)
+write_text(runs/"verdicts.md", intro + agreement_summary(rows) + "\n\n" + table)
 write_text(Path(out_dir)/"verdicts.md", counts.to_markdown() + "\n\n" + table)
 print(table)
