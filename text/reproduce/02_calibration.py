@@ -45,7 +45,8 @@ dtype = "float32"
 device = "cpu"
 lengths = [256]
 # label -> {"task": make_task name (default: the label), "lengths": its own lengths (default: `lengths`),
-#           "phrasing": one fixed phrasing (default: all, cycled over the items), **its other options}
+#           "seeds": its own seeds (default: `seeds`), "phrasing": one fixed phrasing (default: all, cycled over
+#           the items), **its other options}
 tasks = {"passkey": {}, "niah_multikey_2": {"task": "niah_multikey", "n_keys": 2}, "induction_copy": {},
          "kv_retrieval": {}}
 depths = [0.0, 1.0]
@@ -98,7 +99,7 @@ def task_name(label: str) -> str:
 
 @lru_cache(maxsize=None)
 def _item(label: str, length: int, seed: int, depth: float, phrasing: int | None) -> dict:
-    options = {k: v for k, v in tasks[label].items() if k not in ("task", "lengths")}
+    options = {k: v for k, v in tasks[label].items() if k not in ("task", "lengths", "seeds")}
     if phrasing is not None: options["phrasing"] = phrasing
     return make_task(task_name(label), tok, length, seed, depth=depth, **options)
 
@@ -118,7 +119,8 @@ def cells_of(label: str, length: int) -> list[dict]:
     n_phr = None if "phrasing" in tasks[label] else PHRASINGS.get(task_name(label))
     cells = [{"task": label, "length": length, "seed": s, "depth": d,
               "phrasing": None if n_phr is None else (i * len(depths) + j) % n_phr}
-             for i, s in enumerate(seeds) for j, d in sorted(enumerate(depths), key=lambda jd: -jd[1])]
+             for i, s in enumerate(tasks[label].get("seeds", seeds))
+             for j, d in sorted(enumerate(depths), key=lambda jd: -jd[1])]
     # a hash of each item's text in its row's key: a changed task generator or option never reuses old rows
     return [{**c, "item": item_hash(task_item(c))} for c in cells]
 
