@@ -99,6 +99,13 @@ def _check_top(scores: Tensor, n: int):
         raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
 
 
+# %%
+_check_top(torch.tensor([1.0, 2.0]), 2)  # n = T is allowed
+test_fail(lambda: _check_top(torch.tensor([1.0, math.nan]), 1), contains="NaN")
+test_fail(lambda: _check_top(torch.zeros(4), 5), contains="n must be")
+
+# %%
+#| export
 def top_mask(scores: Tensor, n: int) -> Tensor:
     "Boolean mask of the `n` largest entries of each row (last dim), exactly n per row; ties: the lower index wins."
     _check_top(scores, n)
@@ -110,6 +117,29 @@ def top_mask(scores: Tensor, n: int) -> Tensor:
     return above | (tied & (tied.cumsum(-1) <= room))
 
 
+# %%
+test_eq(top_mask(torch.tensor([[1.0, 3, 3, 2], [2, 1, 2, 2]]), 2).int().tolist(),
+        [[0, 1, 1, 0], [1, 0, 1, 0]])  # ties at the cut: the lower index wins
+test_eq(top_mask(torch.zeros(2, 3), 0).any().item(), False)
+
+# %%
+#| export
+def top_budget_indices_reference(scores: Tensor, n: int) -> Tensor:
+    "`top_budget_indices` by sorting each row in Python on the key (-score, index), keeping the first n, ascending."
+    rows = scores.reshape(math.prod(scores.shape[:-1]), scores.shape[-1]).tolist()
+    picked = [sorted(sorted(range(len(r)), key=lambda j: (-r[j], j))[:n]) for r in rows]
+    return torch.tensor(picked, dtype=torch.long).reshape(*scores.shape[:-1], n)
+
+
+# %%
+test_eq(top_budget_indices_reference(torch.tensor([[2.0, 1, 2, 2], [5, 4, 3, 6]]), 2).tolist(), [[0, 2], [0, 3]])
+
+# %% [markdown]
+# Check against the sort on random rows, on rows made of a few repeated values (many ties,
+# some at the cut), with $\pm\infty$, and $n \in \{0, 1, T\}$:
+
+# %%
+#| export
 def top_budget_indices(scores: Tensor, n: int) -> Tensor:
     "Indices [..., n], ascending, of the `n` largest scores of each row (last dim); ties: the lower index wins."
     check_int(n, "n", 0, scores.shape[-1])
@@ -120,22 +150,6 @@ def top_budget_indices(scores: Tensor, n: int) -> Tensor:
     # nonzero lists each row's entries in index order
     return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)
 
-
-def top_budget_indices_reference(scores: Tensor, n: int) -> Tensor:
-    "`top_budget_indices` by sorting each row in Python on the key (-score, index), keeping the first n, ascending."
-    rows = scores.reshape(math.prod(scores.shape[:-1]), scores.shape[-1]).tolist()
-    picked = [sorted(sorted(range(len(r)), key=lambda j: (-r[j], j))[:n]) for r in rows]
-    return torch.tensor(picked, dtype=torch.long).reshape(*scores.shape[:-1], n)
-
-
-def all_key_indices(B: int, Hkv: int, T: int, device=None) -> Tensor:
-    "Indices [B,Hkv,T] of every cached key: the selection when the cache fits the budget."
-    return torch.arange(T, device=device).expand(B, Hkv, T).contiguous()
-
-
-# %% [markdown]
-# Check against the sort on random rows, on rows made of a few repeated values (many ties,
-# some at the cut), with $\pm\infty$, and $n \in \{0, 1, T\}$:
 
 # %%
 g = torch.Generator().manual_seed(0)
@@ -156,6 +170,17 @@ for n in (1, 2, 3):  # a NaN anywhere in a row is refused, whichever entries the
     test_fail(lambda: top_budget_indices(torch.tensor([[3.0, 2.0, 1.0], [1.0, math.nan, 2.0]]), n), contains="NaN")
 test_fail(lambda: top_budget_indices(torch.zeros(4), 5), contains="n must be")
 test_fail(lambda: top_mask(torch.zeros(4), 5), contains="n must be")
+
+# %%
+#| export
+def all_key_indices(B: int, Hkv: int, T: int, device=None) -> Tensor:
+    "Indices [B,Hkv,T] of every cached key: the selection when the cache fits the budget."
+    return torch.arange(T, device=device).expand(B, Hkv, T).contiguous()
+
+
+# %%
+test_eq(all_key_indices(1, 2, 3), torch.tensor([[[0, 1, 2], [0, 1, 2]]]))
+assert all_key_indices(2, 3, 4).is_contiguous()
 
 
 # %% [markdown]
@@ -186,13 +211,15 @@ def anchor_mask(T: int, n: int, sinks: int = 0, recent: int = 0, device=None) ->
     return m
 
 
-def anchored_top_indices(scores: Tensor, n: int, sinks: int = 0, recent: int = 0) -> Tensor:
-    "Indices [..., n], ascending, of the anchors (`anchor_mask`) and best other keys of [..., T]; ties: lower first."
-    a = anchor_mask(scores.shape[-1], n, sinks, recent, scores.device)
-    # scores are finite: anchors win every slot they need
-    return top_budget_indices(scores.masked_fill(a, float("inf")), n)
+# %%
+test_eq(anchor_mask(10, 4, 3, 3).nonzero().flatten().tolist(), [0, 1, 2, 9])  # sinks take their slots first
+test_eq(anchor_mask(10, 4, 0, 2).nonzero().flatten().tolist(), [8, 9])
+test_eq(anchor_mask(5, 3, 0, 5).nonzero().flatten().tolist(), [2, 3, 4])
+test_fail(lambda: anchor_mask(10, 4, -1, 0), contains="sinks")
+test_fail(lambda: anchor_mask(10, 11), contains="n must be")
 
-
+# %%
+#| export
 def anchored_top_indices_reference(scores: Tensor, n: int, sinks: int = 0, recent: int = 0) -> list:
     "`anchored_top_indices` by Python lists: anchors by explicit loops, then the others sorted on (-score, index)."
     T = scores.shape[-1]
@@ -206,9 +233,22 @@ def anchored_top_indices_reference(scores: Tensor, n: int, sinks: int = 0, recen
     return out
 
 
+# %%
+# anchors 0 (sink) and 5 (recent), then the best other key: 1 and 3 tie at 5, the lower index wins
+test_eq(anchored_top_indices_reference(torch.tensor([[0.0, 5, 1, 5, 2, 0]]), 3, 1, 1), [[0, 1, 5]])
+
 # %% [markdown]
 # Check the anchors against the list version, on random scores with ties, for budgets
 # smaller and larger than the anchors:
+
+# %%
+#| export
+def anchored_top_indices(scores: Tensor, n: int, sinks: int = 0, recent: int = 0) -> Tensor:
+    "Indices [..., n], ascending, of the anchors (`anchor_mask`) and best other keys of [..., T]; ties: lower first."
+    a = anchor_mask(scores.shape[-1], n, sinks, recent, scores.device)
+    # scores are finite: anchors win every slot they need
+    return top_budget_indices(scores.masked_fill(a, float("inf")), n)
+
 
 # %%
 g = torch.Generator().manual_seed(0)
@@ -216,6 +256,3 @@ for T, n, s, r in [(10, 4, 0, 0), (10, 4, 2, 1), (10, 4, 3, 3), (10, 2, 3, 3), (
                    (6, 0, 1, 1)]:
     sc = torch.randint(0, 3, (2, 3, T), generator=g).float()  # many ties
     test_eq(anchored_top_indices(sc, n, s, r).reshape(6, n).tolist(), anchored_top_indices_reference(sc, n, s, r))
-test_eq(anchor_mask(10, 4, 3, 3).nonzero().flatten().tolist(), [0, 1, 2, 9])  # sinks take their slots first
-test_fail(lambda: anchor_mask(10, 4, -1, 0), contains="sinks")
-test_fail(lambda: anchor_mask(10, 11), contains="n must be")

@@ -84,12 +84,36 @@ def check_rank_cutoff(rank: Tensor, cutoff: Tensor) -> tuple[int, int, int]:
         raise ValueError(f"rank and cutoff must be on one device, got {rank.device} and {cutoff.device}")
     return tuple(rank.shape)
 
+
+# %%
+test_eq(check_rank_cutoff(torch.zeros(2, 3, 5, dtype=torch.long), torch.zeros(2, 3, 5, dtype=torch.long)), (2, 3, 5))
+test_fail(lambda: check_rank_cutoff(torch.zeros(2, 3, 5, dtype=torch.int32), torch.zeros(2, 3, 5, dtype=torch.long)),
+          contains="rank must be an int64 tensor")
+test_fail(lambda: check_rank_cutoff(torch.zeros(2, 3, 5, dtype=torch.long), torch.zeros(2, 3, 4, dtype=torch.long)),
+          contains="must have one shape")
+
+# %%
+#| export
 def _check_mask_args(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int) -> tuple[int, int, int]:
     check_int(sink, "sink", 0)
     check_int(window, "window", 1)
     check_int(groups, "groups", 1)
     return check_rank_cutoff(rank, cutoff)
 
+
+# %%
+z = torch.zeros(1, 2, 4, dtype=torch.long)
+test_eq(_check_mask_args(z, z, 0, 1, 1), (1, 2, 4))
+test_fail(lambda: _check_mask_args(z, z, -1, 1, 1), contains="sink must be")
+test_fail(lambda: _check_mask_args(z, z, 0, 0, 1), contains="window must be an int >= 1")
+test_fail(lambda: _check_mask_args(z, z, 0, 1, 0), contains="groups must be an int >= 1")
+
+# %% [markdown]
+# `check_ranks` by hand for $S = 4$, one sink, a window of one: rank $S$ at the sink and in $[0, S)$ after it,
+# cutoff $S$ for the first two queries (no eligible key yet):
+
+# %%
+#| export
 def check_ranks(rank: Tensor, cutoff: Tensor, sink: int, window: int) -> None:
     """Necessary conditions, O(S) per head, for rank and cutoff to come from `topk_cutoff(., k, sink, window)`: rank S
     at the sinks and in [0, S) after them; cutoff in [0, S], and S while E(q) is empty (q < sink + window)."""
@@ -101,6 +125,66 @@ def check_ranks(rank: Tensor, cutoff: Tensor, sink: int, window: int) -> None:
         raise ValueError(f"cutoff must be in [0, S={S}], and S for the first sink + window = {sink + window} queries "
                          f"(no eligible key), as topk_cutoff gives for sink={sink}, window={window}")
 
+
+# %%
+rank4, cut4 = torch.tensor([[[4, 0, 1, 2]]]), torch.tensor([[[4, 4, 0, 1]]])
+check_ranks(rank4, cut4, 1, 1)
+test_fail(lambda: check_ranks(torch.tensor([[[0, 0, 1, 2]]]), cut4, 1, 1), contains="rank must be S=4 at the sinks")
+test_fail(lambda: check_ranks(rank4, torch.tensor([[[4, 0, 0, 1]]]), 1, 1), contains="S for the first sink + window")
+test_fail(lambda: check_ranks(rank4, torch.tensor([[[4, 4, 0, 5]]]), 1, 1), contains="cutoff must be in [0, S=4]")
+
+# %% [markdown]
+# `_check_kept` by hand for $S = 5$, no sink, a window of one and $k = 2$: $|\mathcal{E}(q)| = q$, so the
+# rows $q \ge 2$ are full and keep 2 eligible keys, the rows before keep all they have:
+
+# %%
+#| export
+def _check_kept(n: Tensor, full: Tensor, sink: int, window: int) -> None:
+    "Rows with a cutoff < S keep one number k of eligible keys per head, and exactly those rows have |E(q)| >= k."
+    size = (torch.arange(n.shape[-1], device=n.device) - sink - window + 1).clamp(min=0)   # |E(q)|
+    k = n.masked_fill(~full, 0).amax(-1, keepdim=True)
+    if ((n != k) & full).any() or (full != (size >= k) & full.any(-1, keepdim=True)).any():
+        raise ValueError(f"rank and cutoff do not keep the same k eligible keys at every full row: built for another "
+                         f"sink or window than sink={sink}, window={window}?")
+
+
+# %%
+full5 = torch.tensor([[[False, False, True, True, True]]])
+_check_kept(torch.tensor([[[0, 1, 2, 2, 2]]]), full5, 0, 1)
+test_fail(lambda: _check_kept(torch.tensor([[[0, 1, 2, 3, 2]]]), full5, 0, 1), contains="the same k eligible keys")
+test_fail(lambda: _check_kept(torch.tensor([[[0, 1, 2, 2, 2]]]), ~torch.tensor([[[1, 0, 0, 0, 0]]]).bool(), 0, 1),
+          contains="the same k eligible keys")  # row 1 has one eligible key, not k = 2: it cannot be full
+
+# %% [markdown]
+# The mask by its definition, with loops, by hand for $S = 4$, $k = 1$, no sink, a window of one and priorities
+# $(3, 1, 2, 0)$: token 0 wins the one slot at every query.
+
+# %%
+#| export
+def kvpop_mask_reference(priority: Tensor, k: int, sink: int, window: int) -> Tensor:
+    "The KVpop mask [B,H,S,S] by definition, with loops: per q, the top k of E(q) by priority (ties: earlier first)."
+    priority = check_priority(priority)
+    k, sink, window = check_budget(k, sink, window)
+    B, H, S = priority.shape
+    rows = []
+    for b, h in itertools.product(range(B), range(H)):
+        p = priority[b, h].tolist()
+        for q in range(S):
+            top = set(sorted(range(sink, q - window + 1), key=lambda t: (-p[t], t))[:k])
+            rows.append([t <= q and (t < sink or q - t < window or t in top) for t in range(S)])
+    return torch.tensor(rows, dtype=torch.bool, device=priority.device).reshape(B, H, S, S)
+
+
+# %%
+test_eq(kvpop_mask_reference(torch.tensor([[[3.0, 1, 2, 0]]]), 1, 0, 1)[0, 0].int().tolist(),
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]])
+
+# %% [markdown]
+# The dense mask, from the rank and cutoff of `topk_cutoff`:
+#
+# Check the dense mask built from `topk_cutoff` against the loops, then the row counts and
+# the permanence of eviction, on sizes from $1$ to $300$ (including sequences shorter than
+# the budget), with and without ties in the priorities.
 
 # %%
 #| export
@@ -118,33 +202,6 @@ def kvpop_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int
     _check_kept(kept.sum(-1), cutoff < S, sink, window)
     return repeat_kv(sink_window_visible(sink, window)(q, t) | kept, groups)
 
-
-def _check_kept(n: Tensor, full: Tensor, sink: int, window: int) -> None:
-    "Rows with a cutoff < S keep one number k of eligible keys per head, and exactly those rows have |E(q)| >= k."
-    size = (torch.arange(n.shape[-1], device=n.device) - sink - window + 1).clamp(min=0)   # |E(q)|
-    k = n.masked_fill(~full, 0).amax(-1, keepdim=True)
-    if ((n != k) & full).any() or (full != (size >= k) & full.any(-1, keepdim=True)).any():
-        raise ValueError(f"rank and cutoff do not keep the same k eligible keys at every full row: built for another "
-                         f"sink or window than sink={sink}, window={window}?")
-
-def kvpop_mask_reference(priority: Tensor, k: int, sink: int, window: int) -> Tensor:
-    "The KVpop mask [B,H,S,S] by definition, with loops: per q, the top k of E(q) by priority (ties: earlier first)."
-    priority = check_priority(priority)
-    k, sink, window = check_budget(k, sink, window)
-    B, H, S = priority.shape
-    rows = []
-    for b, h in itertools.product(range(B), range(H)):
-        p = priority[b, h].tolist()
-        for q in range(S):
-            top = set(sorted(range(sink, q - window + 1), key=lambda t: (-p[t], t))[:k])
-            rows.append([t <= q and (t < sink or q - t < window or t in top) for t in range(S)])
-    return torch.tensor(rows, dtype=torch.bool, device=priority.device).reshape(B, H, S, S)
-
-
-# %% [markdown]
-# Check the dense mask built from `topk_cutoff` against the loops, then the row counts and
-# the permanence of eviction, on sizes from $1$ to $300$ (including sequences shorter than
-# the budget), with and without ties in the priorities.
 
 # %%
 def _row_counts(S, k, sink, window):
@@ -203,6 +260,9 @@ assert _evictions_permanent(kvpop_mask(rank, cutoff, sink, window), sink, window
 # tests Eq. (26). With grouped-query attention FlexAttention passes the *query* head $h$;
 # its KV head is $\lfloor h / G \rfloor$. `kvpop_block_mask` builds the `BlockMask` (which
 # blocks can be skipped entirely) from the same `mask_mod`.
+#
+# Check: the `mask_mod`, evaluated on the full grid of indices (broadcast tensors), equals
+# the dense mask for $G = 1, 3, 4$.
 
 # %%
 #| export
@@ -219,16 +279,6 @@ def kvpop_mask_mod(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups:
 
     return mask_mod
 
-def kvpop_block_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1) -> BlockMask:
-    "FlexAttention BlockMask of the KVpop mask for B x (Hkv*groups) query heads over S x S positions."
-    B, H, S = _check_mask_args(rank, cutoff, sink, window, groups)
-    return create_block_mask(kvpop_mask_mod(rank, cutoff, sink, window, groups), B, H * groups, S, S,
-                             device=rank.device)
-
-
-# %% [markdown]
-# Check: the `mask_mod`, evaluated on the full grid of indices (broadcast tensors), equals
-# the dense mask for $G = 1, 3, 4$.
 
 # %%
 def _eval_mask_mod(mask_mod, B, Hq, S):
@@ -247,6 +297,20 @@ for G, (S, k, sink, window) in itertools.product((1, 3, 4), ((1, 1, 0, 1), (13, 
     # query head h <- KV head h // G
     for h in range(2 * G): test_eq(dense[:, h], kvpop_mask(rank, cutoff, sink, window)[:, h // G])
 
+# %%
+#| export
+def kvpop_block_mask(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int = 1) -> BlockMask:
+    "FlexAttention BlockMask of the KVpop mask for B x (Hkv*groups) query heads over S x S positions."
+    B, H, S = _check_mask_args(rank, cutoff, sink, window, groups)
+    return create_block_mask(kvpop_mask_mod(rank, cutoff, sink, window, groups), B, H * groups, S, S,
+                             device=rank.device)
+
+
+# %%
+bm = kvpop_block_mask(rank, cutoff, sink, window, 3)  # the last ranks of the grid above: S = 77, 2 KV heads
+test_eq(bm.shape, (2, 6, 77, 77))
+test_eq(_eval_mask_mod(bm.mask_mod, 2, 6, 77), kvpop_mask(rank, cutoff, sink, window, groups=3))
+
 
 # %% [markdown]
 # ## Sparse attention and its log-sum-exp (Eq. 9)
@@ -259,6 +323,10 @@ for G, (S, k, sink, window) in itertools.product((1, 3, 4), ((1, 1, 0, 1), (13, 
 # $$\widetilde{\mathrm{LSE}}_d = \log \sum_{t'=0}^{d} M_{d,t'} \exp \ell(d, t'),$$
 #
 # which KVpop's target reuses in place of the dense one (Eq. 9, `sparsekv.kvpop.target`).
+#
+# Check, for $G = 1, 3, 4$: the dense-mask path and the FlexAttention path equal the
+# reference attention under the same mask, and the LSE equals Eq. (9) summed with loops
+# over the kept keys in float64.
 
 # %%
 #| export
@@ -279,11 +347,6 @@ def kvpop_attention(q: Tensor, k: Tensor, v: Tensor, rank: Tensor, cutoff: Tenso
                                   enable_gqa=G > 1)
     return masked_attention(q, k, v, kvpop_mask(rank, cutoff, sink, window, G), scale=scale, backend=backend)
 
-
-# %% [markdown]
-# Check, for $G = 1, 3, 4$: the dense-mask path and the FlexAttention path equal the
-# reference attention under the same mask, and the LSE equals Eq. (9) summed with loops
-# over the kept keys in float64.
 
 # %%
 def _sparse_lse_loops(q, k, mask, G):

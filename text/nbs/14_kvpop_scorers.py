@@ -17,13 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastcore.basics import patch_to
+
 from sparsekv.attention import check_int, require_finite
 
 # %%
 #| hide
+import copy
 import time
 
 from fastcore.test import test_eq, test_fail
+from mlstm_kernels.torch.parallel.native.fw import mlstm_parallel_fw
+from mlstm_kernels.torch.recurrent.native_step import mlstm_recurrent_step__native_fw
 from torch.testing import assert_close
 
 
@@ -60,6 +65,15 @@ def check_kv(k: Tensor, v: Tensor, num_kv_heads: int | None = None, head_dim: in
     if head_dim is not None and k.shape[-1] != head_dim:
         raise ValueError(f"k/v have head dim {k.shape[-1]}, the scorer was built for head_dim={head_dim}")
 
+
+# %%
+check_kv(torch.zeros(2, 3, 5, 4), torch.zeros(2, 3, 5, 4), 3, 4)  # [B, Hkv, S, d] built for 3 heads of dim 4
+test_fail(lambda: check_kv(torch.zeros(2, 3, 5, 4), torch.zeros(2, 3, 5, 4), 2), contains="num_kv_heads=2")
+test_fail(lambda: check_kv(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), 3, 8), contains="head_dim=8")  # one token
+test_fail(lambda: check_kv(torch.zeros(3), torch.zeros(3)), contains="floating-point tensor")
+
+# %%
+#| export
 def scorer_input(k: Tensor, v: Tensor) -> Tensor:
     "Detached headwise scorer input x = [k; v] along the last dim (Eq. 35)."
     check_kv(k, v)
@@ -110,6 +124,17 @@ class HeadwiseLinear(nn.Module):
         H, i, o = self.weight.shape
         return f"num_heads={H}, in_features={i}, out_features={o}, bias={self.bias is not None}"
 
+
+# %%
+hl = HeadwiseLinear(2, 2, 1)
+with torch.no_grad(): hl.weight.copy_(torch.tensor([[[1.0], [2.0]], [[3.0], [4.0]]]))
+with torch.no_grad(): hl.bias.copy_(torch.tensor([[0.5], [-1.0]]))
+test_eq(hl(torch.ones(1, 2, 1, 2)).detach().flatten().tolist(), [1 + 2 + 0.5, 3 + 4 - 1])  # head by head, by hand
+test_eq(repr(HeadwiseLinear(3, 8, 5, bias=False)),
+        "HeadwiseLinear(num_heads=3, in_features=8, out_features=5, bias=False)")
+
+# %%
+#| export
 def headwise_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     "`HeadwiseLinear` by a loop over heads with `F.linear` (x [B,H,S,in])."
     out = [F.linear(x[:, h], weight[h].T, None if bias is None else bias[h]) for h in range(weight.shape[0])]
@@ -153,6 +178,16 @@ class LinearScorer(nn.Module):
         x = scorer_input(k, v).to(self.out.weight.dtype)
         return self.out(x)[..., 0].float()
 
+
+# %%
+torch.manual_seed(0)
+k, v = torch.randn(2, 3, 9, 4), torch.randn(2, 3, 9, 4)
+lin = LinearScorer(3, 4)
+with torch.no_grad(): lin.out.weight.normal_(); lin.out.bias.normal_()
+assert_close(lin(k, v), torch.einsum("bhsi,hi->bhs", torch.cat([k, v], -1), lin.out.weight[..., 0]) + lin.out.bias)
+
+# %%
+#| export
 class MLPScorer(nn.Module):
     "Headwise two-layer SiLU MLP scorer on [k; v] (Eq. 36); the output layer starts at zero (neutral ranking)."
     def __init__(self, num_kv_heads: int, head_dim: int, hidden: int | None = None):
@@ -170,6 +205,16 @@ class MLPScorer(nn.Module):
         x = scorer_input(k, v).to(self.out.weight.dtype)
         return self.out(F.silu(self.hidden(x)))[..., 0].float()
 
+
+# %%
+torch.manual_seed(0)
+mlp = MLPScorer(3, 4, hidden=6)
+k, v = torch.randn(2, 3, 9, 4), torch.randn(2, 3, 9, 4)
+assert (mlp(k, v) == 0).all()  # zero-initialized output layer: neutral ranking
+test_fail(lambda: mlp(k[:, :2], v[:, :2]), contains="num_kv_heads=3")
+
+# %%
+#| export
 def mlp_scorer_reference(scorer: MLPScorer, k: Tensor, v: Tensor) -> Tensor:
     "`MLPScorer` token by token and head by head with explicit matrix products."
     B, H, S, _ = k.shape
@@ -183,16 +228,8 @@ def mlp_scorer_reference(scorer: MLPScorer, k: Tensor, v: Tensor) -> Tensor:
 
 
 # %%
-torch.manual_seed(0)
-mlp = MLPScorer(3, 4, hidden=6)
-k, v = torch.randn(2, 3, 9, 4), torch.randn(2, 3, 9, 4)
-assert (mlp(k, v) == 0).all()  # zero-initialized output layer: neutral ranking
 with torch.no_grad(): mlp.out.weight.normal_(); mlp.out.bias.normal_()
 assert_close(mlp(k, v), mlp_scorer_reference(mlp, k, v))
-lin = LinearScorer(3, 4)
-with torch.no_grad(): lin.out.weight.normal_(); lin.out.bias.normal_()
-assert_close(lin(k, v), torch.einsum("bhsi,hi->bhs", torch.cat([k, v], -1), lin.out.weight[..., 0]) + lin.out.bias)
-test_fail(lambda: mlp(k[:, :2], v[:, :2]), contains="num_kv_heads=3")
 
 
 # %% [markdown]
@@ -220,10 +257,6 @@ def hedgehog(y: Tensor) -> Tensor:
     "Hedgehog feature map [softmax(y); softmax(-y)] over the last dim (App. A): d/2 -> d positive features."
     return torch.cat([torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)], dim=-1)
 
-def soft_cap(x: Tensor, cap: float | None) -> Tensor:
-    "Soft-capping cap * tanh(x / cap) of gate pre-activations; identity for cap=None."
-    return x if cap is None else cap * torch.tanh(x / cap)
-
 
 # %%
 y = torch.randn(4, 6, dtype=torch.float64) * 30  # large inputs: the stabilized softmax must not overflow
@@ -232,6 +265,15 @@ e_pos, e_neg = torch.exp(y - y.max(-1, keepdim=True).values), torch.exp(-y - (-y
 assert_close(phi, torch.cat([e_pos / e_pos.sum(-1, keepdim=True), e_neg / e_neg.sum(-1, keepdim=True)], -1))
 assert (phi >= 0).all() and torch.isfinite(phi).all()
 assert_close(phi.sum(-1), torch.full((4,), 2.0, dtype=torch.float64))
+
+# %%
+#| export
+def soft_cap(x: Tensor, cap: float | None) -> Tensor:
+    "Soft-capping cap * tanh(x / cap) of gate pre-activations; identity for cap=None."
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
+# %%
 assert_close(soft_cap(torch.tensor([0.1, 100.0]), 15.0),
              torch.tensor([15 * math.tanh(0.1 / 15), 15 * math.tanh(100 / 15)]))
 
@@ -271,18 +313,52 @@ assert_close(soft_cap(torch.tensor([0.1, 100.0]), 15.0),
 #| export
 NORMALIZERS = ("ratio", "mlstm")
 
+def check_normalizer(normalizer: str) -> str:
+    "Validate the readout normalizer name."
+    if normalizer not in NORMALIZERS: raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
+    return normalizer
+
+
+# %%
+test_eq([check_normalizer(n) for n in ("ratio", "mlstm")], ["ratio", "mlstm"])
+test_fail(lambda: check_normalizer("xlstm"), contains="normalizer must be one of ('ratio', 'mlstm')")
+
+# %%
+#| export
 class MLSTMState(NamedTuple):
     "Stabilized mLSTM state per head: C = e^-m C_raw [B,H,dk,dv], n = e^-m z_raw [B,H,dk], m [B,H] (float32)."
     C: Tensor
     n: Tensor
     m: Tensor
 
+
+# %%
+test_eq(MLSTMState._fields, ("C", "n", "m"))
+test_eq(MLSTMState(*"abc").n, "b")
+
+# %%
+#| export
 def mlstm_init_state(B: int, H: int, dk: int, dv: int, device=None, dtype=torch.float32) -> MLSTMState:
     "Empty state: C = 0, n = 0, m = -inf (no token yet)."
     return MLSTMState(torch.zeros(B, H, dk, dv, device=device, dtype=dtype),
                       torch.zeros(B, H, dk, device=device, dtype=dtype),
                       torch.full((B, H), -math.inf, device=device, dtype=dtype))
 
+
+# %%
+st = mlstm_init_state(2, 3, 4, 5, dtype=torch.float64)
+test_eq([tuple(x.shape) for x in st], [(2, 3, 4, 5), (2, 3, 4), (2, 3)])
+test_eq((st.C.abs().sum().item(), st.n.abs().sum().item()), (0, 0))  # empty
+test_eq((st.m.max().item(), st.m.dtype), (-math.inf, torch.float64))  # no token yet
+
+# %% [markdown]
+# One step from the empty state by hand: $m_0 = \max(\log f - \infty, \log i) = \log i$, the old state
+# decays by $e^{-\infty} = 0$ and the write gets $e^{\log i - m_0} = 1$, so $\bar C = \tilde k \tilde v^\top$,
+# $\bar n = \tilde k$. A second step with $\log i = \log f + m_0$ weighs the old state and the new write
+# alike (both factors are 1) and sets $m_1 = \log i$.
+
+# %%
+#| export
 def mlstm_step(state: MLSTMState, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor) -> MLSTMState:
     "One stabilized mLSTM update with key feature k [B,H,dk], value v [B,H,dv], log-gates [B,H] (Eq. 38-39)."
     m = torch.maximum(log_f + state.m, log_i)
@@ -291,11 +367,21 @@ def mlstm_step(state: MLSTMState, k: Tensor, v: Tensor, log_i: Tensor, log_f: Te
     n = decay[..., None] * state.n + write[..., None] * k
     return MLSTMState(C, n, m)
 
-def check_normalizer(normalizer: str) -> str:
-    "Validate the readout normalizer name."
-    if normalizer not in NORMALIZERS: raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
-    return normalizer
 
+# %%
+k1, v1 = torch.tensor([[[1.0, 2.0]]]), torch.tensor([[[3.0, 4.0, 5.0]]])
+st = mlstm_step(mlstm_init_state(1, 1, 2, 3), k1, v1, torch.tensor([[0.7]]), torch.tensor([[-0.2]]))
+test_eq(st.C, torch.tensor([[[[3.0, 4, 5], [6, 8, 10]]]])); test_eq(st.n, k1); test_eq(st.m, torch.tensor([[0.7]]))
+st2 = mlstm_step(st, k1, v1, torch.tensor([[0.5]]), torch.tensor([[-0.2]]))  # log i = log f + m: weights 1 and 1
+assert_close(st2.C, 2 * st.C); assert_close(st2.n, 2 * st.n); assert_close(st2.m, torch.tensor([[0.5]]))
+
+# %% [markdown]
+# The readout by hand: with $\tilde q = (4, 0, 0, 0)$ ($d^{-1/2}\tilde q = (2, 0, 0, 0)$), the first row of
+# $\bar C$ is $(0, 1)$ and $\bar n = 0.1$: the ratio gives $(0, 2) / 0.2 = (0, 10)$, the `"mlstm"` normalizer
+# $(0, 2) / \max(0.2, e^{-m}) = (0, 2)$ at $m = 0$; several queries at once, $[B,H,n,d_k]$, read alike.
+
+# %%
+#| export
 def mlstm_readout(state: MLSTMState, q: Tensor, normalizer: str = "ratio", eps: float = 1e-6) -> Tensor:
     "Readout h = q C / (q z) of a stabilized state for features q [B,H,dk] or [B,H,n,dk] (Eq. 41): [B,H,(n,)dv]."
     one = q.dim() == 3
@@ -306,6 +392,21 @@ def mlstm_readout(state: MLSTMState, q: Tensor, normalizer: str = "ratio", eps: 
     h = num / (den + eps)
     return h[:, :, 0] if one else h
 
+
+# %%
+st = MLSTMState(torch.arange(8.0).view(1, 1, 4, 2), torch.full((1, 1, 4), 0.1), torch.zeros(1, 1))
+q4 = torch.tensor([[[4.0, 0, 0, 0]]])
+assert_close(mlstm_readout(st, q4, "ratio", eps=0.0), torch.tensor([[[0.0, 10.0]]]))
+assert_close(mlstm_readout(st, q4, "mlstm", eps=0.0), torch.tensor([[[0.0, 2.0]]]))
+assert_close(mlstm_readout(st, torch.stack([q4, 2 * q4], 2), eps=0.0), torch.tensor([[[[0.0, 10.0], [0.0, 10.0]]]]))
+
+# %% [markdown]
+# Check: in float64 on small inputs (pre-activations small enough that $e^{\alpha}$ is exact),
+# stepping the stabilized state and reading it out equals the unstabilized recurrence, for
+# both normalizers; the state itself equals $e^{-m_t}$ times the raw state.
+
+# %%
+#| export
 def mlstm_unstabilized_reference(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
                                  normalizer: str = "ratio") -> Tensor:
     "Delayed readouts h[u] = q_u C_t / (q_u z_t), t = min(u+delay, S-1), by loops with raw exp gates (no eps)."
@@ -326,11 +427,6 @@ def mlstm_unstabilized_reference(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor,
         h[:, :, u] = torch.einsum("bhk,bhkv->bhv", qu, C) / den
     return h
 
-
-# %% [markdown]
-# Check: in float64 on small inputs (pre-activations small enough that $e^{\alpha}$ is exact),
-# stepping the stabilized state and reading it out equals the unstabilized recurrence, for
-# both normalizers; the state itself equals $e^{-m_t}$ times the raw state.
 
 # %%
 torch.manual_seed(0)
@@ -357,10 +453,6 @@ assert_close(st.C * torch.exp(st.m)[..., None, None], raw_C)
 # and its readout is the `"mlstm"` normalizer. Started from $m = -\infty$ it must match ours
 # step by step, in float32 and with large input-gate pre-activations where $e^{\alpha}$ alone
 # would overflow.
-
-# %%
-#| hide
-from mlstm_kernels.torch.recurrent.native_step import mlstm_recurrent_step__native_fw
 
 # %%
 torch.manual_seed(1)
@@ -411,6 +503,12 @@ def readout_positions(S: int, delay: int, device=None) -> Tensor:
     "Index of the state each token reads: t(u) = min(u + delay, S - 1) (Eq. 41; the last tokens read the last state)."
     return torch.clamp(torch.arange(S, device=device) + check_int(delay, "delay"), max=S - 1)
 
+
+# %%
+test_eq(readout_positions(5, 2).tolist(), [2, 3, 4, 4, 4])
+
+# %%
+#| export
 def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
                    normalizer: str = "ratio", eps: float = 1e-6) -> Tensor:
     "Delayed mLSTM readouts h[u] of state min(u+delay, S-1): a masked quadratic form, stabilized per row, [B,H,S,dv]."
@@ -425,6 +523,33 @@ def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor
     den = qn.abs() if check_normalizer(normalizer) == "ratio" else torch.maximum(qn.abs(), torch.exp(-m))
     return (W @ v) / (den + eps)
 
+
+# %%
+torch.manual_seed(2)
+B, H, S, dk, dv = 2, 3, 15, 6, 3
+q = hedgehog(torch.randn(B, H, S, dk // 2, dtype=torch.float64))
+kf = hedgehog(torch.randn(B, H, S, dk // 2, dtype=torch.float64))
+vf = torch.randn(B, H, S, dv, dtype=torch.float64)
+log_i, log_f = torch.randn(B, H, S, dtype=torch.float64), F.logsigmoid(torch.randn(B, H, S, dtype=torch.float64) + 2)
+for delay in (0, 1, 4, 14, 20):
+    for normalizer in NORMALIZERS:
+        ref = mlstm_unstabilized_reference(q, kf, vf, log_i, log_f, delay, normalizer)
+        assert_close(mlstm_parallel(q, kf, vf, log_i, log_f, delay, normalizer, eps=0.0), ref)
+
+torch.manual_seed(3)
+q3, k3 = hedgehog(torch.randn(B, H, 64, 8)), hedgehog(torch.randn(B, H, 64, 8))
+v3, i_pre, f_pre = torch.randn(B, H, 64, 5), 30 * torch.randn(B, H, 64), 3 * torch.randn(B, H, 64)
+h_theirs, _, _ = mlstm_parallel_fw(q3, k3, v3, i_pre, f_pre)
+assert_close(mlstm_parallel(q3, k3, v3, i_pre, F.logsigmoid(f_pre), 0, "mlstm"), h_theirs)
+
+# %% [markdown]
+# Checks: parallel = recurrent = the unstabilized float64 reference, for several delays
+# (including a delay longer than the sequence), and the immediate readout matches
+# `mlstm_kernels`' parallel native forward (`mlstm_kernels.torch.parallel.native.fw`), which uses
+# the `"mlstm"` normalizer.
+
+# %%
+#| export
 def mlstm_recurrent(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
                     normalizer: str = "ratio", eps: float = 1e-6) -> Tensor:
     "`mlstm_parallel` by stepping the state token by token and reading token u = t - delay after step t (decode order)."
@@ -439,35 +564,11 @@ def mlstm_recurrent(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tenso
     return h
 
 
-# %% [markdown]
-# Checks: parallel = recurrent = the unstabilized float64 reference, for several delays
-# (including a delay longer than the sequence), and the immediate readout matches
-# `mlstm_kernels`' parallel native forward (`mlstm_kernels.torch.parallel.native.fw`), which uses
-# the `"mlstm"` normalizer.
-
 # %%
-#| hide
-from mlstm_kernels.torch.parallel.native.fw import mlstm_parallel_fw
-
-# %%
-torch.manual_seed(2)
-B, H, S, dk, dv = 2, 3, 15, 6, 3
-q = hedgehog(torch.randn(B, H, S, dk // 2, dtype=torch.float64))
-kf = hedgehog(torch.randn(B, H, S, dk // 2, dtype=torch.float64))
-vf = torch.randn(B, H, S, dv, dtype=torch.float64)
-log_i, log_f = torch.randn(B, H, S, dtype=torch.float64), F.logsigmoid(torch.randn(B, H, S, dtype=torch.float64) + 2)
-test_eq(readout_positions(5, 2).tolist(), [2, 3, 4, 4, 4])
 for delay in (0, 1, 4, 14, 20):
     for normalizer in NORMALIZERS:
         ref = mlstm_unstabilized_reference(q, kf, vf, log_i, log_f, delay, normalizer)
-        assert_close(mlstm_parallel(q, kf, vf, log_i, log_f, delay, normalizer, eps=0.0), ref)
         assert_close(mlstm_recurrent(q, kf, vf, log_i, log_f, delay, normalizer, eps=0.0), ref)
-
-torch.manual_seed(3)
-q, kf = hedgehog(torch.randn(B, H, 64, 8)), hedgehog(torch.randn(B, H, 64, 8))
-vf, i_pre, f_pre = torch.randn(B, H, 64, 5), 30 * torch.randn(B, H, 64), 3 * torch.randn(B, H, 64)
-h_theirs, _, _ = mlstm_parallel_fw(q, kf, vf, i_pre, f_pre)
-assert_close(mlstm_parallel(q, kf, vf, i_pre, F.logsigmoid(f_pre), 0, "mlstm"), h_theirs)
 
 
 # %% [markdown]
@@ -515,11 +616,14 @@ assert_close(mlstm_parallel(q, kf, vf, i_pre, F.logsigmoid(f_pre), 0, "mlstm"), 
 # against $10^{-6}$ for a loop over chunks).
 #
 # The chunk length trades the $L \times L$ intra-chunk work, $O(SLd)$, against the per-chunk states,
-# $O(Nd^2)$ with $N = S/L$. The default $L = 64$ was chosen by the benchmark after the scorer module
-# below: on this CPU a training step (forward and backward) at $S = 2048$ ran about 1.5× faster with 64
-# than with 256, whose $256 \times 256$ intra-chunk tensors no longer stay in cache; and without the loop
-# over chunks (a loop of $N$ state updates, each a handful of small operations and their backward) it
-# ran about 2× faster than with one (measured beside other work; the benchmark prints its own run).
+# $O(Nd^2)$ with $N = S/L$. The default $L = 64$ was chosen with the benchmark after the scorer module
+# below, which times a training step (forward and backward) at $S = 2048$ per chunk length and prints its
+# own run: larger chunks, such as 256, leave the cache with their $L \times L$ intra-chunk tensors, and the
+# form above has no loop over chunks (a loop of $N$ state updates, each a handful of small operations and
+# their backward).
+#
+# The states entering each of 6 chunks of 7 tokens are the recurrent states after 0, 7, ..., 35 tokens,
+# and the final state the one after 42, with large input-gate pre-activations:
 
 # %%
 #| export
@@ -548,6 +652,23 @@ def chunk_states(k: Tensor, v: Tensor, b: Tensor, log_i: Tensor, initial: MLSTMS
     entering = tuple(torch.cat([e[:, :, None], x[:, :, :-1]], 2) for e, x in zip(first, (C, n, m)))
     return entering, MLSTMState(C[:, :, -1], n[:, :, -1], m[..., -1])
 
+
+# %%
+torch.manual_seed(5)
+B, H, S, dk, dv = 2, 3, 45, 8, 4
+q, kf = hedgehog(torch.randn(B, H, S, dk // 2)), hedgehog(torch.randn(B, H, S, dk // 2))
+vf, log_i, log_f = torch.randn(B, H, S, dv), 20 * torch.randn(B, H, S), F.logsigmoid(2 * torch.randn(B, H, S) + 2)
+chunked = lambda x: x[:, :, :42].reshape(B, H, 6, 7, *x.shape[3:])
+entering, last = chunk_states(chunked(kf), chunked(vf), chunked(log_f).cumsum(-1), chunked(log_i))
+state = mlstm_init_state(B, H, dk, dv)
+for t in range(42):
+    if t % 7 == 0:
+        for a, b in zip(entering, state): assert_close(a[:, :, t // 7], b, rtol=1e-4, atol=1e-5)
+    state = mlstm_step(state, kf[:, :, t], vf[:, :, t], log_i[..., t], log_f[..., t])
+for a, b in zip(last, state): assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+# %%
+#| export
 def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, normalizer: str = "ratio",
                               eps: float = 1e-6, chunk_size: int = 64, initial: MLSTMState | None = None
                               ) -> tuple[Tensor, MLSTMState]:
@@ -572,30 +693,8 @@ def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, lo
     den = qn.abs() if check_normalizer(normalizer) == "ratio" else torch.maximum(qn.abs(), torch.exp(-m)[..., None])
     return (num / (den + eps)).reshape(B, H, N * L, dv)[:, :, :S], state
 
-def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
-                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 64) -> Tensor:
-    "`mlstm_parallel` with memory linear in S: immediate chunkwise readout of the query shifted by `delay`, [B,H,S,dv]."
-    S, w = q.shape[-2], min(check_int(delay, "delay"), q.shape[-2])
-    q_read = torch.cat([torch.zeros_like(q[:, :, :w]), q[:, :, :S - w]], dim=2)  # step t reads token t - w
-    h, final = mlstm_chunkwise_immediate(q_read, k, v, log_i, log_f, normalizer, eps, chunk_size)
-    return torch.cat([h[:, :, w:], mlstm_readout(final, q[:, :, S - w:], normalizer, eps)], dim=2)
-
-
-# %% [markdown]
-# Check: the chunkwise form equals the quadratic form for chunk sizes that do and do not
-# divide $S$, a single chunk, chunks of one token, and delays shorter and longer than a chunk
-# or the sequence; the final state equals the recurrent one.
 
 # %%
-torch.manual_seed(5)
-B, H, S, dk, dv = 2, 3, 45, 8, 4
-q, kf = hedgehog(torch.randn(B, H, S, dk // 2)), hedgehog(torch.randn(B, H, S, dk // 2))
-vf, log_i, log_f = torch.randn(B, H, S, dv), 20 * torch.randn(B, H, S), F.logsigmoid(2 * torch.randn(B, H, S) + 2)
-for chunk_size in (1, 7, 16, 45, 64):
-    for delay in (0, 3, 20, 44, 60):
-        for normalizer in NORMALIZERS:
-            assert_close(mlstm_chunkwise(q, kf, vf, log_i, log_f, delay, normalizer, chunk_size=chunk_size),
-                         mlstm_parallel(q, kf, vf, log_i, log_f, delay, normalizer), rtol=1e-4, atol=1e-5)
 _, final = mlstm_chunkwise_immediate(q, kf, vf, log_i, log_f, chunk_size=7)
 state = mlstm_init_state(B, H, dk, dv)
 for t in range(S): state = mlstm_step(state, kf[:, :, t], vf[:, :, t], log_i[..., t], log_f[..., t])
@@ -613,6 +712,29 @@ for t0 in (1, 14, 40):
         for a, b in zip(final, whole_final): assert_close(a, b)
 assert_close(mlstm_chunkwise_immediate(q, kf, vf, log_i, log_f, chunk_size=7, initial=mlstm_init_state(B, H, dk, dv)),
              (whole, whole_final))
+
+# %% [markdown]
+# Check: the chunkwise form equals the quadratic form for chunk sizes that do and do not
+# divide $S$, a single chunk, chunks of one token, and delays shorter and longer than a chunk
+# or the sequence; the final state equals the recurrent one.
+
+# %%
+#| export
+def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
+                    normalizer: str = "ratio", eps: float = 1e-6, chunk_size: int = 64) -> Tensor:
+    "`mlstm_parallel` with memory linear in S: immediate chunkwise readout of the query shifted by `delay`, [B,H,S,dv]."
+    S, w = q.shape[-2], min(check_int(delay, "delay"), q.shape[-2])
+    q_read = torch.cat([torch.zeros_like(q[:, :, :w]), q[:, :, :S - w]], dim=2)  # step t reads token t - w
+    h, final = mlstm_chunkwise_immediate(q_read, k, v, log_i, log_f, normalizer, eps, chunk_size)
+    return torch.cat([h[:, :, w:], mlstm_readout(final, q[:, :, S - w:], normalizer, eps)], dim=2)
+
+
+# %%
+for chunk_size in (1, 7, 16, 45, 64):
+    for delay in (0, 3, 20, 44, 60):
+        for normalizer in NORMALIZERS:
+            assert_close(mlstm_chunkwise(q, kf, vf, log_i, log_f, delay, normalizer, chunk_size=chunk_size),
+                         mlstm_parallel(q, kf, vf, log_i, log_f, delay, normalizer), rtol=1e-4, atol=1e-5)
 # many chunks (1,024 of one token): the float64 chunk matrix keeps the readouts at float32 accuracy
 g = torch.Generator().manual_seed(6)
 q1, k1 = (hedgehog(torch.randn(1, 2, 1024, 8, generator=g)) for _ in range(2))
@@ -675,98 +797,75 @@ class MLSTMScorer(nn.Module):
             self.gates.bias[:, 0] = input_bias
             self.gates.bias[:, 1] = torch.linspace(*forget_bias, num_kv_heads) if num_kv_heads > 1 else forget_bias[0]
 
-    def features(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        "(q~, k~, v~, log i, log f) for keys/values [B,H,S,d] or one token [B,H,d]; float32 at least."
-        x = self._input(k, v)
-        acc = torch.promote_types(x.dtype, torch.float32)
-        q, kf = hedgehog(self.q_proj(x).to(acc)), hedgehog(self.k_proj(x).to(acc))
-        pre = soft_cap(self.gates(x).to(acc), self.soft_cap)
-        out = q, kf, self.v_proj(x).to(acc), pre[..., 0], F.logsigmoid(pre[..., 1])
-        return out if k.dim() == 4 else tuple(t.squeeze(2) for t in out)
-
-    def _input(self, k: Tensor, v: Tensor) -> Tensor:
-        "Detached [k; v] as [B,H,S,2d] in the parameter dtype (one token [B,H,d] gets S = 1)."
-        check_kv(k, v, self.num_kv_heads, self.head_dim)
-        if k.dim() not in (3, 4):
-            raise ValueError(f"k must be [B, Hkv, S, d] or [B, Hkv, d], got shape {tuple(k.shape)}")
-        x = scorer_input(k, v).to(self.q_proj.weight.dtype)
-        return x if k.dim() == 4 else x[:, :, None]
-
-    def score_head(self, h: Tensor) -> Tensor:
-        "Raw score a_h . SiLU(Norm(h)) + b_h (Eq. 42) of readouts h [B,H,S,d/2] or [B,H,d/2]."
-        if self.norm: h = F.layer_norm(h, h.shape[-1:])
-        one = h.dim() == 3  # [B,H,d/2]: a single token
-        r = self.score(F.silu(h[:, :, None] if one else h).to(self.score.weight.dtype))[..., 0].float()
-        return r[:, :, 0] if one else r
-
-    def forward(self, k: Tensor, v: Tensor) -> Tensor:
-        "Raw scores r [B,Hkv,S] with the delayed readout, chunkwise-parallel form (training and prefill)."
-        if k.dim() != 4: raise ValueError(f"k must be [B, Hkv, S, d] for the parallel form, got shape {tuple(k.shape)}")
-        return self.score_head(mlstm_chunkwise(*self.features(k, v), self.delay, self.normalizer, self.eps,
-                                               self.chunk_size))
-
-    def init_state(self, batch_size: int, device=None) -> MLSTMState:
-        "Empty recurrent state for `batch_size` sequences."
-        half = self.head_dim // 2
-        return mlstm_init_state(batch_size, self.num_kv_heads, self.head_dim, half, device,
-                                torch.promote_types(self.q_proj.weight.dtype, torch.float32))
-
-    def step(self, state: MLSTMState, k: Tensor, v: Tensor) -> MLSTMState:
-        "Absorb one token, keys/values [B,Hkv,d], into the state (decode)."
-        _, kf, vf, log_i, log_f = self.features(k, v)
-        return mlstm_step(state, kf, vf, log_i, log_f)
-
-    def query_feature(self, k: Tensor, v: Tensor) -> Tensor:
-        "Read query feature q~ of tokens with keys/values [B,Hkv,(S,)d]."
-        q = hedgehog(self.q_proj(x := self._input(k, v)).to(torch.promote_types(x.dtype, torch.float32)))
-        return q if k.dim() == 4 else q[:, :, 0]
-
-    def readout(self, state: MLSTMState, q_feature: Tensor) -> Tensor:
-        "Raw score [B,Hkv] of the token with read feature q_feature [B,Hkv,d] from the current state (Eq. 41-42)."
-        return self.score_head(mlstm_readout(state, q_feature, self.normalizer, self.eps))
-
-    def recurrent(self, k: Tensor, v: Tensor) -> Tensor:
-        "`forward` in decode order: step token t, score token t - delay; the last `delay` read the final state."
-        B, H, S, _ = k.shape
-        state, q = self.init_state(B, k.device), self.query_feature(k, v)
-        r = torch.empty(B, H, S, device=k.device)
-        for t in range(S):
-            state = self.step(state, k[:, :, t], v[:, :, t])
-            if t >= self.delay: r[:, :, t - self.delay] = self.readout(state, q[:, :, t - self.delay])
-        for u in range(max(S - self.delay, 0), S): r[:, :, u] = self.readout(state, q[:, :, u])
-        return r
-
     def extra_repr(self) -> str:
         return (f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, delay={self.delay}, "
                 f"soft_cap={self.soft_cap}, "
                 f"norm={self.norm}, normalizer={self.normalizer!r}")
 
 
+# %%
+ini = MLSTMScorer(3, 8, delay=2, init_std=0.0)
+eye = torch.eye(8, 4).expand(3, 8, 4)
+for proj, rows in ((ini.q_proj, slice(0, 8)), (ini.k_proj, slice(0, 8)), (ini.v_proj, slice(8, 16))):
+    assert torch.equal(proj.weight[:, rows], eye)  # the first d/2 coordinates of k (for q and k) or of v
+    assert torch.equal(proj.weight.sum((1, 2)), torch.full((3,), 4.0))  # and nothing else
+assert torch.equal(ini.gates.bias, torch.tensor([[0.0, 3.0], [0.0, 4.5], [0.0, 6.0]]))  # forget bias over [3, 6]
+assert not ini.gates.weight.any() and not ini.score.weight.any() and not ini.score.bias.any()
+test_eq(MLSTMScorer(1, 8, delay=2).gates.bias[0, 1].item(), 3.0)
+test_fail(lambda: MLSTMScorer(3, 7, delay=1), contains="head_dim must be even")
+test_fail(lambda: MLSTMScorer(3, 8, delay=1, soft_cap=0), contains="soft_cap must be > 0")
+assert "delay=2" in repr(ini) and "normalizer='ratio'" in repr(ini)
+
+
 # %% [markdown]
-# Checks: at initialization every score is equal (zero score head); with a random score head
-# the parallel and recurrent forms agree for delayed and immediate readout, and the scores
-# read the right states (the delayed score of token $u$ equals the immediate score that token
-# $u$'s query feature would get at position $u + w$).
+# `_input` is the detached $[k; v]$ in the parameters' dtype, one token at decode made a sequence of one:
 
 # %%
-torch.manual_seed(4)
-B, H, S, d, w = 2, 3, 40, 8, 5
-k, v = torch.randn(B, H, S, d), torch.randn(B, H, S, d)
-sc = MLSTMScorer(H, d, delay=w)
-assert (sc(k, v) == 0).all()  # zero score head: neutral ranking
-with torch.no_grad(): sc.score.weight.normal_(); sc.score.bias.normal_(); sc.gates.weight.normal_(0, 0.1)
-assert_close(sc(k, v), sc.recurrent(k, v))
-sc.chunk_size = 6
-assert_close(sc(k, v), sc.score_head(mlstm_parallel(*sc.features(k, v), w)))
-sc0 = MLSTMScorer(H, d, delay=0); sc0.load_state_dict(sc.state_dict())
-assert_close(sc0(k, v), sc0.recurrent(k, v))
-# the delayed score of token u reads u's query feature from the state after token u + w
-u = 7
-q_u = sc.query_feature(k[:, :, u], v[:, :, u])
-state = sc.init_state(B)
-for t in range(u + w + 1): state = sc.step(state, k[:, :, t], v[:, :, t])
-assert_close(sc(k, v)[:, :, u], sc.readout(state, q_u))
-assert not torch.allclose(sc(k, v), sc0(k, v))
+#| export
+@patch_to(MLSTMScorer)
+def _input(self, k: Tensor, v: Tensor) -> Tensor:
+    "Detached [k; v] as [B,H,S,2d] in the parameter dtype (one token [B,H,d] gets S = 1)."
+    check_kv(k, v, self.num_kv_heads, self.head_dim)
+    if k.dim() not in (3, 4):
+        raise ValueError(f"k must be [B, Hkv, S, d] or [B, Hkv, d], got shape {tuple(k.shape)}")
+    x = scorer_input(k, v).to(self.q_proj.weight.dtype)
+    return x if k.dim() == 4 else x[:, :, None]
+
+
+# %%
+fs = MLSTMScorer(3, 8, delay=2)
+kx, vx = torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8)
+test_eq(fs._input(kx[:, :, 0], vx[:, :, 0]).shape, (2, 3, 1, 16))
+assert not fs._input(kx.clone().requires_grad_(), vx).requires_grad  # detached
+test_fail(lambda: fs._input(kx[None], vx[None]), contains="k must be [B, Hkv, S, d] or [B, Hkv, d]")
+
+
+# %% [markdown]
+# `features` gives the read and key features, the value and the log-gates of every token (or of one
+# token at decode). At initialization the gate weights are zero, so $\log i$ is the input bias 0 and
+# $\log f = \log\sigma(15\tanh(b/15))$ of each head's forget bias $b$:
+
+# %%
+#| export
+@patch_to(MLSTMScorer)
+def features(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    "(q~, k~, v~, log i, log f) for keys/values [B,H,S,d] or one token [B,H,d]; float32 at least."
+    x = self._input(k, v)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    q, kf = hedgehog(self.q_proj(x).to(acc)), hedgehog(self.k_proj(x).to(acc))
+    pre = soft_cap(self.gates(x).to(acc), self.soft_cap)
+    out = q, kf, self.v_proj(x).to(acc), pre[..., 0], F.logsigmoid(pre[..., 1])
+    return out if k.dim() == 4 else tuple(t.squeeze(2) for t in out)
+
+
+# %%
+q_, kf_, vf_, li, lf = fs.features(kx, vx)
+test_eq([tuple(t.shape) for t in (q_, kf_, vf_, li, lf)],
+        [(2, 3, 6, 8), (2, 3, 6, 8), (2, 3, 6, 4), (2, 3, 6), (2, 3, 6)])
+assert_close(q_[..., :4].sum(-1), torch.ones(2, 3, 6))  # each Hedgehog half sums to one
+assert_close(li, torch.zeros(2, 3, 6))
+assert_close(lf, F.logsigmoid(15 * torch.tanh(torch.tensor([3.0, 4.5, 6.0]) / 15))[:, None].expand(2, 3, 6))
+for a, b in zip(fs.features(kx[:, :, 4], vx[:, :, 4]), (q_, kf_, vf_, li, lf)): assert_close(a, b[:, :, 4])
 
 
 # %% [markdown]
@@ -781,6 +880,17 @@ assert not torch.allclose(sc(k, v), sc0(k, v))
 # for a sequence of readouts and for one token (decode). With the norm the score ignores a
 # positive rescaling of $\boldsymbol{h}$ (up to the norm's $10^{-5}$), without it it does not;
 # this matters for the output gate below.
+
+# %%
+#| export
+@patch_to(MLSTMScorer)
+def score_head(self, h: Tensor) -> Tensor:
+    "Raw score a_h . SiLU(Norm(h)) + b_h (Eq. 42) of readouts h [B,H,S,d/2] or [B,H,d/2]."
+    if self.norm: h = F.layer_norm(h, h.shape[-1:])
+    one = h.dim() == 3  # [B,H,d/2]: a single token
+    r = self.score(F.silu(h[:, :, None] if one else h).to(self.score.weight.dtype))[..., 0].float()
+    return r[:, :, 0] if one else r
+
 
 # %%
 def _score_head_loops(sc, h):
@@ -812,6 +922,120 @@ for norm in (False, True):
     assert_close(sc.score_head(h.double()), ref)            # float64 readouts, float32 scores
     if norm: assert_close(sc.score_head(2.5 * h), ref, rtol=1e-4, atol=1e-4)   # the norm ignores the scale of h
     else: assert not torch.allclose(sc.score_head(2.5 * h), ref)
+
+
+# %% [markdown]
+# Checks: at initialization every score is equal (zero score head); with a random score head
+# the parallel and recurrent forms agree for delayed and immediate readout, and the scores
+# read the right states (the delayed score of token $u$ equals the immediate score that token
+# $u$'s query feature would get at position $u + w$).
+
+# %%
+#| export
+@patch_to(MLSTMScorer)
+def forward(self, k: Tensor, v: Tensor) -> Tensor:
+    "Raw scores r [B,Hkv,S] with the delayed readout, chunkwise-parallel form (training and prefill)."
+    if k.dim() != 4: raise ValueError(f"k must be [B, Hkv, S, d] for the parallel form, got shape {tuple(k.shape)}")
+    return self.score_head(mlstm_chunkwise(*self.features(k, v), self.delay, self.normalizer, self.eps,
+                                           self.chunk_size))
+
+
+# %%
+torch.manual_seed(4)
+B, H, S, d, w = 2, 3, 40, 8, 5
+k, v = torch.randn(B, H, S, d), torch.randn(B, H, S, d)
+sc = MLSTMScorer(H, d, delay=w)
+assert (sc(k, v) == 0).all()  # zero score head: neutral ranking
+with torch.no_grad(): sc.score.weight.normal_(); sc.score.bias.normal_(); sc.gates.weight.normal_(0, 0.1)
+sc6 = copy.deepcopy(sc); sc6.chunk_size = 6
+assert_close(sc6(k, v), sc6.score_head(mlstm_parallel(*sc6.features(k, v), w)))
+test_fail(lambda: sc(k[:, :, 0], v[:, :, 0]), contains="for the parallel form")
+
+
+# %%
+#| export
+@patch_to(MLSTMScorer)
+def init_state(self, batch_size: int, device=None) -> MLSTMState:
+    "Empty recurrent state for `batch_size` sequences."
+    half = self.head_dim // 2
+    return mlstm_init_state(batch_size, self.num_kv_heads, self.head_dim, half, device,
+                            torch.promote_types(self.q_proj.weight.dtype, torch.float32))
+
+
+# %%
+st = sc.init_state(B)
+test_eq([tuple(x.shape) for x in st], [(B, H, d, d // 2), (B, H, d), (B, H)])
+test_eq((st.m.max().item(), st.C.dtype), (-math.inf, torch.float32))
+test_eq(MLSTMScorer(H, d, delay=w).double().init_state(1).C.dtype, torch.float64)
+
+
+# %%
+#| export
+@patch_to(MLSTMScorer)
+def step(self, state: MLSTMState, k: Tensor, v: Tensor) -> MLSTMState:
+    "Absorb one token, keys/values [B,Hkv,d], into the state (decode)."
+    _, kf, vf, log_i, log_f = self.features(k, v)
+    return mlstm_step(state, kf, vf, log_i, log_f)
+
+
+# %%
+state = sc.init_state(B)
+for t in range(S): state = sc.step(state, k[:, :, t], v[:, :, t])
+_, final = mlstm_chunkwise_immediate(*sc.features(k, v))
+for a, b in zip(state, final): assert_close(a, b)
+
+
+# %%
+#| export
+@patch_to(MLSTMScorer)
+def query_feature(self, k: Tensor, v: Tensor) -> Tensor:
+    "Read query feature q~ of tokens with keys/values [B,Hkv,(S,)d]."
+    q = hedgehog(self.q_proj(x := self._input(k, v)).to(torch.promote_types(x.dtype, torch.float32)))
+    return q if k.dim() == 4 else q[:, :, 0]
+
+
+# %%
+assert_close(sc.query_feature(k, v), sc.features(k, v)[0])
+assert_close(sc.query_feature(k[:, :, 3], v[:, :, 3]), sc.features(k, v)[0][:, :, 3])
+
+
+# %%
+#| export
+@patch_to(MLSTMScorer)
+def readout(self, state: MLSTMState, q_feature: Tensor) -> Tensor:
+    "Raw score [B,Hkv] of the token with read feature q_feature [B,Hkv,d] from the current state (Eq. 41-42)."
+    return self.score_head(mlstm_readout(state, q_feature, self.normalizer, self.eps))
+
+
+# %%
+# the delayed score of token u reads u's query feature from the state after token u + w
+u = 7
+q_u = sc6.query_feature(k[:, :, u], v[:, :, u])
+state = sc6.init_state(B)
+for t in range(u + w + 1): state = sc6.step(state, k[:, :, t], v[:, :, t])
+assert_close(sc6(k, v)[:, :, u], sc6.readout(state, q_u))
+
+
+# %%
+#| export
+@patch_to(MLSTMScorer)
+def recurrent(self, k: Tensor, v: Tensor) -> Tensor:
+    "`forward` in decode order: step token t, score token t - delay; the last `delay` read the final state."
+    B, H, S, _ = k.shape
+    state, q = self.init_state(B, k.device), self.query_feature(k, v)
+    r = torch.empty(B, H, S, device=k.device)
+    for t in range(S):
+        state = self.step(state, k[:, :, t], v[:, :, t])
+        if t >= self.delay: r[:, :, t - self.delay] = self.readout(state, q[:, :, t - self.delay])
+    for u in range(max(S - self.delay, 0), S): r[:, :, u] = self.readout(state, q[:, :, u])
+    return r
+
+
+# %%
+assert_close(sc(k, v), sc.recurrent(k, v))
+sc0 = MLSTMScorer(H, d, delay=0); sc0.load_state_dict(sc.state_dict())
+assert_close(sc0(k, v), sc0.recurrent(k, v))
+assert not torch.allclose(sc6(k, v), sc0(k, v))
 
 
 # %% [markdown]

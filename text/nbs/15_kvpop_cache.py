@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import torch
+from fastcore.basics import patch_to
 from torch import Tensor, nn
 
 from sparsekv.attention import check_int, evictable, is_causal
@@ -22,6 +23,8 @@ from sparsekv.kvpop.scorers import MLPScorer, MLSTMScorer, mlstm_chunkwise_immed
 
 # %%
 #| hide
+from types import SimpleNamespace
+
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
@@ -74,27 +77,44 @@ class KVpopScorers(nn.Module):
         "Static priorities r_t - floor(t/n) log(gamma_h), float32 [B,Hkv,S], at absolute `positions` [B,Hkv,S]."
         return self.decayed(layer_idx, self.raw(layer_idx, k, v), positions)
 
-    def decayed(self, layer_idx: int, r: Tensor, positions: Tensor) -> Tensor:
-        "Static priorities, float32, of raw scores r at absolute `positions` (same shape, heads in dim 1)."
-        log_gamma = self.decays[self._layer(layer_idx)]().to(r.device, torch.float32)  # ranking in float32 (App. F)
-        log_gamma = log_gamma.view(1, -1, *([1] * (r.dim() - 2)))
-        steps = positions if self.n == 1 else torch.div(positions, self.n, rounding_mode="floor")
-        return torch.addcmul(r.float(), steps.float(), log_gamma, value=-1)
-
     def _layer(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < len(self.scorers):
             raise ValueError(f"layer_idx must lie in [0, {len(self.scorers)}), got {layer_idx}")
         return layer_idx
 
 
+# %%
+sc = KVpopScorers.mlp(2, 3, 8, n=4)
+test_eq(sc.raw(1, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)).detach(), torch.zeros(2, 3, 5))  # zero heads
+test_eq([type(m).__name__ for m in KVpopScorers.mlstm(2, 3, 8, delay=4).scorers], ["MLSTMScorer"] * 2)
+test_fail(lambda: KVpopScorers([MLPScorer(3, 8)], []), contains="one scorer and one LogDecay per layer")
+test_fail(lambda: sc.raw(2, torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8)), contains="layer_idx must lie in [0, 2)")
+
+
 # %% [markdown]
-# At positions $0..S-1$ `priority` is `static_priority` of the raw scores, for $n = 1$ and for age
-# buckets $n > 1$:
+# `decayed` applies the decay to raw scores: $r_t - \lfloor t/n \rfloor \log\gamma_h$, in float32.
+#
+# Checked by hand for $n = 4$ (positions 0..4 are steps 0, 0, 0, 0, 1); and at positions $0..S-1$ `priority`
+# is `static_priority` of the raw scores, for $n = 1$ and for age buckets $n > 1$:
+
+# %%
+#| export
+@patch_to(KVpopScorers)
+def decayed(self, layer_idx: int, r: Tensor, positions: Tensor) -> Tensor:
+    "Static priorities, float32, of raw scores r at absolute `positions` (same shape, heads in dim 1)."
+    log_gamma = self.decays[self._layer(layer_idx)]().to(r.device, torch.float32)  # ranking in float32 (App. F)
+    log_gamma = log_gamma.view(1, -1, *([1] * (r.dim() - 2)))
+    steps = positions if self.n == 1 else torch.div(positions, self.n, rounding_mode="floor")
+    return torch.addcmul(r.float(), steps.float(), log_gamma, value=-1)
+
 
 # %%
 from sparsekv.kvpop.cutoff import static_priority
 
-# %%
+r = torch.randn(1, 3, 5)
+log_g = sc.decays[0]()
+assert_close(sc.decayed(0, r, torch.arange(5).expand(1, 3, 5)),
+             r - torch.tensor([0.0, 0, 0, 0, 1]) * log_g[:, None])
 torch.manual_seed(0)
 sc = KVpopScorers.mlp(2, 3, 8, n=4)
 for m in sc.modules():
@@ -122,13 +142,8 @@ test_fail(lambda: sc.priority(2, k, v, pos), contains="layer_idx must lie in [0,
 # cache holds $s + (w-1) + k$ entries (the next query fills the window's last slot), during a step
 # $s + w + k$, and during a prefill chunk of $C$ tokens at most $C$ more.
 #
-# At decode `visible` needs no sort. After the previous eviction a head holds at most $k$ eligible
-# entries, and one query later at most one more becomes eligible (the token leaving the window, or
-# with a delayed scorer the pending token just read out). The top $k$ of at most $k + 1$ entries
-# are all of them but the worst: the lowest priority, and among equal ones the later entry (the
-# sort is stable over entries in position order, so ties go to the earlier). `visible` uses this
-# whenever no row has more than $k + 1$ eligible entries, and the stable sort otherwise (prefill
-# chunks).
+# With zero score heads (a fresh MLP scorer) a stateless rule's scores are the decay alone,
+# $-t\log\gamma_h$; a recurrent rule refuses an eviction that no `KVpopPolicy` masked:
 
 # %%
 #| export
@@ -158,58 +173,6 @@ class KVpopRule(TopScoreRule):
             if not self.recurrent: return self.kvpop.priority(layer.layer_idx, keys, values, positions)
             return self._recurrent_scores(layer, keys, values, positions)
 
-    def visible(self, layer, query_positions):
-        "Sinks, window, pending (unread), the k best eligible; a row of <= k + 1 eligible drops its worst (no sort)."
-        t, p = layer.positions[:, :, None, :], query_positions[:, None]
-        # scored later: never eligible yet, kept meanwhile
-        pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)
-        base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
-        eligible = evictable(self.sink, self.window)(p, t) & ~pending
-        n = eligible.sum(-1, keepdim=True)
-        if int(n.max()) <= self.k + 1:  # decode: the k kept entries and the one that just became eligible
-            s = layer.scores[:, :, None, :].masked_fill(~eligible, float("inf"))
-            worst = t.shape[-1] - 1 - s.flip(-1).argmin(-1, keepdim=True)  # lowest priority, ties -> the later entry
-            return (base | eligible) & ~torch.zeros_like(eligible).scatter(-1, worst, n > self.k)
-        s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
-        # ties -> earlier (entries in position order)
-        best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]
-        return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
-
-    def _recurrent_scores(self, layer, keys, values, positions):
-        """Run the layer's mLSTM over new tokens (a step at decode, the chunkwise form over a prefill chunk), read out
-        tokens u = t - delay, give them their static priorities."""
-        scorer, start, S = self.kvpop.scorers[layer.layer_idx], layer.seen, keys.shape[2]
-        if start == 0 or getattr(layer, "kvpop_readout", None) is None:  # a new sequence
-            layer.kvpop_readout = DelayedReadout(scorer.init_state(keys.shape[0], keys.device),
-                                                 scorer.query_feature(keys[:, :, :0], values[:, :, :0]))
-        ro = layer.kvpop_readout
-        q, kf, vf, log_i, log_f = scorer.features(keys, values)  # once for the chunk
-        queue = torch.cat([ro.queue, q], dim=2)  # read features of unread tokens, oldest first
-        # steps t = start + j >= delay read token u = t - delay from the state after t (Eq. 41): the last R steps
-        first = min(S, max(self.delay - start, 0))
-        R = S - first
-        if S == 1:  # decode: one step (the chunkwise form would pad it to a whole chunk)
-            ro.state = mlstm_step(ro.state, kf[:, :, 0], vf[:, :, 0], log_i[:, :, 0], log_f[:, :, 0])
-            raw = scorer.score_head(mlstm_readout(ro.state, queue[:, :, :R], scorer.normalizer, scorer.eps))
-        else:  # every state of the chunk at once, continuing the layer's state; steps before `first` read nothing
-            q_read = torch.cat([torch.zeros_like(q[:, :, :first]), queue[:, :, :R]], dim=2)
-            h, ro.state = mlstm_chunkwise_immediate(q_read, kf, vf, log_i, log_f, scorer.normalizer, scorer.eps,
-                                                    scorer.chunk_size, ro.state)
-            raw = scorer.score_head(h[:, :, first:])
-        ro.queue = queue[:, :, R:]
-        read = torch.arange(ro.pending_from, ro.pending_from + R, device=keys.device)
-        # pending: never ranked before it is read
-        new = torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)
-        if R:
-            prio = self.kvpop.decayed(layer.layer_idx, raw, read.expand(*positions.shape[:2], -1))
-            old = layer.positions[..., None] == read  # [B,H,N,R]: cached entries read now
-            # in place (buffers)
-            layer.scores.copy_(torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores))
-            fresh = positions[..., None] == read
-            new = torch.where(fresh.any(-1), (fresh * prio[:, :, None]).sum(-1), new)
-        ro.pending_from = max(start + S - self.delay, 0)
-        return new
-
     def check_masked(self, layer) -> None:
         "Before an eviction: a recurrent scorer's pending token must have been masked by `KVpopPolicy` at decode."
         if self.recurrent and not getattr(layer, "kvpop_masked", False):
@@ -217,19 +180,147 @@ class KVpopRule(TopScoreRule):
                                "decode queries)")
         layer.kvpop_masked = False
 
-    def keep(self, layer, next_position):
-        "Indices of the entries visible to `next_position`; at decode (none or one dropped per head) without a sort."
-        self.check_masked(layer)
-        drop = ~self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
-        nd = drop.sum(-1)
-        if int(nd.max()) > 1 or bool((nd != nd.flatten()[0]).any()): return super().keep(layer, next_position)
-        ar = torch.arange(drop.shape[-1] - int(nd.flatten()[0]), device=drop.device)
-        if not drop.any(): return ar.expand(*drop.shape[:2], -1)
-        return ar + (ar >= drop.to(torch.uint8).argmax(-1, keepdim=True))
 
+# %%
+rule = KVpopRule(KVpopScorers.mlp(1, 2, 4), 2, 3, 4)
+test_eq((rule.budget, rule.delay, rule.recurrent), (9, 0, False))
+k4, v4, pos4 = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.arange(6).expand(1, 2, 6)
+assert_close(rule.scores(SimpleNamespace(layer_idx=0), k4, v4, pos4), -pos4 * rule.kvpop.decays[0]()[:, None])
+rec = KVpopRule(KVpopScorers.mlstm(1, 2, 4, delay=3), 2, 3, 4)
+test_eq((rec.delay, rec.recurrent), (3, True))
+test_fail(lambda: rec.check_masked(SimpleNamespace()), contains="only under KVpopPolicy")
+masked = SimpleNamespace(kvpop_masked=True)
+rec.check_masked(masked); test_eq(masked.kvpop_masked, False)  # one mask allows one eviction
+test_fail(lambda: KVpopRule(KVpopScorers.mlstm(1, 2, 4, delay=3), 2, 2, 4),
+          contains="delays must be one value <= window")
+mixed = KVpopScorers([MLPScorer(2, 4), MLSTMScorer(2, 4, delay=0)], [LogDecay(2), LogDecay(2)])
+test_fail(lambda: KVpopRule(mixed, 2, 3, 4), contains="all recurrent (MLSTMScorer) or all stateless")
 
 
 # %% [markdown]
+# ## What a query sees, without a sort at decode
+#
+# The reference: per query, sinks, window, the pending entries (not scored yet, see below) and the
+# $k$ best eligible entries by a stable sort (ties: the earlier). By hand, 8 entries, $s = 1$,
+# $w = 2$, $k = 2$: query 7 sees the sink, the window $\{6, 7\}$ and the two best of $1..5$
+# (priorities 5, 1, 5, 2, 0: entries 1 and 3); with $k = 1$ the tie of 5 goes to the earlier
+# entry 1; query 4 sees everything up to 4 (only two entries are eligible); with entry 5 pending it
+# stays visible and is not ranked.
+
+# %%
+#| export
+def kvpop_visible_reference(positions: Tensor, scores: Tensor, query_positions: Tensor, sink: int, window: int, k: int,
+                            pending_from: int) -> Tensor:
+    "Boolean [B,H,Sq,N]: sinks, window, pending (t >= pending_from), the k best eligible by a stable sort, per query."
+    t, p = positions[:, :, None, :], query_positions[:, None]
+    pending = t >= pending_from
+    eligible = (t >= sink) & (p - t >= window) & ~pending
+    s = scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
+    best = s.argsort(dim=-1, descending=True, stable=True)[..., :k]
+    top = torch.zeros_like(eligible).scatter(-1, best, True) & eligible
+    return (t <= p) & ((t < sink) | (p - t < window) | pending) | top
+
+
+# %%
+pos8, sco8 = torch.arange(8)[None, None], torch.tensor([[[0.0, 5, 1, 5, 2, 0, 0, 0]]])
+vis = lambda k, pending_from: kvpop_visible_reference(pos8, sco8, torch.tensor([7, 4]), 1, 2, k, pending_from)[0, 0]
+test_eq(vis(2, 8).int().tolist(), [[1, 1, 0, 1, 0, 0, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0]])
+test_eq(vis(1, 8)[0].int().tolist(), [1, 1, 0, 0, 0, 0, 1, 1])
+test_eq(vis(2, 5)[0].int().tolist(), [1, 1, 0, 1, 0, 1, 1, 1])
+
+
+# %% [markdown]
+# At decode `visible` needs no sort. After the previous eviction a head holds at most $k$ eligible
+# entries, and one query later at most one more becomes eligible (the token leaving the window, or
+# with a delayed scorer the pending token just read out). The top $k$ of at most $k + 1$ entries
+# are all of them but the worst: the lowest priority, and among equal ones the later entry (the
+# sort is stable over entries in position order, so ties go to the earlier). `visible` uses this
+# whenever no row has more than $k + 1$ eligible entries, and the stable sort otherwise (prefill
+# chunks).
+#
+# `visible` against the reference on random layer states, with many tied priorities (integers),
+# with and without pending entries, for single queries (the no-sort path whenever at most $k + 1$
+# entries are eligible) and chunks of queries:
+
+# %%
+#| export
+@patch_to(KVpopRule)
+def visible(self, layer, query_positions):
+    "Sinks, window, pending (unread), the k best eligible; a row of <= k + 1 eligible drops its worst (no sort)."
+    t, p = layer.positions[:, :, None, :], query_positions[:, None]
+    # scored later: never eligible yet, kept meanwhile
+    pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)
+    base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
+    eligible = evictable(self.sink, self.window)(p, t) & ~pending
+    n = eligible.sum(-1, keepdim=True)
+    if int(n.max()) <= self.k + 1:  # decode: the k kept entries and the one that just became eligible
+        s = layer.scores[:, :, None, :].masked_fill(~eligible, float("inf"))
+        worst = t.shape[-1] - 1 - s.flip(-1).argmin(-1, keepdim=True)  # lowest priority, ties -> the later entry
+        return (base | eligible) & ~torch.zeros_like(eligible).scatter(-1, worst, n > self.k)
+    s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
+    # ties -> earlier (entries in position order)
+    best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]
+    return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
+
+
+# %%
+gen, fast = torch.Generator().manual_seed(0), 0
+for trial in range(300):
+    s_, w_, k_ = (int(x) for x in torch.randint(1, 6, (3,), generator=gen))
+    seen = int(torch.randint(s_ + w_, s_ + w_ + 3 * k_, (1,), generator=gen))
+    pos = torch.stack([torch.randperm(seen, generator=gen)[:s_ + w_ + k_].sort().values for _ in range(2)])[None]
+    sco = torch.randint(0, 3, pos.shape, generator=gen).float()  # many ties
+    recurrent = trial % 2 == 1
+    rule = KVpopRule(KVpopScorers.mlstm(1, 1, 2, w_) if recurrent else KVpopScorers.mlp(1, 1, 2), s_, w_, k_)
+    pend = seen - int(torch.randint(0, w_ + 1, (1,), generator=gen)) if recurrent else seen
+    layer = SimpleNamespace(positions=pos, scores=sco, seen=seen, kvpop_readout=SimpleNamespace(pending_from=pend))
+    for qp in (torch.tensor([seen]), torch.arange(seen - 3, seen + 1)):
+        test_eq(rule.visible(layer, qp), kvpop_visible_reference(pos, sco, qp, s_, w_, k_, pend))
+    fast += int(((pos >= s_) & (seen - pos >= w_) & (pos < pend)).sum(-1).max()) <= k_ + 1
+assert fast > 50  # the no-sort path was exercised
+
+
+# %% [markdown]
+# `keep` (the indices that survive an eviction) skips the sort too when every head drops the same
+# number of entries, none or one: the kept indices are then all but the dropped one.
+#
+# Against the sorting `keep` of `TopScoreRule` on decode states (sinks, $k$ survivors, the window,
+# tied integer priorities): the next token drops one entry per head, the current one none.
+
+# %%
+#| export
+@patch_to(KVpopRule)
+def keep(self, layer, next_position):
+    "Indices of the entries visible to `next_position`; at decode (none or one dropped per head) without a sort."
+    self.check_masked(layer)
+    drop = ~self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
+    nd = drop.sum(-1)
+    if int(nd.max()) > 1 or bool((nd != nd.flatten()[0]).any()):
+        return super(KVpopRule, self).keep(layer, next_position)
+    ar = torch.arange(drop.shape[-1] - int(nd.flatten()[0]), device=drop.device)
+    if not drop.any(): return ar.expand(*drop.shape[:2], -1)
+    return ar + (ar >= drop.to(torch.uint8).argmax(-1, keepdim=True))
+
+
+# %%
+gen = torch.Generator().manual_seed(1)
+for trial in range(100):
+    s_, w_, k_ = (int(x) for x in torch.randint(1, 6, (3,), generator=gen))
+    seen = s_ + w_ + k_ + int(torch.randint(0, 10, (1,), generator=gen))
+    heads = [torch.cat([torch.arange(s_), s_ + torch.randperm(seen - w_ - s_, generator=gen)[:k_].sort().values,
+                        torch.arange(seen - w_, seen)]) for _ in range(3)]
+    pos = torch.stack(heads)[None]
+    layer = SimpleNamespace(positions=pos, scores=torch.randint(0, 3, pos.shape, generator=gen).float(), seen=seen)
+    rule = KVpopRule(KVpopScorers.mlp(1, 3, 2), s_, w_, k_)
+    for p, dropped in ((seen, 1), (seen - 1, 0)):
+        got = rule.keep(layer, p)
+        test_eq(got, TopScoreRule.keep(rule, layer, p))
+        test_eq(got.shape[-1], pos.shape[-1] - dropped)
+
+
+# %% [markdown]
+# ## Delayed-readout (mLSTM) scorers in the rule
+#
 # A recurrent (mLSTM) scorer with readout delay $\delta$ scores token $u$ only once it has read the
 # state after token $u + \delta$ (Eq. 41). Until then the token is *pending*: kept, never ranked. The
 # layer keeps the scorer's state, the read features of the pending tokens and the first unread
@@ -245,7 +336,73 @@ class DelayedReadout:
         self.state, self.queue, self.pending_from = state, queue, 0
 
 
+# %%
+st0 = MLSTMScorer(2, 4, delay=1).init_state(1)
+ro = DelayedReadout(st0, torch.zeros(1, 2, 0, 4))
+test_eq((ro.state is st0, ro.queue.shape, ro.pending_from), (True, (1, 2, 0, 4), 0))  # nothing read yet
+
 # %% [markdown]
+# Fed token by token, in prefill chunks or both (into a plain `EvictingLayer` that evicts nothing),
+# the tokens read so far get the priorities of the scorer's parallel delayed readout over the
+# whole sequence, and the last $\delta$ tokens are still pending (score 0):
+
+# %%
+#| export
+@patch_to(KVpopRule)
+def _recurrent_scores(self, layer, keys, values, positions):
+    """Run the layer's mLSTM over new tokens (a step at decode, the chunkwise form over a prefill chunk), read out
+    tokens u = t - delay, give them their static priorities."""
+    scorer, start, S = self.kvpop.scorers[layer.layer_idx], layer.seen, keys.shape[2]
+    if start == 0 or getattr(layer, "kvpop_readout", None) is None:  # a new sequence
+        layer.kvpop_readout = DelayedReadout(scorer.init_state(keys.shape[0], keys.device),
+                                             scorer.query_feature(keys[:, :, :0], values[:, :, :0]))
+    ro = layer.kvpop_readout
+    q, kf, vf, log_i, log_f = scorer.features(keys, values)  # once for the chunk
+    queue = torch.cat([ro.queue, q], dim=2)  # read features of unread tokens, oldest first
+    # steps t = start + j >= delay read token u = t - delay from the state after t (Eq. 41): the last R steps
+    first = min(S, max(self.delay - start, 0))
+    R = S - first
+    if S == 1:  # decode: one step (the chunkwise form would pad it to a whole chunk)
+        ro.state = mlstm_step(ro.state, kf[:, :, 0], vf[:, :, 0], log_i[:, :, 0], log_f[:, :, 0])
+        raw = scorer.score_head(mlstm_readout(ro.state, queue[:, :, :R], scorer.normalizer, scorer.eps))
+    else:  # every state of the chunk at once, continuing the layer's state; steps before `first` read nothing
+        q_read = torch.cat([torch.zeros_like(q[:, :, :first]), queue[:, :, :R]], dim=2)
+        h, ro.state = mlstm_chunkwise_immediate(q_read, kf, vf, log_i, log_f, scorer.normalizer, scorer.eps,
+                                                scorer.chunk_size, ro.state)
+        raw = scorer.score_head(h[:, :, first:])
+    ro.queue = queue[:, :, R:]
+    read = torch.arange(ro.pending_from, ro.pending_from + R, device=keys.device)
+    # pending: never ranked before it is read
+    new = torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)
+    if R:
+        prio = self.kvpop.decayed(layer.layer_idx, raw, read.expand(*positions.shape[:2], -1))
+        old = layer.positions[..., None] == read  # [B,H,N,R]: cached entries read now
+        # in place (buffers)
+        layer.scores.copy_(torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores))
+        fresh = positions[..., None] == read
+        new = torch.where(fresh.any(-1), (fresh * prio[:, :, None]).sum(-1), new)
+    ro.pending_from = max(start + S - self.delay, 0)
+    return new
+
+
+# %%
+torch.manual_seed(3)
+ms1 = KVpopScorers.mlstm(1, 2, 4, delay=3).double()
+for p in ms1.parameters(): p.data.add_(torch.randn_like(p), alpha=0.5)
+rule, S1 = KVpopRule(ms1, 1, 3, 4), 14
+k1, v1 = torch.randn(1, 2, S1, 4, dtype=torch.float64), torch.randn(1, 2, S1, 4, dtype=torch.float64)
+want = ms1.priority(0, k1, v1, torch.arange(S1).expand(1, 2, S1))
+for chunks in ([1] * S1, [5, 1, 1, 7], [2, 12]):
+    lay = EvictingLayer(rule, 0)
+    for c in chunks: lay.arm(); lay.update(k1[:, :, lay.seen:lay.seen + c], v1[:, :, lay.seen:lay.seen + c])
+    test_eq(lay.kvpop_readout.pending_from, S1 - 3)
+    assert_close(lay.scores[..., :S1 - 3], want[..., :S1 - 3])
+    test_eq(lay.scores[..., S1 - 3:], torch.zeros(1, 2, 3))
+
+
+# %% [markdown]
+# ## A layer of preallocated buffers
+#
 # A `KVpopLayer` stores the entries in buffers of $s + w + k + 1$ slots per head allocated
 # once (a budget larger than the sequence gets buffers that grow by doubling with what the sequence holds, up to
 # $s + w + k + 1$: a budget of $10^{12}$ must not preallocate terabytes): the new token is written after the kept ones, and the evicted entry is removed by one
@@ -255,6 +412,9 @@ class DelayedReadout:
 # $\min(p - w, u_0 - 1)$ ($u_0$ the first unread token of a delayed scorer; these are the window
 # and the pending tokens, never evicted), so the eligible entries of query $p$ are the same slice of
 # every head (`worst_eligible`), and `KVpopPolicy` masks a decode query with it too.
+#
+# The capacity by hand: a budget of $2 + 3 + 4$ gets 10 slots at once (or what a larger chunk
+# needs); a budget of $10^{12}$ starts at 256 slots and doubles.
 
 # %%
 #| export
@@ -282,49 +442,6 @@ class KVpopLayer(EvictingLayer):
     def _view(self, n: int) -> None:
         self.keys, self.values, self.positions, self.scores = (b[:, :, :n] for b in self._buffers)
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        "Write new entries with positions and scores after the kept ones; return all entries' keys and values."
-        pos, sc = self.scored_entries(key_states, value_states)
-        s, n = key_states.shape[2], self.positions.shape[-1]
-        if n + s > self._buffers[0].shape[2]: self._seat(n, self._capacity(n + s, self._buffers[0].shape[2]))
-        for b, x in zip(self._buffers, (key_states, value_states, pos, sc)): b[:, :, n:n + s] = x
-        self._view(n + s)
-        self.seen += s
-        return self.keys, self.values
-
-    def worst_eligible(self, p: int):
-        """For query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the
-        worst of k + 1 (lowest priority, ties -> the later), or False if more are eligible (after a prefill chunk)."""
-        rule, n = self.rule, self.positions.shape[-1]
-        pending_from = self.kvpop_readout.pending_from if rule.recurrent else self.seen
-        # every head holds the sinks first and all positions after min(p - w, pending_from - 1) last (window, pending)
-        i0 = min(rule.sink, self.seen)
-        i1 = max(i0, n - (self.seen - 1 - min(p - rule.window, pending_from - 1)))
-        if i1 - i0 <= rule.k: return None
-        if i1 - i0 > rule.k + 1: return False
-        return i1 - 1 - self.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
-
-    def evict(self, next_position: int | None = None) -> None:
-        "Keep the entries the rule shows to `next_position` (default: the next token), compacted in position order."
-        if not self.is_initialized: return
-        p = self.seen if next_position is None else next_position
-        worst = self.worst_eligible(p) if p == self.seen else False
-        if worst is None: return self.rule.check_masked(self)
-        if worst is False: idx = self.rule.keep(self, p)
-        else:
-            self.rule.check_masked(self)
-            ar = torch.arange(self.positions.shape[-1] - 1, device=self.device)
-            idx = ar + (ar >= worst)
-        (B, H, m), cap = idx.shape, self._buffers[0].shape[2]
-        if m == self.positions.shape[-1]: return
-        # flat row of each kept entry
-        rows = (idx + torch.arange(B * H, device=idx.device).view(B, H, 1) * cap).flatten()
-        for b in self._buffers:
-            flat = b.view(B * H * cap, -1)
-            b[:, :, :m] = flat.index_select(0, rows).view(B, H, m, *b.shape[3:])
-        self._view(m)
-        if cap > self.rule.budget + 1 >= m: self._seat(m, self.rule.budget + 1)  # give back what a prefill chunk needed
-
     def absorb(self, keys: Tensor, values: Tensor) -> None:
         self.kvpop_masked = True  # no query attends during a hand-over: there is nothing to mask
         super().absorb(keys, values)
@@ -336,12 +453,138 @@ class KVpopLayer(EvictingLayer):
             n = self.positions.shape[-1]
             self._seat(n, self._capacity(n, self._buffers[0].shape[2] // 2))
 
-    def apply_rows(self, fn) -> None:
-        "Apply the batch-row map `fn` to the entries and to a recurrent scorer's state and queue (`DelayedReadout`)."
-        super().apply_rows(fn)
-        ro = getattr(self, "kvpop_readout", None)
-        if ro is not None: ro.state, ro.queue = type(ro.state)(*map(fn, ro.state)), fn(ro.queue)
 
+# %%
+mlp_rule = KVpopRule(KVpopScorers.mlp(1, 2, 4), 2, 3, 4)
+lay = KVpopLayer(mlp_rule, 0)
+test_eq([lay._capacity(1), lay._capacity(9), lay._capacity(300, 10)], [10, 10, 300])
+big = KVpopLayer(KVpopRule(KVpopScorers.mlp(1, 2, 4), 2, 3, 10**12), 0)
+test_eq([big._capacity(5), big._capacity(257, 256), big._capacity(600, 512)], [256, 512, 1024])
+lay.lazy_initialization(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+test_eq([tuple(b.shape) for b in lay._buffers], [(1, 2, 10, 4), (1, 2, 10, 4), (1, 2, 10), (1, 2, 10)])
+test_eq(lay.keys.shape, (1, 2, 0, 4))
+
+# %% [markdown]
+# `update` holds what `EvictingLayer.update` (which concatenates) holds, in views of the buffers;
+# a chunk that overflows the free slots grows them:
+
+# %%
+#| export
+@patch_to(KVpopLayer)
+def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    "Write new entries with positions and scores after the kept ones; return all entries' keys and values."
+    pos, sc = self.scored_entries(key_states, value_states)
+    s, n = key_states.shape[2], self.positions.shape[-1]
+    if n + s > self._buffers[0].shape[2]: self._seat(n, self._capacity(n + s, self._buffers[0].shape[2]))
+    for b, x in zip(self._buffers, (key_states, value_states, pos, sc)): b[:, :, n:n + s] = x
+    self._view(n + s)
+    self.seen += s
+    return self.keys, self.values
+
+
+# %%
+fast_l, plain_l = KVpopLayer(mlp_rule, 0), EvictingLayer(mlp_rule, 0)
+kx, vx = torch.randn(1, 2, 13, 4), torch.randn(1, 2, 13, 4)
+for a, b in ((0, 6), (6, 13)):
+    for l in (fast_l, plain_l): l.arm(); l.update(kx[:, :, a:b], vx[:, :, a:b])
+    for name in ("keys", "values", "positions", "scores"): test_eq(getattr(fast_l, name), getattr(plain_l, name))
+test_eq(fast_l._buffers[0].shape[2], 13)
+test_eq(fast_l.keys.untyped_storage().data_ptr(), fast_l._buffers[0].untyped_storage().data_ptr())
+
+# %% [markdown]
+# A batch operation of `generate` (beam search: `reorder_cache`, ...) maps the rows of the entries
+# and of a recurrent scorer's state and queue alike:
+
+# %%
+#| export
+@patch_to(KVpopLayer)
+def apply_rows(self, fn) -> None:
+    "Apply the batch-row map `fn` to the entries and to a recurrent scorer's state and queue (`DelayedReadout`)."
+    super(KVpopLayer, self).apply_rows(fn)
+    ro = getattr(self, "kvpop_readout", None)
+    if ro is not None: ro.state, ro.queue = type(ro.state)(*map(fn, ro.state)), fn(ro.queue)
+
+
+# %%
+lay = KVpopLayer(KVpopRule(ms1, 1, 3, 4), 0)
+lay.arm(); lay.update(torch.cat([k1, k1.flip(2)])[:, :, :6], torch.cat([v1, v1.flip(2)])[:, :, :6])
+ro = lay.kvpop_readout
+before = [x.clone() for x in (lay.keys, lay.scores, ro.state.C, ro.state.m, ro.queue)]
+lay.apply_rows(lambda x: x.flip(0))  # swap the two rows
+for a, b in zip((lay.keys, lay.scores, ro.state.C, ro.state.m, ro.queue), before): test_eq(a, b.flip(0))
+assert not torch.equal(before[2][0], before[2][1])  # the rows differ: the swap is visible
+
+# %% [markdown]
+# With $s = 2$, $w = 3$, $k = 4$ and nothing evicted, the last query of 9 tokens has 4 eligible
+# entries (None), of 10 tokens 5 (the worst is the one entry `visible` hides), of 11 tokens 6 (False):
+
+# %%
+#| export
+@patch_to(KVpopLayer)
+def worst_eligible(self, p: int):
+    """For query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the
+    worst of k + 1 (lowest priority, ties -> the later), or False if more are eligible (after a prefill chunk)."""
+    rule, n = self.rule, self.positions.shape[-1]
+    pending_from = self.kvpop_readout.pending_from if rule.recurrent else self.seen
+    # every head holds the sinks first and all positions after min(p - w, pending_from - 1) last (window, pending)
+    i0 = min(rule.sink, self.seen)
+    i1 = max(i0, n - (self.seen - 1 - min(p - rule.window, pending_from - 1)))
+    if i1 - i0 <= rule.k: return None
+    if i1 - i0 > rule.k + 1: return False
+    return i1 - 1 - self.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
+
+
+# %%
+torch.manual_seed(4)
+rand_rule = KVpopRule(KVpopScorers.mlp(1, 2, 4), 2, 3, 4)
+for p in rand_rule.kvpop.scorers.parameters(): nn.init.normal_(p, std=0.5)
+kx, vx = torch.randn(1, 2, 11, 4), torch.randn(1, 2, 11, 4)
+for n, want in ((9, None), (10, "index"), (11, False)):
+    lay = KVpopLayer(rand_rule, 0); lay.arm(); lay.update(kx[:, :, :n], vx[:, :, :n])
+    worst = lay.worst_eligible(n - 1)
+    if want != "index": test_eq(worst, want); continue
+    hidden = ~rand_rule.visible(lay, torch.tensor([n - 1]))[:, :, 0]
+    test_eq(hidden, torch.zeros_like(hidden).scatter(-1, worst, True))
+
+# %% [markdown]
+# Evicting after every token or chunk keeps what the plain `EvictingLayer` (which gathers) keeps,
+# in the same buffers once full; after a chunk larger than the free slots the extra slots go back:
+
+# %%
+#| export
+@patch_to(KVpopLayer)
+def evict(self, next_position: int | None = None) -> None:
+    "Keep the entries the rule shows to `next_position` (default: the next token), compacted in position order."
+    if not self.is_initialized: return
+    p = self.seen if next_position is None else next_position
+    worst = self.worst_eligible(p) if p == self.seen else False
+    if worst is None: return self.rule.check_masked(self)
+    if worst is False: idx = self.rule.keep(self, p)
+    else:
+        self.rule.check_masked(self)
+        ar = torch.arange(self.positions.shape[-1] - 1, device=self.device)
+        idx = ar + (ar >= worst)
+    (B, H, m), cap = idx.shape, self._buffers[0].shape[2]
+    if m == self.positions.shape[-1]: return
+    # flat row of each kept entry
+    rows = (idx + torch.arange(B * H, device=idx.device).view(B, H, 1) * cap).flatten()
+    for b in self._buffers:
+        flat = b.view(B * H * cap, -1)
+        b[:, :, :m] = flat.index_select(0, rows).view(B, H, m, *b.shape[3:])
+    self._view(m)
+    if cap > self.rule.budget + 1 >= m: self._seat(m, self.rule.budget + 1)  # give back what a prefill chunk needed
+
+
+# %%
+kx, vx = torch.randn(1, 2, 22, 4), torch.randn(1, 2, 22, 4)
+for chunks in ([1] * 22, [7, 1, 1, 12, 1]):
+    fast_l, plain_l = KVpopLayer(rand_rule, 0), EvictingLayer(rand_rule, 0)
+    for c in chunks:
+        for l in (fast_l, plain_l):
+            l.arm(); l.update(kx[:, :, l.seen:l.seen + c], vx[:, :, l.seen:l.seen + c]); l.evict()
+        for name in ("keys", "values", "positions", "scores"): test_eq(getattr(fast_l, name), getattr(plain_l, name))
+        test_eq(fast_l.positions.shape[-1], min(fast_l.seen, rand_rule.budget - 1))
+    test_eq(fast_l._buffers[0].shape[2], rand_rule.budget + 1)
 
 
 # %% [markdown]
@@ -355,6 +598,9 @@ class KVpopLayer(EvictingLayer):
 # sees (the worst of $k + 1$), which the policy masks with the index from `worst_eligible` (or with
 # the full `visible` mask after a prefill chunk). It also marks the layer as masked: with recurrent
 # scorers `keep` refuses to evict after a decode step that no `KVpopPolicy` masked.
+#
+# A decode query over a layer holding 4, 5 or 6 eligible entries (no mask, the worst hidden, the
+# `visible` mask) equals softmax attention written out over what `visible` shows:
 
 # %%
 #| export
@@ -378,6 +624,16 @@ class KVpopPolicy(DensePolicy):
         return super().prefill(q, k, v, ctx)
 
 
+# %%
+for n in (9, 10, 11):
+    lay = KVpopLayer(rand_rule, 0); lay.arm(); lay.update(kx[:, :, :n], vx[:, :, :n])
+    qn, qp = torch.randn(1, 2, 1, 4), torch.tensor([n - 1])
+    got = KVpopPolicy().decode(qn, lay.keys, lay.values, SimpleNamespace(cache_layer=lay, query_positions=qp,
+                                                                          scale=0.5, dropout=0.0))
+    att = (0.5 * qn @ lay.keys.transpose(-1, -2)).masked_fill(~rand_rule.visible(lay, qp), float("-inf"))
+    assert_close(got, att.softmax(-1) @ lay.values)
+    assert lay.kvpop_masked
+
 
 # %% [markdown]
 # `KVpopCache` puts it together: an `EvictingCache` with one `KVpopRule` whose layers are
@@ -397,12 +653,22 @@ class KVpopCache(EvictingCache):
         return self.layers[layer_idx]
 
 
+# %%
+c3 = KVpopCache(KVpopScorers.mlp(3, 2, 4), 2, 3, 4)
+test_eq(c3.layer(1).layer_idx, 1)
+test_eq([type(l).__name__ for l in c3.layers], ["KVpopLayer"] * 2)  # layers 0 and 1, created on first use
+test_eq(c3.rule.budget, 9)
+
+
 # %% [markdown]
 # ## The training-time mask as a policy
 #
 # The reference is the training-time computation: a full forward in which every layer scores its own
 # keys and values, ranks them with `topk_cutoff` on the static priorities and attends under
 # `kvpop_mask` (Eq. 26). `KVpopMaskPolicy` does exactly that with no cache (teacher forcing).
+#
+# Its mask is the KVpop mask by definition (`kvpop_mask_reference`, loops over queries) of the
+# scorers' priorities:
 
 # %%
 #| export
@@ -419,6 +685,16 @@ class KVpopMaskPolicy(MaskPolicy):
             prio = self.scorers.priority(ctx.layer_idx, k, v, ctx.key_positions)
             rank, cutoff = topk_cutoff(prio, self.k, self.sink, self.window)
         return kvpop_mask(rank, cutoff, self.sink, self.window)
+
+
+# %%
+from sparsekv.kvpop.mask import kvpop_mask_reference
+
+kx, vx, pos16 = torch.randn(2, 3, 16, 8), torch.randn(2, 3, 16, 8), torch.arange(16).expand(2, 3, 16)
+ctx16 = SimpleNamespace(past_len=0, layer_idx=1, key_positions=pos16)
+pol = KVpopMaskPolicy(sc, 2, 3, 4)
+test_eq(pol.mask(None, kx, vx, ctx16), kvpop_mask_reference(sc.priority(1, kx, vx, pos16), 4, 2, 3))
+test_fail(lambda: pol.mask(None, kx, vx, SimpleNamespace(past_len=3)), contains="without a cache")
 
 
 # %% [markdown]
@@ -547,51 +823,10 @@ test_fail(lambda: KVpopRule(object(), 1, 2, 4), contains="scorers must be a KVpo
 
 
 # %% [markdown]
-# ## Constant memory and no sort at decode
+# ## Constant memory
 #
-# `visible` against the stable sort of all eligible entries on random layer states, with many tied
-# priorities (integers), with and without pending entries, for single queries (the no-sort path
-# whenever at most $k + 1$ entries are eligible) and chunks of queries:
-
-# %%
-#| export
-def kvpop_visible_reference(positions: Tensor, scores: Tensor, query_positions: Tensor, sink: int, window: int, k: int,
-                            pending_from: int) -> Tensor:
-    "Boolean [B,H,Sq,N]: sinks, window, pending (t >= pending_from), the k best eligible by a stable sort, per query."
-    t, p = positions[:, :, None, :], query_positions[:, None]
-    pending = t >= pending_from
-    eligible = (t >= sink) & (p - t >= window) & ~pending
-    s = scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
-    best = s.argsort(dim=-1, descending=True, stable=True)[..., :k]
-    top = torch.zeros_like(eligible).scatter(-1, best, True) & eligible
-    return (t <= p) & ((t < sink) | (p - t < window) | pending) | top
-
-
-# %%
-from types import SimpleNamespace
-
-# %%
-gen, fast = torch.Generator().manual_seed(0), 0
-for trial in range(300):
-    s_, w_, k_ = (int(x) for x in torch.randint(1, 6, (3,), generator=gen))
-    seen = int(torch.randint(s_ + w_, s_ + w_ + 3 * k_, (1,), generator=gen))
-    pos = torch.stack([torch.randperm(seen, generator=gen)[:s_ + w_ + k_].sort().values for _ in range(2)])[None]
-    sco = torch.randint(0, 3, pos.shape, generator=gen).float()  # many ties
-    recurrent = trial % 2 == 1
-    rule = KVpopRule(KVpopScorers.mlstm(1, 1, 2, w_) if recurrent else KVpopScorers.mlp(1, 1, 2), s_, w_, k_)
-    pend = seen - int(torch.randint(0, w_ + 1, (1,), generator=gen)) if recurrent else seen
-    layer = SimpleNamespace(positions=pos, scores=sco, seen=seen, kvpop_readout=SimpleNamespace(pending_from=pend))
-    for qp in (torch.tensor([seen]), torch.arange(seen - 3, seen + 1)):
-        test_eq(rule.visible(layer, qp), kvpop_visible_reference(pos, sco, qp, s_, w_, k_, pend))
-    fast += int(((pos >= s_) & (seen - pos >= w_) & (pos < pend)).sum(-1).max()) <= k_ + 1
-assert fast > 50  # the no-sort path was exercised
-
-
-# %% [markdown]
-# Decoding with `KVpopLayer`s gives the same logits, kept positions and priorities as the plain
-# `EvictingLayer` (which concatenates and gathers), for MLP and mLSTM scorers. Once the cache is full
-# the buffers are never reallocated (their storage stays put), and `cache_nbytes`, the bytes of every
-# tensor storage the cache holds, is constant:
+# `cache_storages` lists the distinct tensor storages a cache's layers hold, however they nest
+# (views of one tensor share its storage; a `DelayedReadout` is looked into):
 
 # %%
 #| export
@@ -607,6 +842,21 @@ def cache_storages(cache) -> list:
     return list(storages.values())
 
 
+# %%
+t6, t2 = torch.zeros(6), torch.zeros(2, dtype=torch.float64)
+fake = SimpleNamespace(layers=[SimpleNamespace(a=t6, b=[t6[1:], (t2,)], c={"x": t2[:1]}, d=3),
+                               SimpleNamespace(e=t6[2:], r=DelayedReadout((torch.zeros(3),), torch.zeros(1)))])
+test_eq(sorted(st.nbytes() for st in cache_storages(fake)), [4, 12, 16, 24])
+
+
+# %% [markdown]
+# Decoding with `KVpopLayer`s gives the same logits, kept positions and priorities as the plain
+# `EvictingLayer` (which concatenates and gathers), for MLP and mLSTM scorers. Once the cache is full
+# the buffers are never reallocated (their storage stays put), and `cache_nbytes`, the bytes of every
+# tensor storage the cache holds, is constant:
+
+# %%
+#| export
 def cache_nbytes(cache) -> int:
     "Bytes of the distinct tensor storages a cache's layers hold (`cache_storages`)."
     return sum(st.nbytes() for st in cache_storages(cache))
