@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from fastcore.basics import patch_to
 from torch import Tensor, nn
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -114,6 +115,9 @@ test_eq(heads_mask(torch.tensor([True, False]).view(1, 2, 1, 1), 4)[0, :, 0, 0].
 # count); `AttendedBudget` keeps per (layer, head) their sum, count and maximum, so a long run
 # costs no memory.
 
+# %% [markdown]
+# By hand: two query heads, two prefill queries each, then one decode query each:
+
 # %%
 #| export
 class AttendedBudget:
@@ -149,22 +153,65 @@ class AttendedBudget:
         "The most KV entries any recorded query of any head attended to (in `phase`: prefill or decode)."
         return int(max(float(s[2].max()) for s in self._of(phase)))
 
-    def add_stored(self, keys: Tensor, values: Tensor, phase: str = "", layer: int = -1):
-        "Record what one layer's cache holds at a call: `keys`, `values` `[B,Hkv,N,D]` (all entries, the new ones too)."
-        nbytes = keys[0].numel() * keys.element_size() + values[0].numel() * values.element_size()
-        s = self._stored.setdefault((phase, layer), [0, 0])
-        s[0], s[1] = max(s[0], keys.shape[2]), max(s[1], nbytes)
 
-    def stored(self, phase: str | None = None) -> dict:
-        """The most entries per KV head any layer held at a call (`entries`), and the sum over layers of each
-        layer's most bytes per sequence (`bytes`: the KV memory a sequence needs when every layer is at its peak)."""
-        rows = [(layer, s) for (p, layer), s in self._stored.items() if phase in (None, p)]
-        if not rows: raise ValueError("nothing was stored: run attention inside measure_attended()")
-        most = {}
-        for layer, s in rows: most[layer] = max(most.get(layer, 0), s[1])
-        return {"entries": max(s[0] for _, s in rows), "bytes": sum(most.values())}
+# %%
+_b = AttendedBudget()
+_b.add(torch.tensor([[[1, 2], [3, 4]]]), "prefill", 0)
+_b.add(torch.tensor([[[5], [6]]]), "decode", 0)
+test_eq(_b.per_head(), [{"phase": "decode", "layer": 0, "head": 0, "mean": 5.0, "max": 5, "queries": 1},
+                        {"phase": "decode", "layer": 0, "head": 1, "mean": 6.0, "max": 6, "queries": 1},
+                        {"phase": "prefill", "layer": 0, "head": 0, "mean": 1.5, "max": 2, "queries": 2},
+                        {"phase": "prefill", "layer": 0, "head": 1, "mean": 3.5, "max": 4, "queries": 2}])
+test_eq((_b.mean(), _b.mean("prefill"), _b.max(), _b.max("prefill")), (3.5, 2.5, 6, 4))
+test_fail(lambda: _b.mean("x"), contains="nothing was recorded in phase 'x'")
+
+# %% [markdown]
+# What a cache holds is recorded per layer and call: its entries per KV head and its bytes per sequence.
+
+# %%
+#| export
+@patch_to(AttendedBudget)
+def add_stored(self, keys: Tensor, values: Tensor, phase: str = "", layer: int = -1):
+    "Record what one layer's cache holds at a call: `keys`, `values` `[B,Hkv,N,D]` (all entries, the new ones too)."
+    nbytes = keys[0].numel() * keys.element_size() + values[0].numel() * values.element_size()
+    s = self._stored.setdefault((phase, layer), [0, 0])
+    s[0], s[1] = max(s[0], keys.shape[2]), max(s[1], nbytes)
 
 
+# %%
+_b.add_stored(torch.zeros(2, 3, 10, 4), torch.zeros(2, 3, 10, 4), "prefill", 0)   # 3 * 10 * 4 * 4 bytes * 2
+_b.add_stored(torch.zeros(2, 3, 8, 4), torch.zeros(2, 3, 8, 4), "prefill", 0)     # fewer: the peak stays
+test_eq(_b._stored[("prefill", 0)], [10, 960])
+
+# %% [markdown]
+# `stored` sums each layer's peak over the layers (here the prefill peak of layer 0 and the decode one of layer 1):
+
+# %%
+#| export
+@patch_to(AttendedBudget)
+def stored(self, phase: str | None = None) -> dict:
+    """The most entries per KV head any layer held at a call (`entries`), and the sum over layers of each
+    layer's most bytes per sequence (`bytes`: the KV memory a sequence needs when every layer is at its peak)."""
+    rows = [(layer, s) for (p, layer), s in self._stored.items() if phase in (None, p)]
+    if not rows: raise ValueError("nothing was stored: run attention inside measure_attended()")
+    most = {}
+    for layer, s in rows: most[layer] = max(most.get(layer, 0), s[1])
+    return {"entries": max(s[0] for _, s in rows), "bytes": sum(most.values())}
+
+
+# %%
+_b.add_stored(torch.zeros(2, 3, 12, 4, dtype=torch.bfloat16), torch.zeros(2, 3, 12, 4, dtype=torch.bfloat16),
+              "decode", 0)                                                     # 576 bytes: below layer 0's peak
+_b.add_stored(torch.zeros(1, 3, 5, 4), torch.zeros(1, 3, 5, 4), "decode", 1)  # 480 bytes
+test_eq(_b.stored(), {"entries": 12, "bytes": 960 + 480})
+test_eq(_b.stored("decode"), {"entries": 12, "bytes": 576 + 480})
+test_fail(lambda: AttendedBudget().stored(), contains="nothing was stored")
+
+# %% [markdown]
+# `measure_attended` makes a budget the active one for the block (blocks nest; the outer one is back after):
+
+# %%
+#| export
 _METER: contextvars.ContextVar = contextvars.ContextVar("sparsekv_attended_budget", default=None)
 _WHERE: contextvars.ContextVar = contextvars.ContextVar("sparsekv_phase_layer", default=("", -1))
 
@@ -178,21 +225,57 @@ def measure_attended():
     finally: _METER.reset(token)
 
 
+# %%
+test_eq(_METER.get(), None)
+with measure_attended() as _outer:
+    with measure_attended() as _inner: assert _METER.get() is _inner and _inner is not _outer
+    assert _METER.get() is _outer
+test_eq(_METER.get(), None)
+
+# %%
+#| export
 def record_attended(counts: Tensor):
     "Add `counts` [B,Hq,Sq] (KV entries attended per query and head) to the active `measure_attended` budget, if any."
     if (budget := _METER.get()) is not None: budget.add(counts, *_WHERE.get())
 
 
+# %%
+record_attended(torch.ones(1, 2, 3, dtype=torch.long))                         # no active budget: nothing happens
+with measure_attended() as _m:
+    _t = _WHERE.set(("decode", 3))
+    record_attended(torch.full((1, 2, 1), 7))
+    _WHERE.reset(_t)
+test_eq([(r["phase"], r["layer"], r["max"]) for r in _m.per_head()], [("decode", 3, 7), ("decode", 3, 7)])
+
+# %%
+#| export
 def record_stored(keys: Tensor, values: Tensor, phase: str, layer: int):
     "Add one layer's cached `keys`, `values` at a call to the active `measure_attended` budget, if any."
     if (budget := _METER.get()) is not None: budget.add_stored(keys, values, phase, layer)
 
 
+# %%
+record_stored(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), "prefill", 0)  # no active budget: nothing happens
+with measure_attended() as _m: record_stored(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), "prefill", 0)
+test_eq(_m.stored(), {"entries": 2, "bytes": 32})
+
+# %% [markdown]
+# Causally, query $i$ of 2 after 2 earlier keys sees $3 + i$ keys; under a mask, its True entries:
+
+# %%
+#| export
 def attended_counts(mask: Tensor | None, B: int, Hq: int, sq: int, sk: int) -> Tensor:
     "KV entries each query attends to, `[B,Hq,Sq]`, under boolean `mask` ([Sq,Sk] or 1, Hkv or Hq heads) or causally."
     if mask is None: return torch.arange(sk - sq + 1, sk + 1).expand(B, Hq, sq)
     mask = mask[None, None] if mask.ndim == 2 else heads_mask(mask, Hq)
     return mask.expand(B, Hq, sq, sk).sum(-1)
+
+
+# %%
+test_eq(attended_counts(None, 1, 2, 2, 4), torch.tensor([[[3, 4], [3, 4]]]))
+test_eq(attended_counts(torch.tensor([[True, False, True]]), 2, 1, 1, 3), torch.tensor([[[2]], [[2]]]))
+_hm = torch.tensor([True, False]).view(1, 2, 1, 1).expand(1, 2, 1, 5)                 # per KV head, 2 query heads each
+test_eq(attended_counts(_hm, 1, 4, 1, 5), torch.tensor([[[5], [5], [0], [0]]]))
 
 
 # %% [markdown]
@@ -297,6 +380,35 @@ def _check_indices(idx: Tensor, k: Tensor):
     if (s[..., 1:] == s[..., :-1]).any(): raise ValueError("idx must not repeat a key within a head")
 
 
+# %%
+_kk = torch.zeros(1, 2, 5, 4)
+_check_indices(torch.tensor([[[0, 4], [3, 1]]]), _kk)
+test_fail(lambda: _check_indices(torch.tensor([[[0, 4], [3, 1]]]).int(), _kk), contains="idx must be int64")
+test_fail(lambda: _check_indices(torch.tensor([[[0, 4]]]), _kk), contains="idx must be [B,Hkv,n] = [1,2,n]")
+test_fail(lambda: _check_indices(torch.tensor([[[0, 5], [3, 1]]]), _kk), contains="idx must lie in [0, 5)")
+test_fail(lambda: _check_indices(torch.tensor([[[0, 0], [3, 1]]]), _kk), contains="must not repeat")
+
+# %% [markdown]
+# A chunk's own keys are the last `q_len` of the `k_len` keys, appended to each head's earlier ones:
+
+# %%
+#| export
+def add_chunk_keys(idx: Tensor, k_len: int, q_len: int) -> Tensor:
+    "Append to `idx` `[B,Hkv,n]` (earlier keys) the indices of the chunk's own keys, the last `q_len` of `k_len`."
+    own = torch.arange(k_len - q_len, k_len, device=idx.device).expand(*idx.shape[:2], q_len)
+    return torch.cat([idx, own], dim=-1)
+
+
+# %%
+test_eq(add_chunk_keys(torch.tensor([[[0, 2], [1, 3]]]), 7, 2), torch.tensor([[[0, 2, 5, 6], [1, 3, 5, 6]]]))
+test_eq(add_chunk_keys(torch.zeros(1, 1, 0, dtype=torch.long), 3, 3), torch.tensor([[[0, 1, 2]]]))
+
+# %% [markdown]
+# Check against the explicit softmax under the selection mask, with and without an explicit mask; selecting every key
+# is dense:
+
+# %%
+#| export
 def attend_selected(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: Tensor | None = None,
                     scale: float | None = None, dropout: float = 0.0) -> Tensor:
     "Attention `[B,Hq,Sq,D]` over only keys `idx` `[B,Hkv,n]` per KV head (gather, SDPA); `mask` per KV head or None."
@@ -309,29 +421,6 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: Tensor |
             raise ValueError(f"mask must be boolean [B,1 or Hkv,Sq,Sk], got {mask.dtype} {tuple(mask.shape)}")
         sel = mask.expand(idx.shape[0], k.shape[1], sq, sk).gather(3, idx[:, :, None, :].expand(-1, -1, sq, -1))
     return dense_attention(q, gather_keys(k, idx), gather_keys(v, idx), sel, scale, dropout)
-
-
-def chosen_indices(chosen: Tensor) -> Tensor:
-    "Indices [B,Hkv,n], ascending, of the chosen keys of `chosen` [B,Hkv,Sk] (bool), n the largest count, and fillers."
-    n = int(chosen.sum(-1).max()) if chosen.numel() else 0
-    # stable: the chosen keys first in index order, then the lowest unchosen ones fill rows that chose fewer
-    return (~chosen).to(torch.uint8).argsort(dim=-1, stable=True)[..., :n].sort(-1).values
-
-
-def attend_chosen(q: Tensor, k: Tensor, v: Tensor, chosen: Tensor, mask: Tensor | None = None,
-                  scale: float | None = None, dropout: float = 0.0) -> Tensor:
-    "`attend_selected` over the keys `chosen` [B,Hkv,Sk] (bool; counts may differ per row) under `mask` (None: causal)."
-    if chosen.dtype != torch.bool or chosen.shape != k.shape[:3]:
-        raise ValueError(f"chosen must be boolean [B,Hkv,Sk] = {tuple(k.shape[:3])}, got {chosen.dtype} "
-                         f"{tuple(chosen.shape)}")
-    base = causal_mask(q.shape[2], k.shape[2], k.device)[None, None] if mask is None else mask
-    return attend_selected(q, k, v, chosen_indices(chosen), base & chosen[:, :, None], scale, dropout)
-
-
-def add_chunk_keys(idx: Tensor, k_len: int, q_len: int) -> Tensor:
-    "Append to `idx` `[B,Hkv,n]` (earlier keys) the indices of the chunk's own keys, the last `q_len` of `k_len`."
-    own = torch.arange(k_len - q_len, k_len, device=idx.device).expand(*idx.shape[:2], q_len)
-    return torch.cat([idx, own], dim=-1)
 
 
 # %%
@@ -356,6 +445,15 @@ test_fail(lambda: attend_selected(q, k, v, idx + 11), contains="must lie in")
 # each row attends to exactly its chosen keys:
 
 # %%
+#| export
+def chosen_indices(chosen: Tensor) -> Tensor:
+    "Indices [B,Hkv,n], ascending, of the chosen keys of `chosen` [B,Hkv,Sk] (bool), n the largest count, and fillers."
+    n = int(chosen.sum(-1).max()) if chosen.numel() else 0
+    # stable: the chosen keys first in index order, then the lowest unchosen ones fill rows that chose fewer
+    return (~chosen).to(torch.uint8).argsort(dim=-1, stable=True)[..., :n].sort(-1).values
+
+
+# %%
 chosen = torch.rand(2, 2, 11, generator=torch.Generator().manual_seed(2)) > 0.5
 chosen[1, 0] = False
 chosen[1, 0, [2, 9]] = True  # one head chooses two keys only
@@ -363,6 +461,20 @@ idx = chosen_indices(chosen)
 test_eq(idx.shape[-1], chosen.sum(-1).max().item())
 test_eq({2, 9} <= set(idx[1, 0].tolist()), True)  # the two, then the lowest unchosen keys as fillers
 test_eq(chosen.gather(2, idx).sum(-1), chosen.sum(-1))  # every chosen key is gathered
+
+# %%
+#| export
+def attend_chosen(q: Tensor, k: Tensor, v: Tensor, chosen: Tensor, mask: Tensor | None = None,
+                  scale: float | None = None, dropout: float = 0.0) -> Tensor:
+    "`attend_selected` over the keys `chosen` [B,Hkv,Sk] (bool; counts may differ per row) under `mask` (None: causal)."
+    if chosen.dtype != torch.bool or chosen.shape != k.shape[:3]:
+        raise ValueError(f"chosen must be boolean [B,Hkv,Sk] = {tuple(k.shape[:3])}, got {chosen.dtype} "
+                         f"{tuple(chosen.shape)}")
+    base = causal_mask(q.shape[2], k.shape[2], k.device)[None, None] if mask is None else mask
+    return attend_selected(q, k, v, chosen_indices(chosen), base & chosen[:, :, None], scale, dropout)
+
+
+# %%
 assert_close(attend_chosen(q, k, v, chosen, pad), _reference(q, k, v, heads_mask(chosen[:, :, None] & pad, 6)))
 causal_chosen = heads_mask(chosen[:, :, None] & causal_mask(4, 11), 6)
 assert_close(attend_chosen(q, k, v, chosen), _reference(q, k, v, causal_chosen))
@@ -393,6 +505,9 @@ test_fail(lambda: attend_chosen(q, k, v, chosen.long()), contains="chosen must b
 # when nothing is hidden). A selection method must then choose for each row what it would choose with the row alone:
 # score only its real keys, count its budget on them, anchor sinks at its first real token.
 # `ctx.row_context(b, ...)` is the context of row `b` as if it ran unpadded.
+
+# %% [markdown]
+# A chunk of 2 queries after 3 keys, then a padded batch whose row 1 hides its first key:
 
 # %%
 #| export
@@ -436,15 +551,42 @@ class AttentionContext:
         real = self.mask.any(-2).any(1).expand(self.key_positions.shape[0], -1)
         return None if bool(real.all()) else real
 
-    def row_context(self, b: int, n_keys: int, n_queries: int) -> AttentionContext:
-        """The context of row `b` alone, as if run unpadded: its `n_keys` real keys numbered from 0, the last
-        `n_queries` of them this call's queries; causal (no mask), no cache."""
-        pos = torch.arange(n_keys, device=self.key_positions.device)
-        return AttentionContext(layer_idx=self.layer_idx, kind=self.kind, query_positions=pos[n_keys - n_queries:],
-                                key_positions=pos.expand(1, self.key_positions.shape[1], n_keys), mask=None,
-                                scale=self.scale, module=self.module, chunk_index=self.chunk_index,
-                                dropout=self.dropout, row=b)
 
+# %%
+_ctx = AttentionContext(layer_idx=0, kind="prefill", query_positions=torch.arange(3, 5),
+                        key_positions=torch.arange(5).expand(2, 2, 5), mask=None, scale=0.25)
+test_eq((_ctx.past_len, _ctx.cache_layer, _ctx.real_keys()), (3, None, None))
+test_eq(_ctx.full_mask(), causal_mask(2, 5)[None, None])
+_pm = torch.ones(2, 1, 2, 5, dtype=torch.bool)
+_pm[1, ..., 0] = False
+_pctx = AttentionContext(0, "prefill", torch.arange(3, 5), torch.arange(5).expand(2, 2, 5), _pm, 0.25)
+test_eq(_pctx.real_keys(), torch.tensor([[True] * 5, [False] + [True] * 4]))
+test_eq(_pctx.full_mask(), _pm)
+
+# %% [markdown]
+# Row 1 alone has 4 real keys, numbered from 0, of which its 2 queries are the last:
+
+# %%
+#| export
+@patch_to(AttentionContext)
+def row_context(self, b: int, n_keys: int, n_queries: int) -> AttentionContext:
+    """The context of row `b` alone, as if run unpadded: its `n_keys` real keys numbered from 0, the last
+    `n_queries` of them this call's queries; causal (no mask), no cache."""
+    pos = torch.arange(n_keys, device=self.key_positions.device)
+    return AttentionContext(layer_idx=self.layer_idx, kind=self.kind, query_positions=pos[n_keys - n_queries:],
+                            key_positions=pos.expand(1, self.key_positions.shape[1], n_keys), mask=None,
+                            scale=self.scale, module=self.module, chunk_index=self.chunk_index,
+                            dropout=self.dropout, row=b)
+
+
+# %%
+_r = _pctx.row_context(1, 4, 2)
+test_eq((_r.row, _r.kind, _r.mask, _r.scale, _r.query_positions.tolist()), (1, "prefill", None, 0.25, [2, 3]))
+test_eq(_r.key_positions, torch.arange(4).expand(1, 2, 4))
+
+# %% [markdown]
+# The base policy routes prefill and decode to `attend`, exact attention under the context's mask; a policy may
+# override one of the two (here decode, as a marker):
 
 # %%
 #| export
@@ -467,10 +609,30 @@ class AttentionPolicy:
         return dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout)
 
 
+# %%
+class _DecodeMarker(AttentionPolicy):
+    def decode(self, q, k, v, ctx): return torch.zeros_like(q)
+
+_q, _k, _v = torch.randn(2, 4, 2, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+test_eq(AttentionPolicy()(_q, _k, _v, _ctx), dense_attention(_q, _k, _v, None, 0.25))
+test_eq(_DecodeMarker()(_q, _k, _v, _ctx), dense_attention(_q, _k, _v, None, 0.25))        # a prefill call
+_dctx = AttentionContext(0, "decode", torch.tensor([4]), torch.arange(5).expand(2, 2, 5), None, 0.25)
+test_eq(_DecodeMarker()(_q[:, :, :1], _k, _v, _dctx), torch.zeros(2, 4, 1, 8))
+
+# %%
+#| export
 class DensePolicy(AttentionPolicy):
     "Exact causal attention: what the unpatched model computes."
 
 
+# %%
+assert_close(DensePolicy()(_q, _k, _v, _pctx), _reference(_q, _k, _v, heads_mask(_pm, 4), 0.25))
+
+# %% [markdown]
+# A mask policy attends under its mask and the context's (here: every other key, and row 1's padding):
+
+# %%
+#| export
 class MaskPolicy(AttentionPolicy):
     "Attention under an extra boolean mask `mask(q, k, v, ctx)` (1, Hkv or Hq heads) and the context's mask."
 
@@ -484,6 +646,20 @@ class MaskPolicy(AttentionPolicy):
         return dense_attention(q, k, v, m, ctx.scale, ctx.dropout)
 
 
+# %%
+class _EveryOther(MaskPolicy):
+    def mask(self, q, k, v, ctx): return (torch.arange(k.shape[2]) % 2 == 0)[None, None, None]
+
+_want = _reference(_q, _k, _v, heads_mask(_pm & (torch.arange(5) % 2 == 0), 4), 0.25)
+assert_close(_EveryOther()(_q, _k, _v, _pctx), _want)
+test_fail(lambda: MaskPolicy()(_q, _k, _v, _pctx), contains="must implement mask")
+
+# %% [markdown]
+# A selection policy attends over the indices it returns (`attend_selected`), a boolean choice (`attend_chosen`), or
+# densely for None:
+
+# %%
+#| export
 class SelectionPolicy(AttentionPolicy):
     "Attention over the keys `select(q, k, v, ctx)` picks per KV head (`[B,Hkv,n]`), or dense when it returns None."
 
@@ -496,6 +672,19 @@ class SelectionPolicy(AttentionPolicy):
         if idx is None: return super().attend(q, k, v, ctx)
         if idx.dtype == torch.bool: return attend_chosen(q, k, v, idx, ctx.mask, ctx.scale, ctx.dropout)
         return attend_selected(q, k, v, idx, ctx.mask, ctx.scale, ctx.dropout)
+
+
+# %%
+class _Fixed(SelectionPolicy):
+    def __init__(self, out): self.out = out
+    def select(self, q, k, v, ctx): return self.out
+
+_idx = torch.tensor([0, 2, 4]).expand(2, 2, 3)
+assert_close(_Fixed(_idx)(_q, _k, _v, _ctx), attend_selected(_q, _k, _v, _idx, None, 0.25))
+_ch = torch.rand(2, 2, 5, generator=torch.Generator().manual_seed(0)) > 0.5
+assert_close(_Fixed(_ch)(_q, _k, _v, _ctx), attend_chosen(_q, _k, _v, _ch, None, 0.25))
+test_eq(_Fixed(None)(_q, _k, _v, _ctx), dense_attention(_q, _k, _v, None, 0.25))
+test_fail(lambda: SelectionPolicy()(_q, _k, _v, _ctx), contains="must implement select")
 
 
 # %% [markdown]
@@ -536,6 +725,16 @@ class _Patch:
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> stack of _Patch
 
 
+# %%
+_st = _Patch(_DecodeMarker())
+test_eq((type(_st.policy), _st.kind, _st.chunk_index, _st.calls), (_DecodeMarker, None, None, {}))
+test_eq(len(_ACTIVE), 0)                                                   # nothing patched yet
+
+# %% [markdown]
+# The attention modules of the tiny test model (two layers), and its configs:
+
+# %%
+#| export
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     "The self-attention modules of `model` (those with a `layer_idx` and an `o_proj`)."
     mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
@@ -544,6 +743,13 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return mods
 
 
+# %%
+model, _ = load_model("tiny-llama")
+test_eq([m.layer_idx for m in attention_modules(model)], list(range(model.config.num_hidden_layers)))
+test_fail(lambda: attention_modules(nn.Linear(2, 2)), contains="found no attention module")
+
+# %%
+#| export
 def _configs(model: PreTrainedModel) -> list:
     "Every config of `model`: its own, its sub-configs and those of its sub-models."
     seen, todo = {}, [model.config] + [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
@@ -553,6 +759,15 @@ def _configs(model: PreTrainedModel) -> list:
         seen[id(c)] = c
         todo += [getattr(c, key, None) for key in getattr(c, "sub_configs", {})]
     return list(seen.values())
+
+
+# %%
+_cfgs = _configs(model)
+assert any(c is model.config for c in _cfgs) and len({id(c) for c in _cfgs}) == len(_cfgs)
+
+# %% [markdown]
+# The context of a call: a prefill of 3 tokens without a cache, then a decode query after 5 tokens the layer saw;
+# a mask that is not boolean is refused.
 
 
 # %%
@@ -589,6 +804,24 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
                             chunk_index=chunk_index, cache=cache, dropout=dropout)
 
 
+# %%
+_a0 = attention_modules(model)[0]
+_hd = model.config.hidden_size // model.config.num_attention_heads
+_st = _Patch(DensePolicy())
+_c = _context(_a0, torch.randn(2, 4, 3, _hd), torch.randn(2, 2, 3, _hd), None, _st, None, 0.0)
+test_eq((_c.kind, _c.chunk_index, _c.query_positions.tolist(), _c.scale), ("prefill", 0, [0, 1, 2], _hd ** -0.5))
+test_eq(_c.key_positions, torch.arange(3).expand(2, 2, 3))
+_st.calls[_a0] = (None, 5)
+_c = _context(_a0, torch.randn(2, 4, 1, _hd), torch.randn(2, 2, 6, _hd), None, _st, 0.5, 0.0)
+test_eq((_c.kind, _c.chunk_index, _c.query_positions.tolist(), _c.scale), ("decode", None, [5], 0.5))
+test_fail(lambda: _context(_a0, torch.randn(1, 4, 2, _hd), torch.randn(1, 2, 2, _hd), torch.ones(1, 1, 2, 2), _st,
+                           None, 0.0), contains="needs a boolean mask")
+
+# %% [markdown]
+# The attention function `transformers` calls refuses to run outside `patch`, and is registered under `ATTN_NAME`:
+
+# %%
+#| export
 def _sparsekv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     "The attention function `ATTN_NAME`: builds the context, calls the policy, returns `([B,Sq,Hq,D], None)`."
     stack = _ACTIVE.get(module)
@@ -613,6 +846,12 @@ AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
 # %%
+assert AttentionInterface._global_mapping[ATTN_NAME] is _sparsekv_attention
+test_fail(lambda: _sparsekv_attention(_a0, torch.randn(1, 4, 2, _hd), torch.randn(1, 2, 2, _hd),
+                                      torch.randn(1, 2, 2, _hd), None), contains="not inside sparsekv.hf.patch")
+
+
+# %%
 #| export
 def _checked_prepare(prepare):
     "Wrap `prepare_inputs_for_generation`: refuse, clearly, a cache that already holds every token of `input_ids`."
@@ -631,6 +870,18 @@ def _checked_prepare(prepare):
     return wrapped
 
 
+# %%
+_w = _checked_prepare(lambda input_ids, *a, **kw: "fed")
+test_eq(_w(torch.ones(1, 3), past_key_values=DynamicCache(), next_sequence_length=1), "fed")
+test_eq(_w(torch.ones(1, 3)), "fed")
+test_fail(lambda: _w(torch.ones(1, 3), past_key_values=DynamicCache(), next_sequence_length=0),
+          contains="generate has no new token to feed")
+
+# %% [markdown]
+# The hook records the cache and the tokens the layer saw: none without a cache, 0 for an empty one:
+
+# %%
+#| export
 def _record_call(state: _Patch):
     "Forward pre-hook recording an attention module's cache and the tokens its layer saw before the call."
     def hook(module, args, kwargs):
@@ -644,6 +895,20 @@ def _record_call(state: _Patch):
     return hook
 
 
+# %%
+_st = _Patch(DensePolicy())
+_record_call(_st)(_a0, (), {"past_key_values": None})
+test_eq(_st.calls[_a0], (None, None))
+_dc = DynamicCache()
+_record_call(_st)(_a0, (), {"past_key_values": _dc})
+test_eq(_st.calls[_a0], (_dc, 0))
+
+# %% [markdown]
+# A dense policy must reproduce the unpatched model, and leaving the block must give the model
+# back as it was, also after an exception:
+
+# %%
+#| export
 @contextlib.contextmanager
 def patch(model: PreTrainedModel, policy: AttentionPolicy):
     "Route every attention call of `model` to `policy` inside the block; restore the attention implementation on exit."
@@ -675,18 +940,7 @@ def patch(model: PreTrainedModel, policy: AttentionPolicy):
         for c, impl in saved: c._attn_implementation_internal = impl
 
 
-def active_patch(model: nn.Module) -> _Patch | None:
-    "The innermost `patch` state of `model`, or None when it is not patched."
-    stack = _ACTIVE.get(attention_modules(model)[0])
-    return stack[-1] if stack else None
-
-
-# %% [markdown]
-# A dense policy must reproduce the unpatched model, and leaving the block must give the model
-# back as it was, also after an exception:
-
 # %%
-model, _ = load_model("tiny-llama")
 ids = torch.randint(3, 259, (2, 13), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
     ref = model(ids).logits
@@ -703,6 +957,23 @@ with torch.no_grad():
     test_eq(model.config._attn_implementation, impl)
     test_eq(len(_ACTIVE), 0)
     test_eq(sum(len(m._forward_pre_hooks) for m in model.modules()), 0)
+
+# %%
+#| export
+def active_patch(model: nn.Module) -> _Patch | None:
+    "The innermost `patch` state of `model`, or None when it is not patched."
+    stack = _ACTIVE.get(attention_modules(model)[0])
+    return stack[-1] if stack else None
+
+
+# %%
+test_eq(active_patch(model), None)
+_p1, _p2 = DensePolicy(), DensePolicy()
+with patch(model, _p1):
+    assert active_patch(model).policy is _p1
+    with patch(model, _p2): assert active_patch(model).policy is _p2   # the innermost
+    assert active_patch(model).policy is _p1
+test_eq(active_patch(model), None)
 
 
 # %% [markdown]
@@ -751,6 +1022,9 @@ test_eq(rec.seen, [(0, "prefill", 0, [0, 1, 2, 3, 4], (2, 2, 5), 0), (1, "prefil
 # padding, kept as zeros), and the caches are joined row by row into one. Only an empty cache can take a
 # padded prompt; evicting caches take unpadded batches only.
 
+# %% [markdown]
+# Checks: an empty batch (no row, or no token) and ids outside the vocabulary are refused by name.
+
 # %%
 #| export
 def check_input_ids(model: PreTrainedModel, input_ids: Tensor) -> Tensor:
@@ -769,6 +1043,17 @@ def check_input_ids(model: PreTrainedModel, input_ids: Tensor) -> Tensor:
     return input_ids
 
 
+# %%
+test_eq(check_input_ids(model, ids), ids)
+test_fail(lambda: check_input_ids(model, torch.zeros(0, 5, dtype=torch.long)), contains="shape (0, 5)")
+test_fail(lambda: check_input_ids(model, torch.zeros(1, 0, dtype=torch.long)), contains="at least one row and one")
+test_fail(lambda: check_input_ids(model, torch.tensor([[1, 10**6]])), contains="the model's vocabulary")
+
+# %% [markdown]
+# A left-padded mask gives each row's padding, and a mask padded on the right is refused:
+
+# %%
+#| export
 def left_padding(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor | None:
     "Padding tokens per row [B] of a left-padded 0/1 `attention_mask` [B,S], or None when nothing is padded."
     if attention_mask is None: return None
@@ -785,18 +1070,14 @@ def left_padding(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor | N
     return pads if bool(pads.any()) else None
 
 
-# %% [markdown]
-# Checks: an empty batch (no row, or no token) and ids outside the vocabulary are refused by name; a left-padded mask
-# gives each row's padding, and a mask padded on the right is refused.
-
 # %%
-test_fail(lambda: check_input_ids(model, torch.zeros(0, 5, dtype=torch.long)), contains="shape (0, 5)")
-test_fail(lambda: check_input_ids(model, torch.zeros(1, 0, dtype=torch.long)), contains="at least one row and one")
-test_fail(lambda: check_input_ids(model, torch.tensor([[1, 10**6]])), contains="the model's vocabulary")
 _m = torch.tensor([[0, 0, 1], [1, 1, 1]])
 test_eq(left_padding(_m, torch.ones_like(_m)).tolist(), [2, 0])
 test_fail(lambda: left_padding(_m.flip(1), torch.ones_like(_m)), contains="pad on the left")
 
+
+# %% [markdown]
+# With no policy, `_patched` patches densely, or keeps an active patch and gives its phase back on exit:
 
 # %%
 #| export
@@ -812,6 +1093,20 @@ def _patched(model: PreTrainedModel, policy: AttentionPolicy | None):
         with patch(model, policy or DensePolicy()): yield active_patch(model)
 
 
+# %%
+with _patched(model, None) as _s: assert isinstance(_s.policy, DensePolicy) and active_patch(model) is _s
+test_eq(active_patch(model), None)
+with patch(model, _p1):
+    with _patched(model, None) as _s:
+        assert _s.policy is _p1
+        _s.kind = "prefill"
+    test_eq(active_patch(model).kind, None)
+
+# %% [markdown]
+# The chunk loop gives the last logits of the whole prompt, for any chunk size:
+
+# %%
+#| export
 def _prefill_chunks(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, policy: AttentionPolicy | None,
                     cache: Cache, attention_mask: Tensor | None = None) -> Tensor:
     "The chunk loop of `chunked_prefill` (one grid of chunks for all rows): fills `cache`, returns last logits [B,V]."
@@ -832,6 +1127,16 @@ def _prefill_chunks(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, 
 
 
 # %%
+with torch.no_grad(): full = model(ids).logits[:, -1]
+for _cs in (3, 13):
+    _cache = GrowingCache(config=model.config)
+    assert_close(_prefill_chunks(model, ids, _cs, None, _cache), full, atol=1e-5, rtol=0)
+    test_eq(_cache.get_seq_length(), 13)
+
+# %% [markdown]
+# Rows prefilled apart are joined into one cache, each from its first column, zeros before it:
+
+# %%
 #| export
 def _join_rows(cache: Cache, parts: list, B: int, S: int) -> None:
     "Fill empty `cache` with `parts` (rows, first column, cache of those rows from that column), zeros elsewhere."
@@ -842,6 +1147,24 @@ def _join_rows(cache: Cache, parts: list, B: int, S: int) -> None:
         cache.update(K, V, i)
 
 
+# %%
+_parts = []
+for _r, _cut in ((0, 0), (1, 6)):
+    _part = GrowingCache(config=model.config)
+    _prefill_chunks(model, ids[_r:_r + 1, _cut:], 4, None, _part)
+    _parts.append((torch.tensor([_r]), _cut, _part))
+_joined = GrowingCache(config=model.config)
+_join_rows(_joined, _parts, 2, 13)
+for _i, _layer in enumerate(_joined.layers):
+    test_eq(_layer.keys[0], _parts[0][2].layers[_i].keys[0])
+    test_eq(_layer.values[1, :, 6:], _parts[1][2].layers[_i].values[0])
+    test_eq(_layer.keys[1, :, :6].abs().sum().item(), 0.0)
+
+# %% [markdown]
+# `chunked_prefill` gives the logits of the whole prompt at every chunk size, and each chunk's queries their positions:
+
+# %%
+#| export
 def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, policy: AttentionPolicy | None = None,
                     cache: Cache | None = None, attention_mask: Tensor | None = None) -> tuple[Cache, Tensor]:
     """Prefill `input_ids` `[B,S]` in chunks of `chunk_size` (B_CP) under `policy`: the cache and last logits `[B,V]`;
@@ -877,7 +1200,6 @@ def chunked_prefill(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, 
 
 
 # %%
-with torch.no_grad(): full = model(ids).logits[:, -1]
 for cs in [1, 4, 5, 13, 64]:  # 1, non-divisors of 13, the whole prompt, more than the prompt
     cache, last = chunked_prefill(model, ids, cs)
     assert_close(last, full, atol=1e-5, rtol=0)
@@ -1183,11 +1505,47 @@ test_fail(lambda: AttendedBudget().stored(), contains="nothing was stored")
 # >= 1); each family says how it maps onto its own parameters, and a method whose budget is a
 # learned target met only on average says so with `exact_budget = False`.
 
+# %% [markdown]
+# A method class joins the registry under its own `name` (one it inherits does not count), once its family is
+# checked; a second class cannot take the name, while the same class defined again (a notebook cell run twice) may:
+
 # %%
 #| export
 METHOD_FAMILIES = ("dense", "eviction", "selection", "retrieval")
 
 
+def _register(cls: type, registry: dict):
+    "Add method class `cls` to `registry` under its own `name`, if it sets one; its family must be in METHOD_FAMILIES."
+    name = cls.__dict__.get("name")
+    if cls.family not in METHOD_FAMILIES:
+        raise ValueError(f"{cls.__name__}.family must be one of {METHOD_FAMILIES}, got {cls.family!r}")
+    if name is None: return
+    prev = registry.get(name)
+    # re-running a notebook cell redefines the same class
+    if prev is not None and prev.__qualname__ != cls.__qualname__:
+        raise ValueError(f"method name {name!r} is already taken by {prev.__module__}.{prev.__qualname__}")
+    registry[name] = cls
+
+
+# %%
+_reg = {}
+class _A: name, family = "a", "dense"
+class _B(_A): pass
+_register(_A, _reg)
+_register(_B, _reg)                                                            # inherits the name: not registered
+test_eq(_reg, {"a": _A})
+class _A: name, family = "a", "dense"                                          # the same class, defined again
+_register(_A, _reg)
+test_eq(_reg, {"a": _A})
+test_fail(lambda: _register(type("C", (), {"name": "a", "family": "dense"}), _reg), contains="already taken")
+test_fail(lambda: _register(type("D", (), {"name": "d", "family": "x"}), _reg), contains="family must be one of")
+
+# %% [markdown]
+# Check: a subclass with a name registers itself (and a second class cannot take the name); a bad budget and a bad
+# family are refused; `patch` yields a fresh `GrowingCache` under the method's policy.
+
+# %%
+#| export
 class Method:
     "One KV method behind one interface (`patch`, `generate`); a subclass with a `name` joins `Method.registry`."
     name: str | None = None
@@ -1198,15 +1556,7 @@ class Method:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        name = cls.__dict__.get("name")
-        if cls.family not in METHOD_FAMILIES:
-            raise ValueError(f"{cls.__name__}.family must be one of {METHOD_FAMILIES}, got {cls.family!r}")
-        if name is None: return
-        prev = Method.registry.get(name)
-        # re-running a notebook cell redefines the same class
-        if prev is not None and prev.__qualname__ != cls.__qualname__:
-            raise ValueError(f"method name {name!r} is already taken by {prev.__module__}.{prev.__qualname__}")
-        Method.registry[name] = cls
+        _register(cls, Method.registry)
 
     def __init__(self, budget: int):
         self.budget = self.check_budget(budget)
@@ -1229,58 +1579,65 @@ class Method:
         "Patch `model` with a fresh `policy()` inside the block and yield the cache to pass (`cache(model)`)."
         with patch(model, self.policy()): yield self.cache(model)
 
-    def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None,
-                 **kwargs) -> Tensor:
-        """Prefill (in chunks of `chunk_size` if set), decode by `model.generate(**kwargs)` under the method: token ids;
-        `attention_mask`: left padding, as generate takes it."""
-        check_input_ids(model, input_ids)
-        if "past_key_values" in kwargs:
-            raise ValueError("past_key_values: Method.generate makes a fresh cache for each call; to continue a cache "
-                             "of your own, call model.generate inside `with method.patch(model):`")
-        S, pads = input_ids.shape[1], left_padding(attention_mask, input_ids)
-        if pads is not None and bool((pads == S).any()):
-            raise ValueError("attention_mask must mark at least one token (1) in every row")
-        if attention_mask is None: attention_mask = torch.ones_like(input_ids)
-        with torch.no_grad(), self.patch(model) as cache:
-            # (`sparsekv.methods.HandoffCache` hands the prompt to the evicting cache `then` later)
-            if pads is not None and any(isinstance(c, EvictingCache) for c in (cache, getattr(cache, "then", None))):
-                raise ValueError(f"attention_mask: {self.name or type(self).__name__} evicts from a cache that takes "
-                                 "unpadded batches only (padding would shift its rows); generate each prompt alone "
-                                 "or batch prompts of equal length")
-            # a prefill with some token (rows of one token have none before the last)
-            if self.chunk_size and S > 1 and (pads is None or bool((pads < S - 1).any())):
-                # generate feeds the last token
-                cache = chunked_prefill(model, input_ids[:, :-1], self.chunk_size, cache=cache,
-                                        attention_mask=attention_mask[:, :-1])[0]
-                # generate repeats each row of input_ids for beams or return sequences, not a cache passed to it
-                cfg = kwargs.get("generation_config") or model.generation_config
-                expand = max(kwargs.get("num_beams", cfg.num_beams) or 1,
-                             kwargs.get("num_return_sequences", cfg.num_return_sequences) or 1)
-                if expand > 1: cache.batch_repeat_interleave(expand)
-            return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"
 
 
-# %% [markdown]
-# Check: the base method generates exactly what the unpatched model generates, in one call or in chunks;
-# a subclass with a name registers itself (and a second class cannot take the name); a bad budget is refused.
-
 # %%
 class _ChunkedDense(Method):
     name, chunk_size = "_chunked_dense", 4
 
-with torch.no_grad(): plain = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
-test_eq(Method(8).generate(model, ids, **gen), plain)
-test_eq(Method.registry["_chunked_dense"](8).generate(model, ids, **gen), plain)
 with Method(8).patch(model) as c:
     assert isinstance(c, GrowingCache) and c.get_seq_length() == 0, c
     test_eq(model.config._attn_implementation, ATTN_NAME)
 test_eq(model.config._attn_implementation, impl)
 test_fail(lambda: type("Other", (Method,), {"name": "_chunked_dense"}), contains="already taken")
+test_fail(lambda: type("Other", (Method,), {"family": "pruning"}), contains="family must be one of")
 for bad in (0, -3, True, 2.5, "8"): test_fail(lambda: Method(bad), contains="budget must be")
+test_eq(repr(Method(8)), "Method(budget=8)")
+
+# %% [markdown]
+# `generate` gives exactly what the unpatched model generates, in one call or in chunks:
+
+# %%
+#| export
+@patch_to(Method)
+def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None,
+             **kwargs) -> Tensor:
+    """Prefill (in chunks of `chunk_size` if set), decode by `model.generate(**kwargs)` under the method: token ids;
+    `attention_mask`: left padding, as generate takes it."""
+    check_input_ids(model, input_ids)
+    if "past_key_values" in kwargs:
+        raise ValueError("past_key_values: Method.generate makes a fresh cache for each call; to continue a cache "
+                         "of your own, call model.generate inside `with method.patch(model):`")
+    S, pads = input_ids.shape[1], left_padding(attention_mask, input_ids)
+    if pads is not None and bool((pads == S).any()):
+        raise ValueError("attention_mask must mark at least one token (1) in every row")
+    if attention_mask is None: attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad(), self.patch(model) as cache:
+        # (`sparsekv.methods.HandoffCache` hands the prompt to the evicting cache `then` later)
+        if pads is not None and any(isinstance(c, EvictingCache) for c in (cache, getattr(cache, "then", None))):
+            raise ValueError(f"attention_mask: {self.name or type(self).__name__} evicts from a cache that takes "
+                             "unpadded batches only (padding would shift its rows); generate each prompt alone "
+                             "or batch prompts of equal length")
+        # a prefill with some token (rows of one token have none before the last)
+        if self.chunk_size and S > 1 and (pads is None or bool((pads < S - 1).any())):
+            # generate feeds the last token
+            cache = chunked_prefill(model, input_ids[:, :-1], self.chunk_size, cache=cache,
+                                    attention_mask=attention_mask[:, :-1])[0]
+            # generate repeats each row of input_ids for beams or return sequences, not a cache passed to it
+            cfg = kwargs.get("generation_config") or model.generation_config
+            expand = max(kwargs.get("num_beams", cfg.num_beams) or 1,
+                         kwargs.get("num_return_sequences", cfg.num_return_sequences) or 1)
+            if expand > 1: cache.batch_repeat_interleave(expand)
+        return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+
+
+# %%
+with torch.no_grad(): plain = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+test_eq(Method(8).generate(model, ids, **gen), plain)
+test_eq(Method.registry["_chunked_dense"](8).generate(model, ids, **gen), plain)
 
 # %% [markdown]
 # A padded batch gives each row the tokens it gets alone, in one call or in chunks; a cache of one's own, an

@@ -97,11 +97,10 @@ from torch.testing import assert_close
 # independent uniform draws (from `generator`), a uniformly random subset of $N_Q$
 # positions (in group mode the draws are averaged over the group, which leaves the subset
 # uniform because the averages are exchangeable). Keeping *all* queries is `n_q` $\ge S$.
-# Measured downstream in the `protocol` stage (`cpu-full`: SmolLM2, 110 retrieval items of 4,096 tokens,
-# $B_{SA} = 256$, $N_Q = 16$): the dissimilar queries answer 0.564 (needle) and 0.618 (passkey), ahead of the
-# similar ones (0.327, 0.455) and of random ones (0.364, 0.436), with paired intervals excluding 0, and tied
-# with keeping all 128 (0.545, 0.582). So at equal $N_Q$ the ranking helps retrieval, although on this model the
-# dissimilar queries do not attend more broadly (the observations stage: they recover less mass than random ones).
+# What the ranking does downstream at equal $N_Q$ is measured by [the quoka_accuracy stage](../reproduce/22_quoka_accuracy.ipynb).
+
+# %% [markdown]
+# The paper's choice comes first in each tuple (and is each option's default below):
 
 # %%
 #| export
@@ -111,17 +110,44 @@ QUERY_RANKS = ("dissimilar", "similar", "random")
 GQA_AGGS = ("mean", "max")
 EPS = 1e-12  # norms are clamped to at least EPS, as in F.normalize: a zero vector has cosine 0 with everything
 
+# %%
+test_eq((QUERY_SELECT[0], QUERY_AGGS[0], QUERY_RANKS[0], GQA_AGGS[0]), ("group", "max", "dissimilar", "mean"))
+assert_close(F.normalize(torch.tensor([1e-13, 0.0], dtype=torch.float64), dim=0, eps=EPS),
+             torch.tensor([0.1, 0.0], dtype=torch.float64))  # a norm below EPS is clamped to EPS
 
+# %%
+#| export
 def accumulation_dtype(x: Tensor) -> torch.dtype:
     "float32 for half/bfloat16/float32 inputs, float64 for float64: the dtype scores are computed in."
     return torch.promote_types(x.dtype, torch.float32)
 
+# %%
+_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+test_eq([accumulation_dtype(torch.zeros(1, dtype=t)) for t in _dtypes], [torch.float32] * 3 + [torch.float64])
 
+# %% [markdown]
+# A 3-4-5 row, a zero row (cosine 0 with everything), bfloat16 in float32, and the `out=` buffer:
+
+# %%
+#| export
 def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
     "x / max(|x|, EPS) along the last dim (each query or key), in the accumulation dtype; written into `out` if given."
     return F.normalize(x.to(accumulation_dtype(x)), dim=-1, eps=EPS, out=out)
 
+# %%
+_x = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
+test_eq(unit_vectors(_x), torch.tensor([[0.6, 0.8], [0.0, 0.0]]))
+test_eq(unit_vectors(_x.bfloat16()).dtype, torch.float32)
+_out = torch.empty(2, 2)
+unit_vectors(_x, out=_out)
+test_eq(_out, unit_vectors(_x))
 
+# %% [markdown]
+# Check against loops over heads and positions (cosines as Python dot products of unit
+# vectors), on a chunk with a query planted far from the others (the negated mean direction):
+
+# %%
+#| export
 def query_dissimilarity(q_chunk: Tensor) -> Tensor:
     "d = -cos(M_Q, q_i) of every query of the chunk q_chunk [B,Hq,S,D] to its head's mean query M_Q (§3.1): [B,Hq,S]."
     B, Hq, S, D = q_chunk.shape
@@ -131,40 +157,6 @@ def query_dissimilarity(q_chunk: Tensor) -> Tensor:
     # A product (bmm), not vecdot: FLOP counters (sparsekv.costs) count the G S D multiply-adds of ranking only there
     dots = torch.bmm(q.reshape(B * Hq, S, D), m.view(B * Hq, D, 1)).view(B, Hq, S)
     return dots.div_(torch.linalg.vector_norm(q, dim=-1).clamp_min_(EPS)).neg_()
-
-
-def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:
-    "What select_queries keeps the largest of, [B,Hq,S]: d (§3.1), -d ('similar'), or uniform draws ('random')."
-    if query_rank == "random": return torch.rand(q_chunk.shape[:3], generator=generator).to(q_chunk.device)
-    d = query_dissimilarity(q_chunk)
-    return d if query_rank == "dissimilar" else d.neg_()
-
-
-def kept_positions(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group", query_rank: str = "dissimilar",
-                   generator: torch.Generator | None = None) -> Tensor:
-    """Positions [B,Hkv,g,n] (g = 1 for 'group': shared by the KV head's G query heads; g = G for 'head'),
-    n = min(n_q, S), ascending, of the kept queries (ties to the lower position); see `select_queries`."""
-    B, Hq, S, _ = q_chunk.shape
-    if n_q >= S: return torch.arange(S, device=q_chunk.device).expand(B, Hq // G, 1, S)  # keep every query
-    d = query_ranking(q_chunk, query_rank, generator).view(B, Hq // G, G, S)
-    if query_select == "group": d = d.mean(2, keepdim=True)  # one ranking per KV head, by the group-mean dissimilarity
-    # one stable sort of the S entries breaks ties to the lower position (top_budget_indices takes eight ops)
-    return d.sort(dim=-1, descending=True, stable=True).indices[..., :n_q].sort(dim=-1).values
-
-
-def select_queries(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group", query_rank: str = "dissimilar",
-                   generator: torch.Generator | None = None) -> Tensor:
-    """Positions [B,Hq,n], n = min(n_q, S), ascending, of each head's kept queries (§3.1; `query_rank`: the ablation's
-    ranking, see `query_ranking`); 'group': the same positions for a KV group."""
-    B, Hq = q_chunk.shape[:2]
-    pos = kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)
-    return pos.expand(-1, -1, G, -1).reshape(B, Hq, -1)  # query head hG+g reads KV head h's positions
-
-
-# %% [markdown]
-# Check against loops over heads and positions (cosines as Python dot products of unit
-# vectors, rankings by sorting): the dissimilarities, the kept positions in both modes, and
-# that a query planted far from the others (the negated mean direction) is always kept:
 
 # %%
 def _unit(x): return x / max(x.norm().item(), EPS)
@@ -178,6 +170,64 @@ for b in range(B):
     for hq in range(Hkv * G):
         m = _unit(q[b, hq].mean(0))
         for i in range(S): assert abs(d[b, hq, i].item() + float(_unit(q[b, hq, i]) @ m)) < 1e-12
+
+# %%
+#| export
+def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:
+    "What select_queries keeps the largest of, [B,Hq,S]: d (§3.1), -d ('similar'), or uniform draws ('random')."
+    if query_rank == "random": return torch.rand(q_chunk.shape[:3], generator=generator).to(q_chunk.device)
+    d = query_dissimilarity(q_chunk)
+    return d if query_rank == "dissimilar" else d.neg_()
+
+# %%
+test_eq(query_ranking(q), d)
+test_eq(query_ranking(q, "similar"), -d)
+test_eq(query_ranking(q, "random", torch.Generator().manual_seed(3)),
+        torch.rand(B, Hkv * G, S, generator=torch.Generator().manual_seed(3)))
+
+# %% [markdown]
+# One row of positions per KV head in group mode, by the group's mean dissimilarity (a Python sort), every position
+# when $N_Q \ge S$:
+
+# %%
+#| export
+def kept_positions(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group", query_rank: str = "dissimilar",
+                   generator: torch.Generator | None = None) -> Tensor:
+    """Positions [B,Hkv,g,n] (g = 1 for 'group': shared by the KV head's G query heads; g = G for 'head'),
+    n = min(n_q, S), ascending, of the kept queries (ties to the lower position); see `select_queries`."""
+    B, Hq, S, _ = q_chunk.shape
+    if n_q >= S: return torch.arange(S, device=q_chunk.device).expand(B, Hq // G, 1, S)  # keep every query
+    d = query_ranking(q_chunk, query_rank, generator).view(B, Hq // G, G, S)
+    if query_select == "group": d = d.mean(2, keepdim=True)  # one ranking per KV head, by the group-mean dissimilarity
+    # one stable sort of the S entries breaks ties to the lower position (top_budget_indices takes eight ops)
+    return d.sort(dim=-1, descending=True, stable=True).indices[..., :n_q].sort(dim=-1).values
+
+# %%
+_pos = kept_positions(q, 4, G)
+test_eq(_pos.shape, (B, Hkv, 1, 4))
+for b in range(B):
+    for h in range(Hkv):
+        avg = [sum(d[b, h * G + g_, i].item() for g_ in range(G)) / G for i in range(S)]
+        test_eq(_pos[b, h, 0].tolist(), sorted(sorted(range(S), key=lambda i: (-avg[i], i))[:4]))
+test_eq(kept_positions(q, 4, G, "head").shape, (B, Hkv, G, 4))
+test_eq(kept_positions(q, S, G), torch.arange(S).expand(B, Hkv, 1, S))
+
+# %% [markdown]
+# Check against loops over heads and positions (rankings by sorting): the kept positions in both modes, and
+# that the planted query is always kept:
+
+# %%
+#| export
+def select_queries(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group", query_rank: str = "dissimilar",
+                   generator: torch.Generator | None = None) -> Tensor:
+    """Positions [B,Hq,n], n = min(n_q, S), ascending, of each head's kept queries (§3.1; `query_rank`: the ablation's
+    ranking, see `query_ranking`); 'group': the same positions for a KV group."""
+    B, Hq = q_chunk.shape[:2]
+    pos = kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)
+    return pos.expand(-1, -1, G, -1).reshape(B, Hq, -1)  # query head hG+g reads KV head h's positions
+
+
+# %%
 for n_q in (1, 4, S, S + 3):
     pos_head, pos_group = select_queries(q, n_q, G, "head"), select_queries(q, n_q, G, "group")
     n = min(n_q, S)
@@ -318,23 +368,12 @@ test_eq(select_queries(q, 4, G, "head", "random", torch.Generator().manual_seed(
 # motivate it: on SmolLM2 ($G = 3$) the needle items QuoKA misses at $B_{SA} = 256$ lose the
 # needle in the last prefill chunk. In a first probe on a few of them, keeping every chunk
 # query ($N_Q = B_{CP}$) found the needle only with the head max, at about mean-of-scores'
-# cost; at $N_Q = 16$ the head max found it on some and lost others. `quoka_heads` in the
-# `protocol` stage's method list measures it on every item, with paired intervals. There (`cpu-full`, the items
-# above) the two approximations compound: the head max alone lifts QuoKA from 0.564 / 0.618 to 0.709 / 0.818,
-# all queries alone change nothing (0.545 / 0.582), and both together (`quoka_all_heads`) reach 0.982 / 0.945,
-# with mean-of-scores (0.982 / 1.000) and at its prefill scoring cost ($G S D$ per key and chunk).
-#
-# **Over $B_{SA}$ and $B_{CP}$ (`cpu-full` `protocol`, the same 110 items).** QuoKA's accuracy (niah / passkey) grows
-# with the budget (passkey's dip from 64 to 128 is within noise): 0.382 / 0.382 at $B_{SA} = 64$ (1.6% of the 4,096 tokens), 0.436 / 0.327 at 128 (3.1%),
-# 0.564 / 0.618 at 256 (6.25%) and 0.691 / 0.691 at 480 (11.7%), behind dense at every one; mean-of-scores already
-# answers 0.855 / 1.000 at 64. Against SampleAttention cost-matched to QuoKA's prefill scoring, QuoKA is ahead at 256
-# (+0.164 [+0.055, +0.273], +0.218 [+0.109, +0.327]) but tied at 128 (+0.036 [−0.073, +0.145], −0.018 [−0.091, +0.055])
-# and at 64 (+0.055 [−0.036, +0.145], +0.036 [−0.036, +0.109]): at the smallest budgets both cheap selections lose most
-# needles. SparQ and Loki cost-matched to QuoKA answer nothing at 128 or 256 (QuoKA +0.436 / +0.327 and +0.564 / +0.618
-# ahead, every interval excluding 0), and SampleAttention at its own default (three times QuoKA's prefill scoring)
-# answers 0.564 / 0.382 at 128. The chunk size matters little, as the paper's Table 11 says: at 256, $B_{CP} = 64$ answers 0.600 / 0.564 and
-# $B_{CP} = 256$ 0.564 / 0.600, each tied with $B_{CP} = 128$ (every paired interval contains 0; tables in
-# `reproduce/runs/cpu-full/quoka_accuracy.md`).
+# cost; at $N_Q = 16$ the head max found it on some and lost others. The [protocol stage](../reproduce/03_protocol.ipynb)
+# measures it on every item (`quoka_heads`, with paired intervals), and [the quoka_accuracy
+# stage](../reproduce/22_quoka_accuracy.ipynb) QuoKA's accuracy over $B_{SA}$ and $B_{CP}$.
+
+# %% [markdown]
+# Each kept query is the chunk's query at its position, per head (`"head"`) or shared by a group (`"group"`):
 
 # %%
 #| export
@@ -344,18 +383,51 @@ def kept_queries(q_chunk: Tensor, pos: Tensor) -> Tensor:
     _, Hq, S, D = q_chunk.shape
     return q_chunk.view(B, Hkv, Hq // Hkv, S, D).gather(3, pos[..., None].expand(-1, -1, Hq // Hkv, -1, D))
 
+# %%
+for mode in QUERY_SELECT:
+    _pos = kept_positions(q, 4, G, mode)
+    kq = kept_queries(q, _pos)
+    test_eq(kq.shape, (B, Hkv, G, 4, D))
+    for b in range(B):
+        for h in range(Hkv):
+            for g_ in range(G):
+                for r in range(4): test_eq(kq[b, h, g_, r], q[b, h * G + g_, _pos[b, h, min(g_, _pos.shape[2] - 1), r]])
 
+# %%
+#| export
 def unit_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
     "Q̂ [B,Hkv,G,n,D]: each query head's kept queries (`pos` [B,Hq,n]), normalized, under its KV head."
     B, Hq, n = pos.shape
     return unit_vectors(kept_queries(q_chunk, pos.reshape(B, Hq // G, G, n)))  # only the kept rows are normalized
 
+# %%
+_pos = select_queries(q, 4, G, "head")
+uq = unit_queries(q, _pos, G)
+for b in range(B):
+    for hq in range(Hkv * G):
+        for r in range(4): assert_close(uq[b, hq // G, hq % G, r], _unit(q[b, hq, _pos[b, hq, r]]), rtol=0, atol=1e-12)
 
+# %% [markdown]
+# Row $r$ of $\bar Q_h$ by a Python sum of the group's unit queries, in both modes:
+
+# %%
+#| export
 def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
     "Q̄ [B,Hkv,n,D]: row r the mean over a group's G heads of their r-th kept query (`pos`), each normalized (§3.3)."
     return unit_queries(q_chunk, pos, G).mean(2)  # normalize, then average: the mean of cosines is linear in them
 
+# %%
+for mode in QUERY_SELECT:
+    _pos = select_queries(q, 4, G, mode)
+    qbar = preaggregated_queries(q, _pos, G)
+    for b in range(B):
+        for h in range(Hkv):
+            for r in range(4):
+                want = sum(_unit(q[b, h * G + g_, _pos[b, h * G + g_, r]]) for g_ in range(G)) / G
+                assert_close(qbar[b, h, r], want, rtol=0, atol=1e-12)
 
+# %%
+#| export
 def check_quoka_options(n_q: int, query_select: str, query_agg: str, query_rank: str = "dissimilar",
                         gqa_agg: str = "mean"):
     """Raise naming the argument unless N_Q is an int >= 1 and the modes are among QUERY_SELECT, QUERY_AGGS,
@@ -367,7 +439,19 @@ def check_quoka_options(n_q: int, query_select: str, query_agg: str, query_rank:
         raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
     if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
 
+# %%
+check_quoka_options(16, "group", "max")
+for n_q in (0, 2.0, "4"): test_fail(lambda: check_quoka_options(n_q, "group", "max"), contains="n_q")
+test_fail(lambda: check_quoka_options(4, "token", "max"), contains="query_select")
+test_fail(lambda: check_quoka_options(4, "group", "sum"), contains="query_agg")
+test_fail(lambda: check_quoka_options(4, "group", "max", "far"), contains="query_rank")
+test_fail(lambda: check_quoka_options(4, "group", "max", gqa_agg="sum"), contains="gqa_agg")
 
+# %% [markdown]
+# $G$ from the heads; an empty cache (the first chunk) passes; a bad shape or a NaN is refused naming the argument:
+
+# %%
+#| export
 def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
     "Check a chunk's queries q_chunk [B,Hq,S,D] and earlier keys k_cache [B,Hkv,T,D] (T = 0 allowed): G = Hq // Hkv."
     if isinstance(k_cache, Tensor) and k_cache.dim() == 4 and k_cache.shape[2] == 0:
@@ -380,12 +464,58 @@ def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
     require_finite("q_chunk", q_chunk); require_finite("k_cache", k_cache)
     return G
 
+# %%
+_q, _k = torch.randn(1, 6, 4, 8), torch.randn(1, 2, 5, 8)
+test_eq(check_chunk(_q, _k), 3)
+test_eq(check_chunk(_q, _k[:, :, :0]), 3)
+test_fail(lambda: check_chunk(_q, _k[..., :4]), contains="q_chunk (as q) / k_cache (as k)")
+test_fail(lambda: check_chunk(_q, _k.masked_fill(_k > 1, math.nan)), contains="k_cache contains NaN or inf")
 
+# %%
+#| export
 def unit_keys(k: Tensor) -> Tensor:
     "k̂ = k / max(|k|, EPS) per key, in the accumulation dtype: [..., T, D]."
     return unit_vectors(k)
 
+# %%
+_k = torch.randn(1, 2, 9, 4, generator=torch.Generator().manual_seed(0))
+for h in range(2):
+    for j in range(9): assert_close(unit_keys(_k)[0, h, j], _unit(_k[0, h, j]))
+test_eq(unit_keys(_k.bfloat16()).dtype, torch.float32)
 
+# %% [markdown]
+# Unit keys given by the caller are checked for what they are, cheaply: their shape, dtype and device, and their
+# first, middle and last keys against `unit_keys` of those of `k_cache` (three keys a call, not the cache). Unit keys
+# of other keys of the right shape (another layer's, another sequence's) would otherwise be scored silently.
+
+# %%
+#| export
+def check_unit_keys(k_unit: Tensor, k_cache: Tensor) -> Tensor:
+    """`k_unit` if it is a tensor like `unit_keys(k_cache)` whose first, middle and last keys are those of `k_cache`
+    (unit keys of other keys, e.g. another layer's or a stale cache's, are refused); else a ValueError naming it."""
+    dtype = accumulation_dtype(k_cache)
+    if (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != dtype
+            or k_unit.device != k_cache.device):
+        got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
+        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
+                         f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
+    T = k_cache.shape[2]
+    at = torch.tensor(sorted({0, T // 2, T - 1}), device=k_cache.device) if T else None
+    if T and not torch.allclose(k_unit.index_select(2, at), unit_vectors(k_cache.index_select(2, at)), rtol=1e-5,
+                                atol=1e-6, equal_nan=True):
+        raise ValueError("k_unit must be the unit keys of k_cache (`unit_keys(k_cache)`); its keys at positions "
+                         f"{at.tolist()} are not those of k_cache (another layer's, or a cache that changed?)")
+    return k_unit
+
+
+# %%
+test_eq(check_unit_keys(unit_keys(_k), _k), unit_keys(_k))
+test_eq(check_unit_keys(unit_keys(_k[:, :, :0]), _k[:, :, :0]).shape, (1, 2, 0, 4))
+test_fail(lambda: check_unit_keys(unit_keys(_k.roll(1, 2)), _k), contains="positions [0, 4, 8] are not those of")
+test_fail(lambda: check_unit_keys(unit_keys(_k)[:, :1], _k), contains="k_unit must be the unit keys [B,Hkv,T,D]")
+
+# %%
+#| export
 def check_k_cache(k_cache: Tensor) -> Tensor:
     "`k_cache` if it is a floating-point tensor [B,Hkv,T,D] (a layer's cached keys), else a TypeError naming it."
     if not isinstance(k_cache, Tensor) or k_cache.dim() != 4 or not k_cache.is_floating_point():
@@ -393,7 +523,17 @@ def check_k_cache(k_cache: Tensor) -> Tensor:
                         f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
     return k_cache
 
+# %%
+test_eq(check_k_cache(_k), _k)
+for bad in (_k[0], _k.long(), _k.tolist()): test_fail(lambda: check_k_cache(bad), contains="k_cache must be")
 
+# %% [markdown]
+# The unit-key cache: fed the keys of a growing cache chunk by chunk (buffer growth included), it returns exactly
+# `unit_keys` of the whole cache, in float32 and bfloat16; a cropped or differently shaped cache starts over; a cache
+# that is not [B,Hkv,T,D] is refused; beam search's reordering of rows moves the unit keys with them.
+
+# %%
+#| export
 class UnitKeyCache:
     "Unit keys of a layer's growing cache: `update(k_cache)` normalizes only the keys added since the last call."
 
@@ -425,7 +565,38 @@ class UnitKeyCache:
         self.length = T
         return self.buffer[:, :, :T]
 
+# %%
+g = torch.Generator().manual_seed(4)
+for dtype in (torch.float32, torch.bfloat16):
+    cache = UnitKeyCache()
+    k_all = torch.randn(1, 2, 300, 32, generator=g).to(dtype)
+    for T in (0, 16, 32, 48, 200, 201, 300):
+        unit = cache.update(k_all[:, :, :T])
+        test_eq(unit, unit_keys(k_all[:, :, :T]))
+        test_eq(unit.dtype, torch.float32)
+    cache.crop(20)
+    k2 = torch.cat([k_all[:, :, :20], k_all[:, :, 100:120]], 2)                  # the first 20 keys kept, others new
+    test_eq(cache.update(k2), unit_keys(k2))                                       # recomputed from position 20 on
+    test_eq(cache.update(k_all[:, :, :10])[:, :, :10], unit_keys(k_all[:, :, :10]))  # a shorter cache: cropped to it
+    test_eq(cache.update(k_all[:, :1, :10]), unit_keys(k_all[:, :1, :10]))         # another shape: a fresh buffer
+test_fail(lambda: UnitKeyCache().update(torch.randn(2, 20, 16)), contains="k_cache")
+# beam search reorders the cache's rows (apply_rows with the same map): the unit keys follow
+kb = torch.randn(3, 2, 12, 8, generator=g)
+cache = UnitKeyCache()
+cache.update(kb)
+cache.apply_rows(lambda x: x[[2, 0, 0]])
+kb = torch.cat([kb[[2, 0, 0]], kb[:, :, :1]], 2)   # the moved rows and one new key each
+test_eq(cache.update(kb), unit_keys(kb))
 
+# %% [markdown]
+# Check the pre-aggregation identity against the head-by-head computation: all $G \cdot |I|$
+# cosines formed one head at a time (explicit unit vectors, no pre-aggregation), averaged over
+# heads at each row, then maxed. Exact up to rounding, for both pairings and $G = 1, 3, 4$.
+# Then that the other order $\tau$ (max per head, then mean) is a different number, never
+# below $\sigma$; and that averaging raw queries before normalizing is different as well.
+
+# %%
+#| export
 def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max",
                  k_unit: Tensor | None = None, query_rank: str = "dissimilar",
                  generator: torch.Generator | None = None, gqa_agg: str = "mean") -> Tensor:
@@ -447,45 +618,6 @@ def _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_
     s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries
     return s if gqa_agg == "mean" else s.amax(2)                                       # then the largest head
 
-
-# %% [markdown]
-# Unit keys given by the caller are checked for what they are, cheaply: their shape, dtype and device, and their
-# first, middle and last keys against `unit_keys` of those of `k_cache` (three keys a call, not the cache). Unit keys
-# of other keys of the right shape (another layer's, another sequence's) would otherwise be scored silently.
-
-# %%
-#| export
-def check_unit_keys(k_unit: Tensor, k_cache: Tensor) -> Tensor:
-    """`k_unit` if it is a tensor like `unit_keys(k_cache)` whose first, middle and last keys are those of `k_cache`
-    (unit keys of other keys, e.g. another layer's or a stale cache's, are refused); else a ValueError naming it."""
-    dtype = accumulation_dtype(k_cache)
-    if (not isinstance(k_unit, Tensor) or k_unit.shape != k_cache.shape or k_unit.dtype != dtype
-            or k_unit.device != k_cache.device):
-        got = f"{getattr(k_unit, 'dtype', type(k_unit).__name__)} {tuple(getattr(k_unit, 'shape', ()))}"
-        raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
-                         f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
-    T = k_cache.shape[2]
-    at = torch.tensor(sorted({0, T // 2, T - 1}), device=k_cache.device) if T else None
-    if T and not torch.allclose(k_unit.index_select(2, at), unit_vectors(k_cache.index_select(2, at)), rtol=1e-5,
-                                atol=1e-6, equal_nan=True):
-        raise ValueError("k_unit must be the unit keys of k_cache (`unit_keys(k_cache)`); its keys at positions "
-                         f"{at.tolist()} are not those of k_cache (another layer's, or a cache that changed?)")
-    return k_unit
-
-
-# %%
-_k = torch.randn(1, 2, 9, 4, generator=torch.Generator().manual_seed(0))
-test_eq(check_unit_keys(unit_keys(_k), _k), unit_keys(_k))
-test_eq(check_unit_keys(unit_keys(_k[:, :, :0]), _k[:, :, :0]).shape, (1, 2, 0, 4))
-test_fail(lambda: check_unit_keys(unit_keys(_k.roll(1, 2)), _k), contains="positions [0, 4, 8] are not those of")
-test_fail(lambda: check_unit_keys(unit_keys(_k)[:, :1], _k), contains="k_unit must be the unit keys [B,Hkv,T,D]")
-
-# %% [markdown]
-# Check the pre-aggregation identity against the head-by-head computation: all $G \cdot |I|$
-# cosines formed one head at a time (explicit unit vectors, no pre-aggregation), averaged over
-# heads at each row, then maxed. Exact up to rounding, for both pairings and $G = 1, 3, 4$.
-# Then that the other order $\tau$ (max per head, then mean) is a different number, never
-# below $\sigma$; and that averaging raw queries before normalizing is different as well.
 
 # %%
 g = torch.Generator().manual_seed(2)
@@ -607,6 +739,11 @@ assert_close(qh[i_far] @ k_star, Mh @ k_star + rho[i_far])
 # so the caller appends them (the integration's `add_chunk_keys`). No causal mask is needed
 # on the cached keys, which all precede every query of the chunk.
 
+# %% [markdown]
+# The selection is the scores' top $B_{SA}$ (a Python sort of every row), or every key when $T \le B_{SA}$; unit keys
+# from a `UnitKeyCache` give the same selection as without them, and unit keys that are not those of `k_cache` are
+# refused. (Against the loop reference below, with all options, after it.)
+
 # %%
 #| export
 def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
@@ -627,6 +764,31 @@ def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | 
     return top_budget_indices(_quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank,
                                             generator, gqa_agg), n)
 
+# %%
+def _qk(G, S, T, B=2, Hkv=2, D=16, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hkv * G, S, D, generator=g, dtype=dtype) + 0.5,
+            torch.randn(B, Hkv, T, D, generator=g, dtype=dtype))
+
+q, k = _qk(3, 8, 20)
+test_eq(quoka_select(q, k, 4, 8), top_budget_indices_reference(quoka_scores(q, k, 4), 8))
+test_eq(quoka_select(q, k, 4, 20), torch.arange(20).expand(2, 2, 20))
+g = torch.Generator().manual_seed(4)
+for dtype in (torch.float32, torch.bfloat16):
+    cache = UnitKeyCache()
+    q = torch.randn(1, 6, 16, 32, generator=g).to(dtype)
+    k_all = torch.randn(1, 2, 300, 32, generator=g).to(dtype)
+    for T in (16, 32, 48, 200, 201, 300):
+        unit = cache.update(k_all[:, :, :T])
+        test_eq(quoka_select(q, k_all[:, :, :T], 4, 10, k_unit=unit), quoka_select(q, k_all[:, :, :T], 4, 10))
+q, k = _qk(3, 8, 20)
+test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k)[:, :, :5]), contains="k_unit")
+test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k).float()), contains="k_unit")
+test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k).to("meta")), contains="k_unit")
+test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k.flip(2))), contains="k_unit must be the unit keys of k")
+test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k + 1)), contains="positions [0, 10, 19]")
+test_fail(lambda: quoka_select(q.to("meta"), k.to("meta"), 4, 8), contains="q_chunk is a meta tensor")
+
 
 # %% [markdown]
 # ## The brute-force reference
@@ -643,7 +805,17 @@ def _ranked(values: list, n: int) -> list:
     "The n indices of the largest values, ties to the lower index, in ascending order."
     return sorted(sorted(range(len(values)), key=lambda i: (-values[i], i))[:n])
 
+# %%
+test_eq(_ranked([1.0, 3.0, 3.0, 0.0, 3.0], 2), [1, 2])   # ties to the lower index
+test_eq(_ranked([5.0, 1.0, 4.0], 2), [0, 2])             # ascending, not by value
+test_eq(_ranked([1.0, 2.0], 5), [0, 1])
 
+# %% [markdown]
+# The loops agree with the pre-aggregated product in float64, for every option (the `random` rankings from equal
+# seeds):
+
+# %%
+#| export
 def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group",
                            query_agg: str = "max", query_rank: str = "dissimilar",
                            generator: torch.Generator | None = None, gqa_agg: str = "mean") -> Tensor:
@@ -679,7 +851,26 @@ def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, quer
             out[b, h] = (rows.amax(1) if query_agg == "max" else rows.mean(1)).amax(0)
     return out
 
+# %%
+for G in (1, 3):
+    q, k = _qk(G, 9, 15, seed=G)
+    for mode in QUERY_SELECT:
+        for agg in QUERY_AGGS:
+            for gqa in GQA_AGGS:
+                for rank in QUERY_RANKS:
+                    seeded = lambda: torch.Generator().manual_seed(2)
+                    assert_close(quoka_scores(q, k, 4, mode, agg, query_rank=rank, generator=seeded(), gqa_agg=gqa),
+                                 quoka_scores_reference(q, k, 4, mode, agg, rank, seeded(), gqa), rtol=0, atol=1e-12)
 
+# %% [markdown]
+# Check `quoka_select` against the reference: GQA $G = 1, 3, 4$, both query modes (and the
+# ablation's `similar` and `random` rankings), a budget below, equal to and above the cache,
+# a fractional budget, $N_Q \ge S$ (all queries kept), a single query; float64 (indices must
+# agree exactly) and float32 (scores within float32 rounding). The output is int64, ascending
+# and duplicate-free.
+
+# %%
+#| export
 def quoka_select_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
                            query_select: str = "group", query_agg: str = "max", query_rank: str = "dissimilar",
                            generator: torch.Generator | None = None, gqa_agg: str = "mean") -> Tensor:
@@ -691,19 +882,7 @@ def quoka_select_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budg
     return top_budget_indices_reference(scores, n)
 
 
-# %% [markdown]
-# Check `quoka_select` against the reference: GQA $G = 1, 3, 4$, both query modes (and the
-# ablation's `similar` and `random` rankings), a budget below, equal to and above the cache,
-# a fractional budget, $N_Q \ge S$ (all queries kept), a single query; float64 (indices must
-# agree exactly) and float32 (scores within float32 rounding). The output is int64, ascending
-# and duplicate-free.
-
 # %%
-def _qk(G, S, T, B=2, Hkv=2, D=16, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, Hkv * G, S, D, generator=g, dtype=dtype) + 0.5,
-            torch.randn(B, Hkv, T, D, generator=g, dtype=dtype))
-
 for G in (1, 3, 4):
     for S, T, n_q, budget in [(16, 40, 4, 10), (16, 40, 16, 10), (16, 40, 30, 0.25), (1, 40, 4, 7), (8, 9, 2, 9),
                               (8, 5, 2, 9)]:
@@ -726,44 +905,6 @@ for G in (1, 3, 4):
 test_eq(quoka_select(*_qk(3, 8, 6), 4, 6), torch.arange(6).expand(2, 2, 6))        # T == B_SA: every key
 test_eq(quoka_select(*_qk(3, 8, 0), 4, 6).shape, (2, 2, 0))                         # empty cache (first chunk)
 test_eq(quoka_select_reference(*_qk(3, 8, 0), 4, 6).shape, (2, 2, 0))
-
-# %% [markdown]
-# The unit-key cache: fed the keys of a growing cache chunk by chunk (buffer growth
-# included), it returns exactly `unit_keys` of the whole cache, and the selection from it is
-# exactly the selection without it, in float32 and bfloat16; a cropped or differently
-# shaped cache starts over; wrong unit keys are refused.
-
-# %%
-g = torch.Generator().manual_seed(4)
-for dtype in (torch.float32, torch.bfloat16):
-    cache = UnitKeyCache()
-    q = torch.randn(1, 6, 16, 32, generator=g).to(dtype)
-    k_all = torch.randn(1, 2, 300, 32, generator=g).to(dtype)
-    for T in (0, 16, 32, 48, 200, 201, 300):
-        unit = cache.update(k_all[:, :, :T])
-        test_eq(unit, unit_keys(k_all[:, :, :T]))
-        test_eq(unit.dtype, torch.float32)
-        if T: test_eq(quoka_select(q, k_all[:, :, :T], 4, 10, k_unit=unit), quoka_select(q, k_all[:, :, :T], 4, 10))
-    cache.crop(20)
-    k2 = torch.cat([k_all[:, :, :20], k_all[:, :, 100:120]], 2)                  # the first 20 keys kept, others new
-    test_eq(cache.update(k2), unit_keys(k2))                                       # recomputed from position 20 on
-    test_eq(cache.update(k_all[:, :, :10])[:, :, :10], unit_keys(k_all[:, :, :10]))  # a shorter cache: cropped to it
-    test_eq(cache.update(k_all[:, :1, :10]), unit_keys(k_all[:, :1, :10]))         # another shape: a fresh buffer
-q, k = _qk(3, 8, 20)
-test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k)[:, :, :5]), contains="k_unit")
-test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k).float()), contains="k_unit")
-test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k).to("meta")), contains="k_unit")
-test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k.flip(2))), contains="k_unit must be the unit keys of k")
-test_fail(lambda: quoka_select(q, k, 4, 8, k_unit=unit_keys(k + 1)), contains="positions [0, 10, 19]")
-test_fail(lambda: quoka_select(q.to("meta"), k.to("meta"), 4, 8), contains="q_chunk is a meta tensor")
-test_fail(lambda: UnitKeyCache().update(k[0]), contains="k_cache")
-# beam search reorders the cache's rows (apply_rows with the same map): the unit keys follow
-kb = torch.randn(3, 2, 12, 8, generator=g)
-cache = UnitKeyCache()
-cache.update(kb)
-cache.apply_rows(lambda x: x[[2, 0, 0]])
-kb = torch.cat([kb[[2, 0, 0]], kb[:, :, :1]], 2)   # the moved rows and one new key each
-test_eq(cache.update(kb), unit_keys(kb))
 
 # %% [markdown]
 # Ties: one-hot queries and keys make every quantity exact, and many keys repeat, so equal

@@ -28,6 +28,7 @@ import weakref
 
 import pandas as pd
 import torch
+from fastcore.basics import patch_to
 from torch import Tensor
 
 from sparsekv.attention import check_int
@@ -46,6 +47,7 @@ from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
 # %%
+from sparsekv.hf import AttentionContext
 from sparsekv.oval.summaries import OVALSummary
 
 
@@ -125,6 +127,9 @@ test_fail(lambda: aggregate_gqa(sc, 4), contains="multiple of num_kv_heads")
 # `top_pages` returns the kept complete pages (sink, selected and recent pages, sorted) and
 # `page_tokens` turns them into token indices, appending the trailing partial page; the
 # packed decode path below gathers whole pages from the first.
+#
+# The always-kept regions, by hand: with pages of 8, a sink of 4 tokens is page 0, and the last 8 of 100 tokens
+# reach back into page 11 (88–95), so the recent region starts at 88; without `recent` it is the partial page alone.
 
 # %%
 #| export
@@ -135,6 +140,18 @@ def always_kept(T: int, page_size: int, sink: int, recent: int) -> tuple[int, in
     recent_start = max(sink_end, min((T // m) * m, ((T - recent) // m) * m if recent else T))
     return sink_end, recent_start
 
+# %%
+test_eq(always_kept(100, 8, 4, 8), (8, 88))
+test_eq(always_kept(100, 8, 0, 0), (0, 96))
+test_eq(always_kept(37, 8, 1, 1), (8, 32))
+test_eq(always_kept(16, 8, 20, 0), (16, 16))   # a sink longer than the cache: all of it
+
+# %% [markdown]
+# On the same 100 tokens with a budget of 40: sink page 0 and recent page 11 hold 8 + 12 tokens (the partial page
+# included), which leaves $\lfloor 20 / 8 \rfloor = 2$ pages, the two of largest weight among pages 1–10:
+
+# %%
+#| export
 def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
     "Sorted complete pages [B, Hkv, (S,) n_p] a KV head keeps: sinks, the top pages within token_budget, recent pages."
     if not isinstance(page_scores, Tensor) or not page_scores.is_floating_point():
@@ -157,6 +174,18 @@ def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int,
     return torch.cat([torch.arange(first, device=dev).expand(*lead, -1), top,
                       torch.arange(last, P, device=dev).expand(*lead, -1)], -1)
 
+# %%
+_w = torch.tensor([[[5.0, 1, 9, 2, 8, 3, 0, 4, 6, 7, 9, 9]]])
+test_eq(top_pages(_w, 40, 8, 4, 8, 100), torch.tensor([[[0, 2, 10, 11]]]))   # 9 at pages 2 and 10 (page 11 is recent)
+test_eq(top_pages(_w, 100, 8, 4, 8, 100), torch.arange(12).view(1, 1, 12))   # the cache fits: every page
+test_fail(lambda: top_pages(_w, 40, 8, 4, 8, 90), contains="P = T // page_size")
+test_fail(lambda: top_pages(_w.fill_(math.nan), 40, 8, 4, 8, 100), contains="NaN")
+
+# %% [markdown]
+# Pages 0 and 2 of 4 tokens and a partial page of 13 tokens, by hand:
+
+# %%
+#| export
 def page_tokens(pages: Tensor, page_size: int, T: int) -> Tensor:
     "Token indices [..., n_p * m + T % m] of complete pages [..., n_p], then the partial page [T - T % m, T)."
     m = check_int(page_size, "page_size", 1)
@@ -164,10 +193,16 @@ def page_tokens(pages: Tensor, page_size: int, T: int) -> Tensor:
     return torch.cat([(pages.unsqueeze(-1) * m + torch.arange(m, device=pages.device)).flatten(-2),
                       tail.expand(*pages.shape[:-1], -1)], -1)
 
-def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
-    "Token indices [B, Hkv, (S,) n] per KV head: sink and recent pages and the top pages that fit in token_budget."
-    return page_tokens(top_pages(page_scores, token_budget, page_size, sink, recent, T), page_size, T)
+# %%
+test_eq(page_tokens(torch.tensor([[0, 2]]), 4, 13), torch.tensor([[0, 1, 2, 3, 8, 9, 10, 11, 12]]))
+test_eq(page_tokens(torch.tensor([[1]]), 4, 8), torch.tensor([[4, 5, 6, 7]]))   # no partial page
 
+# %% [markdown]
+# The loop reference adds whole pages by decreasing weight until the next would exceed the budget; on the example
+# above it keeps pages 0, 9, 10, 11 and the partial page (weights rising with the page):
+
+# %%
+#| export
 def select_pages_reference(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int,
                            T: int) -> list:
     "Loop reference of select_pages for [B, Hkv, P] scores: a nested list of sorted kept positions."
@@ -185,6 +220,21 @@ def select_pages_reference(page_scores: Tensor, token_budget: int, page_size: in
                 kept |= set(range(p * m, (p + 1) * m))
             out[-1].append(sorted(kept))
     return out
+
+# %%
+test_eq(select_pages_reference(torch.arange(12.0).view(1, 1, 12), 40, 8, 4, 8, 100),
+        [[list(range(8)) + list(range(72, 100))]])
+test_eq(select_pages_reference(torch.zeros(1, 1, 4), 40, 8, 0, 0, 37), [[list(range(37))]])   # the cache fits
+
+# %% [markdown]
+# `select_pages` against the loop reference, on budgets around the cache, sink and recent regions that overlap,
+# ties and several query rows:
+
+# %%
+#| export
+def select_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int, recent: int, T: int) -> Tensor:
+    "Token indices [B, Hkv, (S,) n] per KV head: sink and recent pages and the top pages that fit in token_budget."
+    return page_tokens(top_pages(page_scores, token_budget, page_size, sink, recent, T), page_size, T)
 
 
 # %%
@@ -211,7 +261,7 @@ test_fail(lambda: select_pages(w, 40, 8, 4, 8, 90), contains="P = T // page_size
 # Quest $2d$; ArkVale $d+1$; key PCA and OVAL $d + d\,r_{\text{eff}} + m\,r_{\text{eff}}$
 # ($\mu$, $B$, $R$; the same for both: OVAL uses the values only while building the basis);
 # the oracle reads the page's $m d$ keys, stored nowhere extra. Each `PageSummary` counts its own
-# (`scalars`); `summary_scalars` asks the method's.
+# (`scalars`); `summary_scalars` asks the method's, checked against the tensors each summary holds.
 
 # %%
 #| export
@@ -220,6 +270,22 @@ def summary_scalars(method: str | PageSummary, page_size: int, head_dim: int, ra
     spec = make_summary(method, check_int(rank, "rank", 1))
     return spec.scalars(check_int(page_size, "page_size", 1), check_int(head_dim, "head_dim", 1))
 
+# %%
+K, V, G = _random_cache(T=64, d=16)
+for mt in METHODS:
+    summ = build_summaries(mt, K, V, 8, rank=3, G=G)
+    stored = sum(x[0, 0].numel() for x in summ.tensors.values()) // summ.n_pages  # per page and KV head
+    test_eq(stored, summary_scalars(mt, 8, 16, rank=3))
+test_eq(summary_scalars("oval", 4, 64, rank=8), 64 + 64 * 3 + 4 * 3)   # rank cap m - 1
+test_eq(summary_scalars(OVALSummary(rank=3), 8, 16), summary_scalars("oval", 8, 16, rank=3))
+test_fail(lambda: summary_scalars("pq", 8, 16), contains="method must be one of")
+
+
+# %% [markdown]
+# The table of every method, in bytes of bfloat16 and relative to the page's $m d$ keys:
+
+# %%
+#| export
 def storage_table(page_size: int = 32, head_dim: int = 64, rank: int = 8,
                   dtype: torch.dtype = torch.bfloat16) -> pd.DataFrame:
     "Per-page, per-KV-head summary storage of every method: scalars, bytes in dtype, and the ratio to the page's keys."
@@ -232,17 +298,10 @@ def storage_table(page_size: int = 32, head_dim: int = 64, rank: int = 8,
 
 # %%
 tab = storage_table()
+test_eq(list(tab.method), list(METHODS))
+test_eq(list(tab.bytes), [2 * summary_scalars(mt, 32, 64) for mt in METHODS])
+test_eq(tab.set_index("method").loc["oracle", "vs_keys"], 1.0)   # the oracle reads the page's keys
 tab
-
-# %%
-K, V, G = _random_cache(T=64, d=16)
-for mt in METHODS:
-    summ = build_summaries(mt, K, V, 8, rank=3, G=G)
-    stored = sum(x[0, 0].numel() for x in summ.tensors.values()) // summ.n_pages  # per page and KV head
-    test_eq(stored, summary_scalars(mt, 8, 16, rank=3))
-test_eq(summary_scalars("oval", 4, 64, rank=8), 64 + 64 * 3 + 4 * 3)   # rank cap m - 1
-test_eq(summary_scalars(OVALSummary(rank=3), 8, 16), summary_scalars("oval", 8, 16, rank=3))
-test_fail(lambda: summary_scalars("pq", 8, 16), contains="method must be one of")
 
 
 # %% [markdown]
@@ -308,6 +367,16 @@ class CapturePolicy(DensePolicy):
         self.qkv[ctx.layer_idx] = (q.detach().cpu(), k.detach().cpu(), v.detach().cpu())
         return super().attend(q, k, v, ctx)
 
+
+# %%
+_g = torch.Generator().manual_seed(0)
+_q, _k, _v = (torch.randn(1, 2, n, 8, generator=_g) for n in (3, 5, 5))
+_ctx = AttentionContext(layer_idx=4, kind="prefill", query_positions=torch.arange(2, 5),
+                        key_positions=torch.arange(5).expand(1, 2, 5), mask=None, scale=0.3)
+cap = CapturePolicy()
+test_eq(cap.attend(_q, _k, _v, _ctx), DensePolicy().attend(_q, _k, _v, _ctx))   # attends densely
+test_eq(list(cap.qkv), [4])
+for got, x in zip(cap.qkv[4], (_q, _k, _v)): test_eq(got, x)
 
 # %%
 #| slow
@@ -385,7 +454,23 @@ def _reserve(buf: Tensor | None, used: int, need: int, dim: int, like: Tensor) -
     if used: new.narrow(dim, 0, used).copy_(buf.narrow(dim, 0, used))
     return new
 
+# %%
+_b = _reserve(None, 0, 3, 1, torch.zeros(2, 1))
+test_eq(_b.shape, (2, 3))                                    # the first: exactly what is needed
+_b[:, :3] = torch.arange(6.0).view(2, 3)
+assert _reserve(_b, 3, 3, 1, torch.zeros(2, 1)) is _b        # room enough: the same buffer
+_b2 = _reserve(_b, 3, 4, 1, torch.zeros(2, 1))
+test_eq(_b2.shape, (2, 6))                                   # full: capacity doubles
+test_eq(_b2[:, :3], _b[:, :3])                               # holding the used entries
+test_eq(_reserve(_b, 3, 10, 1, torch.zeros(2, 1)).shape, (2, 10))
 
+
+# %% [markdown]
+# The store holds the page's rows of `PageSummary.pack` and the summary it was built from (its kind, page size
+# and tensors as views); `append` and `scores`, the two halves of the layout above, follow.
+
+# %%
+#| export
 class PackedPages:
     "A growing cache's page summaries packed for decode: rows appended per page, scored by one GEMM per KV head."
     def __init__(self, method: str | PageSummary, page_size: int):
@@ -405,50 +490,6 @@ class PackedPages:
         "Rows of the packed matrix per page."
         return self.layout[2]
 
-    def append(self, summary: PageSummary) -> "PackedPages":
-        "Append the pages of `summary` (those completed since the last append, same batch and KV heads); returns self."
-        if not isinstance(summary, PageSummary) or summary.tensors is None:
-            raise TypeError("summary must be a PageSummary holding pages (see summarize), "
-                            f"got {type(summary).__name__}")
-        if type(summary) is not type(self.spec) or summary.page_size != self.page_size:
-            raise ValueError(f"summary is {summary.name!r} with page_size {summary.page_size}, "
-                             f"this store holds {self.spec.name!r} with {self.page_size}")
-        rows, R = summary.pack()
-        Bsz, Hkv, n, nr, f = rows.shape
-        layout = (Bsz, Hkv, nr, f, None if R is None else tuple(R.shape[3:]))
-        if self.layout is None: self.layout, self.spec = layout, summary.with_tensors()
-        elif layout != self.layout:
-            raise ValueError(f"summary packs as (batch, KV heads, rows per page, features, factor per page) {layout}; "
-                             f"this store holds {self.layout} (another batch, head count or rank)")
-        wd = torch.promote_types(rows.dtype, torch.float32)
-        P, BH = self.n_pages, Bsz * Hkv
-        rows = rows.to(wd).reshape(BH, n * nr, f)
-        self.W = _reserve(self.W, P * nr, (P + n) * nr, 1, rows)
-        self.W[:, P * nr:(P + n) * nr] = rows
-        if R is not None:
-            R = R.to(wd).reshape(BH, n, *R.shape[3:]).transpose(0, 1)
-            self.R = _reserve(self.R, P, P + n, 0, R)
-            self.R[P:P + n] = R
-        self.n_pages = P + n
-        return self
-
-    def scores(self, q: Tensor, scale: float | None = None) -> Tensor:
-        """Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]), equal to score_pages's up to
-        rounding; scale > 0, default 1/sqrt(d)."""
-        if self.heads is None: raise ValueError("no pages appended yet")
-        Bsz, Hkv = self.heads
-        qg, single = _group_queries(q, Hkv)                                  # [B, Hkv, G, S, 1, d]
-        _, _, G, S, _, d = qg.shape
-        if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the store's ({Bsz})")
-        s = 1 / math.sqrt(d) if scale is None else float(scale)
-        if not s > 0: raise ValueError(f"scale must be > 0, got {scale!r}")
-        P, nr, BH = self.n_pages, self.rows, Bsz * Hkv
-        x = self.spec.features(qg.reshape(BH, G * S, d).to(self.W.dtype) * s)
-        # the one GEMM: all pages, all queries of the group
-        z = torch.bmm(x, self.W[:, :P * nr].mT).view(BH, G * S, P, nr)
-        out = self.spec.packed_score(z, None if self.R is None else self.R[:P]).reshape(Bsz, Hkv * G, S, P)
-        return out[:, :, 0] if single else out
-
     @property
     def tensors(self) -> dict:
         "The summary tensors in PageSummary's layout [B, Hkv, P, ...] (views of the packed buffers)."
@@ -462,29 +503,100 @@ class PackedPages:
         return self.spec.with_tensors(self.page_size, self.n_pages * self.page_size, self.tensors)
 
 
+# %%
+test_eq((PackedPages("keypca", 8).heads, PackedPages("keypca", 8).n_pages), (None, 0))
+test_eq(PackedPages(OVALSummary(rank=3), 8).spec.name, "oval")
+test_fail(lambda: PackedPages("keypca", 0), contains="page_size")
+test_fail(lambda: PackedPages("pq", 8), contains="method must be one of")
+
 # %% [markdown]
 # Check: on a GQA cache with a trailing partial page, pages appended in uneven chunks (as they
-# complete during decode) give the same tensors as summaries built at once, and the packed scores
-# equal `score_pages`'s and the loop reference's, for one query and for several, in every method.
+# complete during decode) give the same tensors as summaries built at once, in every method; a summary of
+# another kind, rank or head count is refused.
+
+# %%
+#| export
+@patch_to(PackedPages)
+def append(self, summary: PageSummary) -> PackedPages:
+    "Append the pages of `summary` (those completed since the last append, same batch and KV heads); returns self."
+    if not isinstance(summary, PageSummary) or summary.tensors is None:
+        raise TypeError("summary must be a PageSummary holding pages (see summarize), "
+                        f"got {type(summary).__name__}")
+    if type(summary) is not type(self.spec) or summary.page_size != self.page_size:
+        raise ValueError(f"summary is {summary.name!r} with page_size {summary.page_size}, "
+                         f"this store holds {self.spec.name!r} with {self.page_size}")
+    rows, R = summary.pack()
+    Bsz, Hkv, n, nr, f = rows.shape
+    layout = (Bsz, Hkv, nr, f, None if R is None else tuple(R.shape[3:]))
+    if self.layout is None: self.layout, self.spec = layout, summary.with_tensors()
+    elif layout != self.layout:
+        raise ValueError(f"summary packs as (batch, KV heads, rows per page, features, factor per page) {layout}; "
+                         f"this store holds {self.layout} (another batch, head count or rank)")
+    wd = torch.promote_types(rows.dtype, torch.float32)
+    P, BH = self.n_pages, Bsz * Hkv
+    rows = rows.to(wd).reshape(BH, n * nr, f)
+    self.W = _reserve(self.W, P * nr, (P + n) * nr, 1, rows)
+    self.W[:, P * nr:(P + n) * nr] = rows
+    if R is not None:
+        R = R.to(wd).reshape(BH, n, *R.shape[3:]).transpose(0, 1)
+        self.R = _reserve(self.R, P, P + n, 0, R)
+        self.R[P:P + n] = R
+    self.n_pages = P + n
+    return self
+
 
 # %%
 K, V, G = _random_cache(T=4 * 8 + 5)
 q = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+stores, wholes = {}, {}
 for method in METHODS:
-    whole = build_summaries(method, K, V, 8, rank=3, eta=0.5, G=G)
-    packed = PackedPages(method, 8)
+    whole = wholes[method] = build_summaries(method, K, V, 8, rank=3, eta=0.5, G=G)
+    packed = stores[method] = PackedPages(method, 8)
     for a, b in ((0, 1), (1, 1), (1, 3), (3, 4)):                         # chunks of 1, 0, 2 and 1 pages
         packed.append(build_summaries(method, K[:, :, a * 8:b * 8], V[:, :, a * 8:b * 8], 8, rank=3, eta=0.5, G=G))
     test_eq(packed.n_pages, 4)
     for n, x in whole.tensors.items(): assert_close(packed.tensors[n], x)
-    assert_close(packed.scores(q), score_pages(method, whole, q))
-    assert_close(packed.scores(q), score_pages_reference(method, K, q, whole))
-    assert_close(packed.scores(torch.stack([q, -q], 2), 0.3), score_pages(method, whole, torch.stack([q, -q], 2), 0.3))
-test_fail(lambda: packed.scores(q, scale=-1.0), contains="scale must be > 0")
 test_fail(lambda: packed.append(build_summaries("quest", K, V, 8)), contains="this store holds")
 rank3 = PackedPages("keypca", 8).append(build_summaries("keypca", K, V, 8, rank=3))
 test_fail(lambda: rank3.append(build_summaries("keypca", K, V, 8, rank=2)), contains="head count or rank")
 
+# %% [markdown]
+# The packed scores equal `score_pages`'s and the loop reference's, for one query and for several, in every method:
+
+# %%
+#| export
+@patch_to(PackedPages)
+def scores(self, q: Tensor, scale: float | None = None) -> Tensor:
+    """Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]), equal to score_pages's up to
+    rounding; scale > 0, default 1/sqrt(d)."""
+    if self.heads is None: raise ValueError("no pages appended yet")
+    Bsz, Hkv = self.heads
+    qg, single = _group_queries(q, Hkv)                                  # [B, Hkv, G, S, 1, d]
+    _, _, G, S, _, d = qg.shape
+    if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the store's ({Bsz})")
+    s = 1 / math.sqrt(d) if scale is None else float(scale)
+    if not s > 0: raise ValueError(f"scale must be > 0, got {scale!r}")
+    P, nr, BH = self.n_pages, self.rows, Bsz * Hkv
+    x = self.spec.features(qg.reshape(BH, G * S, d).to(self.W.dtype) * s)
+    # the one GEMM: all pages, all queries of the group
+    z = torch.bmm(x, self.W[:, :P * nr].mT).view(BH, G * S, P, nr)
+    out = self.spec.packed_score(z, None if self.R is None else self.R[:P]).reshape(Bsz, Hkv * G, S, P)
+    return out[:, :, 0] if single else out
+
+
+# %%
+for method, packed in stores.items():
+    whole = wholes[method]
+    assert_close(packed.scores(q), score_pages(method, whole, q))
+    assert_close(packed.scores(q), score_pages_reference(method, K, q, whole))
+    assert_close(packed.scores(torch.stack([q, -q], 2), 0.3), score_pages(method, whole, torch.stack([q, -q], 2), 0.3))
+test_fail(lambda: packed.scores(q, scale=-1.0), contains="scale must be > 0")
+test_fail(lambda: PackedPages("quest", 8).scores(q), contains="no pages appended yet")
+
+
+# %% [markdown]
+# Check: the gathered pages are `gather_keys` at `page_tokens` (also on a strided slice of a
+# longer cache, as a growing cache is):
 
 # %%
 #| export
@@ -504,6 +616,24 @@ def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
     out[:, :, n * m:] = x[:, :, P * m:]
     return out
 
+# %%
+from sparsekv.attention import gather_keys
+
+K, V, G = _random_cache(T=100)
+w = aggregate_gqa(score_pages("oval", build_summaries("oval", K, V, 8, rank=3, G=G), q), 2)
+for T in (100, 96, 37):
+    k, v = K[:, :, :T], V[:, :, :T]
+    ids = top_pages(w[..., :T // 8], 40, 8, 4, 8, T)
+    test_eq(page_tokens(ids, 8, T), select_pages(w[..., :T // 8], 40, 8, 4, 8, T))
+    test_eq(gather_pages(k, ids, 8), gather_keys(k, page_tokens(ids, 8, T)))
+test_fail(lambda: gather_pages(K, ids.int(), 8), contains="pages must be int64")
+
+# %% [markdown]
+# `page_attention` equals exact attention over those tokens, `attend_selected` (a masked softmax over the gathered
+# keys):
+
+# %%
+#| export
 def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int, scale: float | None = None,
                    dropout: float = 0.0) -> Tensor:
     "Decode attention [B, Hq, 1, d] of q over complete pages `pages` [B, Hkv, n_p] of k, v and the partial page."
@@ -513,24 +643,13 @@ def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: in
     return dense_attention(q, ks, vs, None, scale, dropout)  # one query: every gathered entry, measured
 
 
-# %% [markdown]
-# Check: the gathered pages are `gather_keys` at `page_tokens` (also on a strided slice of a
-# longer cache, as a growing cache is), and `page_attention` equals exact attention over those
-# tokens, `attend_selected` (a masked softmax over the gathered keys).
-
 # %%
-from sparsekv.attention import gather_keys
-
-# %%
-K, V, G = _random_cache(T=100)
-w = aggregate_gqa(score_pages("oval", build_summaries("oval", K, V, 8, rank=3, G=G), q), 2)
 for T in (100, 96, 37):
     k, v = K[:, :, :T], V[:, :, :T]
     ids = top_pages(w[..., :T // 8], 40, 8, 4, 8, T)
-    test_eq(page_tokens(ids, 8, T), select_pages(w[..., :T // 8], 40, 8, 4, 8, T))
-    test_eq(gather_pages(k, ids, 8), gather_keys(k, page_tokens(ids, 8, T)))
     qq = q.unsqueeze(2)
     assert_close(page_attention(qq, k, v, ids, 8, 0.2), attend_selected(qq, k, v, page_tokens(ids, 8, T), scale=0.2))
+test_fail(lambda: page_attention(q, k, v, ids, 8), contains="one decode query")
 
 
 # %% [markdown]
@@ -557,6 +676,9 @@ for T in (100, 96, 37):
 # summaries are the current ones (FreeKV's would be $n$ steps older), and there is no overlap
 # to gain on the CPU: this reproduces the selection, not the latency. The counters
 # `corrected / speculated` give the correction rate.
+#
+# The class holds the settings and `attend`; its steps follow one by one, each checked on the attention module of
+# layer 1 of a tiny random model (4 query heads over 2 KV heads of 16 dims).
 
 # %%
 #| export
@@ -584,108 +706,6 @@ class PageRetrievalPolicy(SelectionPolicy):
         # a padded batch: layer -> one policy per row, each retrieving as if its row ran alone
         self.rows = {}
 
-    def metric(self, ctx) -> Tensor | None:
-        "The layer's output metric G [Hkv, d, d] from o_proj if the summary takes one and has none (OVAL), else None."
-        if not self.spec.needs_metric or self.spec.G is not None: return None
-        if ctx.module is None:
-            raise ValueError(f"{type(self.spec).__name__} needs the attention module (ctx.module, with o_proj) "
-                             "for its output metric G")
-        if ctx.layer_idx not in self.metrics:
-            m = ctx.module
-            W = m.o_proj.weight.detach()
-            self.metrics[ctx.layer_idx] = output_metric(W, m.config.num_attention_heads,
-                                                        m.config.num_key_value_heads, m.head_dim)
-        return self.metrics[ctx.layer_idx]
-
-    def track(self, q: Tensor, k: Tensor, ctx) -> Tensor | None:
-        "Record decode query [B, Hq, d]; return the one of spec_steps calls ago (or None); a new sequence resets."
-        i, T = ctx.layer_idx, k.shape[2]
-        layer = ctx.cache_layer
-        if layer is not None and layer not in self.followed:
-            self.followed.add(layer)
-            follow_batch_ops(layer, id(self), lambda fn, i=i: self.apply_rows(i, fn))
-        first, last_T = self.seen.get(i, (None, 0))
-        if first is None or last_T >= T or not torch.equal(first, k[:, :, :1]):  # the cache restarted
-            self.summaries.pop(i, None)
-            self.history[i] = []
-        self.seen[i] = (k[:, :, :1].clone(), T)
-        hist = self.history[i]
-        hist.append(q[:, :, -1])
-        del hist[: -self.spec_steps - 1]
-        return hist[0] if self.spec_steps and len(hist) == self.spec_steps + 1 else None
-
-    def apply_rows(self, i: int, fn) -> None:
-        "Layer i's cache moved its batch rows by `fn` (beam search): move the queries kept, rebuild the summaries."
-        self.summaries.pop(i, None)
-        if i in self.history: self.history[i] = [fn(h) for h in self.history[i]]
-        if i in self.seen: self.seen[i] = (fn(self.seen[i][0]), self.seen[i][1])
-        if i in self.rows:  # the row policies move with their rows; a repeated row gets its own copy
-            old, moved = self.rows[i], []
-            for j in fn(torch.arange(len(old))).tolist():
-                moved.append(copy.deepcopy(old[j]) if old[j] in moved else old[j])
-            self.rows[i] = moved
-
-    def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
-        "The layer's packed summaries of all complete pages of k, v [B, Hkv, T, d]; only new pages are built."
-        i, m, P = ctx.layer_idx, self.page_size, k.shape[2] // self.page_size
-        packed = self.summaries.get(i) or self.summaries.setdefault(i, PackedPages(self.spec, m))
-        done = packed.n_pages
-        if P > done or packed.heads is None:
-            G = self.metric(ctx)
-            spec = self.spec if G is None else self.spec.with_metric(G.to(k.device))
-            packed.append(spec.summarize(k[:, :, done * m:P * m], v[:, :, done * m:P * m], m))
-            self.built += P - done
-        return packed
-
-    def weights(self, summ: PackedPages, q: Tensor, Hkv: int, scale: float) -> Tensor:
-        "Aggregated page weights [B, Hkv, P] for queries q [B, Hq, d]."
-        return aggregate_gqa(summ.scores(q, scale), Hkv, self.policy)
-
-    def select(self, q, k, v, ctx):
-        """Token indices [B, Hkv, n] for a decode query (a padded batch: chosen keys [B, Hkv, T], see `select_rows`);
-        None (dense) at prefill, in dense layers, when the cache fits."""
-        real = self.padding(ctx)
-        if real is not None: return self.select_rows(q, k, v, ctx, real)
-        pages = self.page_ids(q, k, v, ctx)
-        return None if pages is None else page_tokens(pages, self.page_size, k.shape[2])
-
-    def padding(self, ctx) -> Tensor | None:
-        "The real keys [B, T] of a padded batch's decode call in a retrieval layer; None otherwise."
-        if ctx.kind != "decode" or ctx.layer_idx < self.dense_layers: return None
-        return ctx.real_keys()
-
-    def select_rows(self, q, k, v, ctx, real: Tensor) -> Tensor | None:
-        """A padded batch: each row retrieves as if alone, over its real keys (`real` [B, T]: its pages, sink and budget
-        start at its first real token); the chosen keys [B, Hkv, T], or None when every row keeps all its keys."""
-        B, Hkv = k.shape[:2]
-        if len(self.rows.get(ctx.layer_idx, ())) != B: self.rows[ctx.layer_idx] = [self.row_policy() for _ in range(B)]
-        layer = ctx.cache_layer
-        if layer is not None and layer not in self.followed:  # beam search moves the row policies with their rows
-            self.followed.add(layer)
-            follow_batch_ops(layer, id(self), lambda fn, i=ctx.layer_idx: self.apply_rows(i, fn))
-        chosen, dropped = real[:, None].expand(B, Hkv, -1).clone(), False
-        for b, row in enumerate(self.rows[ctx.layer_idx]):
-            keys = real[b].nonzero()[:, 0]
-            before = row.built, row.corrected, row.speculated
-            pages = row.page_ids(q[b:b + 1], k[b:b + 1, :, keys], v[b:b + 1, :, keys],
-                                 ctx.row_context(b, len(keys), q.shape[2]))
-            # the counters count every row's work
-            self.built += row.built - before[0]
-            self.corrected += row.corrected - before[1]
-            self.speculated += row.speculated - before[2]
-            if pages is None: continue
-            chosen[b] = False
-            chosen[b].scatter_(1, keys[page_tokens(pages, self.page_size, len(keys))[0]], True)
-            dropped = True
-        return chosen if dropped else None
-
-    def row_policy(self) -> PageRetrievalPolicy:
-        "A policy with this one's settings and no state (the output metrics are shared), for one row of a batch."
-        row = copy.copy(self)
-        row.summaries, row.history, row.seen, row.rows, row.followed = {}, {}, {}, {}, weakref.WeakSet()
-        row.corrected = row.speculated = row.built = 0
-        return row
-
     def attend(self, q, k, v, ctx):
         "Decode: page_attention over kept pages (attend_selected under a mask or for several queries); else dense."
         if self.padding(ctx) is not None: return super().attend(q, k, v, ctx)  # the chosen keys of select_rows
@@ -696,63 +716,219 @@ class PageRetrievalPolicy(SelectionPolicy):
         return attend_selected(q, k, v, page_tokens(pages, self.page_size, k.shape[2]), ctx.mask, ctx.scale,
                                ctx.dropout)
 
-    def page_ids(self, q, k, v, ctx):
-        "The complete pages [B, Hkv, n_p] a decode query keeps (see top_pages); None when select would return None."
-        if ctx.kind != "decode" or ctx.layer_idx < self.dense_layers: return None
-        past = self.track(q, k, ctx)
-        T, Hkv = k.shape[2], k.shape[1]
-        if T <= self.budget: return None
-        summ, now = self.summary(k, v, ctx), q[:, :, -1]
-        if past is None: w = self.weights(summ, now, Hkv, ctx.scale)
-        else:
-            # speculative: score with the query from spec_steps ago;
-            # re-score a KV head whose group-average cosine fell below tau
-            cos = torch.nn.functional.cosine_similarity(past.float(), now.float(), dim=-1)
-            fix = cos.reshape(cos.shape[0], Hkv, -1).mean(-1) < self.tau
-            w = self.weights(summ, past, Hkv, ctx.scale)
-            if fix.any(): w = torch.where(fix[..., None], self.weights(summ, now, Hkv, ctx.scale), w)
-            self.corrected, self.speculated = self.corrected + int(fix.sum()), self.speculated + fix.numel()
-        return top_pages(w, self.budget, self.page_size, self.sink, self.recent, T)
 
+# %%
+from sparsekv.models import load_model as _load
+from sparsekv.hf import patch
+
+tiny = _load("tiny-llama")[0]
+attn = tiny.model.layers[1].self_attn
+ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(0))
+def _dctx(T, B=1, layer=1, kind="decode", mask=None, module=attn):
+    "The context of a decode call at layer 1 of `tiny` over T keys."
+    return AttentionContext(layer_idx=layer, kind=kind, query_positions=torch.tensor([T - 1]),
+                            key_positions=torch.arange(T).expand(B, 2, T), mask=mask, scale=0.25, module=module)
+
+pol = PageRetrievalPolicy("oval", 16)
+test_eq((pol.method, pol.budget, pol.page_size, pol.sink, pol.recent), ("oval", 16, 32, 32, 32))
+test_eq((pol.policy, pol.dense_layers, pol.spec_steps, pol.tau, pol.built), ("avgSM", 1, 0, 0.9, 0))
+test_fail(lambda: PageRetrievalPolicy("oval", 16, policy="sum"), contains="policy must be one of")
+test_fail(lambda: PageRetrievalPolicy("oval", 16, tau=math.nan), contains="tau must be a finite number")
+test_fail(lambda: PageRetrievalPolicy("oval", 0), contains="token_budget")
+
+# %% [markdown]
+# OVAL's metric comes from the layer's `o_proj` once per layer; a summary without a metric (Quest) needs none:
+
+# %%
+#| export
+@patch_to(PageRetrievalPolicy)
+def metric(self, ctx) -> Tensor | None:
+    "The layer's output metric G [Hkv, d, d] from o_proj if the summary takes one and has none (OVAL), else None."
+    if not self.spec.needs_metric or self.spec.G is not None: return None
+    if ctx.module is None:
+        raise ValueError(f"{type(self.spec).__name__} needs the attention module (ctx.module, with o_proj) "
+                         "for its output metric G")
+    if ctx.layer_idx not in self.metrics:
+        m = ctx.module
+        W = m.o_proj.weight.detach()
+        self.metrics[ctx.layer_idx] = output_metric(W, m.config.num_attention_heads,
+                                                    m.config.num_key_value_heads, m.head_dim)
+    return self.metrics[ctx.layer_idx]
+
+
+# %%
+pol = PageRetrievalPolicy("oval", 16, 4, 4, 4, rank=2)
+assert_close(pol.metric(_dctx(30)), output_metric(attn.o_proj.weight.detach(), 4, 2, 16))
+assert pol.metric(_dctx(31)) is pol.metrics[1]
+test_eq(PageRetrievalPolicy("quest", 16).metric(_dctx(30)), None)
+test_fail(lambda: pol.metric(_dctx(30, layer=2, module=None)), contains="needs the attention module")
+
+# %% [markdown]
+# `track` keeps the last `spec_steps + 1` decode queries of a layer and hands back the oldest once there are
+# that many; a cache that did not grow starts over:
+
+# %%
+#| export
+@patch_to(PageRetrievalPolicy)
+def track(self, q: Tensor, k: Tensor, ctx) -> Tensor | None:
+    "Record decode query [B, Hq, d]; return the one of spec_steps calls ago (or None); a new sequence resets."
+    i, T = ctx.layer_idx, k.shape[2]
+    layer = ctx.cache_layer
+    if layer is not None and layer not in self.followed:
+        self.followed.add(layer)
+        follow_batch_ops(layer, id(self), lambda fn, i=i: self.apply_rows(i, fn))
+    first, last_T = self.seen.get(i, (None, 0))
+    if first is None or last_T >= T or not torch.equal(first, k[:, :, :1]):  # the cache restarted
+        self.summaries.pop(i, None)
+        self.history[i] = []
+    self.seen[i] = (k[:, :, :1].clone(), T)
+    hist = self.history[i]
+    hist.append(q[:, :, -1])
+    del hist[: -self.spec_steps - 1]
+    return hist[0] if self.spec_steps and len(hist) == self.spec_steps + 1 else None
+
+
+# %%
+_g = torch.Generator().manual_seed(7)
+_k, _qs = torch.randn(2, 2, 40, 16, generator=_g), [torch.randn(2, 4, 1, 16, generator=_g) for _ in range(4)]
+pol = PageRetrievalPolicy("quest", 16, 4, 4, 4, spec_steps=2)
+got = [pol.track(_qs[j], _k[:, :, :30 + j], _dctx(30 + j, B=2)) for j in range(4)]
+test_eq(got[:2], [None, None])
+test_eq(got[2], _qs[0][:, :, -1])
+test_eq(got[3], _qs[1][:, :, -1])
+test_eq(pol.track(_qs[0], _k[:, :, :20], _dctx(20, B=2)), None)           # a cache that did not grow: a new sequence
+test_eq(len(pol.history[1]), 1)
+test_eq(PageRetrievalPolicy("quest", 16).track(_qs[0], _k, _dctx(40, B=2)), None)   # no speculation
 
 # %% [markdown]
 # Beam search is supported: the policy hooks each cache layer it decodes with
 # (`follow_batch_ops`); when `generate` reorders, repeats or selects the cache's batch rows, the
-# kept decode queries and first keys follow the rows and the layer's summaries are rebuilt from
+# kept decode queries and first keys follow the rows (`apply_rows`) and the layer's summaries are rebuilt from
 # the moved cache at the next step, so `num_beams=3` equals rebuilding them at every step
-# (tests/test_oval_pages.py).
-#
+# (tests/test_oval_pages.py). Here rows 1, 1 of the two:
+
+# %%
+#| export
+@patch_to(PageRetrievalPolicy)
+def apply_rows(self, i: int, fn) -> None:
+    "Layer i's cache moved its batch rows by `fn` (beam search): move the queries kept, rebuild the summaries."
+    self.summaries.pop(i, None)
+    if i in self.history: self.history[i] = [fn(h) for h in self.history[i]]
+    if i in self.seen: self.seen[i] = (fn(self.seen[i][0]), self.seen[i][1])
+    if i in self.rows:  # the row policies move with their rows; a repeated row gets its own copy
+        old, moved = self.rows[i], []
+        for j in fn(torch.arange(len(old))).tolist():
+            moved.append(copy.deepcopy(old[j]) if old[j] in moved else old[j])
+        self.rows[i] = moved
+
+
+# %%
+pol = PageRetrievalPolicy("quest", 16, 4, 4, 4, spec_steps=1)
+for j in range(2): pol.track(_qs[j], _k[:, :, :30 + j], _dctx(30 + j, B=2))
+pol.summaries[1], pol.rows[1] = PackedPages("quest", 4), [PageRetrievalPolicy("quest", 16) for _ in range(2)]
+row1 = pol.rows[1][1]
+pol.apply_rows(1, lambda x: x[[1, 1]])
+test_eq(pol.history[1], [_qs[0][[1, 1], :, -1], _qs[1][[1, 1], :, -1]])
+test_eq(pol.seen[1][0], _k[[1, 1], :, :1])
+assert 1 not in pol.summaries
+assert pol.rows[1][0] is row1 and pol.rows[1][1] is not row1 and pol.rows[1][1].budget == 16
+
+# %% [markdown]
+# The packed summaries of a layer grow with its cache, page by page, and equal those built from scratch:
+
+# %%
+#| export
+@patch_to(PageRetrievalPolicy)
+def summary(self, k: Tensor, v: Tensor, ctx) -> PackedPages:
+    "The layer's packed summaries of all complete pages of k, v [B, Hkv, T, d]; only new pages are built."
+    i, m, P = ctx.layer_idx, self.page_size, k.shape[2] // self.page_size
+    packed = self.summaries.get(i) or self.summaries.setdefault(i, PackedPages(self.spec, m))
+    done = packed.n_pages
+    if P > done or packed.heads is None:
+        G = self.metric(ctx)
+        spec = self.spec if G is None else self.spec.with_metric(G.to(k.device))
+        packed.append(spec.summarize(k[:, :, done * m:P * m], v[:, :, done * m:P * m], m))
+        self.built += P - done
+    return packed
+
+
+# %%
+_v = torch.randn(2, 2, 40, 16, generator=_g)
+pol = PageRetrievalPolicy("oval", 16, 4, 4, 4, rank=2, eta=0.5)
+for T in (30, 37, 40):
+    packed = pol.summary(_k[:, :, :T], _v[:, :, :T], _dctx(T, B=2))
+    fresh = build_summaries("oval", _k[:, :, :T], _v[:, :, :T], 4, rank=2, eta=0.5, G=pol.metrics[1])
+    for n, x in fresh.tensors.items(): assert_close(packed.tensors[n], x)
+test_eq((packed.n_pages, pol.built), (10, 10))                           # each page summarized once
+
+# %%
+#| export
+@patch_to(PageRetrievalPolicy)
+def weights(self, summ: PackedPages, q: Tensor, Hkv: int, scale: float) -> Tensor:
+    "Aggregated page weights [B, Hkv, P] for queries q [B, Hq, d]."
+    return aggregate_gqa(summ.scores(q, scale), Hkv, self.policy)
+
+
+# %%
+_q0 = _qs[0][:, :, 0]
+assert_close(pol.weights(packed, _q0, 2, 0.25), aggregate_gqa(score_pages("oval", fresh, _q0, 0.25), 2))
+test_eq(PageRetrievalPolicy("oval", 16, policy="max").weights(packed, _q0, 2, 0.25),
+        aggregate_gqa(packed.scores(_q0, 0.25), 2, "max"))
+
+# %% [markdown]
 # **Padded batches.** In a left-padded batch the model's mask hides each row's padding. Pages, sink and
 # budget then belong to the row, not to the batch's columns: the policy keeps one policy per row and layer
 # (`row_policy`, no shared state but the output metrics), and each retrieves over its row's real keys as
 # if the row ran alone (`select_rows`): the row's first page (its sink) starts at its first real token,
 # its page grid follows from there, and its budget counts its real tokens. The rows' choices are a boolean
 # `[B, Hkv, T]`, attended by `attend_chosen`; the row policies follow beam search with their rows.
-#
-# Checks on a tiny random model: when sink and recent cover the sequence (the retrieval path
-# runs but keeps every token), generation equals dense generation; with a small budget,
-# each decode step's output equals dense attention restricted to the tokens `select_pages`
-# picks from summaries built from scratch, and the incrementally extended summaries equal
-# those built from scratch.
+# `padding` tells such a call from the others, by the real keys of the mask:
 
 # %%
-from sparsekv.models import load_model as _load
-from sparsekv.hf import AttentionContext, patch
+#| export
+@patch_to(PageRetrievalPolicy)
+def padding(self, ctx) -> Tensor | None:
+    "The real keys [B, T] of a padded batch's decode call in a retrieval layer; None otherwise."
+    if ctx.kind != "decode" or ctx.layer_idx < self.dense_layers: return None
+    return ctx.real_keys()
+
 
 # %%
-tiny = _load("tiny-llama")[0]
-ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(0))
-def _greedy(n=6):
-    return tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
-with torch.no_grad():
-    plain = _greedy()
-    pol = PageRetrievalPolicy("oval", token_budget=8, page_size=4, sink=0, recent=64, rank=2)
-    with patch(tiny, pol): test_eq(_greedy(), plain)
-test_eq(sorted(pol.summaries), [1])                                          # layer 0 stayed dense
-test_eq(pol.summaries[1].n_pages, 45 // 4)                                   # summaries followed the cache
+_mask = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+_mask[1, ..., :5] = False                                                 # row 1: 5 padding tokens
+test_eq(pol.padding(_dctx(30, B=2, mask=_mask)), _mask[:, 0, 0])
+test_eq(pol.padding(_dctx(30, B=2)), None)                                # nothing padded
+test_eq(pol.padding(_dctx(30, B=2, mask=_mask, kind="prefill")), None)
+test_eq(pol.padding(_dctx(30, B=2, mask=_mask, layer=0)), None)           # a dense layer
+
+# %% [markdown]
+# `page_ids` runs the steps above for a decode query. Checked with a small budget: each decode step's output
+# equals dense attention restricted to the tokens `select_pages` picks from summaries built from scratch, and the
+# incrementally extended summaries equal those built from scratch.
 
 # %%
-attn = tiny.model.layers[1].self_attn
+#| export
+@patch_to(PageRetrievalPolicy)
+def page_ids(self, q, k, v, ctx):
+    "The complete pages [B, Hkv, n_p] a decode query keeps (see top_pages); None when select would return None."
+    if ctx.kind != "decode" or ctx.layer_idx < self.dense_layers: return None
+    past = self.track(q, k, ctx)
+    T, Hkv = k.shape[2], k.shape[1]
+    if T <= self.budget: return None
+    summ, now = self.summary(k, v, ctx), q[:, :, -1]
+    if past is None: w = self.weights(summ, now, Hkv, ctx.scale)
+    else:
+        # speculative: score with the query from spec_steps ago;
+        # re-score a KV head whose group-average cosine fell below tau
+        cos = torch.nn.functional.cosine_similarity(past.float(), now.float(), dim=-1)
+        fix = cos.reshape(cos.shape[0], Hkv, -1).mean(-1) < self.tau
+        w = self.weights(summ, past, Hkv, ctx.scale)
+        if fix.any(): w = torch.where(fix[..., None], self.weights(summ, now, Hkv, ctx.scale), w)
+        self.corrected, self.speculated = self.corrected + int(fix.sum()), self.speculated + fix.numel()
+    return top_pages(w, self.budget, self.page_size, self.sink, self.recent, T)
+
+
+# %%
 g = torch.Generator().manual_seed(1)
 pol = PageRetrievalPolicy("oval", token_budget=16, page_size=4, sink=4, recent=4, rank=2, eta=0.5)
 kk, vv = torch.randn(1, 2, 50, 16, generator=g), torch.randn(1, 2, 50, 16, generator=g)
@@ -773,9 +949,21 @@ for T in (30, 31, 34, 41, 50):
 
 
 # %% [markdown]
-# Speculation: with $\tau$ below every cosine no head is corrected and the pages are those of
-# the query 2 steps back; with $\tau$ above every cosine every head is re-scored and the
+# `select` returns the tokens of those pages. Speculation: with $\tau$ below every cosine no head is corrected and
+# the pages are those of the query 2 steps back; with $\tau$ above every cosine every head is re-scored and the
 # selection is the plain one.
+
+# %%
+#| export
+@patch_to(PageRetrievalPolicy)
+def select(self, q, k, v, ctx):
+    """Token indices [B, Hkv, n] for a decode query (a padded batch: chosen keys [B, Hkv, T], see `select_rows`);
+    None (dense) at prefill, in dense layers, when the cache fits."""
+    real = self.padding(ctx)
+    if real is not None: return self.select_rows(q, k, v, ctx, real)
+    pages = self.page_ids(q, k, v, ctx)
+    return None if pages is None else page_tokens(pages, self.page_size, k.shape[2])
+
 
 # %%
 def _steps(pol, qs, T0=30):
@@ -800,30 +988,59 @@ for j, (a, b, c) in enumerate(zip(plain, _steps(never, qs), _steps(always, qs)))
 test_eq((never.corrected, never.speculated, always.corrected, always.speculated), (0, 6, 6, 6))
 
 # %% [markdown]
-# A `PageSummary` in place of the name: `OVALSummary(rank=2, eta=0.5)` gives the outputs of
-# `"oval"` with `rank=2, eta=0.5` bit for bit (each layer's $G$ from its `o_proj`); one given
-# its own $G$ (here the identity) summarizes with that $G$.
+# A row's policy has this one's settings and output metrics, and no state of its own yet:
 
 # %%
-eye = torch.eye(16).expand(2, 16, 16)
-by_name = PageRetrievalPolicy("oval", 16, 4, 4, 4, rank=2, eta=0.5)
-by_class = PageRetrievalPolicy(OVALSummary(rank=2, eta=0.5), 16, 4, 4, 4)
-fixed = PageRetrievalPolicy(OVALSummary(rank=2, eta=0.5, G=eye), 16, 4, 4, 4)
-for T in (30, 41):
-    qq = torch.randn(1, 4, 1, 16, generator=g)
-    ctx = AttentionContext(layer_idx=1, kind="decode", query_positions=torch.tensor([T - 1]),
-                           key_positions=torch.arange(T).expand(1, 2, T), mask=None, scale=0.25, module=attn)
-    assert torch.equal(by_class(qq, kk[:, :, :T], vv[:, :, :T], ctx), by_name(qq, kk[:, :, :T], vv[:, :, :T], ctx))
-    fixed(qq, kk[:, :, :T], vv[:, :, :T], ctx)
-    for n, x in build_summaries("oval", kk[:, :, :T], vv[:, :, :T], 4, rank=2, eta=0.5, G=eye).tensors.items():
-        assert_close(fixed.summaries[1].tensors[n], x)
-test_eq((by_class.method, fixed.metric(ctx), len(by_class.metrics)), ("oval", None, 1))
+#| export
+@patch_to(PageRetrievalPolicy)
+def row_policy(self) -> PageRetrievalPolicy:
+    "A policy with this one's settings and no state (the output metrics are shared), for one row of a batch."
+    row = copy.copy(self)
+    row.summaries, row.history, row.seen, row.rows, row.followed = {}, {}, {}, {}, weakref.WeakSet()
+    row.corrected = row.speculated = row.built = 0
+    return row
 
+
+# %%
+row = never.row_policy()
+test_eq((row.budget, row.spec_steps, row.tau, row.speculated, row.summaries, row.history), (16, 2, -2.0, 0, {}, {}))
+test_eq(never.speculated, 6)                                               # the policy keeps its own
+row = pol.row_policy()
+assert row.metrics is pol.metrics and row.summaries is not pol.summaries and row.built == 0 < pol.built
 
 # %% [markdown]
 # Padded batches, with every summary: a prompt of 40 tokens and one of 27 left-padded to 40 (13 padding
 # tokens, so its pages are not those of the batch's columns) generate, row by row, the tokens each
 # generates alone; at decode the padded row's sink page is its first 4 real tokens, and no padding is kept.
+
+# %%
+#| export
+@patch_to(PageRetrievalPolicy)
+def select_rows(self, q, k, v, ctx, real: Tensor) -> Tensor | None:
+    """A padded batch: each row retrieves as if alone, over its real keys (`real` [B, T]: its pages, sink and budget
+    start at its first real token); the chosen keys [B, Hkv, T], or None when every row keeps all its keys."""
+    B, Hkv = k.shape[:2]
+    if len(self.rows.get(ctx.layer_idx, ())) != B: self.rows[ctx.layer_idx] = [self.row_policy() for _ in range(B)]
+    layer = ctx.cache_layer
+    if layer is not None and layer not in self.followed:  # beam search moves the row policies with their rows
+        self.followed.add(layer)
+        follow_batch_ops(layer, id(self), lambda fn, i=ctx.layer_idx: self.apply_rows(i, fn))
+    chosen, dropped = real[:, None].expand(B, Hkv, -1).clone(), False
+    for b, row in enumerate(self.rows[ctx.layer_idx]):
+        keys = real[b].nonzero()[:, 0]
+        before = row.built, row.corrected, row.speculated
+        pages = row.page_ids(q[b:b + 1], k[b:b + 1, :, keys], v[b:b + 1, :, keys],
+                             ctx.row_context(b, len(keys), q.shape[2]))
+        # the counters count every row's work
+        self.built += row.built - before[0]
+        self.corrected += row.corrected - before[1]
+        self.speculated += row.speculated - before[2]
+        if pages is None: continue
+        chosen[b] = False
+        chosen[b].scatter_(1, keys[page_tokens(pages, self.page_size, len(keys))[0]], True)
+        dropped = True
+    return chosen if dropped else None
+
 
 # %%
 class _Chosen(PageRetrievalPolicy):
@@ -847,3 +1064,38 @@ with torch.no_grad():
                 test_eq(out[b, 40 - row.shape[1]:], tiny.generate(row, attention_mask=torch.ones_like(row), **gen)[0])
         test_eq((pol.last[1, :, 13:17].all().item(), pol.last[1, :, :13].any().item()), (True, False))
         assert (pol.last.sum(-1) < pmask.sum(-1)[:, None] + 4).all()  # both rows select (4 tokens decoded so far)
+
+# %% [markdown]
+# Generation on the tiny model: when sink and recent cover the sequence (the retrieval path
+# runs but keeps every token), generation equals dense generation, and the summaries follow the cache in every
+# retrieval layer (layer 0 stays dense).
+
+# %%
+def _greedy(n=6):
+    return tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+with torch.no_grad():
+    plain = _greedy()
+    pol = PageRetrievalPolicy("oval", token_budget=8, page_size=4, sink=0, recent=64, rank=2)
+    with patch(tiny, pol): test_eq(_greedy(), plain)
+test_eq(sorted(pol.summaries), [1])                                          # layer 0 stayed dense
+test_eq(pol.summaries[1].n_pages, 45 // 4)                                   # summaries followed the cache
+
+# %% [markdown]
+# A `PageSummary` in place of the name: `OVALSummary(rank=2, eta=0.5)` gives the outputs of
+# `"oval"` with `rank=2, eta=0.5` bit for bit (each layer's $G$ from its `o_proj`); one given
+# its own $G$ (here the identity) summarizes with that $G$.
+
+# %%
+eye = torch.eye(16).expand(2, 16, 16)
+by_name = PageRetrievalPolicy("oval", 16, 4, 4, 4, rank=2, eta=0.5)
+by_class = PageRetrievalPolicy(OVALSummary(rank=2, eta=0.5), 16, 4, 4, 4)
+fixed = PageRetrievalPolicy(OVALSummary(rank=2, eta=0.5, G=eye), 16, 4, 4, 4)
+for T in (30, 41):
+    qq = torch.randn(1, 4, 1, 16, generator=g)
+    ctx = AttentionContext(layer_idx=1, kind="decode", query_positions=torch.tensor([T - 1]),
+                           key_positions=torch.arange(T).expand(1, 2, T), mask=None, scale=0.25, module=attn)
+    assert torch.equal(by_class(qq, kk[:, :, :T], vv[:, :, :T], ctx), by_name(qq, kk[:, :, :T], vv[:, :, :T], ctx))
+    fixed(qq, kk[:, :, :T], vv[:, :, :T], ctx)
+    for n, x in build_summaries("oval", kk[:, :, :T], vv[:, :, :T], 4, rank=2, eta=0.5, G=eye).tensors.items():
+        assert_close(fixed.summaries[1].tensors[n], x)
+test_eq((by_class.method, fixed.metric(ctx), len(by_class.metrics)), ("oval", None, 1))
