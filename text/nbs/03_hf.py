@@ -1077,7 +1077,7 @@ test_fail(lambda: left_padding(_m.flip(1), torch.ones_like(_m)), contains="pad o
 
 
 # %% [markdown]
-# With no policy, `_patched` patches densely, or keeps an active patch and gives its phase back on exit:
+# With no policy, the patch context above patches densely, or keeps an active patch and gives its phase back on exit:
 
 # %%
 #| export

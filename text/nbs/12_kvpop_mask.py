@@ -134,7 +134,7 @@ test_fail(lambda: check_ranks(rank4, torch.tensor([[[4, 0, 0, 1]]]), 1, 1), cont
 test_fail(lambda: check_ranks(rank4, torch.tensor([[[4, 4, 0, 5]]]), 1, 1), contains="cutoff must be in [0, S=4]")
 
 # %% [markdown]
-# `_check_kept` by hand for $S = 5$, no sink, a window of one and $k = 2$: $|\mathcal{E}(q)| = q$, so the
+# The kept-count check by hand for $S = 5$, no sink, a window of one and $k = 2$: $|\mathcal{E}(q)| = q$, so the
 # rows $q \ge 2$ are full and keep 2 eligible keys, the rows before keep all they have:
 
 # %%

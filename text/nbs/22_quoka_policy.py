@@ -15,6 +15,7 @@ import inspect
 import weakref
 
 import torch
+from fastcore.basics import patch_to
 from torch import Tensor
 
 from sparsekv.attention import attention_reference, causal_mask, check_int
@@ -32,6 +33,7 @@ from types import SimpleNamespace
 
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
+from transformers.cache_utils import DynamicLayer
 
 from sparsekv.quoka.baselines import mean_score_select, sample_attention_select, sparq_select
 from sparsekv.models import load_model
@@ -113,7 +115,17 @@ def _check_budget(budget):
     resolve_budget(budget, 0)  # raises on a bad budget
     return budget
 
+# %%
+test_eq((_check_budget(7), _check_budget(0.25)), (7, 0.25))
+for bad in (0, 1.5, "x"): test_fail(lambda: _check_budget(bad), contains="budget must be an int >= 1")
 
+# %% [markdown]
+# The policies below differ only in `pick_earlier`. Check the shared part with a policy that
+# picks the first $n$ earlier keys: dense while the cache fits (and on the first chunk), dense at
+# decode with `decode=False`, otherwise the picked keys followed by the chunk's own keys $T, \dots, T+S-1$.
+
+# %%
+#| export
 class EarlierKeysPolicy(SelectionPolicy):
     """A chunk (or a decode query) attends to the earlier keys `pick_earlier` chooses per KV head plus all its own keys;
     dense when no earlier key is dropped. Subclasses set `budget` (B_SA) or override `fits`."""
@@ -130,46 +142,32 @@ class EarlierKeysPolicy(SelectionPolicy):
         "Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] the queries q attend to; None: all."
         raise NotImplementedError(f"{type(self).__name__} must implement pick_earlier(q, k_earlier, ctx)")
 
-    def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor | None:
-        """Picked earlier keys, then the chunk's own [B,Hkv,n+Sq] (a padded batch: chosen keys [B,Hkv,Sk], see
-        `select_rows`); None (dense): none dropped or decode=False at decode."""
-        if ctx.kind == "decode" and not self.decode_sparse: return None
-        real = ctx.real_keys()
-        if real is not None: return self.select_rows(q, k, ctx, real)
-        T = ctx.past_len
-        if self.fits(T): return None
-        idx = self.pick_earlier(q, k[:, :, :T], ctx)
-        if idx is None or idx.shape[-1] == T: return None
-        return add_chunk_keys(idx, k.shape[2], q.shape[2])
-
-    def select_rows(self, q: Tensor, k: Tensor, ctx: AttentionContext, real: Tensor) -> Tensor | None:
-        """A padded batch: each row picks as if alone, from its real earlier keys for its real queries (`real` [B,Sk]);
-        the chosen keys [B,Hkv,Sk] (its own keys included), or None when no row drops a key."""
-        T, B, Hkv = ctx.past_len, k.shape[0], k.shape[1]
-        chosen, dropped = real[:, None].expand(B, Hkv, -1).clone(), False
-        for b in range(B):
-            keys, queries = real[b, :T].nonzero()[:, 0], real[b, T:].nonzero()[:, 0]
-            if not len(queries) or self.fits(len(keys)): continue
-            row = ctx.row_context(b, len(keys) + len(queries), len(queries))
-            idx = self.pick_earlier(q[b:b + 1, :, queries], k[b:b + 1, :, keys], row)
-            if idx is None or idx.shape[-1] == len(keys): continue
-            chosen[b, :, :T] = False
-            chosen[b, :, :T].scatter_(1, keys[idx[0]], True)
-            dropped = True
-        return chosen if dropped else None
-
-
-# %% [markdown]
-# The three policies below differ only in `pick_earlier`. Check the shared part with a policy that
-# picks the first $n$ earlier keys: dense while the cache fits (and on the first chunk), dense at
-# decode with `decode=False`, otherwise the picked keys followed by the chunk's own keys $T, \dots, T+S-1$.
-
 # %%
 class FirstKeys(EarlierKeysPolicy):
     def __init__(self, budget, decode=True): super().__init__(decode); self.budget = budget
     def pick_earlier(self, q, k_earlier, ctx):
         return all_key_indices(2, 3, resolve_budget(self.budget, k_earlier.shape[2]))
 
+test_eq([FirstKeys(3).fits(T) for T in (0, 3, 4)], [True, True, False])
+test_eq([FirstKeys(0.5).fits(T) for T in (0, 1, 2)], [True, True, False])
+test_fail(lambda: EarlierKeysPolicy().pick_earlier(None, None, None), contains="must implement pick_earlier")
+
+# %%
+#| export
+@patch_to(EarlierKeysPolicy)
+def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor | None:
+    """Picked earlier keys, then the chunk's own [B,Hkv,n+Sq] (a padded batch: chosen keys [B,Hkv,Sk], see
+    `select_rows`); None (dense): none dropped or decode=False at decode."""
+    if ctx.kind == "decode" and not self.decode_sparse: return None
+    real = ctx.real_keys()
+    if real is not None: return self.select_rows(q, k, ctx, real)
+    T = ctx.past_len
+    if self.fits(T): return None
+    idx = self.pick_earlier(q, k[:, :, :T], ctx)
+    if idx is None or idx.shape[-1] == T: return None
+    return add_chunk_keys(idx, k.shape[2], q.shape[2])
+
+# %%
 def first_keys_select(budget, kind, T, decode=True):
     S = 1 if kind == "decode" else 4  # a chunk of 4 queries, or one decode query, after T earlier keys
     q, k = torch.randn(2, 6, S, 8), torch.randn(2, 3, T + S, 8)
@@ -182,6 +180,42 @@ test_eq(first_keys_select(3, "decode", 10, decode=False), None)
 test_eq(first_keys_select(3, "prefill", 10), torch.tensor([0, 1, 2, 10, 11, 12, 13]).expand(2, 3, -1))
 test_eq(first_keys_select(0.5, "decode", 10), torch.tensor([0, 1, 2, 3, 4, 10]).expand(2, 3, -1))
 test_fail(lambda: FirstKeys(3, decode=1), contains="decode must be a bool")
+
+# %% [markdown]
+# In a padded batch (the model's mask hides padding keys, see *Padded batches* below) each row picks from its own
+# real keys, and the policy returns the chosen keys as a boolean `[B,Hkv,Sk]`.
+# By hand: 5 earlier keys and a chunk of 2; row 1's first two keys are padding, so its real earlier keys are 2, 3, 4.
+# Keeping 2 keys, row 0 keeps keys 0, 1 and row 1 its first two real ones, 2, 3; keeping 3, row 1's three fit.
+
+# %%
+#| export
+@patch_to(EarlierKeysPolicy)
+def select_rows(self, q: Tensor, k: Tensor, ctx: AttentionContext, real: Tensor) -> Tensor | None:
+    """A padded batch: each row picks as if alone, from its real earlier keys for its real queries (`real` [B,Sk]);
+    the chosen keys [B,Hkv,Sk] (its own keys included), or None when no row drops a key."""
+    T, B, Hkv = ctx.past_len, k.shape[0], k.shape[1]
+    chosen, dropped = real[:, None].expand(B, Hkv, -1).clone(), False
+    for b in range(B):
+        keys, queries = real[b, :T].nonzero()[:, 0], real[b, T:].nonzero()[:, 0]
+        if not len(queries) or self.fits(len(keys)): continue
+        row = ctx.row_context(b, len(keys) + len(queries), len(queries))
+        idx = self.pick_earlier(q[b:b + 1, :, queries], k[b:b + 1, :, keys], row)
+        if idx is None or idx.shape[-1] == len(keys): continue
+        chosen[b, :, :T] = False
+        chosen[b, :, :T].scatter_(1, keys[idx[0]], True)
+        dropped = True
+    return chosen if dropped else None
+
+# %%
+real = torch.ones(2, 7, dtype=torch.bool)
+real[1, :2] = False
+ctx = SimpleNamespace(kind="prefill", past_len=5, real_keys=lambda: real, row_context=lambda b, n, s: None)
+q, k = torch.randn(2, 6, 2, 8), torch.randn(2, 3, 7, 8)
+test_eq(FirstKeys(2).select(q, k, None, ctx),
+        torch.tensor([[1, 1, 0, 0, 0, 1, 1], [0, 0, 1, 1, 0, 1, 1]], dtype=torch.bool)[:, None].expand(2, 3, 7))
+test_eq(FirstKeys(3).select(q, k, None, ctx),
+        torch.tensor([[1, 1, 1, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)[:, None].expand(2, 3, 7))
+test_eq(FirstKeys(5).select(q, k, None, ctx), None)   # every row fits
 
 
 # %%
@@ -206,44 +240,90 @@ class QuokaPolicy(EarlierKeysPolicy):
         self.n_q, self.budget, self.query_select, self.query_agg = n_q, _check_budget(budget), query_select, query_agg
         self.sinks, self.recent = check_int(sinks, "sinks"), check_int(recent, "recent")
 
-    def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill",
-                        k_unit: Tensor | None = None) -> Tensor:
-        """Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] that the queries q [B,Hq,S,D] attend
-        to (Alg. 1; §4.4 for `kind='decode'`); `k_unit`: their unit keys if at hand."""
-        if kind not in ("prefill", "decode"): raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
-        if not (self.sinks or self.recent):
-            if kind == "decode": return quoka_decode_select(q, k_earlier, self.budget, k_unit, self.gqa_agg)
-            return quoka_select(q, k_earlier, self.n_q, self.budget, self.query_select, self.query_agg, k_unit,
-                                self.query_rank, self.generator, self.gqa_agg)
-        if kind == "decode" and q.shape[2] != 1:
-            raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got {tuple(q.shape)}")
-        B, Hkv, T, _ = k_earlier.shape
-        n = resolve_budget(self.budget, T)
-        n_q = 1 if kind == "decode" else self.n_q
-        # validates shapes even when n == T
-        s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg, k_unit, self.query_rank, self.generator,
-                         self.gqa_agg)
-        if n == T: return all_key_indices(B, Hkv, T, k_earlier.device)
-        return anchored_top_indices(s, n, self.sinks, self.recent)
-
     def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor:
         "Alg. 1 (prefill) or §4.4 (decode) over the earlier keys, with this layer's cached unit keys."
         return self.earlier_indices(q, k_earlier, ctx.kind, self.unit_keys(k_earlier, ctx))
-
-    def unit_keys(self, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
-        "Unit keys of k_earlier from this layer's `UnitKeyCache` (None: no cache, or `cache_unit_keys=False`)."
-        layer = ctx.cache_layer
-        if not self.cache_unit_keys or layer is None: return None
-        if layer not in self.unit_caches:
-            self.unit_caches[layer] = UnitKeyCache()
-            # beam search moves the layer's rows: move the unit keys with them
-            follow_batch_ops(layer, id(self), self.unit_caches[layer].apply_rows)
-        return self.unit_caches[layer].update(k_earlier)
 
     def __repr__(self):
         return (f"QuokaPolicy(n_q={self.n_q}, budget={self.budget}, query_select={self.query_select!r}, "
                 f"query_agg={self.query_agg!r}, query_rank={self.query_rank!r}, gqa_agg={self.gqa_agg!r}, "
                 f"sinks={self.sinks}, recent={self.recent}, decode={self.decode_sparse})")
+
+# %%
+test_eq(repr(QuokaPolicy(n_q=4, budget=0.25, sinks=2)),
+        "QuokaPolicy(n_q=4, budget=0.25, query_select='group', query_agg='max', query_rank='dissimilar', "
+        "gqa_agg='mean', sinks=2, recent=0, decode=True)")
+test_eq(QuokaPolicy(query_rank="random", seed=3).generator.initial_seed(), 3)
+test_eq(QuokaPolicy().generator, None)
+test_fail(lambda: QuokaPolicy(budget=0), contains="budget must be")
+test_fail(lambda: QuokaPolicy(cache_unit_keys=1), contains="cache_unit_keys must be a bool")
+
+# %% [markdown]
+# `earlier_indices` is Algorithm 1 for one call, or with anchors the same scores and `anchored_top_indices`. On
+# random inputs it keeps what the loop-based `quoka_select_reference` keeps; with 2 sinks and 2 recent keys in a
+# budget of 6 over 20 keys, keys 0, 1, 18 and 19 are always among the 6:
+
+# %%
+#| export
+@patch_to(QuokaPolicy)
+def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill",
+                    k_unit: Tensor | None = None) -> Tensor:
+    """Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] that the queries q [B,Hq,S,D] attend
+    to (Alg. 1; §4.4 for `kind='decode'`); `k_unit`: their unit keys if at hand."""
+    if kind not in ("prefill", "decode"): raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
+    if not (self.sinks or self.recent):
+        if kind == "decode": return quoka_decode_select(q, k_earlier, self.budget, k_unit, self.gqa_agg)
+        return quoka_select(q, k_earlier, self.n_q, self.budget, self.query_select, self.query_agg, k_unit,
+                            self.query_rank, self.generator, self.gqa_agg)
+    if kind == "decode" and q.shape[2] != 1:
+        raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got {tuple(q.shape)}")
+    B, Hkv, T, _ = k_earlier.shape
+    n = resolve_budget(self.budget, T)
+    n_q = 1 if kind == "decode" else self.n_q
+    # validates shapes even when n == T
+    s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg, k_unit, self.query_rank, self.generator,
+                     self.gqa_agg)
+    if n == T: return all_key_indices(B, Hkv, T, k_earlier.device)
+    return anchored_top_indices(s, n, self.sinks, self.recent)
+
+# %%
+g = torch.Generator().manual_seed(0)
+q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 20, 8, generator=g)
+test_eq(QuokaPolicy(n_q=3, budget=5).earlier_indices(q, k), quoka_select_reference(q, k, 3, 5))
+test_eq(QuokaPolicy(budget=5).earlier_indices(q[:, :, :1], k, "decode"), quoka_select_reference(q[:, :, :1], k, 1, 5))
+anchored = QuokaPolicy(n_q=3, budget=6, sinks=2, recent=2).earlier_indices(q, k)
+test_eq(anchored.shape, (2, 2, 6))
+test_eq(anchored[..., :2], torch.tensor([0, 1]).expand(2, 2, 2))       # the sinks
+test_eq(anchored[..., -2:], torch.tensor([18, 19]).expand(2, 2, 2))    # the recent keys
+test_eq(QuokaPolicy(n_q=3, budget=20, sinks=1).earlier_indices(q, k), all_key_indices(2, 2, 20))
+test_fail(lambda: QuokaPolicy(sinks=1).earlier_indices(q, k, "decode"), contains="one query per head")
+test_fail(lambda: QuokaPolicy().earlier_indices(q, k, "verify"), contains="kind must be")
+
+# %% [markdown]
+# The unit keys of a cache layer are kept across calls (and follow its batch operations); without a cache layer,
+# or with `cache_unit_keys=False`, there are none:
+
+# %%
+#| export
+@patch_to(QuokaPolicy)
+def unit_keys(self, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
+    "Unit keys of k_earlier from this layer's `UnitKeyCache` (None: no cache, or `cache_unit_keys=False`)."
+    layer = ctx.cache_layer
+    if not self.cache_unit_keys or layer is None: return None
+    if layer not in self.unit_caches:
+        self.unit_caches[layer] = UnitKeyCache()
+        # beam search moves the layer's rows: move the unit keys with them
+        follow_batch_ops(layer, id(self), self.unit_caches[layer].apply_rows)
+    return self.unit_caches[layer].update(k_earlier)
+
+# %%
+layer = DynamicLayer()
+layer.update(k, k)
+pol = QuokaPolicy(budget=5)
+assert_close(pol.unit_keys(k, SimpleNamespace(cache_layer=layer)), k / k.norm(dim=-1, keepdim=True))
+test_eq(len(pol.unit_caches), 1)
+test_eq(pol.unit_keys(k, SimpleNamespace(cache_layer=None)), None)
+test_eq(QuokaPolicy(cache_unit_keys=False).unit_keys(k, SimpleNamespace(cache_layer=layer)), None)
 
 
 # %% [markdown]
@@ -382,7 +462,15 @@ class BaselinePolicy(EarlierKeysPolicy):
         name = getattr(self.select_fn, "__name__", repr(self.select_fn))
         return f"BaselinePolicy({name}, budget={self.budget}, decode={self.decode_sparse}, **{self.options})"
 
-
+# %%
+q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 20, 8, generator=g)
+mean_policy = BaselinePolicy(mean_score_select, 5)
+test_eq(mean_policy.earlier_indices(q, k, 0.3), mean_score_select(q, k, budget=5, scale=0.3))
+test_eq(repr(mean_policy), "BaselinePolicy(mean_score_select, budget=5, decode=True, **{})")
+test_eq((mean_policy.pass_scale, BaselinePolicy(sparq_select, 5, r=4, scale=0.3).pass_scale), (True, False))
+test_eq(BaselinePolicy(sparq_select, 5, r=4).earlier_indices(q, k, 0.3), sparq_select(q, k, 5, r=4, scale=0.3))
+test_fail(lambda: BaselinePolicy("mean"), contains="select_fn must be a selection function")
+test_fail(lambda: BaselinePolicy(lambda q, k: None), contains="must take a `budget` argument")
 
 # %% [markdown]
 # Loki without a calibration basis uses the cache's own: `LokiPolicy` keeps each layer's key moments
@@ -453,6 +541,14 @@ class LessIsMorePolicy(EarlierKeysPolicy):
             self.row_selectors[row] = copy.copy(self.selector)
             self.row_selectors[row].reset()
         return self.row_selectors[row]
+
+# %%
+_lim = LessIsMorePolicy(LessIsMoreSelector(budget=6, selection_layers=(0,)))
+test_eq((_lim.fits(0), _lim.fits(5)), (True, False))
+assert _lim.row_selector(None) is _lim.selector
+row1 = _lim.row_selector(1)
+assert isinstance(row1, LessIsMoreSelector) and row1 is not _lim.selector and _lim.row_selector(1) is row1
+test_fail(lambda: LessIsMorePolicy(QuokaPolicy()), contains="selector must be a LessIsMoreSelector")
 
 
 # %% [markdown]
@@ -604,36 +700,5 @@ for name, policy in [("quoka 256", QuokaPolicy(16, 256)), ("quoka 512", QuokaPol
 recall
 
 # %% [markdown]
-# Measured on this machine (2 CPU cores, fp32, 2048 tokens, the last 128 positions):
-#
-# | policy | KL(dense ‖ sparse) | top-1 agreement |
-# |---|---|---|
-# | QuoKA, $B_{SA} = 256$ | 0.149 | 0.820 |
-# | QuoKA, $B_{SA} = 512$ | 0.087 | 0.859 |
-# | mean of softmax scores, $B_{SA} = 512$ | 0.010 | 0.992 |
-#
-# Per layer, on the last chunk's dense queries and keys (mean attention-mass recall over
-# layers, heads and queries; worst layer in brackets): QuoKA 0.909 (0.48) at $B_{SA} = 256$
-# and 0.947 (0.63) at 512; with 4 sinks and 64 recent keys inside the 256: 0.911 (0.48);
-# mean of scores 0.930 (0.52) at 256 and 0.964 (0.67) at 512.
-#
-# At this scale QuoKA does **not** beat the naive mean-of-scores extension, unlike the
-# paper's Table 3. Per layer the gap is a few points of attention mass, but it compounds
-# over 30 layers and 16 chunks into a tenfold KL. Mean of scores computes every chunk
-# query's exact softmax over all earlier keys, so it is nearly an oracle of the chunk's
-# attention and costs as much as dense attention; QuoKA's cosine proxy from 16 queries is
-# what buys the speed. Key norms are not the cause: scoring the same kept queries by dot
-# product (cosine times $\lVert k \rVert$) instead gave 0.910 (0.49) at 256 in a separate
-# run. The worst layer is layer 0 for every rule (its attention is broad). Whether the gap
-# is the reconstruction's or the small model's is a question for the evaluation stages.
-#
-# The reproduction stage `quoka_accuracy` (`reproduce/22_quoka_accuracy`) takes it up on
-# RULER-style prompts of 2k tokens with every baseline: QuoKA's per-layer recall stays below
-# mean of scores, SparQ, Loki and SampleAttention at every budget from 128 to 1024 (its `cpu-full`
-# run; `make reproduce` scores 256 and 512). Dot
-# products instead of cosines, keys centred by their mean, the mean over queries, and sinks
-# plus recent keys each move it by at most 0.003. Scoring the 16 kept queries by their exact
-# softmax recovers about a quarter of the gap to mean of scores (at $B_{SA} = 512$), scoring
-# all 128 queries by the max cosine about 60%: both the query subselection and the cosine
-# proxy cost recall on SmolLM2, whose keys share a dominant direction (mean cosine to the mean
-# key 0.74) with about 44% of their squared norm in two of 64 channels.
+# What these comparisons come to, with every baseline, over budgets and on RULER-style prompts, is measured by the
+# [quoka_accuracy stage](../reproduce/22_quoka_accuracy.ipynb).

