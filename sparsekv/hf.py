@@ -23,10 +23,11 @@ from .attention import causal_mask, check_int, check_qkv, gather_keys
 from .cache import EvictingCache, EvictingLayer, GrowingCache
 
 # %% auto #0
-__all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'heads_mask', 'AttendedBudget', 'measure_attended', 'record_attended', 'record_stored',
-           'attended_counts', 'dense_attention', 'add_chunk_keys', 'attend_selected', 'chosen_indices', 'attend_chosen',
-           'AttentionContext', 'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy', 'attention_modules',
-           'patch', 'active_patch', 'check_input_ids', 'left_padding', 'chunked_prefill', 'Method']
+__all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'PHASES', 'heads_mask', 'AttendedBudget', 'measure_attended', 'record_attended',
+           'record_stored', 'attended_counts', 'dense_attention', 'add_chunk_keys', 'attend_selected', 'chosen_indices',
+           'attend_chosen', 'AttentionContext', 'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy',
+           'attention_modules', 'patch', 'active_patch', 'check_input_ids', 'left_padding', 'chunked_prefill', 'Method',
+           'ModelShape', 'ScoringCost', 'queries_per_call', 'scoring_cost']
 
 # %% ../nbs/03_hf.ipynb #145809aa
 def heads_mask(mask: Tensor, n_heads: int) -> Tensor:
@@ -634,3 +635,63 @@ def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Te
                          kwargs.get("num_return_sequences", cfg.num_return_sequences) or 1)
             if expand > 1: cache.batch_repeat_interleave(expand)
         return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+
+# %% ../nbs/03_hf.ipynb #cdb3f894
+@dataclass(frozen=True)
+class ModelShape:
+    "The shape scoring costs depend on: `Hq` query heads, `Hkv` KV heads, head dim `D`, `layers`."
+    Hq: int
+    Hkv: int
+    D: int
+    layers: int
+
+    def __post_init__(self):
+        for n in ("Hq", "Hkv", "D", "layers"): check_int(getattr(self, n), n, 1)
+        if self.Hq % self.Hkv: raise ValueError(f"Hq={self.Hq} must be a multiple of Hkv={self.Hkv}")
+
+    @property
+    def G(self) -> int:
+        "Query heads per KV head."
+        return self.Hq // self.Hkv
+
+    @classmethod
+    def of(cls, x) -> ModelShape:
+        "`x` as a ModelShape (any object with `Hq, Hkv, D, layers`), or the shape of a transformers config or model."
+        if isinstance(x, cls): return x
+        # duck-typed: a notebook that re-runs the class cell makes a second ModelShape class with the same fields
+        if all(hasattr(x, n) for n in ("Hq", "Hkv", "D", "layers")): return cls(x.Hq, x.Hkv, x.D, x.layers)
+        c = getattr(x, "config", x)
+        try: Hq, Hkv, L = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads, c.num_hidden_layers
+        except AttributeError:
+            raise TypeError(f"shape must be a ModelShape, a transformers config or a model, got {type(x).__name__}") \
+                from None
+        return cls(Hq, Hkv, getattr(c, "head_dim", None) or c.hidden_size // Hq, L)
+
+# %% ../nbs/03_hf.ipynb #dd83422f
+@dataclass(frozen=True)
+class ScoringCost:
+    """Multiply-adds spent choosing keys: `per_key` per cached key and KV head, `per_step` per KV head for one call of
+    one layer, `total` over the model's KV heads and scoring layers."""
+    per_key: float = 0
+    per_step: int = 0
+    total: int = 0
+
+
+PHASES = ("prefill", "decode")
+
+
+def queries_per_call(phase: str, chunk: int | None, chunk_size: int) -> int:
+    "Queries per head of one scoring call: `chunk` (default `chunk_size`, B_CP) at prefill, 1 at decode."
+    if phase not in PHASES: raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    if phase == "decode":
+        if chunk not in (None, 1): raise ValueError(f"chunk must be None or 1 at decode (one query), got {chunk!r}")
+        return 1
+    return chunk_size if chunk is None else check_int(chunk, "chunk", 1)
+
+# %% ../nbs/03_hf.ipynb #e7846dd4
+def scoring_cost(method: Method, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
+    "`method.scoring_cost(shape, n_cached, phase, chunk)`; zero for a method that scores no cached keys (eviction)."
+    if not isinstance(method, Method): raise TypeError(f"method must be a Method, got {type(method).__name__}")
+    if hasattr(method, "scoring_cost"): return method.scoring_cost(shape, n_cached, phase, chunk)
+    ModelShape.of(shape), check_int(n_cached, "n_cached"), queries_per_call(phase, chunk, 1)
+    return ScoringCost()

@@ -5,6 +5,7 @@
 # %% ../../nbs/22_quoka_policy.ipynb #54244c31
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import weakref
@@ -15,16 +16,19 @@ from torch import Tensor
 
 from ..attention import attention_reference, causal_mask, check_int
 from ..cache import GrowingCache, follow_batch_ops
-from .baselines import KeyMoments, LessIsMoreSelector, loki_select
-from ..hf import (AttentionContext, DensePolicy, SelectionPolicy, active_patch, add_chunk_keys, chunked_prefill,
-                         heads_mask, patch)
+from .baselines import (MEAN_SCORES, KeyMoments, LessIsMoreSelector, _check_rank, loki_select,
+                                      mean_score_select, sample_attention_select, sparq_select)
+from ..hf import (AttentionContext, DensePolicy, Method, ModelShape, ScoringCost, SelectionPolicy, active_patch,
+                         add_chunk_keys, chunked_prefill, heads_mask, patch, queries_per_call)
+from ..models import model_info
 from .select import (UnitKeyCache, check_quoka_options, quoka_decode_select, quoka_scores,
                                    quoka_select)
 from ..select import all_key_indices, anchored_top_indices, resolve_budget
 
 # %% auto #0
 __all__ = ['EarlierKeysPolicy', 'QuokaPolicy', 'selected_attention_reference', 'BaselinePolicy', 'LokiPolicy', 'LessIsMorePolicy',
-           'last_chunk_logits']
+           'last_chunk_logits', 'SelectionMethod', 'Quoka', 'BaselineSelection', 'MeanScores', 'SampleAttention',
+           'SparQ', 'Loki', 'LessIsMore']
 
 # %% ../../nbs/22_quoka_policy.ipynb #f36ed1bc
 def _check_budget(budget):
@@ -243,3 +247,192 @@ def last_chunk_logits(model, input_ids: Tensor, chunk_size: int, policy=None) ->
         state.kind, state.chunk_index = "prefill", start // chunk_size  # a one-token last chunk is still prefill
         return model(input_ids=input_ids[:, start:], past_key_values=cache, use_cache=True,
                      position_ids=pos.expand(input_ids.shape[0], -1)).logits
+
+# %% ../../nbs/22_quoka_policy.ipynb #9aaef1ba
+class SelectionMethod(Method):
+    """Chunked prefill in chunks of `chunk_size` (B_CP), each attending to `budget` (B_SA) earlier keys per KV head plus
+    its own; decode likewise unless `decode=False`."""
+    family = "selection"
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True):
+        super().__init__(budget)
+        check_int(chunk_size, "chunk_size", 1)
+        if not isinstance(decode, bool): raise TypeError(f"decode must be a bool, got {decode!r}")
+        self.chunk_size, self.decode = chunk_size, decode
+
+    @classmethod
+    def check_budget(cls, budget) -> int | float:
+        "`budget` if `resolve_budget` accepts it: an int >= 1 (B_SA keys) or a float fraction of the cache in (0, 1]."
+        resolve_budget(budget, 0)
+        return budget
+
+    def check_model(self, model) -> None:
+        "Raise naming the parameter if one does not fit `model` (its layers, its head dim); none here."
+
+    @contextlib.contextmanager
+    def patch(self, model):
+        "`Method.patch`, after `check_model(model)`: what only the model can tell is checked before any work."
+        self.check_model(model)
+        with super().patch(model) as cache: yield cache
+
+    def key_cost(self, shape: ModelShape, S: int) -> tuple[int, int]:
+        "Multiply-adds per KV head choosing keys for S queries per head: (per cached key, per call besides the keys)."
+        raise NotImplementedError(f"{type(self).__name__} must implement key_cost(shape, S)")
+
+    def scoring_layers(self, shape: ModelShape) -> int:
+        "Layers that score keys: all."
+        return shape.layers
+
+# %% ../../nbs/22_quoka_policy.ipynb #ff209e83
+@patch_to(SelectionMethod)
+def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
+    "Multiply-adds choosing among `n_cached` earlier keys for a prefill chunk or a decode step (see ScoringCost)."
+    shape, S = ModelShape.of(shape), queries_per_call(phase, chunk, self.chunk_size)
+    check_int(n_cached, "n_cached")
+    if phase == "decode" and not self.decode: return ScoringCost()
+    per_key, fixed = self.key_cost(shape, S)
+    step = per_key * n_cached + fixed if resolve_budget(self.budget, n_cached) < n_cached else 0
+    return ScoringCost(per_key, step, step * shape.Hkv * self.scoring_layers(shape))
+
+# %% ../../nbs/22_quoka_policy.ipynb #492df125
+class Quoka(SelectionMethod):
+    """QuoKA (Alg. 2): the B_SA earlier keys of largest cosine with the N_Q = `n_q` most dissimilar queries
+    (`query_rank`: the ablations 'similar', 'random' with `seed`; `gqa_agg='max'`: the ablation of the head mean)."""
+    name = "quoka"
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16,
+                 query_select: str = "group", query_agg: str = "max", sinks: int = 0, recent: int = 0,
+                 query_rank: str = "dissimilar", seed: int = 0, gqa_agg: str = "mean"):
+        super().__init__(budget, chunk_size, decode)
+        self.n_q, self.query_select, self.query_agg, self.gqa_agg = n_q, query_select, query_agg, gqa_agg
+        self.sinks, self.recent, self.query_rank, self.seed = sinks, recent, query_rank, seed
+        self.policy()
+
+    def policy(self) -> QuokaPolicy:
+        return QuokaPolicy(self.n_q, self.budget, self.query_select, self.query_agg, self.sinks, self.recent,
+                           self.decode, query_rank=self.query_rank, seed=self.seed, gqa_agg=self.gqa_agg)
+
+    def key_cost(self, shape, S):
+        """min(N_Q, S) pre-aggregated unit queries (§3.3) times each unit key: min(N_Q, S) D (G times that with
+        `gqa_agg='max'`, each head's queries apart); ranking the queries (N_Q < S, not 'random'): each of the G S
+        queries dotted with its head's mean, G S D per call."""
+        ranks = self.n_q < S and self.query_rank != "random"
+        heads = shape.G if self.gqa_agg == "max" else 1
+        return heads * min(self.n_q, S) * shape.D, shape.G * S * shape.D if ranks else 0
+
+# %% ../../nbs/22_quoka_policy.ipynb #d3c2be46
+class BaselineSelection(SelectionMethod):
+    "A baseline of `sparsekv.quoka.baselines`: `select_fn(q_chunk, k_cache, budget, **options())` in `BaselinePolicy`."
+    select_fn = None
+
+    def options(self) -> dict:
+        "The keyword arguments of `select_fn` besides the budget."
+        return {}
+
+    def policy(self) -> BaselinePolicy:
+        return BaselinePolicy(type(self).select_fn, self.budget, self.decode, **self.options())
+
+# %% ../../nbs/22_quoka_policy.ipynb #42c11ceb
+class MeanScores(BaselineSelection):
+    "Mean of scores: the keys of largest attention probability (or logit, `scores`) over the chunk's queries and heads."
+    name, select_fn = "mean_scores", staticmethod(mean_score_select)
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, scores: str = "softmax"):
+        super().__init__(budget, chunk_size, decode)
+        if scores not in MEAN_SCORES: raise ValueError(f"scores must be one of {MEAN_SCORES}, got {scores!r}")
+        self.scores = scores
+
+    def options(self): return dict(scores=self.scores)
+
+    def key_cost(self, shape, S):
+        "Every query of every head of the group times each key: G S D."
+        return shape.G * S * shape.D, 0
+
+# %% ../../nbs/22_quoka_policy.ipynb #ab0599f4
+class SampleAttention(BaselineSelection):
+    "SampleAttention: the attention of `n_q` uniformly sampled queries (from `seed`)."
+    name, select_fn = "sample_attention", staticmethod(sample_attention_select)
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16, seed: int = 0):
+        super().__init__(budget, chunk_size, decode)
+        self.n_q, self.seed = check_int(n_q, "n_q", 1), check_int(seed, "seed")
+
+    def options(self): return dict(n_q=self.n_q, seed=self.seed)
+
+    def key_cost(self, shape, S):
+        "min(n_q, S) sampled queries of every head of the group times each key: G min(n_q, S) D."
+        return shape.G * min(self.n_q, S) * shape.D, 0
+
+# %% ../../nbs/22_quoka_policy.ipynb #bad50687
+class SparQ(BaselineSelection):
+    "SparQ: attention approximated from each query's top-`r` channels (None: D/2, QuoKA's 64 of 128 in §4)."
+    name, select_fn = "sparq", staticmethod(sparq_select)
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None):
+        super().__init__(budget, chunk_size, decode)
+        self.r = None if r is None else check_int(r, "r (channels kept)", 1)
+
+    def options(self): return dict(r=self.r)
+
+    def check_model(self, model):
+        "r at most the model's head dim."
+        _check_rank(self.r, model_info(model).head_dim, "r (channels kept, at most the head dim)")
+
+    def key_cost(self, shape, S):
+        "Every query's top-r channels times the same channels of each key: G S r."
+        return shape.G * S * _check_rank(self.r, shape.D), 0
+
+# %% ../../nbs/22_quoka_policy.ipynb #c285c6f1
+class Loki(BaselineSelection):
+    "Loki: attention in the top-`r` (None: D/2) principal subspace of the keys (`center`: of the centred keys)."
+    name, select_fn = "loki", staticmethod(loki_select)
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None,
+                 center: bool = False):
+        super().__init__(budget, chunk_size, decode)
+        self.r = None if r is None else check_int(r, "r (principal directions)", 1)
+        if not isinstance(center, bool): raise TypeError(f"center must be a bool, got {center!r}")
+        self.center = center
+
+    def check_model(self, model):
+        "r at most the model's head dim."
+        _check_rank(self.r, model_info(model).head_dim, "r (principal directions, at most the head dim)")
+
+    def options(self): return dict(r=self.r, center=self.center)
+
+    def policy(self) -> LokiPolicy:
+        return LokiPolicy(self.budget, self.decode, **self.options())
+
+    def key_cost(self, shape, S):
+        "Projected queries times each projected key, G S r; projecting the queries, G S D r, once per call."
+        r = _check_rank(self.r, shape.D)
+        return shape.G * S * r, shape.G * S * shape.D * r
+
+# %% ../../nbs/22_quoka_policy.ipynb #07ce4d99
+class LessIsMore(SelectionMethod):
+    "LessIsMore: one key set for all heads, picked at `selection_layers` and reused by the layers after them."
+    name = "lessismore"
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, selection_layers=(2,),
+                 recent_ratio: float = 0.25):
+        super().__init__(budget, chunk_size, decode)
+        LessIsMoreSelector(self.budget, selection_layers, recent_ratio)  # checks both, naming them
+        self.selection_layers, self.recent_ratio = tuple(selection_layers), recent_ratio
+
+    def policy(self) -> LessIsMorePolicy:
+        return LessIsMorePolicy(LessIsMoreSelector(self.budget, self.selection_layers, self.recent_ratio), self.decode)
+
+    def key_cost(self, shape, S):
+        "At a selection layer, every query of every head times each key: G S D."
+        return shape.G * S * shape.D, 0
+
+    def scoring_layers(self, shape):
+        "Only the selection layers score."
+        return sum(layer < shape.layers for layer in self.selection_layers)
+
+    def check_model(self, model):
+        "Every selection layer is a layer of the model (one beyond it would never select: dense attention)."
+        L = model_info(model).num_layers
+        if self.selection_layers[-1] >= L:
+            raise ValueError(f"selection_layers must be layer indices in [0, {L}) of this model ({L} layers), got "
+                             f"{self.selection_layers}")

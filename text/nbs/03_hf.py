@@ -1655,3 +1655,115 @@ test_fail(lambda: Method(8).generate(model, ids, past_key_values=DynamicCache())
 test_fail(lambda: Method(8).generate(model, ids, attention_mask=pam * 0), contains="at least one token")
 test_fail(lambda: Method(8).generate(model, ids + 256, **gen), contains="model's vocabulary")
 del Method.registry["_chunked_dense"]
+
+
+# %% [markdown]
+# ## Scoring cost
+#
+# A selection or retrieval method does work to *choose* keys before attention reads them: QuoKA's cosines of
+# its $N_Q$ kept queries with every cached key, SparQ's products over $r$ channels, OVAL's page scores. Each such
+# method (its class sits with its paper's policies) states that work as **multiply-adds of matrix products**
+# (matmul, bmm, einsum; elementwise work is left out), per KV head and layer, with
+# `scoring_cost(shape, n_cached, phase, chunk)`:
+#
+# - `per_key`: for one cached key, whenever the method scores (it does not depend on `n_cached`);
+# - `per_step`: for one call over `n_cached` keys, a prefill chunk of `chunk` queries per head
+#   ($B_{CP}$ = `chunk_size` by default) or one decode step; 0 when the keys fit the budget (the call is dense);
+# - `total`: `per_step` over every KV head of every layer that scores (batch 1).
+#
+# `n_cached` counts the keys the method ranks: a chunk's earlier keys (selection), the whole cache at a decode step
+# (retrieval). The formulas are derived, and checked against the multiply-adds the code performs, on
+# [the costs page](42_costs.ipynb). A method that scores no cached keys costs zero: dense attention, and the eviction
+# methods (TOVA and H2O reuse the attention weights, KVpop and DMS score each key once, when it arrives).
+
+# %%
+#| export
+@dataclass(frozen=True)
+class ModelShape:
+    "The shape scoring costs depend on: `Hq` query heads, `Hkv` KV heads, head dim `D`, `layers`."
+    Hq: int
+    Hkv: int
+    D: int
+    layers: int
+
+    def __post_init__(self):
+        for n in ("Hq", "Hkv", "D", "layers"): check_int(getattr(self, n), n, 1)
+        if self.Hq % self.Hkv: raise ValueError(f"Hq={self.Hq} must be a multiple of Hkv={self.Hkv}")
+
+    @property
+    def G(self) -> int:
+        "Query heads per KV head."
+        return self.Hq // self.Hkv
+
+    @classmethod
+    def of(cls, x) -> ModelShape:
+        "`x` as a ModelShape (any object with `Hq, Hkv, D, layers`), or the shape of a transformers config or model."
+        if isinstance(x, cls): return x
+        # duck-typed: a notebook that re-runs the class cell makes a second ModelShape class with the same fields
+        if all(hasattr(x, n) for n in ("Hq", "Hkv", "D", "layers")): return cls(x.Hq, x.Hkv, x.D, x.layers)
+        c = getattr(x, "config", x)
+        try: Hq, Hkv, L = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads, c.num_hidden_layers
+        except AttributeError:
+            raise TypeError(f"shape must be a ModelShape, a transformers config or a model, got {type(x).__name__}") \
+                from None
+        return cls(Hq, Hkv, getattr(c, "head_dim", None) or c.hidden_size // Hq, L)
+
+
+# %% [markdown]
+# The shape is read from a config as transformers spells it; the tiny test model has 4 query heads over 2 KV
+# heads of 16 dimensions ($64 / 4$) in 2 layers.
+
+# %%
+test_eq(ModelShape.of(load_model("tiny-llama")[0]), ModelShape(Hq=4, Hkv=2, D=16, layers=2))
+test_eq(ModelShape(9, 3, 64, 30).G, 3)
+test_fail(lambda: ModelShape(9, 2, 64, 30), contains="multiple of Hkv")
+test_fail(lambda: ModelShape.of("smollm2"), contains="shape must be a ModelShape")
+
+
+# %%
+#| export
+@dataclass(frozen=True)
+class ScoringCost:
+    """Multiply-adds spent choosing keys: `per_key` per cached key and KV head, `per_step` per KV head for one call of
+    one layer, `total` over the model's KV heads and scoring layers."""
+    per_key: float = 0
+    per_step: int = 0
+    total: int = 0
+
+
+PHASES = ("prefill", "decode")
+
+
+def queries_per_call(phase: str, chunk: int | None, chunk_size: int) -> int:
+    "Queries per head of one scoring call: `chunk` (default `chunk_size`, B_CP) at prefill, 1 at decode."
+    if phase not in PHASES: raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    if phase == "decode":
+        if chunk not in (None, 1): raise ValueError(f"chunk must be None or 1 at decode (one query), got {chunk!r}")
+        return 1
+    return chunk_size if chunk is None else check_int(chunk, "chunk", 1)
+
+# %%
+test_eq([queries_per_call("prefill", None, 128), queries_per_call("prefill", 7, 128),
+         queries_per_call("decode", None, 128)], [128, 7, 1])
+test_fail(lambda: queries_per_call("training", None, 128), contains="phase must be one of")
+test_fail(lambda: queries_per_call("decode", 4, 128), contains="chunk must be None or 1 at decode")
+test_eq(ScoringCost(), ScoringCost(0, 0, 0))
+
+
+# %%
+#| export
+def scoring_cost(method: Method, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
+    "`method.scoring_cost(shape, n_cached, phase, chunk)`; zero for a method that scores no cached keys (eviction)."
+    if not isinstance(method, Method): raise TypeError(f"method must be a Method, got {type(method).__name__}")
+    if hasattr(method, "scoring_cost"): return method.scoring_cost(shape, n_cached, phase, chunk)
+    ModelShape.of(shape), check_int(n_cached, "n_cached"), queries_per_call(phase, chunk, 1)
+    return ScoringCost()
+
+# %% [markdown]
+# A method that states no cost (dense attention, the eviction methods) chooses no keys: zero, with its arguments
+# checked all the same.
+
+# %%
+test_eq(scoring_cost(Method(8), ModelShape(9, 3, 64, 30), 4096, "decode"), ScoringCost())
+test_fail(lambda: scoring_cost("quoka", ModelShape(9, 3, 64, 30), 4096), contains="method must be a Method")
+test_fail(lambda: scoring_cost(Method(8), ModelShape(9, 3, 64, 30), -1), contains="n_cached")

@@ -13,23 +13,20 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from torch import Tensor
 
 from sparsekv.attention import check_int
 from sparsekv.cache import EvictingCache, GrowingCache, GrowingLayer, query_count
-from sparsekv.hf import METHOD_FAMILIES, AttentionContext, AttentionPolicy, Method
-# The eviction methods live with KVpop: importing them registers them and makes them reachable from this module.
+from sparsekv.hf import (METHOD_FAMILIES, PHASES, AttentionContext, AttentionPolicy, Method, ModelShape,  # noqa: F401
+                         ScoringCost, queries_per_call, scoring_cost)
+# Every method lives with its paper's code; importing them registers them and makes them reachable from here.
 from sparsekv.kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
 from sparsekv.kvpop.dms import DMS  # noqa: F401
 from sparsekv.kvpop.student import KVpopMLP, KVpopMLSTM, StreamingLLMPlus, TrainedMethod  # noqa: F401
-from sparsekv.models import model_info
-from sparsekv.oval.pages import PageRetrievalPolicy
-from sparsekv.quoka.baselines import (MEAN_SCORES, LessIsMoreSelector, _check_rank, loki_select, mean_score_select,
-                                      sample_attention_select, sparq_select)
-from sparsekv.quoka.policy import BaselinePolicy, LessIsMorePolicy, LokiPolicy, QuokaPolicy
-from sparsekv.select import resolve_budget
+from sparsekv.oval.pages import OVAL, ArkVale, KeyPCA, OraclePages, PageRetrieval, Quest  # noqa: F401
+from sparsekv.quoka.policy import (BaselineSelection, LessIsMore, Loki, MeanScores, Quoka,  # noqa: F401
+                                   SampleAttention, SelectionMethod, SparQ)
 
 # %%
 #| hide
@@ -41,6 +38,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from sparsekv.hf import DensePolicy, MaskPolicy, chunked_prefill, measure_attended, patch
 from sparsekv.kvpop.cache import KVpopCache, KVpopMaskPolicy, KVpopPolicy, random_scorers
 from sparsekv.kvpop.baselines import TOVARule
+from sparsekv.oval.pages import PageRetrievalPolicy
+from sparsekv.quoka.policy import QuokaPolicy
 from sparsekv.models import load_model
 from sparsekv.quoka.select import quoka_select
 
@@ -75,10 +74,13 @@ torch.set_num_threads(1)  # tiny model: threads only add overhead
 # batch column, not per row), so generate their prompts one at a time or in batches of equal length
 # (tests/test_padding.py checks every method).
 #
-# The eviction methods live with the paper that compares against them (`sparsekv.kvpop.baselines`,
-# `.student`, `.dms`), where adding a baseline is one `EvictionMethod` subclass beside its rule. The
-# selection and retrieval methods below wrap the policies of `sparsekv.quoka` and `sparsekv.oval`. This module
-# imports them all, so importing it registers every method; the paper packages never import it.
+# Each method lives with its paper's code, where adding a baseline is one subclass beside its algorithm: the
+# eviction methods with KVpop's (`sparsekv.kvpop.baselines`, `.student`, `.dms`, one `EvictionMethod` subclass
+# beside its rule), the selection methods with QuoKA's policies (`sparsekv.quoka.policy`, one `SelectionMethod`
+# subclass), the retrieval methods with OVAL's (`sparsekv.oval.pages`, one `PageRetrieval` subclass with its page
+# summary). This module imports them all, so importing it registers every method; the paper packages never
+# import it. The scoring cost every method states (`ModelShape`, `ScoringCost`, `scoring_cost`) is defined with
+# `Method` in `sparsekv.hf`.
 
 # %% [markdown]
 # ## The registry
@@ -123,99 +125,6 @@ def make(name: str, budget: int | None = None, **params) -> Method:
 
 
 # %% [markdown]
-# ## Scoring cost
-#
-# A selection or retrieval method does work to *choose* keys before attention reads them: QuoKA's cosines of
-# its $N_Q$ kept queries with every cached key, SparQ's products over $r$ channels, OVAL's page scores. Each method
-# below states that work as **multiply-adds of matrix products** (matmul, bmm, einsum; elementwise work is left
-# out), per KV head and layer, with `scoring_cost(shape, n_cached, phase, chunk)`:
-#
-# - `per_key`: for one cached key, whenever the method scores (it does not depend on `n_cached`);
-# - `per_step`: for one call over `n_cached` keys, a prefill chunk of `chunk` queries per head
-#   ($B_{CP}$ = `chunk_size` by default) or one decode step; 0 when the keys fit the budget (the call is dense);
-# - `total`: `per_step` over every KV head of every layer that scores (batch 1).
-#
-# `n_cached` counts the keys the method ranks: a chunk's earlier keys (selection), the whole cache at a decode step
-# (retrieval). The formulas are derived, and checked against the multiply-adds the code performs, on
-# [the costs page](42_costs.ipynb). A method that scores no cached keys costs zero: dense attention, and the eviction
-# methods (TOVA and H2O reuse the attention weights, KVpop and DMS score each key once, when it arrives).
-
-# %%
-#| export
-@dataclass(frozen=True)
-class ModelShape:
-    "The shape scoring costs depend on: `Hq` query heads, `Hkv` KV heads, head dim `D`, `layers`."
-    Hq: int
-    Hkv: int
-    D: int
-    layers: int
-
-    def __post_init__(self):
-        for n in ("Hq", "Hkv", "D", "layers"): check_int(getattr(self, n), n, 1)
-        if self.Hq % self.Hkv: raise ValueError(f"Hq={self.Hq} must be a multiple of Hkv={self.Hkv}")
-
-    @property
-    def G(self) -> int:
-        "Query heads per KV head."
-        return self.Hq // self.Hkv
-
-    @classmethod
-    def of(cls, x) -> ModelShape:
-        "`x` as a ModelShape (any object with `Hq, Hkv, D, layers`), or the shape of a transformers config or model."
-        if isinstance(x, cls): return x
-        # duck-typed: a notebook that re-runs the class cell makes a second ModelShape class with the same fields
-        if all(hasattr(x, n) for n in ("Hq", "Hkv", "D", "layers")): return cls(x.Hq, x.Hkv, x.D, x.layers)
-        c = getattr(x, "config", x)
-        try: Hq, Hkv, L = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads, c.num_hidden_layers
-        except AttributeError:
-            raise TypeError(f"shape must be a ModelShape, a transformers config or a model, got {type(x).__name__}") \
-                from None
-        return cls(Hq, Hkv, getattr(c, "head_dim", None) or c.hidden_size // Hq, L)
-
-
-# %% [markdown]
-# The shape is read from a config as transformers spells it; the tiny test model has 4 query heads over 2 KV
-# heads of 16 dimensions ($64 / 4$) in 2 layers.
-
-# %%
-test_eq(ModelShape.of(load_model("tiny-llama")[0]), ModelShape(Hq=4, Hkv=2, D=16, layers=2))
-test_eq(ModelShape(9, 3, 64, 30).G, 3)
-test_fail(lambda: ModelShape(9, 2, 64, 30), contains="multiple of Hkv")
-test_fail(lambda: ModelShape.of("smollm2"), contains="shape must be a ModelShape")
-
-
-# %%
-#| export
-@dataclass(frozen=True)
-class ScoringCost:
-    """Multiply-adds spent choosing keys: `per_key` per cached key and KV head, `per_step` per KV head for one call of
-    one layer, `total` over the model's KV heads and scoring layers."""
-    per_key: float = 0
-    per_step: int = 0
-    total: int = 0
-
-
-PHASES = ("prefill", "decode")
-
-
-def queries_per_call(phase: str, chunk: int | None, chunk_size: int) -> int:
-    "Queries per head of one scoring call: `chunk` (default `chunk_size`, B_CP) at prefill, 1 at decode."
-    if phase not in PHASES: raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-    if phase == "decode":
-        if chunk not in (None, 1): raise ValueError(f"chunk must be None or 1 at decode (one query), got {chunk!r}")
-        return 1
-    return chunk_size if chunk is None else check_int(chunk, "chunk", 1)
-
-
-def scoring_cost(method: Method, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
-    "`method.scoring_cost(shape, n_cached, phase, chunk)`; zero for a method that scores no cached keys (eviction)."
-    if not isinstance(method, Method): raise TypeError(f"method must be a Method, got {type(method).__name__}")
-    if hasattr(method, "scoring_cost"): return method.scoring_cost(shape, n_cached, phase, chunk)
-    ModelShape.of(shape), check_int(n_cached, "n_cached"), queries_per_call(phase, chunk, 1)
-    return ScoringCost()
-
-
-# %% [markdown]
 # ## Dense
 
 # %%
@@ -231,304 +140,6 @@ class Dense(Method):
         "Zero: dense attention chooses no keys."
         ModelShape.of(shape), check_int(n_cached, "n_cached"), queries_per_call(phase, chunk, 1)
         return ScoringCost()
-
-
-# %% [markdown]
-# ## Prefill selection (QuoKA and its baselines)
-#
-# A chunk of $B_{CP}$ queries attends to $B_{SA}$ = `budget` earlier keys per KV head and to its own keys
-# (so at most `budget + chunk_size` keys); a chunk whose earlier keys fit the budget is dense. The budget
-# may also be a float fraction of the cache (Table 2's 25%), as `resolve_budget` reads it. Each method
-# builds its policy once at construction, so a bad parameter fails there.
-
-# %%
-#| export
-class SelectionMethod(Method):
-    """Chunked prefill in chunks of `chunk_size` (B_CP), each attending to `budget` (B_SA) earlier keys per KV head plus
-    its own; decode likewise unless `decode=False`."""
-    family = "selection"
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True):
-        super().__init__(budget)
-        check_int(chunk_size, "chunk_size", 1)
-        if not isinstance(decode, bool): raise TypeError(f"decode must be a bool, got {decode!r}")
-        self.chunk_size, self.decode = chunk_size, decode
-
-    @classmethod
-    def check_budget(cls, budget) -> int | float:
-        "`budget` if `resolve_budget` accepts it: an int >= 1 (B_SA keys) or a float fraction of the cache in (0, 1]."
-        resolve_budget(budget, 0)
-        return budget
-
-    def check_model(self, model) -> None:
-        "Raise naming the parameter if one does not fit `model` (its layers, its head dim); none here."
-
-    @contextlib.contextmanager
-    def patch(self, model):
-        "`Method.patch`, after `check_model(model)`: what only the model can tell is checked before any work."
-        self.check_model(model)
-        with super().patch(model) as cache: yield cache
-
-    def key_cost(self, shape: ModelShape, S: int) -> tuple[int, int]:
-        "Multiply-adds per KV head choosing keys for S queries per head: (per cached key, per call besides the keys)."
-        raise NotImplementedError(f"{type(self).__name__} must implement key_cost(shape, S)")
-
-    def scoring_layers(self, shape: ModelShape) -> int:
-        "Layers that score keys: all."
-        return shape.layers
-
-    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
-        "Multiply-adds choosing among `n_cached` earlier keys for a prefill chunk or a decode step (see ScoringCost)."
-        shape, S = ModelShape.of(shape), queries_per_call(phase, chunk, self.chunk_size)
-        check_int(n_cached, "n_cached")
-        if phase == "decode" and not self.decode: return ScoringCost()
-        per_key, fixed = self.key_cost(shape, S)
-        step = per_key * n_cached + fixed if resolve_budget(self.budget, n_cached) < n_cached else 0
-        return ScoringCost(per_key, step, step * shape.Hkv * self.scoring_layers(shape))
-
-
-class Quoka(SelectionMethod):
-    """QuoKA (Alg. 2): the B_SA earlier keys of largest cosine with the N_Q = `n_q` most dissimilar queries
-    (`query_rank`: the ablations 'similar', 'random' with `seed`; `gqa_agg='max'`: the ablation of the head mean)."""
-    name = "quoka"
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16,
-                 query_select: str = "group", query_agg: str = "max", sinks: int = 0, recent: int = 0,
-                 query_rank: str = "dissimilar", seed: int = 0, gqa_agg: str = "mean"):
-        super().__init__(budget, chunk_size, decode)
-        self.n_q, self.query_select, self.query_agg, self.gqa_agg = n_q, query_select, query_agg, gqa_agg
-        self.sinks, self.recent, self.query_rank, self.seed = sinks, recent, query_rank, seed
-        self.policy()
-
-    def policy(self) -> QuokaPolicy:
-        return QuokaPolicy(self.n_q, self.budget, self.query_select, self.query_agg, self.sinks, self.recent,
-                           self.decode, query_rank=self.query_rank, seed=self.seed, gqa_agg=self.gqa_agg)
-
-    def key_cost(self, shape, S):
-        """min(N_Q, S) pre-aggregated unit queries (§3.3) times each unit key: min(N_Q, S) D (G times that with
-        `gqa_agg='max'`, each head's queries apart); ranking the queries (N_Q < S, not 'random'): each of the G S
-        queries dotted with its head's mean, G S D per call."""
-        ranks = self.n_q < S and self.query_rank != "random"
-        heads = shape.G if self.gqa_agg == "max" else 1
-        return heads * min(self.n_q, S) * shape.D, shape.G * S * shape.D if ranks else 0
-
-
-class BaselineSelection(SelectionMethod):
-    "A baseline of `sparsekv.quoka.baselines`: `select_fn(q_chunk, k_cache, budget, **options())` in `BaselinePolicy`."
-    select_fn = None
-
-    def options(self) -> dict:
-        "The keyword arguments of `select_fn` besides the budget."
-        return {}
-
-    def policy(self) -> BaselinePolicy:
-        return BaselinePolicy(type(self).select_fn, self.budget, self.decode, **self.options())
-
-
-class MeanScores(BaselineSelection):
-    "Mean of scores: the keys of largest attention probability (or logit, `scores`) over the chunk's queries and heads."
-    name, select_fn = "mean_scores", staticmethod(mean_score_select)
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, scores: str = "softmax"):
-        super().__init__(budget, chunk_size, decode)
-        if scores not in MEAN_SCORES: raise ValueError(f"scores must be one of {MEAN_SCORES}, got {scores!r}")
-        self.scores = scores
-
-    def options(self): return dict(scores=self.scores)
-
-    def key_cost(self, shape, S):
-        "Every query of every head of the group times each key: G S D."
-        return shape.G * S * shape.D, 0
-
-
-class SampleAttention(BaselineSelection):
-    "SampleAttention: the attention of `n_q` uniformly sampled queries (from `seed`)."
-    name, select_fn = "sample_attention", staticmethod(sample_attention_select)
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16, seed: int = 0):
-        super().__init__(budget, chunk_size, decode)
-        self.n_q, self.seed = check_int(n_q, "n_q", 1), check_int(seed, "seed")
-
-    def options(self): return dict(n_q=self.n_q, seed=self.seed)
-
-    def key_cost(self, shape, S):
-        "min(n_q, S) sampled queries of every head of the group times each key: G min(n_q, S) D."
-        return shape.G * min(self.n_q, S) * shape.D, 0
-
-
-class SparQ(BaselineSelection):
-    "SparQ: attention approximated from each query's top-`r` channels (None: D/2, QuoKA's 64 of 128 in §4)."
-    name, select_fn = "sparq", staticmethod(sparq_select)
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None):
-        super().__init__(budget, chunk_size, decode)
-        self.r = None if r is None else check_int(r, "r (channels kept)", 1)
-
-    def options(self): return dict(r=self.r)
-
-    def check_model(self, model):
-        "r at most the model's head dim."
-        _check_rank(self.r, model_info(model).head_dim, "r (channels kept, at most the head dim)")
-
-    def key_cost(self, shape, S):
-        "Every query's top-r channels times the same channels of each key: G S r."
-        return shape.G * S * _check_rank(self.r, shape.D), 0
-
-
-class Loki(BaselineSelection):
-    "Loki: attention in the top-`r` (None: D/2) principal subspace of the keys (`center`: of the centred keys)."
-    name, select_fn = "loki", staticmethod(loki_select)
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None,
-                 center: bool = False):
-        super().__init__(budget, chunk_size, decode)
-        self.r = None if r is None else check_int(r, "r (principal directions)", 1)
-        if not isinstance(center, bool): raise TypeError(f"center must be a bool, got {center!r}")
-        self.center = center
-
-    def check_model(self, model):
-        "r at most the model's head dim."
-        _check_rank(self.r, model_info(model).head_dim, "r (principal directions, at most the head dim)")
-
-    def options(self): return dict(r=self.r, center=self.center)
-
-    def policy(self) -> LokiPolicy:
-        return LokiPolicy(self.budget, self.decode, **self.options())
-
-    def key_cost(self, shape, S):
-        "Projected queries times each projected key, G S r; projecting the queries, G S D r, once per call."
-        r = _check_rank(self.r, shape.D)
-        return shape.G * S * r, shape.G * S * shape.D * r
-
-
-class LessIsMore(SelectionMethod):
-    "LessIsMore: one key set for all heads, picked at `selection_layers` and reused by the layers after them."
-    name = "lessismore"
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, selection_layers=(2,),
-                 recent_ratio: float = 0.25):
-        super().__init__(budget, chunk_size, decode)
-        LessIsMoreSelector(self.budget, selection_layers, recent_ratio)  # checks both, naming them
-        self.selection_layers, self.recent_ratio = tuple(selection_layers), recent_ratio
-
-    def policy(self) -> LessIsMorePolicy:
-        return LessIsMorePolicy(LessIsMoreSelector(self.budget, self.selection_layers, self.recent_ratio), self.decode)
-
-    def key_cost(self, shape, S):
-        "At a selection layer, every query of every head times each key: G S D."
-        return shape.G * S * shape.D, 0
-
-    def scoring_layers(self, shape):
-        "Only the selection layers score."
-        return sum(layer < shape.layers for layer in self.selection_layers)
-
-    def check_model(self, model):
-        "Every selection layer is a layer of the model (one beyond it would never select: dense attention)."
-        L = model_info(model).num_layers
-        if self.selection_layers[-1] >= L:
-            raise ValueError(f"selection_layers must be layer indices in [0, {L}) of this model ({L} layers), got "
-                             f"{self.selection_layers}")
-
-
-# %% [markdown]
-# ## Decode retrieval (OVAL and its baselines)
-#
-# The prompt is prefilled densely into the full cache (`GrowingCache`); each decode query attends to the pages
-# `PageRetrievalPolicy` picks from the summaries: the sink and recent regions (rounded out to whole pages)
-# and the best-scored pages, within `budget` = `token_budget` tokens per KV head. By default the
-# sink and recent regions take the policy's 32 tokens each, at most a quarter of the budget each.
-
-# %%
-#| export
-class PageRetrieval(Method):
-    "Dense prefill; decode queries attend to the sink, recent and top pages of `summary`, `budget` tokens per KV head."
-    family, summary = "retrieval", None
-
-    def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
-                 rank: int = 8):
-        super().__init__(budget)
-        self.page_size, self.rank = page_size, rank
-        self.sink = min(32, self.budget // 4) if sink is None else sink
-        self.recent = min(32, self.budget // 4) if recent is None else recent
-        self.policy()
-        if self.sink + self.recent > self.budget:
-            raise ValueError(f"budget={self.budget} must cover sink + recent = {self.sink} + {self.recent}")
-
-    def options(self) -> dict:
-        "Keyword arguments of `PageRetrievalPolicy` besides the summary and the budget."
-        return dict(page_size=self.page_size, sink=self.sink, recent=self.recent, rank=self.rank)
-
-    def policy(self) -> PageRetrievalPolicy:
-        return PageRetrievalPolicy(self.summary, token_budget=self.budget, **self.options())
-
-    def page_cost(self, shape: ModelShape) -> int:
-        "Multiply-adds scoring one page for the G decode queries of one KV head."
-        raise NotImplementedError(f"{type(self).__name__} must implement page_cost(shape)")
-
-    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
-        "Multiply-adds scoring the complete pages of `n_cached` keys at a decode step; zero at prefill (it is dense)."
-        shape, _ = ModelShape.of(shape), queries_per_call(phase, chunk, 1)
-        check_int(n_cached, "n_cached")
-        if phase == "prefill": return ScoringCost()
-        page = self.page_cost(shape)
-        step = page * (n_cached // self.page_size) if n_cached > self.budget else 0
-        return ScoringCost(page / self.page_size, step, step * shape.Hkv * max(0, shape.layers - self.dense_layers))
-
-    @property
-    def dense_layers(self) -> int:
-        "The first layers, dense at decode too (the policy's default)."
-        return self.policy().dense_layers
-
-
-class Quest(PageRetrieval):
-    "Quest: pages scored by their keys' channel-wise min/max bound."
-    name, summary = "quest", "quest"
-
-    def page_cost(self, shape):
-        "[q+, q-] times [k_max, k_min] per query head: 2 G D."
-        return 2 * shape.G * shape.D
-
-
-class ArkVale(PageRetrieval):
-    "ArkVale: pages scored by a bounding sphere of their keys."
-    name, summary = "arkvale", "arkvale"
-
-    def page_cost(self, shape):
-        "[q, |q|] times [centre, radius] per query head: G (D + 1)."
-        return shape.G * (shape.D + 1)
-
-
-class KeyPCA(PageRetrieval):
-    "Key PCA: pages scored in the rank-`rank` principal basis of their keys (OVAL's eta = 0 endpoint)."
-    name, summary = "key_pca", "keypca"
-
-    def page_cost(self, shape):
-        "Per query head q times [B, mu], D (r + 1), then the page's m codes R c, m r; r = min(rank, m - 1, D)."
-        r = min(self.rank, self.page_size - 1, shape.D)
-        return shape.G * (shape.D * (r + 1) + self.page_size * r)
-
-
-class OVAL(PageRetrieval):
-    "OVAL (§3.3): output-aware page bases mixing key fidelity and output sensitivity by `eta`."
-    name, summary = "oval", "oval"
-
-    def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
-                 rank: int = 8, eta: float = 0.5):
-        self.eta = eta
-        super().__init__(budget, page_size, sink, recent, rank)
-
-    def options(self): return dict(super().options(), eta=self.eta)
-
-    page_cost = KeyPCA.page_cost  # the same summary format as key PCA (§3.3)
-
-
-class OraclePages(PageRetrieval):
-    "The oracle: pages ranked by their exact attention mass (an upper bound, not a method one can deploy)."
-    name, summary = "oracle_pages", "oracle"
-
-    def page_cost(self, shape):
-        "Every key of the page times each query head: G m D."
-        return shape.G * self.page_size * shape.D
 
 
 # %% [markdown]
