@@ -62,6 +62,7 @@ def check_log_gamma(log_gamma: Tensor | float, H: int) -> Tensor | float:
                          f"{log_gamma!r}")
     return float(log_gamma)
 
+# %% ../../nbs/11_kvpop_cutoff.ipynb #6cb3f8be
 def static_priority(r: Tensor, log_gamma: Tensor | float, n: int = 1) -> Tensor:
     "Static priority r_t - floor(t/n) log(gamma_h) of raw scores r [B,H,S]: Eq. (20) for n=1, n-token age buckets."
     if not isinstance(r, Tensor) or not r.is_floating_point() or r.dim() != 3:
@@ -96,10 +97,12 @@ def check_priority(priority: Tensor) -> Tensor:
         raise ValueError("priority contains NaN: rankings need ordered values (+-inf are allowed)")
     return priority
 
+# %% ../../nbs/11_kvpop_cutoff.ipynb #ad6f59ea
 def check_budget(k: int, sink: int, window: int) -> tuple[int, int, int]:
     "Validate the budget: k >= 1 long-range tokens, sink >= 0 sinks, window >= 1 protected recent tokens (Eq. 1)."
     return check_int(k, "k", 1), check_int(sink, "sink", 0), check_int(window, "window", 1)
 
+# %% ../../nbs/11_kvpop_cutoff.ipynb #bdc30945
 def priority_rank(priority: Tensor, sink: int) -> Tensor:
     "rank[t], int64 [B,H,S]: position of t >= sink by descending priority (0 = best, ties: earlier first); sinks get S."
     priority = check_priority(priority)
@@ -114,6 +117,7 @@ def priority_rank(priority: Tensor, sink: int) -> Tensor:
         -1, order, torch.arange(n, device=order.device).expand_as(order))
     return rank
 
+# %% ../../nbs/11_kvpop_cutoff.ipynb #e04935d5
 def rank_reference(priority: Tensor, sink: int) -> Tensor:
     "`priority_rank` by counting per eligible token the tokens that beat it (higher priority, or equal and earlier)."
     priority = check_priority(priority)
@@ -131,6 +135,7 @@ def eligible_count(S: int, sink: int, window: int, device=None) -> Tensor:
     "|E(q)| = max(0, q - window - sink + 1) for q = 0..S-1, int64 [S] (Eq. 4)."
     return (torch.arange(S, device=device) - window - sink + 1).clamp(0, max(S - sink, 0))
 
+# %% ../../nbs/11_kvpop_cutoff.ipynb #4294cda3
 def cutoff_reference(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
     "Brute-force cutoff: per q, sort the ranks in E(q) = {sink <= t <= q - window}, take the k-th (S if |E(q)| < k)."
     B, H, S = rank.shape
@@ -140,6 +145,7 @@ def cutoff_reference(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
         if eligible.shape[-1] >= k: cutoff[..., q] = eligible.sort(-1).values[..., k - 1]
     return cutoff
 
+# %% ../../nbs/11_kvpop_cutoff.ipynb #6e565821
 def topk_cutoff_reference(priority: Tensor, k: int, sink: int, window: int) -> tuple[Tensor, Tensor]:
     "(rank, cutoff) by brute force: ranks by counting (`rank_reference`), cutoffs by sorting (`cutoff_reference`)."
     k, sink, window = check_budget(k, sink, window)
@@ -262,10 +268,12 @@ def _fenwick_cutoff_kernel():
 
     return kernel
 
+# %% ../../nbs/11_kvpop_cutoff.ipynb #aa22214f
 def triton_interpreted() -> bool:
     "Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1, read when a kernel is built)."
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
+# %% ../../nbs/11_kvpop_cutoff.ipynb #af6aa79e
 def cutoff_triton(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
     "Cutoffs [B,H,S] by the Triton kernel of Alg. 2 (a program per (batch, head)) on CUDA, or with TRITON_INTERPRET=1."
     if not rank.is_cuda and not triton_interpreted():
@@ -285,6 +293,7 @@ def cutoff_triton(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
 # %% ../../nbs/11_kvpop_cutoff.ipynb #04f5b8cc
 CUTOFF_BACKENDS = ("torch", "triton", "python")
 
+# %% ../../nbs/11_kvpop_cutoff.ipynb #6d969271
 def topk_cutoff(priority: Tensor, k: int, sink: int, window: int, backend: str = "torch") -> tuple[Tensor, Tensor]:
     """(rank, cutoff), int64 [B,H,S]: rank of each token t >= sink by descending priority (ties: earlier first;
     sinks: S), and cutoff[q] = the k-th smallest rank in E(q) = {sink <= t <= q - window}, or S when |E(q)| < k
@@ -307,6 +316,7 @@ def _timed(fn, repeats: int):
         best = min(best, time.perf_counter() - start)
     return best, out
 
+# %% ../../nbs/11_kvpop_cutoff.ipynb #a8ac8a78
 def bench_cutoff(S: int, BH: int = 8, k: int = 2016, sink: int = 4, window: int = 256, repeats: int = 3,
                  device=None, seed: int = 0) -> dict:
     "Time `topk_cutoff(backend='torch')` against the per-query brute force on B x H = 1 x BH heads of length S."

@@ -27,6 +27,7 @@ def _check_priority(x: Tensor, name: str) -> None:
     if not x.is_floating_point(): raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
     if x.isnan().any(): raise ValueError(f"{name} contains NaN")
 
+# %% ../../nbs/13_kvpop_loss.ipynb #8e643108
 def boundary_queries(q: Tensor | Sequence[int], S: int, sink: int, window: int, k: int, device=None) -> Tensor:
     "Validate query positions `q` for the boundary loss: a 1-D int64 tensor with `sink + window + k <= q < S` (Eq. 25)."
     check_budget(k, sink, window)
@@ -41,13 +42,14 @@ def boundary_queries(q: Tensor | Sequence[int], S: int, sink: int, window: int, 
                          f"got values in [{q.min().item()}, {q.max().item()}]")
     return q
 
-# %% ../../nbs/13_kvpop_loss.ipynb #ca8d3992
+# %% ../../nbs/13_kvpop_loss.ipynb #7d8e6b13
 def _token_of_rank(rank: Tensor, sink: int) -> Tensor:
     "Inverse of the rank permutation over tokens `t >= sink`: `tok[..., rank[t]] = t`."
     S = rank.shape[-1]
     tokens = torch.arange(sink, S, device=rank.device).expand(*rank.shape[:-1], -1)
     return torch.empty_like(tokens).scatter_(-1, rank[..., sink:], tokens)
 
+# %% ../../nbs/13_kvpop_loss.ipynb #4509552c
 def _cutoffs(priority: Tensor, k: int, sink: int, window: int, cutoff: tuple[Tensor, Tensor] | None):
     "`topk_cutoff(priority.detach(), k, sink, window)`, or `cutoff` (those already computed) after a shape check."
     if cutoff is None: return topk_cutoff(priority.detach(), k, sink, window)
@@ -56,6 +58,7 @@ def _cutoffs(priority: Tensor, k: int, sink: int, window: int, cutoff: tuple[Ten
                          f"{tuple(priority.shape)}")
     return cutoff
 
+# %% ../../nbs/13_kvpop_loss.ipynb #4234a933
 def teacher_boundary(target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int, k: int,
                      cutoff: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Eq. (6): new eligible token `q - window`, teacher's boundary token, label `y` (+1 keep, -1 drop), int64
@@ -115,6 +118,7 @@ def teacher_margin(target_priority: Tensor, t_new: Tensor, t_bnd: Tensor, y: Ten
     p = target_priority.detach().float()
     return y * (p.gather(-1, t_new) - p.gather(-1, t_bnd))
 
+# %% ../../nbs/13_kvpop_loss.ipynb #008968ab
 def margin_weight(target_margin: Tensor, omega_min: float = 0.1, tau_omega: float = 1.0) -> Tensor:
     "Eq. (23): `omega_min + (1 - omega_min) * sigmoid(margin / tau_omega)`; near-ties get less weight."
     if not 0.0 <= omega_min <= 1.0: raise ValueError(f"omega_min must lie in [0, 1], got {omega_min!r}")
@@ -202,6 +206,7 @@ def kept_long_range(priority: Tensor, q: Tensor | Sequence[int], sink: int, wind
     eligible = (t >= sink) & (t <= (q - window)[:, None])
     return eligible & (rank[..., None, :] <= cutoff[..., q, None])
 
+# %% ../../nbs/13_kvpop_loss.ipynb #1e361ffd
 def retention_recall(pred_priority: Tensor, target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int,
                      k: int, target_cutoff: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """`|student kept ∩ teacher kept| / k` at positions `q`, per row, head and position `[B, H, len(q)]` (§4, Fig. 7);

@@ -10,6 +10,7 @@ import time
 import weakref
 
 import torch
+from fastcore.basics import patch_to
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,12 +28,14 @@ __all__ = ['AGGS', 'METHODS', 'future_count', 'future_mask', 'check_target_args'
 AGGS = ("max", "mean")
 METHODS = ("auto", "dense", "chunked", "flex")
 
+# %% ../../nbs/10_kvpop_target.ipynb #ab30be50
 def future_count(S: int, window: int, normalize: bool = True, device=None) -> Tensor:
     "N_t = max(1, S - (t + window)) for t < S (Eq. (2), (16)); all ones when not `normalize`. Int64 [S]."
     t = torch.arange(S, device=device)
     if not normalize: return torch.ones_like(t)
     return (S - (t + window)).clamp(min=1)
 
+# %% ../../nbs/10_kvpop_target.ipynb #34aaa3dc
 def future_mask(n_keys: int, n_queries: int, window: int, key_start: int = 0, query_start: int = 0,
                 device=None) -> Tensor:
     "Bool [n_keys, n_queries]: True where query d = query_start + j and key t = key_start + i have d >= t + window."
@@ -103,6 +106,7 @@ def aggregate_target(log_mass: Tensor, G: int, agg: str = "max", eps: float = 1e
     if agg == "max": return torch.logaddexp(log_eps, x.amax(2))
     return torch.logaddexp(log_eps, torch.logsumexp(x, 2) - math.log(G))  # probability-space mean (Eq. (15))
 
+# %% ../../nbs/10_kvpop_target.ipynb #cf4c1c51
 def causal_lse(q: Tensor, k: Tensor, block: int | None = None, scale: float | None = None) -> Tensor:
     "Dense causal LSE_d (Eq. (28)) [B, Hq, S], `block` query rows at a time (None: all at once)."
     S = q.shape[2]
@@ -120,6 +124,7 @@ def transposed_score_mod(lse: Tensor):
     def score_mod(score, b, h, t_idx, d_idx): return score - lse[b, h, d_idx]
     return score_mod
 
+# %% ../../nbs/10_kvpop_target.ipynb #6bdc744a
 def future_mask_mod(window: int):
     "FlexAttention mask_mod of the transposed pass: transposed query t (a key) sees d (a query) iff d >= t + window."
     def mask_mod(b, h, t_idx, d_idx): return d_idx >= t_idx + window
@@ -136,6 +141,7 @@ def future_log_mass_dense(q: Tensor, k: Tensor, window: int, lse: Tensor | None 
     p = p.masked_fill(~future_mask(S, S, window, device=q.device).T, 0.0)  # keep the band d >= t + w
     return torch.log(p.sum(-2))
 
+# %% ../../nbs/10_kvpop_target.ipynb #1090da56
 def future_log_mass_chunked(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None, scale: float | None = None,
                             block: int = 256) -> Tensor:
     "log m_bar_t per query head [B, Hq, S] (Eq. (31)): the transposed pass by `block` keys, [B, Hq, block, S] scores."
@@ -156,6 +162,7 @@ def future_log_mass_chunked(q: Tensor, k: Tensor, window: int, lse: Tensor | Non
         out[:, :, a:e] = masked_logsumexp(x)
     return out
 
+# %% ../../nbs/10_kvpop_target.ipynb #e2e6372f
 def future_log_mass_flex(q: Tensor, k: Tensor, window: int, lse: Tensor | None = None,
                          scale: float | None = None) -> Tensor:
     "log m_bar_t per query head [B, Hq, S] (Eq. (31)): a transposed FlexAttention pass (App. D.2), compiled on CUDA."
@@ -199,14 +206,6 @@ class _StorageTracker(TorchDispatchMode):
     def _free(self, key):
         self.now -= self.live.pop(key)
 
-    def track(self, st) -> None:
-        "Count storage `st` until it is freed."
-        self.live[id(st)] = st.nbytes()
-        self.now += st.nbytes()
-        # storages keep their Python object: this runs when the memory is freed
-        weakref.finalize(st, self._free, id(st))
-        self.peak = max(self.peak, self.now)
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)}
@@ -218,6 +217,17 @@ class _StorageTracker(TorchDispatchMode):
         self.peak = max(self.peak, self.now)
         return out
 
+# %% ../../nbs/10_kvpop_target.ipynb #5890434f
+@patch_to(_StorageTracker)
+def track(self, st) -> None:
+    "Count storage `st` until it is freed."
+    self.live[id(st)] = st.nbytes()
+    self.now += st.nbytes()
+    # storages keep their Python object: this runs when the memory is freed
+    weakref.finalize(st, self._free, id(st))
+    self.peak = max(self.peak, self.now)
+
+# %% ../../nbs/10_kvpop_target.ipynb #5e9f5afd
 def peak_memory(fn, *args, device=None, held=(), **kwargs) -> tuple[object, int]:
     """Run fn(*args, **kwargs): (its result, peak bytes of tensor memory allocated during the call beyond what
     existed before, plus the storages `held`, which existed before and count until the call frees them, e.g. a

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from fastcore.basics import patch_to
 from torch import Tensor
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -21,6 +22,8 @@ from sparsekv.attention import IntArgumentError, check_int, evictable, gather_ke
 
 # %%
 #| hide
+from types import SimpleNamespace
+
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
@@ -70,6 +73,9 @@ from torch.testing import assert_close
 # Since only the dispatcher evicts, an evicting cache works only inside `patch`; `update` refuses
 # to run otherwise, rather than silently keeping everything. A forward pass interrupted by an
 # exception leaves the cache unevicted: start a new one.
+#
+# The base rule is causal attention: it keeps every entry at or before the next position, in order, and refuses a
+# layer whose heads would keep different numbers of entries (here head 1 holds a position after the query):
 
 # %%
 #| export
@@ -94,6 +100,21 @@ class EvictionRule:
         return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :int(counts.flatten()[0])]
 
 
+# %%
+_dense = EvictionRule()
+_two = SimpleNamespace(positions=torch.tensor([[[0, 1, 2], [0, 1, 9]]]))
+test_eq(_dense.scores(_two, torch.randn(1, 2, 3, 4), None, _two.positions), torch.zeros(1, 2, 3))
+test_eq(_dense.visible(_two, torch.tensor([1, 2]))[0].tolist(),
+        [[[True, True, False], [True, True, True]], [[True, True, False], [True, True, False]]])
+test_eq(_dense.keep(SimpleNamespace(positions=torch.tensor([[[0, 3, 5]]])), 6).tolist(), [[[0, 1, 2]]])
+test_fail(lambda: _dense.keep(_two, 5), contains="keeps different numbers of entries per head: [[3, 2]]")
+
+
+# %% [markdown]
+# With $s = 2$, $w = 3$, query 6 sees positions 0, 1 and 4..6; the next position (7) keeps 0, 1, 5, 6:
+
+# %%
+#| export
 class SinkWindowRule(EvictionRule):
     "StreamingLLM: query `p` sees the first `sink` positions and the `window` most recent ones (itself included)."
 
@@ -102,6 +123,13 @@ class SinkWindowRule(EvictionRule):
 
     def visible(self, layer, query_positions):
         return sink_window_visible(self.sink, self.window)(query_positions[:, None], layer.positions[:, :, None, :])
+
+
+# %%
+_sw, _seven = SinkWindowRule(2, 3), SimpleNamespace(positions=torch.arange(7).expand(1, 2, 7))
+test_eq(_sw.visible(_seven, torch.tensor([6]))[0, 0, 0].tolist(), [True, True, False, False, True, True, True])
+test_eq(_sw.keep(_seven, 7).tolist(), [[[0, 1, 5, 6]] * 2])
+test_fail(lambda: SinkWindowRule(2, 0), contains="window")
 
 
 # %% [markdown]
@@ -120,6 +148,11 @@ class SinkWindowRule(EvictionRule):
 # If a rule changes scores over time (H2O accumulates attention), `visible` uses the current
 # scores; a chunk's within-chunk visibility is then an approximation (prefill those rules densely
 # or in chunks of 1).
+#
+# By hand, with $s = 1$, $w = 2$, $k = 2$ and scores 0, 5, 1, 5, 3, 9, 9, 9 at positions 0..7: query 7 sees the sink,
+# the window 6, 7 and the best two of $E(7) = \{1..5\}$, position 5 (score 9) and position 1 (score 5, tied with 3:
+# the earlier wins); query 5 sees the sink, 4, 5 and the best two of $E(5) = \{1, 2, 3\}$, positions 1 and 3. With
+# $k = 0$ it is `SinkWindowRule`; `score_fn` gives the insertion scores:
 
 # %%
 #| export
@@ -146,6 +179,19 @@ class TopScoreRule(SinkWindowRule):
         return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
 
 
+# %%
+_scored = SimpleNamespace(layer_idx=0, positions=torch.arange(8).expand(1, 1, 8),
+                          scores=torch.tensor([[[0.0, 5, 1, 5, 3, 9, 9, 9]]]))
+_vis = TopScoreRule(1, 2, 2).visible(_scored, torch.tensor([7, 5]))[0, 0].int().tolist()
+test_eq(_vis, [[1, 1, 0, 0, 0, 1, 1, 1], [1, 1, 0, 1, 1, 1, 0, 0]])
+_q7 = torch.tensor([7])
+test_eq(TopScoreRule(1, 2, 0).visible(_scored, _q7), SinkWindowRule(1, 2).visible(_scored, _q7))
+_k8 = torch.randn(1, 1, 8, 4)
+test_eq(TopScoreRule(1, 2, 2).scores(_scored, _k8, _k8, _scored.positions), torch.zeros(1, 1, 8))
+test_eq(TopScoreRule(1, 2, 2, score_fn=lambda i, k, v, p: p + i).scores(_scored, _k8, _k8, _scored.positions),
+        torch.arange(8.0).expand(1, 1, 8))
+
+
 # %% [markdown]
 # `generate` moves batch rows with three cache-layer operations: beam search reorders them
 # (`reorder_cache`), and `batch_repeat_interleave` / `batch_select_indices` repeat or pick them.
@@ -153,6 +199,7 @@ class TopScoreRule(SinkWindowRule):
 # policy keeps *beside* a cache layer follows the layer's rows when it is hooked with
 # `follow_batch_ops` (otherwise beam search would silently score one beam's keys with another's
 # summaries).
+
 
 # %%
 #| export
@@ -166,6 +213,18 @@ def row_map(op: str, arg):
     if op == "batch_select_indices": return lambda x: x[arg.to(x.device) if isinstance(arg, Tensor) else arg]
     raise ValueError(f"op must be one of {BATCH_OPS}, got {op!r}")
 
+
+# %%
+_rows = torch.tensor([10, 11, 12])
+test_eq(row_map("reorder_cache", torch.tensor([2, 0, 0]))(_rows).tolist(), [12, 10, 10])
+test_eq(row_map("batch_repeat_interleave", 2)(_rows).tolist(), [10, 10, 11, 11, 12, 12])
+test_eq(row_map("batch_select_indices", torch.tensor([1, 2]))(_rows).tolist(), [11, 12])
+test_eq(row_map("batch_select_indices", [0, 2])(_rows).tolist(), [10, 12])
+test_fail(lambda: row_map("crop", 1), contains="op must be one of")
+
+
+# %% [markdown]
+# A hooked `DynamicLayer` still moves its own rows, then calls each hook with the same map:
 
 # %%
 #| export
@@ -191,6 +250,24 @@ def hooked_layer_class(cls: type) -> type:
     return Hooked
 
 
+# %%
+_hooked = hooked_layer_class(DynamicLayer)()
+_hooked.row_hooks, _seen_ops = {0: lambda fn: _seen_ops.append(fn(_rows).tolist())}, []
+_hooked.update(torch.arange(3.0).view(3, 1, 1, 1), torch.zeros(3, 1, 1, 1))
+_hooked.reorder_cache(torch.tensor([2, 0, 0]))
+_hooked.batch_repeat_interleave(2)
+test_eq(_hooked.keys.flatten().tolist(), [2, 2, 0, 0, 0, 0])
+test_eq(_seen_ops, [[12, 10, 10], [10, 10, 11, 11, 12, 12]])
+test_eq((type(_hooked).__name__, isinstance(_hooked, DynamicLayer)), ("HookedDynamicLayer", True))
+
+
+# %% [markdown]
+# Check: a `DynamicLayer` hooked to a side tensor keeps it in step with its keys under all three;
+# registering again for the same owner replaces the hook (no double move), and a deep copy of the
+# layer moves its own rows, not the original's.
+
+# %%
+#| export
 _HOOKED = {}  # layer class -> its hooked subclass
 
 
@@ -203,11 +280,6 @@ def follow_batch_ops(layer, owner: int, apply_rows) -> None:
         layer.__class__, layer.row_hooks = _HOOKED[cls], {}  # the same layout: the class can be swapped
     layer.row_hooks[owner] = apply_rows
 
-
-# %% [markdown]
-# Check: a `DynamicLayer` hooked to a side tensor keeps it in step with its keys under all three;
-# registering again for the same owner replaces the hook (no double move), and a deep copy of the
-# layer moves its own rows, not the original's.
 
 # %%
 import copy
@@ -227,7 +299,6 @@ _copy = copy.deepcopy(_lay)
 _copy.reorder_cache(torch.tensor([1, 1]))
 test_eq(_copy.keys, _k[[0, 0]])
 test_eq(_lay.keys, _k[[2, 0]])
-test_fail(lambda: row_map("crop", 1), contains="op must be one of")
 
 
 # %% [markdown]
@@ -242,6 +313,7 @@ test_fail(lambda: row_map("crop", 1), contains="op must be one of")
 # layer here. The peer environment (kvpress's transformers 5.2, see the README) still passes
 # `get_mask_sizes` the tensor of the new tokens' cache positions, so `query_count` reads its length.
 
+
 # %%
 #| export
 def query_count(query_length: int | Tensor) -> int:
@@ -250,6 +322,13 @@ def query_count(query_length: int | Tensor) -> int:
     return check_int(query_length, "query_length", 0)
 
 
+# %%
+test_eq((query_count(3), query_count(torch.arange(5, 9))), (3, 4))
+test_fail(lambda: query_count(1.5), contains="query_length")
+
+
+# %%
+#| export
 def tokens_to_lose(tokens_to_remove: int, seen: int) -> int:
     "How many of `seen` tokens `crop(tokens_to_remove)` drops: `-tokens_to_remove`, at most `seen`."
     if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
@@ -259,17 +338,19 @@ def tokens_to_lose(tokens_to_remove: int, seen: int) -> int:
 
 
 # %%
-test_eq((query_count(3), query_count(torch.arange(5, 9))), (3, 4))
 test_eq([tokens_to_lose(n, 4) for n in (0, -1, -4, -9)], [0, 1, 4, 4])
 test_fail(lambda: tokens_to_lose(2, 4), contains="tokens_to_remove must be an int <= 0")
-test_fail(lambda: query_count(1.5), contains="query_length")
 
 
 # %% [markdown]
 # The layer stores keys, values, positions and scores; `update` appends, `evict` gathers the kept
 # entries (all four tensors), `crop` undoes the last tokens as long as none of them was
 # evicted, and the batch operations `generate` uses (beam search, `batch_select_indices`) carry
-# positions and scores along.
+# positions and scores along. The class holds the state and the sizes the model asks for; the
+# methods that change the entries follow, each with its check.
+#
+# A fresh layer has seen nothing; `lazy_initialization` gives empty entries of the states' batch and heads, and
+# `reset` empties a layer that holds some:
 
 # %%
 #| export
@@ -293,59 +374,9 @@ class EvictingLayer(DynamicLayer):
         "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
         self.armed = True
 
-    def scored_entries(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
-        "Positions [B,H,s] and rule scores of the entries an armed `update` gets (checks the call, disarms the layer)."
-        if not self.armed:
-            raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts "
-                               "after attention")
-        self.armed = False
-        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
-        s = key_states.shape[2]
-        pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
-        sc = self.rule.scores(self, key_states, value_states, pos)
-        if sc.shape != pos.shape or not torch.isfinite(sc).all():
-            raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape "
-                             f"{tuple(pos.shape)}, got {tuple(sc.shape)}")
-        return pos, sc
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        "Append the new entries (positions: the next ones seen) with their scores; return all entries' keys and values."
-        pos, sc = self.scored_entries(key_states, value_states)
-        s = key_states.shape[2]
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, pos], dim=-1)
-        self.scores = torch.cat([self.scores, sc.to(self.scores.dtype)], dim=-1)
-        self.seen += s
-        return self.keys, self.values
-
-    def evict(self, next_position: int | None = None) -> None:
-        "Keep only the entries the rule shows to `next_position` (default: the next token)."
-        if not self.is_initialized: return
-        idx = self.rule.keep(self, self.seen if next_position is None else next_position)
-        if idx.shape[-1] == self.positions.shape[-1]: return
-        self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
-        self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
-
-    def absorb(self, keys: Tensor, values: Tensor) -> None:
-        """Take over a prompt's entries `[B,Hkv,S,D]` (positions 0..S-1) cached elsewhere, as one prefill of this empty
-        layer, and keep what the rule shows the next token."""
-        if self.seen: raise ValueError(f"absorb fills an empty layer; this one has seen {self.seen} tokens")
-        if self.rule.observes_attention:
-            raise ValueError(f"{type(self.rule).__name__} scores entries by the attention they receive: handing a "
-                             "prompt over replays no attention")
-        self.arm()
-        self.update(keys, values)
-        self.evict()
-
     def get_seq_length(self) -> int:
         "Number of tokens seen (the next token's position), not the number kept."
         return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        "(kept entries + `query_length` new tokens, offset) so that the model's causal mask shows every kept entry."
-        n = self.positions.shape[-1] if self.is_initialized else 0
-        return n + query_count(query_length), self.seen - n
 
     def get_max_length(self) -> int:
         "-1: no maximum (the budget bounds what is kept, not the tokens seen)."
@@ -357,32 +388,247 @@ class EvictingLayer(DynamicLayer):
             self.keys, self.values, self.positions, self.scores = map(
                 fn, (self.keys, self.values, self.positions, self.scores))
 
-    def crop(self, tokens_to_remove: int) -> None:
-        "Forget the last `-tokens_to_remove` tokens seen (transformers' crop); fails if one of them was evicted."
-        max_length = self.seen - tokens_to_lose(tokens_to_remove, self.seen)
-        if self.seen == max_length: return
-        if self.is_initialized and ((self.positions < max_length).sum(-1) != max_length).any():
-            raise ValueError(f"cannot crop to {max_length} tokens: some of them were already evicted")
-        self._apply(lambda x: x[:, :, :max_length])
-        self.seen = max_length
-
     def reset(self) -> None:
         self._apply(lambda x: x[:, :, :0])
         self.seen = 0
 
-    def apply_rows(self, fn) -> None:
-        "Apply the batch-row map `fn` (see `row_map`) to all per-row state (here: keys, values, positions, scores)."
-        self._apply(fn)
 
-    def reorder_cache(self, beam_idx: Tensor) -> None:
-        self.apply_rows(row_map("reorder_cache", beam_idx))
+# %%
+_fresh = EvictingLayer(SinkWindowRule(2, 3), 0)
+test_eq((_fresh.get_seq_length(), _fresh.get_max_length(), _fresh.armed), (0, -1, False))
+_fresh.lazy_initialization(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))
+test_eq((_fresh.keys.shape, _fresh.positions.shape, _fresh.scores.dtype), ((2, 3, 0, 4), (2, 3, 0), torch.float32))
+_fresh.arm()
+test_eq(_fresh.armed, True)
+_fresh._apply(lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], 4, *x.shape[3:])], dim=2))
+_fresh.seen = 4
+test_eq((_fresh.keys.shape[2], _fresh.scores.shape[2]), (4, 4))
+_fresh.reset()
+test_eq((_fresh.seen, _fresh.keys.shape[2], _fresh.positions.shape[2]), (0, 0, 0))
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.apply_rows(row_map("batch_repeat_interleave", repeats))
 
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self.apply_rows(row_map("batch_select_indices", indices))
+# %% [markdown]
+# A first call of 4 tokens gets the plain causal mask (4 keys, offset 0); after 9 tokens seen with 4 kept, a call of
+# 2 tokens gets 4 + 2 keys at offset 9 - 4 = 5:
 
+# %%
+#| export
+@patch_to(EvictingLayer)
+def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    "(kept entries + `query_length` new tokens, offset) so that the model's causal mask shows every kept entry."
+    n = self.positions.shape[-1] if self.is_initialized else 0
+    return n + query_count(query_length), self.seen - n
+
+
+# %%
+_sizes = EvictingLayer(SinkWindowRule(2, 3), 0)
+test_eq((_sizes.get_mask_sizes(4), _sizes.get_mask_sizes(torch.arange(4))), ((4, 0), (4, 0)))
+_sizes.lazy_initialization(torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2))
+_sizes.positions, _sizes.seen = torch.tensor([[[0, 1, 7, 8]]]), 9
+test_eq(_sizes.get_mask_sizes(2), (6, 5))
+
+
+# %% [markdown]
+# An armed layer that has seen 3 tokens gives the next 2 entries positions 3, 4 in every head and the rule's scores,
+# then disarms; a rule whose scores have the wrong shape is refused:
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def scored_entries(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+    "Positions [B,H,s] and rule scores of the entries an armed `update` gets (checks the call, disarms the layer)."
+    if not self.armed:
+        raise RuntimeError("an EvictingCache works only inside sparsekv.hf.patch(model, policy), which evicts "
+                           "after attention")
+    self.armed = False
+    if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+    s = key_states.shape[2]
+    pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
+    sc = self.rule.scores(self, key_states, value_states, pos)
+    if sc.shape != pos.shape or not torch.isfinite(sc).all():
+        raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape "
+                         f"{tuple(pos.shape)}, got {tuple(sc.shape)}")
+    return pos, sc
+
+
+# %%
+_lay = EvictingLayer(TopScoreRule(1, 2, 1, score_fn=lambda i, k, v, p: 2.0 * p), 0)
+_lay.seen = 3
+_lay.arm()
+_pos, _sc = _lay.scored_entries(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
+test_eq((_pos.tolist(), _sc.tolist(), _lay.armed), ([[[3, 4]] * 2], [[[6.0, 8.0]] * 2], False))
+test_fail(lambda: _lay.scored_entries(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)),
+          contains="only inside sparsekv.hf.patch")
+_lay.rule.score_fn = lambda i, k, v, p: p[..., :1].float()
+_lay.arm()
+test_fail(lambda: _lay.scored_entries(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)),
+          contains="must return finite scores of shape (1, 2, 2), got (1, 2, 1)")
+
+
+# %% [markdown]
+# Two armed updates append: 3 then 2 entries at positions 0..4, with the rule's scores, and the returned keys are all
+# five:
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    "Append the new entries (positions: the next ones seen) with their scores; return all entries' keys and values."
+    pos, sc = self.scored_entries(key_states, value_states)
+    s = key_states.shape[2]
+    self.keys = torch.cat([self.keys, key_states], dim=-2)
+    self.values = torch.cat([self.values, value_states], dim=-2)
+    self.positions = torch.cat([self.positions, pos], dim=-1)
+    self.scores = torch.cat([self.scores, sc.to(self.scores.dtype)], dim=-1)
+    self.seen += s
+    return self.keys, self.values
+
+
+# %%
+_lay = EvictingLayer(TopScoreRule(1, 2, 1, score_fn=lambda i, k, v, p: -p), 0)
+_k5 = torch.randn(1, 2, 5, 4)
+for _part in (_k5[:, :, :3], _k5[:, :, 3:]):
+    _lay.arm()
+    _keys, _values = _lay.update(_part, 2 * _part)
+test_eq((_keys, _values), (_k5, 2 * _k5))
+test_eq((_lay.positions[0, 1].tolist(), _lay.scores[0, 1].tolist(), _lay.seen),
+        ([0, 1, 2, 3, 4], [0, -1, -2, -3, -4], 5))
+
+
+# %% [markdown]
+# A layer on its own (arming by hand what `patch` does before each call): after 7 tokens, a
+# sink+window rule with $s=2$, $w=3$ shows query 6 the sinks and positions 4..6, and keeps for
+# the next query (7) the sinks and positions 5, 6; `get_mask_sizes` then announces those 4
+# entries plus the new token, at stand-in offset 3:
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def evict(self, next_position: int | None = None) -> None:
+    "Keep only the entries the rule shows to `next_position` (default: the next token)."
+    if not self.is_initialized: return
+    idx = self.rule.keep(self, self.seen if next_position is None else next_position)
+    if idx.shape[-1] == self.positions.shape[-1]: return
+    self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
+    self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
+
+
+# %%
+lay = EvictingLayer(SinkWindowRule(2, 3), 0)
+lay.arm()
+k7 = torch.randn(1, 2, 7, 16)
+lay.update(k7, k7)
+test_eq(lay.rule.visible(lay, torch.tensor([6]))[0, 0, 0].tolist(), [True, True, False, False, True, True, True])
+lay.evict()
+test_eq(lay.positions[0].tolist(), [[0, 1, 5, 6]] * 2)
+assert_close(lay.keys, k7[:, :, [0, 1, 5, 6]])
+test_eq((lay.get_seq_length(), lay.get_mask_sizes(1)), (7, (5, 3)))
+test_fail(lambda: lay.update(k7, k7), contains="only inside sparsekv.hf.patch")
+
+
+# %% [markdown]
+# Absorbing the 7 entries above keeps what the prefill and eviction kept; a layer that has seen tokens, or whose rule
+# scores by attention, refuses:
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def absorb(self, keys: Tensor, values: Tensor) -> None:
+    """Take over a prompt's entries `[B,Hkv,S,D]` (positions 0..S-1) cached elsewhere, as one prefill of this empty
+    layer, and keep what the rule shows the next token."""
+    if self.seen: raise ValueError(f"absorb fills an empty layer; this one has seen {self.seen} tokens")
+    if self.rule.observes_attention:
+        raise ValueError(f"{type(self.rule).__name__} scores entries by the attention they receive: handing a "
+                         "prompt over replays no attention")
+    self.arm()
+    self.update(keys, values)
+    self.evict()
+
+
+# %%
+_abs = EvictingLayer(SinkWindowRule(2, 3), 0)
+_abs.absorb(k7, k7)
+test_eq((_abs.positions, _abs.keys, _abs.seen, _abs.armed), (lay.positions, lay.keys, 7, False))
+test_fail(lambda: _abs.absorb(k7, k7), contains="this one has seen 7 tokens")
+_attn_rule = SinkWindowRule(2, 3)
+_attn_rule.observes_attention = True
+test_fail(lambda: EvictingLayer(_attn_rule, 0).absorb(k7, k7), contains="replays no attention")
+
+
+# %% [markdown]
+# Before any eviction, cropping 3 of 5 tokens keeps positions 0, 1 (and `seen` follows); after an eviction, cropping
+# a token fails (the layer above kept 0, 1, 5, 6 of 7: positions 2..4 are gone):
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def crop(self, tokens_to_remove: int) -> None:
+    "Forget the last `-tokens_to_remove` tokens seen (transformers' crop); fails if one of them was evicted."
+    max_length = self.seen - tokens_to_lose(tokens_to_remove, self.seen)
+    if self.seen == max_length: return
+    if self.is_initialized and ((self.positions < max_length).sum(-1) != max_length).any():
+        raise ValueError(f"cannot crop to {max_length} tokens: some of them were already evicted")
+    self._apply(lambda x: x[:, :, :max_length])
+    self.seen = max_length
+
+
+# %%
+_crop = EvictingLayer(SinkWindowRule(1, 2), 0)
+_crop.arm()
+_crop.update(_k5, _k5)
+_crop.crop(-3)
+test_eq((_crop.positions[0, 0].tolist(), _crop.keys, _crop.seen), ([0, 1], _k5[:, :, :2], 2))
+_crop.crop(0)
+test_eq(_crop.seen, 2)
+test_fail(lambda: _crop.crop(1), contains="tokens_to_remove must be an int <= 0")
+test_fail(lambda: lay.crop(-1), contains="cannot crop to 6 tokens: some of them were already evicted")
+test_eq((lay.positions[0, 0].tolist(), lay.seen), ([0, 1, 5, 6], 7))
+
+
+# %% [markdown]
+# The batch operations move positions and scores with the keys: two rows with different scores, reordered, repeated
+# and selected, keep each row's entries together:
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def apply_rows(self, fn) -> None:
+    "Apply the batch-row map `fn` (see `row_map`) to all per-row state (here: keys, values, positions, scores)."
+    self._apply(fn)
+
+
+@patch_to(EvictingLayer)
+def reorder_cache(self, beam_idx: Tensor) -> None:
+    self.apply_rows(row_map("reorder_cache", beam_idx))
+
+
+@patch_to(EvictingLayer)
+def batch_repeat_interleave(self, repeats: int) -> None:
+    self.apply_rows(row_map("batch_repeat_interleave", repeats))
+
+
+@patch_to(EvictingLayer)
+def batch_select_indices(self, indices: Tensor) -> None:
+    self.apply_rows(row_map("batch_select_indices", indices))
+
+
+# %%
+_rows2 = EvictingLayer(TopScoreRule(1, 1, 1, score_fn=lambda i, k, v, p: k[..., 0]), 0)
+_rows2.arm()
+_k2 = torch.randn(2, 1, 4, 3)
+_rows2.update(_k2, _k2)
+_rows2.evict()
+_before = [(_rows2.keys[b], _rows2.positions[b], _rows2.scores[b]) for b in range(2)]
+_rows2.reorder_cache(torch.tensor([1, 0]))
+_rows2.batch_repeat_interleave(2)
+_rows2.batch_select_indices(torch.tensor([0, 3]))
+for b, src in ((0, 1), (1, 0)):
+    test_eq((_rows2.keys[b], _rows2.positions[b], _rows2.scores[b]), _before[src])
+assert_close(_rows2.scores, _rows2.keys[..., 0])
+
+
+# %% [markdown]
+# Layers appear as they are used, all sharing the rule; an update reaches its layer (which refuses it outside `patch`):
 
 # %%
 #| export
@@ -404,6 +650,19 @@ class EvictingCache(Cache):
         return self.layer(layer_idx).update(key_states, value_states)
 
 
+# %%
+_cache = EvictingCache(TopScoreRule(1, 2, 1))
+test_eq([(lay.layer_idx, lay.rule is _cache.rule) for lay in [_cache.layer(2)] + _cache.layers],
+        [(2, True), (0, True), (1, True), (2, True)])
+_cache.layer(1).arm()
+test_eq(_cache.update(k7, 2 * k7, 1), (k7, 2 * k7))
+test_eq([lay.seen for lay in _cache.layers], [0, 7, 0])
+test_fail(lambda: _cache.update(k7, k7, 0), contains="only inside sparsekv.hf.patch")
+test_fail(lambda: EvictingCache("sink-window"), contains="rule must be an EvictionRule, got str")
+
+
+# %%
+#| export
 class SinkWindowCache(EvictingCache):
     "StreamingLLM cache: each query sees `sink` first tokens and the `window` most recent (itself included)."
 
@@ -411,23 +670,10 @@ class SinkWindowCache(EvictingCache):
         super().__init__(SinkWindowRule(sink, window))
 
 
-# %% [markdown]
-# A layer on its own (arming by hand what `patch` does before each call): after 7 tokens, a
-# sink+window rule with $s=2$, $w=3$ shows query 6 the sinks and positions 4..6, and keeps for
-# the next query (7) the sinks and positions 5, 6; `get_mask_sizes` then announces those 4
-# entries plus the new token, at stand-in offset 3:
-
 # %%
-lay = EvictingLayer(SinkWindowRule(2, 3), 0)
-lay.arm()
-k7 = torch.randn(1, 2, 7, 16)
-lay.update(k7, k7)
-test_eq(lay.rule.visible(lay, torch.tensor([6]))[0, 0, 0].tolist(), [True, True, False, False, True, True, True])
-lay.evict()
-test_eq(lay.positions[0].tolist(), [[0, 1, 5, 6]] * 2)
-assert_close(lay.keys, k7[:, :, [0, 1, 5, 6]])
-test_eq((lay.get_seq_length(), lay.get_mask_sizes(1)), (7, (5, 3)))
-test_fail(lambda: lay.update(k7, k7), contains="only inside sparsekv.hf.patch")
+_swc = SinkWindowCache(2, 3)
+test_eq((type(_swc.rule), _swc.rule.sink, _swc.rule.window, _swc.layer(0).rule is _swc.rule),
+        (SinkWindowRule, 2, 3, True))
 
 
 # %% [markdown]
@@ -446,6 +692,9 @@ test_fail(lambda: lay.update(k7, k7), contains="only inside sparsekv.hf.patch")
 # the cropped slots, so a view taken before the crop would see the new entries; nothing in
 # `sparsekv` keeps one (policies copy what they store), and transformers' assisted decoding only
 # reads the cache after cropping it.
+#
+# An assigned tensor is the buffer, full: the layer holds its entries and has no room to spare; `reset` forgets them,
+# keeping the buffer:
 
 # %%
 #| export
@@ -482,59 +731,92 @@ class GrowingLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def _buffers(self, need: int, key_states: Tensor, value_states: Tensor) -> None:
-        "Fresh buffers of at least `need` entries (twice the old capacity) for the new states' rows, the filled copied."
-        cap = max(need, 2 * self.capacity, self.min_capacity)
-        k, v = (x.new_empty(*x.shape[:2], cap, x.shape[3]) for x in (key_states, value_states))
-        if self._n:
-            k[:, :, :self._n], v[:, :, :self._n] = self.keys, self.values
-        self._k, self._v = k, v
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        "Write the new entries after the filled ones (growing the buffers when full); views of all filled entries."
-        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
-        n, m = self._n, key_states.shape[-2]
-        if n + m > self.capacity or self._k.shape[:2] != key_states.shape[:2]:
-            self._buffers(n + m, key_states, value_states)
-        self._k[:, :, n:n + m] = key_states
-        self._v[:, :, n:n + m] = value_states
-        self._n = n + m
-        return self.keys, self.values
-
     def get_seq_length(self) -> int:
         return self._n
-
-    def crop(self, tokens_to_remove: int) -> None:
-        "Forget the last `tokens_to_remove` entries (an int <= 0, as transformers takes it); the buffers stay."
-        self._n -= tokens_to_lose(tokens_to_remove, self._n)
 
     def reset(self) -> None:
         self._n = 0
 
-    def _rows(self, fn) -> None:
-        "Apply the batch-row map `fn` (`row_map`) to the filled entries, into buffers of the same capacity."
-        if not self._n: return
-        keys, values, cap = fn(self.keys), fn(self.values), self.capacity
-        self._k = self._v = None
-        self._n = 0
-        self.update(keys, values)
-        if self.capacity < cap: self._buffers(cap, keys, values)
 
-    def reorder_cache(self, beam_idx: Tensor) -> None: self._rows(row_map("reorder_cache", beam_idx))
-
-    def batch_repeat_interleave(self, repeats: int) -> None: self._rows(row_map("batch_repeat_interleave", repeats))
-
-    def batch_select_indices(self, indices: Tensor) -> None: self._rows(row_map("batch_select_indices", indices))
+# %%
+_g, _x = GrowingLayer(min_capacity=4), torch.randn(1, 2, 3, 4)
+test_eq((_g.keys, _g.values, _g.capacity, _g.get_seq_length()), (None, None, 0, 0))
+_g.keys, _g.values = _x, 2 * _x
+test_eq((_g.keys, _g.values, _g.capacity, _g.get_seq_length()), (_x, 2 * _x, 3, 3))
+_g.reset()
+test_eq((_g.keys.shape[2], _g.capacity), (0, 3))
+test_fail(lambda: GrowingLayer(0), contains="min_capacity")
 
 
-class GrowingCache(DynamicCache):
-    "`DynamicCache` whose full-attention layers are `GrowingLayer`s (sliding-window layers stay transformers' own)."
+# %% [markdown]
+# Growing the full buffer of 3 entries above: at least `min_capacity`, at least twice the old capacity, at least
+# what is needed; the filled entries are copied:
 
-    def __init__(self, config=None, min_capacity: int = 256):
-        super().__init__(config=config)
-        check_int(min_capacity, "min_capacity", 1)
-        if config is None: self.layer_class_to_replicate = functools.partial(GrowingLayer, min_capacity)
-        else: self.layers = [GrowingLayer(min_capacity) if type(lay) is DynamicLayer else lay for lay in self.layers]
+# %%
+#| export
+@patch_to(GrowingLayer)
+def _buffers(self, need: int, key_states: Tensor, value_states: Tensor) -> None:
+    "Fresh buffers of at least `need` entries (twice the old capacity) for the new states' rows, the filled copied."
+    cap = max(need, 2 * self.capacity, self.min_capacity)
+    k, v = (x.new_empty(*x.shape[:2], cap, x.shape[3]) for x in (key_states, value_states))
+    if self._n:
+        k[:, :, :self._n], v[:, :, :self._n] = self.keys, self.values
+    self._k, self._v = k, v
+
+
+# %%
+_g.keys, _g.values = _x, 2 * _x
+_g._buffers(4, _x, _x)
+test_eq((_g.capacity, _g.keys, _g.values), (6, _x, 2 * _x))
+_g._buffers(20, _x, _x)
+test_eq((_g.capacity, _g.keys), (20, _x))
+_g8 = GrowingLayer(min_capacity=8)
+_g8._buffers(2, _x, _x)
+test_eq((_g8.capacity, _g8.keys.shape), (8, (1, 2, 0, 4)))  # nothing filled yet
+
+
+# %% [markdown]
+# A prefill of 5 fills 5 exactly; the next step doubles the buffer to 10, and steps then write in place (the returned
+# keys are views of the same buffer) until it is full:
+
+# %%
+#| export
+@patch_to(GrowingLayer)
+def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:  # noqa: F811
+    "Write the new entries after the filled ones (growing the buffers when full); views of all filled entries."
+    if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+    n, m = self._n, key_states.shape[-2]
+    if n + m > self.capacity or self._k.shape[:2] != key_states.shape[:2]:
+        self._buffers(n + m, key_states, value_states)
+    self._k[:, :, n:n + m] = key_states
+    self._v[:, :, n:n + m] = value_states
+    self._n = n + m
+    return self.keys, self.values
+
+
+# %%
+_g = GrowingLayer(min_capacity=4)
+_k6 = torch.randn(1, 2, 6, 4)
+test_eq((_g.update(_k6[:, :, :5], _k6[:, :, :5])[0], _g.capacity), (_k6[:, :, :5], 5))
+_first = _g.update(_k6[:, :, 5:], _k6[:, :, 5:])[0]
+test_eq((_first, _g.capacity, _g.get_seq_length()), (_k6, 10, 6))
+test_eq(_g.update(_k6[:, :, :1], _k6[:, :, :1])[0].data_ptr(), _first.data_ptr())
+
+
+# %%
+#| export
+@patch_to(GrowingLayer)
+def crop(self, tokens_to_remove: int) -> None:  # noqa: F811
+    "Forget the last `tokens_to_remove` entries (an int <= 0, as transformers takes it); the buffers stay."
+    self._n -= tokens_to_lose(tokens_to_remove, self._n)
+
+
+# %%
+_g.crop(-3)
+test_eq((_g.keys, _g.capacity), (_k6[:, :, :4], 10))
+_g.crop(-9)
+test_eq(_g.get_seq_length(), 0)
+test_fail(lambda: _g.crop(2), contains="tokens_to_remove must be an int <= 0")
 
 
 # %% [markdown]
@@ -542,6 +824,34 @@ class GrowingCache(DynamicCache):
 # give the same keys and values and the same lengths and mask sizes; the buffers grew twice, not at
 # each step; `crop` and the three batch operations give what they give on `DynamicLayer`, and
 # further updates after each still match.
+
+# %%
+#| export
+@patch_to(GrowingLayer)
+def _rows(self, fn) -> None:
+    "Apply the batch-row map `fn` (`row_map`) to the filled entries, into buffers of the same capacity."
+    if not self._n: return
+    keys, values, cap = fn(self.keys), fn(self.values), self.capacity
+    self._k = self._v = None
+    self._n = 0
+    self.update(keys, values)
+    if self.capacity < cap: self._buffers(cap, keys, values)
+
+
+@patch_to(GrowingLayer)
+def reorder_cache(self, beam_idx: Tensor) -> None:  # noqa: F811
+    self._rows(row_map("reorder_cache", beam_idx))
+
+
+@patch_to(GrowingLayer)
+def batch_repeat_interleave(self, repeats: int) -> None:  # noqa: F811
+    self._rows(row_map("batch_repeat_interleave", repeats))
+
+
+@patch_to(GrowingLayer)
+def batch_select_indices(self, indices: Tensor) -> None:  # noqa: F811
+    self._rows(row_map("batch_select_indices", indices))
+
 
 # %%
 def feed(layers, n: int, H=3, D=4) -> None:
@@ -569,11 +879,23 @@ for op, arg in (("crop", -8), ("crop", -2), ("crop", 0), ("reorder_cache", torch
     feed((ref, grow), 3)
 grow.reset()
 test_eq((grow.get_seq_length(), grow.keys.shape[2]), (0, 0))
-test_fail(lambda: GrowingLayer(0), contains="min_capacity")
+
 
 # %% [markdown]
 # And in `generate`, on a tiny model: greedy decoding (with its logits), beam search (which reorders
 # the rows at every step) and several return sequences give the same tokens as with `DynamicCache`.
+
+# %%
+#| export
+class GrowingCache(DynamicCache):
+    "`DynamicCache` whose full-attention layers are `GrowingLayer`s (sliding-window layers stay transformers' own)."
+
+    def __init__(self, config=None, min_capacity: int = 256):
+        super().__init__(config=config)
+        check_int(min_capacity, "min_capacity", 1)
+        if config is None: self.layer_class_to_replicate = functools.partial(GrowingLayer, min_capacity)
+        else: self.layers = [GrowingLayer(min_capacity) if type(lay) is DynamicLayer else lay for lay in self.layers]
+
 
 # %%
 from transformers import DynamicCache

@@ -59,6 +59,10 @@ from torch.testing import assert_close
 # Table 3) is $\gamma_{\min} = 0.999$, $\gamma_{\max} = 0.999999$: a token loses between
 # $10^{-6}$ and $10^{-3}$ nats of priority per step. $\alpha_h = 0$ starts every head at
 # the midpoint of the range in log space.
+#
+# Check: $\alpha = 0$ gives the log-space midpoint; very negative and very positive
+# $\alpha$ approach the two ends from inside; the gradient reaches $\alpha$ and equals
+# $\sigma'(\alpha)(\log\gamma_{\max} - \log\gamma_{\min})$.
 
 # %%
 #| export
@@ -82,11 +86,6 @@ class LogDecay(nn.Module):
         return (f"n_heads={self.alpha.numel()}, gamma_min={math.exp(self.log_gamma_min):g}, "
                 f"gamma_max={math.exp(self.log_gamma_max):g}")
 
-
-# %% [markdown]
-# Check: $\alpha = 0$ gives the log-space midpoint; very negative and very positive
-# $\alpha$ approach the two ends from inside; the gradient reaches $\alpha$ and equals
-# $\sigma'(\alpha)(\log\gamma_{\max} - \log\gamma_{\min})$.
 
 # %%
 decay = LogDecay(3)
@@ -176,6 +175,18 @@ def check_log_gamma(log_gamma: Tensor | float, H: int) -> Tensor | float:
                          f"{log_gamma!r}")
     return float(log_gamma)
 
+
+# %%
+test_eq(check_log_gamma(-0.5, 3), -0.5)
+test_eq(check_log_gamma(torch.tensor([0.0, -0.1, -2.0]), 3).shape, (3, 1))  # one per head, broadcast over positions
+test_fail(lambda: check_log_gamma(0.1, 3), contains="log_gamma must be a finite number <= 0")
+test_fail(lambda: check_log_gamma(torch.tensor([-0.1, -0.2]), 3), contains="shape [H]=3, got shape (2,)")
+test_fail(lambda: check_log_gamma(torch.tensor([-math.inf]), 1), contains="log_gamma must be finite and <= 0")
+test_fail(lambda: check_log_gamma(torch.tensor([-1]), 1), exc=TypeError, contains="floating-point tensor")
+
+
+# %%
+#| export
 def static_priority(r: Tensor, log_gamma: Tensor | float, n: int = 1) -> Tensor:
     "Static priority r_t - floor(t/n) log(gamma_h) of raw scores r [B,H,S]: Eq. (20) for n=1, n-token age buckets."
     if not isinstance(r, Tensor) or not r.is_floating_point() or r.dim() != 3:
@@ -190,6 +201,18 @@ def static_priority(r: Tensor, log_gamma: Tensor | float, n: int = 1) -> Tensor:
 
 
 # %%
+# by hand: zero raw scores, log(gamma) = -1/2, age buckets of n = 2 tokens: priorities 0, 0, 1/2, 1/2, 1
+test_eq(static_priority(torch.zeros(1, 1, 5), -0.5, n=2).tolist(), [[[0.0, 0.0, 0.5, 0.5, 1.0]]])
+test_eq(static_priority(torch.zeros(1, 1, 2, dtype=torch.float16), -0.5).dtype, torch.float32)  # float32 at least
+
+
+# %% [markdown]
+# Check, $n = 1$: at every query $q$, sorting the eligible tokens by effective score and by
+# static priority gives the same order. Raw scores are small integers (many ties) and
+# $\log\gamma$ a power of two, so all sums are exact in float64 and ties survive: ties are
+# broken by position in both orderings (earlier first, as everywhere below).
+
+# %%
 #| export
 def effective_score(r: Tensor, log_gamma: Tensor | float, q: int, n: int = 1) -> Tensor:
     "Effective scores r_t + floor((q-t)/n) log(gamma_h) at query q (Eq. 5, 18), [B,H,S]: checks `static_priority`."
@@ -198,12 +221,6 @@ def effective_score(r: Tensor, log_gamma: Tensor | float, q: int, n: int = 1) ->
     steps = torch.div(q - torch.arange(r.shape[-1], device=r.device), n, rounding_mode="floor").to(r.dtype)
     return r + steps * log_gamma
 
-
-# %% [markdown]
-# Check, $n = 1$: at every query $q$, sorting the eligible tokens by effective score and by
-# static priority gives the same order. Raw scores are small integers (many ties) and
-# $\log\gamma$ a power of two, so all sums are exact in float64 and ties survive: ties are
-# broken by position in both orderings (earlier first, as everywhere below).
 
 # %%
 def _order(scores, tokens):
@@ -275,10 +292,8 @@ test_fail(lambda: static_priority(r.long(), -0.1), contains="floating-point")
 
 # %% [markdown]
 # With the paper's step $n = 1$ there is no approximation. For $n > 1$ the error grows
-# with $|\log\gamma|$ relative to the spread of the scores (unit-variance scores here): at
-# the paper's largest decay, $|\log\gamma| \approx 10^{-3}$, it swaps at most a few pairs in
-# ten thousand and none of the top-$5$ sets above, while a decay of $0.5$ per step changes a
-# sizeable share of the top-$k$ sets.
+# with $|\log\gamma|$ relative to the spread of the scores (unit-variance scores here); the cell above prints it
+# at the paper's largest decay, $|\log\gamma| \approx 10^{-3}$, and at larger ones.
 #
 # ## Ranks
 #
@@ -306,10 +321,30 @@ def check_priority(priority: Tensor) -> Tensor:
         raise ValueError("priority contains NaN: rankings need ordered values (+-inf are allowed)")
     return priority
 
+
+# %%
+_pr = torch.tensor([[[1.0, math.inf, -math.inf]]])
+assert check_priority(_pr) is _pr and check_priority(torch.tensor([[[3, 1]]])) is not None  # integers are fine
+test_fail(lambda: check_priority(torch.zeros(1, 1, 0)), contains="needs at least one position")
+test_fail(lambda: check_priority(torch.tensor([[[True]]])), exc=TypeError, contains="3-D real tensor")
+test_fail(lambda: check_priority(torch.tensor([[[0.0, math.nan]]])), contains="priority contains NaN")
+
+
+# %%
+#| export
 def check_budget(k: int, sink: int, window: int) -> tuple[int, int, int]:
     "Validate the budget: k >= 1 long-range tokens, sink >= 0 sinks, window >= 1 protected recent tokens (Eq. 1)."
     return check_int(k, "k", 1), check_int(sink, "sink", 0), check_int(window, "window", 1)
 
+
+# %%
+test_eq(check_budget(3, 0, 1), (3, 0, 1))
+test_fail(lambda: check_budget(0, 0, 1), contains="k must be an int >= 1")
+test_fail(lambda: check_budget(1, 0, 0), contains="window must be an int >= 1")
+
+
+# %%
+#| export
 def priority_rank(priority: Tensor, sink: int) -> Tensor:
     "rank[t], int64 [B,H,S]: position of t >= sink by descending priority (0 = best, ties: earlier first); sinks get S."
     priority = check_priority(priority)
@@ -324,6 +359,15 @@ def priority_rank(priority: Tensor, sink: int) -> Tensor:
         -1, order, torch.arange(n, device=order.device).expand_as(order))
     return rank
 
+
+# %%
+p = torch.tensor([[[5., -math.inf, math.inf, 5., 0.]]])
+test_eq(priority_rank(p, 1)[0, 0].tolist(), [5, 3, 0, 1, 2])  # the sink gets S; the tie 5, 5 goes to the earlier
+test_eq(priority_rank(p, 5)[0, 0].tolist(), [5] * 5)             # all sinks
+
+
+# %%
+#| export
 def rank_reference(priority: Tensor, sink: int) -> Tensor:
     "`priority_rank` by counting per eligible token the tokens that beat it (higher priority, or equal and earlier)."
     priority = check_priority(priority)
@@ -345,8 +389,6 @@ for S, sink in ((1, 0), (1, 3), (5, 5), (9, 2), (64, 4)):
         test_eq(rank, rank_reference(p, sink))
         test_eq(rank[..., :sink], torch.full_like(rank[..., :sink], S))
         test_eq(rank[..., sink:].sort(-1).values, torch.arange(max(S - sink, 0)).expand(2, 3, -1))  # a permutation
-p = torch.tensor([[[5., -math.inf, math.inf, 5., 0.]]])
-test_eq(priority_rank(p, 1)[0, 0].tolist(), [5, 3, 0, 1, 2])
 test_fail(lambda: priority_rank(torch.tensor([[[1., math.nan]]]), 0), contains="NaN")
 test_fail(lambda: priority_rank(torch.zeros(2, 3), 0), contains="3-D real tensor")
 
@@ -374,6 +416,15 @@ def eligible_count(S: int, sink: int, window: int, device=None) -> Tensor:
     "|E(q)| = max(0, q - window - sink + 1) for q = 0..S-1, int64 [S] (Eq. 4)."
     return (torch.arange(S, device=device) - window - sink + 1).clamp(0, max(S - sink, 0))
 
+
+# %%
+# S = 8, one sink, a window of 2: token q - 2 becomes eligible at q = 3
+test_eq(eligible_count(8, 1, 2).tolist(), [0, 0, 0, 1, 2, 3, 4, 5])
+test_eq(eligible_count(4, 9, 1).tolist(), [0] * 4)  # more sinks than tokens
+
+
+# %%
+#| export
 def cutoff_reference(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
     "Brute-force cutoff: per q, sort the ranks in E(q) = {sink <= t <= q - window}, take the k-th (S if |E(q)| < k)."
     B, H, S = rank.shape
@@ -383,11 +434,28 @@ def cutoff_reference(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
         if eligible.shape[-1] >= k: cutoff[..., q] = eligible.sort(-1).values[..., k - 1]
     return cutoff
 
+
+# %%
+# ranks of positions 0..4 with one sink: 5 (the sink), 2, 0, 3, 1; window 1, k = 2. E(q) = {1, ..., q - 1}: fewer
+# than 2 tokens up to q = 2 (cutoff S = 5), then the 2nd smallest of {2, 0} and of {2, 0, 3}: 2
+_rk = torch.tensor([[[5, 2, 0, 3, 1]]])
+test_eq(cutoff_reference(_rk, 2, 1, 1).tolist(), [[[5, 5, 5, 2, 2]]])
+test_eq(cutoff_reference(_rk, 1, 1, 1).tolist(), [[[5, 5, 2, 0, 0]]])
+
+
+# %%
+#| export
 def topk_cutoff_reference(priority: Tensor, k: int, sink: int, window: int) -> tuple[Tensor, Tensor]:
     "(rank, cutoff) by brute force: ranks by counting (`rank_reference`), cutoffs by sorting (`cutoff_reference`)."
     k, sink, window = check_budget(k, sink, window)
     rank = rank_reference(priority, sink)
     return rank, cutoff_reference(rank, k, sink, window)
+
+
+# %%
+# priorities whose ranks (one sink) are the ones above: 5 > 3 > 1 > 0 at positions 2, 4, 1, 3
+test_eq(topk_cutoff_reference(torch.tensor([[[9.0, 1, 5, 0, 3]]]), 2, 1, 1), (_rk, torch.tensor([[[5, 5, 5, 2, 2]]])))
+test_fail(lambda: topk_cutoff_reference(torch.zeros(1, 1, 3), 0, 1, 1), contains="k must be an int >= 1")
 
 
 # %% [markdown]
@@ -413,6 +481,8 @@ def topk_cutoff_reference(priority: Tensor, k: int, sink: int, window: int) -> t
 # Alg. 2 scans $q = 0, \dots, S-1$: insert $\mathrm{rank}(q - w)$ when $q - w \ge s$, then
 # read $\tau_q$ by binary lifting (or $S$ while fewer than $k$ are inserted). $O(S \log S)$
 # time and $O(S)$ memory per head. The `python` backend is this loop, written to be read.
+#
+# Check the tree against plain counting after every insertion, in a random order.
 
 # %%
 #| export
@@ -450,9 +520,6 @@ class Fenwick:
         return p
 
 
-# %% [markdown]
-# Check the tree against plain counting after every insertion, in a random order.
-
 # %%
 random.seed(0)
 for n in (1, 2, 7, 16, 33):
@@ -479,6 +546,11 @@ def cutoff_python(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
                 if q - window >= sink: tree.insert(ranks[q - window])  # t_new = q - w becomes eligible
                 if tree.size >= k: cutoff[b, h, q] = tree.kth(k)
     return cutoff.to(rank.device)
+
+
+# %%
+test_eq(cutoff_python(_rk, 2, 1, 1).tolist(), [[[5, 5, 5, 2, 2]]])  # the hand-computed case above
+test_eq(cutoff_python(_rk, 1, 1, 1).tolist(), [[[5, 5, 2, 0, 0]]])
 
 
 # %% [markdown]
@@ -636,10 +708,43 @@ def _fenwick_cutoff_kernel():
 
     return kernel
 
+
+# %%
+if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+_kernel = _fenwick_cutoff_kernel()
+assert _fenwick_cutoff_kernel() is _kernel  # built once
+# by hand, one head of S = n = 3 ranks 2, 0, 1, no sink, w = 1, k = 1: nothing eligible at q = 0 (S), then the
+# smallest of {2} and of {2, 0}
+_dev = "cuda" if torch.cuda.is_available() else "cpu"
+_ranks = torch.tensor([[2, 0, 1]], dtype=torch.int32, device=_dev)
+_out = torch.empty(1, 3, dtype=torch.int32, device=_dev)
+_kernel[(1,)](_ranks, _out, torch.zeros(1, 4, dtype=torch.int32, device=_dev), 3, 3, 0, 1, 1, 2, num_warps=1)
+test_eq(_out.tolist(), [[3, 2, 0]])
+
+
+# %%
+#| export
 def triton_interpreted() -> bool:
     "Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1, read when a kernel is built)."
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
+
+# %%
+_was = os.environ.get("TRITON_INTERPRET")
+for _v, _want in (("1", True), ("on", True), ("TRUE", True), ("0", False), ("", False)):
+    os.environ["TRITON_INTERPRET"] = _v
+    test_eq(triton_interpreted(), _want)
+if _was is None: del os.environ["TRITON_INTERPRET"]
+else: os.environ["TRITON_INTERPRET"] = _was
+
+
+# %% [markdown]
+# The kernel on this machine's CPU, in the interpreter (slow: small sizes only). The cell
+# sets `TRITON_INTERPRET=1` when there is no GPU; in a fresh process that must happen
+# before anything imports Triton (the test suite's `conftest.py` does it first thing).
+
+# %%
+#| export
 def cutoff_triton(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
     "Cutoffs [B,H,S] by the Triton kernel of Alg. 2 (a program per (batch, head)) on CUDA, or with TRITON_INTERPRET=1."
     if not rank.is_cuda and not triton_interpreted():
@@ -656,11 +761,6 @@ def cutoff_triton(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
                                        num_warps=1)
     return cutoff.to(torch.int64).reshape(B, H, S)
 
-
-# %% [markdown]
-# The kernel on this machine's CPU, in the interpreter (slow: small sizes only). The cell
-# sets `TRITON_INTERPRET=1` when there is no GPU; in a fresh process that must happen
-# before anything imports Triton (the test suite's `conftest.py` does it first thing).
 
 # %%
 if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -690,6 +790,14 @@ for S, k, sink, window in ((1, 1, 0, 1), (2, 1, 0, 1), (7, 2, 1, 2), (17, 4, 1, 
 #| export
 CUTOFF_BACKENDS = ("torch", "triton", "python")
 
+
+# %%
+# the `backend` values of `topk_cutoff`, its default first
+test_eq(CUTOFF_BACKENDS, ("torch", "triton", "python"))
+
+
+# %%
+#| export
 def topk_cutoff(priority: Tensor, k: int, sink: int, window: int, backend: str = "torch") -> tuple[Tensor, Tensor]:
     """(rank, cutoff), int64 [B,H,S]: rank of each token t >= sink by descending priority (ties: earlier first;
     sinks: S), and cutoff[q] = the k-th smallest rank in E(q) = {sink <= t <= q - window}, or S when |E(q)| < k
@@ -744,6 +852,16 @@ def _timed(fn, repeats: int):
         best = min(best, time.perf_counter() - start)
     return best, out
 
+
+# %%
+_calls = []
+_best, _out = _timed(lambda: _calls.append(1) or len(_calls), 3)
+test_eq((_out, len(_calls)), (3, 3))  # the last result of three runs
+assert 0 <= _best < 1
+
+
+# %%
+#| export
 def bench_cutoff(S: int, BH: int = 8, k: int = 2016, sink: int = 4, window: int = 256, repeats: int = 3,
                  device=None, seed: int = 0) -> dict:
     "Time `topk_cutoff(backend='torch')` against the per-query brute force on B x H = 1 x BH heads of length S."

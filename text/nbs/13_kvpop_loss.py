@@ -21,7 +21,7 @@ from sparsekv.kvpop.cutoff import check_budget, topk_cutoff
 
 # %%
 #| hide
-from fastcore.test import test_eq, test_fail
+from fastcore.test import test_close, test_eq, test_fail
 from torch.testing import assert_close
 
 from sparsekv.kvpop.cutoff import LogDecay, static_priority
@@ -145,6 +145,18 @@ def _check_priority(x: Tensor, name: str) -> None:
     if not x.is_floating_point(): raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
     if x.isnan().any(): raise ValueError(f"{name} contains NaN")
 
+
+# %%
+_check_priority(torch.zeros(1, 2, 3), "p")
+test_fail(lambda: _check_priority([0.0], "p"), exc=TypeError, contains="p must be a torch.Tensor, got list")
+test_fail(lambda: _check_priority(torch.zeros(2, 3), "p"), contains="p must have shape [B, H, S], got (2, 3)")
+test_fail(lambda: _check_priority(torch.zeros(1, 2, 3, dtype=torch.long), "p"), exc=TypeError,
+          contains="floating-point")
+test_fail(lambda: _check_priority(torch.tensor([[[0.0, math.nan]]]), "p"), contains="p contains NaN")
+
+
+# %%
+#| export
 def boundary_queries(q: Tensor | Sequence[int], S: int, sink: int, window: int, k: int, device=None) -> Tensor:
     "Validate query positions `q` for the boundary loss: a 1-D int64 tensor with `sink + window + k <= q < S` (Eq. 25)."
     check_budget(k, sink, window)
@@ -161,6 +173,13 @@ def boundary_queries(q: Tensor | Sequence[int], S: int, sink: int, window: int, 
 
 
 # %%
+test_eq(boundary_queries([3, 5], 6, 0, 1, 2), torch.tensor([3, 5]))  # s + w + k = 3 <= q < S = 6
+test_eq(boundary_queries(torch.tensor([4], dtype=torch.int32), 6, 0, 1, 2).dtype, torch.int64)
+test_fail(lambda: boundary_queries([2, 5], 6, 0, 1, 2), contains="q must lie in [sink + window + k, S - 1] = [3, 5]")
+test_fail(lambda: boundary_queries([3.0], 6, 0, 1, 2), contains="q must be a 1-D integer tensor")
+
+
+# %%
 #| export
 def _token_of_rank(rank: Tensor, sink: int) -> Tensor:
     "Inverse of the rank permutation over tokens `t >= sink`: `tok[..., rank[t]] = t`."
@@ -168,6 +187,14 @@ def _token_of_rank(rank: Tensor, sink: int) -> Tensor:
     tokens = torch.arange(sink, S, device=rank.device).expand(*rank.shape[:-1], -1)
     return torch.empty_like(tokens).scatter_(-1, rank[..., sink:], tokens)
 
+
+# %%
+# ranks 2, 0, 3, 1 of tokens 1..4 (token 0 a sink, rank S = 5): the tokens of ranks 0..3 are 2, 4, 1, 3
+test_eq(_token_of_rank(torch.tensor([[[5, 2, 0, 3, 1]]]), 1).tolist(), [[[2, 4, 1, 3]]])
+
+
+# %%
+#| export
 def _cutoffs(priority: Tensor, k: int, sink: int, window: int, cutoff: tuple[Tensor, Tensor] | None):
     "`topk_cutoff(priority.detach(), k, sink, window)`, or `cutoff` (those already computed) after a shape check."
     if cutoff is None: return topk_cutoff(priority.detach(), k, sink, window)
@@ -176,6 +203,17 @@ def _cutoffs(priority: Tensor, k: int, sink: int, window: int, cutoff: tuple[Ten
                          f"{tuple(priority.shape)}")
     return cutoff
 
+
+# %%
+_p6 = torch.tensor([[[5.0, 1, 4, 3, 0, 2]]])
+test_eq(_cutoffs(_p6, 2, 0, 1, None), topk_cutoff(_p6, 2, 0, 1))
+_given = topk_cutoff(_p6, 2, 0, 1)
+assert _cutoffs(_p6, 2, 0, 1, _given) is _given  # computed once, used as given
+test_fail(lambda: _cutoffs(_p6, 2, 0, 1, (_given[0], _given[1][..., :3])), contains="topk_cutoff's (rank, cutoff)")
+
+
+# %%
+#| export
 def teacher_boundary(target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int, k: int,
                      cutoff: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Eq. (6): new eligible token `q - window`, teacher's boundary token, label `y` (+1 keep, -1 drop), int64
@@ -194,10 +232,22 @@ def teacher_boundary(target_priority: Tensor, q: Tensor | Sequence[int], sink: i
     return t_new, t_bnd, y
 
 
+# %%
+# by hand, priorities 5, 1, 4, 3, 0, 2, no sink, w = 1, k = 2: the teacher keeps tokens 0 and 2 at every q.
+# q = 3: the new token 2 is kept (y = +1) as the k-th, so the boundary is the first dropped, 1; q = 4, 5: the new
+# tokens 3, 4 are dropped (y = -1) and the boundary is the k-th kept, 2
+test_eq(teacher_boundary(_p6, [3, 4, 5], 0, 1, 2),
+        (torch.tensor([[[2, 3, 4]]]), torch.tensor([[[1, 2, 2]]]), torch.tensor([[[1, -1, -1]]])))
+
+
 # %% [markdown]
 # Ranks count from 0 over the tokens $t \ge s$ only (sinks never compete), so `tok` has
 # $S - s$ entries and `tok[..., r]` is the token of rank `r`. The brute-force reference sorts
 # $\mathcal{E}(q)$ explicitly for every batch row, head and query:
+#
+# Check on random priorities, on priorities with many ties (few distinct values), and at the
+# extremes: a single valid query ($S = s + w + k + 1$), no sinks, $k = 1$. The fast version
+# must equal the reference everywhere:
 
 # %%
 #| export
@@ -221,11 +271,6 @@ def teacher_boundary_reference(target_priority: Tensor, q: Tensor | Sequence[int
     dev = target_priority.device
     return t_new.to(dev), t_bnd.to(dev), y.to(dev)
 
-
-# %% [markdown]
-# Check on random priorities, on priorities with many ties (few distinct values), and at the
-# extremes: a single valid query ($S = s + w + k + 1$), no sinks, $k = 1$. The fast version
-# must equal the reference everywhere:
 
 # %%
 def _random_priority(B, H, S, ties, seed):
@@ -348,11 +393,28 @@ def teacher_margin(target_priority: Tensor, t_new: Tensor, t_bnd: Tensor, y: Ten
     p = target_priority.detach().float()
     return y * (p.gather(-1, t_new) - p.gather(-1, t_bnd))
 
+
+# %%
+# the case above: y (p[t_new] - p[t_bnd]) = 1 (4 - 1), -1 (3 - 4), -1 (0 - 4)
+_tb = teacher_boundary(_p6, [3, 4, 5], 0, 1, 2)
+test_eq(teacher_margin(_p6, *_tb).tolist(), [[[3.0, 1.0, 4.0]]])
+
+
+# %%
+#| export
 def margin_weight(target_margin: Tensor, omega_min: float = 0.1, tau_omega: float = 1.0) -> Tensor:
     "Eq. (23): `omega_min + (1 - omega_min) * sigmoid(margin / tau_omega)`; near-ties get less weight."
     if not 0.0 <= omega_min <= 1.0: raise ValueError(f"omega_min must lie in [0, 1], got {omega_min!r}")
     if not tau_omega > 0: raise ValueError(f"tau_omega must be > 0, got {tau_omega!r}")
     return omega_min + (1 - omega_min) * torch.sigmoid(target_margin / tau_omega)
+
+
+# %%
+test_close(margin_weight(torch.tensor([0.0])).item(), 0.1 + 0.9 * 0.5, eps=1e-7)  # a tie: halfway
+test_close(margin_weight(torch.tensor([50.0]), omega_min=0.2).item(), 1.0, eps=1e-7)  # a clear decision: full weight
+test_close(margin_weight(torch.tensor([2.0]), tau_omega=2.0).item(), 0.1 + 0.9 / (1 + math.exp(-1.0)), eps=1e-7)
+test_fail(lambda: margin_weight(torch.tensor([0.0]), omega_min=1.5), contains="omega_min must lie in [0, 1]")
+test_fail(lambda: margin_weight(torch.tensor([0.0]), tau_omega=0), contains="tau_omega must be > 0")
 
 
 # %% [markdown]
@@ -435,6 +497,19 @@ def retention_loss(pred_priority: Tensor, target_priority: Tensor, q: Tensor | S
     if balance: w = w * balance_weight(y, c_min, c_max)
     loss = w * F.softplus(-z)
     return loss.mean() if reduction == "mean" else loss
+
+
+# %%
+# the student equal to the teacher in the case above: signed gaps 3, 1, 4, each term softplus(-gap / tau)
+_gaps = torch.tensor([3.0, 1.0, 4.0])
+assert_close(retention_loss(_p6, _p6, [3, 4, 5], 0, 1, 2, margin=False), F.softplus(-_gaps).mean())
+assert_close(retention_loss(_p6, _p6, [3, 4, 5], 0, 1, 2, tau=2.0, margin=False, reduction="none"),
+             F.softplus(-_gaps / 2)[None, None])
+assert_close(retention_loss(_p6, _p6, [3, 4, 5], 0, 1, 2, reduction="none"),
+             (margin_weight(_gaps) * F.softplus(-_gaps))[None, None])
+test_fail(lambda: retention_loss(_p6, _p6[..., :5], [3], 0, 1, 2), contains="must have the same shape")
+test_fail(lambda: retention_loss(_p6, _p6, [3], 0, 1, 2, tau=0), contains="tau must be > 0")
+test_fail(lambda: retention_loss(_p6, _p6, [3], 0, 1, 2, reduction="sum"), contains="reduction must be")
 
 
 # %% [markdown]
@@ -548,6 +623,16 @@ def kept_long_range(priority: Tensor, q: Tensor | Sequence[int], sink: int, wind
     eligible = (t >= sink) & (t <= (q - window)[:, None])
     return eligible & (rank[..., None, :] <= cutoff[..., q, None])
 
+
+# %%
+# the case above: at q = 3 and 4 the teacher keeps tokens 0 and 2
+test_eq(kept_long_range(_p6, [3, 4], 0, 1, 2).int().tolist(), [[[[1, 0, 1, 0, 0, 0], [1, 0, 1, 0, 0, 0]]]])
+# the student ranking by -p keeps the lowest: tokens 1 and 2 at q = 3 (E = {0, 1, 2}), 1 and 3 at q = 4
+test_eq(kept_long_range(-_p6, [3, 4], 0, 1, 2).int().tolist(), [[[[0, 1, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0]]]])
+
+
+# %%
+#| export
 def retention_recall(pred_priority: Tensor, target_priority: Tensor, q: Tensor | Sequence[int], sink: int, window: int,
                      k: int, target_cutoff: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """`|student kept ∩ teacher kept| / k` at positions `q`, per row, head and position `[B, H, len(q)]` (§4, Fig. 7);

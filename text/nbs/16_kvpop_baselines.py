@@ -19,6 +19,8 @@ from sparsekv.hf import DensePolicy, MaskPolicy, Method, heads_mask, patch
 
 # %%
 #| hide
+from types import SimpleNamespace
+
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
@@ -55,6 +57,13 @@ from sparsekv.models import load_model
 HEAD_REDUCTIONS = ("group", "all")
 
 
+# %%
+# the values of the `heads` option (they name result rows): per KV head's group, or over all query heads
+test_eq(HEAD_REDUCTIONS, ("group", "all"))
+
+
+# %%
+#| export
 class AttentionScoreRule(TopScoreRule):
     "Sinks, a window and the `k` best attention-based scores of older entries; `observe` turns attention into scores."
     observes_attention = True
@@ -74,6 +83,20 @@ class AttentionScoreRule(TopScoreRule):
         raise NotImplementedError(f"{type(self).__name__} must implement observe(layer, probs)")
 
 
+# %%
+# s = 1, w = 1, k = 1 over positions 0..5: a chunk of queries sees every earlier entry (dense, evict after it); one
+# query (5) sees the sink, itself and the best-scored older entry (position 1, score 5)
+_lay = SimpleNamespace(positions=torch.arange(6).expand(1, 1, 6), scores=torch.tensor([[[0.0, 5, 1, 4, 0, 0]]]))
+_asr = AttentionScoreRule(1, 1, 1)
+test_eq(_asr.visible(_lay, torch.tensor([4, 5]))[0, 0].int().tolist(), [[1, 1, 1, 1, 1, 0], [1] * 6])
+test_eq(_asr.visible(_lay, torch.tensor([5]))[0, 0, 0].int().tolist(), [1, 1, 0, 0, 0, 1])
+test_eq((_asr.heads, _asr.observes_attention), ("group", True))
+test_fail(lambda: _asr.observe(_lay, None), exc=NotImplementedError, contains="must implement observe")
+test_fail(lambda: AttentionScoreRule(1, 1, 1, heads="max"), contains="heads must be one of")
+
+
+# %%
+#| export
 class TOVARule(AttentionScoreRule):
     "TOVA: an entry's score is the attention it gets from the latest query."
 
@@ -81,6 +104,15 @@ class TOVARule(AttentionScoreRule):
         layer.scores = probs[:, :, -1].float()
 
 
+# %%
+_probs = torch.tensor([[[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]]])  # [B=1, Hkv=1, Sq=2, N=3]
+_lay = SimpleNamespace(scores=torch.tensor([[[9.0, 9.0, 9.0]]]))
+TOVARule(0, 1, 2).observe(_lay, _probs)
+test_eq(_lay.scores, torch.tensor([[[0.2, 0.3, 0.5]]]))  # the latest query's attention replaces the scores
+
+
+# %%
+#| export
 class H2ORule(AttentionScoreRule):
     "H2O: an entry's score is the attention it has accumulated over all queries since it was cached."
 
@@ -88,9 +120,22 @@ class H2ORule(AttentionScoreRule):
         layer.scores = layer.scores + probs.sum(2).float()
 
 
+# %%
+_lay = SimpleNamespace(scores=torch.tensor([[[1.0, 0.0, 0.0]]]))
+H2ORule(0, 1, 2).observe(_lay, _probs)
+assert_close(_lay.scores, torch.tensor([[[1.7, 0.8, 0.5]]]))  # accumulated over both queries
+
+
+# %%
+#| export
 def streaming_llm_rule(sink: int, window: int, k: int) -> SinkWindowRule:
     "StreamingLLM with KVpop's budget s + w + k: sinks and the window + k most recent tokens."
     return SinkWindowRule(sink, window + k)
+
+
+# %%
+_sl = streaming_llm_rule(2, 3, 4)
+test_eq((type(_sl), _sl.sink, _sl.window), (SinkWindowRule, 2, 3 + 4))
 
 
 # %% [markdown]
@@ -110,6 +155,17 @@ def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> 
     return torch.softmax(logits, -1)
 
 
+# %%
+q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8)
+m = torch.rand(1, 2, 2, 5) > 0.3
+m[..., 0] = True
+ref = torch.stack([torch.softmax((q[0, h] @ k[0, h // 2].T * 0.3).masked_fill(~m[0, h // 2], -torch.inf), -1)
+                   for h in range(4)])[None]
+assert_close(attention_probs(q, k, m, 0.3), ref)
+
+
+# %%
+#| export
 def reduce_heads(probs: Tensor, n_kv_heads: int, heads: str = "group") -> Tensor:
     "Per-KV-head attention [B,Hkv,Sq,N] from [B,Hq,Sq,N]: mean per group ('group') or over all heads ('all')."
     if heads not in HEAD_REDUCTIONS: raise ValueError(f"heads must be one of {HEAD_REDUCTIONS}, got {heads!r}")
@@ -118,6 +174,15 @@ def reduce_heads(probs: Tensor, n_kv_heads: int, heads: str = "group") -> Tensor
     return probs.view(B, n_kv_heads, Hq // n_kv_heads, Sq, N).mean(2)
 
 
+# %%
+p = torch.softmax(torch.randn(2, 6, 3, 5), -1)
+assert_close(reduce_heads(p, 2)[:, 1], p[:, 3:6].mean(1))
+assert_close(reduce_heads(p, 3, "all")[:, 2], p.mean(1))
+test_fail(lambda: reduce_heads(p, 2, "max"), contains="heads must be one of")
+
+
+# %%
+#| export
 class AttentionScorePolicy(DensePolicy):
     "Exact attention that also hands its probabilities to an `AttentionScoreRule`'s cache layer (before eviction)."
 
@@ -131,16 +196,14 @@ class AttentionScorePolicy(DensePolicy):
 
 
 # %%
-p = torch.softmax(torch.randn(2, 6, 3, 5), -1)
-assert_close(reduce_heads(p, 2)[:, 1], p[:, 3:6].mean(1))
-assert_close(reduce_heads(p, 3, "all")[:, 2], p.mean(1))
-q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8)
-m = torch.rand(1, 2, 2, 5) > 0.3
-m[..., 0] = True
-ref = torch.stack([torch.softmax((q[0, h] @ k[0, h // 2].T * 0.3).masked_fill(~m[0, h // 2], -torch.inf), -1)
-                   for h in range(4)])[None]
-assert_close(attention_probs(q, k, m, 0.3), ref)
-test_fail(lambda: reduce_heads(p, 2, "max"), contains="heads must be one of")
+from sparsekv.hf import dense_attention
+
+_q, _k, _v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+_causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+_layer = EvictingLayer(TOVARule(0, 1, 2), 0)
+_ctx = SimpleNamespace(cache_layer=_layer, mask=None, scale=0.5, dropout=0.0, full_mask=lambda: _causal)
+assert_close(AttentionScorePolicy().attend(_q, _k, _v, _ctx), dense_attention(_q, _k, _v, None, 0.5, 0.0))
+assert_close(_layer.scores, reduce_heads(attention_probs(_q, _k, _causal, 0.5), 2)[:, :, -1])  # what TOVA observes
 
 
 # %% [markdown]
@@ -154,6 +217,9 @@ test_fail(lambda: reduce_heads(p, 2, "max"), contains="heads must be one of")
 # used under its `policy()`, so the cache never keeps more than $B$ entries per KV head between
 # steps. Each baseline is one subclass with a `name`, which registers it for `sparsekv.methods`:
 # adding an eviction baseline means adding its rule and one such class here.
+#
+# The split, by hand: $B = 4356$ gives KVpop's $(4, 256, 4096)$; small budgets keep a window of one and
+# as many sinks as fit.
 
 # %%
 #| export
@@ -167,6 +233,15 @@ def split_budget(budget: int, sink: int | None = None, window: int | None = None
     return sink, window, B - sink - window
 
 
+# %%
+test_eq(split_budget(4356), (4, 256, 4096))
+test_eq([split_budget(b) for b in (1, 3, 5, 40)], [(0, 1, 0), (2, 1, 0), (4, 1, 0), (4, 2, 34)])
+test_eq(split_budget(10, sink=1, window=2), (1, 2, 7))
+test_fail(lambda: split_budget(4, sink=2, window=3), contains="budget=4 must cover")
+
+
+# %%
+#| export
 class EvictionMethod(Method):
     "Evict while reading: an `EvictingCache` of `rule()` under `policy()` keeps sink + window + k entries per KV head."
     family = "eviction"
@@ -185,6 +260,15 @@ class EvictionMethod(Method):
         return EvictingCache(self.rule())
 
 
+# %%
+_em = EvictionMethod(20, 2, 4, chunk_size=8)
+test_eq((_em.sink, _em.window, _em.k, _em.chunk_size, _em.family), (2, 4, 14, 8, "eviction"))
+test_fail(lambda: _em.rule(), exc=NotImplementedError, contains="EvictionMethod must implement rule()")
+test_fail(lambda: EvictionMethod(20, chunk_size=0), contains="chunk_size must be an int >= 1")
+
+
+# %%
+#| export
 class StreamingLLM(EvictionMethod):
     "StreamingLLM (Xiao et al.): the sinks and the window + k most recent tokens."
     name = "streaming_llm"
@@ -193,6 +277,14 @@ class StreamingLLM(EvictionMethod):
         return streaming_llm_rule(self.sink, self.window, self.k)
 
 
+# %%
+test_eq(type(StreamingLLM(20, 2, 4).rule()).__name__, "SinkWindowRule")
+test_eq(StreamingLLM(20, 2, 4).rule().window, 4 + 14)
+test_eq(type(StreamingLLM(20, 2, 4).cache(None).rule), SinkWindowRule)
+
+
+# %%
+#| export
 class TOVA(EvictionMethod):
     """TOVA (Oren et al.): the k older entries most attended by the latest query; `heads` 'all' (the paper's and
     kvpress's: attention averaged over every query head, one kept set) or 'group' (per KV head's group)."""
@@ -214,6 +306,18 @@ class TOVA(EvictionMethod):
         return AttentionScorePolicy()
 
 
+# %%
+test_fail(lambda: TOVA(0), contains="budget must be")
+test_fail(lambda: TOVA(8, heads="max"), contains="heads must be one of")
+test_eq(TOVA(8, heads="group").rule().heads, "group")
+test_eq((type(TOVA(8).policy()), (TOVA(8).rule().sink, TOVA(8).rule().k)), (AttentionScorePolicy, split_budget(8)[::2]))
+
+
+# %% [markdown]
+# The registry builds the rules of each name, with TOVA's heads averaged as in its paper and H2O's per group:
+
+# %%
+#| export
 class H2O(TOVA):
     "H2O (Zhang et al.): the k older entries with the most attention accumulated since they were cached."
     name = "h2o"
@@ -221,22 +325,9 @@ class H2O(TOVA):
     default_heads = "group"  # each KV head keeps its own heavy hitters, as H2O scores every head separately
 
 
-# %% [markdown]
-# The split, by hand: $B = 4356$ gives KVpop's $(4, 256, 4096)$; small budgets keep a window of one and
-# as many sinks as fit; the methods build the rules of their name.
-
 # %%
-test_eq(split_budget(4356), (4, 256, 4096))
-test_eq([split_budget(b) for b in (1, 3, 5, 40)], [(0, 1, 0), (2, 1, 0), (4, 1, 0), (4, 2, 34)])
-test_eq(split_budget(10, sink=1, window=2), (1, 2, 7))
-test_fail(lambda: split_budget(4, sink=2, window=3), contains="budget=4 must cover")
-test_fail(lambda: TOVA(0), contains="budget must be")
-test_fail(lambda: TOVA(8, heads="max"), contains="heads must be one of")
-test_eq(type(StreamingLLM(20, 2, 4).rule()).__name__, "SinkWindowRule")
-test_eq(StreamingLLM(20, 2, 4).rule().window, 4 + 14)
 test_eq([type(Method.registry[n](8).rule()).__name__ for n in ("tova", "h2o")], ["TOVARule", "H2ORule"])
 test_eq([Method.registry[n](8).rule().heads for n in ("tova", "h2o")], ["all", "group"])  # TOVA: the paper's
-test_eq(TOVA(8, heads="group").rule().heads, "group")
 
 
 def _baseline(name, sink, window, k, heads="group"):
@@ -271,6 +362,19 @@ class RowsPolicy(MaskPolicy):
         return m
 
 
+# %%
+# one layer, one KV head, two query heads: rows 0, 1, 2 see {0}, {0, 1}, {0, 2}
+_rp = RowsPolicy([[[{0}, {0, 1}, {0, 2}]]])
+_q, _k = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 3, 4)
+test_eq(_rp.mask(_q, _k, None, SimpleNamespace(layer_idx=0, scale=0.5))[0, 0].int().tolist(),
+        [[1, 0, 0], [1, 1, 0], [1, 0, 1]])
+for j in range(2):
+    _w = torch.softmax(_k[0, 0, [0, 2]] @ _q[0, j, -1] * 0.5, -1)
+    assert_close(_rp.probs[0][j], torch.tensor([_w[0], 0.0, _w[1]]))
+
+
+# %%
+#| export
 def eviction_reference(model, ids, kind: str, sink: int, window: int, k: int, heads: str = "group"):
     "Brute-force StreamingLLM/TOVA/H2O on one sequence: step logits `[1,S,V]`, kept positions per layer and KV head."
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
@@ -310,7 +414,6 @@ def _decode(model, ids, rule, policy):
     return torch.stack(out, 1), cache
 
 
-# %%
 model, _ = load_model("tiny-llama", dtype=torch.float64)
 ids = torch.randint(3, model.config.vocab_size, (1, 14), generator=torch.Generator().manual_seed(0))
 for kind, heads in (("tova", "group"), ("h2o", "group"), ("tova", "all")):

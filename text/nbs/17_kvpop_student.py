@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from fastcore.basics import patch_to
 from torch import Tensor, nn
 
 from sparsekv.attention import attention_scores, check_int, masked_attention, masked_logsumexp, sink_window_visible
@@ -36,6 +37,7 @@ from sparsekv.models import model_info
 # %%
 #| hide
 import tempfile
+from types import SimpleNamespace
 
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
@@ -47,6 +49,7 @@ from sparsekv.models import load_model
 from sparsekv.kvpop.cache import random_scorers
 from sparsekv.kvpop.loss import retention_loss_reference
 from sparsekv.kvpop.mask import kvpop_mask_reference
+
 
 
 # %% [markdown]
@@ -104,6 +107,7 @@ from sparsekv.kvpop.mask import kvpop_mask_reference
 # Computing the target inside the forward rather than in `method_loss` keeps only two `[B, Hkv, S]`
 # tensors per layer alive instead of the layer's $q$ and $k$; the computation is the same.
 
+
 # %%
 #| export
 class KVpopTrainPolicy(AttentionPolicy):
@@ -129,21 +133,50 @@ class KVpopTrainPolicy(AttentionPolicy):
             st.captured.append((pred, target))
         return out
 
-    def _sparse(self, q, k, v, ctx, pred, capture):
-        "Attention under the mask of the priorities `pred` (Eq. 26) and, when capturing, its sparse LSE (Eq. 9)."
-        st = self.student
-        rank, cutoff = topk_cutoff(pred.detach(), st.k, st.sink, st.window)  # float32 ranking, no gradient
-        if q.is_cuda and ctx.mask is None:  # FlexAttention with the on-the-fly mask: output and LSE in one pass
-            out, lse = kvpop_attention(q, k, v, rank, cutoff, st.sink, st.window, scale=ctx.scale)
+
+# %%
+test_eq(KVpopTrainPolicy("a student").student, "a student")
+test_fail(lambda: KVpopTrainPolicy(None).attend(None, None, None, SimpleNamespace(past_len=3)),
+          contains="takes whole sequences: call the model without a cache")
+
+
+# %% [markdown]
+# `_sparse` is the attention under the mask of the priorities. Checked on CPU against `attention_reference` under
+# `kvpop_mask_reference` (the mask by loops), with 2 query heads per KV head: the output, and the sparse LSE only
+# when capturing:
+
+# %%
+#| export
+@patch_to(KVpopTrainPolicy)
+def _sparse(self, q, k, v, ctx, pred, capture):
+    "Attention under the mask of the priorities `pred` (Eq. 26) and, when capturing, its sparse LSE (Eq. 9)."
+    st = self.student
+    rank, cutoff = topk_cutoff(pred.detach(), st.k, st.sink, st.window)  # float32 ranking, no gradient
+    if q.is_cuda and ctx.mask is None:  # FlexAttention with the on-the-fly mask: output and LSE in one pass
+        out, lse = kvpop_attention(q, k, v, rank, cutoff, st.sink, st.window, scale=ctx.scale)
+    else:
+        # dense mask (a model mask, e.g. padding, intersected); on CPU: SDPA, the LSE only when needed, no graph
+        m = kvpop_mask(rank, cutoff, st.sink, st.window, q.shape[1] // k.shape[1])
+        if ctx.mask is not None: m = m & heads_mask(ctx.mask, q.shape[1])
+        if q.is_cuda: out, lse = masked_attention(q, k, v, m, scale=ctx.scale)
         else:
-            # dense mask (a model mask, e.g. padding, intersected); on CPU: SDPA, the LSE only when needed, no graph
-            m = kvpop_mask(rank, cutoff, st.sink, st.window, q.shape[1] // k.shape[1])
-            if ctx.mask is not None: m = m & heads_mask(ctx.mask, q.shape[1])
-            if q.is_cuda: out, lse = masked_attention(q, k, v, m, scale=ctx.scale)
-            else:
-                out = dense_attention(q, k, v, m, ctx.scale, ctx.dropout)
-                with torch.no_grad(): lse = masked_logsumexp(attention_scores(q, k, m, ctx.scale)) if capture else None
-        return out, lse
+            out = dense_attention(q, k, v, m, ctx.scale, ctx.dropout)
+            with torch.no_grad(): lse = masked_logsumexp(attention_scores(q, k, m, ctx.scale)) if capture else None
+    return out, lse
+
+
+# %%
+_g = torch.Generator().manual_seed(3)
+_q, _k, _v = (torch.randn(2, h, 12, 8, generator=_g) for h in (4, 2, 2))
+_pred = torch.randn(2, 2, 12, generator=_g)
+_pol = KVpopTrainPolicy(SimpleNamespace(k=3, sink=1, window=2))
+_ctx = SimpleNamespace(mask=None, scale=0.3, dropout=0.0)
+_out_ref, _lse_ref = attention_reference(_q, _k, _v, kvpop_mask_reference(_pred, 3, 1, 2).repeat_interleave(2, 1),
+                                         scale=0.3)
+_out, _lse = _pol._sparse(_q, _k, _v, _ctx, _pred, capture=True)
+assert_close(_out, _out_ref, atol=1e-5, rtol=1e-5)
+assert_close(_lse, _lse_ref, atol=1e-5, rtol=1e-5)
+test_eq(_pol._sparse(_q, _k, _v, _ctx, _pred, capture=False)[1], None)
 
 
 # %% [markdown]
@@ -155,16 +188,67 @@ class KVpopTrainPolicy(AttentionPolicy):
 # `retention_loss` (Eq. 7, margin weighting on, App. F) over layers. It also logs the top-$k$ retention recall
 # of the student against the teacher policy at the same positions (Fig. 7).
 
+
 # %%
 #| export
 TARGETS = ("sparse", "dense")
 
 
+# %%
+test_eq(TARGETS[0], "sparse")  # Alg. 1's target comes first: it is `KVpopStudent`'s default
+test_eq(set(TARGETS), {"sparse", "dense"})
+
+
+# %%
+#| export
 def step_generator(seed: int, step: int) -> torch.Generator:
     "A CPU generator seeded by (seed, step): the same random draws at a step whether the run was resumed or not."
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
+# %%
+test_eq((step_generator(0, 5).initial_seed(), step_generator(2, 3).initial_seed()), (5, 2_000_009))
+test_eq(torch.rand(3, generator=step_generator(1, 7)), torch.rand(3, generator=step_generator(1, 7)))
+assert not torch.equal(torch.rand(3, generator=step_generator(1, 7)), torch.rand(3, generator=step_generator(1, 8)))
+
+
+# %%
+#| export
+def _check_loss_options(late_frac, omega_min, weight, tau, tau_omega, eps, margin, balance) -> None:
+    "Raise unless `KVpopStudent`'s numbers are finite and in range (tau, tau_omega, eps > 0) and its flags bools."
+    for name, x, lo, hi in (("late_frac", late_frac, 0, 1), ("omega_min", omega_min, 0, 1),
+                            ("weight", weight, 0, math.inf), ("tau", tau, 0, math.inf),
+                            ("tau_omega", tau_omega, 0, math.inf), ("eps", eps, 0, math.inf)):
+        open_lo = name in ("tau", "tau_omega", "eps")
+        if (isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+                or not (lo < x if open_lo else lo <= x) or x > hi):
+            raise ValueError(f"{name} must be a finite number in {'(' if open_lo else '['}{lo}, {hi}"
+                             f"{')' if hi == math.inf else ']'}, got {x!r}")
+    for name, x in (("margin", margin), ("balance", balance)):
+        if not isinstance(x, bool): raise TypeError(f"{name} must be a bool, got {x!r}")
+
+
+# %%
+_ok = dict(late_frac=0.5, omega_min=0.1, weight=1.0, tau=1.0, tau_omega=1.0, eps=1e-6, margin=True, balance=False)
+_check_loss_options(**_ok)
+_check_loss_options(**{**_ok, "late_frac": 1, "omega_min": 0, "weight": 0})  # closed ends
+test_fail(lambda: _check_loss_options(**{**_ok, "late_frac": 1.5}),
+          contains="late_frac must be a finite number in [0, 1]")
+test_fail(lambda: _check_loss_options(**{**_ok, "tau": 0}), contains="tau must be a finite number in (0, inf)")
+test_fail(lambda: _check_loss_options(**{**_ok, "eps": math.nan}), contains="eps must be a finite number")
+test_fail(lambda: _check_loss_options(**{**_ok, "weight": True}), contains="weight must be a finite number")
+test_fail(lambda: _check_loss_options(**{**_ok, "balance": 1}), contains="balance must be a bool, got 1")
+
+
+# %% [markdown]
+# The policy's attention must be the KVpop mask of the current scorers, with the sparse LSE. We check the
+# output of a patched tiny model layer against `attention_reference` under `kvpop_mask_reference` (the mask
+# from its definition, by loops), and that the captured target is `future_attention_target` with the
+# reference LSE, decayed.
+
+
+# %%
+#| export
 class KVpopStudent(DistillStudent):
     "KVpop (Alg. 1): scorer-ranked sparse attention; retention loss (Eq. 7) on its own sparse pass's target."
 
@@ -177,16 +261,7 @@ class KVpopStudent(DistillStudent):
             raise TypeError(f"scorers must be a KVpopScorers, got {type(scorers).__name__}")
         self.k, self.sink, self.window = check_budget(k, sink, window)
         check_int(n_boundaries, "n_boundaries", 1), check_int(seed, "seed")
-        for name, x, lo, hi in (("late_frac", late_frac, 0, 1), ("omega_min", omega_min, 0, 1),
-                                ("weight", weight, 0, math.inf), ("tau", tau, 0, math.inf),
-                                ("tau_omega", tau_omega, 0, math.inf), ("eps", eps, 0, math.inf)):
-            open_lo = name in ("tau", "tau_omega", "eps")
-            if (isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
-                    or not (lo < x if open_lo else lo <= x) or x > hi):
-                raise ValueError(f"{name} must be a finite number in {'(' if open_lo else '['}{lo}, {hi}"
-                                 f"{')' if hi == math.inf else ']'}, got {x!r}")
-        for name, x in (("margin", margin), ("balance", balance)):
-            if not isinstance(x, bool): raise TypeError(f"{name} must be a bool, got {x!r}")
+        _check_loss_options(late_frac, omega_min, weight, tau, tau_omega, eps, margin, balance)
         if agg not in AGGS: raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
         self.scorers, self.n_boundaries, self.late_frac = scorers, n_boundaries, late_frac
         self.weight, self.seed = weight, seed
@@ -195,26 +270,6 @@ class KVpopStudent(DistillStudent):
         self.agg, self.eps, self.target = agg, eps, target
         self.captured: list[tuple[Tensor, Tensor]] = []
 
-    @classmethod
-    def for_model(cls, model, sink: int, window: int, k: int, scorer: str = "mlp", n: int = 1, gamma_min: float = 0.999,
-                  gamma_max: float = 0.999999, **options) -> "KVpopStudent":
-        "Fresh float32 scorers for `model`'s layers ('mlp', or 'mlstm' with delay = window, §3.3), Table 3 decays."
-        info = model_info(model)
-        return cls.for_shape(info.num_layers, info.num_kv_heads, info.head_dim, sink, window, k, scorer, n, gamma_min,
-                             gamma_max, next(model.parameters()).device, **options)
-
-    @classmethod
-    def for_shape(cls, num_layers: int, num_kv_heads: int, head_dim: int, sink: int, window: int, k: int,
-                  scorer: str = "mlp", n: int = 1, gamma_min: float = 0.999, gamma_max: float = 0.999999,
-                  device=None, **options) -> "KVpopStudent":
-        "`for_model` for a model of `num_layers` layers of `num_kv_heads` KV heads of `head_dim`, on `device`."
-        args = num_layers, num_kv_heads, head_dim
-        if scorer == "mlp": sc = KVpopScorers.mlp(*args, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
-        elif scorer == "mlstm":
-            sc = KVpopScorers.mlstm(*args, delay=window, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
-        else: raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {scorer!r}")
-        return cls(sc.to(device), sink, window, k, **options)
-
     def policy(self) -> KVpopTrainPolicy:
         return KVpopTrainPolicy(self)
 
@@ -222,53 +277,9 @@ class KVpopStudent(DistillStudent):
         "Each layer's scorer and decay: the policy calls their forward."
         return [*self.scorers.scorers, *self.scorers.decays]
 
-    def method_loss(self, step: int) -> tuple[Tensor, dict[str, float]]:
-        if not self.captured:
-            raise RuntimeError("method_loss needs a training forward under policy() in train() mode first")
-        captured, self.captured = self.captured, []
-        return self._retention(captured, step)
-
-    def cached_loss(self, batch: dict, step: int) -> tuple[Tensor, dict[str, float]]:
-        """`method_loss` of a `target="dense"` step from cached activations: `batch` holds per layer the post-RoPE
-        'keys' and 'values' [B,L,Hkv,S,d] and the undecayed dense 'target' [B,L,Hkv,S] (`sparsekv.kvpop.offline`)."""
-        if self.target != "dense":
-            raise ValueError("cached activations hold the dense target (Eq. 2): train from them a student built with "
-                             f"target='dense', not target={self.target!r}")
-        keys, values, r_tgt = batch["keys"], batch["values"], batch["target"]
-        if keys.dim() != 5 or keys.shape[1] != len(self.scorers.scorers):
-            raise ValueError(f"batch['keys'] must be [B, L={len(self.scorers.scorers)}, Hkv, S, d], got "
-                             f"{tuple(keys.shape)}")
-        B, L, H, S, _ = keys.shape
-        pos = torch.arange(S, device=keys.device).expand(B, H, S)
-        captured = []
-        for layer in range(L):
-            pred = self.scorers.priority(layer, keys[:, layer].float(), values[:, layer].float(), pos)
-            with torch.no_grad(): target = self.scorers.decayed(layer, r_tgt[:, layer], pos)
-            captured.append((pred, target))
-        return self._retention(captured, step)
-
-    def _retention(self, captured: list[tuple[Tensor, Tensor]], step: int) -> tuple[Tensor, dict[str, float]]:
-        "Eq. (7) averaged over layers at the step's sampled boundary queries, and the top-k retention recall."
-        S = captured[0][0].shape[-1]
-        q = sample_boundary_queries(S, self.n_boundaries, self.sink, self.window, self.k, self.late_frac,
-                                    generator=step_generator(self.seed, step), device=captured[0][0].device)
-        losses, recalls, (s, w, k) = [], [], (self.sink, self.window, self.k)
-        for p, t in captured:
-            cut = topk_cutoff(t.detach(), k, s, w)  # the teacher's ranks and cutoffs: for the loss and the recall
-            losses.append(retention_loss(p, t, q, s, w, k, target_cutoff=cut, **self.loss_options))
-            recalls.append(retention_recall(p.detach(), t, q, s, w, k, cut).float().mean())
-        loss, recall = torch.stack(losses).mean(), torch.stack(recalls).mean()
-        return self.weight * loss, {"retention_loss": loss.item(), "retention_recall": recall.item()}
-
     def inference_cache(self) -> KVpopCache:
         return KVpopCache(self.scorers, self.sink, self.window, self.k)
 
-
-# %% [markdown]
-# The policy's attention must be the KVpop mask of the current scorers, with the sparse LSE. We check the
-# output of a patched tiny model layer against `attention_reference` under `kvpop_mask_reference` (the mask
-# from its definition, by loops), and that the captured target is `future_attention_target` with the
-# reference LSE, decayed.
 
 # %%
 model, tok = load_model("tiny-llama", num_layers=2)
@@ -306,10 +317,95 @@ with patch(model, student.policy()):
     logits_eval = model(ids).logits
 test_eq(len(student.captured), len(captured))  # eval mode captures nothing new
 assert_close(logits_eval, logits.detach())  # and attends identically
+test_eq((type(student.policy()), student.policy().student is student), (KVpopTrainPolicy, True))
+test_eq((type(student.inference_cache()), student.inference_cache().rule.budget), (KVpopCache, 2 + 4 + 3))
+test_eq(len(student.fsdp_units()), 2 * len(sc.scorers))
+test_fail(lambda: KVpopStudent("mlp", 2, 4, 3), exc=TypeError, contains="scorers must be a KVpopScorers, got str")
+test_fail(lambda: KVpopStudent(sc, 2, 4, 3, agg="median"), contains="agg must be one of")
+test_fail(lambda: KVpopStudent(sc, 2, 4, 3, tau=-1.0), contains="tau must be a finite number in (0, inf)")
+
+
+# %% [markdown]
+# Per layer one scorer and one decay; an mLSTM reads out `window` tokens late; student options pass through:
+
+# %%
+#| export
+@patch_to(KVpopStudent, cls_method=True)
+def for_shape(cls, num_layers: int, num_kv_heads: int, head_dim: int, sink: int, window: int, k: int,
+              scorer: str = "mlp", n: int = 1, gamma_min: float = 0.999, gamma_max: float = 0.999999,
+              device=None, **options) -> "KVpopStudent":
+    "`for_model` for a model of `num_layers` layers of `num_kv_heads` KV heads of `head_dim`, on `device`."
+    args = num_layers, num_kv_heads, head_dim
+    if scorer == "mlp": sc = KVpopScorers.mlp(*args, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
+    elif scorer == "mlstm":
+        sc = KVpopScorers.mlstm(*args, delay=window, n=n, gamma_min=gamma_min, gamma_max=gamma_max)
+    else: raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {scorer!r}")
+    return cls(sc.to(device), sink, window, k, **options)
+
+
+# %%
+_st = KVpopStudent.for_shape(3, 2, 8, 2, 4, 3, scorer="mlstm", n=2, seed=7)
+test_eq([type(s).__name__ for s in _st.scorers.scorers], ["MLSTMScorer"] * 3)
+test_eq((_st.scorers.scorers[0].delay, _st.scorers.n, _st.seed, (_st.sink, _st.window, _st.k)), (4, 2, 7, (2, 4, 3)))
+test_eq(len(_st.fsdp_units()), 6)
+test_fail(lambda: KVpopStudent.for_shape(3, 2, 8, 2, 4, 3, scorer="gru"), contains="scorer must be 'mlp' or 'mlstm'")
+
+
+# %%
+#| export
+@patch_to(KVpopStudent, cls_method=True)
+def for_model(cls, model, sink: int, window: int, k: int, scorer: str = "mlp", n: int = 1, gamma_min: float = 0.999,
+              gamma_max: float = 0.999999, **options) -> "KVpopStudent":
+    "Fresh float32 scorers for `model`'s layers ('mlp', or 'mlstm' with delay = window, §3.3), Table 3 decays."
+    info = model_info(model)
+    return cls.for_shape(info.num_layers, info.num_kv_heads, info.head_dim, sink, window, k, scorer, n, gamma_min,
+                         gamma_max, next(model.parameters()).device, **options)
+
+
+# %%
+_st = KVpopStudent.for_model(model, 2, 4, 3, gamma_min=0.99, gamma_max=0.999)
+_info = model_info(model)
+test_eq(len(_st.scorers.scorers), _info.num_layers)
+# alpha starts at 0: log(gamma) halfway between log(gamma_min) and log(gamma_max), Eq. (21)
+assert_close(_st.scorers.decays[0](), torch.full((_info.num_kv_heads,), (math.log(0.99) + math.log(0.999)) / 2))
+test_eq(sorted(_st.state_dict()), sorted(KVpopStudent.for_shape(_info.num_layers, _info.num_kv_heads,
+                                                                 _info.head_dim, 2, 4, 3).state_dict()))
+
+
+# %%
+#| export
+@patch_to(KVpopStudent)
+def method_loss(self, step: int) -> tuple[Tensor, dict[str, float]]:
+    if not self.captured:
+        raise RuntimeError("method_loss needs a training forward under policy() in train() mode first")
+    captured, self.captured = self.captured, []
+    return self._retention(captured, step)
+
+
+# %%
+test_fail(lambda: KVpopStudent(sc, sink=2, window=4, k=3).method_loss(0), contains="needs a training forward")
+
 
 # %% [markdown]
 # The retention loss averaged over layers equals the loop-based `retention_loss_reference` (Eq. 5–7) per
 # layer on the raw scores, and its gradient reaches the scorers and decays only.
+
+# %%
+#| export
+@patch_to(KVpopStudent)
+def _retention(self, captured: list[tuple[Tensor, Tensor]], step: int) -> tuple[Tensor, dict[str, float]]:
+    "Eq. (7) averaged over layers at the step's sampled boundary queries, and the top-k retention recall."
+    S = captured[0][0].shape[-1]
+    q = sample_boundary_queries(S, self.n_boundaries, self.sink, self.window, self.k, self.late_frac,
+                                generator=step_generator(self.seed, step), device=captured[0][0].device)
+    losses, recalls, (s, w, k) = [], [], (self.sink, self.window, self.k)
+    for p, t in captured:
+        cut = topk_cutoff(t.detach(), k, s, w)  # the teacher's ranks and cutoffs: for the loss and the recall
+        losses.append(retention_loss(p, t, q, s, w, k, target_cutoff=cut, **self.loss_options))
+        recalls.append(retention_recall(p.detach(), t, q, s, w, k, cut).float().mean())
+    loss, recall = torch.stack(losses).mean(), torch.stack(recalls).mean()
+    return self.weight * loss, {"retention_loss": loss.item(), "retention_recall": recall.item()}
+
 
 # %%
 student.captured = captured
@@ -329,6 +425,7 @@ loss.backward()
 assert all(p.grad is not None for p in sc.parameters() if p.requires_grad and p.numel())
 assert all(p.grad is None for p in model.parameters())  # the retention loss never reaches the backbone
 sc.zero_grad()
+
 
 # %% [markdown]
 # ### The sparse and the dense target
@@ -364,11 +461,56 @@ test_fail(lambda: KVpopStudent(sc, 2, 4, 3, target="exact"), contains="target mu
 
 
 # %% [markdown]
+# `cached_loss` is the dense student's step from cached tensors: on random keys, values and undecayed targets of
+# the two layers it equals `retention_loss_reference` on the scorers' raw scores, averaged over layers; a sparse
+# student and a batch of the wrong number of layers are refused:
+
+# %%
+#| export
+@patch_to(KVpopStudent)
+def cached_loss(self, batch: dict, step: int) -> tuple[Tensor, dict[str, float]]:
+    """`method_loss` of a `target="dense"` step from cached activations: `batch` holds per layer the post-RoPE
+    'keys' and 'values' [B,L,Hkv,S,d] and the undecayed dense 'target' [B,L,Hkv,S] (`sparsekv.kvpop.offline`)."""
+    if self.target != "dense":
+        raise ValueError("cached activations hold the dense target (Eq. 2): train from them a student built with "
+                         f"target='dense', not target={self.target!r}")
+    keys, values, r_tgt = batch["keys"], batch["values"], batch["target"]
+    if keys.dim() != 5 or keys.shape[1] != len(self.scorers.scorers):
+        raise ValueError(f"batch['keys'] must be [B, L={len(self.scorers.scorers)}, Hkv, S, d], got "
+                         f"{tuple(keys.shape)}")
+    B, L, H, S, _ = keys.shape
+    pos = torch.arange(S, device=keys.device).expand(B, H, S)
+    captured = []
+    for layer in range(L):
+        pred = self.scorers.priority(layer, keys[:, layer].float(), values[:, layer].float(), pos)
+        with torch.no_grad(): target = self.scorers.decayed(layer, r_tgt[:, layer], pos)
+        captured.append((pred, target))
+    return self._retention(captured, step)
+
+
+# %%
+_g = torch.Generator().manual_seed(4)
+_L, _H, _d = len(sc.scorers), kh.shape[1], kh.shape[-1]
+_batch = dict(keys=torch.randn(B, _L, _H, S, _d, generator=_g), values=torch.randn(B, _L, _H, S, _d, generator=_g),
+              target=torch.randn(B, _L, _H, S, generator=_g))
+_loss, _metrics = dense_student.cached_loss(_batch, step=5)
+_refs = [retention_loss_reference(sc.raw(layer, _batch["keys"][:, layer], _batch["values"][:, layer]),
+                                  _batch["target"][:, layer], sc.decays[layer](), q.tolist(), 2, 4, 3)
+         for layer in range(_L)]
+assert_close(_loss, torch.stack(_refs).mean(), atol=1e-5, rtol=1e-5)
+test_eq(set(_metrics), {"retention_loss", "retention_recall"})
+test_fail(lambda: student.cached_loss(_batch, 5), contains="train from them a student built with target='dense'")
+test_fail(lambda: dense_student.cached_loss({**_batch, "keys": _batch["keys"][:, :1]}, 5),
+          contains=f"batch['keys'] must be [B, L={_L}, Hkv, S, d]")
+
+
+# %% [markdown]
 # ### StreamingLLM+ at the same budget
 #
 # StreamingLLM+ trains the base model under a fixed pattern with the same per-head budget $B = s + w + k$:
 # we give it the $s$ sinks and a recent window of $w + k$ tokens (the long-range slots become more window).
 # It has no new parameters and no method loss, so it is trained in full mode.
+
 
 # %%
 #| export
@@ -383,6 +525,15 @@ class SinkWindowPolicy(MaskPolicy):
         return sink_window_visible(self.sink, self.window)(p, t)
 
 
+# %%
+_ctx = SimpleNamespace(key_positions=torch.arange(8).expand(1, 1, 8), query_positions=torch.arange(6, 8))
+test_eq(SinkWindowPolicy(2, 3).mask(None, None, None, _ctx)[0, 0].int().tolist(),
+        [[1, 1, 0, 0, 1, 1, 1, 0], [1, 1, 0, 0, 0, 1, 1, 1]])
+test_fail(lambda: SinkWindowPolicy(2, 0), contains="window")
+
+
+# %%
+#| export
 class SinkWindowStudent(DistillStudent):
     "StreamingLLM+ (§4): `sink` sinks and a recent window of `window + k`, KVpop's budget s + w + k; no new parameters."
 
@@ -411,7 +562,7 @@ test_eq(sum(p.numel() for p in sw.parameters()), 0)
 #
 # KVpop and StreamingLLM+ are eviction methods (`sparsekv.kvpop.baselines.EvictionMethod`: the budget
 # $B = s + w + k$ per KV head, split as there) whose student `sparsekv.distill` trains. `TrainedMethod.student`
-# gives a fresh student for training (the CLI `python -m sparsekv.distill --student NAME` picks it by
+# gives a fresh student for training (the CLI `python -m sparsekv.train --student NAME` picks it by
 # method name); at inference the method uses the student's bounded cache, fresh (untrained: a neutral
 # ranking) unless `checkpoint` names the `trained.pt` the CLI saves. Only the student's state is loaded
 # from it: a full-mode run also saves the fine-tuned model (`"model"`), which is the model's to load.
@@ -423,6 +574,7 @@ test_eq(sum(p.numel() for p in sw.parameters()), 0)
 # is refused with an error naming both, and one trained on another model names the differing shapes. A file
 # without that description (saved by hand) is still checked against the student's parameter names and shapes.
 
+
 # %%
 #| export
 def _modules(spec: dict) -> set[str]:
@@ -430,10 +582,23 @@ def _modules(spec: dict) -> set[str]:
     return {c for c in spec["modules"].values() if not hasattr(nn, c)}
 
 
+# %%
+test_eq(_modules(dict(modules={"a": "Linear", "b": "MLPScorer", "c": "ModuleList", "d": "LogDecay"})),
+        {"MLPScorer", "LogDecay"})
+test_eq(_modules(student_spec(SinkWindowStudent(2, 4, 3))), set())
+
+
+# %% [markdown]
+# Check: a student's own state passes, with or without its description; an MLP checkpoint refuses an mLSTM
+# student naming both, with and without the description; a student of another model is refused by its shapes.
+
+# %%
+#| export
 def check_trained(ckpt, path, name: str, student: nn.Module) -> None:
     "Raise a ValueError unless `ckpt` (a loaded trained.pt) holds a student state for method `name`'s `student`."
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("student"), dict):
-        raise ValueError(f"checkpoint {path} holds no 'student' state: pass the trained.pt that sparsekv.distill saves")
+        raise ValueError(f"checkpoint {path} holds no 'student' state: pass the trained.pt that python -m "
+                         "sparsekv.train saves")
     now, saved = student_spec(student), ckpt.get("spec", {}).get("student")
     if saved is None:  # no description (saved by hand): compare parameter names and shapes
         saved = dict(type="a student", modules={}, shapes={k: list(v.shape) for k, v in ckpt["student"].items()})
@@ -456,10 +621,6 @@ def check_trained(ckpt, path, name: str, student: nn.Module) -> None:
                          + ", ".join(shapes[:3]))
 
 
-# %% [markdown]
-# Check: a student's own state passes, with or without its description; an MLP checkpoint refuses an mLSTM
-# student naming both, with and without the description; a student of another model is refused by its shapes.
-
 # %%
 mlp, mlstm = (KVpopStudent.for_model(model, 2, 4, 3, scorer=s) for s in ("mlp", "mlstm"))
 ck = dict(student=mlp.state_dict(), spec=dict(method="kvpop_mlp", student=student_spec(mlp)))
@@ -476,18 +637,32 @@ test_fail(lambda: check_trained(ck, "t.pt", "kvpop_mlp", KVpopStudent.for_model(
           contains="trained on another model")
 test_fail(lambda: check_trained({"model": {}}, "t.pt", "kvpop_mlp", mlp), contains="holds no 'student' state")
 
+
 # %% [markdown]
-# Every file a trained student loads from carries its SHA-256: the distill CLI writes `trained.pt.sha256` beside a
-# `trained.pt` (`io.atomic_path_with_digest`), and a shipped student's `manifest.json` records the size and digest of
-# each file of its folder under `files` (`write_shipped_manifest` adds them). `trained_digests` finds the record of a
-# file, and loading refuses a file that does not match it (`distill.load_torch_file`), naming what re-installs or
-# retrains it: some bytes zeroed in a `trained.pt` still load as a valid state, with changed weights.
+# Every file a trained student loads from carries its SHA-256: the training CLI (`python -m sparsekv.train`) writes
+# `trained.pt.sha256` beside a `trained.pt` (`io.atomic_path_with_digest`), and a shipped student's `manifest.json`
+# records the size and digest of each file of its folder under `files` (`write_shipped_manifest` adds them).
+# `trained_digests` finds the record of a file, and loading refuses a file that does not match it
+# (`distill.load_torch_file`), naming what re-installs or retrains it: some bytes zeroed in a `trained.pt` still load
+# as a valid state, with changed weights.
+#
+# Every shipped student's folder holds these files:
 
 # %%
 #| export
 SHIPPED_FILES = ("trained.pt", "history.csv")
 
 
+# %%
+for _d in Path(str(resources.files("sparsekv") / "checkpoints")).iterdir():
+    if _d.is_dir(): test_eq([n for n in SHIPPED_FILES if (_d / n).is_file()], list(SHIPPED_FILES))
+
+
+# %% [markdown]
+# The digest of `b"abc"` is the SHA-256 test vector of FIPS 180-2; the manifest's other entries stay:
+
+# %%
+#| export
 def manifest_with_digests(folder: str | Path, manifest: dict) -> dict:
     "`manifest` with `files`: the size and SHA-256 of each of `SHIPPED_FILES` in `folder` (what a load checks)."
     folder = Path(folder)
@@ -497,6 +672,18 @@ def manifest_with_digests(folder: str | Path, manifest: dict) -> dict:
                                   for n in SHIPPED_FILES}}
 
 
+# %%
+with tempfile.TemporaryDirectory() as d:
+    for n in SHIPPED_FILES: (Path(d)/n).write_bytes(b"abc")
+    abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    test_eq(manifest_with_digests(d, {"name": "x"}),
+            {"name": "x", "files": {n: {"bytes": 3, "sha256": abc} for n in SHIPPED_FILES}})
+    (Path(d)/"trained.pt").unlink()
+    test_fail(lambda: manifest_with_digests(d, {}), exc=FileNotFoundError, contains="lacks ['trained.pt']")
+
+
+# %%
+#| export
 def write_shipped_manifest(folder: str | Path, manifest: dict) -> Path:
     "Write `folder/manifest.json`: `manifest` with the digests of the folder's files (`manifest_with_digests`)."
     return write_json(Path(folder) / "manifest.json", manifest_with_digests(folder, manifest))
@@ -514,7 +701,8 @@ with tempfile.TemporaryDirectory() as d:
 
 # %% [markdown]
 # A `trained.pt` in a folder whose manifest records it is a shipped student's (re-installing restores it); any other
-# is a training run's (its digest file, written by the distill CLI).
+# is a training run's (its digest file, written by the training CLI).
+
 
 # %%
 #| export
@@ -529,7 +717,7 @@ def trained_digests(path: str | Path) -> tuple[list[str] | None, Path | None, st
         return [entry["sha256"]], manifest, (f"re-install sparsekv (pip install --force-reinstall --no-deps sparsekv; "
                                              f"in a clone: git checkout -- {path.parent}) or retrain it (the "
                                              "kvpop_train stage with ship=True)")
-    return None, None, ("retrain it (python -m sparsekv.distill --out FOLDER writes trained.pt with its digest) or "
+    return None, None, ("retrain it (python -m sparsekv.train --out FOLDER writes trained.pt with its digest) or "
                         "restore it and its .sha256 from a copy")
 
 
@@ -541,6 +729,9 @@ with tempfile.TemporaryDirectory() as d:
     test_eq(trained_digests(Path(d)/"trained.pt")[:2], ([file_sha256(Path(d)/"trained.pt")], Path(d)/"manifest.json"))
     assert "re-install sparsekv" in trained_digests(Path(d)/"trained.pt")[2]
 
+
+# %% [markdown]
+# The shipped students are the folders of `sparsekv/checkpoints` that hold a `trained.pt` and its manifest:
 
 # %%
 #| export
@@ -557,6 +748,15 @@ def shipped_checkpoints() -> dict[str, dict]:
     return out
 
 
+# %%
+_root = Path(str(resources.files("sparsekv") / "checkpoints"))
+test_eq(list(shipped_checkpoints()), sorted(d.name for d in _root.iterdir()
+                                            if (d / "trained.pt").is_file() and (d / "manifest.json").is_file()))
+test_eq(shipped_checkpoints()["smollm2-135m-cr75-mlstm"]["method"], "kvpop_mlstm")
+
+
+# %%
+#| export
 def shipped_checkpoint(name: str, method: str, sink: int | None, window: int | None) -> tuple[Path, int, int]:
     "(path of trained.pt, sink, window) of shipped checkpoint `name` for `method`; sink and window default to its own."
     manifest = shipped_checkpoints()[name]
@@ -570,9 +770,24 @@ def shipped_checkpoint(name: str, method: str, sink: int | None, window: int | N
     return Path(str(resources.files("sparsekv") / "checkpoints" / name / "trained.pt")), given["sink"], given["window"]
 
 
+# %%
+_cm = shipped_checkpoints()["smollm2-135m-cr75-mlp"]
+test_eq(shipped_checkpoint("smollm2-135m-cr75-mlp", "kvpop_mlp", None, _cm["window"]),
+        (_root / "smollm2-135m-cr75-mlp" / "trained.pt", _cm["sink"], _cm["window"]))
+test_fail(lambda: shipped_checkpoint("smollm2-135m-cr75-mlp", "kvpop_mlstm", None, None),
+          contains="holds a kvpop_mlp student, not one of kvpop_mlstm")
+test_fail(lambda: shipped_checkpoint("smollm2-135m-cr75-mlp", "kvpop_mlp", _cm["sink"] + 1, None),
+          contains=f"was trained with sink={_cm['sink']}, window={_cm['window']}; got sink={_cm['sink'] + 1}")
+
+
+# %% [markdown]
+# The base class splits the budget as every eviction method does and leaves the student to its subclasses:
+
+# %%
+#| export
 class TrainedMethod(EvictionMethod):
     """An eviction method trained by `distill`: `student(model)` for training; at inference its cache, from a fresh
-    student (untrained) or the `checkpoint`: a `trained.pt` (the distill CLI's, its 'student' state) or the name
+    student (untrained) or the `checkpoint`: a `trained.pt` (the training CLI's, its 'student' state) or the name
     of a shipped one (`shipped_checkpoints()`, e.g. 'smollm2-135m-cr75-mlstm'; its sink and window by default)."""
     mode = "scorer_only"  # the distill mode its paper trains it in
 
@@ -586,31 +801,60 @@ class TrainedMethod(EvictionMethod):
                              f"window={self.window}: "
                                         f"{self.name} needs budget >= sink + window + 1")
         if checkpoint is not None and not Path(checkpoint).is_file():
-            raise FileNotFoundError(f"checkpoint must be the trained.pt that sparsekv.distill saves or a shipped "
-                                    f"one of {sorted(shipped_checkpoints())}, {checkpoint!r} is neither")
+            raise FileNotFoundError(f"checkpoint must be the trained.pt that python -m sparsekv.train saves or a "
+                                    f"shipped one of {sorted(shipped_checkpoints())}, {checkpoint!r} is neither")
         self.checkpoint, self._students = checkpoint, weakref.WeakKeyDictionary()
 
     def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> DistillStudent:
         "A fresh student for `model`; a method may use the training's sequence length `seq_len` and `steps` steps."
         raise NotImplementedError(f"{type(self).__name__} must implement student(model, ...)")
 
-    def trained_student(self, model) -> DistillStudent:
-        "The inference student of `model` in eval mode (fresh, or loaded from `checkpoint`), built once per model."
-        if model not in self._students:
-            st = self.student(model)
-            if self.checkpoint is not None:
-                digests, recorded_in, rebuild = trained_digests(self.checkpoint)
-                ckpt = load_torch_file(self.checkpoint, rebuild, digests, recorded_in,
-                                       map_location=next(model.parameters()).device, weights_only=True)
-                check_trained(ckpt, self.checkpoint, self.name, st)
-                st.load_state_dict(ckpt["student"])
-            self._students[model] = st.eval()
-        return self._students[model]
-
     def cache(self, model):
         return self.trained_student(model).inference_cache()
 
 
+# %%
+_tm = TrainedMethod(9, 2, 4)
+test_eq((_tm.sink, _tm.window, _tm.k, _tm.checkpoint, _tm.mode), (2, 4, 3, None, "scorer_only"))
+test_fail(lambda: _tm.student(model), exc=NotImplementedError, contains="TrainedMethod must implement student")
+test_fail(lambda: TrainedMethod(6, 2, 4), contains="no long-range slot")
+test_fail(lambda: TrainedMethod(9, 2, 4, checkpoint="missing/trained.pt"), contains="python -m sparsekv.train saves")
+
+
+# %% [markdown]
+# Without a checkpoint the student is the method's fresh one, in eval mode, built once per model; its cache is the
+# student's bounded cache:
+
+# %%
+#| export
+@patch_to(TrainedMethod)
+def trained_student(self, model) -> DistillStudent:
+    "The inference student of `model` in eval mode (fresh, or loaded from `checkpoint`), built once per model."
+    if model not in self._students:
+        st = self.student(model)
+        if self.checkpoint is not None:
+            digests, recorded_in, rebuild = trained_digests(self.checkpoint)
+            ckpt = load_torch_file(self.checkpoint, rebuild, digests, recorded_in,
+                                   map_location=next(model.parameters()).device, weights_only=True)
+            check_trained(ckpt, self.checkpoint, self.name, st)
+            st.load_state_dict(ckpt["student"])
+        self._students[model] = st.eval()
+    return self._students[model]
+
+
+# %%
+_tm.student = lambda model: SinkWindowStudent(2, 4, 3)
+_ts = _tm.trained_student(model)
+test_eq((type(_ts), _ts.training, _tm.trained_student(model) is _ts), (SinkWindowStudent, False, True))
+test_eq((type(_tm.cache(model)), _tm.cache(model).rule.window), (SinkWindowCache, 4 + 3))
+
+
+# %% [markdown]
+# Options reach the student, and are checked when the method is built; a shipped checkpoint brings its own split
+# and decay range:
+
+# %%
+#| export
 class KVpopMLP(TrainedMethod):
     "KVpop with MLP scorers (§3.3): a `KVpopCache` of s sinks, w recent, k best priorities; options: `KVpopStudent`."
     name, scorer = "kvpop_mlp", "mlp"
@@ -640,11 +884,35 @@ class KVpopMLP(TrainedMethod):
         return KVpopPolicy()
 
 
+# %%
+_mlp = KVpopMLP(9, 2, 4, n_boundaries=5, tau=2.0)
+test_eq((_mlp.student(model, seed=3).n_boundaries, _mlp.student(model).loss_options["tau"]), (5, 2.0))
+test_eq((_mlp.student(model, seed=3).seed, type(_mlp.policy())), (3, KVpopPolicy))
+test_fail(lambda: KVpopMLP(9, 2, 4, tau=0), contains="tau must be a finite number in (0, inf)")
+_shipped = KVpopMLP(512, checkpoint="smollm2-135m-cr75-mlp")
+test_eq((_shipped.sink, _shipped.window, _shipped.checkpoint.name), (_cm["sink"], _cm["window"], "trained.pt"))
+assert_close(math.log(_shipped.options["gamma_min"]), _cm["log_gamma_range"][0])
+
+
+# %%
+#| export
 class KVpopMLSTM(KVpopMLP):
     "KVpop with mLSTM scorers read out `window` tokens late (§3.3, delayed readout)."
     name, scorer = "kvpop_mlstm", "mlstm"
 
 
+# %%
+_ml = KVpopMLSTM(9, 2, 4).student(model)
+test_eq(({type(s).__name__ for s in _ml.scorers.scorers}, _ml.scorers.scorers[0].delay), ({"MLSTMScorer"}, 4))
+
+
+# %% [markdown]
+# Check: the methods build the students the classes above build by hand (same scorers from the same seed),
+# their caches keep s + w + k entries per head while generating, a checkpoint's student state is loaded, and a
+# budget without a long-range slot is refused.
+
+# %%
+#| export
 class StreamingLLMPlus(TrainedMethod):
     "StreamingLLM+ (§4): StreamingLLM's sinks and window + k recent tokens, the base model fine-tuned (full mode)."
     name, mode = "streaming_llm_plus", "full"
@@ -652,11 +920,6 @@ class StreamingLLMPlus(TrainedMethod):
     def student(self, model, seed: int = 0, seq_len: int | None = None, steps: int | None = None) -> SinkWindowStudent:
         return SinkWindowStudent(self.sink, self.window, self.k)
 
-
-# %% [markdown]
-# Check: the methods build the students the classes above build by hand (same scorers from the same seed),
-# their caches keep s + w + k entries per head while generating, a checkpoint's student state is loaded, and a
-# budget without a long-range slot is refused.
 
 # %%
 m = KVpopMLSTM(2 + 4 + 3, sink=2, window=4)
@@ -683,6 +946,7 @@ with tempfile.TemporaryDirectory() as d:
 test_fail(lambda: KVpopMLP(6, sink=2, window=4), contains="no long-range slot")
 test_fail(lambda: KVpopMLP(9, checkpoint="missing/trained.pt"), contains="is neither")
 test_fail(lambda: KVpopMLP(9, tau_typo=1.0), contains="unexpected options")
+
 
 # %% [markdown]
 # Check the digests: every shipped file matches its manifest; a copy of a shipped folder loads without a word, and

@@ -17,6 +17,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from fastcore.basics import patch_to
 from torch import Tensor, nn
 
 from sparsekv.attention import (causal_block_mask, check_int, check_qkv, flex_attention_lse, gather_keys, in_window,
@@ -30,9 +31,12 @@ from sparsekv.models import model_info
 
 # %%
 #| hide
+from types import SimpleNamespace
+
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
+from sparsekv.attention import attention_reference
 from sparsekv.hf import DensePolicy
 from sparsekv.models import load_model
 
@@ -108,6 +112,13 @@ def check_temperature(tau) -> float:
     return float(tau)
 
 
+# %%
+test_eq((check_temperature(2), check_temperature(0.1)), (2.0, 0.1))
+for bad in (0, -1.0, True, "1"): test_fail(lambda: check_temperature(bad), contains="tau must be a number > 0")
+
+
+# %%
+#| export
 def gumbel_logits(logits: Tensor, tau: float, noise: bool = True, generator: torch.Generator | None = None) -> Tensor:
     "Noisy tempered pre-activations z = (l + L) / tau, L standard logistic (a Gumbel difference); no noise: l / tau."
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
@@ -119,6 +130,17 @@ def gumbel_logits(logits: Tensor, tau: float, noise: bool = True, generator: tor
     return (logits + (torch.log(u) - torch.log1p(-u)).to(logits.dtype)) / tau
 
 
+# %%
+_l = torch.tensor([-1.0, 0.0, 2.0])
+assert_close(gumbel_logits(_l, 0.5, noise=False), _l / 0.5)
+_u = torch.rand(3, generator=torch.Generator().manual_seed(3))  # the draws the logistic noise is made of
+assert_close(gumbel_logits(_l, 0.5, generator=torch.Generator().manual_seed(3)),
+             (_l + torch.log(_u) - torch.log1p(-_u)) / 0.5)
+test_fail(lambda: gumbel_logits(torch.tensor([1, 2]), 1.0), exc=TypeError, contains="floating-point")
+
+
+# %%
+#| export
 def gumbel_sigmoid(logits: Tensor, tau: float, hard: bool = False, noise: bool = True,
                    generator: torch.Generator | None = None) -> Tensor:
     "Relaxed gate alpha = sigmoid((l + L) / tau); `hard`: decision [l + L > 0], soft gradient (straight-through)."
@@ -128,17 +150,24 @@ def gumbel_sigmoid(logits: Tensor, tau: float, hard: bool = False, noise: bool =
     return (z > 0).to(soft.dtype) + soft - soft.detach()
 
 
-def gumbel_sigmoid_mean(logits: Tensor, tau: float, n: int = 20001) -> Tensor:
-    "Reference E_L[sigmoid((l + L)/tau)] by quadrature over the logistic variable L = logit(u), u on a midpoint grid."
-    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    L = torch.log(u) - torch.log1p(-u)
-    return torch.sigmoid((logits.double()[..., None] + L) / tau).mean(-1)
+# %%
+assert_close(gumbel_sigmoid(_l, 0.5, noise=False), torch.sigmoid(_l / 0.5))
+assert_close(gumbel_sigmoid(_l, 0.5, hard=True, noise=False), torch.tensor([0.0, 0.0, 1.0]))  # the decision [l > 0]
 
 
 # %% [markdown]
 # Check: Monte-Carlo means of the hard gate match $\sigma(\ell)$ at every temperature, and those of the
 # soft gate match the quadrature of $\mathbb E[\alpha]$, which approaches $\sigma(\ell)$ as $\tau$
 # shrinks and is pulled towards $1/2$ for $\tau = 1$. Without noise the gate is $\sigma(\ell/\tau)$.
+
+# %%
+#| export
+def gumbel_sigmoid_mean(logits: Tensor, tau: float, n: int = 20001) -> Tensor:
+    "Reference E_L[sigmoid((l + L)/tau)] by quadrature over the logistic variable L = logit(u), u on a midpoint grid."
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    L = torch.log(u) - torch.log1p(-u)
+    return torch.sigmoid((logits.double()[..., None] + L) / tau).mean(-1)
+
 
 # %%
 g = torch.Generator().manual_seed(0)
@@ -197,6 +226,17 @@ def dms_mask_bias(alpha: Tensor | None, window: int, log_keep: Tensor | None = N
     return bias.masked_fill(~is_causal(i, j), float("-inf"))
 
 
+# %%
+# by hand, w = 1 and alpha = (1/2, 0, 3/4): each key is seen fully at its own query, scaled by 1 - alpha_j later
+_b = dms_mask_bias(torch.tensor([[[0.5, 0.0, 0.75]]]), 1)[0, 0]
+assert_close(_b, torch.tensor([[0.0, -math.inf, -math.inf], [math.log(0.5), 0.0, -math.inf],
+                             [math.log(0.5), 0.0, 0.0]]))
+assert_close(dms_mask_bias(None, 1, torch.tensor([[[0.5, 1.0, 0.25]]]).log())[0, 0], _b)  # from log(1 - alpha) directly
+test_fail(lambda: dms_mask_bias(None, 1, torch.zeros(3)), contains="log_keep must be [B,Hkv,S]")
+
+
+# %%
+#| export
 def dms_mask_bias_reference(alpha: Tensor, window: int) -> Tensor:
     "`dms_mask_bias` by a loop over queries i and keys j, with math.log."
     B, H, S = alpha.shape
@@ -248,6 +288,13 @@ test_eq((a.grad[0].abs() > 0).tolist(), [[True] * 6 + [False] * 3] * 2)
 DMS_BACKENDS = ("auto", "sdpa", "flex")
 
 
+# %%
+# the `backend` values of `dms_attention` and `DMSStudent`: 'auto' (the default) picks one of the other two
+test_eq(DMS_BACKENDS, ("auto", "sdpa", "flex"))
+
+
+# %%
+#| export
 def dms_attention(q: Tensor, k: Tensor, v: Tensor, log_keep: Tensor, window: int, scale: float | None = None,
                   mask: Tensor | None = None, dropout: float = 0.0, backend: str = "auto") -> Tensor:
     """Attention [B,Hq,S,D] of a whole sequence under the DMS bias from `log_keep` = log(1 - alpha) [B,Hkv,S].
@@ -340,12 +387,26 @@ def check_fraction(name: str, value) -> float:
     return float(value)
 
 
+# %%
+test_eq((check_fraction("x", 0), check_fraction("x", 0.75)), (0.0, 0.75))
+for bad in (1, 1.0, -0.1, True): test_fail(lambda: check_fraction("x", bad), contains="x must be a number in [0, 1)")
+
+
+# %%
+#| export
 def ratio_schedule(step: int, steps: int, target: float) -> float:
     "Target eviction fraction at `step`: rises linearly from 0 to `target` over `steps` steps, then constant."
     check_int(step, "step")
     return check_fraction("target", target) * min(1.0, step / check_int(steps, "steps", 1))
 
 
+# %%
+test_eq([ratio_schedule(s, 4, 0.75) for s in [0, 1, 2, 4, 9]], [0.0, 0.1875, 0.375, 0.75, 0.75])
+test_fail(lambda: ratio_schedule(3, 0, 0.5), contains="steps must be")
+
+
+# %%
+#| export
 def ratio_loss(alpha: Tensor, target: float) -> Tensor:
     "One-sided ratio loss max(0, target - mean(alpha)) over every gate of `alpha`."
     if not isinstance(alpha, Tensor) or not alpha.is_floating_point() or alpha.numel() == 0:
@@ -354,13 +415,11 @@ def ratio_loss(alpha: Tensor, target: float) -> Tensor:
 
 
 # %%
-test_eq([ratio_schedule(s, 4, 0.75) for s in [0, 1, 2, 4, 9]], [0.0, 0.1875, 0.375, 0.75, 0.75])
 a = torch.tensor([0.1, 0.3], requires_grad=True)
 assert_close(ratio_loss(a, 0.5), torch.tensor(0.5 - 0.2))
 ratio_loss(a, 0.5).backward()
 assert_close(a.grad, torch.tensor([-0.5, -0.5]))  # pushes every gate up equally
 test_eq(ratio_loss(torch.tensor([0.6, 0.8]), 0.5).item(), 0.0)  # above the target: no pull back
-test_fail(lambda: ratio_schedule(3, 0, 0.5), contains="steps must be")
 test_fail(lambda: ratio_loss(a, 1.0), contains="target must be")
 
 
@@ -428,6 +487,16 @@ class DMSDecisions(nn.Module):
         return self.scorers[layer_idx](k, v) + self.bias_scale * self.bias[layer_idx, :, None].float()
 
 
+# %%
+# fresh heads: the MLP's output layer is zero, so every logit is init_logit
+_dec = DMSDecisions(2, 3, 8, init_logit=-4.0, bias_scale=10.0)
+_k6, _v6 = torch.randn(1, 3, 6, 8), torch.randn(1, 3, 6, 8)
+assert_close(_dec(1, _k6, _v6), torch.full((1, 3, 6), -4.0))
+test_eq((_dec.num_layers, _dec.bias_scale, _dec.bias.shape), (2, 10.0, (2, 3)))
+test_fail(lambda: _dec(2, _k6, _v6), contains="layer_idx must lie in [0, 2)")
+test_fail(lambda: DMSDecisions(2, 3, 8, bias_scale=0.0), contains="bias_scale must be > 0")
+
+
 # %% [markdown]
 # ## The student's attention: `DMSPolicy`
 #
@@ -477,6 +546,37 @@ class DMSPolicy(AttentionPolicy):
         return dms_attention(q, k, v, log_keep, s.window, ctx.scale, ctx.mask, ctx.dropout, s.backend)
 
 
+# %%
+# on a stand-in student: random decision heads of one layer, one sink, a window of 2, 2 query heads per KV head
+torch.manual_seed(0)
+_dec = DMSDecisions(1, 2, 8, init_logit=0.0)
+for _p in _dec.scorers.parameters(): nn.init.normal_(_p)
+_q, _k, _v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+_pos = torch.arange(6).expand(1, 2, 6)
+_ctx = SimpleNamespace(cache_layer=None, layer_idx=0, key_positions=_pos, query_positions=torch.arange(6), mask=None,
+                       scale=0.3, dropout=0.0, past_len=0)
+# evaluation: hard decisions (sinks kept) and exact attention under dms_visible
+_pol = DMSPolicy(SimpleNamespace(decisions=_dec, sink=1, window=2, training=False))
+_out = _pol.attend(_q, _k, _v, _ctx)
+with torch.no_grad(): _evict = (_dec(0, _k, _v) > 0) & (_pos >= 1)
+test_eq(_pol.evictions[0], _evict)
+_vis = dms_visible(_evict, 2, _pos, torch.arange(6), 1).repeat_interleave(2, 1)
+assert_close(_out, attention_reference(_q, _k, _v, _vis, scale=0.3)[0], atol=1e-5, rtol=1e-5)
+# training with hard gates: the same noise drawn again gives the mask; the captured gates are the hard decisions
+_caps = []
+_train = SimpleNamespace(decisions=_dec, sink=1, window=2, training=True, tau=0.1, hard=True, backend="sdpa",
+                         capture=lambda alpha, evict: _caps.append((alpha, evict)))
+torch.manual_seed(1)
+_out = DMSPolicy(_train).attend(_q, _k, _v, _ctx)
+torch.manual_seed(1)
+_z = gumbel_logits(_dec(0, _k, _v), 0.1)
+_lk = torch.zeros_like(_z).masked_fill(_z > 0, -math.inf).masked_fill(_pos < 1, 0.0)
+assert_close(_out, dms_attention(_q, _k, _v, _lk.detach(), 2, 0.3, backend="sdpa"))
+assert_close(_caps[0][0].detach(), ((_z > 0) & (_pos >= 1)).float())
+test_fail(lambda: DMSPolicy(_train).attend(_q, _k, _v, SimpleNamespace(**{**vars(_ctx), "past_len": 3})),
+          contains="trains on whole sequences")
+
+
 # %% [markdown]
 # ## The bounded cache: `DMSRule`, `DMSCache`
 #
@@ -515,6 +615,19 @@ class DMSRule(EvictionRule):
         return dms_visible(layer.scores > 0, self.window, layer.positions, query_positions, self.sink)
 
 
+# %%
+# scores 1, 1, -1, 1, -1 mark positions 0, 1, 3 for eviction; with one sink and w = 2, query 4 sees 0 (a sink),
+# not 1 (evicted, 3 back), 2 (kept), 3 and 4 (in the window)
+_rule = DMSRule(_dec, 2, sink=1)
+_l5 = SimpleNamespace(layer_idx=0, positions=torch.arange(5).expand(1, 1, 5),
+                      scores=torch.tensor([[[1.0, 1, -1, 1, -1]]]))
+test_eq(_rule.visible(_l5, torch.tensor([4]))[0, 0, 0].int().tolist(), [1, 0, 1, 1, 1])
+assert_close(_rule.scores(SimpleNamespace(layer_idx=0), _k, _v, _pos), _dec(0, _k, _v).detach())
+test_fail(lambda: DMSRule(MLPScorer(2, 8), 2), exc=TypeError, contains="decisions must be DMSDecisions")
+
+
+# %%
+#| export
 class DMSLayer(EvictingLayer):
     "An `EvictingLayer` whose eviction the `DMSCache` performs for all layers at once, after the last layer."
 
@@ -527,6 +640,23 @@ class DMSLayer(EvictingLayer):
         if self.layer_idx == cache.num_layers - 1: cache.compact(self.seen if next_position is None else next_position)
 
 
+# %%
+class _Cache:
+    "A stand-in cache of two layers that records compactions."
+    num_layers, calls = 2, []
+    def compact(self, next_position): self.calls.append(next_position)
+
+
+_stand_in = _Cache()
+DMSLayer(_rule, 0, _stand_in).evict()  # not the last layer: deferred
+_last = DMSLayer(_rule, 1, _stand_in)
+_last.seen = 5
+_last.evict(); _last.evict(7)
+test_eq(_stand_in.calls, [5, 7])
+
+
+# %%
+#| export
 class DMSCache(EvictingCache):
     "Bounded DMS cache (inside `patch(model, student.policy())`): each head keeps its live entries, padded alike."
 
@@ -549,17 +679,44 @@ class DMSCache(EvictingCache):
         "Entries each head still needs for the next token, [L,B,Hkv] (logical memory; the tensors hold the maximum)."
         return torch.stack([v.sum(-1) for v in self.live(self.get_seq_length())])
 
-    def compact(self, next_position: int) -> None:
-        "Keep in each layer and head the entries visible to `next_position`, padded with dead ones to the most."
-        if any(not l.is_initialized for l in self.layers): return
-        live = self.live(next_position)
-        M = max(int(v.sum(-1).max()) for v in live)
-        for l, vis in zip(self.layers, live):
-            if M == vis.shape[-1]: continue
-            # live first, then padding
-            idx = torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M].sort(-1).values
-            l.keys, l.values = gather_keys(l.keys, idx), gather_keys(l.values, idx)
-            l.positions, l.scores = l.positions.gather(2, idx), l.scores.gather(2, idx)
+
+# %%
+_c = DMSCache(_dec, 2, sink=1)
+test_eq((type(_c.layer(0)), _c.layer(0)._cache() is _c, _c.num_layers), (DMSLayer, True, 1))
+test_fail(lambda: _c.layer(1), contains="layer_idx 1 >= the decisions' num_layers=1")
+_c.layer(0).arm()
+_c.update(_k, _v, 0)
+# brute force: at the next position 6 an entry lives if it is a sink, in the window (6 - t < 2) or not marked
+_live = [[sum(t < 1 or 6 - t < 2 or not _evict[0, h, t] for t in range(6)) for h in range(2)]]
+test_eq(_c.live_counts().tolist(), [_live])
+test_eq(_c.live(6)[0].sum(-1).tolist(), _live)
+
+
+# %%
+#| export
+@patch_to(DMSCache)
+def compact(self, next_position: int) -> None:
+    "Keep in each layer and head the entries visible to `next_position`, padded with dead ones to the most."
+    if any(not l.is_initialized for l in self.layers): return
+    live = self.live(next_position)
+    M = max(int(v.sum(-1).max()) for v in live)
+    for l, vis in zip(self.layers, live):
+        if M == vis.shape[-1]: continue
+        # live first, then padding
+        idx = torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M].sort(-1).values
+        l.keys, l.values = gather_keys(l.keys, idx), gather_keys(l.values, idx)
+        l.positions, l.scores = l.positions.gather(2, idx), l.scores.gather(2, idx)
+
+
+# %%
+_before_k, _live6 = _c.layer(0).keys.clone(), _c.live(6)[0]
+_c.compact(6)
+_kept = _c.layer(0).positions
+test_eq(_kept.shape[-1], max(_live[0]))  # padded to the busiest head
+for h in range(2):
+    assert set(_live6[0, h].nonzero().flatten().tolist()) <= set(_kept[0, h].tolist())  # every live entry stays
+    test_eq(_c.layer(0).keys[0, h], _before_k[0, h, _kept[0, h]])
+test_eq(_c.live_counts().tolist(), [_live])  # the padding is dead
 
 
 # %% [markdown]
@@ -594,13 +751,6 @@ class DMSStudent(DistillStudent):
         self._captured: list[Tensor] = []
         self._decided: list[Tensor] = []
 
-    @classmethod
-    def for_model(cls, model, window: int, target: float, ramp_steps: int, **kwargs) -> "DMSStudent":
-        "A student sized for `model`'s layers, KV heads and head dim, on its device."
-        info = model_info(model)
-        device = next(model.parameters()).device
-        return cls(info.num_layers, info.num_kv_heads, info.head_dim, window, target, ramp_steps, **kwargs).to(device)
-
     def capture(self, alpha: Tensor, evict: Tensor) -> None:
         "Record a layer's gates alpha [B,Hkv,S] and noise-free decisions [l > 0] (called by the policy in training)."
         self._captured.append(alpha)
@@ -609,20 +759,60 @@ class DMSStudent(DistillStudent):
     def policy(self) -> DMSPolicy:
         return DMSPolicy(self)
 
-    def method_loss(self, step: int) -> tuple[Tensor, dict[str, float]]:
-        "weight * max(0, rho(step) - mean alpha) over the captured gates, metrics, and clear the capture."
-        target = ratio_schedule(step, self.ramp_steps, self.target)
-        if not self._captured: return torch.zeros((), device=self.decisions.bias.device), {"eviction_target": target}
-        alpha, evict = torch.stack(self._captured), torch.stack(self._decided)
-        self._captured, self._decided = [], []
-        loss = self.weight * ratio_loss(alpha, target)
-        with torch.no_grad():
-            metrics = {"eviction_rate": alpha.mean().item(), "eviction_rate_inference": evict.float().mean().item(),
-                       "eviction_target": target, "ratio_loss": loss.item()}
-        return loss, metrics
-
     def inference_cache(self) -> DMSCache:
         return DMSCache(self.decisions, self.window, self.sink)
+
+
+# %%
+_st = DMSStudent(2, 3, 8, window=4, target=0.5, ramp_steps=10, sink=1)
+test_eq((type(_st.policy()), type(_st.inference_cache()), _st.inference_cache().num_layers), (DMSPolicy, DMSCache, 2))
+# the decision heads are the only parameters
+test_eq(sorted(n for n, _ in _st.named_parameters()),
+        sorted("decisions." + n for n, _ in _st.decisions.named_parameters()))
+test_fail(lambda: DMSStudent(2, 3, 8, 4, 1.0, 10), contains="target must be a number in [0, 1)")
+test_fail(lambda: DMSStudent(2, 3, 8, 4, 0.5, 10, weight=-1), contains="weight must be a finite number >= 0")
+test_fail(lambda: DMSStudent(2, 3, 8, 4, 0.5, 10, backend="triton"), contains="backend must be one of")
+
+
+# %%
+#| export
+@patch_to(DMSStudent, cls_method=True)
+def for_model(cls, model, window: int, target: float, ramp_steps: int, **kwargs) -> "DMSStudent":
+    "A student sized for `model`'s layers, KV heads and head dim, on its device."
+    info = model_info(model)
+    device = next(model.parameters()).device
+    return cls(info.num_layers, info.num_kv_heads, info.head_dim, window, target, ramp_steps, **kwargs).to(device)
+
+
+# %%
+_tiny = load_model("tiny-llama")[0]
+_st = DMSStudent.for_model(_tiny, window=4, target=0.5, ramp_steps=10, tau=0.2)
+_info = model_info(_tiny)
+test_eq((_st.decisions.num_layers, _st.decisions.bias.shape[1], _st.tau), (_info.num_layers, _info.num_kv_heads, 0.2))
+
+
+# %%
+#| export
+@patch_to(DMSStudent)
+def method_loss(self, step: int) -> tuple[Tensor, dict[str, float]]:
+    "weight * max(0, rho(step) - mean alpha) over the captured gates, metrics, and clear the capture."
+    target = ratio_schedule(step, self.ramp_steps, self.target)
+    if not self._captured: return torch.zeros((), device=self.decisions.bias.device), {"eviction_target": target}
+    alpha, evict = torch.stack(self._captured), torch.stack(self._decided)
+    self._captured, self._decided = [], []
+    loss = self.weight * ratio_loss(alpha, target)
+    with torch.no_grad():
+        metrics = {"eviction_rate": alpha.mean().item(), "eviction_rate_inference": evict.float().mean().item(),
+                   "eviction_target": target, "ratio_loss": loss.item()}
+    return loss, metrics
+
+
+# %%
+test_eq(_st.method_loss(5), (torch.zeros(()), {"eviction_target": 0.25}))  # nothing captured
+_st.capture(torch.tensor([[[0.1, 0.2]]]), torch.tensor([[[False, True]]]))
+_loss, _metrics = _st.method_loss(10)  # target 0.5 at the end of the ramp
+assert_close(_loss, torch.tensor(0.5 - 0.15))
+test_eq((_metrics["eviction_rate_inference"], _metrics["eviction_target"], _st._captured), (0.5, 0.5, []))
 
 
 # %% [markdown]
@@ -681,6 +871,10 @@ test_eq(out, seq)
 # $s \le t \le S - 1 - w$; the ratio is the fraction of them marked for eviction.
 # `eviction_ratios` runs one evaluation forward and returns `[B, L, Hkv]` (take the median over the
 # batch for Fig. 8).
+#
+# Check on a hand-built student: with the MLP output at zero, each head's logit is its bias, so a head
+# with bias $+3$ evicts every long-range token (ratio 1) and one with $-3$ none (ratio 0). A content-
+# dependent head is compared with the decisions recomputed from the layer's own keys and values.
 
 # %%
 #| export
@@ -698,11 +892,6 @@ def eviction_ratios(student: DMSStudent, model, input_ids: Tensor) -> Tensor:
     finally: student.train(mode)
     return torch.stack([pol.evictions[l][..., lo:hi].float().mean(-1) for l in range(student.decisions.num_layers)], 1)
 
-
-# %% [markdown]
-# Check on a hand-built student: with the MLP output at zero, each head's logit is its bias, so a head
-# with bias $+3$ evicts every long-range token (ratio 1) and one with $-3$ none (ratio 0). A content-
-# dependent head is compared with the decisions recomputed from the layer's own keys and values.
 
 # %%
 hand = DMSStudent.for_model(model, window=4, target=0.5, ramp_steps=10, sink=1)
@@ -732,8 +921,8 @@ test_fail(lambda: eviction_ratios(student, model, ids[:, :4]), contains="needs m
 # (written inline here; the project's loop is `sparsekv.distill.distill`) plus the ratio loss, and
 # only the decision heads train. The eviction rate follows the rising target $\rho$ (0 to 0.6 over 20
 # steps) with a lag, then settles a little above it: the one-sided loss stops pushing at the target
-# and only the KL pulls back, which on a random tiny model barely depends on the context (KL
-# $\approx 10^{-3}$). We use Adam without momentum ($\beta_1 = 0$) here; with momentum the rate
+# and only the KL pulls back, which on a random tiny model barely depends on the context.
+# We use Adam without momentum ($\beta_1 = 0$) here; with momentum the rate
 # overshoots further on this model, since nothing resists it (a real model's KL does).
 
 # %%
@@ -765,6 +954,9 @@ assert max(p.grad.abs().max() for p in st.decisions.scorers.parameters()) > 0  #
 # `target_for_budget(budget, window, seq_len)` on average (hence `exact_budget = False`), and at inference
 # each head keeps what its hard decisions say. A fresh (untrained) student evicts nothing: its gates start
 # closed. Its policy belongs to its student, so `patch` patches with the student's policy and yields its cache.
+#
+# Check: a fresh DMS generates what the dense model generates (its gates are closed), with a bounded
+# `DMSCache`; the training student's target is the one `target_for_budget` gives.
 
 # %%
 #| export
@@ -798,10 +990,6 @@ class DMS(TrainedMethod):
         st = self.trained_student(model)
         with patch(model, st.policy()): yield st.inference_cache()
 
-
-# %% [markdown]
-# Check: a fresh DMS generates what the dense model generates (its gates are closed), with a bounded
-# `DMSCache`; the training student's target is the one `target_for_budget` gives.
 
 # %%
 ids = torch.randint(3, 259, (2, 12), generator=torch.Generator().manual_seed(4))

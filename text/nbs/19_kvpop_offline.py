@@ -29,7 +29,9 @@ from sparsekv.kvpop.target import future_attention_target
 
 # %%
 #| hide
+import copy
 import tempfile
+from types import SimpleNamespace
 
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
@@ -55,7 +57,8 @@ torch.set_num_threads(1)  # tiny tensors: threads only add overhead
 # So the model runs once per training window; afterwards a step costs the scorers' forward and backward and the
 # boundary loss (Eq. 7), independent of the model's size. The paper's Alg. 1 uses the sparse LSE of the student's
 # own pass instead (Eq. 9), which changes with the scorers and cannot be cached; the paper reports the two targets
-# match downstream, and the stage `kvpop_train` measures what the choice does here.
+# match downstream, and the stage [`kvpop_train`](../reproduce/13_kvpop_train.ipynb) measures what the choice does
+# here.
 #
 # Per window of $S$ tokens the cache holds $L \cdot H_{kv} \cdot S \cdot d$ keys and as many values (float16 by
 # default; the scorers compute in float32) and $L \cdot H_{kv} \cdot S$ float32 targets: for SmolLM2 (30 layers,
@@ -87,6 +90,23 @@ class ActivationCapture(AttentionPolicy):
         return dense_attention(q, k, v, None, ctx.scale)
 
 
+# %%
+_cap = ActivationCapture(2)
+_q, _k, _v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+_ctx = SimpleNamespace(past_len=0, mask=None, scale=0.5)
+assert_close(_cap.attend(_q, _k, _v, _ctx), dense_attention(_q, _k, _v, None, 0.5))  # the model's own output
+test_eq((_cap.keys[0], _cap.values[0]), (_k.half(), _v.half()))                    # float16 by default
+assert_close(_cap.targets[0], future_attention_target(_q, _k, 2, scale=0.5))
+test_fail(lambda: _cap.attend(_q, _k, _v, SimpleNamespace(past_len=3, mask=None, scale=0.5)),
+          contains="captured on whole unpadded windows")
+
+
+# %% [markdown]
+# The captured tensors must be what the student's dense-target step sees in every layer: the keys and values its
+# scorers read and the target it decays. We run both on a tiny model and compare layer by layer.
+
+# %%
+#| export
 def window_activations(model, ids: Tensor, window: int, agg: str = "max", eps: float = 1e-6,
                        dtype: torch.dtype = torch.float16) -> dict[str, Tensor]:
     """One dense forward of windows `ids` [B, S]: 'keys', 'values' [B, L, Hkv, S, d] in `dtype` and the undecayed
@@ -98,10 +118,6 @@ def window_activations(model, ids: Tensor, window: int, agg: str = "max", eps: f
         model(input_ids=ids.to(next(model.parameters()).device), logits_to_keep=1)
     return dict(keys=torch.stack(cap.keys, 1), values=torch.stack(cap.values, 1), target=torch.stack(cap.targets, 1))
 
-
-# %% [markdown]
-# The captured tensors must be what the student's dense-target step sees in every layer: the keys and values its
-# scorers read and the target it decays. We run both on a tiny model and compare layer by layer.
 
 # %%
 model, tok = load_model("tiny-llama", num_layers=2)
@@ -139,6 +155,17 @@ def weights_checksum(model) -> str:
     return h.hexdigest()
 
 
+# %%
+_lin = torch.nn.Linear(3, 2)
+_sum = weights_checksum(_lin)
+test_eq((len(_sum), weights_checksum(copy.deepcopy(_lin))), (40, _sum))  # a SHA-1; the same weights, the same sum
+with torch.no_grad(): _lin.weight[0, 0] += 1e-3
+assert weights_checksum(_lin) != _sum
+assert weights_checksum(_lin.double()) != weights_checksum(_lin.float())  # the dtype is part of it
+
+
+# %%
+#| export
 def store_manifest(model, seq_len: int, window: int, agg: str, eps: float, dtype: torch.dtype) -> dict:
     "What a folder of cached activations depends on."
     manifest = dict(version=1, model=model_spec(model), weights=weights_checksum(model), seq_len=seq_len,
@@ -146,6 +173,15 @@ def store_manifest(model, seq_len: int, window: int, agg: str, eps: float, dtype
     return json.loads(json.dumps(manifest, default=str))  # as read back from manifest.json (string keys)
 
 
+# %%
+_man = store_manifest(model, 40, 4, "max", 1e-6, torch.float16)
+test_eq({k: _man[k] for k in ("version", "seq_len", "window", "agg", "eps", "dtype")},
+        dict(version=1, seq_len=40, window=4, agg="max", eps=1e-6, dtype="float16"))
+test_eq((_man["weights"], json.loads(json.dumps(_man))), (weights_checksum(model), _man))
+
+
+# %%
+#| export
 class ActivationBatches(Sequence):
     "Lazily loaded batches of a store: item i stacks the windows `indices[i]` (a sequence, so `distill` can slice it)."
 
@@ -161,6 +197,15 @@ class ActivationBatches(Sequence):
         return {key: torch.stack([r[key] for r in rows]) for key in ("keys", "values", "target")}
 
 
+# %%
+_windows = [{k: torch.full((2,), float(i)) for k in ("keys", "values", "target")} for i in range(3)]  # a stand-in store
+_ab = ActivationBatches(_windows, [[0, 2], [1, 1], [2, 0]])
+test_eq((len(_ab), _ab[0]["keys"].tolist(), _ab[1]["target"].tolist()), (3, [[0.0, 0.0], [2.0, 2.0]], [[1.0, 1.0]] * 2))
+test_eq((type(_ab[1:]), _ab[1:].indices), (ActivationBatches, [[1, 1], [2, 0]]))
+
+
+# %%
+#| export
 class ActivationStore:
     "A folder of cached activations (`cache_activations`): `store[i]` is window i's 'ids', 'keys', 'values', 'target'."
 
@@ -194,6 +239,20 @@ class ActivationStore:
         "`steps` batches of `batch_size` windows, reshuffled per epoch from `seed` (the order of `epoch_batches`)."
         order = epoch_batches(torch.arange(self.n)[:, None], batch_size, steps, seed)
         return ActivationBatches(self, [b[:, 0].tolist() for b in order])
+
+
+# %%
+# a store written by hand: a manifest and two windows
+with tempfile.TemporaryDirectory() as d:
+    test_fail(lambda: ActivationStore(d), exc=FileNotFoundError, contains="build the store with cache_activations")
+    write_json(Path(d) / "manifest.json", {"window": 4})
+    for i in range(2): torch.save({"ids": torch.tensor([i])}, Path(d) / f"window_{i:05d}.pt")
+    _st = ActivationStore(d)
+    test_eq((len(_st), _st.manifest, _st[1]["ids"].tolist()), (2, {"window": 4}, [1]))
+    test_eq(_st.path(1), Path(d) / "window_00001.pt")
+    test_fail(lambda: _st[2], exc=IndexError, contains="window index must lie in [0, 2)")
+    _order = epoch_batches(torch.arange(2)[:, None], 1, 5, 3)
+    test_eq(_st.batches(1, 5, seed=3).indices, [b[:, 0].tolist() for b in _order])
 
 
 # %%
@@ -289,6 +348,23 @@ def cached_eval(student: KVpopStudent, store: ActivationStore, step: int = 0) ->
     return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
 
 
+# %%
+with tempfile.TemporaryDirectory() as d:
+    _store = cache_activations(model, ids, d, window=4, dtype=torch.float32, progress=False)
+    _st = KVpopStudent(random_scorers(model, seed=3), sink=2, window=4, k=6, n_boundaries=16, target="dense").train()
+    _got = cached_eval(_st, _store, step=2)
+    _rows = [_st.cached_loss({k: v[None] for k, v in _store[i].items() if k != "ids"}, 2)[1] for i in range(2)]
+    test_eq(set(_got), {"retention_loss", "retention_recall"})
+    for k in _got: assert abs(_got[k] - (_rows[0][k] + _rows[1][k]) / 2) < 1e-6
+    test_eq(_st.training, True)  # restored
+
+
+# %% [markdown]
+# Training lowers the held-out retention loss, and a run stopped after 3 of 6 steps and resumed from its
+# checkpoint ends with exactly the scorers of the uninterrupted run.
+
+# %%
+#| export
 def train_offline(model, student: KVpopStudent, store: ActivationStore, config: DistillConfig, batch_size: int = 1,
                   checkpoint_dir=None, val_store: ActivationStore | None = None, eval_every: int | None = None,
                   progress: bool = True) -> pd.DataFrame:
@@ -303,10 +379,6 @@ def train_offline(model, student: KVpopStudent, store: ActivationStore, config: 
     return distill(model, student, batches, config, checkpoint_dir=checkpoint_dir, eval_fn=eval_fn,
                    eval_every=eval_every if val_store is not None else None, progress=progress)
 
-
-# %% [markdown]
-# Training lowers the held-out retention loss, and a run stopped after 3 of 6 steps and resumed from its
-# checkpoint ends with exactly the scorers of the uninterrupted run.
 
 # %%
 def fresh_student(seed=0):
@@ -349,7 +421,7 @@ with tempfile.TemporaryDirectory() as d:
 # `step_seconds` times, alternately on the same windows, one in-model scorer-only step of Alg. 1 (the model's
 # forward under the student's sparse attention, the target from its sparse LSE, the backward through the
 # scorers) and one step from cached activations. The model's forward is what caching removes, so the ratio grows
-# with the model; the stage `kvpop_train` reports it on SmolLM2.
+# with the model; the stage [`kvpop_train`](../reproduce/13_kvpop_train.ipynb) reports it on SmolLM2.
 
 # %%
 #| export

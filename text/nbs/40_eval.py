@@ -54,7 +54,9 @@ from sparsekv.attention import check_int, require_finite
 from sparsekv.io import write_csv
 
 # %%
-from fastcore.test import test_eq, test_fail, test_close
+import tempfile
+
+from fastcore.test import test_close, test_eq, test_fail
 from torch.testing import assert_close
 
 
@@ -70,6 +72,14 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     "`x` in float32, or float64 if it already is."
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
+
+# %%
+test_eq([_f32(torch.zeros(1, dtype=dt)).dtype for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64)],
+        [torch.float32] * 3 + [torch.float64])
+
+
+# %%
+#| export
 def _check_float(x, name: str, min_dim: int = 1) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {type(x).__name__}"
@@ -78,12 +88,35 @@ def _check_float(x, name: str, min_dim: int = 1) -> torch.Tensor:
     if x.numel() == 0: raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
     return x
 
+
+# %%
+_x = torch.zeros(2, 3)
+assert _check_float(_x, "x", 2) is _x
+test_fail(lambda: _check_float(_x.long(), "x"), exc=TypeError,
+          contains="x must be a floating-point tensor, got Tensor of dtype torch.int64")
+test_fail(lambda: _check_float([1.0], "x"), exc=TypeError, contains="x must be a floating-point tensor, got list")
+test_fail(lambda: _check_float(_x, "x", 3), contains="x must have at least 3 dims, got shape (2, 3)")
+test_fail(lambda: _check_float(torch.zeros(0, 3), "x"), contains="x must not be empty")
+
+
+# %%
+#| export
 def _check_pair(student, teacher, names=("student_logits", "teacher_logits"), min_dim: int = 2):
     _check_float(student, names[0], min_dim), _check_float(teacher, names[1], min_dim)
     if student.shape != teacher.shape:
         raise ValueError(f"{names[0]} {tuple(student.shape)} and {names[1]} {tuple(teacher.shape)} must have the same "
                          "shape")
 
+
+# %%
+_check_pair(torch.zeros(2, 3), torch.ones(2, 3))
+test_fail(lambda: _check_pair(torch.zeros(2, 3), torch.zeros(3, 2)),
+          contains="student_logits (2, 3) and teacher_logits (3, 2) must have the same shape")
+test_fail(lambda: _check_pair(torch.zeros(3), torch.zeros(3)), contains="student_logits must have at least 2 dims")
+
+
+# %%
+#| export
 def _check_positions(mask, shape, name: str = "mask"):
     "Validate an optional boolean mask of valid positions of the given shape."
     if mask is None: return None
@@ -94,9 +127,26 @@ def _check_positions(mask, shape, name: str = "mask"):
     if not mask.any(): raise ValueError(f"{name} selects no position")
     return mask
 
+
+# %%
+_m = torch.tensor([[True, False]])
+test_eq((_check_positions(None, (1, 2)), _check_positions(_m, (1, 2)) is _m), (None, True))
+test_fail(lambda: _check_positions(_m.int(), (1, 2)), exc=TypeError,
+          contains="mask must be a boolean tensor of shape (1, 2) or None, got torch.int32")
+test_fail(lambda: _check_positions(_m, (2, 1)), contains="mask must have shape (2, 1), got (1, 2)")
+test_fail(lambda: _check_positions(_m & ~_m, (1, 2)), contains="mask selects no position")
+
+
+# %%
+#| export
 def _masked_mean(x: torch.Tensor, mask) -> torch.Tensor:
     "Mean of `x` over the positions where `mask` is True (all positions when `mask` is None)."
     return x.mean() if mask is None else x[mask].mean()
+
+
+# %%
+test_eq(_masked_mean(torch.tensor([1.0, 2.0, 6.0]), None).item(), 3.0)
+test_eq(_masked_mean(torch.tensor([1.0, 2.0, 6.0]), torch.tensor([True, False, True])).item(), 3.5)
 
 
 # %% [markdown]
@@ -108,12 +158,21 @@ def _masked_mean(x: torch.Tensor, mask) -> torch.Tensor:
 #| export
 _ROWS = 512
 
+
 def _rowwise(fn: Callable, *xs: torch.Tensor) -> torch.Tensor:
     "Apply `fn` to blocks of `_ROWS` rows of `xs` (leading dims of `xs[0]` flattened): a value per row, in those dims."
     lead = xs[0].shape[:-1]
     flat = [x.reshape(-1, *x.shape[len(lead):]) for x in xs]
     out = [fn(*(f[i:i + _ROWS] for f in flat)) for i in range(0, flat[0].shape[0], _ROWS)]
     return torch.cat(out).reshape(lead)
+
+
+# %%
+_x, _y = torch.randn(3, 700, 5), torch.randn(3, 700, 5)  # 2,100 rows: four blocks of 512 and one of 52
+_blocks = []
+test_eq(_rowwise(lambda a: _blocks.append(len(a)) or a.sum(-1), _x), _x.sum(-1))
+test_eq(_blocks, [512] * 4 + [52])
+assert_close(_rowwise(lambda a, b: (a * b).sum(-1), _x, _y), (_x * _y).sum(-1))
 
 
 # %% [markdown]
@@ -134,6 +193,16 @@ def top1_agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     same = student_logits.argmax(-1) == teacher_logits.argmax(-1)
     return _masked_mean(same.float(), mask)
 
+
+# %%
+# by hand: the teacher's top tokens are 1, 1, 0 and the student's 1, 0, 0
+_t, _s = torch.tensor([[[0.0, 5], [0, 1], [2, 1]]]), torch.tensor([[[1.0, 2], [3, 1], [4, 0]]])
+test_close(top1_agreement(_s, _t).item(), 2 / 3, eps=1e-6)
+test_eq(top1_agreement(_s, _t, torch.tensor([[True, True, False]])).item(), 0.5)
+
+
+# %%
+#| export
 def top1_agreement_reference(student_logits, teacher_logits, mask=None) -> float:
     "Brute-force `top1_agreement`: a Python loop over positions."
     s = student_logits.reshape(-1, student_logits.shape[-1]).tolist()
@@ -203,9 +272,30 @@ def _kl_from_log_probs(lt: torch.Tensor, ls: torch.Tensor) -> torch.Tensor:
     pt = lt.exp()
     return torch.where(pt > 0, pt * (lt - ls), 0.0).sum(-1)
 
+
+# %%
+# p_t = (1/2, 1/2, 0), p_s = (1/4, 1/2, 1/4): KL = 1/2 log 2; a zero of p_t counts 0 even against log p_s = -inf
+_lt, _ls = torch.tensor([[0.5, 0.5, 0.0]]).log(), torch.tensor([[0.25, 0.5, 0.25]]).log()
+test_close(_kl_from_log_probs(_lt, _ls).item(), 0.5 * math.log(2), eps=1e-6)
+_ls_inf = _ls.index_fill(-1, torch.tensor([2]), -math.inf)
+test_close(_kl_from_log_probs(_lt, _ls_inf).item(), 0.5 * math.log(2), eps=1e-6)
+
+
+# %%
+#| export
 def _kl_rows(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return _kl_from_log_probs(F.log_softmax(_f32(t), -1), F.log_softmax(_f32(s), -1))
 
+
+# %%
+_s, _t = torch.randn(4, 7), torch.randn(4, 7)
+_kl_torch = F.kl_div(F.log_softmax(_s, -1), F.log_softmax(_t, -1), reduction="none", log_target=True).sum(-1)
+assert_close(_kl_rows(_s, _t), _kl_torch)
+test_eq(_kl_rows(_s.half(), _t.half()).dtype, torch.float32)
+
+
+# %%
+#| export
 def _topk_kl_rows(s: torch.Tensor, t: torch.Tensor, k: int, renormalize_student: bool) -> torch.Tensor:
     s, t = _f32(s), _f32(t)
     zt, idx = t.topk(k, dim=-1)
@@ -213,6 +303,16 @@ def _topk_kl_rows(s: torch.Tensor, t: torch.Tensor, k: int, renormalize_student:
     ls = F.log_softmax(zs, -1) if renormalize_student else zs - s.logsumexp(-1, keepdim=True)
     return _kl_from_log_probs(F.log_softmax(zt, -1), ls)
 
+
+# %%
+assert_close(_topk_kl_rows(_s, _t, 7, True), _kl_rows(_s, _t))  # k = V: the full KL
+test_eq(_topk_kl_rows(_s, _t, 1, True), torch.zeros(4))          # one token renormalized: both put all mass on it
+# not renormalized, k = 1: minus the student's log-probability of the teacher's top token
+assert_close(_topk_kl_rows(_s, _t, 1, False), -F.log_softmax(_s, -1).gather(-1, _t.argmax(-1, keepdim=True))[:, 0])
+
+
+# %%
+#| export
 def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: int | None = None,
              renormalize_student: bool = True) -> torch.Tensor:
     """Per-position KL(teacher || student) of logits `[..., V]`, on all tokens or the teacher's `top_k` (renormalized);
@@ -224,6 +324,17 @@ def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: 
     k = check_int(top_k, "top_k", 1, teacher_logits.shape[-1])
     return _rowwise(lambda s, t: _topk_kl_rows(s, t, k, renormalize_student), student_logits, teacher_logits)
 
+
+# %%
+_s3, _t3 = torch.randn(2, 300, 6), torch.randn(2, 300, 6)  # 600 rows: two blocks
+assert_close(token_kl(_s3, _t3),
+             F.kl_div(F.log_softmax(_s3, -1), F.log_softmax(_t3, -1), reduction="none", log_target=True).sum(-1))
+assert_close(token_kl(_s3, _t3, top_k=6), token_kl(_s3, _t3))
+test_fail(lambda: token_kl(_s3, _t3, top_k=0), contains="top_k must be an int in [1, 6]")
+
+
+# %%
+#| export
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
                   top_k: int | None = None, renormalize_student: bool = True) -> torch.Tensor:
     "Mean over valid positions of KL(teacher || student) (see `token_kl`)."
@@ -231,9 +342,20 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, ma
     return _masked_mean(token_kl(student_logits, teacher_logits, top_k, renormalize_student), mask)
 
 
+# %%
+_first = torch.arange(300).expand(2, 300) < 100
+test_close(kl_to_teacher(_s3, _t3, _first).item(), token_kl(_s3, _t3)[:, :100].mean().item(), eps=1e-6)
+test_close(kl_to_teacher(_s3, _t3, top_k=2).item(), token_kl(_s3, _t3, top_k=2).mean().item(), eps=1e-6)
+
+
 # %% [markdown]
 # The brute-force reference works one position at a time in float64 with explicit
 # exponentials, and picks the top-$k$ set with Python's `sorted`:
+#
+# Checks: both variants against the reference; $k = V$ gives the full KL; the identity
+# $\mathrm{KL}_{\mathcal T}$ minus $\log m^S_{\mathcal T}$; invariance to adding a constant
+# to the student's logits; zero for a student equal to the teacher on $\mathcal T$ up to a
+# shift; gradients reach the student.
 
 # %%
 #| export
@@ -249,12 +371,6 @@ def token_kl_reference(student_logits, teacher_logits, top_k=None, renormalize_s
         out.append(sum(p * (p.log() - q.log()) for p, q in zip(pt, ps) if p > 0))
     return torch.stack(out).reshape(teacher_logits.shape[:-1])
 
-
-# %% [markdown]
-# Checks: both variants against the reference; $k = V$ gives the full KL; the identity
-# $\mathrm{KL}_{\mathcal T}$ minus $\log m^S_{\mathcal T}$; invariance to adding a constant
-# to the student's logits; zero for a student equal to the teacher on $\mathcal T$ up to a
-# shift; gradients reach the student.
 
 # %%
 torch.manual_seed(1)
@@ -334,6 +450,17 @@ def _shifted(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, shif
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     return logits, labels, labels != ignore_index
 
+
+# %%
+_z, _y = torch.randn(2, 4, 5), torch.tensor([[1, 2, -100, 4], [0, -100, 3, 3]])
+test_eq(_shifted(_z, _y, -100, True), (_z[:, :-1], _y[:, 1:], _y[:, 1:] != -100))
+test_eq(_shifted(_z, _y, -100, False), (_z, _y, _y != -100))
+test_fail(lambda: _shifted(_z[:, :1], _y[:, :1], -100, True), contains="shift=True needs at least 2 positions")
+test_fail(lambda: _shifted(_z, _y + 5, -100, True), contains="labels must be in [0, 5) or ignore_index=-100, got 6")
+
+
+# %%
+#| export
 def token_nll(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
               shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     "Per-position negative log-likelihood of the (next-token) labels, 0 where not scored, and the scored mask."
@@ -342,6 +469,17 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -1
                    logits, labels)
     return nll, valid
 
+
+# %%
+_nll, _v = token_nll(_z, _y)
+_lp = F.log_softmax(_z[:, :-1], -1)
+for b, i in zip(*torch.nonzero(_v, as_tuple=True)):
+    test_close(_nll[b, i].item(), -_lp[b, i, _y[b, i + 1]].item(), eps=1e-5)
+test_eq(_nll[~_v], torch.zeros(int((~_v).sum())))
+
+
+# %%
+#| export
 def perplexity(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                shift: bool = True) -> torch.Tensor:
     "exp of the mean next-token negative log-likelihood over the scored positions."
@@ -349,6 +487,14 @@ def perplexity(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -
     if not valid.any(): raise ValueError(f"labels has no position to score (all equal ignore_index={ignore_index})")
     return (nll.sum() / valid.sum()).exp()
 
+
+# %%
+test_close(perplexity(_z, _y).item(), math.exp(_nll[_v].mean().item()), eps=1e-4)
+test_close(perplexity(torch.zeros(2, 4, 5), _y).item(), 5.0, eps=1e-5)  # uniform over 5 tokens
+
+
+# %%
+#| export
 def token_accuracy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                    shift: bool = True) -> torch.Tensor:
     "Fraction of scored positions where the most likely (next) token equals the label."
@@ -356,6 +502,16 @@ def token_accuracy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     if not valid.any(): raise ValueError(f"labels has no position to score (all equal ignore_index={ignore_index})")
     return (logits.argmax(-1) == labels)[valid].float().mean()
 
+
+# %%
+# predictions 2, 2, 0 for the labels 2, 1 and an ignored one: one hit in two
+_z2, _y2 = F.one_hot(torch.tensor([[2, 2, 0, 1]]), 5).float(), torch.tensor([[0, 2, 1, -100]])
+test_eq(token_accuracy(_z2, _y2).item(), 0.5)
+test_eq(token_accuracy(_z2, torch.tensor([[2, 2, 0, 1]]), shift=False).item(), 1.0)
+
+
+# %%
+#| export
 def perplexity_reference(logits, labels, ignore_index=-100, shift=True) -> float:
     "Brute-force `perplexity`: a Python loop over positions with explicit float64 softmaxes."
     z2, y2 = logits.double(), labels
@@ -442,6 +598,16 @@ def _check_qk(q, k, v=None) -> int:
             raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)} in batch, heads and length")
     return Hq // Hkv
 
+
+# %%
+test_eq(_check_qk(torch.zeros(1, 6, 2, 4), torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 5)), 3)
+test_fail(lambda: _check_qk(torch.zeros(1, 6, 2, 4), torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 2, 4)),
+          contains="v (1, 2, 2, 4) must match k (1, 2, 3, 4)")
+test_fail(lambda: _check_qk(torch.zeros(1, 6, 2, 4, 1), torch.zeros(1, 2, 3, 4)), contains="must be 4-D")
+
+
+# %%
+#| export
 def _broadcast_mask(m: torch.Tensor, name: str, B: int, Hq: int, G: int, Sq: int, Sk: int) -> torch.Tensor:
     "A boolean mask made broadcastable to [B, Hq, Sq, Sk], expanding a KV-head dim to its query heads."
     if m.dim() != 4:
@@ -457,6 +623,19 @@ def _broadcast_mask(m: torch.Tensor, name: str, B: int, Hq: int, G: int, Sq: int
                          f"[B, Hq, Sq, Sk] = {[B, Hq, Sq, Sk]}")
     return m
 
+
+# %%
+_kvm = torch.tensor([True, False]).view(1, 2, 1, 1)  # per KV head, G = 3
+test_eq(_broadcast_mask(_kvm, "keep", 1, 6, 3, 2, 3)[0, :, 0, 0].tolist(), [True] * 3 + [False] * 3)
+test_eq(_broadcast_mask(torch.ones(1, 1, 1, 3, dtype=torch.bool), "keep", 2, 6, 3, 2, 3).shape, (1, 1, 1, 3))
+test_fail(lambda: _broadcast_mask(torch.ones(1, 1, 3, dtype=torch.bool), "keep", 1, 6, 3, 2, 3),
+          contains="keep must be a 4-D boolean mask")
+test_fail(lambda: _broadcast_mask(torch.ones(1, 4, 1, 3, dtype=torch.bool), "mask", 1, 6, 3, 2, 3),
+          contains="mask of shape (1, 4, 1, 3) is not broadcastable")
+
+
+# %%
+#| export
 def _keep_mask(keep, B: int, Hq: int, G: int, Sq: int, Sk: int) -> torch.Tensor:
     "The kept keys as a boolean mask broadcastable to [B, Hq, Sq, Sk], from a mask or from indices."
     if not isinstance(keep, torch.Tensor):
@@ -475,6 +654,19 @@ def _keep_mask(keep, B: int, Hq: int, G: int, Sq: int, Sk: int) -> torch.Tensor:
     m = torch.zeros(*idx.shape[:3], Sk, dtype=torch.bool, device=keep.device).scatter_(-1, idx.long(), True)
     return m.repeat_interleave(G, dim=1) if m.shape[1] != Hq else m
 
+
+# %%
+# KV head 0 keeps keys 0 and 2, KV head 1 key 1 (twice); G = 2 query heads each
+_km = _keep_mask(torch.tensor([[[0, 2], [1, 1]]]), 1, 4, 2, 3, 4)
+test_eq(_km[0, :, 0].int().tolist(), [[1, 0, 1, 0]] * 2 + [[0, 1, 0, 0]] * 2)
+test_eq(_km.shape, (1, 4, 1, 4))
+test_fail(lambda: _keep_mask([0, 1], 1, 4, 2, 3, 4), exc=TypeError, contains="got list")
+test_fail(lambda: _keep_mask(torch.tensor([[[4], [0]]]), 1, 4, 2, 3, 4), contains="keep indices must be in [0, 4)")
+test_fail(lambda: _keep_mask(torch.tensor([[[0]]]), 1, 4, 2, 3, 4), contains="keep indices must have shape")
+
+
+# %%
+#| export
 def _allowed_mask(mask, B: int, Hq: int, G: int, Sq: int, Sk: int, device) -> torch.Tensor:
     "Keys dense attention may use: causal aligned to the last Sq keys when `mask` is None."
     if mask is None:
@@ -485,9 +677,28 @@ def _allowed_mask(mask, B: int, Hq: int, G: int, Sq: int, Sk: int, device) -> to
                         f"{getattr(mask, 'dtype', type(mask).__name__)}")
     return _broadcast_mask(mask, "mask", B, Hq, G, Sq, Sk)
 
+
+# %%
+# two queries aligned to the last two of four keys
+test_eq(_allowed_mask(None, 1, 1, 1, 2, 4, "cpu")[0, 0].int().tolist(), [[1, 1, 1, 0], [1, 1, 1, 1]])
+test_fail(lambda: _allowed_mask(torch.ones(1, 1, 2, 4), 1, 1, 1, 2, 4, "cpu"), exc=TypeError,
+          contains="mask must be a boolean tensor (True = attend) or None, got torch.float32")
+
+
+# %%
+#| export
 def _query_rows(m: torch.Tensor, sl: slice) -> torch.Tensor:
     return m[:, :, sl] if m.shape[2] > 1 else m
 
+
+# %%
+_rows_m = torch.arange(10).view(1, 1, 5, 2)
+test_eq(_query_rows(_rows_m, slice(1, 3)), _rows_m[:, :, 1:3])
+test_eq(_query_rows(_rows_m[:, :, :1], slice(1, 3)), _rows_m[:, :, :1])  # one row for every query
+
+
+# %%
+#| export
 def _score_blocks(q, k, scale, chunk: int):
     "Yield (query slice, scores [B, Hq, c, Sk] in float32+) per block of `chunk` queries, k not repeated per group."
     B, Hq, Sq, D = q.shape
@@ -500,12 +711,38 @@ def _score_blocks(q, k, scale, chunk: int):
         s = torch.einsum("bhgqd,bhkd->bhgqk", qi.reshape(B, Hkv, G, c, D), kf) * scale
         yield slice(i, i + c), s.reshape(B, Hq, c, -1)
 
+
+# %%
+_g = torch.Generator().manual_seed(0)
+_q, _k = torch.randn(2, 6, 5, 4, generator=_g), torch.randn(2, 2, 7, 4, generator=_g)
+_blocks = list(_score_blocks(_q, _k, None, 2))
+test_eq([sl for sl, _ in _blocks], [slice(0, 2), slice(2, 4), slice(4, 5)])
+assert_close(torch.cat([s for _, s in _blocks], 2), _q @ _k.repeat_interleave(3, 1).transpose(-1, -2) / 2)
+
+
+# %%
+#| export
 def _masked_lse(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.where(m, s, -math.inf).logsumexp(-1)
 
+
+# %%
+_sc = torch.tensor([[0.0, 1.0, 2.0]])
+test_close(_masked_lse(_sc, torch.tensor([[True, False, True]])).item(), math.log(1 + math.e ** 2), eps=1e-6)
+test_eq(_masked_lse(_sc, torch.zeros(1, 3, dtype=torch.bool)).item(), -math.inf)
+
+
+# %%
+#| export
 def _mass(lse_kept: torch.Tensor, lse_all: torch.Tensor) -> torch.Tensor:
     "exp(lse_kept - lse_all), NaN where no key is allowed."
     return torch.where(torch.isfinite(lse_all), (lse_kept - lse_all).exp(), math.nan)
+
+
+# %%
+test_close(_mass(torch.tensor(math.log(0.25)), torch.tensor(0.0)).item(), 0.25, eps=1e-7)
+test_eq(_mass(torch.tensor(-math.inf), torch.tensor(0.0)).item(), 0.0)  # nothing kept
+assert _mass(torch.tensor(-math.inf), torch.tensor(-math.inf)).isnan()  # nothing allowed
 
 
 # %%
@@ -520,6 +757,18 @@ def _prepare(q, k, v, keep, mask, scale, chunk):
     return (_keep_mask(keep, B, Hq, G, Sq, Sk).to(q.device),
             _allowed_mask(mask, B, Hq, G, Sq, Sk, q.device).to(q.device))
 
+
+# %%
+_kept, _allowed = _prepare(_q, _k, None, torch.tensor([[[0], [6]]]).expand(2, 2, 1), None, None, 512)
+test_eq((_kept.shape, _allowed.shape), ((2, 6, 1, 7), (1, 1, 5, 7)))
+test_eq(_kept[0, :, 0].nonzero()[:, 1].tolist(), [0] * 3 + [6] * 3)  # KV head 0 keeps key 0, head 1 key 6
+test_fail(lambda: _prepare(_q, _k, None, _kept, None, "0.5", 512), exc=TypeError,
+          contains="scale must be a number or None, got str")
+test_fail(lambda: _prepare(_q, _k, None, _kept, None, None, 0), contains="chunk must be an int >= 1")
+
+
+# %%
+#| export
 def attention_mass_recall(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor | None = None,
                           scale: float | None = None, chunk: int = 512) -> torch.Tensor:
     "Fraction of each query's dense attention on the kept keys, `[B, Hq, Sq]` (NaN where no key is allowed)."
@@ -529,6 +778,13 @@ def attention_mass_recall(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, 
         a = _query_rows(allowed, sl)
         out.append(_mass(_masked_lse(s, a & _query_rows(kept, sl)), _masked_lse(s, a)))
     return torch.cat(out, dim=2)
+
+
+# %%
+# one query, two keys of scores 0 and log 3: probabilities 1/4 and 3/4
+_q1, _k1 = torch.tensor([[[[1.0]]]]), torch.tensor([[[[0.0], [math.log(3)]]]])
+test_close(attention_mass_recall(_q1, _k1, torch.tensor([[[1]]]), scale=1.0).item(), 0.75, eps=1e-6)
+test_close(attention_mass_recall(_q1, _k1, torch.tensor([[[0]]]), scale=1.0).item(), 0.25, eps=1e-6)
 
 
 # %% [markdown]
@@ -662,17 +918,55 @@ def relative_output_error(o_sparse: torch.Tensor, o_dense: torch.Tensor) -> torc
     den = b.norm(dim=-1)
     return torch.where(den > 0, (a - b).norm(dim=-1) / den, math.nan)
 
+
+# %%
+# |(3, 4) - (0, 5)| / |(0, 5)| = sqrt(10) / 5; NaN against a zero output
+test_close(relative_output_error(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 5.0])).item(), math.sqrt(10) / 5,
+           eps=1e-6)
+assert relative_output_error(torch.ones(2), torch.zeros(2)).isnan()
+
+
+# %%
+#| export
 def per_head_mean(x: torch.Tensor, head_dim: int = 1) -> torch.Tensor:
     "Mean of a per-query metric over every dim but `head_dim` (default `[B, H, S]` -> `[H]`), skipping NaN."
     _check_float(x, "x", 1)
     return x.movedim(head_dim, 0).reshape(x.shape[head_dim], -1).nanmean(-1)
 
+
+# %%
+_ph = torch.tensor([[[1.0, math.nan], [2.0, 4.0]], [[3.0, 5.0], [6.0, math.nan]]])  # [B=2, H=2, S=2]
+test_eq(per_head_mean(_ph).tolist(), [3.0, 4.0])
+test_eq(per_head_mean(_ph, head_dim=2).tolist(), [3.0, 4.5])
+
+
+# %%
+#| export
 def _attend(s: torch.Tensor, m: torch.Tensor, lse: torch.Tensor, v: torch.Tensor, G: int) -> torch.Tensor:
     "Attention output over the keys in `m` given their LSE; 0 for rows with no key."
     p = torch.where(m, (s - lse.nan_to_num(neginf=0.0)[..., None]).exp(), 0.0)
     B, Hq, c, Sk = p.shape
     return torch.einsum("bhgqk,bhkd->bhgqd", p.reshape(B, Hq // G, G, c, Sk), v).reshape(B, Hq, c, -1)
 
+
+# %%
+_s4, _m4 = torch.randn(1, 4, 3, 5), torch.rand(1, 4, 3, 5) > 0.3
+_m4[..., 0] = True
+_v4 = torch.randn(1, 2, 5, 6)
+assert_close(_attend(_s4, _m4, _masked_lse(_s4, _m4), _v4, 2),
+             torch.softmax(_s4.masked_fill(~_m4, -math.inf), -1) @ _v4.repeat_interleave(2, 1))
+_none = torch.zeros_like(_m4)
+test_eq(_attend(_s4, _none, _masked_lse(_s4, _none), _v4, 2), torch.zeros(1, 4, 3, 6))
+
+
+# %% [markdown]
+# Checks: `relative_output_error` against a loop; `attention_fidelity` against the
+# reference (with a value dim different from the key dim); the decomposition above; the
+# error is 0 when every key is kept and 1 when none is; agreement with
+# `sparsekv.attention.attention_reference`.
+
+# %%
+#| export
 def attention_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
                        mask: torch.Tensor | None = None, scale: float | None = None,
                        chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
@@ -689,12 +983,6 @@ def attention_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: 
         err.append(relative_output_error(_attend(s, kk, lse_kept, vf, G), _attend(s, a, lse_all, vf, G)))
     return torch.cat(mass, dim=2), torch.cat(err, dim=2)
 
-
-# %% [markdown]
-# Checks: `relative_output_error` against a loop; `attention_fidelity` against the
-# reference (with a value dim different from the key dim); the decomposition above; the
-# error is 0 when every key is kept and 1 when none is; agreement with
-# `sparsekv.attention.attention_reference`.
 
 # %%
 a_, b_ = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
@@ -768,6 +1056,14 @@ def oracle_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"k={k} exceeds the number of eligible (finite-score) positions in some row of scores")
     return order
 
+
+# %%
+test_eq(oracle_topk(torch.tensor([[1.0, 3, 3, 2, 3], [0, -math.inf, 5, 1, 2]]), 2).tolist(), [[1, 2], [2, 4]])
+test_fail(lambda: oracle_topk(torch.tensor([1.0, -math.inf]), 2), contains="exceeds the number of eligible")
+
+
+# %%
+#| export
 def retention_recall(kept: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
     "Fraction of the oracle's top-`k` positions (by `scores [..., S]`) that `kept` retains, per row `[...]`."
     _check_float(scores, "scores", 1)
@@ -788,6 +1084,16 @@ def retention_recall(kept: torch.Tensor, scores: torch.Tensor, k: int) -> torch.
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, kept.long(), True)  # duplicates count once
     return mask.gather(-1, oracle_topk(scores, k)).float().mean(-1)
 
+
+# %%
+_sc4 = torch.tensor([4.0, 3, 2, 1])  # the oracle's top 2: positions 0 and 1
+test_eq(retention_recall(torch.tensor([1, 3]), _sc4, 2).item(), 0.5)
+test_eq(retention_recall(torch.tensor([True, True, False, False]), _sc4, 2).item(), 1.0)
+test_fail(lambda: retention_recall(_sc4, _sc4, 2), exc=TypeError, contains="kept must be a boolean mask")
+
+
+# %%
+#| export
 def retention_recall_reference(kept_sets: list[set], scores: list[list[float]], k: int) -> list[float]:
     "Brute-force `retention_recall` for rows given as Python sets of kept positions and lists of scores."
     out = []
@@ -867,6 +1173,15 @@ def _quantile_1d(x: torch.Tensor, q: float) -> torch.Tensor:
     lo = math.floor(h)
     return x[lo] + (h - lo) * (x[min(lo + 1, len(x) - 1)] - x[lo])
 
+
+# %%
+test_eq(_quantile_1d(torch.tensor([3.0, math.nan, 1.0, 2.0]), 0.25).item(), 1.5)  # h = 0.5: halfway from 1 to 2
+test_eq(_quantile_1d(torch.tensor([3.0, 1.0, 2.0]), 1.0).item(), 3.0)
+assert _quantile_1d(torch.tensor([math.nan]), 0.5).isnan()
+
+
+# %%
+#| export
 def query_quantile(x: torch.Tensor, q: float = 0.05, head_dim: int | None = None) -> torch.Tensor:
     "The `q`-quantile (linear interpolation, NaN skipped) of a per-query metric over all entries, or per `head_dim`."
     _check_float(x, "x", 1)
@@ -878,9 +1193,19 @@ def query_quantile(x: torch.Tensor, q: float = 0.05, head_dim: int | None = None
     return torch.stack([_quantile_1d(row, float(q)) for row in x.movedim(head_dim, 0).reshape(x.shape[head_dim], -1)])
 
 
+# %%
+_qq = torch.tensor([[0.0, 1.0], [2.0, 3.0]])
+test_eq((query_quantile(_qq, 0.5).item(), query_quantile(_qq, 0.0).item()), (1.5, 0.0))
+test_eq(query_quantile(_qq, 0.5, head_dim=0).tolist(), [0.5, 2.5])
+
+
 # %% [markdown]
 # The reference walks the straight segments between the levels $i/(n-1)$ in a Python loop
 # and interpolates on the one that holds $q$:
+#
+# Checks: against the loop and against `numpy.nanquantile` (an independent implementation),
+# with NaN entries, many tied values and per head; the minimum, median and maximum; the
+# 5th-percentile mass recall of a random selection lies between the smallest and the mean.
 
 # %%
 #| export
@@ -896,11 +1221,6 @@ def query_quantile_reference(values: list[float], q: float) -> float:
             return xs[i] + t * (xs[i + 1] - xs[i])
     raise ValueError(f"q must be in [0, 1], got {q}")
 
-
-# %% [markdown]
-# Checks: against the loop and against `numpy.nanquantile` (an independent implementation),
-# with NaN entries, many tied values and per head; the minimum, median and maximum; the
-# 5th-percentile mass recall of a random selection lies between the smallest and the mean.
 
 # %%
 g = torch.Generator().manual_seed(7)
@@ -970,6 +1290,17 @@ def _check_selection(keep) -> torch.Tensor:
         raise ValueError(f"keep indices must be >= 0, got {keep.min().item()}")
     return keep
 
+
+# %%
+_sel = torch.tensor([[[0, 2]]])
+assert _check_selection(_sel) is _sel
+test_fail(lambda: _check_selection(_sel[0]), contains="keep must be [B, H, S] or [B, H, Sq, S]")
+test_fail(lambda: _check_selection(-_sel - 1), contains="keep indices must be >= 0, got -3")
+test_fail(lambda: _check_selection(_sel.float()), exc=TypeError, contains="keep must be a boolean mask")
+
+
+# %%
+#| export
 def _check_needle(needle, B: int) -> torch.Tensor:
     "The needle as a tensor of positions `[m]`/`[B, m]` or a boolean mask `[S]`/`[B, S]`, checked."
     what = "needle must be integer positions [m] or [B, m], or a boolean mask [S] or [B, S]"
@@ -988,6 +1319,14 @@ def _check_needle(needle, B: int) -> torch.Tensor:
 
 
 # %%
+test_eq(_check_needle([3, 5], 2), torch.tensor([3, 5]))
+test_fail(lambda: _check_needle(torch.tensor([[1], [2], [3]]), 2), contains="with B=2, got shape (3, 1)")
+test_fail(lambda: _check_needle(torch.tensor([[True, False], [False, False]]), 2), contains="at least one position")
+test_fail(lambda: _check_needle([-1], 1), contains="needle positions must be >= 0, got -1")
+test_fail(lambda: _check_needle([1.0], 1), exc=TypeError, contains="needle must be integer positions")
+
+
+# %%
 #| export
 def _sequence_length(keep: torch.Tensor, needle: torch.Tensor) -> int:
     "S: the last dim of whichever of the two is a mask (they must agree), else one past the largest position."
@@ -1001,6 +1340,18 @@ def _sequence_length(keep: torch.Tensor, needle: torch.Tensor) -> int:
             raise ValueError(f"{name} positions must be in [0, {S}) (the mask's length), got {x.max().item()}")
     return S
 
+
+# %%
+test_eq(_sequence_length(torch.tensor([[[0, 7]]]), torch.tensor([3])), 8)  # one past the largest position
+_mask5 = torch.zeros(1, 1, 5, dtype=torch.bool)
+test_eq(_sequence_length(_mask5, torch.tensor([3])), 5)
+test_fail(lambda: _sequence_length(_mask5, torch.zeros(4, dtype=torch.bool)),
+          contains="must cover the same S positions")
+test_fail(lambda: _sequence_length(_mask5, torch.tensor([5])), contains="needle positions must be in [0, 5)")
+
+
+# %%
+#| export
 def needle_retention(keep: torch.Tensor, needle, query_heads: int | None = None) -> torch.Tensor:
     "Fraction of the needle's tokens each head (and query) keeps, `[B, H(, Sq)]`; `query_heads` repeats KV heads."
     keep = _check_selection(keep)
@@ -1021,6 +1372,12 @@ def needle_retention(keep: torch.Tensor, needle, query_heads: int | None = None)
     return rho if query_heads is None else rho.repeat_interleave(query_heads // keep.shape[1], dim=1)
 
 
+# %%
+# keys 0, 2, 2, 5 kept, the needle at 2 and 3: half of it (the repeated 2 counts once)
+test_eq(needle_retention(torch.tensor([[[0, 2, 2, 5]]]), [2, 3]).tolist(), [[0.5]])
+test_eq(needle_retention(torch.tensor([[[0, 2, 2, 5]]]), [2, 3], query_heads=2).tolist(), [[0.5, 0.5]])
+
+
 # %% [markdown]
 # The reference takes Python sets, one per row (batch, head, query), and the needle's set of
 # each row:
@@ -1031,12 +1388,9 @@ def needle_retention_reference(kept_sets: list[set], needle_sets: list[set]) -> 
     "Brute-force `needle_retention` for rows given as Python sets of kept positions and of needle positions."
     return [len(set(kept) & set(needle)) / len(set(needle)) for kept, needle in zip(kept_sets, needle_sets)]
 
-def needle_summary(retention: torch.Tensor) -> dict[str, float]:
-    "Mean needle retention over batch, heads (and queries), and the fraction of those that keep the whole needle."
-    _check_float(retention, "retention", 1)
-    if retention.isnan().any() or (retention < 0).any() or (retention > 1).any():
-        raise ValueError("retention must hold fractions in [0, 1] (the output of needle_retention)")
-    return {"needle_retention": retention.mean().item(), "needle_whole": (retention == 1).float().mean().item()}
+
+# %%
+test_eq(needle_retention_reference([{1, 2}, {4}], [{2, 3}, {4}]), [0.5, 1.0])
 
 
 # %% [markdown]
@@ -1045,6 +1399,16 @@ def needle_summary(retention: torch.Tensor) -> dict[str, float]:
 # $G = 1$); a mask gives what its indices give; the edge cases (the needle evicted: 0, kept
 # whole: 1, a selection with more entries than the sequence) and the summary against its
 # definition.
+
+# %%
+#| export
+def needle_summary(retention: torch.Tensor) -> dict[str, float]:
+    "Mean needle retention over batch, heads (and queries), and the fraction of those that keep the whole needle."
+    _check_float(retention, "retention", 1)
+    if retention.isnan().any() or (retention < 0).any() or (retention > 1).any():
+        raise ValueError("retention must hold fractions in [0, 1] (the output of needle_retention)")
+    return {"needle_retention": retention.mean().item(), "needle_whole": (retention == 1).float().mean().item()}
+
 
 # %%
 g = torch.Generator().manual_seed(9)
@@ -1111,6 +1475,14 @@ def pass_at_k_estimate(n: int, c: int, k: int) -> float:
     if n - c < k: return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
+
+# %%
+test_close(pass_at_k_estimate(4, 1, 2), 1 - 3 / 6, eps=1e-12)  # 1 - C(3, 2) / C(4, 2)
+test_eq((pass_at_k_estimate(4, 3, 2), pass_at_k_estimate(4, 0, 2)), (1.0, 0.0))
+
+
+# %%
+#| export
 def _correct_matrix(correct) -> np.ndarray:
     if isinstance(correct, torch.Tensor): correct = correct.detach().cpu().numpy()
     a = np.asarray(correct)
@@ -1120,24 +1492,47 @@ def _correct_matrix(correct) -> np.ndarray:
         raise TypeError(f"correct must hold booleans (or 0/1 integers), got dtype {a.dtype}")
     return a.astype(bool)
 
+
+# %%
+test_eq(_correct_matrix([[1, 0], [0, 0]]).tolist(), [[True, False], [False, False]])
+test_fail(lambda: _correct_matrix([[2, 0]]), exc=TypeError, contains="correct must hold booleans")
+test_fail(lambda: _correct_matrix(np.zeros((0, 3), bool)), contains="non-empty 2-D array")
+
+
+# %%
+#| export
 def pass_at_k(correct, k: int) -> float:
     "Mean over problems of the unbiased pass@k, from a boolean array `correct [problems, n]`."
     a = _correct_matrix(correct)
     return float(np.mean([pass_at_k_estimate(a.shape[1], int(row.sum()), k) for row in a]))
 
+
+# %%
+test_close(pass_at_k([[True, False, False, False], [True, True, True, True]], 2), (0.5 + 1.0) / 2, eps=1e-12)
+
+
+# %%
+#| export
 def avg_at_k(correct) -> float:
     "Mean correctness over all samples and problems of a boolean array `correct [problems, k]` (avg@k)."
     return float(_correct_matrix(correct).mean())
 
-def pass_at_k_reference(correct_row, k: int) -> float:
-    "Brute-force pass@k of one problem: the fraction of all k-subsets of its samples that contain a correct one."
-    subsets = list(itertools.combinations(list(correct_row), k))
-    return sum(any(s) for s in subsets) / len(subsets)
+
+# %%
+test_eq(avg_at_k(np.array([[True, False], [True, True]])), 0.75)
 
 
 # %% [markdown]
 # The reference enumerates every $k$-subset of the $n$ samples, for every $n \le 8$ and
 # every $c$ and $k$:
+
+# %%
+#| export
+def pass_at_k_reference(correct_row, k: int) -> float:
+    "Brute-force pass@k of one problem: the fraction of all k-subsets of its samples that contain a correct one."
+    subsets = list(itertools.combinations(list(correct_row), k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
 
 # %%
 for n_ in range(1, 9):
@@ -1202,6 +1597,14 @@ test_fail(lambda: pass_at_k([True, False], 1), contains="2-D array")
 WALL_TIME, ROW_CHECK = "wall_s", "row_check"
 _RESERVED = (WALL_TIME, ROW_CHECK)
 
+
+# %%
+# the column names results files hold: renaming them would orphan every finished cell on disk
+test_eq((WALL_TIME, ROW_CHECK, _RESERVED), ("wall_s", "row_check", ("wall_s", "row_check")))
+
+
+# %%
+#| export
 def _cell_text(value, name: str) -> str:
     "The CSV text of a cell key or metric value, in a canonical form that round-trips exactly."
     if isinstance(value, torch.Tensor):
@@ -1214,6 +1617,16 @@ def _cell_text(value, name: str) -> str:
     if isinstance(value, str): return value + '""' if set(value) <= {'"'} else value  # '' apart from None
     raise TypeError(f"{name} must be a str, int, float, bool, None or a one-element tensor, got {type(value).__name__}")
 
+
+# %%
+test_eq([_cell_text(v, "x") for v in (None, True, np.int64(3), 0.1, torch.tensor([2.5]), "a", "", '"')],
+        ["", "True", "3", "0.1", "2.5", "a", '""', '"""'])
+test_fail(lambda: _cell_text(torch.zeros(2), "x"), exc=TypeError, contains="x must be a scalar")
+test_fail(lambda: _cell_text([1], "x"), exc=TypeError, contains="got list")
+
+
+# %%
+#| export
 def _check_keys(d: Mapping, what: str) -> dict:
     "`d` as a dict, after checking it maps strings other than the reserved column names to values."
     if not isinstance(d, Mapping): raise TypeError(f"{what} must be a dict of keys to scalars, got {type(d).__name__}")
@@ -1222,6 +1635,15 @@ def _check_keys(d: Mapping, what: str) -> dict:
             raise ValueError(f"{what} keys must be strings other than {_RESERVED}, got {key!r}")
     return dict(d)
 
+
+# %%
+test_eq(_check_keys({"a": 1}, "params"), {"a": 1})
+test_fail(lambda: _check_keys({"wall_s": 1}, "params"), contains="params keys must be strings other than")
+test_fail(lambda: _check_keys([1], "each cell"), exc=TypeError, contains="each cell must be a dict")
+
+
+# %%
+#| export
 def _grid_cells(cells, params=None) -> tuple[list[dict], dict, list[str]]:
     "Check the cells and the run's params; return both as dicts and the key columns (params first), first-seen order."
     cells = list(cells)
@@ -1231,6 +1653,13 @@ def _grid_cells(cells, params=None) -> tuple[list[dict], dict, list[str]]:
     if both := sorted({key for c in cells for key in c} & set(params)):
         raise ValueError(f"params and the cells both set {both}: a setting belongs to one of them")
     return cells, params, list(dict.fromkeys([*params, *(key for c in cells for key in c)]))
+
+
+# %%
+test_eq(_grid_cells([{"m": "a", "b": 1}, {"t": 2}], {"model": "x"}),
+        ([{"m": "a", "b": 1}, {"t": 2}], {"model": "x"}, ["model", "m", "b", "t"]))
+test_fail(lambda: _grid_cells([{"m": 1}], {"m": 2}), contains="both set ['m']")
+test_fail(lambda: _grid_cells([]), contains="cells is empty")
 
 
 # %% [markdown]
@@ -1243,10 +1672,28 @@ def _row_check(row: Mapping[str, str], keys: Iterable[str]) -> str:
     fields = sorted((c, v) for c, v in row.items() if v != "" and c != ROW_CHECK)
     return hashlib.sha256(json.dumps([fields, sorted(k for k in keys if row.get(k, ""))]).encode()).hexdigest()[:16]
 
+
+# %%
+_r = {"m": "a", "b": "", WALL_TIME: "0.1"}
+test_eq(_row_check(_r, ["m", "b"]),
+        hashlib.sha256(json.dumps([[["m", "a"], [WALL_TIME, "0.1"]], ["m"]]).encode()).hexdigest()[:16])
+test_eq(_row_check({**_r, ROW_CHECK: "x"}, ["m"]), _row_check(_r, ["m", "b"]))  # empty fields and the check don't count
+assert _row_check(_r, ["m"]) not in (_row_check({**_r, "m": "b"}, ["m"]), _row_check(_r, ["m", WALL_TIME]))
+
+
+# %%
+#| export
 def _is_wall_time(text: str) -> bool:
     try: return float(text) >= 0
     except ValueError: return False
 
+
+# %%
+test_eq([_is_wall_time(t) for t in ("0.5", "0", "-1", "nan", "x", "")], [True, True, False, False, False, False])
+
+
+# %%
+#| export
 def _read_grid(path: Path) -> tuple[list[dict], list[str], list[int]]:
     "The well-formed rows of the results file at `path` (as text), its columns, and the line numbers of malformed rows."
     if not path.exists(): return [], [], []
@@ -1269,6 +1716,16 @@ def _read_grid(path: Path) -> tuple[list[dict], list[str], list[int]]:
     return rows, header, bad
 
 
+# %%
+with tempfile.TemporaryDirectory() as d:
+    _p = Path(d) / "g.csv"
+    test_eq(_read_grid(_p), ([], [], []))
+    _p.write_text("m,wall_s\na,0.5\nb\nc,-1\nd,1\n")  # line 3 cut short, line 4 with a negative time
+    test_eq(_read_grid(_p), ([{"m": "a", "wall_s": "0.5"}, {"m": "d", "wall_s": "1"}], ["m", "wall_s"], [3, 4]))
+    _p.write_text("m,x\na,1\n")
+    test_fail(lambda: _read_grid(_p), contains="has no valid header line")
+
+
 # %% [markdown]
 # The runner itself.
 
@@ -1283,22 +1740,36 @@ def _grid_frame(rows: list[dict], columns: list[str], keys: list[str]) -> pd.Dat
     buf.seek(0)
     return pd.read_csv(buf)
 
-def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str | os.PathLike, desc: str | None = None,
-             params: Mapping | None = None, time_limit: float | None = None) -> pd.DataFrame:
-    """Compute `fn(cell)` for every cell not yet in the CSV at `path` (keys: the cell's and `params`), adding one row
-    per cell atomically; return this grid's rows. With `time_limit` (seconds) no cell starts after that long: the
-    rows returned are the cells done, in cell order, and `attrs["pending"]` counts the others (0 when complete)."""
-    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
-                                   or not time_limit >= 0):
-        raise ValueError(f"time_limit must be a number of seconds >= 0 or None, got {time_limit!r}")
-    cells, params, keys = _grid_cells(cells, params)
-    full = [{**params, **c} for c in cells]
-    texts = [tuple(_cell_text(c.get(key), f"cell[{key!r}]") for key in keys) for c in full]
+
+# %%
+_rows2 = [{"m": "a", "x": "1", "e": "", ROW_CHECK: "h"}, {"m": "b", "x": "2.5", "e": "", ROW_CHECK: "h"}]
+_df = _grid_frame(_rows2, ["m", "x", "e", ROW_CHECK], ["m"])
+test_eq((list(_df.columns), _df.x.tolist()), (["m", "x"], [1.0, 2.5]))  # types inferred; the empty column left out
+test_eq(list(_grid_frame([], [], ["m", "b"]).columns), ["m", "b"])
+
+
+# %%
+#| export
+def _cell_texts(cells: list[dict], params: dict, keys: list[str]) -> list[tuple[str, ...]]:
+    "Each cell's key texts (`params` included) in the order of `keys`; a cell given twice is refused."
+    texts = [tuple(_cell_text({**params, **c}.get(key), f"cell[{key!r}]") for key in keys) for c in cells]
     if len(set(texts)) != len(texts):
         dup = next(c for c, t in zip(cells, texts) if texts.count(t) > 1)
         raise ValueError(f"cells contains the same cell twice: {dup}")
-    path = Path(path)
-    rows, columns, bad = _read_grid(path)
+    return texts
+
+
+# %%
+test_eq(_cell_texts([{"b": 1}, {"b": 2.0, "t": None}], {"m": "x"}, ["m", "b", "t"]),
+        [("x", "1", ""), ("x", "2.0", "")])
+test_fail(lambda: _cell_texts([{"b": 1}, {"b": 1}], {}, ["b"]), contains="cells contains the same cell twice: {'b': 1}")
+
+
+# %%
+#| export
+def _finished(path: Path, rows: list[dict], bad: list[int], cells: list[dict], texts: list[tuple], keys: list[str]
+              ) -> dict[int, int]:
+    "Cell index -> index of its last valid row in `rows`; warns about malformed lines and rows failing their check."
     by_key = {}
     for n, r in enumerate(rows): by_key.setdefault(tuple(r.get(key, "") for key in keys), []).append(n)
     found, suspect = {}, []
@@ -1311,25 +1782,74 @@ def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str 
                       + (f"the rows of {len(suspect)} cell(s) fail their {ROW_CHECK} (edited, cut, older, or made for "
                          f"other key columns), e.g. {suspect[0]}; "
                          if suspect else "") + "those cells are computed again")
+    return found
+
+
+# %%
+_keys = ["b"]
+_ok = [{"b": "1", WALL_TIME: "0.1"}, {"b": "2", WALL_TIME: "0.1"}, {"b": "1", WALL_TIME: "0.2"}]
+for _r in _ok: _r[ROW_CHECK] = _row_check(_r, _keys)
+test_eq(_finished(Path("g.csv"), _ok, [], [{"b": 1}, {"b": 3}], [("1",), ("3",)], _keys), {0: 2})  # the last valid row
+_bad = [{**_ok[0], ROW_CHECK: "edited"}]
+with warnings.catch_warnings(record=True) as _w:
+    warnings.simplefilter("always")
+    test_eq(_finished(Path("g.csv"), _bad, [7], [{"b": 1}], [("1",)], _keys), {})
+test_eq(str(_w[0].message), "g.csv: damaged results: malformed lines [7] are dropped; the rows of 1 cell(s) fail their "
+        "row_check (edited, cut, older, or made for other key columns), e.g. {'b': 1}; those cells are computed again")
+
+
+# %%
+#| export
+def _grid_row(cell: dict, keys: list[str], text: tuple[str, ...], metrics, wall: float) -> dict:
+    "The CSV row (texts) of a computed cell: its keys, `fn`'s metrics (checked), the wall time and the row check."
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"fn must return a dict of metrics, got {type(metrics).__name__} for cell {cell}")
+    clash = [m for m in metrics if m in keys or m in _RESERVED or not isinstance(m, str)]
+    if clash:
+        raise ValueError(f"fn returned metric names that are not strings or repeat a cell key, {WALL_TIME!r} "
+                         f"or {ROW_CHECK!r}: {clash}")
+    row = {**dict(zip(keys, text)), **{m: _cell_text(x, f"metric {m!r}") for m, x in metrics.items()},
+           WALL_TIME: repr(wall)}
+    row[ROW_CHECK] = _row_check(row, keys)
+    return row
+
+
+# %%
+_row = _grid_row({"b": 1}, ["b"], ("1",), {"acc": torch.tensor(0.5)}, 0.25)
+test_eq(_row, {"b": "1", "acc": "0.5", WALL_TIME: "0.25", ROW_CHECK: _row_check(_row, ["b"])})
+test_fail(lambda: _grid_row({"b": 1}, ["b"], ("1",), [0.5], 0.1), exc=TypeError, contains="fn must return a dict")
+test_fail(lambda: _grid_row({"b": 1}, ["b"], ("1",), {"b": 2}, 0.1), contains="repeat a cell key")
+
+
+# %% [markdown]
+# A grid interrupted by an exception at its third cell keeps the two finished cells; the
+# rerun computes only the missing ones, and a third run computes nothing:
+
+# %%
+#| export
+def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str | os.PathLike, desc: str | None = None,
+             params: Mapping | None = None, time_limit: float | None = None) -> pd.DataFrame:
+    """Compute `fn(cell)` for every cell not yet in the CSV at `path` (keys: the cell's and `params`), adding one row
+    per cell atomically; return this grid's rows. With `time_limit` (seconds) no cell starts after that long: the
+    rows returned are the cells done, in cell order, and `attrs["pending"]` counts the others (0 when complete)."""
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
+                                   or not time_limit >= 0):
+        raise ValueError(f"time_limit must be a number of seconds >= 0 or None, got {time_limit!r}")
+    cells, params, keys = _grid_cells(cells, params)
+    texts = _cell_texts(cells, params, keys)
+    path = Path(path)
+    rows, columns, bad = _read_grid(path)
+    found = _finished(path, rows, bad, cells, texts, keys)
     todo = [i for i in range(len(cells)) if i not in found]
     start = time.perf_counter()
     with tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell") as bar:
         for i in todo:
             if time_limit is not None and time.perf_counter() - start >= time_limit: break
-            cell, text = cells[i], texts[i]
+            cell = cells[i]
             bar.set_postfix_str(", ".join(f"{key}={val}" for key, val in cell.items()))
             t0 = time.perf_counter()
             metrics = fn(dict(cell))
-            wall = time.perf_counter() - t0
-            if not isinstance(metrics, Mapping):
-                raise TypeError(f"fn must return a dict of metrics, got {type(metrics).__name__} for cell {cell}")
-            clash = [m for m in metrics if m in keys or m in _RESERVED or not isinstance(m, str)]
-            if clash:
-                raise ValueError(f"fn returned metric names that are not strings or repeat a cell key, {WALL_TIME!r} "
-                                 f"or {ROW_CHECK!r}: {clash}")
-            row = {**dict(zip(keys, text)), **{m: _cell_text(x, f"metric {m!r}") for m, x in metrics.items()},
-                   WALL_TIME: repr(wall)}
-            row[ROW_CHECK] = _row_check(row, keys)
+            row = _grid_row(cell, keys, texts[i], metrics, time.perf_counter() - t0)
             found[i] = len(rows)
             rows.append(row)
             columns = list(dict.fromkeys([*columns, *(c for c in row if c != ROW_CHECK), ROW_CHECK]))
@@ -1340,13 +1860,7 @@ def run_grid(cells: Iterable[Mapping], fn: Callable[[dict], Mapping], path: str 
     return out
 
 
-# %% [markdown]
-# A grid interrupted by an exception at its third cell keeps the two finished cells; the
-# rerun computes only the missing ones, and a third run computes nothing:
-
 # %%
-import tempfile
-
 calls = []
 def _fn(cell, fail_at=None):
     calls.append(dict(cell))
