@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from . import methods
 from .attention import check_int
 from .hf import AttentionContext, Method
-from .methods import ModelShape, queries_per_call, scoring_cost
+from .hf import ModelShape, queries_per_call, scoring_cost
 from .quoka.baselines import _check_rank
 
 # %% auto #0
@@ -87,7 +87,8 @@ def counted_surplus(method: Method, shape, n_cached: int, phase: str = "prefill"
     return (shape.D ** 2 + shape.D * r) * n_cached
 
 # %% ../nbs/42_costs.ipynb #01ad520b
-KNOBS = {"quoka": "n_q", "sample_attention": "n_q", "sparq": "r", "loki": "r", "key_pca": "rank", "oval": "rank"}
+# each method states its knob (`Method.cost_knob`); the registry collects them
+KNOBS = {n: methods.get(n).cost_knob for n in methods.names() if methods.get(n).cost_knob}
 
 
 def matched(name: str, target, shape, budget: int | float, phase: str = "prefill", chunk: int | None = None,
@@ -109,6 +110,8 @@ def matched(name: str, target, shape, budget: int | float, phase: str = "prefill
     if best is None:
         raise ValueError(f"{name} costs more than target={target} per key even at {knob}=1 ({phase}, shape {shape})")
     return best[1]
+
+
 
 # %% ../nbs/42_costs.ipynb #c29cb5df
 def _setting(m: Method, shape: ModelShape) -> str:

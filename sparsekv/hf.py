@@ -573,6 +573,8 @@ class Method:
     family: str = "dense"       # one of METHOD_FAMILIES
     exact_budget: bool = True   # False: `budget` is a learned target, met on average (DMS)
     chunk_size: int | None = None  # prefill in chunks of this many tokens (B_CP); None: the whole prompt in one call
+    cost_knob: str | None = None   # the parameter that sets the scoring cost per cached key (`sparsekv.costs.matched`)
+    small_params: dict = {}        # parameters that make a 20-token prompt on the two-layer test models exercise it
     registry: dict[str, type] = {}
 
     def __init_subclass__(cls, **kwargs):

@@ -23,7 +23,7 @@ from .cache import GrowingCache
 from .data import count_tokens, score_exact
 from .eval import kl_to_teacher, token_nll, top1_agreement
 from .hf import AttendedBudget, Method, chunked_prefill, measure_attended
-from .methods import PHASES, ModelShape, scoring_cost
+from .hf import PHASES, ModelShape, scoring_cost
 from .stats import compare
 
 # %% auto #0

@@ -935,11 +935,10 @@ def budget_beyond_any_sequence_is_dense():
                                                       pad_token_id=0), want
 
 
-EMPTY_EXTRA = {"quoka": dict(n_q=2), "sample_attention": dict(n_q=2), "lessismore": dict(selection_layers=(0,))}
 for _name in [n for n in methods.names() if n != "prefill_decode"] + ["quoka+kvpop_mlstm"]:
     def _empty(name=_name):
-        methods.make(name, 12, **EMPTY_EXTRA.get(name, {})).generate(tiny(), ids(2, 17, 1)[:0], max_new_tokens=2,
-                                                                      do_sample=False, pad_token_id=0)
+        methods.make(name, 12, **methods.get(name).small_params).generate(tiny(), ids(2, 17, 1)[:0], max_new_tokens=2,
+                                                                           do_sample=False, pad_token_id=0)
     _empty.__name__ = f"empty_batch_{_name.replace('+', '_then_')}"
     error("validated at make", ValueError, r"input_ids must be a non-empty .*\(0, 17\)")(_empty)
 

@@ -8,14 +8,9 @@ from sparsekv.hf import ATTN_NAME, Method, measure_attended
 from sparsekv.methods import SelectionMethod
 from sparsekv.protocol import continuation
 
-ISSUE_NAMES = {"dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "dms", "kvpop_mlp", "kvpop_mlstm",
+PAPER_METHODS = {"dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "dms", "kvpop_mlp", "kvpop_mlstm",
                "quoka", "mean_scores", "sample_attention", "sparq", "loki", "lessismore", "quest", "arkvale", "key_pca",
                "oval", "oracle_pages"}
-# Per family and method, parameters that make 20-token prompts exercise the method (kvpress's default_presses).
-SMALL = {"selection": dict(chunk_size=8), "retrieval": dict(page_size=4, sink=4, recent=4, rank=2)}
-# LessIsMore selects at layer 0 so that layer 1 of the two-layer tiny models reuses its pick (at or below the
-# selection layer it attends densely).
-EXTRA = {"quoka": dict(n_q=2), "sample_attention": dict(n_q=2), "lessismore": dict(selection_layers=(0,))}
 PROMPT, NEW = 20, 6
 # every registered method, and compositions whose decode method evicts (the prompt handed over)
 NAMES = methods.names() + ["quoka+kvpop_mlstm", "dense+streaming_llm"]
@@ -23,22 +18,21 @@ GEN = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
 
 
 def build(name: str, budget) -> Method:
-    "Method `name` at `budget` with the small-scale parameters above."
+    "Method `name` at `budget` with the parameters each method states for small prompts (`Method.small_params`)."
     if name == "prefill_decode":
         return methods.make(name, budget=budget, prefill=build("quoka", budget), decode=build("oval", budget))
     if "+" in name:
-        return methods.make(name, budget, **{f"{role}_params": {**SMALL.get(methods.get(part).family, {}),
-                                                                **EXTRA.get(part, {})}
+        return methods.make(name, budget, **{f"{role}_params": methods.get(part).small_params
                                             for role, part in zip(("prefill", "decode"), name.split("+"))})
-    return methods.make(name, budget=budget, **SMALL.get(methods.get(name).family, {}), **EXTRA.get(name, {}))
+    return methods.make(name, budget=budget, **methods.get(name).small_params)
 
 
 def prompt(model, B=2, seed=0):
     return torch.randint(3, model.config.vocab_size, (B, PROMPT), generator=torch.Generator().manual_seed(seed))
 
 
-def test_every_method_of_the_issue_is_registered():
-    assert ISSUE_NAMES <= set(methods.names())
+def test_every_method_of_the_papers_is_registered():
+    assert PAPER_METHODS <= set(methods.names())
     assert all(methods.get(n).family in ("dense", "eviction", "selection", "retrieval") for n in methods.names())
 
 

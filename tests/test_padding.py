@@ -6,22 +6,18 @@ import torch
 from sparsekv import methods
 from sparsekv.hf import Method, chunked_prefill
 
-# Small-scale parameters so that 20-30 token prompts select (budget 8 < prompt lengths, chunks of 8, pages of 4).
-SMALL = {"selection": dict(chunk_size=8), "retrieval": dict(page_size=4, sink=4, recent=4, rank=2)}
-EXTRA = {"quoka": dict(n_q=2), "sample_attention": dict(n_q=2), "lessismore": dict(selection_layers=(0,))}
 BUDGET, LENS, NEW = 8, (29, 20), 4
 GEN = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
 
 
 def build(name: str) -> Method:
-    "Method `name` at BUDGET with the small-scale parameters above."
+    "Method `name` at BUDGET with its parameters for small prompts (`Method.small_params`: chunks of 8, pages of 4)."
     if name == "prefill_decode":
         return methods.make(name, budget=BUDGET, prefill=build("quoka"), decode=build("oval"))
     if "+" in name:
-        return methods.make(name, BUDGET, **{f"{role}_params": {**SMALL.get(methods.get(part).family, {}),
-                                                                **EXTRA.get(part, {})}
+        return methods.make(name, BUDGET, **{f"{role}_params": methods.get(part).small_params
                                              for role, part in zip(("prefill", "decode"), name.split("+"))})
-    return methods.make(name, budget=BUDGET, **SMALL.get(methods.get(name).family, {}), **EXTRA.get(name, {}))
+    return methods.make(name, budget=BUDGET, **methods.get(name).small_params)
 
 
 def padded_batch(seed=0):

@@ -439,7 +439,7 @@ def select_rows(self, q, k, v, ctx, real: Tensor) -> Tensor | None:
 # %% ../../nbs/32_oval_pages.ipynb #061fc3a8
 class PageRetrieval(Method):
     "Dense prefill; decode queries attend to the sink, recent and top pages of `summary`, `budget` tokens per KV head."
-    family, summary = "retrieval", None
+    family, summary, small_params = "retrieval", None, {"page_size": 4, "sink": 4, "recent": 4, "rank": 2}
 
     def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
                  rank: int = 8):
@@ -497,7 +497,7 @@ class ArkVale(PageRetrieval):
 # %% ../../nbs/32_oval_pages.ipynb #a53f7e19
 class KeyPCA(PageRetrieval):
     "Key PCA: pages scored in the rank-`rank` principal basis of their keys (OVAL's eta = 0 endpoint)."
-    name, summary = "key_pca", "keypca"
+    name, summary, cost_knob = "key_pca", "keypca", "rank"
 
     def page_cost(self, shape):
         "Per query head q times [B, mu], D (r + 1), then the page's m codes R c, m r; r = min(rank, m - 1, D)."
@@ -507,7 +507,7 @@ class KeyPCA(PageRetrieval):
 # %% ../../nbs/32_oval_pages.ipynb #86ecae37
 class OVAL(PageRetrieval):
     "OVAL (§3.3): output-aware page bases mixing key fidelity and output sensitivity by `eta`."
-    name, summary = "oval", "oval"
+    name, summary, cost_knob = "oval", "oval", "rank"
 
     def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
                  rank: int = 8, eta: float = 0.5):

@@ -720,7 +720,7 @@ recall
 class SelectionMethod(Method):
     """Chunked prefill in chunks of `chunk_size` (B_CP), each attending to `budget` (B_SA) earlier keys per KV head plus
     its own; decode likewise unless `decode=False`."""
-    family = "selection"
+    family, small_params = "selection", {"chunk_size": 8}
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True):
         super().__init__(budget)
@@ -785,7 +785,7 @@ test_eq(_Flat(256, decode=False).scoring_cost(shape, 1000, "decode"), ScoringCos
 class Quoka(SelectionMethod):
     """QuoKA (Alg. 2): the B_SA earlier keys of largest cosine with the N_Q = `n_q` most dissimilar queries
     (`query_rank`: the ablations 'similar', 'random' with `seed`; `gqa_agg='max'`: the ablation of the head mean)."""
-    name = "quoka"
+    name, cost_knob, small_params = "quoka", "n_q", {"chunk_size": 8, "n_q": 2}
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16,
                  query_select: str = "group", query_agg: str = "max", sinks: int = 0, recent: int = 0,
@@ -859,6 +859,7 @@ test_fail(lambda: MeanScores(256, scores="max"), contains="scores must be one of
 class SampleAttention(BaselineSelection):
     "SampleAttention: the attention of `n_q` uniformly sampled queries (from `seed`)."
     name, select_fn = "sample_attention", staticmethod(sample_attention_select)
+    cost_knob, small_params = "n_q", {"chunk_size": 8, "n_q": 2}
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16, seed: int = 0):
         super().__init__(budget, chunk_size, decode)
@@ -879,7 +880,7 @@ test_fail(lambda: SampleAttention(256, n_q=0), contains="n_q")
 #| export
 class SparQ(BaselineSelection):
     "SparQ: attention approximated from each query's top-`r` channels (None: D/2, QuoKA's 64 of 128 in §4)."
-    name, select_fn = "sparq", staticmethod(sparq_select)
+    name, select_fn, cost_knob = "sparq", staticmethod(sparq_select), "r"
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None):
         super().__init__(budget, chunk_size, decode)
@@ -904,7 +905,7 @@ test_fail(lambda: SparQ(256, r=64).check_model(load_model("tiny-llama")[0]), con
 #| export
 class Loki(BaselineSelection):
     "Loki: attention in the top-`r` (None: D/2) principal subspace of the keys (`center`: of the centred keys)."
-    name, select_fn = "loki", staticmethod(loki_select)
+    name, select_fn, cost_knob = "loki", staticmethod(loki_select), "r"
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None,
                  center: bool = False):
@@ -936,7 +937,8 @@ assert isinstance(Loki(256).policy(), LokiPolicy)
 #| export
 class LessIsMore(SelectionMethod):
     "LessIsMore: one key set for all heads, picked at `selection_layers` and reused by the layers after them."
-    name = "lessismore"
+    # at layer 0, so that layer 1 of the two-layer test models reuses its pick (at or below it attention is dense)
+    name, small_params = "lessismore", {"chunk_size": 8, "selection_layers": (0,)}
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, selection_layers=(2,),
                  recent_ratio: float = 0.25):

@@ -45,7 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from sparsekv import methods
 from sparsekv.attention import check_int
 from sparsekv.hf import AttentionContext, Method
-from sparsekv.methods import ModelShape, queries_per_call, scoring_cost
+from sparsekv.hf import ModelShape, queries_per_call, scoring_cost
 from sparsekv.quoka.baselines import _check_rank
 
 # %%
@@ -391,7 +391,8 @@ test_eq([scoring_cost(both, SMOLLM2, 4096, p).per_key for p in methods.PHASES], 
 
 # %%
 #| export
-KNOBS = {"quoka": "n_q", "sample_attention": "n_q", "sparq": "r", "loki": "r", "key_pca": "rank", "oval": "rank"}
+# each method states its knob (`Method.cost_knob`); the registry collects them
+KNOBS = {n: methods.get(n).cost_knob for n in methods.names() if methods.get(n).cost_knob}
 
 
 def matched(name: str, target, shape, budget: int | float, phase: str = "prefill", chunk: int | None = None,
@@ -414,6 +415,11 @@ def matched(name: str, target, shape, budget: int | float, phase: str = "prefill
         raise ValueError(f"{name} costs more than target={target} per key even at {knob}=1 ({phase}, shape {shape})")
     return best[1]
 
+
+
+# %%
+test_eq(KNOBS, {"key_pca": "rank", "loki": "r", "oval": "rank", "quoka": "n_q", "sample_attention": "n_q",
+               "sparq": "r"})
 
 # %% [markdown]
 # Against a loop over every knob value that keeps the cheapest value of each cost: at SmolLM2's shape

@@ -47,7 +47,7 @@ from sparsekv.cache import GrowingCache
 from sparsekv.data import count_tokens, score_exact
 from sparsekv.eval import kl_to_teacher, token_nll, top1_agreement
 from sparsekv.hf import AttendedBudget, Method, chunked_prefill, measure_attended
-from sparsekv.methods import PHASES, ModelShape, scoring_cost
+from sparsekv.hf import PHASES, ModelShape, scoring_cost
 from sparsekv.stats import compare
 
 # %%
