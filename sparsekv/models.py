@@ -36,11 +36,11 @@ __all__ = ['SMOLLM2_GGUF', 'QWEN2_SPLIT', 'SMOLLM2_NAME', 'SMOLLM2_GEOMETRY', 'C
            'TINY_SPECIAL_TOKENS', 'CHATML_TEMPLATE', 'TINY_CONFIGS', 'CONFIG_ALIASES', 'HUB_KWARGS', 'TOKENIZER_FILES',
            'MODEL_LABELS', 'atomic_folder', 'quiet_transformers', 'save_folder', 'smollm2_gguf_path',
            'gguf_pre_tokenizer', 'tokenizer_from_gguf', 'unpermute_rope_rows', 'gguf_geometry', 'config_geometry',
-           'check_geometry', 'write_completion_marker', 'smollm2_folder', 'hf_model_from_gguf', 'convert_gguf_to_hf',
-           'conversion_problem', 'ensure_converted', 'ensure_smollm2', 'hf_name_of_gguf_tensor', 'GGUFPart',
+           'check_geometry', 'smollm2_folder', 'hf_model_from_gguf', 'write_completion_marker', 'conversion_problem',
+           'convert_gguf_to_hf', 'ensure_converted', 'hf_name_of_gguf_tensor', 'ensure_smollm2', 'GGUFPart',
            'GGUFParts', 'gguf_part_path', 'assemble_gguf', 'assembled_gguf', 'qwen_coder_folder', 'ensure_qwen_coder',
-           'byte_to_unicode', 'byte_tokenizer', 'tiny_config', 'tiny_model', 'hub_reachable', 'load_model', 'ModelInfo',
-           'model_info']
+           'ModelInfo', 'model_info', 'byte_to_unicode', 'byte_tokenizer', 'tiny_config', 'tiny_model', 'hub_reachable',
+           'load_model']
 
 # %% ../nbs/01_models.ipynb #6f7bfe1c
 @contextlib.contextmanager
@@ -119,6 +119,7 @@ def _gguf_field(reader, key: str):
     "The value of metadata field `key` in a GGUF reader."
     return reader.fields[key].contents()
 
+# %% ../nbs/01_models.ipynb #d67949b0
 def tokenizer_from_gguf(reader) -> PreTrainedTokenizerFast:
     "A byte-level BPE tokenizer (`gpt2` model, `smollm` or `qwen2` pre-tokenizer) built from a GGUF file's metadata."
     import gguf
@@ -199,24 +200,12 @@ SMOLLM2_GEOMETRY = dict(architecture="llama", num_layers=30, num_q_heads=9, num_
 CONVERSION_VERSION = 2  # bump when the converted folder's content changes (2: completion marker)
 COMPLETE_MARKER, VERIFIED_STAMP = "sparsekv_complete.json", ".sparsekv_verified.json"
 
-def _folder_files(folder: Path) -> list[Path]:
-    "The files of `folder` the completion marker covers (all but the marker and the verification stamp)."
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.name not in (COMPLETE_MARKER, VERIFIED_STAMP))
-
-def _stat_signature(folder: Path, names) -> dict[str, list[int]]:
-    return {n: [(folder/n).stat().st_size, (folder/n).stat().st_mtime_ns] for n in names}
-
-def write_completion_marker(folder: str | os.PathLike) -> Path:
-    "Write `folder`'s completion marker (size and SHA-256 of every file), last."
-    folder = Path(folder)
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in _folder_files(folder)}
-    (folder/COMPLETE_MARKER).write_text(json.dumps({"files": files}, indent=2) + "\n")
-    return folder/COMPLETE_MARKER
-
+# %% ../nbs/01_models.ipynb #da07650c
 def smollm2_folder() -> Path:
     "Folder of the converted SmolLM2-135M-Instruct checkpoint in the cache (may not exist yet)."
     return cache_dir()/"models"/f"{SMOLLM2_NAME}-instruct-q4_1-v{CONVERSION_VERSION}"
 
+# %% ../nbs/01_models.ipynb #f3bff1ae
 def hf_model_from_gguf(gguf_path: str | os.PathLike):
     "The GGUF checkpoint as an in-memory Hugging Face model (float32) and tokenizer, nothing written to disk."
     import gguf
@@ -235,17 +224,24 @@ def hf_model_from_gguf(gguf_path: str | os.PathLike):
                     "the converted config": config_geometry(model.config, tokenizer)})
     return model, tokenizer
 
-def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
-    "Convert a GGUF checkpoint into a Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
-    gguf_path, dest = Path(gguf_path), Path(dest)
-    model, tokenizer = hf_model_from_gguf(gguf_path)
-    with atomic_folder(dest) as tmp:
-        save_folder(model, tokenizer, tmp)
-        source = {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "transformers": transformers.__version__}
-        (tmp/"sparsekv_source.json").write_text(json.dumps(source, indent=2) + "\n")
-        write_completion_marker(tmp)
-    return dest
+# %% ../nbs/01_models.ipynb #45ba8914
+def _folder_files(folder: Path) -> list[Path]:
+    "The files of `folder` the completion marker covers (all but the marker and the verification stamp)."
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name not in (COMPLETE_MARKER, VERIFIED_STAMP))
 
+# %% ../nbs/01_models.ipynb #1ef2f142
+def write_completion_marker(folder: str | os.PathLike) -> Path:
+    "Write `folder`'s completion marker (size and SHA-256 of every file), last."
+    folder = Path(folder)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in _folder_files(folder)}
+    (folder/COMPLETE_MARKER).write_text(json.dumps({"files": files}, indent=2) + "\n")
+    return folder/COMPLETE_MARKER
+
+# %% ../nbs/01_models.ipynb #5bc753bd
+def _stat_signature(folder: Path, names) -> dict[str, list[int]]:
+    return {n: [(folder/n).stat().st_size, (folder/n).stat().st_mtime_ns] for n in names}
+
+# %% ../nbs/01_models.ipynb #f7f6b5f7
 _VERIFIED: dict[str, dict] = {}  # folder -> size and modification time of its files when this process hashed them
 
 def conversion_problem(folder: str | os.PathLike) -> str | None:
@@ -266,6 +262,19 @@ def conversion_problem(folder: str | os.PathLike) -> str | None:
     _VERIFIED[key] = signature
     return None
 
+# %% ../nbs/01_models.ipynb #e818832c
+def convert_gguf_to_hf(gguf_path: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    "Convert a GGUF checkpoint into a Hugging Face folder `dest` (config, float32 safetensors, tokenizer), atomically."
+    gguf_path, dest = Path(gguf_path), Path(dest)
+    model, tokenizer = hf_model_from_gguf(gguf_path)
+    with atomic_folder(dest) as tmp:
+        save_folder(model, tokenizer, tmp)
+        source = {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "transformers": transformers.__version__}
+        (tmp/"sparsekv_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        write_completion_marker(tmp)
+    return dest
+
+# %% ../nbs/01_models.ipynb #e015e984
 def ensure_converted(dest: str | os.PathLike, label: str, gguf_file: Callable[[], ContextManager[Path]],
                      geometry: dict | None = None) -> Path:
     "The converted folder `dest`, converting the GGUF that `gguf_file()` yields the first time or if `dest` is broken."
@@ -288,11 +297,6 @@ def ensure_converted(dest: str | os.PathLike, label: str, gguf_file: Callable[[]
         raise OSError(f"the converted {label} folder {dest} is broken: {problem}")
     return dest
 
-def ensure_smollm2() -> Path:
-    "The converted SmolLM2 folder, converting the bundled GGUF file the first time and again if the folder is broken."
-    return ensure_converted(smollm2_folder(), "SmolLM2-135M", lambda: contextlib.nullcontext(smollm2_gguf_path()),
-                            SMOLLM2_GEOMETRY)
-
 # %% ../nbs/01_models.ipynb #566cfe43
 GGUF_LLAMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "attn_norm": "input_layernorm",
                     "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -305,6 +309,12 @@ def hf_name_of_gguf_tensor(name: str) -> str:
     if parts[0] == "blk": return f"model.layers.{parts[1]}.{GGUF_LLAMA_NAMES[parts[2]]}.{parts[3]}"
     return f"{GGUF_LLAMA_NAMES[parts[0]]}.{parts[1]}"
 
+# %% ../nbs/01_models.ipynb #dec40d61
+def ensure_smollm2() -> Path:
+    "The converted SmolLM2 folder, converting the bundled GGUF file the first time and again if the folder is broken."
+    return ensure_converted(smollm2_folder(), "SmolLM2-135M", lambda: contextlib.nullcontext(smollm2_gguf_path()),
+                            SMOLLM2_GEOMETRY)
+
 # %% ../nbs/01_models.ipynb #9a64c0f1
 class GGUFPart(NamedTuple):
     "One piece of a split GGUF file: the package that ships it, the file inside it, its size and SHA-256."
@@ -313,6 +323,7 @@ class GGUFPart(NamedTuple):
     bytes: int
     sha256: str
 
+# %% ../nbs/01_models.ipynb #95f01281
 @dataclass(frozen=True)
 class GGUFParts:
     "A GGUF file shipped in pieces by several packages (data only, never imported): its parts in order, size, digest."
@@ -414,26 +425,62 @@ QWEN_CODER_NAME = "qwen2.5-coder-0.5b"
 QWEN_CODER_GEOMETRY = dict(architecture="qwen2", num_layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64,
                            context_length=32768, rope_theta=1e6, tie_word_embeddings=False, chat_template=True)
 
+# %% ../nbs/01_models.ipynb #ea16bf1e
 def qwen_coder_folder() -> Path:
     "Folder of the converted Qwen2.5-Coder-0.5B-Instruct checkpoint in the cache (may not exist yet)."
     return cache_dir()/"models"/f"{QWEN_CODER_NAME}-instruct-q4_k_m-v{CONVERSION_VERSION}"
 
+# %% ../nbs/01_models.ipynb #66519e6b
 def ensure_qwen_coder() -> Path:
     "The converted Qwen2.5-Coder-0.5B folder, assembled from the installed parts and converted once (again if broken)."
     return ensure_converted(qwen_coder_folder(), "Qwen2.5-Coder-0.5B", lambda: assembled_gguf(QWEN_CODER_GGUF),
                             QWEN_CODER_GEOMETRY)
 
-# %% ../nbs/01_models.ipynb #66519e6b
+# %% ../nbs/01_models.ipynb #fd113d9d
+@dataclass(frozen=True)
+class ModelInfo:
+    "Attention geometry of a decoder-only transformer."
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int | None
+
+    @property
+    def group_size(self) -> int:
+        "G = query heads per KV head."
+        return self.num_q_heads // self.num_kv_heads
+
+# %% ../nbs/01_models.ipynb #894d257b
+def model_info(model_or_config) -> ModelInfo:
+    "Layers, query/KV heads, head dim (G via `.group_size`) of a model or config, read robustly."
+    config = getattr(model_or_config, "config", model_or_config)
+    if not isinstance(config, transformers.PretrainedConfig):
+        raise TypeError(f"model_or_config must be a transformers model or config, got {type(model_or_config).__name__}")
+    config = config.get_text_config()
+    hq = config.num_attention_heads
+    hkv = getattr(config, "num_key_value_heads", None) or hq
+    if hq % hkv: raise ValueError(f"num_attention_heads={hq} is not a multiple of num_key_value_heads={hkv}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
+    return ModelInfo(num_layers=config.num_hidden_layers, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                     hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                     max_positions=getattr(config, "max_position_embeddings", None))
+
+# %% ../nbs/01_models.ipynb #5a250fa6
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
                    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
+# %% ../nbs/01_models.ipynb #8e8127da
 def byte_to_unicode() -> dict[int, str]:
     "GPT-2's reversible map from the 256 byte values to printable characters (the byte-level BPE alphabet)."
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     shifted = iter(range(256, 512))  # the other bytes move past Latin-1, in order
     return {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
 
+# %% ../nbs/01_models.ipynb #ea1b4dfa
 def byte_tokenizer(model_max_length: int = 8192) -> PreTrainedTokenizerFast:
     "A byte-level tokenizer without merges: ids 0-2 are ChatML control tokens, id 3+b is byte b."
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -456,6 +503,7 @@ TINY_CONFIGS = {
 CONFIG_ALIASES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
                   "num_kv_heads": "num_key_value_heads"}
 
+# %% ../nbs/01_models.ipynb #f16c2338
 def tiny_config(name: str = "tiny-llama", **overrides) -> transformers.PretrainedConfig:
     "Config of a tiny random model (`tiny-llama` or `tiny-qwen3`): 2 layers, width 64, 4 q / 2 kv heads of dim 16."
     if name not in TINY_CONFIGS: raise ValueError(f"name must be one of {sorted(TINY_CONFIGS)}, got {name!r}")
@@ -473,6 +521,7 @@ def tiny_config(name: str = "tiny-llama", **overrides) -> transformers.Pretraine
     model_info(config)  # validates the head counts
     return config
 
+# %% ../nbs/01_models.ipynb #745575a1
 def tiny_model(name: str = "tiny-llama", seed: int = 0, dtype: torch.dtype = torch.float32,
                attn_implementation: str = "sdpa", **overrides):
     "A seeded tiny random model and its byte tokenizer, saved to a temporary folder and reloaded by `from_pretrained`."
@@ -487,7 +536,7 @@ def tiny_model(name: str = "tiny-llama", seed: int = 0, dtype: torch.dtype = tor
         tokenizer = AutoTokenizer.from_pretrained(folder)
     return model.eval(), tokenizer
 
-# %% ../nbs/01_models.ipynb #f16c2338
+# %% ../nbs/01_models.ipynb #bd0df1bb
 def _as_dtype(dtype) -> torch.dtype:
     "`dtype` as a floating torch.dtype (accepts a torch.dtype or its name, e.g. 'bfloat16')."
     if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype): dtype = getattr(torch, dtype)
@@ -496,6 +545,7 @@ def _as_dtype(dtype) -> torch.dtype:
                         f"got {dtype!r}")
     return dtype
 
+# %% ../nbs/01_models.ipynb #a1eadd08
 def _missing_model_error(name: str, cause: Exception) -> OSError:
     "The error raised when `name` is neither a built-in model, a local folder nor a reachable hub id."
     return OSError(f"could not load {name!r} (no local folder and no cached or reachable hub checkpoint: {cause}); "
@@ -504,20 +554,24 @@ def _missing_model_error(name: str, cause: Exception) -> OSError:
                    "a local folder with config.json and a tokenizer (a path: '/...', './...' or '~/...'), or a hub id "
                    f"already in the Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE})")
 
+# %% ../nbs/01_models.ipynb #4a99c34c
 def _looks_local(name: str) -> bool:
     "Whether `name` names a local folder rather than a hub id ('org/model' or 'model')."
     return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
 
+# %% ../nbs/01_models.ipynb #2dd4c1b2
 HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "trust_remote_code", "subfolder")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
                    "sentencepiece.bpe.model")
 
+# %% ../nbs/01_models.ipynb #9c9dabed
 def _connects(host: str, port: int, timeout: float) -> bool:
     "Whether a TCP connection to (host, port) opens within `timeout` seconds."
     try:
         with socket.create_connection((host, port), timeout=timeout): return True
     except OSError: return False
 
+# %% ../nbs/01_models.ipynb #a296a511
 @functools.lru_cache(maxsize=None)
 def hub_reachable(timeout: float = 3.0) -> bool:
     "Whether the Hugging Face hub accepts a connection (asked once per process), so that offline machines fail fast."
@@ -530,6 +584,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     probe.start(); probe.join(timeout)
     return bool(answer and answer[0])
 
+# %% ../nbs/01_models.ipynb #2ade7377
 def _check_local_folder(name: str, folder: Path) -> None:
     "Raise an error naming `folder` when it lacks the config or any tokenizer file."
     if not (folder/"config.json").is_file():
@@ -537,6 +592,7 @@ def _check_local_folder(name: str, folder: Path) -> None:
     if not any((folder/f).is_file() for f in TOKENIZER_FILES):
         raise OSError(f"the model folder {folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there")
 
+# %% ../nbs/01_models.ipynb #8a30600d
 def _resolve(name: str, kwargs: dict) -> str:
     "The folder or hub id `from_pretrained` should read for `name`; raises at once when it surely cannot be found."
     if name == SMOLLM2_NAME: return os.fspath(ensure_smollm2())
@@ -556,9 +612,11 @@ def _resolve(name: str, kwargs: dict) -> str:
         kwargs.setdefault("adapter_kwargs", {"local_files_only": True, "cache_dir": kwargs.get("cache_dir")})
     return name
 
+# %% ../nbs/01_models.ipynb #fcde9b64
 # the offline models' names as results tables and figures print them
 MODEL_LABELS = {SMOLLM2_NAME: "SmolLM2-135M", QWEN_CODER_NAME: "Qwen2.5-Coder-0.5B"}
 
+# %% ../nbs/01_models.ipynb #6128087f
 def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", **kwargs):
     """Load `(model, tokenizer)` in eval mode: 'smollm2-135m' or 'qwen2.5-coder-0.5b' (offline, converted once from
@@ -582,34 +640,3 @@ def load_model(name_or_path: str | os.PathLike = SMOLLM2_NAME, dtype: torch.dtyp
         if isinstance(e, OSError): raise _missing_model_error(name, e) from e
         raise
     return model.to(device).eval(), tokenizer
-
-# %% ../nbs/01_models.ipynb #745575a1
-@dataclass(frozen=True)
-class ModelInfo:
-    "Attention geometry of a decoder-only transformer."
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_positions: int | None
-
-    @property
-    def group_size(self) -> int:
-        "G = query heads per KV head."
-        return self.num_q_heads // self.num_kv_heads
-
-def model_info(model_or_config) -> ModelInfo:
-    "Layers, query/KV heads, head dim (G via `.group_size`) of a model or config, read robustly."
-    config = getattr(model_or_config, "config", model_or_config)
-    if not isinstance(config, transformers.PretrainedConfig):
-        raise TypeError(f"model_or_config must be a transformers model or config, got {type(model_or_config).__name__}")
-    config = config.get_text_config()
-    hq = config.num_attention_heads
-    hkv = getattr(config, "num_key_value_heads", None) or hq
-    if hq % hkv: raise ValueError(f"num_attention_heads={hq} is not a multiple of num_key_value_heads={hkv}")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
-    return ModelInfo(num_layers=config.num_hidden_layers, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
-                     hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                     max_positions=getattr(config, "max_position_embeddings", None))
