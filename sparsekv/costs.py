@@ -41,20 +41,9 @@ def _context(shape: ModelShape, layer: int, kind: str, T: int, S: int) -> Attent
                             key_positions=pos.expand(1, shape.Hkv, -1), mask=None, scale=shape.D ** -0.5,
                             module=module)
 
-
-def measured_cost(method: Method, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None,
-                  seed: int = 0) -> float:
-    """Counted multiply-adds per KV head of one call of `method`'s policy in a scoring layer: a prefill chunk after
-    `n_cached` earlier keys, or a decode step over a cache of `n_cached` keys (random tensors from `seed`)."""
-    shape, T = ModelShape.of(shape), check_int(n_cached, "n_cached")
-    # by name and family, not class: a notebook re-running 07_methods' cells registers its own copies of the classes
-    if method.name == "prefill_decode":
-        return measured_cost(method.prefill if phase == "prefill" else method.decode, shape, T, phase, chunk, seed)
-    if method.family not in ("selection", "retrieval"):
-        scoring_cost(method, shape, T, phase, chunk)  # validates the arguments
-        return 0.0
-    g = torch.Generator().manual_seed(seed)
-    policy = method.policy()
+# %% ../nbs/42_costs.ipynb #1caccea7
+def _call_inputs(method: Method, policy, shape: ModelShape, T: int, phase: str, chunk: int | None, g) -> tuple:
+    "(q, k, v, ctx) of the counted call of `policy` (`method`'s), random tensors from the generator g."
     if method.family == "retrieval":  # a decode step: q is the newest token, its key the cache's last
         queries_per_call(phase, chunk, 1)
         check_int(T, "n_cached", 1)
@@ -70,6 +59,22 @@ def measured_cost(method: Method, shape, n_cached: int, phase: str = "prefill", 
         k, v = (torch.randn(1, shape.Hkv, T + S, shape.D, generator=g) for _ in range(2))
         layer = method.selection_layers[0] if method.name == "lessismore" else shape.layers - 1
         ctx = _context(shape, layer, phase, T, S)
+    return q, k, v, ctx
+
+# %% ../nbs/42_costs.ipynb #f185484a
+def measured_cost(method: Method, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None,
+                  seed: int = 0) -> float:
+    """Counted multiply-adds per KV head of one call of `method`'s policy in a scoring layer: a prefill chunk after
+    `n_cached` earlier keys, or a decode step over a cache of `n_cached` keys (random tensors from `seed`)."""
+    shape, T = ModelShape.of(shape), check_int(n_cached, "n_cached")
+    # by name and family, not class: a notebook re-running 07_methods' cells registers its own copies of the classes
+    if method.name == "prefill_decode":
+        return measured_cost(method.prefill if phase == "prefill" else method.decode, shape, T, phase, chunk, seed)
+    if method.family not in ("selection", "retrieval"):
+        scoring_cost(method, shape, T, phase, chunk)  # validates the arguments
+        return 0.0
+    policy = method.policy()
+    q, k, v, ctx = _call_inputs(method, policy, shape, T, phase, chunk, torch.Generator().manual_seed(seed))
     return counted_macs(policy.select, q, k, v, ctx)[1] / shape.Hkv
 
 # %% ../nbs/42_costs.ipynb #644a405c
@@ -90,7 +95,7 @@ def counted_surplus(method: Method, shape, n_cached: int, phase: str = "prefill"
 # each method states its knob (`Method.cost_knob`); the registry collects them
 KNOBS = {n: methods.get(n).cost_knob for n in methods.names() if methods.get(n).cost_knob}
 
-
+# %% ../nbs/42_costs.ipynb #335bd46b
 def matched(name: str, target, shape, budget: int | float, phase: str = "prefill", chunk: int | None = None,
             **params) -> Method:
     """`methods.make(name, budget, **params)` with its `KNOBS` knob at the smallest value of the largest per-key cost
@@ -111,8 +116,6 @@ def matched(name: str, target, shape, budget: int | float, phase: str = "prefill
         raise ValueError(f"{name} costs more than target={target} per key even at {knob}=1 ({phase}, shape {shape})")
     return best[1]
 
-
-
 # %% ../nbs/42_costs.ipynb #c29cb5df
 def _setting(m: Method, shape: ModelShape) -> str:
     "The cost knob of a method as `name=value` (SparQ's and Loki's r=None as D/2), else its page size or layers."
@@ -122,7 +125,7 @@ def _setting(m: Method, shape: ModelShape) -> str:
     if knob: return f"{knob}={getattr(m, knob)}" + (f", page_size={m.page_size}" if knob == "rank" else "")
     return f"page_size={m.page_size}" if m.family == "retrieval" else ""
 
-
+# %% ../nbs/42_costs.ipynb #e1c5e06f
 def cost_table(shape, budget: int = 1024, n_cached: int = 4096, chunk: int = 128, target: str = "quoka",
                matched_names=("sample_attention", "sparq", "loki")) -> pd.DataFrame:
     """Scoring multiply-adds of every selection and retrieval method at its defaults and of `matched_names` matched to

@@ -36,7 +36,7 @@ from .io import DamagedFileError, atomic_path_with_digest, digest_path, verify_d
 # %% auto #0
 __all__ = ['MODES', 'RESUMABLE_CHANGES', 'UNREADABLE', 'DistillStudent', 'DistillConfig', 'new_param_lr', 'trainable_groups',
            'make_optimizer', 'distill_kl', 'epoch_batches', 'world', 'rank_slice', 'rng_state', 'set_rng_state',
-           'save_checkpoint', 'student_spec', 'model_spec', 'spec_differences', 'load_torch_file', 'check_resume',
+           'student_spec', 'model_spec', 'spec_differences', 'save_checkpoint', 'load_torch_file', 'check_resume',
            'load_checkpoint', 'distill', 'teacher_eval', 'decoder_layers', 'shard_model', 'shard_for_training',
            'full_state']
 
@@ -108,7 +108,7 @@ class DistillConfig:
             raise ValueError(f"new_lr_min ({self.new_lr_min}) must be <= new_lr ({self.new_lr})")
         self.betas = tuple(self.betas)
 
-
+# %% ../nbs/06_distill.ipynb #61cc6aa4
 def new_param_lr(i: int, config: DistillConfig) -> float:
     "Learning rate of the new parameters at update i (0-based): linear warmup, cosine new_lr -> new_lr_min (Table 3)."
     W, T = config.warmup_steps, config.steps
@@ -116,7 +116,7 @@ def new_param_lr(i: int, config: DistillConfig) -> float:
     frac = min(1.0, (i - W) / max(1, T - W))
     return config.new_lr_min + 0.5 * (config.new_lr - config.new_lr_min) * (1 + math.cos(math.pi * frac))
 
-# %% ../nbs/06_distill.ipynb #d132e6e1
+# %% ../nbs/06_distill.ipynb #85eb1ae5
 def trainable_groups(model: nn.Module, student: DistillStudent, config: DistillConfig) -> list[dict]:
     "AdamW groups: 'base' (the model, full mode only, constant LR) and 'new' (the student), skipping empty ones."
     groups = []
@@ -128,7 +128,7 @@ def trainable_groups(model: nn.Module, student: DistillStudent, config: DistillC
         raise ValueError(f"nothing to train: mode={config.mode!r} and {type(student).__name__} has no parameters")
     return groups
 
-
+# %% ../nbs/06_distill.ipynb #4c3c9ca0
 def make_optimizer(model: nn.Module, student: DistillStudent, config: DistillConfig):
     "(AdamW over `trainable_groups`, LambdaLR applying the constant base LR and `new_param_lr`)."
     groups = trainable_groups(model, student, config)
@@ -159,12 +159,12 @@ def epoch_batches(sequences: Tensor, batch_size: int, steps: int, seed: int = 0)
         epoch += 1
     return out[:steps]
 
-
+# %% ../nbs/06_distill.ipynb #9ec70464
 def world() -> tuple[int, int]:
     "(rank, world size): (0, 1) without an initialized process group."
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
-
+# %% ../nbs/06_distill.ipynb #6479a6a2
 def rank_slice(batch: Tensor) -> Tensor:
     "This rank's rows of a global batch (equal contiguous slices)."
     rank, n = world()
@@ -172,25 +172,66 @@ def rank_slice(batch: Tensor) -> Tensor:
         raise ValueError(f"the global batch size {batch.shape[0]} must be divisible by the world size {n}")
     return batch.chunk(n)[rank] if n > 1 else batch
 
-# %% ../nbs/06_distill.ipynb #411cd63e
+# %% ../nbs/06_distill.ipynb #eb258301
 def _state_container(model: nn.Module, student: DistillStudent, config: DistillConfig) -> nn.Module:
     "One module whose state dict covers what is trained (keys 'model.*' in full mode, 'student.*')."
     return nn.ModuleDict({"model": model, "student": student} if config.mode == "full" else {"student": student})
 
-
+# %% ../nbs/06_distill.ipynb #38455123
 def rng_state() -> dict:
     "Python, NumPy, torch CPU (and CUDA) RNG states."
     st = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
     if torch.cuda.is_available(): st["cuda"] = torch.cuda.get_rng_state_all()
     return st
 
-
+# %% ../nbs/06_distill.ipynb #0da8cc2e
 def set_rng_state(st: dict) -> None:
     "Restore what `rng_state` returned."
     random.setstate(st["python"]); np.random.set_state(st["numpy"]); torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available(): torch.cuda.set_rng_state_all(st["cuda"])
 
+# %% ../nbs/06_distill.ipynb #fe813457
+RESUMABLE_CHANGES = ("steps", "checkpoint_every")
 
+# %% ../nbs/06_distill.ipynb #b6ab88e7
+def _plain(v) -> bool:
+    "Whether `v` is a JSON-like value (scalars, and lists, tuples or dicts of them)."
+    if isinstance(v, (bool, int, float, str, type(None))): return True
+    if isinstance(v, (list, tuple)): return all(_plain(x) for x in v)
+    return isinstance(v, dict) and all(isinstance(k, str) and _plain(x) for k, x in v.items())
+
+# %% ../nbs/06_distill.ipynb #59a16733
+def _class_name(m) -> str:
+    "Class name of `m`, without the FSDP wrapper class that `fully_shard` puts in front."
+    return next(c.__name__ for c in type(m).__mro__ if not issubclass(c, FSDPModule))
+
+# %% ../nbs/06_distill.ipynb #d6482f9b
+def student_spec(student: nn.Module) -> dict:
+    "What identifies a student: class, plain settings (sink, window, k, ...), submodule classes, parameter shapes."
+    settings = {k: v for k, v in vars(student).items() if not k.startswith("_") and k != "training" and _plain(v)}
+    return dict(type=_class_name(student), settings=settings,
+                modules={n: _class_name(m) for n, m in student.named_modules() if n},
+                shapes={n: list(p.shape) for n, p in student.state_dict().items()})
+
+# %% ../nbs/06_distill.ipynb #6cacbd08
+def model_spec(model: nn.Module) -> dict:
+    "What identifies the base model: its class and its config (without the folder it was loaded from)."
+    config = getattr(model, "config", None)
+    drop = ("_name_or_path", "transformers_version")
+    config = {k: v for k, v in config.to_dict().items() if k not in drop} if config else {}
+    return dict(type=_class_name(model), config=config)
+
+# %% ../nbs/06_distill.ipynb #22c82ba3
+def spec_differences(saved, now, prefix: str = "", where: str = "the checkpoint") -> list[str]:
+    """Dotted names of the fields where the nested dicts `saved` (kept in `where`) and `now` differ (tuples and lists
+    compare equal)."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return [d for k in sorted(set(saved) | set(now), key=str)
+                for d in spec_differences(saved.get(k), now.get(k), f"{prefix}{k}.", where)]
+    same = json.dumps(saved, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str)
+    return [] if same else [f"{prefix.rstrip('.')} ({saved!r} in {where}, {now!r} now)"]
+
+# %% ../nbs/06_distill.ipynb #2b2c092d
 def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, step: int, history: list[dict]) -> None:
     """Write the training state after `step` updates, the full config and what identifies the model and student, to
     `path` atomically (every rank calls it; rank 0 writes)."""
@@ -202,47 +243,6 @@ def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, ste
                     spec=dict(model=model_spec(model), student=student_spec(student)))
         with atomic_path_with_digest(path) as tmp: torch.save(ckpt, tmp)
     if world()[1] > 1: dist.barrier()
-
-# %% ../nbs/06_distill.ipynb #fe813457
-RESUMABLE_CHANGES = ("steps", "checkpoint_every")
-
-
-def _plain(v) -> bool:
-    "Whether `v` is a JSON-like value (scalars, and lists, tuples or dicts of them)."
-    if isinstance(v, (bool, int, float, str, type(None))): return True
-    if isinstance(v, (list, tuple)): return all(_plain(x) for x in v)
-    return isinstance(v, dict) and all(isinstance(k, str) and _plain(x) for k, x in v.items())
-
-
-def _class_name(m) -> str:
-    "Class name of `m`, without the FSDP wrapper class that `fully_shard` puts in front."
-    return next(c.__name__ for c in type(m).__mro__ if not issubclass(c, FSDPModule))
-
-
-def student_spec(student: nn.Module) -> dict:
-    "What identifies a student: class, plain settings (sink, window, k, ...), submodule classes, parameter shapes."
-    settings = {k: v for k, v in vars(student).items() if not k.startswith("_") and k != "training" and _plain(v)}
-    return dict(type=_class_name(student), settings=settings,
-                modules={n: _class_name(m) for n, m in student.named_modules() if n},
-                shapes={n: list(p.shape) for n, p in student.state_dict().items()})
-
-
-def model_spec(model: nn.Module) -> dict:
-    "What identifies the base model: its class and its config (without the folder it was loaded from)."
-    config = getattr(model, "config", None)
-    drop = ("_name_or_path", "transformers_version")
-    config = {k: v for k, v in config.to_dict().items() if k not in drop} if config else {}
-    return dict(type=_class_name(model), config=config)
-
-
-def spec_differences(saved, now, prefix: str = "", where: str = "the checkpoint") -> list[str]:
-    """Dotted names of the fields where the nested dicts `saved` (kept in `where`) and `now` differ (tuples and lists
-    compare equal)."""
-    if isinstance(saved, dict) and isinstance(now, dict):
-        return [d for k in sorted(set(saved) | set(now), key=str)
-                for d in spec_differences(saved.get(k), now.get(k), f"{prefix}{k}.", where)]
-    same = json.dumps(saved, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str)
-    return [] if same else [f"{prefix.rstrip('.')} ({saved!r} in {where}, {now!r} now)"]
 
 # %% ../nbs/06_distill.ipynb #e8aebc2c
 # what torch.load raises on damaged bytes (the zip reader's RuntimeError, OSError [Errno 22] of a cut file, ...)
@@ -278,7 +278,7 @@ def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> Non
         raise ValueError(f"checkpoint {path} is at step {ckpt['step']}, beyond config.steps={config.steps}; pass "
                          f"steps >= {ckpt['step']}")
 
-
+# %% ../nbs/06_distill.ipynb #2685ddcb
 def load_checkpoint(path, model, student, opt, sched, config: DistillConfig) -> tuple[int, list[dict]]:
     "Restore checkpoint `path` of this run (`check_resume`) into model, student, optimizer, scheduler: (step, history)."
     ckpt = load_torch_file(path, f"delete it and {digest_path(path).name} to train from the start (or restore both "
@@ -300,7 +300,7 @@ def _all_mean(values: dict[str, float]) -> dict[str, float]:
     dist.all_reduce(t)
     return dict(zip(values, (t / world()[1]).tolist()))
 
-
+# %% ../nbs/06_distill.ipynb #fbf969dd
 def _run_eval(eval_fn, model, student, step: int) -> dict:
     was = model.training, student.training
     model.eval(); student.eval()
@@ -308,7 +308,7 @@ def _run_eval(eval_fn, model, student, step: int) -> dict:
     model.train(was[0]); student.train(was[1])
     return row
 
-
+# %% ../nbs/06_distill.ipynb #499a1686
 def _micro_step(model, teacher, student, batch, config, step: int, autocast) -> dict[str, float]:
     """Forward (teacher, then student under its policy; `cached`: the student's loss on cached activations) and
     backward of one micro-batch; its scalar losses and metrics."""
@@ -330,18 +330,54 @@ def _micro_step(model, teacher, student, batch, config, step: int, autocast) -> 
     (loss / config.grad_accum).backward()
     return dict(loss=loss.item(), method_loss=m_loss.item(), **metrics, **({} if kl is None else {"kl": kl.item()}))
 
+# %% ../nbs/06_distill.ipynb #632546f8
+def _resume(checkpoint_dir, model, student, opt, sched, config: DistillConfig, eval_fn):
+    "(checkpoint path or None, first step, history): a checkpoint's if `checkpoint_dir` holds one, else step 0, seeded."
+    path = Path(checkpoint_dir) / "checkpoint.pt" if checkpoint_dir is not None else None
+    start, history = 0, []
+    if path is not None and path.exists(): start, history = load_checkpoint(path, model, student, opt, sched, config)
+    else: torch.manual_seed(config.seed)
+    if eval_fn is not None and start == 0: history.append(_run_eval(eval_fn, model, student, 0))
+    return path, start, history
 
+# %% ../nbs/06_distill.ipynb #bd58011f
+def _step_scalars(it, model, teacher, student, config: DistillConfig, i: int, autocast, device) -> dict[str, float]:
+    "Run the `grad_accum` micro-batches of update i from the iterator `it`: their losses and metrics, averaged."
+    sums: dict[str, float] = {}
+    for _ in range(config.grad_accum):
+        batch = next(it, None)
+        if batch is None:
+            raise ValueError(f"batches ran out during step {i + 1} of {config.steps} "
+                             f"(grad_accum={config.grad_accum})")
+        batch = ({k: rank_slice(v).to(device) for k, v in batch.items()} if isinstance(batch, dict)
+                 else rank_slice(batch).to(device))
+        scalars = _micro_step(model, teacher, student, batch, config, i, autocast)
+        for k, v in scalars.items(): sums[k] = sums.get(k, 0.0) + v / config.grad_accum
+    return sums
+
+# %% ../nbs/06_distill.ipynb #c4503970
+def _train_row(i: int, sums: dict[str, float], gnorm, lrs: dict[str, float], t0: float, c0: float) -> dict:
+    "The history row of update i: the scalars averaged over ranks, the gradient norm, learning rates and times."
+    return dict(step=i + 1, kind="train", **_all_mean(sums),
+                grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                **lrs, seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
+
+# %% ../nbs/06_distill.ipynb #67017b53
+def _check_distill_args(student, config, eval_fn, eval_every) -> None:
+    if not isinstance(student, DistillStudent):
+        raise TypeError(f"student must be a DistillStudent, got {type(student).__name__}")
+    if not isinstance(config, DistillConfig):
+        raise TypeError(f"config must be a DistillConfig, got {type(config).__name__}")
+    if eval_every is not None and eval_fn is None: raise ValueError("eval_every needs an eval_fn")
+
+# %% ../nbs/06_distill.ipynb #c3452ee5
 def distill(model, student: DistillStudent, batches, config: DistillConfig, checkpoint_dir=None, eval_fn=None,
             eval_every: int | None = None, teacher=None, progress: bool = True) -> pd.DataFrame:
     """Train `student` (and in full mode `model`) by distillation from the dense teacher (Alg. 1); resume from
     `checkpoint_dir/checkpoint.pt` when it exists. `teacher`: default a frozen copy of `model` (full) or `model` itself
     (scorer_only). `batches`: re-iterable global batches [B, S] (`cached`: dicts of cached activations, e.g.
     `ActivationStore.batches`), `config.grad_accum` per step; a sequence resumes without reading skipped batches."""
-    if not isinstance(student, DistillStudent):
-        raise TypeError(f"student must be a DistillStudent, got {type(student).__name__}")
-    if not isinstance(config, DistillConfig):
-        raise TypeError(f"config must be a DistillConfig, got {type(config).__name__}")
-    if eval_every is not None and eval_fn is None: raise ValueError("eval_every needs an eval_fn")
+    _check_distill_args(student, config, eval_fn, eval_every)
     full = config.mode == "full"
     if teacher is None: teacher = copy.deepcopy(model) if full else model
     teacher.requires_grad_(False)
@@ -350,37 +386,20 @@ def distill(model, student: DistillStudent, batches, config: DistillConfig, chec
     device = next(model.parameters()).device
     opt, sched = make_optimizer(model, student, config)
     trainable = [p for g in opt.param_groups for p in g["params"]]
-    path = Path(checkpoint_dir) / "checkpoint.pt" if checkpoint_dir is not None else None
-    start, history = 0, []
-    if path is not None and path.exists(): start, history = load_checkpoint(path, model, student, opt, sched, config)
-    else: torch.manual_seed(config.seed)
-    if eval_fn is not None and start == 0: history.append(_run_eval(eval_fn, model, student, 0))
+    path, start, history = _resume(checkpoint_dir, model, student, opt, sched, config, eval_fn)
     model.train(full); student.train()
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=config.bf16 and device.type == "cuda")
     skip = start * config.grad_accum
     it = iter(batches[skip:]) if isinstance(batches, Sequence) else itertools.islice(iter(batches), skip, None)
-    rank = world()[0]
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=f"distill {config.mode}",
-               disable=not progress or rank != 0)
+               disable=not progress or world()[0] != 0)
     for i in bar:
         t0, c0 = time.perf_counter(), time.process_time()
         lrs = {f"lr_{g['name']}": g["lr"] for g in opt.param_groups}
-        sums: dict[str, float] = {}
-        for _ in range(config.grad_accum):
-            batch = next(it, None)
-            if batch is None:
-                raise ValueError(f"batches ran out during step {i + 1} of {config.steps} "
-                                 f"(grad_accum={config.grad_accum})")
-            batch = ({k: rank_slice(v).to(device) for k, v in batch.items()} if isinstance(batch, dict)
-                     else rank_slice(batch).to(device))
-            scalars = _micro_step(model, teacher, student, batch, config, i, autocast)
-            for k, v in scalars.items(): sums[k] = sums.get(k, 0.0) + v / config.grad_accum
+        sums = _step_scalars(it, model, teacher, student, config, i, autocast, device)
         gnorm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
         opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
-        row = dict(step=i + 1, kind="train", **_all_mean(sums),
-                   grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
-                   **lrs, seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
-        history.append(row)
+        history.append(row := _train_row(i, sums, gnorm, lrs, t0, c0))
         bar.set_postfix(loss=f"{row['loss']:.4f}")
         if eval_fn is not None and eval_every and (i + 1) % eval_every == 0:
             history.append(_run_eval(eval_fn, model, student, i + 1))
@@ -419,7 +438,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if not layers: raise ValueError(f"found no decoder layer ({sorted(names)}) in {type(model).__name__}")
     return layers
 
-
+# %% ../nbs/06_distill.ipynb #3babb629
 def shard_model(model: nn.Module, mixed_precision: bool | None = None) -> nn.Module:
     "FSDP2-shard `model`: each decoder layer, then the root; bf16 compute with fp32 reductions on CUDA (App. F)."
     if mixed_precision is None: mixed_precision = next(model.parameters()).is_cuda
@@ -429,7 +448,7 @@ def shard_model(model: nn.Module, mixed_precision: bool | None = None) -> nn.Mod
     fully_shard(model, **kw)
     return model
 
-
+# %% ../nbs/06_distill.ipynb #ee0691e0
 def shard_for_training(model: nn.Module, student: DistillStudent, teacher: nn.Module | None = None) -> None:
     "FSDP2 for `distill` in an initialized process group: the model, the teacher (if separate), the student's units."
     if not dist.is_initialized():
@@ -438,7 +457,7 @@ def shard_for_training(model: nn.Module, student: DistillStudent, teacher: nn.Mo
     if teacher is not None and teacher is not model: shard_model(teacher)
     for unit in student.fsdp_units(): fully_shard(unit)
 
-
+# %% ../nbs/06_distill.ipynb #ed7083a3
 def full_state(module: nn.Module) -> dict[str, Tensor]:
     "The full (gathered) parameters and buffers of a possibly sharded module, on the CPU, on every rank."
     sd = module.state_dict()

@@ -9,6 +9,7 @@ import contextlib
 import inspect
 from collections.abc import Mapping
 
+from fastcore.basics import patch_to
 from torch import Tensor
 
 from .attention import check_int
@@ -33,7 +34,7 @@ def names(family: str | None = None) -> list[str]:
         raise ValueError(f"family must be one of {METHOD_FAMILIES} or None, got {family!r}")
     return sorted(n for n, c in Method.registry.items() if family is None or c.family == family)
 
-
+# %% ../nbs/07_methods.ipynb #300005c5
 def get(name: str) -> type:
     "The method class registered as `name`; 'first+then' (e.g. 'quoka+kvpop_mlstm') is a `PrefillDecode`."
     if not isinstance(name, str):
@@ -49,7 +50,7 @@ def get(name: str) -> type:
         raise ValueError(f"name must be one of {names()} or 'prefill+decode' of two of them, got {name!r}")
     return Method.registry[name]
 
-
+# %% ../nbs/07_methods.ipynb #fb9bd3e0
 def make(name: str, budget: int | None = None, **params) -> Method:
     """Method `name` at `budget` KV entries per query and KV head, with its own `params` (the papers' defaults);
     'first+then': `PrefillDecode(budget, first, then, prefill_params=..., decode_params=...)`."""
@@ -89,7 +90,7 @@ class RoutedPolicy(AttentionPolicy):
     def decode(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         return self.then(q, k, v, ctx)
 
-
+# %% ../nbs/07_methods.ipynb #77c63dec
 class HandoffCache(GrowingCache):
     """A `GrowingCache` while the prompt is read; at the first decode step (the model asks the mask sizes of one
     query after some tokens) each layer's entries are handed to the layers of the evicting cache `then`."""
@@ -118,7 +119,7 @@ class HandoffCache(GrowingCache):
                                "sizes (get_mask_sizes); this model decoded without asking")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-
+# %% ../nbs/07_methods.ipynb #b5959e13
 class PrefillDecode(Method):
     """Method `prefill` (a name or a Method) for the prompt, `decode` for generation; names are made at `budget` with
     `prefill_params`, `decode_params`. An eviction `decode` gets the prompt handed over (`HandoffCache`)."""
@@ -151,12 +152,17 @@ class PrefillDecode(Method):
             if hasattr(part, "check_model"): part.check_model(model)
         with super().patch(model) as cache: yield cache
 
-    def cache(self, model):
-        "The prefill method's full cache; handed over to the decode method's at the first decode step if it evicts."
-        if self.decode.family != "eviction": return super().cache(model)
-        return HandoffCache(self.decode.cache(model), config=model.config)
+# %% ../nbs/07_methods.ipynb #4333a7d7
+@patch_to(PrefillDecode)
+def cache(self, model):
+    "The prefill method's full cache; handed over to the decode method's at the first decode step if it evicts."
+    if self.decode.family != "eviction": return super(PrefillDecode, self).cache(model)
+    return HandoffCache(self.decode.cache(model), config=model.config)
 
-    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
-        "The prefill method's cost at prefill, the decode method's at decode."
-        queries_per_call(phase, chunk, self.chunk_size)
-        return scoring_cost(self.prefill if phase == "prefill" else self.decode, shape, n_cached, phase, chunk)
+# %% ../nbs/07_methods.ipynb #d1d618b0
+# patch_to leaves the module's name `scoring_cost` bound to sparsekv.hf's function, which the body calls
+@patch_to(PrefillDecode)
+def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:  # noqa: F811
+    "The prefill method's cost at prefill, the decode method's at decode."
+    queries_per_call(phase, chunk, self.chunk_size)
+    return scoring_cost(self.prefill if phase == "prefill" else self.decode, shape, n_cached, phase, chunk)

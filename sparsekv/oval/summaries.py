@@ -9,6 +9,7 @@ import copy
 import math
 
 import torch
+from fastcore.basics import patch_to
 from torch import Tensor
 
 from ..attention import check_int, require_finite
@@ -25,6 +26,7 @@ def _check_cache(x, name: str) -> Tensor:
     if x.dim() != 4: raise ValueError(f"{name} must be [B, Hkv, T, d], got shape {tuple(x.shape)}")
     return x
 
+# %% ../../nbs/31_oval_summaries.ipynb #e0ca179d
 def split_pages(x: Tensor, page_size: int) -> Tensor:
     "The complete pages of a cache x [B, H, T, d] as [B, H, P, m, d], P = T // m (a trailing partial page is left out)."
     _check_cache(x, "x")
@@ -46,6 +48,7 @@ def _group_queries(q: Tensor, Hkv: int) -> tuple[Tensor, bool]:
     if Hq % Hkv: raise ValueError(f"the query heads ({Hq}) must be a multiple of the summary's KV heads ({Hkv})")
     return q.reshape(B, Hkv, Hq // Hkv, S, 1, d), single
 
+# %% ../../nbs/31_oval_summaries.ipynb #4c6b83e2
 def _pages(x: Tensor) -> Tensor:
     "[B, Hkv, P, *] -> [B, Hkv, 1, 1, P, *] to broadcast against grouped queries."
     return x.unsqueeze(2).unsqueeze(3)
@@ -69,13 +72,6 @@ class PageSummary:
         out.page_size, out.length, out.tensors = page_size, length, tensors
         return out
 
-    def summarize(self, K: Tensor, V: Tensor | None = None, page_size: int = 32) -> PageSummary:
-        "A copy holding the summaries [B, Hkv, P, ...] of the complete pages of K (and V) [B, Hkv, T, d]."
-        _check_cache(K, "K")
-        require_finite("K", K), require_finite("V", V)
-        m = check_int(page_size, "page_size", 1)
-        return self.with_tensors(m, K.shape[2], self.build(K, V, m))
-
     @property
     def n_pages(self) -> int:
         "Number of summarized (complete) pages P (0 before summarize)."
@@ -84,53 +80,6 @@ class PageSummary:
     def _built(self) -> dict:
         if self.tensors is None: raise ValueError(f"this {type(self).__name__} holds no pages: summarize a cache first")
         return self.tensors
-
-    def score(self, q: Tensor, scale: float | None = None) -> Tensor:
-        "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]); scale defaults to 1/sqrt(d)."
-        t = self._built()
-        Bsz, Hkv, P = next(iter(t.values())).shape[:3]
-        qg, single = _group_queries(q, Hkv)
-        if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the summary's ({Bsz})")
-        s = 1 / math.sqrt(qg.shape[-1]) if scale is None else float(scale)
-        qg = qg.to(torch.promote_types(q.dtype, torch.float32))
-        out = self.score_grouped(qg, {n: _pages(x) for n, x in t.items()}, s)
-        out = out.reshape(Bsz, -1, out.shape[-2], P)                            # [B, Hq, S, P]
-        return out[:, :, 0] if single else out
-
-    def reference(self, K: Tensor, q: Tensor) -> Tensor:
-        "Loop reference of score for q [B, Hq, d] (scale 1/sqrt(d)) over the pages of K [B, Hkv, T, d], float64."
-        t = self._built()
-        Bsz, Hq, d = q.shape
-        Hkv, m, P = K.shape[1], self.page_size, self.n_pages
-        out = torch.empty(Bsz, Hq, P, dtype=torch.float64)
-        for b in range(Bsz):
-            for h in range(Hq):
-                x, kv = q[b, h].double(), h // (Hq // Hkv)
-                for p in range(P):
-                    tp = {n: y[b, kv, p] for n, y in t.items()}
-                    out[b, h, p] = self.reference_page(x, K[b, kv, p * m:(p + 1) * m].double(), tp, 1 / math.sqrt(d))
-        return out
-
-    def build(self, K: Tensor, V: Tensor | None, m: int) -> dict:
-        "The tensors [B, Hkv, P, ...] of the complete pages of size m of K (and V) [B, Hkv, T, d]."
-        raise NotImplementedError
-
-    def score_grouped(self, q: Tensor, t: dict, s: float) -> Tensor:
-        "Scores [B, Hkv, G, S, P] of grouped queries q [B, Hkv, G, S, 1, d] against tensors t [B, Hkv, 1, 1, P, ...]."
-        raise NotImplementedError
-
-    def reference_page(self, x: Tensor, Kp: Tensor, tp: dict, s: float) -> Tensor | float:
-        "Score of one page for one query x [d] from its keys Kp [m, d] or its tensors tp, by explicit sums."
-        raise NotImplementedError(f"{type(self).__name__} has no loop reference")
-
-    def pack(self) -> tuple[Tensor, Tensor | None]:
-        "The pages as packed rows [B, Hkv, P, rows, f] and a per-page second factor (the basis methods' R) or None."
-        raise NotImplementedError
-
-    @classmethod
-    def unpack(cls, W: Tensor, R: Tensor | None) -> dict:
-        "The tensors (views) of packed rows W [B, Hkv, P, rows, f] and R [B, Hkv, P, ...]: pack's inverse."
-        raise NotImplementedError
 
     @staticmethod
     def features(x: Tensor) -> Tensor:
@@ -142,9 +91,75 @@ class PageSummary:
         "Page scores [BH, GS, P] from the packed products z [BH, GS, P, rows] and R [P, BH, ...] (or None)."
         return z[..., 0]
 
-    def scalars(self, page_size: int, head_dim: int) -> int:
-        "Scalars stored per page and KV head."
-        raise NotImplementedError
+# %% ../../nbs/31_oval_summaries.ipynb #be9b1357
+@patch_to(PageSummary)
+def build(self, K: Tensor, V: Tensor | None, m: int) -> dict:
+    "The tensors [B, Hkv, P, ...] of the complete pages of size m of K (and V) [B, Hkv, T, d]."
+    raise NotImplementedError
+
+@patch_to(PageSummary)
+def score_grouped(self, q: Tensor, t: dict, s: float) -> Tensor:
+    "Scores [B, Hkv, G, S, P] of grouped queries q [B, Hkv, G, S, 1, d] against tensors t [B, Hkv, 1, 1, P, ...]."
+    raise NotImplementedError
+
+@patch_to(PageSummary)
+def reference_page(self, x: Tensor, Kp: Tensor, tp: dict, s: float) -> Tensor | float:
+    "Score of one page for one query x [d] from its keys Kp [m, d] or its tensors tp, by explicit sums."
+    raise NotImplementedError(f"{type(self).__name__} has no loop reference")
+
+@patch_to(PageSummary)
+def pack(self) -> tuple[Tensor, Tensor | None]:
+    "The pages as packed rows [B, Hkv, P, rows, f] and a per-page second factor (the basis methods' R) or None."
+    raise NotImplementedError
+
+@patch_to(PageSummary, cls_method=True)
+def unpack(cls, W: Tensor, R: Tensor | None) -> dict:
+    "The tensors (views) of packed rows W [B, Hkv, P, rows, f] and R [B, Hkv, P, ...]: pack's inverse."
+    raise NotImplementedError
+
+@patch_to(PageSummary)
+def scalars(self, page_size: int, head_dim: int) -> int:
+    "Scalars stored per page and KV head."
+    raise NotImplementedError
+
+# %% ../../nbs/31_oval_summaries.ipynb #507f5e8d
+@patch_to(PageSummary)
+def summarize(self, K: Tensor, V: Tensor | None = None, page_size: int = 32) -> PageSummary:
+    "A copy holding the summaries [B, Hkv, P, ...] of the complete pages of K (and V) [B, Hkv, T, d]."
+    _check_cache(K, "K")
+    require_finite("K", K), require_finite("V", V)
+    m = check_int(page_size, "page_size", 1)
+    return self.with_tensors(m, K.shape[2], self.build(K, V, m))
+
+# %% ../../nbs/31_oval_summaries.ipynb #38d64a8c
+@patch_to(PageSummary)
+def score(self, q: Tensor, scale: float | None = None) -> Tensor:
+    "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]); scale defaults to 1/sqrt(d)."
+    t = self._built()
+    Bsz, Hkv, P = next(iter(t.values())).shape[:3]
+    qg, single = _group_queries(q, Hkv)
+    if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the summary's ({Bsz})")
+    s = 1 / math.sqrt(qg.shape[-1]) if scale is None else float(scale)
+    qg = qg.to(torch.promote_types(q.dtype, torch.float32))
+    out = self.score_grouped(qg, {n: _pages(x) for n, x in t.items()}, s)
+    out = out.reshape(Bsz, -1, out.shape[-2], P)                            # [B, Hq, S, P]
+    return out[:, :, 0] if single else out
+
+# %% ../../nbs/31_oval_summaries.ipynb #2db604d7
+@patch_to(PageSummary)
+def reference(self, K: Tensor, q: Tensor) -> Tensor:
+    "Loop reference of score for q [B, Hq, d] (scale 1/sqrt(d)) over the pages of K [B, Hkv, T, d], float64."
+    t = self._built()
+    Bsz, Hq, d = q.shape
+    Hkv, m, P = K.shape[1], self.page_size, self.n_pages
+    out = torch.empty(Bsz, Hq, P, dtype=torch.float64)
+    for b in range(Bsz):
+        for h in range(Hq):
+            x, kv = q[b, h].double(), h // (Hq // Hkv)
+            for p in range(P):
+                tp = {n: y[b, kv, p] for n, y in t.items()}
+                out[b, h, p] = self.reference_page(x, K[b, kv, p * m:(p + 1) * m].double(), tp, 1 / math.sqrt(d))
+    return out
 
 # %% ../../nbs/31_oval_summaries.ipynb #0d0ed8b1
 class QuestSummary(PageSummary):
@@ -214,20 +229,6 @@ class KeyPCASummary(PageSummary):
     @classmethod
     def from_options(cls, rank=8, eta=0.5, G=None): return cls(rank)
 
-    def build(self, K, V, m):
-        if V is None and self.needs_values: raise ValueError(f"V is required for method {self.name!r}")
-        V = _check_cache(K if V is None else V, "V")                    # key PCA never looks at the values (eta = 0)
-        if V.shape[:3] != K.shape[:3]:
-            raise ValueError(f"V {tuple(V.shape)} must match K {tuple(K.shape)} in batch, heads and length")
-        G = self.G
-        if G is not None:
-            if not isinstance(G, Tensor) or G.dim() != 3 or G.shape[0] != K.shape[1]:
-                got = getattr(G, "shape", type(G).__name__)
-                raise ValueError(f"G must be [Hkv={K.shape[1]}, dv, dv] (see output_metric), got {got}")
-            G = G[:, None]                                                 # broadcast over pages
-        mu, B, R = page_basis(split_pages(K, m), split_pages(V, m), G, rank=self.rank, eta=self.eta)
-        return {"mu": mu, "B": B, "R": R}
-
     def score_grouped(self, q, t, s): return page_score(q, t["mu"], t["B"], t["R"], scale=s)
 
     def reference_page(self, x, Kp, tp, s):
@@ -253,6 +254,22 @@ class KeyPCASummary(PageSummary):
     def scalars(self, page_size, head_dim):
         r = min(self.rank, page_size - 1, head_dim)
         return head_dim + head_dim * r + page_size * r
+
+# %% ../../nbs/31_oval_summaries.ipynb #717c33e0
+@patch_to(KeyPCASummary)
+def build(self, K, V, m):  # noqa: F811
+    if V is None and self.needs_values: raise ValueError(f"V is required for method {self.name!r}")
+    V = _check_cache(K if V is None else V, "V")                    # key PCA never looks at the values (eta = 0)
+    if V.shape[:3] != K.shape[:3]:
+        raise ValueError(f"V {tuple(V.shape)} must match K {tuple(K.shape)} in batch, heads and length")
+    G = self.G
+    if G is not None:
+        if not isinstance(G, Tensor) or G.dim() != 3 or G.shape[0] != K.shape[1]:
+            got = getattr(G, "shape", type(G).__name__)
+            raise ValueError(f"G must be [Hkv={K.shape[1]}, dv, dv] (see output_metric), got {got}")
+        G = G[:, None]                                                 # broadcast over pages
+    mu, B, R = page_basis(split_pages(K, m), split_pages(V, m), G, rank=self.rank, eta=self.eta)
+    return {"mu": mu, "B": B, "R": R}
 
 # %% ../../nbs/31_oval_summaries.ipynb #37cfd2fd
 class OVALSummary(KeyPCASummary):
@@ -300,12 +317,14 @@ SUMMARIES = {"quest": QuestSummary, "arkvale": ArkValeSummary, "keypca": KeyPCAS
              "oracle": OracleSummary}
 METHODS = tuple(SUMMARIES)
 
+# %% ../../nbs/31_oval_summaries.ipynb #5e34954d
 def _check_method(method) -> str:
     "The name of a method given by name or as a PageSummary."
     if isinstance(method, PageSummary): return method.name
     if method not in METHODS: raise ValueError(f"method must be one of {METHODS} or a PageSummary, got {method!r}")
     return method
 
+# %% ../../nbs/31_oval_summaries.ipynb #5f1deb51
 def make_summary(method: str | PageSummary, rank: int = 8, eta: float = 0.5, G: Tensor | None = None) -> PageSummary:
     "The unbuilt summary of a method: SUMMARIES[method] with the options it takes, or a given PageSummary as it is."
     if isinstance(method, PageSummary): return method.with_tensors()
@@ -317,6 +336,7 @@ def build_summaries(method: str | PageSummary, K: Tensor, V: Tensor | None, page
     "Summaries of the complete pages of K (and V for OVAL) [B, Hkv, T, d] by a method's name (or PageSummary)."
     return make_summary(method, rank, eta, G).summarize(K, V, page_size)
 
+# %% ../../nbs/31_oval_summaries.ipynb #62393583
 def _check_summary_of(method, summary) -> PageSummary:
     name = _check_method(method)
     if not isinstance(summary, PageSummary):
@@ -324,10 +344,12 @@ def _check_summary_of(method, summary) -> PageSummary:
     if summary.name != name: raise ValueError(f"summary was built for {summary.name!r}, not {name!r}")
     return summary
 
+# %% ../../nbs/31_oval_summaries.ipynb #811a0079
 def score_pages(method: str | PageSummary, summary: PageSummary, q: Tensor, scale: float | None = None) -> Tensor:
     "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P]) of the summary's pages; scale defaults to 1/sqrt(d)."
     return _check_summary_of(method, summary).score(q, scale)
 
+# %% ../../nbs/31_oval_summaries.ipynb #6da94901
 def score_pages_reference(method: str | PageSummary, K: Tensor, q: Tensor, summary: PageSummary) -> Tensor:
     "Loop reference of score_pages for q [B, Hq, d]: bounds and oracle from the keys K, basis methods from the tensors."
     return _check_summary_of(method, summary).reference(K, q)

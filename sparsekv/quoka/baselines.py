@@ -30,7 +30,7 @@ def grouped_products(q: Tensor, k: Tensor) -> Tensor:
     s = q.to(acc).reshape(B, Hkv, Hq // Hkv * S, D) @ k.to(acc).transpose(-1, -2)
     return s.view(B, Hkv, Hq // Hkv, S, T)
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #5a89b48c
 def _reference_scores(q_chunk: Tensor, k_cache: Tensor, per_query, positions=None, reduce: str = "mean") -> Tensor:
     "Mean (or sum) over a KV head's G query heads and the chunk of per_query(q [D], K [T,D], b, h) -> [T]; loops."
     G = check_chunk(q_chunk, k_cache)
@@ -61,7 +61,7 @@ def mean_score_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 10
     if scores == "softmax": s = s.softmax(-1)
     return top_budget_indices(s.mean((2, 3)), n)
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #c666d8b7
 def mean_score_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, scores: str = "softmax",
                                 scale: float | None = None) -> Tensor:
     "`mean_score_select` by loops over batch, KV head, query head and query in float64."
@@ -72,7 +72,7 @@ def mean_score_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | 
     return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query),
                                         resolve_budget(budget, k_cache.shape[2]))
 
-# %% ../../nbs/21_quoka_baselines.ipynb #c666d8b7
+# %% ../../nbs/21_quoka_baselines.ipynb #a71fb2cd
 def sample_query_positions(S: int, n_q: int, seed: int | torch.Generator = 0) -> Tensor:
     "min(n_q, S) chunk positions drawn uniformly without replacement (all S if n_q >= S), ascending, int64 on the CPU."
     check_int(n_q, "n_q", 1)
@@ -82,7 +82,7 @@ def sample_query_positions(S: int, n_q: int, seed: int | torch.Generator = 0) ->
     if n_q >= S: return torch.arange(S)
     return torch.randperm(S, generator=gen)[:n_q].sort().values
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #561cb165
 def sample_attention_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, n_q: int = 16,
                             seed: int | torch.Generator = 0, scale: float | None = None) -> Tensor:
     """SampleAttention (Zhu et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention probability summed over n_q
@@ -96,7 +96,7 @@ def sample_attention_select(q_chunk: Tensor, k_cache: Tensor, budget: int | floa
     p = (c * grouped_products(q_chunk[:, :, pos.to(q_chunk.device)], k_cache)).softmax(-1)
     return top_budget_indices(p.sum((2, 3)), n)
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #1977529d
 def sample_attention_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, n_q: int = 16,
                                       seed: int | torch.Generator = 0, scale: float | None = None) -> Tensor:
     "`sample_attention_select` by loops in float64 over the same sampled positions."
@@ -110,7 +110,7 @@ def _check_rank(r: int | None, D: int, name: str = "r") -> int:
     "r, or D // 2 when None; an int in [1, D]."
     return max(1, D // 2) if r is None else check_int(r, name, 1, D)
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #350eb22d
 def sparq_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
                  scale: float | None = None) -> Tensor:
     """SparQ (Ribar et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest approximate attention from each query's top-r
@@ -129,7 +129,7 @@ def sparq_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r
     p = (temp * grouped_products(q * keep, k_cache)).softmax(-1)
     return top_budget_indices(p.mean((2, 3)), n)
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #75b6a749
 def sparq_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
                            scale: float | None = None) -> Tensor:
     "`sparq_select` by loops in float64: per query its top-r channels by a Python sort, scores from those columns."
@@ -155,7 +155,7 @@ def loki_basis(keys: Tensor, center: bool = False) -> Tensor:
     if center: x = x - x.mean(1, keepdim=True)
     return torch.linalg.eigh(x.transpose(-1, -2) @ x).eigenvectors.flip(-1)  # eigh sorts ascending
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #f4ee4269
 def _check_basis(basis: Tensor, B: int, Hkv: int, D: int, r: int):
     "Validate a Loki basis: [Hkv,D,R] or [B (or 1),Hkv,D,R] with R >= r."
     if not isinstance(basis, Tensor) or not basis.is_floating_point() or basis.dim() not in (3, 4) \
@@ -164,7 +164,7 @@ def _check_basis(basis: Tensor, B: int, Hkv: int, D: int, r: int):
         raise ValueError(f"basis must be a floating-point [Hkv={Hkv}, D={D}, R] or [B={B}, Hkv, D, R] with R >= r={r}, "
                          f"got {getattr(basis, 'shape', type(basis).__name__)}")
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #34b8b628
 def _loki_projection(k_cache: Tensor, r: int, basis: Tensor | None, center: bool) -> Tensor:
     "The first r basis columns, [B or 1, Hkv, D, r]: from `basis` [Hkv,D,R] / [B,Hkv,D,R], or the cache's own PCA."
     if basis is None:
@@ -172,7 +172,7 @@ def _loki_projection(k_cache: Tensor, r: int, basis: Tensor | None, center: bool
     basis = basis if basis.dim() == 4 else basis[None]
     return basis[..., :r].to(accumulation_dtype(k_cache))
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #c6bed9f3
 def loki_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
                 basis: Tensor | None = None, center: bool = False, scale: float | None = None) -> Tensor:
     """Loki (Singhania et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention approximated in the top-r principal
@@ -190,7 +190,7 @@ def loki_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r:
     p = (c * (qp @ kp.transpose(-1, -2))).softmax(-1)
     return top_budget_indices(p.mean(2), n)
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #14e1f1e8
 def loki_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
                           basis: Tensor | None = None, center: bool = False, scale: float | None = None) -> Tensor:
     "`loki_select` by loops in float64, subspace from an SVD of each head's keys (or `basis`), scores q^T P_r P_r^T k."
@@ -249,7 +249,19 @@ def lessismore_split(n: int, recent_ratio: float) -> tuple[int, int]:
     n_mid = int(n * (1 - recent_ratio))
     return n_mid, n - n_mid
 
+# %% ../../nbs/21_quoka_baselines.ipynb #72615703
+def _merge_ranked(p: Tensor, n_mid: int) -> Tensor:
+    "The first n_mid distinct keys [B, n_mid] of the heads' rankings of p [B,Hq,t] merged rank by rank."
+    B, t_mid = p.shape[0], p.shape[-1]
+    # stable: equal scores keep the lower index first
+    ranked = p.sort(dim=-1, descending=True, stable=True).indices[..., :n_mid]
+    merged = ranked.transpose(1, 2).reshape(B, -1)  # rank-major: rank 0 of every head, then rank 1, ...
+    order = torch.arange(merged.shape[1], device=merged.device).expand(B, -1)
+    first = torch.full((B, t_mid), merged.shape[1], dtype=torch.long, device=merged.device)
+    first = first.scatter_reduce(1, merged, order, "amin")  # where each key first appears in the merged list
+    return first.argsort(dim=-1, stable=True)[:, :n_mid]  # the first n_mid distinct keys of the merge
 
+# %% ../../nbs/21_quoka_baselines.ipynb #4f4ccd79
 def lessismore_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, recent_ratio: float = 0.25,
                       scale: float | None = None) -> Tensor:
     "LessIsMore (Yang et al. 2025b): one key set for all heads, their top keys merged rank by rank, plus recent keys."
@@ -263,18 +275,12 @@ def lessismore_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 10
     p = (c * grouped_products(q_chunk, k_cache)).softmax(-1).mean(3)
     p = p.reshape(B, -1, T)[..., :t_mid]  # [B,Hq,t_mid], heads in the package order h*G+g
     if p.isnan().any(): raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
-    # stable: equal scores keep the lower index first
-    ranked = p.sort(dim=-1, descending=True, stable=True).indices[..., :n_mid]
-    merged = ranked.transpose(1, 2).reshape(B, -1)  # rank-major: rank 0 of every head, then rank 1, ...
-    order = torch.arange(merged.shape[1], device=merged.device).expand(B, -1)
-    first = torch.full((B, t_mid), merged.shape[1], dtype=torch.long, device=merged.device)
-    first = first.scatter_reduce(1, merged, order, "amin")  # where each key first appears in the merged list
-    mid = first.argsort(dim=-1, stable=True)[:, :n_mid]  # the first n_mid distinct keys of the merge
+    mid = _merge_ranked(p, n_mid)
     recent = torch.arange(t_mid, T, device=k_cache.device).expand(B, n_rec)
     idx = torch.cat([mid, recent], -1).sort(-1).values
     return idx[:, None].expand(B, Hkv, n).contiguous()
 
-
+# %% ../../nbs/21_quoka_baselines.ipynb #595ee723
 def lessismore_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024,
                                 recent_ratio: float = 0.25, scale: float | None = None) -> Tensor:
     "`lessismore_select` by loops in float64: Python rankings per head, a rank-by-rank merge by dict, recent window."

@@ -162,6 +162,22 @@ class DistillConfig:
         self.betas = tuple(self.betas)
 
 
+# %%
+test_eq((DistillConfig().steps, DistillConfig(betas=[0.8, 0.9]).betas), (2000, (0.8, 0.9)))
+test_fail(lambda: DistillConfig(mode="lora"), contains="mode")
+test_fail(lambda: DistillConfig(warmup_steps=-1), contains="warmup_steps must be an int >= 0")
+test_fail(lambda: DistillConfig(grad_accum=True), contains="grad_accum must be an int >= 1")
+test_fail(lambda: DistillConfig(checkpoint_every=0), contains="checkpoint_every must be None or an int >= 1")
+test_fail(lambda: DistillConfig(new_lr_min=2e-3), contains="new_lr_min (0.002) must be <= new_lr (0.001)")
+
+
+# %% [markdown]
+# The schedule, by hand at the paper's numbers over 400 steps: $10^{-5}$ at the first update, the peak $10^{-3}$ at
+# the last warmup update and the first after it, halfway down the cosine ($\eta_{\min} + (\eta_{\max} -
+# \eta_{\min})/2$) at update 250, and the floor from the last step on.
+
+# %%
+#| export
 def new_param_lr(i: int, config: DistillConfig) -> float:
     "Learning rate of the new parameters at update i (0-based): linear warmup, cosine new_lr -> new_lr_min (Table 3)."
     W, T = config.warmup_steps, config.steps
@@ -169,6 +185,16 @@ def new_param_lr(i: int, config: DistillConfig) -> float:
     frac = min(1.0, (i - W) / max(1, T - W))
     return config.new_lr_min + 0.5 * (config.new_lr - config.new_lr_min) * (1 + math.cos(math.pi * frac))
 
+
+# %%
+cfg = DistillConfig(steps=400)
+test_eq([new_param_lr(i, cfg) for i in (0, 99, 100, 400, 500)], [1e-5, 1e-3, 1e-3, 8e-5, 8e-5])
+assert math.isclose(new_param_lr(250, cfg), (1e-3 + 8e-5) / 2)
+test_eq(new_param_lr(0, DistillConfig(steps=3, warmup_steps=0)), 1e-3)
+
+
+# %% [markdown]
+# The parameter groups: the base model's only in full mode, and a run with nothing to train is refused.
 
 # %%
 #| export
@@ -184,6 +210,23 @@ def trainable_groups(model: nn.Module, student: DistillStudent, config: DistillC
     return groups
 
 
+# %%
+lin = torch.nn.Linear(2, 2)
+kv = KVpopStudent(random_scorers(model), 2, 4, 3)
+test_eq([(g["name"], g["lr"]) for g in trainable_groups(lin, kv, DistillConfig())], [("base", 8e-5), ("new", 1e-3)])
+test_eq([g["name"] for g in trainable_groups(lin, kv, DistillConfig(mode="scorer_only"))], ["new"])
+base = trainable_groups(lin, kv, DistillConfig())[0]["params"]
+assert all(a is b for a, b in zip(base, lin.parameters(), strict=True))
+test_fail(lambda: trainable_groups(lin, SinkWindowStudent(2, 4, 3), DistillConfig(mode="scorer_only")),
+          contains="nothing to train")
+
+
+# %% [markdown]
+# Check: the schedule the optimizer applies, stepped as in training, against the formula written out
+# by hand with the paper's numbers (peak $10^{-3}$ after 100 steps, $8\cdot 10^{-5}$ at the end).
+
+# %%
+#| export
 def make_optimizer(model: nn.Module, student: DistillStudent, config: DistillConfig):
     "(AdamW over `trainable_groups`, LambdaLR applying the constant base LR and `new_param_lr`)."
     groups = trainable_groups(model, student, config)
@@ -192,10 +235,6 @@ def make_optimizer(model: nn.Module, student: DistillStudent, config: DistillCon
                for g in groups]
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
 
-
-# %% [markdown]
-# Check: the schedule the optimizer applies, stepped as in training, against the formula written out
-# by hand with the paper's numbers (peak $10^{-3}$ after 100 steps, $8\cdot 10^{-5}$ at the end).
 
 # %%
 cfg = DistillConfig(steps=400)
@@ -211,9 +250,6 @@ assert_close(torch.tensor([r["new"] for r in seen_lr]), torch.tensor(brute, dtyp
 test_eq({r["base"] for r in seen_lr}, {8e-5})
 test_eq(max(brute), 1e-3)
 assert abs(seen_lr[-1]["new"] - 8e-5) < 1e-7  # the cosine ends at the floor
-test_fail(lambda: DistillConfig(mode="lora"), contains="mode")
-test_fail(lambda: trainable_groups(lin, SinkWindowStudent(2, 4, 3), DistillConfig(mode="scorer_only")),
-          contains="nothing to train")
 
 
 # %% [markdown]
@@ -270,11 +306,30 @@ def epoch_batches(sequences: Tensor, batch_size: int, steps: int, seed: int = 0)
     return out[:steps]
 
 
+# %%
+rows = torch.arange(5)[:, None].expand(5, 3)                      # 5 sequences, row i all i
+bs = epoch_batches(rows, 2, 5, seed=7)
+test_eq((len(bs), bs[0].shape), (5, (2, 3)))
+for e, (a, b) in enumerate((bs[0:2], bs[2:4])):                    # 2 full batches per epoch, no repeat within one
+    test_eq(torch.cat([a, b])[:, 0], torch.randperm(5, generator=torch.Generator().manual_seed(7 + e))[:4])
+test_eq(epoch_batches(rows, 2, 5, seed=7)[4], bs[4])
+test_fail(lambda: epoch_batches(rows, 6, 1), contains="batch_size must be an int in [1, 5]")
+test_fail(lambda: epoch_batches(rows[0], 1, 1), contains="[N, S]")
+
+
+# %%
+#| export
 def world() -> tuple[int, int]:
     "(rank, world size): (0, 1) without an initialized process group."
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
 
+# %%
+test_eq(world(), (0, 1))                                           # this notebook runs in one process
+
+
+# %%
+#| export
 def rank_slice(batch: Tensor) -> Tensor:
     "This rank's rows of a global batch (equal contiguous slices)."
     rank, n = world()
@@ -284,12 +339,27 @@ def rank_slice(batch: Tensor) -> Tensor:
 
 
 # %%
+assert rank_slice(ids) is ids                                      # one process: the whole batch
+
+
+# %% [markdown]
+# The state a checkpoint saves: the model's only in full mode.
+
+# %%
 #| export
 def _state_container(model: nn.Module, student: DistillStudent, config: DistillConfig) -> nn.Module:
     "One module whose state dict covers what is trained (keys 'model.*' in full mode, 'student.*')."
     return nn.ModuleDict({"model": model, "student": student} if config.mode == "full" else {"student": student})
 
 
+# %%
+test_eq({k.split(".")[0] for k in _state_container(model, student, DistillConfig()).state_dict()}, {"model", "student"})
+test_eq(set(_state_container(model, student, DistillConfig(mode="scorer_only")).state_dict()),
+        {f"student.{k}" for k in student.state_dict()})
+
+
+# %%
+#| export
 def rng_state() -> dict:
     "Python, NumPy, torch CPU (and CUDA) RNG states."
     st = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
@@ -297,24 +367,28 @@ def rng_state() -> dict:
     return st
 
 
+# %%
+st = rng_state()
+assert {"python", "numpy", "torch"} <= set(st) and torch.equal(st["torch"], torch.get_rng_state())
+
+
+# %% [markdown]
+# Restoring the states replays the same draws from every generator:
+
+# %%
+#| export
 def set_rng_state(st: dict) -> None:
     "Restore what `rng_state` returned."
     random.setstate(st["python"]); np.random.set_state(st["numpy"]); torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available(): torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, step: int, history: list[dict]) -> None:
-    """Write the training state after `step` updates, the full config and what identifies the model and student, to
-    `path` atomically (every rank calls it; rank 0 writes)."""
-    model_sd, opt_sd = get_state_dict(_state_container(model, student, config), opt,
-                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if world()[0] == 0:
-        ckpt = dict(step=step, batches_consumed=step * config.grad_accum, model=model_sd, optimizer=opt_sd,
-                    scheduler=sched.state_dict(), rng=rng_state(), history=history, config=asdict(config),
-                    spec=dict(model=model_spec(model), student=student_spec(student)))
-        with atomic_path_with_digest(path) as tmp: torch.save(ckpt, tmp)
-    if world()[1] > 1: dist.barrier()
-
+# %%
+draw = lambda: (random.random(), np.random.rand(), torch.rand(1).item())
+st = rng_state()
+first = draw()
+set_rng_state(st)
+test_eq(draw(), first)
 
 # %% [markdown]
 # A checkpoint answers for one run only. Resuming checks that the run is the same one: the full `DistillConfig`,
@@ -331,7 +405,16 @@ def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, ste
 #| export
 RESUMABLE_CHANGES = ("steps", "checkpoint_every")
 
+# %%
+test_eq(RESUMABLE_CHANGES, ("steps", "checkpoint_every"))
+assert set(RESUMABLE_CHANGES) <= set(asdict(DistillConfig()))
 
+
+# %% [markdown]
+# A student's settings are its plain attributes, those a JSON file could hold:
+
+# %%
+#| export
 def _plain(v) -> bool:
     "Whether `v` is a JSON-like value (scalars, and lists, tuples or dicts of them)."
     if isinstance(v, (bool, int, float, str, type(None))): return True
@@ -339,11 +422,28 @@ def _plain(v) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and _plain(x) for k, x in v.items())
 
 
+# %%
+test_eq([_plain(v) for v in (None, 3, "a", (1, [2.0, {"k": True}]))], [True] * 4)
+test_eq([_plain(v) for v in (torch.ones(1), {1: 2}, [nn.Linear(1, 1)])], [False] * 3)
+
+
+# %%
+#| export
 def _class_name(m) -> str:
     "Class name of `m`, without the FSDP wrapper class that `fully_shard` puts in front."
     return next(c.__name__ for c in type(m).__mro__ if not issubclass(c, FSDPModule))
 
 
+# %%
+class FSDPLinear(FSDPModule, nn.Linear): pass                      # the class fully_shard puts in front
+sharded = nn.Linear(1, 1)
+sharded.__class__ = FSDPLinear                                     # as fully_shard does
+test_eq((type(sharded).__name__, _class_name(sharded), _class_name(nn.Linear(1, 1))),
+        ("FSDPLinear", "Linear", "Linear"))
+
+
+# %%
+#| export
 def student_spec(student: nn.Module) -> dict:
     "What identifies a student: class, plain settings (sink, window, k, ...), submodule classes, parameter shapes."
     settings = {k: v for k, v in vars(student).items() if not k.startswith("_") and k != "training" and _plain(v)}
@@ -352,6 +452,15 @@ def student_spec(student: nn.Module) -> dict:
                 shapes={n: list(p.shape) for n, p in student.state_dict().items()})
 
 
+# %%
+sp = student_spec(student)
+test_eq((sp["type"], sp["settings"]["sink"], sp["settings"]["window"], sp["settings"]["k"]), ("KVpopStudent", 2, 4, 3))
+test_eq(sp["shapes"], {n: list(p.shape) for n, p in student.state_dict().items()})
+assert "training" not in sp["settings"] and sp["modules"]
+
+
+# %%
+#| export
 def model_spec(model: nn.Module) -> dict:
     "What identifies the base model: its class and its config (without the folder it was loaded from)."
     config = getattr(model, "config", None)
@@ -360,6 +469,18 @@ def model_spec(model: nn.Module) -> dict:
     return dict(type=_class_name(model), config=config)
 
 
+# %%
+ms = model_spec(model)
+test_eq((ms["type"], ms["config"]["num_hidden_layers"], "_name_or_path" in ms["config"]),
+        ("LlamaForCausalLM", 2, False))
+test_eq(model_spec(nn.Linear(1, 1)), {"type": "Linear", "config": {}})
+
+
+# %% [markdown]
+# The differences are named by their dotted path, with both values:
+
+# %%
+#| export
 def spec_differences(saved, now, prefix: str = "", where: str = "the checkpoint") -> list[str]:
     """Dotted names of the fields where the nested dicts `saved` (kept in `where`) and `now` differ (tuples and lists
     compare equal)."""
@@ -369,6 +490,42 @@ def spec_differences(saved, now, prefix: str = "", where: str = "the checkpoint"
     same = json.dumps(saved, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str)
     return [] if same else [f"{prefix.rstrip('.')} ({saved!r} in {where}, {now!r} now)"]
 
+
+# %%
+test_eq(spec_differences({"a": {"b": 1, "c": (1, 2)}}, {"a": {"b": 2, "c": [1, 2]}, "d": 0}, "x."),
+        ["x.a.b (1 in the checkpoint, 2 now)", "x.d (None in the checkpoint, 0 now)"])
+test_eq(spec_differences({"a": 1}, {"a": 1}), [])
+
+
+# %% [markdown]
+# A checkpoint after 3 updates of 2 micro-batches each, read back: the step, the batches consumed, the states, the
+# config and the description of the model and student.
+
+# %%
+#| export
+def save_checkpoint(path, model, student, opt, sched, config: DistillConfig, step: int, history: list[dict]) -> None:
+    """Write the training state after `step` updates, the full config and what identifies the model and student, to
+    `path` atomically (every rank calls it; rank 0 writes)."""
+    model_sd, opt_sd = get_state_dict(_state_container(model, student, config), opt,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if world()[0] == 0:
+        ckpt = dict(step=step, batches_consumed=step * config.grad_accum, model=model_sd, optimizer=opt_sd,
+                    scheduler=sched.state_dict(), rng=rng_state(), history=history, config=asdict(config),
+                    spec=dict(model=model_spec(model), student=student_spec(student)))
+        with atomic_path_with_digest(path) as tmp: torch.save(ckpt, tmp)
+    if world()[1] > 1: dist.barrier()
+
+
+# %%
+cfg_ck = DistillConfig(steps=5, mode="scorer_only", grad_accum=2)
+opt_ck, sched_ck = make_optimizer(model, student, cfg_ck)
+with tempfile.TemporaryDirectory() as d:
+    save_checkpoint(Path(d)/"c.pt", model, student, opt_ck, sched_ck, cfg_ck, 3, [{"step": 3}])
+    ck = torch.load(Path(d)/"c.pt", weights_only=False)
+    assert digest_path(Path(d)/"c.pt").exists()
+test_eq((ck["step"], ck["batches_consumed"], ck["history"], ck["config"]), (3, 6, [{"step": 3}], asdict(cfg_ck)))
+test_eq(set(ck["model"]), {f"student.{k}" for k in student.state_dict()})
+test_eq(set(ck["spec"]), {"model", "student"})
 
 # %% [markdown]
 # `load_torch_file` is `torch.load` behind that check. A file written without a digest (by an older version, or
@@ -431,6 +588,21 @@ def check_resume(ckpt: dict, path, model, student, config: DistillConfig) -> Non
                          f"steps >= {ckpt['step']}")
 
 
+# %%
+ck_ok = dict(step=3, config=asdict(cfg_ck), spec=dict(model=model_spec(model), student=student_spec(student)))
+check_resume(ck_ok, "c.pt", model, student, DistillConfig(**{**asdict(cfg_ck), "steps": 9, "checkpoint_every": 2}))
+test_fail(lambda: check_resume(ck_ok, "c.pt", model, student, DistillConfig(**{**asdict(cfg_ck), "base_lr": 1e-4})),
+          contains="checkpoint c.pt belongs to another run; it differs in config.base_lr (8e-05 in the checkpoint")
+test_fail(lambda: check_resume(ck_ok, "c.pt", model, student, DistillConfig(**{**asdict(cfg_ck), "steps": 2})),
+          contains="beyond config.steps=2")
+test_fail(lambda: check_resume({"step": 1}, "c.pt", model, student, cfg_ck), contains="without its model and student")
+
+
+# %% [markdown]
+# Loading restores the training state: a checkpoint of one student read into another gives the first's weights.
+
+# %%
+#| export
 def load_checkpoint(path, model, student, opt, sched, config: DistillConfig) -> tuple[int, list[dict]]:
     "Restore checkpoint `path` of this run (`check_resume`) into model, student, optimizer, scheduler: (step, history)."
     ckpt = load_torch_file(path, f"delete it and {digest_path(path).name} to train from the start (or restore both "
@@ -443,6 +615,16 @@ def load_checkpoint(path, model, student, opt, sched, config: DistillConfig) -> 
     for g, f, base in zip(opt.param_groups, sched.lr_lambdas, sched.base_lrs): g["lr"] = base * f(sched.last_epoch)
     set_rng_state(ckpt["rng"])
     return ckpt["step"], ckpt["history"]
+
+
+# %%
+other = copy.deepcopy(student)
+for p_ in other.parameters(): p_.data.add_(1.0)
+opt_o, sched_o = make_optimizer(model, other, cfg_ck)
+with tempfile.TemporaryDirectory() as d:
+    save_checkpoint(Path(d)/"c.pt", model, student, opt_ck, sched_ck, cfg_ck, 3, [{"step": 3}])
+    test_eq(load_checkpoint(Path(d)/"c.pt", model, other, opt_o, sched_o, cfg_ck), (3, [{"step": 3}]))
+for a_, b_ in zip(student.parameters(), other.parameters()): assert torch.equal(a_, b_)
 
 
 # %% [markdown]
@@ -462,6 +644,16 @@ def _all_mean(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(values, (t / world()[1]).tolist()))
 
 
+# %%
+test_eq((_all_mean({"loss": 0.5, "kl": 2.0}), _all_mean({})), ({"loss": 0.5, "kl": 2.0}, {}))
+
+
+# %% [markdown]
+# An evaluation runs with the model and student in `eval()` mode and without gradients, and leaves their modes
+# as they were:
+
+# %%
+#| export
 def _run_eval(eval_fn, model, student, step: int) -> dict:
     was = model.training, student.training
     model.eval(); student.eval()
@@ -470,6 +662,23 @@ def _run_eval(eval_fn, model, student, step: int) -> dict:
     return row
 
 
+# %%
+seen = {}
+def probe(m, s_):
+    seen.update(training=(m.training, s_.training), grad=torch.is_grad_enabled())
+    return {"x": 1.0}
+model.train(); student.train()
+test_eq(_run_eval(probe, model, student, 7), {"step": 7, "kind": "eval", "x": 1.0})
+test_eq((seen, model.training, student.training), ({"training": (False, False), "grad": False}, True, True))
+model.eval()
+
+
+# %% [markdown]
+# One micro-batch: in scorer-only mode the loss is the method's alone and only the student gets gradients; in full
+# mode it adds the KL to the teacher.
+
+# %%
+#| export
 def _micro_step(model, teacher, student, batch, config, step: int, autocast) -> dict[str, float]:
     """Forward (teacher, then student under its policy; `cached`: the student's loss on cached activations) and
     backward of one micro-batch; its scalar losses and metrics."""
@@ -492,17 +701,121 @@ def _micro_step(model, teacher, student, batch, config, step: int, autocast) -> 
     return dict(loss=loss.item(), method_loss=m_loss.item(), **metrics, **({} if kl is None else {"kl": kl.item()}))
 
 
+# %%
+off = torch.autocast("cpu", enabled=False)
+student.train()
+r = _micro_step(model, model, student, ids, DistillConfig(mode="scorer_only"), 0, off)
+test_eq((r["loss"], "kl" in r), (r["method_loss"], False))
+assert all(p_.grad is None for p_ in model.parameters()) and any(p_.grad is not None for p_ in student.parameters())
+r = _micro_step(model, model, student, ids, DistillConfig(mode="full", grad_accum=2), 0, off)
+assert math.isclose(r["loss"], r["method_loss"] + r["kl"], rel_tol=1e-6) and r["kl"] > 0
+assert any(p_.grad is not None for p_ in model.parameters())
+model.zero_grad(set_to_none=True); student.zero_grad(set_to_none=True)
+
+
+# %% [markdown]
+# The loop's pieces: where a run starts (a checkpoint's step and history, or step 0 with the seed set and a first
+# evaluation), the scalars of one step (the mean over its `grad_accum` micro-batches) and its row of the history.
+
+# %%
+#| export
+def _resume(checkpoint_dir, model, student, opt, sched, config: DistillConfig, eval_fn):
+    "(checkpoint path or None, first step, history): a checkpoint's if `checkpoint_dir` holds one, else step 0, seeded."
+    path = Path(checkpoint_dir) / "checkpoint.pt" if checkpoint_dir is not None else None
+    start, history = 0, []
+    if path is not None and path.exists(): start, history = load_checkpoint(path, model, student, opt, sched, config)
+    else: torch.manual_seed(config.seed)
+    if eval_fn is not None and start == 0: history.append(_run_eval(eval_fn, model, student, 0))
+    return path, start, history
+
+
+# %%
+test_eq(_resume(None, model, student, opt_ck, sched_ck, cfg_ck, None), (None, 0, []))
+test_eq(torch.rand(1), (torch.manual_seed(cfg_ck.seed), torch.rand(1))[1])          # seeded from config.seed
+with tempfile.TemporaryDirectory() as d:
+    test_eq(_resume(d, model, student, opt_ck, sched_ck, cfg_ck, probe)[1:],
+            (0, [{"step": 0, "kind": "eval", "x": 1.0}]))
+    save_checkpoint(Path(d)/"checkpoint.pt", model, student, opt_ck, sched_ck, cfg_ck, 3, [{"step": 3}])
+    test_eq(_resume(d, model, student, opt_ck, sched_ck, cfg_ck, probe), (Path(d)/"checkpoint.pt", 3, [{"step": 3}]))
+
+
+# %%
+#| export
+def _step_scalars(it, model, teacher, student, config: DistillConfig, i: int, autocast, device) -> dict[str, float]:
+    "Run the `grad_accum` micro-batches of update i from the iterator `it`: their losses and metrics, averaged."
+    sums: dict[str, float] = {}
+    for _ in range(config.grad_accum):
+        batch = next(it, None)
+        if batch is None:
+            raise ValueError(f"batches ran out during step {i + 1} of {config.steps} "
+                             f"(grad_accum={config.grad_accum})")
+        batch = ({k: rank_slice(v).to(device) for k, v in batch.items()} if isinstance(batch, dict)
+                 else rank_slice(batch).to(device))
+        scalars = _micro_step(model, teacher, student, batch, config, i, autocast)
+        for k, v in scalars.items(): sums[k] = sums.get(k, 0.0) + v / config.grad_accum
+    return sums
+
+
+# %%
+cfg2 = DistillConfig(steps=3, mode="scorer_only", grad_accum=2)
+a_ = _micro_step(model, model, student, ids[:1], cfg2, 1, off)["loss"]
+b_ = _micro_step(model, model, student, ids[1:], cfg2, 1, off)["loss"]
+sums = _step_scalars(iter([ids[:1], ids[1:]]), model, model, student, cfg2, 1, off, torch.device("cpu"))
+assert math.isclose(sums["loss"], (a_ + b_) / 2, rel_tol=1e-6)
+test_fail(lambda: _step_scalars(iter([ids]), model, model, student, cfg2, 2, off, torch.device("cpu")),
+          contains="batches ran out during step 3 of 3 (grad_accum=2)")
+student.zero_grad(set_to_none=True)
+
+
+# %%
+#| export
+def _train_row(i: int, sums: dict[str, float], gnorm, lrs: dict[str, float], t0: float, c0: float) -> dict:
+    "The history row of update i: the scalars averaged over ranks, the gradient norm, learning rates and times."
+    return dict(step=i + 1, kind="train", **_all_mean(sums),
+                grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                **lrs, seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
+
+
+# %%
+row = _train_row(4, {"loss": 0.5}, torch.tensor(2.0), {"lr_new": 1e-3}, time.perf_counter(), time.process_time())
+test_eq({k: row[k] for k in ("step", "kind", "loss", "grad_norm", "lr_new")},
+        {"step": 5, "kind": "train", "loss": 0.5, "grad_norm": 2.0, "lr_new": 1e-3})
+assert 0 <= row["seconds"] < 60 and 0 <= row["cpu_seconds"] < 60
+
+
+# %% [markdown]
+# What the loop refuses before it starts:
+
+# %%
+#| export
+def _check_distill_args(student, config, eval_fn, eval_every) -> None:
+    if not isinstance(student, DistillStudent):
+        raise TypeError(f"student must be a DistillStudent, got {type(student).__name__}")
+    if not isinstance(config, DistillConfig):
+        raise TypeError(f"config must be a DistillConfig, got {type(config).__name__}")
+    if eval_every is not None and eval_fn is None: raise ValueError("eval_every needs an eval_fn")
+
+
+# %%
+_check_distill_args(student, cfg2, probe, 1)
+test_fail(lambda: _check_distill_args(nn.Linear(1, 1), cfg2, None, None), contains="student must be a DistillStudent")
+test_fail(lambda: _check_distill_args(student, asdict(cfg2), None, None), contains="config must be a DistillConfig")
+test_fail(lambda: _check_distill_args(student, cfg2, None, 1), contains="eval_every needs an eval_fn")
+
+
+# %% [markdown]
+# The loop itself. Check on the tiny model: two scorer-only updates with an evaluation before and after each,
+# the learning rates of the schedule, and the inputs it refuses.
+
+# %%
+#| export
 def distill(model, student: DistillStudent, batches, config: DistillConfig, checkpoint_dir=None, eval_fn=None,
             eval_every: int | None = None, teacher=None, progress: bool = True) -> pd.DataFrame:
     """Train `student` (and in full mode `model`) by distillation from the dense teacher (Alg. 1); resume from
     `checkpoint_dir/checkpoint.pt` when it exists. `teacher`: default a frozen copy of `model` (full) or `model` itself
     (scorer_only). `batches`: re-iterable global batches [B, S] (`cached`: dicts of cached activations, e.g.
     `ActivationStore.batches`), `config.grad_accum` per step; a sequence resumes without reading skipped batches."""
-    if not isinstance(student, DistillStudent):
-        raise TypeError(f"student must be a DistillStudent, got {type(student).__name__}")
-    if not isinstance(config, DistillConfig):
-        raise TypeError(f"config must be a DistillConfig, got {type(config).__name__}")
-    if eval_every is not None and eval_fn is None: raise ValueError("eval_every needs an eval_fn")
+    _check_distill_args(student, config, eval_fn, eval_every)
     full = config.mode == "full"
     if teacher is None: teacher = copy.deepcopy(model) if full else model
     teacher.requires_grad_(False)
@@ -511,37 +824,20 @@ def distill(model, student: DistillStudent, batches, config: DistillConfig, chec
     device = next(model.parameters()).device
     opt, sched = make_optimizer(model, student, config)
     trainable = [p for g in opt.param_groups for p in g["params"]]
-    path = Path(checkpoint_dir) / "checkpoint.pt" if checkpoint_dir is not None else None
-    start, history = 0, []
-    if path is not None and path.exists(): start, history = load_checkpoint(path, model, student, opt, sched, config)
-    else: torch.manual_seed(config.seed)
-    if eval_fn is not None and start == 0: history.append(_run_eval(eval_fn, model, student, 0))
+    path, start, history = _resume(checkpoint_dir, model, student, opt, sched, config, eval_fn)
     model.train(full); student.train()
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=config.bf16 and device.type == "cuda")
     skip = start * config.grad_accum
     it = iter(batches[skip:]) if isinstance(batches, Sequence) else itertools.islice(iter(batches), skip, None)
-    rank = world()[0]
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=f"distill {config.mode}",
-               disable=not progress or rank != 0)
+               disable=not progress or world()[0] != 0)
     for i in bar:
         t0, c0 = time.perf_counter(), time.process_time()
         lrs = {f"lr_{g['name']}": g["lr"] for g in opt.param_groups}
-        sums: dict[str, float] = {}
-        for _ in range(config.grad_accum):
-            batch = next(it, None)
-            if batch is None:
-                raise ValueError(f"batches ran out during step {i + 1} of {config.steps} "
-                                 f"(grad_accum={config.grad_accum})")
-            batch = ({k: rank_slice(v).to(device) for k, v in batch.items()} if isinstance(batch, dict)
-                     else rank_slice(batch).to(device))
-            scalars = _micro_step(model, teacher, student, batch, config, i, autocast)
-            for k, v in scalars.items(): sums[k] = sums.get(k, 0.0) + v / config.grad_accum
+        sums = _step_scalars(it, model, teacher, student, config, i, autocast, device)
         gnorm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
         opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
-        row = dict(step=i + 1, kind="train", **_all_mean(sums),
-                   grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
-                   **lrs, seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
-        history.append(row)
+        history.append(row := _train_row(i, sums, gnorm, lrs, t0, c0))
         bar.set_postfix(loss=f"{row['loss']:.4f}")
         if eval_fn is not None and eval_every and (i + 1) % eval_every == 0:
             history.append(_run_eval(eval_fn, model, student, i + 1))
@@ -552,12 +848,25 @@ def distill(model, student: DistillStudent, batches, config: DistillConfig, chec
     return pd.DataFrame(history)
 
 
+# %%
+cfg2 = DistillConfig(steps=2, mode="scorer_only", warmup_steps=1)
+h = distill(model, copy.deepcopy(student), [ids] * 2, cfg2, eval_fn=probe, eval_every=1, progress=False)
+test_eq(list(zip(h.step, h.kind)), [(0, "eval"), (1, "train"), (1, "eval"), (2, "train"), (2, "eval")])
+test_eq(h[h.kind == "train"].lr_new.tolist(), [new_param_lr(i, cfg2) for i in range(2)])
+test_fail(lambda: distill(model, copy.deepcopy(student), [ids], cfg2, progress=False),
+          contains="batches ran out during step 2 of 2")
+test_fail(lambda: distill(model, nn.Linear(1, 1), [ids], cfg2), contains="student must be a DistillStudent")
+test_fail(lambda: distill(model, student, [ids], cfg2, eval_every=1), contains="eval_every needs an eval_fn")
+
+
 # %% [markdown]
 # ### Held-out agreement with the teacher
 #
 # Fig. 5 of the paper follows the student's token accuracy against the teacher during training. `teacher_eval`
 # stores the dense model's top-$k$ logits on held-out sequences once (before training), and returns an
 # `eval_fn` giving the student's top-1 agreement with the teacher and the top-$k$ KL.
+#
+# Check against `eval.top1_agreement` and `eval.token_kl` computed from full logits.
 
 # %%
 #| export
@@ -581,9 +890,6 @@ def teacher_eval(model, sequences: Tensor, top_k: int = 256, batch_size: int = 1
         return dict(agreement=agree / n, kl=kl / n)
     return eval_fn
 
-
-# %% [markdown]
-# Check against `eval.top1_agreement` and `eval.token_kl` computed from full logits.
 
 # %%
 ev = teacher_eval(model, ids, top_k=16)
@@ -758,6 +1064,19 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+# %%
+m2l, _ = load_model("tiny-llama", num_layers=2)
+test_eq([type(l).__name__ for l in decoder_layers(m2l)], ["LlamaDecoderLayer"] * 2)
+assert decoder_layers(m2l)[1] is m2l.model.layers[1]
+test_fail(lambda: decoder_layers(nn.Linear(1, 1)), contains="found no decoder layer ([]) in Linear")
+
+
+# %% [markdown]
+# Sharding needs a process group, so the check records the units `fully_shard` is called on instead: every
+# decoder layer, then the root, with bf16 compute and float32 reductions when asked.
+
+# %%
+#| export
 def shard_model(model: nn.Module, mixed_precision: bool | None = None) -> nn.Module:
     "FSDP2-shard `model`: each decoder layer, then the root; bf16 compute with fp32 reductions on CUDA (App. F)."
     if mixed_precision is None: mixed_precision = next(model.parameters()).is_cuda
@@ -768,6 +1087,21 @@ def shard_model(model: nn.Module, mixed_precision: bool | None = None) -> nn.Mod
     return model
 
 
+# %%
+calls, real_fully_shard = [], fully_shard
+fully_shard = lambda m, **kw: calls.append((m, kw))
+try:
+    assert shard_model(m2l) is m2l
+    shard_model(m2l, mixed_precision=True)
+finally: fully_shard = real_fully_shard
+assert len(calls) == 6 and all(m is want for (m, _), want in zip(calls, [*m2l.model.layers, m2l] * 2))
+test_eq([kw for _, kw in calls[:3]], [{}] * 3)                     # CPU: no mixed precision by default
+mp = calls[-1][1]["mp_policy"]
+test_eq((mp.param_dtype, mp.reduce_dtype), (torch.bfloat16, torch.float32))
+
+
+# %%
+#| export
 def shard_for_training(model: nn.Module, student: DistillStudent, teacher: nn.Module | None = None) -> None:
     "FSDP2 for `distill` in an initialized process group: the model, the teacher (if separate), the student's units."
     if not dist.is_initialized():
@@ -777,11 +1111,25 @@ def shard_for_training(model: nn.Module, student: DistillStudent, teacher: nn.Mo
     for unit in student.fsdp_units(): fully_shard(unit)
 
 
+# %%
+test_fail(lambda: shard_for_training(m2l, student), exc=RuntimeError, contains="needs torch.distributed initialized")
+
+
+# %% [markdown]
+# The full state of an unsharded module is its state dict, detached, on the CPU:
+
+# %%
+#| export
 def full_state(module: nn.Module) -> dict[str, Tensor]:
     "The full (gathered) parameters and buffers of a possibly sharded module, on the CPU, on every rank."
     sd = module.state_dict()
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in sd.items()}
 
+
+# %%
+fs = full_state(student)
+test_eq(list(fs), list(student.state_dict()))
+for k, v in student.state_dict().items(): assert torch.equal(fs[k], v) and not fs[k].requires_grad
 
 # %% [markdown]
 # The command line that trains a method with this loop (`python -m sparsekv.train`, or `torchrun` for

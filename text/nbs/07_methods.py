@@ -14,6 +14,7 @@ import contextlib
 import inspect
 from collections.abc import Mapping
 
+from fastcore.basics import patch_to
 from torch import Tensor
 
 from sparsekv.attention import check_int
@@ -31,6 +32,7 @@ from sparsekv.quoka.policy import (BaselineSelection, LessIsMore, Loki, MeanScor
 # %%
 #| hide
 import torch
+from types import SimpleNamespace
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 from torch.utils.flop_counter import FlopCounterMode
@@ -94,6 +96,17 @@ def names(family: str | None = None) -> list[str]:
     return sorted(n for n, c in Method.registry.items() if family is None or c.family == family)
 
 
+# %%
+test_eq(names("retrieval"), ["arkvale", "key_pca", "oracle_pages", "oval", "quest"])
+assert {"quoka", "tova", "oval"} <= set(names()) and names() == sorted(names())
+test_fail(lambda: names("bogus_family"), contains="family must be one of")
+
+
+# %% [markdown]
+# A name is one registered method, or `'prefill+decode'` of two (the composition below):
+
+# %%
+#| export
 def get(name: str) -> type:
     "The method class registered as `name`; 'first+then' (e.g. 'quoka+kvpop_mlstm') is a `PrefillDecode`."
     if not isinstance(name, str):
@@ -110,6 +123,19 @@ def get(name: str) -> type:
     return Method.registry[name]
 
 
+# %%
+test_eq((get("quoka"), get("oval"), get("tova")), (Quoka, OVAL, TOVA))
+test_fail(lambda: get("snapkv"), contains="name must be one of")
+test_fail(lambda: get("quoka+oval+quest"), contains="composes 3 methods")
+test_fail(lambda: get("quoka+nope"), contains="'prefill+decode' of two of them")
+test_fail(lambda: get(None), exc=TypeError, contains="name must be a method name (a str)")
+
+
+# %% [markdown]
+# `make` builds a method at a budget with its own parameters, refusing those it does not take:
+
+# %%
+#| export
 def make(name: str, budget: int | None = None, **params) -> Method:
     """Method `name` at `budget` KV entries per query and KV head, with its own `params` (the papers' defaults);
     'first+then': `PrefillDecode(budget, first, then, prefill_params=..., decode_params=...)`."""
@@ -122,6 +148,13 @@ def make(name: str, budget: int | None = None, **params) -> Method:
         unknown = sorted(set(params) - set(sig) - {"budget"})
         if unknown: raise TypeError(f"{name} takes no parameter {unknown}; accepted: {sorted(set(sig) - {'budget'})}")
     return cls(**params) if budget is None else cls(budget, **params)
+
+
+# %%
+m = make("tova", budget=4356)
+test_eq((type(m), m.sink, m.window, m.k), (TOVA, 4, 256, 4096))
+test_eq(make("quoka", budget=0.25, n_q=4).policy().budget, 0.25)
+test_fail(lambda: make("oval", budget=512, eta_typo=0.5), contains="accepted")
 
 
 # %% [markdown]
@@ -140,6 +173,12 @@ class Dense(Method):
         "Zero: dense attention chooses no keys."
         ModelShape.of(shape), check_int(n_cached, "n_cached"), queries_per_call(phase, chunk, 1)
         return ScoringCost()
+
+
+# %%
+test_eq((Dense().budget, Dense(8).budget, make("dense", 8).budget, get("dense")), (None, 8, 8, Dense))
+test_eq(Dense().scoring_cost(ModelShape(9, 3, 64, 30), 4096), ScoringCost())
+test_fail(lambda: Dense(0), contains="budget must be")
 
 
 # %% [markdown]
@@ -165,6 +204,8 @@ class Dense(Method):
 # for QuoKA, $s + w + k$ kept entries for KVpop (or the decode token budget of a retrieval method). Memory: the
 # full prompt is stored while it is read (as QuoKA alone), then an eviction decode holds $s + w + k$ entries per
 # KV head whatever the length of the generation (a retrieval decode keeps the full cache).
+#
+# The policy of a composition routes each call by its kind:
 
 # %%
 #| export
@@ -181,6 +222,22 @@ class RoutedPolicy(AttentionPolicy):
         return self.then(q, k, v, ctx)
 
 
+# %%
+rp = RoutedPolicy(lambda q, k, v, ctx: ("first", q), lambda q, k, v, ctx: ("then", q))
+test_eq([rp(i, None, None, SimpleNamespace(kind=kind)) for i, kind in enumerate(("prefill", "decode", "prefill"))],
+        [("first", 0), ("then", 1), ("first", 2)])
+
+
+# %% [markdown]
+# The hand-over checked against its definition, on a tiny random Llama in float64 with random KVpop
+# scorers (MLP, and mLSTM with delayed readout): the prompt's queries attend densely, every later query
+# attends to what KVpop's teacher-forced mask (`KVpopMaskPolicy`, Eq. 26 on the whole sequence) shows it.
+# One full-sequence forward under that mask gives the reference logits; `dense+kvpop` prefilling the
+# prompt in one call and decoding the rest one token at a time must give the same logits at every decode
+# position, with at most $s + w + k$ (+ 1 pending for the mLSTM) entries per head after the hand-over.
+
+# %%
+#| export
 class HandoffCache(GrowingCache):
     """A `GrowingCache` while the prompt is read; at the first decode step (the model asks the mask sizes of one
     query after some tokens) each layer's entries are handed to the layers of the evicting cache `then`."""
@@ -210,6 +267,40 @@ class HandoffCache(GrowingCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+# %%
+class PromptDenseThenKVpop(MaskPolicy):
+    "Reference: queries before `P` causal (dense), later ones KVpop's teacher-forced mask on the whole sequence."
+    def __init__(self, P, *kvpop): self.P, self.kvpop = P, KVpopMaskPolicy(*kvpop)
+
+    def mask(self, q, k, v, ctx):
+        return self.kvpop.mask(q, k, v, ctx) | (ctx.query_positions < self.P)[:, None]
+
+
+m64, _ = load_model("tiny-llama", dtype=torch.float64)
+S, P, s, w, kk = 30, 17, 2, 3, 4
+seq = torch.randint(3, m64.config.vocab_size, (2, S), generator=torch.Generator().manual_seed(3))
+for kind in ("mlp", "mlstm"):
+    sc = random_scorers(m64, seed=1, kind=kind, delay=w if kind == "mlstm" else 0)
+    with torch.no_grad(), patch(m64, PromptDenseThenKVpop(P, sc, s, w, kk)): want = m64(seq).logits[:, P - 1:-1]
+    with torch.no_grad(): dense = m64(seq).logits[:, P - 1:-1]
+    cache = HandoffCache(KVpopCache(sc, s, w, kk), config=m64.config)
+    with torch.no_grad(), patch(m64, RoutedPolicy(DensePolicy(), KVpopPolicy())):
+        got = [m64(seq[:, :P], past_key_values=cache).logits[:, -1:]]
+        assert not cache.handed_over
+        for t in range(P, S - 1):
+            got.append(m64(seq[:, t:t + 1], past_key_values=cache).logits)
+            test_eq(max(l.positions.shape[-1] for l in cache.layers) <= s + w + kk + (kind == "mlstm"), True)
+    assert_close(torch.cat(got, 1), want)
+    assert (want - dense)[:, 1:].abs().max() > 1e-3  # the budget binds: not the dense logits
+print("hand-over: the composed decode equals the prompt-dense, KVpop-after mask (MLP and mLSTM)")
+
+
+# %% [markdown]
+# The method: its parts made at the one budget, checked to fit together (an eviction method cannot read a prompt
+# for another; only one that scores entries by themselves can take a prompt over), and the routed policy.
+
+# %%
+#| export
 class PrefillDecode(Method):
     """Method `prefill` (a name or a Method) for the prompt, `decode` for generation; names are made at `budget` with
     `prefill_params`, `decode_params`. An eviction `decode` gets the prompt handed over (`HandoffCache`)."""
@@ -242,51 +333,54 @@ class PrefillDecode(Method):
             if hasattr(part, "check_model"): part.check_model(model)
         with super().patch(model) as cache: yield cache
 
-    def cache(self, model):
-        "The prefill method's full cache; handed over to the decode method's at the first decode step if it evicts."
-        if self.decode.family != "eviction": return super().cache(model)
-        return HandoffCache(self.decode.cache(model), config=model.config)
 
-    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
-        "The prefill method's cost at prefill, the decode method's at decode."
-        queries_per_call(phase, chunk, self.chunk_size)
-        return scoring_cost(self.prefill if phase == "prefill" else self.decode, shape, n_cached, phase, chunk)
+# %%
+pd_ = make("quoka+oval", 16, prefill_params=dict(chunk_size=8, n_q=2))
+test_eq((type(pd_.prefill), type(pd_.decode), pd_.budget, pd_.chunk_size, pd_.decode.budget), (Quoka, OVAL, 16, 8, 16))
+rp = pd_.policy()
+test_eq((type(rp), type(rp.first), type(rp.then)), (RoutedPolicy, QuokaPolicy, PageRetrievalPolicy))
+test_fail(lambda: make("quoka+tova", 16), contains="cannot take a prompt over")
+test_fail(lambda: make("tova+oval", 16), contains="prefill must not be an eviction method")
+test_fail(lambda: PrefillDecode(16, prefill_params="n_q=2"), exc=TypeError, contains="prefill_params must be a dict")
 
 
 # %% [markdown]
-# The hand-over checked against its definition, on a tiny random Llama in float64 with random KVpop
-# scorers (MLP, and mLSTM with delayed readout): the prompt's queries attend densely, every later query
-# attends to what KVpop's teacher-forced mask (`KVpopMaskPolicy`, Eq. 26 on the whole sequence) shows it.
-# One full-sequence forward under that mask gives the reference logits; `dense+kvpop` prefilling the
-# prompt in one call and decoding the rest one token at a time must give the same logits at every decode
-# position, with at most $s + w + k$ (+ 1 pending for the mLSTM) entries per head after the hand-over.
+# Its cache: the prefill method's full cache, handed over at the first decode step when the decode method evicts.
 
 # %%
-class PromptDenseThenKVpop(MaskPolicy):
-    "Reference: queries before `P` causal (dense), later ones KVpop's teacher-forced mask on the whole sequence."
-    def __init__(self, P, *kvpop): self.P, self.kvpop = P, KVpopMaskPolicy(*kvpop)
+#| export
+@patch_to(PrefillDecode)
+def cache(self, model):
+    "The prefill method's full cache; handed over to the decode method's at the first decode step if it evicts."
+    if self.decode.family != "eviction": return super(PrefillDecode, self).cache(model)
+    return HandoffCache(self.decode.cache(model), config=model.config)
 
-    def mask(self, q, k, v, ctx):
-        return self.kvpop.mask(q, k, v, ctx) | (ctx.query_positions < self.P)[:, None]
+
+# %%
+test_eq(type(make("quoka+oval", 16).cache(m64)), GrowingCache)
+hc = make("dense+kvpop_mlp", 16, decode_params=dict(sink=2, window=4)).cache(m64)
+test_eq((type(hc), type(hc.then), hc.handed_over), (HandoffCache, KVpopCache, False))
 
 
-m64, _ = load_model("tiny-llama", dtype=torch.float64)
-S, P, s, w, kk = 30, 17, 2, 3, 4
-seq = torch.randint(3, m64.config.vocab_size, (2, S), generator=torch.Generator().manual_seed(3))
-for kind in ("mlp", "mlstm"):
-    sc = random_scorers(m64, seed=1, kind=kind, delay=w if kind == "mlstm" else 0)
-    with torch.no_grad(), patch(m64, PromptDenseThenKVpop(P, sc, s, w, kk)): want = m64(seq).logits[:, P - 1:-1]
-    with torch.no_grad(): dense = m64(seq).logits[:, P - 1:-1]
-    cache = HandoffCache(KVpopCache(sc, s, w, kk), config=m64.config)
-    with torch.no_grad(), patch(m64, RoutedPolicy(DensePolicy(), KVpopPolicy())):
-        got = [m64(seq[:, :P], past_key_values=cache).logits[:, -1:]]
-        assert not cache.handed_over
-        for t in range(P, S - 1):
-            got.append(m64(seq[:, t:t + 1], past_key_values=cache).logits)
-            test_eq(max(l.positions.shape[-1] for l in cache.layers) <= s + w + kk + (kind == "mlstm"), True)
-    assert_close(torch.cat(got, 1), want)
-    assert (want - dense)[:, 1:].abs().max() > 1e-3  # the budget binds: not the dense logits
-print("hand-over: the composed decode equals the prompt-dense, KVpop-after mask (MLP and mLSTM)")
+# %% [markdown]
+# Its scoring cost is the part's of the phase: at SmolLM2-135M's shape, QuoKA's $N_Q D$ = 1,024 per key at
+# prefill and OVAL's 78 at decode (the figures of the last section).
+
+# %%
+#| export
+# patch_to leaves the module's name `scoring_cost` bound to sparsekv.hf's function, which the body calls
+@patch_to(PrefillDecode)
+def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:  # noqa: F811
+    "The prefill method's cost at prefill, the decode method's at decode."
+    queries_per_call(phase, chunk, self.chunk_size)
+    return scoring_cost(self.prefill if phase == "prefill" else self.decode, shape, n_cached, phase, chunk)
+
+
+# %%
+qo = make("quoka+oval", 1024)
+test_eq([qo.scoring_cost(ModelShape(9, 3, 64, 30), 4096, p).per_key for p in PHASES], [1024, 78])
+test_fail(lambda: qo.scoring_cost(ModelShape(9, 3, 64, 30), 64, "decode", chunk=4), contains="chunk must be")
+assert scoring_cost(qo, ModelShape(9, 3, 64, 30), 4096) == qo.scoring_cost(ModelShape(9, 3, 64, 30), 4096)
 
 
 # %% [markdown]

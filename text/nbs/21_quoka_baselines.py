@@ -66,6 +66,20 @@ def grouped_products(q: Tensor, k: Tensor) -> Tensor:
     return s.view(B, Hkv, Hq // Hkv, S, T)
 
 
+# %%
+q, k = torch.randn(2, 6, 3, 4, dtype=torch.float64), torch.randn(2, 2, 5, 4, dtype=torch.float64)
+gp = grouped_products(q, k)
+test_eq(gp.shape, (2, 2, 3, 3, 5))
+for h in range(6): assert_close(gp[:, h // 3, h % 3], q[:, h] @ k[:, h // 3].transpose(-1, -2))   # hG+g reads h
+
+
+# %% [markdown]
+# The references below share one loop: a per-query score of the cached keys, averaged (or summed) over the
+# chunk's queries, or some of them, and the heads of a group. With the logits as the per-query score it is the
+# mean of the products above:
+
+# %%
+#| export
 def _reference_scores(q_chunk: Tensor, k_cache: Tensor, per_query, positions=None, reduce: str = "mean") -> Tensor:
     "Mean (or sum) over a KV head's G query heads and the chunk of per_query(q [D], K [T,D], b, h) -> [T]; loops."
     G = check_chunk(q_chunk, k_cache)
@@ -81,6 +95,11 @@ def _reference_scores(q_chunk: Tensor, k_cache: Tensor, per_query, positions=Non
             if reduce == "mean": out[b, h] /= G * len(positions)
     return out
 
+
+# %%
+logit = lambda x, K, b, h: K @ x
+assert_close(_reference_scores(q, k, logit), gp.mean((2, 3)))
+assert_close(_reference_scores(q, k, logit, [0, 2], reduce="sum"), gp[:, :, :, [0, 2]].sum((2, 3)))
 
 # %% [markdown]
 # ## The naive extension: mean of scores over the chunk
@@ -116,6 +135,24 @@ def mean_score_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 10
     return top_budget_indices(s.mean((2, 3)), n)
 
 
+# %%
+def _qk(G, S, T, B=2, Hkv=2, D=16, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hkv * G, S, D, generator=g, dtype=dtype) + 0.3,
+            torch.randn(B, Hkv, T, D, generator=g, dtype=dtype))
+
+q, k = _qk(3, 12, 40)
+qbar = q.view(2, 2, 3 * 12, 16).mean(2, keepdim=True)      # the mean query of each group
+test_eq(mean_score_select(q, k, 10, "logits"), top_budget_indices_reference((qbar @ k.transpose(-1, -2))[:, :, 0], 10))
+test_fail(lambda: mean_score_select(q, k, 10, "probs"), contains="scores must be")
+
+
+# %% [markdown]
+# Check: the selection against its reference, over head groups, chunk and cache lengths and budgets (also a
+# fraction of $T$, and a cache no longer than the budget).
+
+# %%
+#| export
 def mean_score_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, scores: str = "softmax",
                                 scale: float | None = None) -> Tensor:
     "`mean_score_select` by loops over batch, KV head, query head and query in float64."
@@ -128,11 +165,6 @@ def mean_score_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | 
 
 
 # %%
-def _qk(G, S, T, B=2, Hkv=2, D=16, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, Hkv * G, S, D, generator=g, dtype=dtype) + 0.3,
-            torch.randn(B, Hkv, T, D, generator=g, dtype=dtype))
-
 CASES = [(12, 40, 10), (12, 40, 0.25), (1, 40, 7), (8, 9, 9), (8, 5, 9), (8, 0, 4)]   # (S, T, budget)
 
 def _check_indices(idx, B, Hkv, n):
@@ -147,10 +179,6 @@ for G in (1, 3, 4):
             idx = mean_score_select(q, k, budget, scores)
             test_eq(idx, mean_score_select_reference(q, k, budget, scores))
             _check_indices(idx, 2, 2, resolve_budget(budget, T))
-q, k = _qk(3, 12, 40)
-qbar = q.view(2, 2, 3 * 12, 16).mean(2, keepdim=True)      # the mean query of each group
-test_eq(mean_score_select(q, k, 10, "logits"), top_budget_indices_reference((qbar @ k.transpose(-1, -2))[:, :, 0], 10))
-test_fail(lambda: mean_score_select(q, k, 10, "probs"), contains="scores must be")
 
 
 # %% [markdown]
@@ -175,6 +203,9 @@ test_fail(lambda: mean_score_select(q, k, 10, "probs"), contains="scores must be
 # keys, since the chunk's own keys are always attended. The sample is seeded: an int `seed`
 # draws the same positions for every chunk of the same length; a `torch.Generator` advances
 # from chunk to chunk.
+#
+# Check: the sample is reproducible from an int seed, advances with a generator, and is uniform (each of 10
+# positions is drawn with frequency $4/10$ when 4 are sampled, within a few standard deviations over 4000 draws).
 
 # %%
 #| export
@@ -188,6 +219,23 @@ def sample_query_positions(S: int, n_q: int, seed: int | torch.Generator = 0) ->
     return torch.randperm(S, generator=gen)[:n_q].sort().values
 
 
+# %%
+test_eq(sample_query_positions(10, 4, 3), sample_query_positions(10, 4, 3))
+gen = torch.Generator().manual_seed(0)
+draws = torch.stack([sample_query_positions(10, 4, gen) for _ in range(4000)])
+assert len({tuple(d) for d in draws[:20].tolist()}) > 1                       # the generator advances
+freq = torch.nn.functional.one_hot(draws, 10).sum((0, 1)).double() / 4000
+assert (freq - 0.4).abs().max() < 4 * math.sqrt(0.4 * 0.6 / 4000)
+test_eq(sample_query_positions(5, 9), torch.arange(5))
+test_fail(lambda: sample_query_positions(10, 4, "0"), contains="seed must be")
+
+
+# %% [markdown]
+# With $N_Q \ge S$ every query is in the sample and SampleAttention is the mean of scores (a sum is a multiple
+# of the mean):
+
+# %%
+#| export
 def sample_attention_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, n_q: int = 16,
                             seed: int | torch.Generator = 0, scale: float | None = None) -> Tensor:
     """SampleAttention (Zhu et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention probability summed over n_q
@@ -202,6 +250,17 @@ def sample_attention_select(q_chunk: Tensor, k_cache: Tensor, budget: int | floa
     return top_budget_indices(p.sum((2, 3)), n)
 
 
+# %%
+q, k = _qk(3, 12, 40, seed=3)
+test_eq(sample_attention_select(q, k, 10, n_q=12), mean_score_select(q, k, 10))
+test_eq(sample_attention_select(q, k, 0.25, n_q=16), mean_score_select(q, k, 0.25))
+
+
+# %% [markdown]
+# Check: against the reference, on the cases above.
+
+# %%
+#| export
 def sample_attention_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, n_q: int = 16,
                                       seed: int | torch.Generator = 0, scale: float | None = None) -> Tensor:
     "`sample_attention_select` by loops in float64 over the same sampled positions."
@@ -210,12 +269,6 @@ def sample_attention_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: 
     scores = _reference_scores(q_chunk, k_cache, lambda q, K, b, h: torch.softmax(c * (K @ q), 0), pos, reduce="sum")
     return top_budget_indices_reference(scores, resolve_budget(budget, k_cache.shape[2]))
 
-
-# %% [markdown]
-# Check: against the reference; with $N_Q \ge S$ it is the mean of scores (a sum is a
-# multiple of the mean); the sample is reproducible from an int seed, advances with a
-# generator, and is uniform (each of 10 positions is drawn with frequency $4/10$ when 4 are
-# sampled, within a few standard deviations over 4000 draws).
 
 # %%
 for G in (1, 3, 4):
@@ -226,14 +279,6 @@ for G in (1, 3, 4):
             test_eq(idx, sample_attention_select_reference(q, k, budget, n_q, seed=5))
             _check_indices(idx, 2, 2, resolve_budget(budget, T))
         test_eq(sample_attention_select(q, k, budget, n_q=S), mean_score_select(q, k, budget))
-test_eq(sample_query_positions(10, 4, 3), sample_query_positions(10, 4, 3))
-gen = torch.Generator().manual_seed(0)
-draws = torch.stack([sample_query_positions(10, 4, gen) for _ in range(4000)])
-assert len({tuple(d) for d in draws[:20].tolist()}) > 1                       # the generator advances
-freq = torch.nn.functional.one_hot(draws, 10).sum((0, 1)).double() / 4000
-assert (freq - 0.4).abs().max() < 4 * math.sqrt(0.4 * 0.6 / 4000)
-test_eq(sample_query_positions(5, 9), torch.arange(5))
-test_fail(lambda: sample_query_positions(10, 4, "0"), contains="seed must be")
 
 
 # %% [markdown]
@@ -267,6 +312,17 @@ def _check_rank(r: int | None, D: int, name: str = "r") -> int:
     return max(1, D // 2) if r is None else check_int(r, name, 1, D)
 
 
+# %%
+test_eq((_check_rank(None, 16), _check_rank(None, 1), _check_rank(16, 16), _check_rank(1, 16)), (8, 1, 16, 1))
+test_fail(lambda: _check_rank(17, 16), contains="r must be")
+test_fail(lambda: _check_rank(0, 16, "rank"), contains="rank must be")
+
+
+# %% [markdown]
+# With $r = D$ nothing is dropped (the temperature correction is 1) and SparQ is the mean of scores:
+
+# %%
+#| export
 def sparq_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
                  scale: float | None = None) -> Tensor:
     """SparQ (Ribar et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest approximate attention from each query's top-r
@@ -286,6 +342,19 @@ def sparq_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r
     return top_budget_indices(p.mean((2, 3)), n)
 
 
+# %%
+q, k = _qk(3, 12, 40, seed=4)
+test_eq(sparq_select(q, k, 10, r=16), mean_score_select(q, k, 10))
+test_fail(lambda: sparq_select(q, k, 10, r=0), contains="r must be")
+
+
+# %% [markdown]
+# Check: against the reference (heavy-tailed queries, where channel selection matters, and
+# queries with tied magnitudes); with $r = D$ nothing is dropped and SparQ is the mean of
+# scores; $r = 1$ is accepted, $r > D$ refused.
+
+# %%
+#| export
 def sparq_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
                            scale: float | None = None) -> Tensor:
     "`sparq_select` by loops in float64: per query its top-r channels by a Python sort, scores from those columns."
@@ -299,11 +368,6 @@ def sparq_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float
     return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query),
                                         resolve_budget(budget, k_cache.shape[2]))
 
-
-# %% [markdown]
-# Check: against the reference (heavy-tailed queries, where channel selection matters, and
-# queries with tied magnitudes); with $r = D$ nothing is dropped and SparQ is the mean of
-# scores; $r = 1$ is accepted, $r > D$ refused.
 
 # %%
 for G in (1, 3, 4):
@@ -349,6 +413,10 @@ test_fail(lambda: sparq_select(q, k, 10, r=17), contains="r must be")
 # dot products; `center=True` uses the covariance (classical PCA) instead. (3) Keys are
 # post-RoPE (what the attention function receives); Loki studies both pre- and post-rotary
 # PCA.
+#
+# Check: `loki_basis` is orthonormal and ordered, and its top-$r$ subspace is the best rank-$r$
+# fit of the keys (its error equals the sum of the discarded eigenvalues, below that of a
+# random subspace). Keys are drawn with a decaying spectrum so the leading subspace is well separated.
 
 # %%
 #| export
@@ -363,67 +431,6 @@ def loki_basis(keys: Tensor, center: bool = False) -> Tensor:
     if center: x = x - x.mean(1, keepdim=True)
     return torch.linalg.eigh(x.transpose(-1, -2) @ x).eigenvectors.flip(-1)  # eigh sorts ascending
 
-
-def _check_basis(basis: Tensor, B: int, Hkv: int, D: int, r: int):
-    "Validate a Loki basis: [Hkv,D,R] or [B (or 1),Hkv,D,R] with R >= r."
-    if not isinstance(basis, Tensor) or not basis.is_floating_point() or basis.dim() not in (3, 4) \
-            or basis.shape[-3:-1] != (Hkv, D) or basis.shape[-1] < r \
-            or (basis.dim() == 4 and basis.shape[0] not in (1, B)):
-        raise ValueError(f"basis must be a floating-point [Hkv={Hkv}, D={D}, R] or [B={B}, Hkv, D, R] with R >= r={r}, "
-                         f"got {getattr(basis, 'shape', type(basis).__name__)}")
-
-
-def _loki_projection(k_cache: Tensor, r: int, basis: Tensor | None, center: bool) -> Tensor:
-    "The first r basis columns, [B or 1, Hkv, D, r]: from `basis` [Hkv,D,R] / [B,Hkv,D,R], or the cache's own PCA."
-    if basis is None:
-        return torch.stack([loki_basis(k_cache[b:b + 1], center) for b in range(k_cache.shape[0])])[..., :r]
-    basis = basis if basis.dim() == 4 else basis[None]
-    return basis[..., :r].to(accumulation_dtype(k_cache))
-
-
-def loki_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
-                basis: Tensor | None = None, center: bool = False, scale: float | None = None) -> Tensor:
-    """Loki (Singhania et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention approximated in the top-r principal
-    subspace of the keys, averaged over queries and heads."""
-    check_chunk(q_chunk, k_cache)
-    B, Hkv, T, D = k_cache.shape
-    c, n, r = softmax_scale(scale, D), resolve_budget(budget, T), _check_rank(r, D)
-    if basis is not None: _check_basis(basis, B, Hkv, D, r)
-    if n == T: return all_key_indices(B, Hkv, T, k_cache.device)
-    P = _loki_projection(k_cache, r, basis, center).to(k_cache.device)
-    acc = accumulation_dtype(q_chunk)
-    G, S = q_chunk.shape[1] // Hkv, q_chunk.shape[2]
-    qp = q_chunk.to(acc).reshape(B, Hkv, G * S, D) @ P  # [B,Hkv,G*S,r] down-projected queries
-    kp = k_cache.to(acc) @ P  # [B,Hkv,T,r] down-projected keys
-    p = (c * (qp @ kp.transpose(-1, -2))).softmax(-1)
-    return top_budget_indices(p.mean(2), n)
-
-
-def loki_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
-                          basis: Tensor | None = None, center: bool = False, scale: float | None = None) -> Tensor:
-    "`loki_select` by loops in float64, subspace from an SVD of each head's keys (or `basis`), scores q^T P_r P_r^T k."
-    B, Hkv, T, D = k_cache.shape
-    c, r = softmax_scale(scale, D), _check_rank(r, D)
-    proj = {}
-    for b in range(B):
-        for h in range(Hkv):
-            if basis is None:
-                x = k_cache[b, h].double()
-                if center: x = x - x.mean(0)
-                Pr = torch.linalg.svd(x, full_matrices=True).Vh[:r].T  # right singular vectors = eigenvectors of x^T x
-            else:
-                Pr = (basis[h] if basis.dim() == 3 else basis[b if basis.shape[0] > 1 else 0, h])[:, :r].double()
-            proj[b, h] = Pr @ Pr.T  # projector onto the top-r subspace: basis signs and order within it do not matter
-    per_query = lambda q, K, b, h: torch.softmax(c * (K @ (proj[b, h] @ q)), 0)
-    return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query), resolve_budget(budget, T))
-
-
-# %% [markdown]
-# Check: `loki_basis` is orthonormal and ordered, and its top-$r$ subspace is the best rank-$r$
-# fit of the keys (its error equals the sum of the discarded eigenvalues, below that of a
-# random subspace); `loki_select` against the reference with the basis from the cache
-# (uncentered and centered) and from a calibration set; with $r = D$ it is the mean of scores.
-# Keys are drawn with a decaying spectrum so the leading subspace is well separated.
 
 # %%
 def _keys_lowrank(B, Hkv, T, D, seed):
@@ -445,6 +452,106 @@ for rr in (2, 8):
     Q = torch.linalg.qr(torch.randn(2, 16, rr, dtype=torch.float64)).Q
     assert (((x - x @ Q @ Q.transpose(-1, -2)) ** 2).sum((1, 2)) > err).all()
 
+
+# %% [markdown]
+# A basis given to the selection is one per KV head (a calibration basis) or one per batch row and KV head,
+# with at least $r$ columns:
+
+# %%
+#| export
+def _check_basis(basis: Tensor, B: int, Hkv: int, D: int, r: int):
+    "Validate a Loki basis: [Hkv,D,R] or [B (or 1),Hkv,D,R] with R >= r."
+    if not isinstance(basis, Tensor) or not basis.is_floating_point() or basis.dim() not in (3, 4) \
+            or basis.shape[-3:-1] != (Hkv, D) or basis.shape[-1] < r \
+            or (basis.dim() == 4 and basis.shape[0] not in (1, B)):
+        raise ValueError(f"basis must be a floating-point [Hkv={Hkv}, D={D}, R] or [B={B}, Hkv, D, R] with R >= r={r}, "
+                         f"got {getattr(basis, 'shape', type(basis).__name__)}")
+
+
+# %%
+for ok in (torch.zeros(2, 16, 4), torch.zeros(3, 2, 16, 5), torch.zeros(1, 2, 16, 4)): _check_basis(ok, 3, 2, 16, 4)
+for bad in (torch.zeros(2, 16, 3), torch.zeros(2, 2, 16, 4), torch.zeros(2, 8, 4), torch.zeros(2, 16, 4).long()):
+    test_fail(lambda: _check_basis(bad, 3, 2, 16, 4), contains="basis must be a floating-point [Hkv=2, D=16, R]")
+
+
+# %% [markdown]
+# The projection the selection uses: the given basis with a batch axis, or each row's own `loki_basis`:
+
+# %%
+#| export
+def _loki_projection(k_cache: Tensor, r: int, basis: Tensor | None, center: bool) -> Tensor:
+    "The first r basis columns, [B or 1, Hkv, D, r]: from `basis` [Hkv,D,R] / [B,Hkv,D,R], or the cache's own PCA."
+    if basis is None:
+        return torch.stack([loki_basis(k_cache[b:b + 1], center) for b in range(k_cache.shape[0])])[..., :r]
+    basis = basis if basis.dim() == 4 else basis[None]
+    return basis[..., :r].to(accumulation_dtype(k_cache))
+
+
+# %%
+Pk = _loki_projection(k, 4, None, False)
+test_eq(Pk.shape, (3, 2, 16, 4))
+for b in range(3): assert_close(Pk[b], loki_basis(k[b:b + 1])[..., :4])
+assert_close(_loki_projection(k, 3, None, True)[2], loki_basis(k[2:3], center=True)[..., :3])
+test_eq(_loki_projection(k, 4, P, False), P[None, ..., :4])                   # a calibration basis [Hkv, D, R]
+test_eq(_loki_projection(k, 4, Pk, False), Pk)
+
+
+# %% [markdown]
+# With $r = D$ the projection is a rotation, which leaves the products as they are: Loki is the mean of scores.
+
+# %%
+#| export
+def loki_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
+                basis: Tensor | None = None, center: bool = False, scale: float | None = None) -> Tensor:
+    """Loki (Singhania et al. 2024): keys [B,Hkv,min(B_SA,T)] of largest attention approximated in the top-r principal
+    subspace of the keys, averaged over queries and heads."""
+    check_chunk(q_chunk, k_cache)
+    B, Hkv, T, D = k_cache.shape
+    c, n, r = softmax_scale(scale, D), resolve_budget(budget, T), _check_rank(r, D)
+    if basis is not None: _check_basis(basis, B, Hkv, D, r)
+    if n == T: return all_key_indices(B, Hkv, T, k_cache.device)
+    P = _loki_projection(k_cache, r, basis, center).to(k_cache.device)
+    acc = accumulation_dtype(q_chunk)
+    G, S = q_chunk.shape[1] // Hkv, q_chunk.shape[2]
+    qp = q_chunk.to(acc).reshape(B, Hkv, G * S, D) @ P  # [B,Hkv,G*S,r] down-projected queries
+    kp = k_cache.to(acc) @ P  # [B,Hkv,T,r] down-projected keys
+    p = (c * (qp @ kp.transpose(-1, -2))).softmax(-1)
+    return top_budget_indices(p.mean(2), n)
+
+
+# %%
+q, k = _qk(3, 12, 40, seed=5)
+test_eq(loki_select(q, k, 10, r=16), mean_score_select(q, k, 10))
+test_eq(loki_select(q, k, 10, r=16, basis=P), mean_score_select(q, k, 10))
+test_fail(lambda: loki_select(q, k, 10, 4, basis=P[..., :3]), contains="basis must be")
+
+
+# %% [markdown]
+# Check: `loki_select` against the reference with the basis from the cache
+# (uncentered and centered) and from a calibration set; with $r = D$ it is the mean of scores.
+
+# %%
+#| export
+def loki_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, r: int | None = None,
+                          basis: Tensor | None = None, center: bool = False, scale: float | None = None) -> Tensor:
+    "`loki_select` by loops in float64, subspace from an SVD of each head's keys (or `basis`), scores q^T P_r P_r^T k."
+    B, Hkv, T, D = k_cache.shape
+    c, r = softmax_scale(scale, D), _check_rank(r, D)
+    proj = {}
+    for b in range(B):
+        for h in range(Hkv):
+            if basis is None:
+                x = k_cache[b, h].double()
+                if center: x = x - x.mean(0)
+                Pr = torch.linalg.svd(x, full_matrices=True).Vh[:r].T  # right singular vectors = eigenvectors of x^T x
+            else:
+                Pr = (basis[h] if basis.dim() == 3 else basis[b if basis.shape[0] > 1 else 0, h])[:, :r].double()
+            proj[b, h] = Pr @ Pr.T  # projector onto the top-r subspace: basis signs and order within it do not matter
+    per_query = lambda q, K, b, h: torch.softmax(c * (K @ (proj[b, h] @ q)), 0)
+    return top_budget_indices_reference(_reference_scores(q_chunk, k_cache, per_query), resolve_budget(budget, T))
+
+
+# %%
 for G in (1, 3, 4):
     for S, T, budget in CASES:
         q, _ = _qk(G, S, T, seed=G * 100 + S + T + 3)
@@ -472,6 +579,10 @@ test_fail(lambda: loki_select(q, k, 10, 4, basis=calib[:1]), contains="basis mus
 # grow with the cache, so `KeyMoments` adds the new keys' outer products and solves the $D \times D$
 # eigenproblem per head: $D^2$ per new key and $O(D^3)$ per call, whatever $T$. The selection
 # policy keeps one per cache layer (`sparsekv.quoka.policy.LokiPolicy`).
+#
+# Check: keys arriving in three parts give the basis `loki_basis` finds for each row's whole
+# cache (as a projector onto the top-$r$ subspace: eigenvector signs are arbitrary), centred and
+# not; the selection with it equals `loki_select` without a basis; a shorter cache restarts.
 
 # %%
 #| export
@@ -506,11 +617,6 @@ class KeyMoments:
         m = self.xx - self.x[..., :, None] * self.x[..., None, :] / self.length if center else self.xx
         return torch.linalg.eigh(m).eigenvectors.flip(-1)
 
-
-# %% [markdown]
-# Check: keys arriving in three parts give the basis `loki_basis` finds for each row's whole
-# cache (as a projector onto the top-$r$ subspace: eigenvector signs are arbitrary), centred and
-# not; the selection with it equals `loki_select` without a basis; a shorter cache restarts.
 
 # %%
 k = _keys_lowrank(2, 2, 60, 16, 5)
@@ -576,6 +682,44 @@ def lessismore_split(n: int, recent_ratio: float) -> tuple[int, int]:
     return n_mid, n - n_mid
 
 
+# %%
+test_eq([lessismore_split(10, r) for r in (0.0, 0.25, 0.5, 1.0)], [(10, 0), (7, 3), (5, 5), (0, 10)])   # 7.5 -> 7
+test_eq(lessismore_split(0, 0.25), (0, 0))
+for bad in (1.5, -0.1, True, "0.25"): test_fail(lambda: lessismore_split(10, bad), contains="recent_ratio")
+
+
+# %% [markdown]
+# The merge of step 3: each head's top keys in rank order, rank 0 of every head first, repeats dropped. By hand,
+# with two heads over four keys: head 0 ranks keys $0, 1, 2$ first, head 1 ranks $3, 2, 1$; rank by rank the
+# merge lists $0, 3, 1, 2, 2, 1$, whose first three distinct keys are $0, 3, 1$.
+
+# %%
+#| export
+def _merge_ranked(p: Tensor, n_mid: int) -> Tensor:
+    "The first n_mid distinct keys [B, n_mid] of the heads' rankings of p [B,Hq,t] merged rank by rank."
+    B, t_mid = p.shape[0], p.shape[-1]
+    # stable: equal scores keep the lower index first
+    ranked = p.sort(dim=-1, descending=True, stable=True).indices[..., :n_mid]
+    merged = ranked.transpose(1, 2).reshape(B, -1)  # rank-major: rank 0 of every head, then rank 1, ...
+    order = torch.arange(merged.shape[1], device=merged.device).expand(B, -1)
+    first = torch.full((B, t_mid), merged.shape[1], dtype=torch.long, device=merged.device)
+    first = first.scatter_reduce(1, merged, order, "amin")  # where each key first appears in the merged list
+    return first.argsort(dim=-1, stable=True)[:, :n_mid]  # the first n_mid distinct keys of the merge
+
+
+# %%
+pr = torch.tensor([[[0.5, 0.3, 0.2, 0.0], [0.0, 0.1, 0.2, 0.7]]])
+test_eq(_merge_ranked(pr, 3), torch.tensor([[0, 3, 1]]))
+test_eq(_merge_ranked(pr, 4), torch.tensor([[0, 3, 1, 2]]))
+test_eq(_merge_ranked(torch.zeros(1, 2, 4), 2), torch.tensor([[0, 1]]))     # ties: lower index first
+test_eq(_merge_ranked(pr, 0).shape, (1, 0))
+
+
+# %% [markdown]
+# With one head and no recent window, the merge is that head's ranking: LessIsMore is the mean of scores.
+
+# %%
+#| export
 def lessismore_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024, recent_ratio: float = 0.25,
                       scale: float | None = None) -> Tensor:
     "LessIsMore (Yang et al. 2025b): one key set for all heads, their top keys merged rank by rank, plus recent keys."
@@ -589,18 +733,26 @@ def lessismore_select(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 10
     p = (c * grouped_products(q_chunk, k_cache)).softmax(-1).mean(3)
     p = p.reshape(B, -1, T)[..., :t_mid]  # [B,Hq,t_mid], heads in the package order h*G+g
     if p.isnan().any(): raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
-    # stable: equal scores keep the lower index first
-    ranked = p.sort(dim=-1, descending=True, stable=True).indices[..., :n_mid]
-    merged = ranked.transpose(1, 2).reshape(B, -1)  # rank-major: rank 0 of every head, then rank 1, ...
-    order = torch.arange(merged.shape[1], device=merged.device).expand(B, -1)
-    first = torch.full((B, t_mid), merged.shape[1], dtype=torch.long, device=merged.device)
-    first = first.scatter_reduce(1, merged, order, "amin")  # where each key first appears in the merged list
-    mid = first.argsort(dim=-1, stable=True)[:, :n_mid]  # the first n_mid distinct keys of the merge
+    mid = _merge_ranked(p, n_mid)
     recent = torch.arange(t_mid, T, device=k_cache.device).expand(B, n_rec)
     idx = torch.cat([mid, recent], -1).sort(-1).values
     return idx[:, None].expand(B, Hkv, n).contiguous()
 
 
+# %%
+q, k = _qk(1, 9, 40, B=2, Hkv=1, seed=12)
+test_eq(lessismore_select(q, k, 10, 0.0), mean_score_select(q, k, 10))
+test_eq(lessismore_select(q, k, 10, 1.0), torch.arange(30, 40).expand(2, 1, 10))     # all recent
+test_fail(lambda: lessismore_select(q, k, 10, 1.5), contains="recent_ratio")
+
+
+# %% [markdown]
+# Check against the reference, with scores that make the heads disagree (so the merge order
+# matters) and with repeated keys (ties); with one head and no window it is the mean of
+# scores; the recent window is always kept, and all KV heads share one set.
+
+# %%
+#| export
 def lessismore_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | float = 1024,
                                 recent_ratio: float = 0.25, scale: float | None = None) -> Tensor:
     "`lessismore_select` by loops in float64: Python rankings per head, a rank-by-rank merge by dict, recent window."
@@ -623,11 +775,6 @@ def lessismore_select_reference(q_chunk: Tensor, k_cache: Tensor, budget: int | 
     return torch.tensor(out, dtype=torch.long).view(B, 1, n).expand(B, Hkv, n).contiguous()
 
 
-# %% [markdown]
-# Check against the reference, with scores that make the heads disagree (so the merge order
-# matters) and with repeated keys (ties); with one head and no window it is the mean of
-# scores; the recent window is always kept, and all KV heads share one set.
-
 # %%
 for G in (1, 3, 4):
     for S, T, budget in CASES:
@@ -643,9 +790,6 @@ for G in (1, 3, 4):
 q, k = _qk(3, 6, 30, seed=11)
 k[:, :, 10:20] = k[:, :, :1]                                                                # ten copies of key 0: ties
 test_eq(lessismore_select(q, k, 12), lessismore_select_reference(q, k, 12))
-q, k = _qk(1, 9, 40, B=2, Hkv=1, seed=12)
-test_eq(lessismore_select(q, k, 10, 0.0), mean_score_select(q, k, 10))
-test_fail(lambda: lessismore_select(q, k, 10, 1.5), contains="recent_ratio")
 
 
 # %% [markdown]

@@ -14,6 +14,7 @@ import copy
 import math
 
 import torch
+from fastcore.basics import patch_to
 from torch import Tensor
 
 from sparsekv.attention import check_int, require_finite
@@ -60,6 +61,18 @@ def _check_cache(x, name: str) -> Tensor:
     if x.dim() != 4: raise ValueError(f"{name} must be [B, Hkv, T, d], got shape {tuple(x.shape)}")
     return x
 
+
+# %%
+test_eq(_check_cache(torch.zeros(1, 2, 3, 4), "K").shape, (1, 2, 3, 4))
+test_fail(lambda: _check_cache(torch.zeros(2, 3, 4), "K"), contains="K must be [B, Hkv, T, d], got shape (2, 3, 4)")
+test_fail(lambda: _check_cache(torch.zeros(1, 2, 3, 4, dtype=torch.long), "V"), contains="V must be a floating-point")
+
+
+# %% [markdown]
+# The pages of a cache of 21 tokens in pages of 5: four pages, the last token left out.
+
+# %%
+#| export
 def split_pages(x: Tensor, page_size: int) -> Tensor:
     "The complete pages of a cache x [B, H, T, d] as [B, H, P, m, d], P = T // m (a trailing partial page is left out)."
     _check_cache(x, "x")
@@ -102,10 +115,6 @@ def _group_queries(q: Tensor, Hkv: int) -> tuple[Tensor, bool]:
     if Hq % Hkv: raise ValueError(f"the query heads ({Hq}) must be a multiple of the summary's KV heads ({Hkv})")
     return q.reshape(B, Hkv, Hq // Hkv, S, 1, d), single
 
-def _pages(x: Tensor) -> Tensor:
-    "[B, Hkv, P, *] -> [B, Hkv, 1, 1, P, *] to broadcast against grouped queries."
-    return x.unsqueeze(2).unsqueeze(3)
-
 
 # %%
 q = torch.randn(2, 6, 5, 8)
@@ -114,6 +123,22 @@ test_eq((qg.shape, single), ((2, 2, 3, 5, 1, 8), False))
 for h in range(6): assert torch.equal(qg[:, h // 3, h % 3, :, 0], q[:, h])
 test_eq(_group_queries(q[:, :, 0], 3)[0].shape, (2, 3, 2, 1, 1, 8))
 test_fail(lambda: _group_queries(q, 4), contains="multiple of the summary's KV heads")
+
+
+# %% [markdown]
+# The summaries `[B, Hkv, P, ...]` get two axes of size 1 for the query groups and the queries:
+
+# %%
+#| export
+def _pages(x: Tensor) -> Tensor:
+    "[B, Hkv, P, *] -> [B, Hkv, 1, 1, P, *] to broadcast against grouped queries."
+    return x.unsqueeze(2).unsqueeze(3)
+
+
+# %%
+x = torch.randn(2, 3, 4, 5)
+test_eq(_pages(x).shape, (2, 3, 1, 1, 4, 5))
+assert torch.equal(_pages(x)[:, :, 0, 0], x)
 
 
 # %% [markdown]
@@ -136,6 +161,10 @@ test_fail(lambda: _group_queries(q, 4), contains="multiple of the summary's KV h
 #   factor, the basis methods' $R$), `features` maps the scaled query $sq$ to the vector those
 #   rows multiply, `packed_score` turns the products into page scores, and `unpack` inverts `pack`;
 # - `scalars`: what it stores per page and KV head.
+#
+# The class holds the parameters and the default packed layout. Check: `with_tensors` returns a copy (the summary
+# it is called on stays unbuilt), $P = \lfloor T/m\rfloor$, an unbuilt summary has no tensors to give; the default
+# packed layout is one row per page that the query multiplies as it is.
 
 # %%
 #| export
@@ -157,13 +186,6 @@ class PageSummary:
         out.page_size, out.length, out.tensors = page_size, length, tensors
         return out
 
-    def summarize(self, K: Tensor, V: Tensor | None = None, page_size: int = 32) -> PageSummary:
-        "A copy holding the summaries [B, Hkv, P, ...] of the complete pages of K (and V) [B, Hkv, T, d]."
-        _check_cache(K, "K")
-        require_finite("K", K), require_finite("V", V)
-        m = check_int(page_size, "page_size", 1)
-        return self.with_tensors(m, K.shape[2], self.build(K, V, m))
-
     @property
     def n_pages(self) -> int:
         "Number of summarized (complete) pages P (0 before summarize)."
@@ -172,53 +194,6 @@ class PageSummary:
     def _built(self) -> dict:
         if self.tensors is None: raise ValueError(f"this {type(self).__name__} holds no pages: summarize a cache first")
         return self.tensors
-
-    def score(self, q: Tensor, scale: float | None = None) -> Tensor:
-        "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]); scale defaults to 1/sqrt(d)."
-        t = self._built()
-        Bsz, Hkv, P = next(iter(t.values())).shape[:3]
-        qg, single = _group_queries(q, Hkv)
-        if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the summary's ({Bsz})")
-        s = 1 / math.sqrt(qg.shape[-1]) if scale is None else float(scale)
-        qg = qg.to(torch.promote_types(q.dtype, torch.float32))
-        out = self.score_grouped(qg, {n: _pages(x) for n, x in t.items()}, s)
-        out = out.reshape(Bsz, -1, out.shape[-2], P)                            # [B, Hq, S, P]
-        return out[:, :, 0] if single else out
-
-    def reference(self, K: Tensor, q: Tensor) -> Tensor:
-        "Loop reference of score for q [B, Hq, d] (scale 1/sqrt(d)) over the pages of K [B, Hkv, T, d], float64."
-        t = self._built()
-        Bsz, Hq, d = q.shape
-        Hkv, m, P = K.shape[1], self.page_size, self.n_pages
-        out = torch.empty(Bsz, Hq, P, dtype=torch.float64)
-        for b in range(Bsz):
-            for h in range(Hq):
-                x, kv = q[b, h].double(), h // (Hq // Hkv)
-                for p in range(P):
-                    tp = {n: y[b, kv, p] for n, y in t.items()}
-                    out[b, h, p] = self.reference_page(x, K[b, kv, p * m:(p + 1) * m].double(), tp, 1 / math.sqrt(d))
-        return out
-
-    def build(self, K: Tensor, V: Tensor | None, m: int) -> dict:
-        "The tensors [B, Hkv, P, ...] of the complete pages of size m of K (and V) [B, Hkv, T, d]."
-        raise NotImplementedError
-
-    def score_grouped(self, q: Tensor, t: dict, s: float) -> Tensor:
-        "Scores [B, Hkv, G, S, P] of grouped queries q [B, Hkv, G, S, 1, d] against tensors t [B, Hkv, 1, 1, P, ...]."
-        raise NotImplementedError
-
-    def reference_page(self, x: Tensor, Kp: Tensor, tp: dict, s: float) -> Tensor | float:
-        "Score of one page for one query x [d] from its keys Kp [m, d] or its tensors tp, by explicit sums."
-        raise NotImplementedError(f"{type(self).__name__} has no loop reference")
-
-    def pack(self) -> tuple[Tensor, Tensor | None]:
-        "The pages as packed rows [B, Hkv, P, rows, f] and a per-page second factor (the basis methods' R) or None."
-        raise NotImplementedError
-
-    @classmethod
-    def unpack(cls, W: Tensor, R: Tensor | None) -> dict:
-        "The tensors (views) of packed rows W [B, Hkv, P, rows, f] and R [B, Hkv, P, ...]: pack's inverse."
-        raise NotImplementedError
 
     @staticmethod
     def features(x: Tensor) -> Tensor:
@@ -230,9 +205,154 @@ class PageSummary:
         "Page scores [BH, GS, P] from the packed products z [BH, GS, P, rows] and R [P, BH, ...] (or None)."
         return z[..., 0]
 
-    def scalars(self, page_size: int, head_dim: int) -> int:
-        "Scalars stored per page and KV head."
-        raise NotImplementedError
+
+# %%
+unbuilt = PageSummary.from_options(rank=3, eta=0.25)
+test_eq((type(unbuilt), unbuilt.n_pages, unbuilt.tensors), (PageSummary, 0, None))
+held = unbuilt.with_tensors(8, 37, {"x": torch.zeros(1)})
+test_eq((held.page_size, held.length, held.n_pages, unbuilt.tensors), (8, 37, 4, None))
+test_fail(lambda: unbuilt._built(), contains="this PageSummary holds no pages: summarize a cache first")
+z = torch.randn(2, 3, 4, 5)
+test_eq(PageSummary.features(z), z)
+test_eq(PageSummary.packed_score(z, None), z[..., 0])
+
+
+# %% [markdown]
+# What each class fills in:
+
+# %%
+#| export
+@patch_to(PageSummary)
+def build(self, K: Tensor, V: Tensor | None, m: int) -> dict:
+    "The tensors [B, Hkv, P, ...] of the complete pages of size m of K (and V) [B, Hkv, T, d]."
+    raise NotImplementedError
+
+@patch_to(PageSummary)
+def score_grouped(self, q: Tensor, t: dict, s: float) -> Tensor:
+    "Scores [B, Hkv, G, S, P] of grouped queries q [B, Hkv, G, S, 1, d] against tensors t [B, Hkv, 1, 1, P, ...]."
+    raise NotImplementedError
+
+@patch_to(PageSummary)
+def reference_page(self, x: Tensor, Kp: Tensor, tp: dict, s: float) -> Tensor | float:
+    "Score of one page for one query x [d] from its keys Kp [m, d] or its tensors tp, by explicit sums."
+    raise NotImplementedError(f"{type(self).__name__} has no loop reference")
+
+@patch_to(PageSummary)
+def pack(self) -> tuple[Tensor, Tensor | None]:
+    "The pages as packed rows [B, Hkv, P, rows, f] and a per-page second factor (the basis methods' R) or None."
+    raise NotImplementedError
+
+@patch_to(PageSummary, cls_method=True)
+def unpack(cls, W: Tensor, R: Tensor | None) -> dict:
+    "The tensors (views) of packed rows W [B, Hkv, P, rows, f] and R [B, Hkv, P, ...]: pack's inverse."
+    raise NotImplementedError
+
+@patch_to(PageSummary)
+def scalars(self, page_size: int, head_dim: int) -> int:
+    "Scalars stored per page and KV head."
+    raise NotImplementedError
+
+
+# %%
+for call in (lambda: unbuilt.build(None, None, 8), lambda: unbuilt.score_grouped(None, {}, 1.0), unbuilt.pack,
+             lambda: PageSummary.unpack(None, None), lambda: unbuilt.scalars(8, 16)):
+    try: call()
+    except NotImplementedError: continue
+    raise AssertionError("PageSummary leaves it to the classes")
+test_fail(lambda: unbuilt.reference_page(None, None, {}, 1.0), contains="PageSummary has no loop reference")
+
+
+# %% [markdown]
+# `summarize` checks the cache and the page size and returns a copy holding what `build` returns. The checks
+# of this and the next two methods use a summary of our own that keeps each page's mean key $\bar k$ and scores
+# $s\,q\cdot\bar k$ (the mean logit of the page): on the cache $K_{0,0} = [[0, 1], [2, 3], \dots, [8, 9]]$ of 5 tokens,
+# pages of 2 have the means $[1, 2]$ and $[5, 6]$ and the last token is left out.
+
+# %%
+#| export
+@patch_to(PageSummary)
+def summarize(self, K: Tensor, V: Tensor | None = None, page_size: int = 32) -> PageSummary:
+    "A copy holding the summaries [B, Hkv, P, ...] of the complete pages of K (and V) [B, Hkv, T, d]."
+    _check_cache(K, "K")
+    require_finite("K", K), require_finite("V", V)
+    m = check_int(page_size, "page_size", 1)
+    return self.with_tensors(m, K.shape[2], self.build(K, V, m))
+
+
+# %%
+class MeanKeySummary(PageSummary):
+    "For the checks: the page's mean key; the score is s q . mean_t k_t."
+    def build(self, K, V, m): return {"mean": split_pages(K, m).mean(-2)}
+    def score_grouped(self, q, t, s): return (q * t["mean"]).sum(-1) * s
+    def reference_page(self, x, Kp, tp, s): return s * float(x @ Kp.mean(0))
+
+Kt = torch.arange(20, dtype=torch.float64).view(2, 1, 5, 2)          # B = 2, one KV head, T = 5, d = 2
+mk = MeanKeySummary().summarize(Kt, None, 2)
+test_eq((mk.page_size, mk.length, mk.n_pages), (2, 5, 2))
+test_eq(mk.tensors["mean"][0, 0], torch.tensor([[1.0, 2.0], [5.0, 6.0]], dtype=torch.float64))
+test_eq(MeanKeySummary().tensors, None)
+test_fail(lambda: MeanKeySummary().summarize(Kt, None, 0), contains="page_size")
+test_fail(lambda: MeanKeySummary().summarize(Kt[0], None, 2), contains="K must be [B, Hkv, T, d]")
+
+
+# %% [markdown]
+# `score` groups the query heads onto the KV heads, works in at least float32 and scales by $1/\sqrt d$ unless
+# told otherwise. By hand, with two query heads on the one KV head and $q = [1, 1]$ at scale 1: batch row 0
+# scores $1 + 2 = 3$ and $5 + 6 = 11$; row 1 (keys $10, \dots, 19$) scores $23$ and $31$.
+
+# %%
+#| export
+@patch_to(PageSummary)
+def score(self, q: Tensor, scale: float | None = None) -> Tensor:
+    "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P] for q [B, Hq, S, d]); scale defaults to 1/sqrt(d)."
+    t = self._built()
+    Bsz, Hkv, P = next(iter(t.values())).shape[:3]
+    qg, single = _group_queries(q, Hkv)
+    if qg.shape[0] != Bsz: raise ValueError(f"q's batch ({qg.shape[0]}) must match the summary's ({Bsz})")
+    s = 1 / math.sqrt(qg.shape[-1]) if scale is None else float(scale)
+    qg = qg.to(torch.promote_types(q.dtype, torch.float32))
+    out = self.score_grouped(qg, {n: _pages(x) for n, x in t.items()}, s)
+    out = out.reshape(Bsz, -1, out.shape[-2], P)                            # [B, Hq, S, P]
+    return out[:, :, 0] if single else out
+
+
+# %%
+ones = torch.ones(2, 2, 2, dtype=torch.float64)
+test_eq(mk.score(ones, 1.0), torch.tensor([[[3.0, 11], [3, 11]], [[23, 31], [23, 31]]], dtype=torch.float64))
+assert_close(mk.score(ones), mk.score(ones, 1.0) / math.sqrt(2))
+test_eq(mk.score(torch.stack([ones, -ones, ones], 2), 1.0)[:, :, 1], -mk.score(ones, 1.0))   # [B, Hq, S, P]
+test_fail(lambda: mk.score(ones[:1]), contains="q's batch (1) must match the summary's (2)")
+test_fail(lambda: MeanKeySummary().score(ones), contains="holds no pages")
+
+
+# %% [markdown]
+# `reference` loops `reference_page` over batch, query heads and pages in float64, each page read from the keys:
+
+# %%
+#| export
+@patch_to(PageSummary)
+def reference(self, K: Tensor, q: Tensor) -> Tensor:
+    "Loop reference of score for q [B, Hq, d] (scale 1/sqrt(d)) over the pages of K [B, Hkv, T, d], float64."
+    t = self._built()
+    Bsz, Hq, d = q.shape
+    Hkv, m, P = K.shape[1], self.page_size, self.n_pages
+    out = torch.empty(Bsz, Hq, P, dtype=torch.float64)
+    for b in range(Bsz):
+        for h in range(Hq):
+            x, kv = q[b, h].double(), h // (Hq // Hkv)
+            for p in range(P):
+                tp = {n: y[b, kv, p] for n, y in t.items()}
+                out[b, h, p] = self.reference_page(x, K[b, kv, p * m:(p + 1) * m].double(), tp, 1 / math.sqrt(d))
+    return out
+
+
+# %%
+q2 = torch.randn(2, 4, 2, dtype=torch.float64)
+test_eq(mk.reference(Kt, ones), mk.score(ones))
+assert_close(mk.reference(Kt, q2), mk.score(q2))
+Kt2 = torch.randn(2, 2, 7, 2, dtype=torch.float64)                    # two KV heads: query heads 0, 1 read head 0
+mk2 = MeanKeySummary().summarize(Kt2, None, 3)
+assert_close(mk2.reference(Kt2, q2), mk2.score(q2))
 
 
 # %% [markdown]
@@ -280,6 +400,9 @@ lse = logits.logsumexp(-1)                                                     #
 # $\max(q_c\ell_c, q_c u_c) = q_c^+ u_c + q_c^- \ell_c$ with $q^+ = \max(q, 0)$,
 # $q^- = \min(q, 0)$, so the score is $\phi(q)\cdot W_p$ with $\phi(q) = [s q^+;\ s q^-]$ and
 # one row $W_p = [u;\ \ell]$ of $2d$ scalars.
+#
+# Check: the loop reference; the bound on every key's logit, hence
+# $\log\sum_t e^{z_t} \le \max_t z_t + \log m$ bounds the exact page log-mass by the score plus $\log m$.
 
 # %%
 #| export
@@ -312,10 +435,6 @@ class QuestSummary(PageSummary):
 
     def scalars(self, page_size, head_dim): return 2 * head_dim
 
-
-# %% [markdown]
-# Check: the loop reference; the bound on every key's logit, hence
-# $\log\sum_t e^{z_t} \le \max_t z_t + \log m$ bounds the exact page log-mass by the score plus $\log m$.
 
 # %%
 quest = QuestSummary().summarize(K, V, 8)
@@ -393,6 +512,10 @@ _check_summary(ark, K, q)
 # per page, batched over all pages (the second factor of `pack`):
 #
 # $$\text{score}_p(q) = \log\sum_{t=1}^m \exp\big((R_p c_p)_t\big) + s\,\mu_p\cdot q,\qquad c_p = s B_p^\top q .$$
+#
+# The class below holds the score and the packed layout; `build` follows it. Check: the packed score against the
+# log-sum-exp of the page logits written out with `einsum`, and the storage count by hand
+# ($d + dr + mr$ with $r \le m - 1$: $16 + 48 + 24 = 88$ at $m = 8$, $d = 16$, $r = 3$).
 
 # %%
 #| export
@@ -404,20 +527,6 @@ class KeyPCASummary(PageSummary):
 
     @classmethod
     def from_options(cls, rank=8, eta=0.5, G=None): return cls(rank)
-
-    def build(self, K, V, m):
-        if V is None and self.needs_values: raise ValueError(f"V is required for method {self.name!r}")
-        V = _check_cache(K if V is None else V, "V")                    # key PCA never looks at the values (eta = 0)
-        if V.shape[:3] != K.shape[:3]:
-            raise ValueError(f"V {tuple(V.shape)} must match K {tuple(K.shape)} in batch, heads and length")
-        G = self.G
-        if G is not None:
-            if not isinstance(G, Tensor) or G.dim() != 3 or G.shape[0] != K.shape[1]:
-                got = getattr(G, "shape", type(G).__name__)
-                raise ValueError(f"G must be [Hkv={K.shape[1]}, dv, dv] (see output_metric), got {got}")
-            G = G[:, None]                                                 # broadcast over pages
-        mu, B, R = page_basis(split_pages(K, m), split_pages(V, m), G, rank=self.rank, eta=self.eta)
-        return {"mu": mu, "B": B, "R": R}
 
     def score_grouped(self, q, t, s): return page_score(q, t["mu"], t["B"], t["R"], scale=s)
 
@@ -446,10 +555,37 @@ class KeyPCASummary(PageSummary):
         return head_dim + head_dim * r + page_size * r
 
 
+# %%
+zp, Rp = torch.randn(4, 3, 5, 3 + 1, dtype=torch.float64), torch.randn(5, 4, 3, 8, dtype=torch.float64)
+assert_close(KeyPCASummary.packed_score(zp.clone(), Rp),
+             torch.einsum("agpj,pajt->agpt", zp[..., :3], Rp).logsumexp(-1) + zp[..., 3])
+test_eq((KeyPCASummary(rank=3).scalars(8, 16), KeyPCASummary(rank=20).scalars(8, 16)), (88, 16 + 16 * 7 + 8 * 7))
+test_eq(type(KeyPCASummary.from_options(rank=3, eta=0.5, G=G)).__name__, "KeyPCASummary")
+
+
 # %% [markdown]
-# Check: the loop reference (from the summary's tensors); at rank $m-1$ the basis represents
-# every centred key exactly ($X$ has rank $\le m-1$), so the score is the exact page log-mass,
+# `build` runs `page_basis` batched over the pages, with the output metric of the KV head broadcast over them
+# (OVAL's; key PCA has none). Check: the loop reference (from the summary's tensors); at rank $m-1$ the basis
+# represents every centred key exactly ($X$ has rank $\le m-1$), so the score is the exact page log-mass,
 # and at a low rank it is only an approximation; the values do not matter.
+
+# %%
+#| export
+@patch_to(KeyPCASummary)
+def build(self, K, V, m):  # noqa: F811
+    if V is None and self.needs_values: raise ValueError(f"V is required for method {self.name!r}")
+    V = _check_cache(K if V is None else V, "V")                    # key PCA never looks at the values (eta = 0)
+    if V.shape[:3] != K.shape[:3]:
+        raise ValueError(f"V {tuple(V.shape)} must match K {tuple(K.shape)} in batch, heads and length")
+    G = self.G
+    if G is not None:
+        if not isinstance(G, Tensor) or G.dim() != 3 or G.shape[0] != K.shape[1]:
+            got = getattr(G, "shape", type(G).__name__)
+            raise ValueError(f"G must be [Hkv={K.shape[1]}, dv, dv] (see output_metric), got {got}")
+        G = G[:, None]                                                 # broadcast over pages
+    mu, B, R = page_basis(split_pages(K, m), split_pages(V, m), G, rank=self.rank, eta=self.eta)
+    return {"mu": mu, "B": B, "R": R}
+
 
 # %%
 pca = KeyPCASummary(rank=3).summarize(K, V, 8)
@@ -470,6 +606,9 @@ test_fail(lambda: KeyPCASummary(rank=0), contains="rank must be an int >= 1")
 # layer's output metric $G$ `[Hkv, d, d]` (from `output_metric`; `None` is the identity),
 # broadcast over batch and pages. It reads the values while building the basis only; the
 # stored tensors, the score and the packed layout are key PCA's.
+#
+# Check: the loop reference; $\eta = 0$ is key PCA (whatever $G$); rank $m-1$ is exact at any
+# $\eta$, a low rank is not; $\eta = 1$ gives another basis than key PCA.
 
 # %%
 #| export
@@ -491,10 +630,6 @@ class OVALSummary(KeyPCASummary):
         out.G = G
         return out
 
-
-# %% [markdown]
-# Check: the loop reference; $\eta = 0$ is key PCA (whatever $G$); rank $m-1$ is exact at any
-# $\eta$, a low rank is not; $\eta = 1$ gives another basis than key PCA.
 
 # %%
 oval = OVALSummary(rank=3, eta=0.5, G=G).summarize(K, V, 8)
@@ -571,12 +706,30 @@ SUMMARIES = {"quest": QuestSummary, "arkvale": ArkValeSummary, "keypca": KeyPCAS
              "oracle": OracleSummary}
 METHODS = tuple(SUMMARIES)
 
+# %%
+test_eq(METHODS, ("quest", "arkvale", "keypca", "oval", "oracle"))
+for name, cls in SUMMARIES.items(): test_eq(cls.name, name)
+
+
+# %% [markdown]
+# A method given by name or as a `PageSummary` comes down to its name:
+
+# %%
+#| export
 def _check_method(method) -> str:
     "The name of a method given by name or as a PageSummary."
     if isinstance(method, PageSummary): return method.name
     if method not in METHODS: raise ValueError(f"method must be one of {METHODS} or a PageSummary, got {method!r}")
     return method
 
+
+# %%
+test_eq((_check_method("oval"), _check_method(QuestSummary())), ("oval", "quest"))
+test_fail(lambda: _check_method("pca"), contains="method must be one of ('quest', 'arkvale'")
+
+
+# %%
+#| export
 def make_summary(method: str | PageSummary, rank: int = 8, eta: float = 0.5, G: Tensor | None = None) -> PageSummary:
     "The unbuilt summary of a method: SUMMARIES[method] with the options it takes, or a given PageSummary as it is."
     if isinstance(method, PageSummary): return method.with_tensors()
@@ -607,6 +760,21 @@ def build_summaries(method: str | PageSummary, K: Tensor, V: Tensor | None, page
     "Summaries of the complete pages of K (and V for OVAL) [B, Hkv, T, d] by a method's name (or PageSummary)."
     return make_summary(method, rank, eta, G).summarize(K, V, page_size)
 
+
+# %%
+summs = {method: build_summaries(method, K, V, page_size=8, rank=3, eta=0.5, G=G) for method in METHODS}
+for method, summ in summs.items():
+    test_eq(summ.n_pages, 4)
+    for n, x in make_summary(method, 3, 0.5, G).summarize(K, V, 8).tensors.items():
+        assert torch.equal(summ.tensors[n], x)
+test_fail(lambda: build_summaries("quest", K, V, 0), contains="page_size")
+
+
+# %% [markdown]
+# The scoring functions check that a summary is the named method's:
+
+# %%
+#| export
 def _check_summary_of(method, summary) -> PageSummary:
     name = _check_method(method)
     if not isinstance(summary, PageSummary):
@@ -614,31 +782,43 @@ def _check_summary_of(method, summary) -> PageSummary:
     if summary.name != name: raise ValueError(f"summary was built for {summary.name!r}, not {name!r}")
     return summary
 
+
+# %%
+assert _check_summary_of("quest", quest) is quest and _check_summary_of(oval, oval) is oval
+test_fail(lambda: _check_summary_of("arkvale", quest), contains="built for 'quest'")
+test_fail(lambda: _check_summary_of("quest", K), contains="must be a PageSummary")
+
+
+# %% [markdown]
+# Check every method by name, on the cache above: one query at a time and several at once.
+
+# %%
+#| export
 def score_pages(method: str | PageSummary, summary: PageSummary, q: Tensor, scale: float | None = None) -> Tensor:
     "Log-domain page scores [B, Hq, P] (or [B, Hq, S, P]) of the summary's pages; scale defaults to 1/sqrt(d)."
     return _check_summary_of(method, summary).score(q, scale)
 
+
+# %%
+for method, summ in summs.items():
+    sc = score_pages(method, summ, q)
+    test_eq(sc.shape, (2, 6, 4))
+    # several queries at once give the same scores as one at a time
+    both = torch.stack([sc, score_pages(method, summ, 2 * q)], 2)
+    assert_close(score_pages(method, summ, torch.stack([q, 2 * q], 2)), both)
+test_fail(lambda: score_pages("arkvale", quest, q), contains="built for 'quest'")
+test_fail(lambda: score_pages("quest", K, q), contains="must be a PageSummary")
+
+
+# %% [markdown]
+# Check every method by name against its loop:
+
+# %%
+#| export
 def score_pages_reference(method: str | PageSummary, K: Tensor, q: Tensor, summary: PageSummary) -> Tensor:
     "Loop reference of score_pages for q [B, Hq, d]: bounds and oracle from the keys K, basis methods from the tensors."
     return _check_summary_of(method, summary).reference(K, q)
 
 
-# %% [markdown]
-# Check every method by name against its loop, on the cache above: one query at a time and
-# several at once, and the class path gives the same tensors.
-
 # %%
-for method in METHODS:
-    summ = build_summaries(method, K, V, page_size=8, rank=3, eta=0.5, G=G)
-    test_eq(summ.n_pages, 4)
-    sc = score_pages(method, summ, q)
-    test_eq(sc.shape, (2, 6, 4))
-    assert_close(sc, score_pages_reference(method, K, q, summ))
-    # several queries at once give the same scores as one at a time
-    both = torch.stack([sc, score_pages(method, summ, 2 * q)], 2)
-    assert_close(score_pages(method, summ, torch.stack([q, 2 * q], 2)), both)
-    for n, x in make_summary(method, 3, 0.5, G).summarize(K, V, 8).tensors.items():
-        assert torch.equal(summ.tensors[n], x)
-test_fail(lambda: score_pages("arkvale", quest, q), contains="built for 'quest'")
-test_fail(lambda: score_pages("quest", K, q), contains="must be a PageSummary")
-test_fail(lambda: build_summaries("quest", K, V, 0), contains="page_size")
+for method, summ in summs.items(): assert_close(score_pages(method, summ, q), score_pages_reference(method, K, q, summ))

@@ -77,6 +77,9 @@ if (smollm2_folder()/"config.json").is_file():  # the converted checkpoint, wher
 #
 # `counted_macs` runs a function under `FlopCounterMode` and returns its result and the
 # multiply-adds of its matrix products.
+#
+# A $[2, 3, 5] \times [2, 5, 7]$ product is $2 \cdot 3 \cdot 7$ dot products of length 5; an einsum
+# is a product too; an elementwise product and a sum are not counted (the convention above).
 
 # %%
 #| export
@@ -86,10 +89,6 @@ def counted_macs(fn, *args, **kwargs) -> tuple:
     with FlopCounterMode(display=False) as counter: out = fn(*args, **kwargs)
     return out, counter.get_total_flops() // 2
 
-
-# %% [markdown]
-# A $[2, 3, 5] \times [2, 5, 7]$ product is $2 \cdot 3 \cdot 7$ dot products of length 5; an einsum
-# is a product too; an elementwise product and a sum are not counted (the convention above).
 
 # %%
 a, b = torch.randn(2, 3, 5), torch.randn(2, 5, 7)
@@ -106,6 +105,9 @@ test_fail(lambda: counted_macs(3), contains="fn must be callable")
 # earlier keys; a retrieval call is a decode step over a cache of $T$ keys whose pages were
 # summarized at earlier steps (so the count is the steady step's scoring, not the one-off summary
 # of a page). Dense and eviction methods choose no keys: zero.
+#
+# The context of such a call, by hand: 3 queries after 5 keys sit at positions 5–7 and see keys 0–7; the stand-in
+# `o_proj` is $[I \dots I]$, one identity per query head.
 
 # %%
 #| export
@@ -120,19 +122,24 @@ def _context(shape: ModelShape, layer: int, kind: str, T: int, S: int) -> Attent
                             module=module)
 
 
-def measured_cost(method: Method, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None,
-                  seed: int = 0) -> float:
-    """Counted multiply-adds per KV head of one call of `method`'s policy in a scoring layer: a prefill chunk after
-    `n_cached` earlier keys, or a decode step over a cache of `n_cached` keys (random tensors from `seed`)."""
-    shape, T = ModelShape.of(shape), check_int(n_cached, "n_cached")
-    # by name and family, not class: a notebook re-running 07_methods' cells registers its own copies of the classes
-    if method.name == "prefill_decode":
-        return measured_cost(method.prefill if phase == "prefill" else method.decode, shape, T, phase, chunk, seed)
-    if method.family not in ("selection", "retrieval"):
-        scoring_cost(method, shape, T, phase, chunk)  # validates the arguments
-        return 0.0
-    g = torch.Generator().manual_seed(seed)
-    policy = method.policy()
+# %%
+tiny = ModelShape(Hq=4, Hkv=2, D=16, layers=2)
+ctx = _context(tiny, 1, "prefill", 5, 3)
+test_eq((ctx.layer_idx, ctx.kind, ctx.query_positions, ctx.key_positions),
+        (1, "prefill", torch.tensor([5, 6, 7]), torch.arange(8).expand(1, 2, 8)))
+test_eq((ctx.scale, ctx.mask, ctx.module.head_dim, ctx.module.config.num_key_value_heads), (0.25, None, 16, 2))
+test_eq(ctx.module.o_proj.weight, torch.cat([torch.eye(16)] * 4, 1))
+
+
+# %% [markdown]
+# The inputs of the counted call: a selection method's chunk of $S$ queries after $T$ keys in its scoring layer
+# (LessIsMore's first selection layer, else the last), or a retrieval method's decode step over $T$ keys, its pages
+# summarized at the step before.
+
+# %%
+#| export
+def _call_inputs(method: Method, policy, shape: ModelShape, T: int, phase: str, chunk: int | None, g) -> tuple:
+    "(q, k, v, ctx) of the counted call of `policy` (`method`'s), random tensors from the generator g."
     if method.family == "retrieval":  # a decode step: q is the newest token, its key the cache's last
         queries_per_call(phase, chunk, 1)
         check_int(T, "n_cached", 1)
@@ -148,7 +155,18 @@ def measured_cost(method: Method, shape, n_cached: int, phase: str = "prefill", 
         k, v = (torch.randn(1, shape.Hkv, T + S, shape.D, generator=g) for _ in range(2))
         layer = method.selection_layers[0] if method.name == "lessismore" else shape.layers - 1
         ctx = _context(shape, layer, phase, T, S)
-    return counted_macs(policy.select, q, k, v, ctx)[1] / shape.Hkv
+    return q, k, v, ctx
+
+
+# %%
+qk = methods.make("quoka", budget=8, chunk_size=8)
+q, k, v, ctx = _call_inputs(qk, qk.policy(), tiny, 40, "prefill", None, torch.Generator().manual_seed(0))
+test_eq((q.shape, k.shape, v.shape, ctx.layer_idx, ctx.query_positions[0]), ((1, 4, 8, 16), (1, 2, 48, 16),
+                                                                              (1, 2, 48, 16), 1, 40))
+ov = methods.make("oval", budget=16, page_size=4, sink=4, recent=4)
+q, k, v, ctx = _call_inputs(ov, ov.policy(), tiny, 40, "decode", None, torch.Generator().manual_seed(0))
+test_eq((q.shape, k.shape, ctx.query_positions), ((1, 4, 1, 16), (1, 2, 40, 16), torch.tensor([39])))
+test_fail(lambda: _call_inputs(ov, ov.policy(), tiny, 0, "decode", None, torch.Generator()), contains="n_cached")
 
 
 # %% [markdown]
@@ -157,7 +175,24 @@ def measured_cost(method: Method, shape, n_cached: int, phase: str = "prefill", 
 # budget (QuoKA at $B_{SA}$ = 64 with 64 earlier keys attends densely and scores nothing).
 
 # %%
-tiny = ModelShape(Hq=4, Hkv=2, D=16, layers=2)
+#| export
+def measured_cost(method: Method, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None,
+                  seed: int = 0) -> float:
+    """Counted multiply-adds per KV head of one call of `method`'s policy in a scoring layer: a prefill chunk after
+    `n_cached` earlier keys, or a decode step over a cache of `n_cached` keys (random tensors from `seed`)."""
+    shape, T = ModelShape.of(shape), check_int(n_cached, "n_cached")
+    # by name and family, not class: a notebook re-running 07_methods' cells registers its own copies of the classes
+    if method.name == "prefill_decode":
+        return measured_cost(method.prefill if phase == "prefill" else method.decode, shape, T, phase, chunk, seed)
+    if method.family not in ("selection", "retrieval"):
+        scoring_cost(method, shape, T, phase, chunk)  # validates the arguments
+        return 0.0
+    policy = method.policy()
+    q, k, v, ctx = _call_inputs(method, policy, shape, T, phase, chunk, torch.Generator().manual_seed(seed))
+    return counted_macs(policy.select, q, k, v, ctx)[1] / shape.Hkv
+
+
+# %%
 test_eq([measured_cost(methods.make(n, budget=8), tiny, 40) for n in ("dense", "tova")], [0, 0])
 test_eq(measured_cost(methods.make("quoka", budget=64), tiny, 64), 0)
 # N_Q D per key over 65 keys, plus ranking the chunk's G S = 2 * 8 queries by their mean (D each)
@@ -168,7 +203,10 @@ test_eq(measured_cost(methods.make("quoka", budget=64, chunk_size=8, n_q=2), tin
 # The checks below compare, for every method, `measured_cost` with the formula's `per_step` at the
 # tiny test shape and at SmolLM2's, for prefill chunks and decode steps, with the paper defaults and
 # other parameters. Where this package's code does more than the algorithm needs (SparQ, Loki), the
-# difference is derived too and `counted_surplus` states it.
+# difference is derived too and `counted_surplus` states it. By hand at the tiny shape ($G$ = 2, $D$ = 16), a chunk
+# of 8 after 40 keys: SparQ at $r$ = 4 multiplies $2 \cdot 8 \cdot 12 \cdot 40$ = 7,680 masked products beyond its
+# formula, Loki at $r$ = 4 spends $(16^2 + 16 \cdot 4) \cdot 40$ = 12,800 on its basis and key projection; nothing
+# when the keys fit the budget, nothing for the other methods.
 
 # %%
 #| export
@@ -184,6 +222,12 @@ def counted_surplus(method: Method, shape, n_cached: int, phase: str = "prefill"
     r, S = _check_rank(method.r, shape.D), queries_per_call(phase, chunk, method.chunk_size)
     if method.name == "sparq": return shape.G * S * (shape.D - r) * n_cached
     return (shape.D ** 2 + shape.D * r) * n_cached
+
+
+# %%
+test_eq([counted_surplus(methods.make(n, 32, chunk_size=8, r=4), tiny, 40) for n in ("sparq", "loki")], [7680, 12800])
+test_eq(counted_surplus(methods.make("sparq", 64, chunk_size=8, r=4), tiny, 40), 0)          # the keys fit
+test_eq(counted_surplus(methods.make("quoka", 32, chunk_size=8), tiny, 40), 0)
 
 
 # %% [markdown]
@@ -394,7 +438,19 @@ test_eq([scoring_cost(both, SMOLLM2, 4096, p).per_key for p in methods.PHASES], 
 # each method states its knob (`Method.cost_knob`); the registry collects them
 KNOBS = {n: methods.get(n).cost_knob for n in methods.names() if methods.get(n).cost_knob}
 
+# %%
+test_eq(KNOBS, {"key_pca": "rank", "loki": "r", "oval": "rank", "quoka": "n_q", "sample_attention": "n_q",
+               "sparq": "r"})
 
+
+# %% [markdown]
+# Against a loop over every knob value that keeps the cheapest value of each cost: at SmolLM2's shape
+# QuoKA's 1,024 per key buys SparQ and Loki $r$ = 2 (768: $r$ = 3 would cost 1,152) and
+# SampleAttention $n_q$ = 5 (960). At decode QuoKA spends $D$ = 64 per key: SparQ gets $r$ = 21
+# (63), and SampleAttention, at $G D$ = 192 with a single query, cannot be matched.
+
+# %%
+#| export
 def matched(name: str, target, shape, budget: int | float, phase: str = "prefill", chunk: int | None = None,
             **params) -> Method:
     """`methods.make(name, budget, **params)` with its `KNOBS` knob at the smallest value of the largest per-key cost
@@ -415,17 +471,6 @@ def matched(name: str, target, shape, budget: int | float, phase: str = "prefill
         raise ValueError(f"{name} costs more than target={target} per key even at {knob}=1 ({phase}, shape {shape})")
     return best[1]
 
-
-
-# %%
-test_eq(KNOBS, {"key_pca": "rank", "loki": "r", "oval": "rank", "quoka": "n_q", "sample_attention": "n_q",
-               "sparq": "r"})
-
-# %% [markdown]
-# Against a loop over every knob value that keeps the cheapest value of each cost: at SmolLM2's shape
-# QuoKA's 1,024 per key buys SparQ and Loki $r$ = 2 (768: $r$ = 3 would cost 1,152) and
-# SampleAttention $n_q$ = 5 (960). At decode QuoKA spends $D$ = 64 per key: SparQ gets $r$ = 21
-# (63), and SampleAttention, at $G D$ = 192 with a single query, cannot be matched.
 
 # %%
 def matched_reference(name, target, shape, budget, phase="prefill", **params):
@@ -458,6 +503,9 @@ test_fail(lambda: matched("sparq", 0, SMOLLM2, 1024), contains="target must be")
 # `cost_table` lists every selection and retrieval method at its paper defaults and the cost-matched
 # variants of SampleAttention, SparQ and Loki: per-key cost at prefill and at decode, and the
 # totals over the model for one prefill chunk after `n_cached` keys and one decode step over them.
+#
+# Its `params` column names each method's setting: its cost knob (SparQ's and Loki's default $r$ is $D/2$),
+# LessIsMore's selection layers, a retrieval method's page size:
 
 # %%
 #| export
@@ -470,6 +518,21 @@ def _setting(m: Method, shape: ModelShape) -> str:
     return f"page_size={m.page_size}" if m.family == "retrieval" else ""
 
 
+# %%
+test_eq([_setting(methods.make(n, 1024), SMOLLM2) for n in ("sparq", "loki", "quoka", "lessismore", "mean_scores")],
+        ["r=32", "r=32", "n_q=16", "selection_layers=(2,)", ""])
+test_eq(_setting(methods.make("oval", 1024, rank=4), SMOLLM2), "rank=4, page_size=32")
+test_eq(_setting(methods.make("quest", 1024, page_size=16), SMOLLM2), "page_size=16")
+
+
+# %% [markdown]
+# Check at SmolLM2-135M's shape, a budget of 1,024 keys, chunks of $B_{CP}$ = 128 queries and 4,096 cached keys: each
+# row is the formula above (the per-key column times the keys, plus any per-call term, times the KV heads and
+# scoring layers); the matched rows cost at most QuoKA's 1,024 per key, and one more step of their knob would cost
+# more.
+
+# %%
+#| export
 def cost_table(shape, budget: int = 1024, n_cached: int = 4096, chunk: int = 128, target: str = "quoka",
                matched_names=("sample_attention", "sparq", "loki")) -> pd.DataFrame:
     """Scoring multiply-adds of every selection and retrieval method at its defaults and of `matched_names` matched to
@@ -491,22 +554,8 @@ def cost_table(shape, budget: int = 1024, n_cached: int = 4096, chunk: int = 128
     return pd.DataFrame(out)
 
 
-# %% [markdown]
-# At SmolLM2-135M's shape, a budget of 1,024 keys, chunks of $B_{CP}$ = 128 queries and 4,096 cached
-# keys (multiply-adds; `prefill_chunk` and `decode_step` summed over the 3 KV heads of the layers
-# that score):
-
 # %%
 table = cost_table(SMOLLM2)
-table
-
-# %% [markdown]
-# Each row is the formula above (the per-key column times the keys, plus any per-call term, times the KV heads
-# and scoring layers);
-# the matched rows cost at most QuoKA's 1,024 per key, and one more step of their knob would cost
-# more.
-
-# %%
 rows = table.set_index(["method", "setting"])
 test_eq(rows.loc[("quoka", "default"), ["prefill_per_key", "decode_per_key", "prefill_chunk"]].tolist(),
         [1024, 64, (1024 * 4096 + 3 * 128 * 64) * 3 * 30])
@@ -519,6 +568,14 @@ test_eq(m.params.tolist(), ["n_q=5", "r=2", "r=2"])
 test_eq([methods.make(n, 1024, **{KNOBS[n]: v + 1}).scoring_cost(SMOLLM2, 0).per_key > 1024
          for n, v in (("sample_attention", 5), ("sparq", 2), ("loki", 2))], [True] * 3)
 test_fail(lambda: cost_table(SMOLLM2, target="oval"), contains="target must be")
+
+# %% [markdown]
+# At SmolLM2-135M's shape, a budget of 1,024 keys, chunks of $B_{CP}$ = 128 queries and 4,096 cached
+# keys (multiply-adds; `prefill_chunk` and `decode_step` summed over the 3 KV heads of the layers
+# that score):
+
+# %%
+table
 
 # %% [markdown]
 # ## The issue's figures
