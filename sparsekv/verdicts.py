@@ -167,9 +167,12 @@ def verdict_rows(claims: list[Claim], models: dict, root: str | os.PathLike = ".
 
 # %% ../nbs/44_verdicts.ipynb #f7d162ac
 def _cell(r: dict) -> str:
+    "Estimate [interval], n and verdict, with enough decimals to show the interval's width (3 at least, 6 at most)."
     if r["verdict"] == "not tested": return "not tested"
     if r["n"] < 2: return f"{r['verdict']} (n = {r['n']})"
-    return f"{r['estimate']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}], n = {r['n']}: **{r['verdict']}**"
+    width = r["hi"] - r["lo"]
+    d = 3 if width >= 0.01 or width <= 0 else min(6, 1 - math.floor(math.log10(width)))
+    return f"{r['estimate']:+.{d}f} [{r['lo']:+.{d}f}, {r['hi']:+.{d}f}], n = {r['n']}: **{r['verdict']}**"
 
 def verdicts_markdown(rows: pd.DataFrame, claims: list[Claim]) -> str:
     "The verdict table of `rows` (from `verdict_rows`) as markdown, one line per claim."

@@ -298,9 +298,12 @@ with tempfile.TemporaryDirectory() as d:
 # %%
 #| export
 def _cell(r: dict) -> str:
+    "Estimate [interval], n and verdict, with enough decimals to show the interval's width (3 at least, 6 at most)."
     if r["verdict"] == "not tested": return "not tested"
     if r["n"] < 2: return f"{r['verdict']} (n = {r['n']})"
-    return f"{r['estimate']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}], n = {r['n']}: **{r['verdict']}**"
+    width = r["hi"] - r["lo"]
+    d = 3 if width >= 0.01 or width <= 0 else min(6, 1 - math.floor(math.log10(width)))
+    return f"{r['estimate']:+.{d}f} [{r['lo']:+.{d}f}, {r['hi']:+.{d}f}], n = {r['n']}: **{r['verdict']}**"
 
 def verdicts_markdown(rows: pd.DataFrame, claims: list[Claim]) -> str:
     "The verdict table of `rows` (from `verdict_rows`) as markdown, one line per claim."
@@ -320,6 +323,8 @@ def verdicts_markdown(rows: pd.DataFrame, claims: list[Claim]) -> str:
     return "\n".join(lines) + "\n"
 
 # %%
+assert _cell(dict(verdict="tied", n=16, estimate=-0.00012, lo=-0.00031, hi=0.00007)) == \
+    "-0.00012 [-0.00031, +0.00007], n = 16: **tied**"  # an interval 0.0004 wide: five decimals
 md = verdicts_markdown(rows, [c])
 assert "+0.667 [" in md and "**confirmed**" in md and md.count("not tested") == 2 and md.count("\n") == 3
 
