@@ -132,10 +132,12 @@ for m in runs:
 #
 # **What changed with the model.** The second model, Qwen2.5-Coder-0.5B (24 layers, 7 query heads per KV head
 # where SmolLM2 has 3, a 32k context), solves the needle cells the accuracy claims are decided on, so its column
-# tests the methods rather than the model's reading. Of the claims decided on both so far, OVAL's output-aware
-# basis moves from behind key PCA to tied with it where $G$ is more anisotropic (the last column): still no
-# gain at this scale. The QuoKA rows fill in as the protocol's answers on this model land (about a minute each
-# on one core, the run resumed every session); the KVpop rows need scorers trained for it.
+# tests the methods rather than the model's reading. QuoKA's premise (queries far from the chunk's mean query
+# attend to more keys) and the query choice built on it are refuted on both models, more clearly on the larger
+# one: those refutations are not SmolLM2's doing. OVAL's output-aware basis moves from behind key PCA to tied
+# with it where $G$ is more anisotropic (the last column): still no gain at this scale. QuoKA's accuracy rows
+# fill in as the protocol's answers on this model land (about a minute each on one core, the run resumed every
+# session); the KVpop rows need scorers trained for it.
 
 # %% [markdown]
 # ## More
