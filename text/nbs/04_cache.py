@@ -191,7 +191,6 @@ test_eq(TopScoreRule(1, 2, 2).scores(_scored, _k8, _k8, _scored.positions), torc
 test_eq(TopScoreRule(1, 2, 2, score_fn=lambda i, k, v, p: p + i).scores(_scored, _k8, _k8, _scored.positions),
         torch.arange(8.0).expand(1, 1, 8))
 
-
 # %% [markdown]
 # `generate` moves batch rows with three cache-layer operations: beam search reorders them
 # (`reorder_cache`), and `batch_repeat_interleave` / `batch_select_indices` repeat or pick them.
@@ -199,7 +198,6 @@ test_eq(TopScoreRule(1, 2, 2, score_fn=lambda i, k, v, p: p + i).scores(_scored,
 # policy keeps *beside* a cache layer follows the layer's rows when it is hooked with
 # `follow_batch_ops` (otherwise beam search would silently score one beam's keys with another's
 # summaries).
-
 
 # %%
 #| export
@@ -260,7 +258,6 @@ test_eq(_hooked.keys.flatten().tolist(), [2, 2, 0, 0, 0, 0])
 test_eq(_seen_ops, [[12, 10, 10], [10, 10, 11, 11, 12, 12]])
 test_eq((type(_hooked).__name__, isinstance(_hooked, DynamicLayer)), ("HookedDynamicLayer", True))
 
-
 # %% [markdown]
 # Check: a `DynamicLayer` hooked to a side tensor keeps it in step with its keys under all three;
 # registering again for the same owner replaces the hook (no double move), and a deep copy of the
@@ -312,7 +309,6 @@ test_eq(_lay.keys, _k[[2, 0]])
 # refuses a positive one, as an absolute length was before. Two helpers read those arguments for every
 # layer here. The peer environment (kvpress's transformers 5.2, see the README) still passes
 # `get_mask_sizes` the tensor of the new tokens' cache positions, so `query_count` reads its length.
-
 
 # %%
 #| export

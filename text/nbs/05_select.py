@@ -104,6 +104,7 @@ _check_top(torch.tensor([1.0, 2.0]), 2)  # n = T is allowed
 test_fail(lambda: _check_top(torch.tensor([1.0, math.nan]), 1), contains="NaN")
 test_fail(lambda: _check_top(torch.zeros(4), 5), contains="n must be")
 
+
 # %%
 #| export
 def top_mask(scores: Tensor, n: int) -> Tensor:
@@ -122,6 +123,7 @@ test_eq(top_mask(torch.tensor([[1.0, 3, 3, 2], [2, 1, 2, 2]]), 2).int().tolist()
         [[0, 1, 1, 0], [1, 0, 1, 0]])  # ties at the cut: the lower index wins
 test_eq(top_mask(torch.zeros(2, 3), 0).any().item(), False)
 
+
 # %%
 #| export
 def top_budget_indices_reference(scores: Tensor, n: int) -> Tensor:
@@ -133,6 +135,7 @@ def top_budget_indices_reference(scores: Tensor, n: int) -> Tensor:
 
 # %%
 test_eq(top_budget_indices_reference(torch.tensor([[2.0, 1, 2, 2], [5, 4, 3, 6]]), 2).tolist(), [[0, 2], [0, 3]])
+
 
 # %% [markdown]
 # Check against the sort on random rows, on rows made of a few repeated values (many ties,
@@ -170,6 +173,7 @@ for n in (1, 2, 3):  # a NaN anywhere in a row is refused, whichever entries the
     test_fail(lambda: top_budget_indices(torch.tensor([[3.0, 2.0, 1.0], [1.0, math.nan, 2.0]]), n), contains="NaN")
 test_fail(lambda: top_budget_indices(torch.zeros(4), 5), contains="n must be")
 test_fail(lambda: top_mask(torch.zeros(4), 5), contains="n must be")
+
 
 # %%
 #| export
@@ -218,6 +222,7 @@ test_eq(anchor_mask(5, 3, 0, 5).nonzero().flatten().tolist(), [2, 3, 4])
 test_fail(lambda: anchor_mask(10, 4, -1, 0), contains="sinks")
 test_fail(lambda: anchor_mask(10, 11), contains="n must be")
 
+
 # %%
 #| export
 def anchored_top_indices_reference(scores: Tensor, n: int, sinks: int = 0, recent: int = 0) -> list:
@@ -236,6 +241,7 @@ def anchored_top_indices_reference(scores: Tensor, n: int, sinks: int = 0, recen
 # %%
 # anchors 0 (sink) and 5 (recent), then the best other key: 1 and 3 tie at 5, the lower index wins
 test_eq(anchored_top_indices_reference(torch.tensor([[0.0, 5, 1, 5, 2, 0]]), 3, 1, 1), [[0, 1, 5]])
+
 
 # %% [markdown]
 # Check the anchors against the list version, on random scores with ties, for budgets

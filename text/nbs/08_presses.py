@@ -133,6 +133,7 @@ def make_press(name: str, **options):
 test_eq(available(), importlib.util.find_spec("kvpress") is not None)
 if not available(): test_fail(lambda: make_press("knorm"), contains="`make peers` builds the peer environment")
 
+
 # %% [markdown]
 # ## Compressing to the budget after the prefill
 #

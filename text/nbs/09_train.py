@@ -71,10 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--debug", action="store_true", help="show the traceback of an error in the arguments or files")
     return p.parse_args(argv)
 
+
 # %%
 a = parse_args(["--student", "kvpop", "--seq-len", "32"])
 assert (a.student, a.seq_len, a.sink, a.window, a.k, a.mode) == ("kvpop", 32, 4, 64, 192, "scorer_only")
 assert STUDENT_ALIASES[a.student] in methods.names()
+
 
 # %%
 #| export
@@ -91,11 +93,13 @@ def _build(a: argparse.Namespace, device: torch.device):
     torch.manual_seed(a.seed)
     return name, model, method.student(model, seed=a.seed, seq_len=a.seq_len, steps=a.steps), seqs, eval_fn
 
+
 # %%
 args = parse_args(["--model", "tiny-llama", "--seq-len", "32", "--steps", "2",
                    "--sink", "2", "--window", "4", "--k", "6"])
 name, model, student, seqs, eval_fn = _build(args, torch.device("cpu"))
 assert name == "kvpop_mlp" and seqs.shape == (4, 32) and eval_fn is None and type(student).__name__ == "KVpopStudent"
+
 
 # %%
 #| export
@@ -126,6 +130,7 @@ def train_from_args(a: argparse.Namespace) -> pd.DataFrame:
     finally:
         if distributed: dist.destroy_process_group()
 
+
 # %%
 import tempfile
 
@@ -148,6 +153,7 @@ def main(argv=None) -> pd.DataFrame:
         if a.debug: raise
         print(f"python -m sparsekv.train: error: {e} (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+
 
 # %% [markdown]
 # Check: each mistake gives one line naming it and exit status 2, no traceback; with `--debug` the error itself.

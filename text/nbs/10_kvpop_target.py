@@ -77,7 +77,6 @@ from torch.testing import assert_close
 AGGS = ("max", "mean")
 METHODS = ("auto", "dense", "chunked", "flex")
 
-
 # %%
 # the `agg` and `method` values of `future_attention_target`; its `method` default, 'auto', first
 test_eq((AGGS, METHODS), (("max", "mean"), ("auto", "dense", "chunked", "flex")))

@@ -790,7 +790,6 @@ for S, k, sink, window in ((1, 1, 0, 1), (2, 1, 0, 1), (7, 2, 1, 2), (17, 4, 1, 
 #| export
 CUTOFF_BACKENDS = ("torch", "triton", "python")
 
-
 # %%
 # the `backend` values of `topk_cutoff`, its default first
 test_eq(CUTOFF_BACKENDS, ("torch", "triton", "python"))

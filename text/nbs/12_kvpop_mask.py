@@ -92,6 +92,7 @@ test_fail(lambda: check_rank_cutoff(torch.zeros(2, 3, 5, dtype=torch.int32), tor
 test_fail(lambda: check_rank_cutoff(torch.zeros(2, 3, 5, dtype=torch.long), torch.zeros(2, 3, 4, dtype=torch.long)),
           contains="must have one shape")
 
+
 # %%
 #| export
 def _check_mask_args(rank: Tensor, cutoff: Tensor, sink: int, window: int, groups: int) -> tuple[int, int, int]:
@@ -107,6 +108,7 @@ test_eq(_check_mask_args(z, z, 0, 1, 1), (1, 2, 4))
 test_fail(lambda: _check_mask_args(z, z, -1, 1, 1), contains="sink must be")
 test_fail(lambda: _check_mask_args(z, z, 0, 0, 1), contains="window must be an int >= 1")
 test_fail(lambda: _check_mask_args(z, z, 0, 1, 0), contains="groups must be an int >= 1")
+
 
 # %% [markdown]
 # `check_ranks` by hand for $S = 4$, one sink, a window of one: rank $S$ at the sink and in $[0, S)$ after it,
@@ -133,6 +135,7 @@ test_fail(lambda: check_ranks(torch.tensor([[[0, 0, 1, 2]]]), cut4, 1, 1), conta
 test_fail(lambda: check_ranks(rank4, torch.tensor([[[4, 0, 0, 1]]]), 1, 1), contains="S for the first sink + window")
 test_fail(lambda: check_ranks(rank4, torch.tensor([[[4, 4, 0, 5]]]), 1, 1), contains="cutoff must be in [0, S=4]")
 
+
 # %% [markdown]
 # The kept-count check by hand for $S = 5$, no sink, a window of one and $k = 2$: $|\mathcal{E}(q)| = q$, so the
 # rows $q \ge 2$ are full and keep 2 eligible keys, the rows before keep all they have:
@@ -154,6 +157,7 @@ _check_kept(torch.tensor([[[0, 1, 2, 2, 2]]]), full5, 0, 1)
 test_fail(lambda: _check_kept(torch.tensor([[[0, 1, 2, 3, 2]]]), full5, 0, 1), contains="the same k eligible keys")
 test_fail(lambda: _check_kept(torch.tensor([[[0, 1, 2, 2, 2]]]), ~torch.tensor([[[1, 0, 0, 0, 0]]]).bool(), 0, 1),
           contains="the same k eligible keys")  # row 1 has one eligible key, not k = 2: it cannot be full
+
 
 # %% [markdown]
 # The mask by its definition, with loops, by hand for $S = 4$, $k = 1$, no sink, a window of one and priorities
@@ -178,6 +182,7 @@ def kvpop_mask_reference(priority: Tensor, k: int, sink: int, window: int) -> Te
 # %%
 test_eq(kvpop_mask_reference(torch.tensor([[[3.0, 1, 2, 0]]]), 1, 0, 1)[0, 0].int().tolist(),
         [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]])
+
 
 # %% [markdown]
 # The dense mask, from the rank and cutoff of `topk_cutoff`:
@@ -296,6 +301,7 @@ for G, (S, k, sink, window) in itertools.product((1, 3, 4), ((1, 1, 0, 1), (13, 
     test_eq(_eval_mask_mod(kvpop_mask_mod(rank, cutoff, sink, window, G), 2, 2 * G, S), dense)
     # query head h <- KV head h // G
     for h in range(2 * G): test_eq(dense[:, h], kvpop_mask(rank, cutoff, sink, window)[:, h // G])
+
 
 # %%
 #| export

@@ -72,6 +72,7 @@ test_fail(lambda: check_kv(torch.zeros(2, 3, 5, 4), torch.zeros(2, 3, 5, 4), 2),
 test_fail(lambda: check_kv(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), 3, 8), contains="head_dim=8")  # one token
 test_fail(lambda: check_kv(torch.zeros(3), torch.zeros(3)), contains="floating-point tensor")
 
+
 # %%
 #| export
 def scorer_input(k: Tensor, v: Tensor) -> Tensor:
@@ -133,6 +134,7 @@ test_eq(hl(torch.ones(1, 2, 1, 2)).detach().flatten().tolist(), [1 + 2 + 0.5, 3 
 test_eq(repr(HeadwiseLinear(3, 8, 5, bias=False)),
         "HeadwiseLinear(num_heads=3, in_features=8, out_features=5, bias=False)")
 
+
 # %%
 #| export
 def headwise_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -186,6 +188,7 @@ lin = LinearScorer(3, 4)
 with torch.no_grad(): lin.out.weight.normal_(); lin.out.bias.normal_()
 assert_close(lin(k, v), torch.einsum("bhsi,hi->bhs", torch.cat([k, v], -1), lin.out.weight[..., 0]) + lin.out.bias)
 
+
 # %%
 #| export
 class MLPScorer(nn.Module):
@@ -212,6 +215,7 @@ mlp = MLPScorer(3, 4, hidden=6)
 k, v = torch.randn(2, 3, 9, 4), torch.randn(2, 3, 9, 4)
 assert (mlp(k, v) == 0).all()  # zero-initialized output layer: neutral ranking
 test_fail(lambda: mlp(k[:, :2], v[:, :2]), contains="num_kv_heads=3")
+
 
 # %%
 #| export
@@ -265,6 +269,7 @@ e_pos, e_neg = torch.exp(y - y.max(-1, keepdim=True).values), torch.exp(-y - (-y
 assert_close(phi, torch.cat([e_pos / e_pos.sum(-1, keepdim=True), e_neg / e_neg.sum(-1, keepdim=True)], -1))
 assert (phi >= 0).all() and torch.isfinite(phi).all()
 assert_close(phi.sum(-1), torch.full((4,), 2.0, dtype=torch.float64))
+
 
 # %%
 #| export
@@ -323,6 +328,7 @@ def check_normalizer(normalizer: str) -> str:
 test_eq([check_normalizer(n) for n in ("ratio", "mlstm")], ["ratio", "mlstm"])
 test_fail(lambda: check_normalizer("xlstm"), contains="normalizer must be one of ('ratio', 'mlstm')")
 
+
 # %%
 #| export
 class MLSTMState(NamedTuple):
@@ -335,6 +341,7 @@ class MLSTMState(NamedTuple):
 # %%
 test_eq(MLSTMState._fields, ("C", "n", "m"))
 test_eq(MLSTMState(*"abc").n, "b")
+
 
 # %%
 #| export
@@ -350,6 +357,7 @@ st = mlstm_init_state(2, 3, 4, 5, dtype=torch.float64)
 test_eq([tuple(x.shape) for x in st], [(2, 3, 4, 5), (2, 3, 4), (2, 3)])
 test_eq((st.C.abs().sum().item(), st.n.abs().sum().item()), (0, 0))  # empty
 test_eq((st.m.max().item(), st.m.dtype), (-math.inf, torch.float64))  # no token yet
+
 
 # %% [markdown]
 # One step from the empty state by hand: $m_0 = \max(\log f - \infty, \log i) = \log i$, the old state
@@ -375,6 +383,7 @@ test_eq(st.C, torch.tensor([[[[3.0, 4, 5], [6, 8, 10]]]])); test_eq(st.n, k1); t
 st2 = mlstm_step(st, k1, v1, torch.tensor([[0.5]]), torch.tensor([[-0.2]]))  # log i = log f + m: weights 1 and 1
 assert_close(st2.C, 2 * st.C); assert_close(st2.n, 2 * st.n); assert_close(st2.m, torch.tensor([[0.5]]))
 
+
 # %% [markdown]
 # The readout by hand: with $\tilde q = (4, 0, 0, 0)$ ($d^{-1/2}\tilde q = (2, 0, 0, 0)$), the first row of
 # $\bar C$ is $(0, 1)$ and $\bar n = 0.1$: the ratio gives $(0, 2) / 0.2 = (0, 10)$, the `"mlstm"` normalizer
@@ -399,6 +408,7 @@ q4 = torch.tensor([[[4.0, 0, 0, 0]]])
 assert_close(mlstm_readout(st, q4, "ratio", eps=0.0), torch.tensor([[[0.0, 10.0]]]))
 assert_close(mlstm_readout(st, q4, "mlstm", eps=0.0), torch.tensor([[[0.0, 2.0]]]))
 assert_close(mlstm_readout(st, torch.stack([q4, 2 * q4], 2), eps=0.0), torch.tensor([[[[0.0, 10.0], [0.0, 10.0]]]]))
+
 
 # %% [markdown]
 # Check: in float64 on small inputs (pre-activations small enough that $e^{\alpha}$ is exact),
@@ -507,6 +517,7 @@ def readout_positions(S: int, delay: int, device=None) -> Tensor:
 # %%
 test_eq(readout_positions(5, 2).tolist(), [2, 3, 4, 4, 4])
 
+
 # %%
 #| export
 def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, delay: int = 0,
@@ -541,6 +552,7 @@ q3, k3 = hedgehog(torch.randn(B, H, 64, 8)), hedgehog(torch.randn(B, H, 64, 8))
 v3, i_pre, f_pre = torch.randn(B, H, 64, 5), 30 * torch.randn(B, H, 64), 3 * torch.randn(B, H, 64)
 h_theirs, _, _ = mlstm_parallel_fw(q3, k3, v3, i_pre, f_pre)
 assert_close(mlstm_parallel(q3, k3, v3, i_pre, F.logsigmoid(f_pre), 0, "mlstm"), h_theirs)
+
 
 # %% [markdown]
 # Checks: parallel = recurrent = the unstabilized float64 reference, for several delays
@@ -667,6 +679,7 @@ for t in range(42):
     state = mlstm_step(state, kf[:, :, t], vf[:, :, t], log_i[..., t], log_f[..., t])
 for a, b in zip(last, state): assert_close(a, b, rtol=1e-4, atol=1e-5)
 
+
 # %%
 #| export
 def mlstm_chunkwise_immediate(q: Tensor, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor, normalizer: str = "ratio",
@@ -712,6 +725,7 @@ for t0 in (1, 14, 40):
         for a, b in zip(final, whole_final): assert_close(a, b)
 assert_close(mlstm_chunkwise_immediate(q, kf, vf, log_i, log_f, chunk_size=7, initial=mlstm_init_state(B, H, dk, dv)),
              (whole, whole_final))
+
 
 # %% [markdown]
 # Check: the chunkwise form equals the quadratic form for chunk sizes that do and do not

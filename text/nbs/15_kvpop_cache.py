@@ -341,6 +341,7 @@ st0 = MLSTMScorer(2, 4, delay=1).init_state(1)
 ro = DelayedReadout(st0, torch.zeros(1, 2, 0, 4))
 test_eq((ro.state is st0, ro.queue.shape, ro.pending_from), (True, (1, 2, 0, 4), 0))  # nothing read yet
 
+
 # %% [markdown]
 # Fed token by token, in prefill chunks or both (into a plain `EvictingLayer` that evicts nothing),
 # the tokens read so far get the priorities of the scorer's parallel delayed readout over the
@@ -464,6 +465,7 @@ lay.lazy_initialization(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
 test_eq([tuple(b.shape) for b in lay._buffers], [(1, 2, 10, 4), (1, 2, 10, 4), (1, 2, 10), (1, 2, 10)])
 test_eq(lay.keys.shape, (1, 2, 0, 4))
 
+
 # %% [markdown]
 # `update` holds what `EvictingLayer.update` (which concatenates) holds, in views of the buffers;
 # a chunk that overflows the free slots grows them:
@@ -491,6 +493,7 @@ for a, b in ((0, 6), (6, 13)):
 test_eq(fast_l._buffers[0].shape[2], 13)
 test_eq(fast_l.keys.untyped_storage().data_ptr(), fast_l._buffers[0].untyped_storage().data_ptr())
 
+
 # %% [markdown]
 # A batch operation of `generate` (beam search: `reorder_cache`, ...) maps the rows of the entries
 # and of a recurrent scorer's state and queue alike:
@@ -513,6 +516,7 @@ before = [x.clone() for x in (lay.keys, lay.scores, ro.state.C, ro.state.m, ro.q
 lay.apply_rows(lambda x: x.flip(0))  # swap the two rows
 for a, b in zip((lay.keys, lay.scores, ro.state.C, ro.state.m, ro.queue), before): test_eq(a, b.flip(0))
 assert not torch.equal(before[2][0], before[2][1])  # the rows differ: the swap is visible
+
 
 # %% [markdown]
 # With $s = 2$, $w = 3$, $k = 4$ and nothing evicted, the last query of 9 tokens has 4 eligible
@@ -545,6 +549,7 @@ for n, want in ((9, None), (10, "index"), (11, False)):
     if want != "index": test_eq(worst, want); continue
     hidden = ~rand_rule.visible(lay, torch.tensor([n - 1]))[:, :, 0]
     test_eq(hidden, torch.zeros_like(hidden).scatter(-1, worst, True))
+
 
 # %% [markdown]
 # Evicting after every token or chunk keeps what the plain `EvictingLayer` (which gathers) keeps,

@@ -56,7 +56,6 @@ from sparsekv.models import load_model
 #| export
 HEAD_REDUCTIONS = ("group", "all")
 
-
 # %%
 # the values of the `heads` option (they name result rows): per KV head's group, or over all query heads
 test_eq(HEAD_REDUCTIONS, ("group", "all"))

@@ -107,7 +107,6 @@ from sparsekv.kvpop.mask import kvpop_mask_reference
 # Computing the target inside the forward rather than in `method_loss` keeps only two `[B, Hkv, S]`
 # tensors per layer alive instead of the layer's $q$ and $k$; the computation is the same.
 
-
 # %%
 #| export
 class KVpopTrainPolicy(AttentionPolicy):
@@ -178,7 +177,6 @@ assert_close(_out, _out_ref, atol=1e-5, rtol=1e-5)
 assert_close(_lse, _lse_ref, atol=1e-5, rtol=1e-5)
 test_eq(_pol._sparse(_q, _k, _v, _ctx, _pred, capture=False)[1], None)
 
-
 # %% [markdown]
 # ### `KVpopStudent`
 #
@@ -188,11 +186,9 @@ test_eq(_pol._sparse(_q, _k, _v, _ctx, _pred, capture=False)[1], None)
 # `retention_loss` (Eq. 7, margin weighting on, App. F) over layers. It also logs the top-$k$ retention recall
 # of the student against the teacher policy at the same positions (Fig. 7).
 
-
 # %%
 #| export
 TARGETS = ("sparse", "dense")
-
 
 # %%
 test_eq(TARGETS[0], "sparse")  # Alg. 1's target comes first: it is `KVpopStudent`'s default
@@ -245,7 +241,6 @@ test_fail(lambda: _check_loss_options(**{**_ok, "balance": 1}), contains="balanc
 # output of a patched tiny model layer against `attention_reference` under `kvpop_mask_reference` (the mask
 # from its definition, by loops), and that the captured target is `future_attention_target` with the
 # reference LSE, decayed.
-
 
 # %%
 #| export
@@ -426,7 +421,6 @@ assert all(p.grad is not None for p in sc.parameters() if p.requires_grad and p.
 assert all(p.grad is None for p in model.parameters())  # the retention loss never reaches the backbone
 sc.zero_grad()
 
-
 # %% [markdown]
 # ### The sparse and the dense target
 #
@@ -511,7 +505,6 @@ test_fail(lambda: dense_student.cached_loss({**_batch, "keys": _batch["keys"][:,
 # we give it the $s$ sinks and a recent window of $w + k$ tokens (the long-range slots become more window).
 # It has no new parameters and no method loss, so it is trained in full mode.
 
-
 # %%
 #| export
 class SinkWindowPolicy(MaskPolicy):
@@ -573,7 +566,6 @@ test_eq(sum(p.numel() for p in sw.parameters()), 0)
 # another method or scorer type (an MLP KVpop checkpoint loaded into `kvpop_mlstm`, a KVpop one into `dms`)
 # is refused with an error naming both, and one trained on another model names the differing shapes. A file
 # without that description (saved by hand) is still checked against the student's parameter names and shapes.
-
 
 # %%
 #| export
@@ -637,7 +629,6 @@ test_fail(lambda: check_trained(ck, "t.pt", "kvpop_mlp", KVpopStudent.for_model(
           contains="trained on another model")
 test_fail(lambda: check_trained({"model": {}}, "t.pt", "kvpop_mlp", mlp), contains="holds no 'student' state")
 
-
 # %% [markdown]
 # Every file a trained student loads from carries its SHA-256: the training CLI (`python -m sparsekv.train`) writes
 # `trained.pt.sha256` beside a `trained.pt` (`io.atomic_path_with_digest`), and a shipped student's `manifest.json`
@@ -651,7 +642,6 @@ test_fail(lambda: check_trained({"model": {}}, "t.pt", "kvpop_mlp", mlp), contai
 # %%
 #| export
 SHIPPED_FILES = ("trained.pt", "history.csv")
-
 
 # %%
 for _d in Path(str(resources.files("sparsekv") / "checkpoints")).iterdir():
@@ -702,7 +692,6 @@ with tempfile.TemporaryDirectory() as d:
 # %% [markdown]
 # A `trained.pt` in a folder whose manifest records it is a shipped student's (re-installing restores it); any other
 # is a training run's (its digest file, written by the training CLI).
-
 
 # %%
 #| export
@@ -946,7 +935,6 @@ with tempfile.TemporaryDirectory() as d:
 test_fail(lambda: KVpopMLP(6, sink=2, window=4), contains="no long-range slot")
 test_fail(lambda: KVpopMLP(9, checkpoint="missing/trained.pt"), contains="is neither")
 test_fail(lambda: KVpopMLP(9, tau_typo=1.0), contains="unexpected options")
-
 
 # %% [markdown]
 # Check the digests: every shipped file matches its manifest; a copy of a shipped folder loads without a word, and

@@ -287,7 +287,6 @@ test_eq((a.grad[0].abs() > 0).tolist(), [[True] * 6 + [False] * 3] * 2)
 #| export
 DMS_BACKENDS = ("auto", "sdpa", "flex")
 
-
 # %%
 # the `backend` values of `dms_attention` and `DMSStudent`: 'auto' (the default) picks one of the other two
 test_eq(DMS_BACKENDS, ("auto", "sdpa", "flex"))
@@ -813,7 +812,6 @@ _st.capture(torch.tensor([[[0.1, 0.2]]]), torch.tensor([[[False, True]]]))
 _loss, _metrics = _st.method_loss(10)  # target 0.5 at the end of the ramp
 assert_close(_loss, torch.tensor(0.5 - 0.15))
 test_eq((_metrics["eviction_rate_inference"], _metrics["eviction_target"], _st._captured), (0.5, 0.5, []))
-
 
 # %% [markdown]
 # **Check: the bounded cache computes the teacher-forced hard-decision attention.** A student with

@@ -115,15 +115,18 @@ test_eq((QUERY_SELECT[0], QUERY_AGGS[0], QUERY_RANKS[0], GQA_AGGS[0]), ("group",
 assert_close(F.normalize(torch.tensor([1e-13, 0.0], dtype=torch.float64), dim=0, eps=EPS),
              torch.tensor([0.1, 0.0], dtype=torch.float64))  # a norm below EPS is clamped to EPS
 
+
 # %%
 #| export
 def accumulation_dtype(x: Tensor) -> torch.dtype:
     "float32 for half/bfloat16/float32 inputs, float64 for float64: the dtype scores are computed in."
     return torch.promote_types(x.dtype, torch.float32)
 
+
 # %%
 _dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 test_eq([accumulation_dtype(torch.zeros(1, dtype=t)) for t in _dtypes], [torch.float32] * 3 + [torch.float64])
+
 
 # %% [markdown]
 # A 3-4-5 row, a zero row (cosine 0 with everything), bfloat16 in float32, and the `out=` buffer:
@@ -134,6 +137,7 @@ def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
     "x / max(|x|, EPS) along the last dim (each query or key), in the accumulation dtype; written into `out` if given."
     return F.normalize(x.to(accumulation_dtype(x)), dim=-1, eps=EPS, out=out)
 
+
 # %%
 _x = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
 test_eq(unit_vectors(_x), torch.tensor([[0.6, 0.8], [0.0, 0.0]]))
@@ -141,6 +145,7 @@ test_eq(unit_vectors(_x.bfloat16()).dtype, torch.float32)
 _out = torch.empty(2, 2)
 unit_vectors(_x, out=_out)
 test_eq(_out, unit_vectors(_x))
+
 
 # %% [markdown]
 # Check against loops over heads and positions (cosines as Python dot products of unit
@@ -158,6 +163,7 @@ def query_dissimilarity(q_chunk: Tensor) -> Tensor:
     dots = torch.bmm(q.reshape(B * Hq, S, D), m.view(B * Hq, D, 1)).view(B, Hq, S)
     return dots.div_(torch.linalg.vector_norm(q, dim=-1).clamp_min_(EPS)).neg_()
 
+
 # %%
 def _unit(x): return x / max(x.norm().item(), EPS)
 
@@ -171,6 +177,7 @@ for b in range(B):
         m = _unit(q[b, hq].mean(0))
         for i in range(S): assert abs(d[b, hq, i].item() + float(_unit(q[b, hq, i]) @ m)) < 1e-12
 
+
 # %%
 #| export
 def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: torch.Generator | None = None) -> Tensor:
@@ -179,11 +186,13 @@ def query_ranking(q_chunk: Tensor, query_rank: str = "dissimilar", generator: to
     d = query_dissimilarity(q_chunk)
     return d if query_rank == "dissimilar" else d.neg_()
 
+
 # %%
 test_eq(query_ranking(q), d)
 test_eq(query_ranking(q, "similar"), -d)
 test_eq(query_ranking(q, "random", torch.Generator().manual_seed(3)),
         torch.rand(B, Hkv * G, S, generator=torch.Generator().manual_seed(3)))
+
 
 # %% [markdown]
 # One row of positions per KV head in group mode, by the group's mean dissimilarity (a Python sort), every position
@@ -202,6 +211,7 @@ def kept_positions(q_chunk: Tensor, n_q: int, G: int, query_select: str = "group
     # one stable sort of the S entries breaks ties to the lower position (top_budget_indices takes eight ops)
     return d.sort(dim=-1, descending=True, stable=True).indices[..., :n_q].sort(dim=-1).values
 
+
 # %%
 _pos = kept_positions(q, 4, G)
 test_eq(_pos.shape, (B, Hkv, 1, 4))
@@ -211,6 +221,7 @@ for b in range(B):
         test_eq(_pos[b, h, 0].tolist(), sorted(sorted(range(S), key=lambda i: (-avg[i], i))[:4]))
 test_eq(kept_positions(q, 4, G, "head").shape, (B, Hkv, G, 4))
 test_eq(kept_positions(q, S, G), torch.arange(S).expand(B, Hkv, 1, S))
+
 
 # %% [markdown]
 # Check against loops over heads and positions (rankings by sorting): the kept positions in both modes, and
@@ -383,6 +394,7 @@ def kept_queries(q_chunk: Tensor, pos: Tensor) -> Tensor:
     _, Hq, S, D = q_chunk.shape
     return q_chunk.view(B, Hkv, Hq // Hkv, S, D).gather(3, pos[..., None].expand(-1, -1, Hq // Hkv, -1, D))
 
+
 # %%
 for mode in QUERY_SELECT:
     _pos = kept_positions(q, 4, G, mode)
@@ -393,6 +405,7 @@ for mode in QUERY_SELECT:
             for g_ in range(G):
                 for r in range(4): test_eq(kq[b, h, g_, r], q[b, h * G + g_, _pos[b, h, min(g_, _pos.shape[2] - 1), r]])
 
+
 # %%
 #| export
 def unit_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
@@ -400,12 +413,14 @@ def unit_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
     B, Hq, n = pos.shape
     return unit_vectors(kept_queries(q_chunk, pos.reshape(B, Hq // G, G, n)))  # only the kept rows are normalized
 
+
 # %%
 _pos = select_queries(q, 4, G, "head")
 uq = unit_queries(q, _pos, G)
 for b in range(B):
     for hq in range(Hkv * G):
         for r in range(4): assert_close(uq[b, hq // G, hq % G, r], _unit(q[b, hq, _pos[b, hq, r]]), rtol=0, atol=1e-12)
+
 
 # %% [markdown]
 # Row $r$ of $\bar Q_h$ by a Python sum of the group's unit queries, in both modes:
@@ -416,6 +431,7 @@ def preaggregated_queries(q_chunk: Tensor, pos: Tensor, G: int) -> Tensor:
     "Q̄ [B,Hkv,n,D]: row r the mean over a group's G heads of their r-th kept query (`pos`), each normalized (§3.3)."
     return unit_queries(q_chunk, pos, G).mean(2)  # normalize, then average: the mean of cosines is linear in them
 
+
 # %%
 for mode in QUERY_SELECT:
     _pos = select_queries(q, 4, G, mode)
@@ -425,6 +441,7 @@ for mode in QUERY_SELECT:
             for r in range(4):
                 want = sum(_unit(q[b, h * G + g_, _pos[b, h * G + g_, r]]) for g_ in range(G)) / G
                 assert_close(qbar[b, h, r], want, rtol=0, atol=1e-12)
+
 
 # %%
 #| export
@@ -439,6 +456,7 @@ def check_quoka_options(n_q: int, query_select: str, query_agg: str, query_rank:
         raise ValueError(f"query_select must be one of {QUERY_SELECT}, got {query_select!r}")
     if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
 
+
 # %%
 check_quoka_options(16, "group", "max")
 for n_q in (0, 2.0, "4"): test_fail(lambda: check_quoka_options(n_q, "group", "max"), contains="n_q")
@@ -446,6 +464,7 @@ test_fail(lambda: check_quoka_options(4, "token", "max"), contains="query_select
 test_fail(lambda: check_quoka_options(4, "group", "sum"), contains="query_agg")
 test_fail(lambda: check_quoka_options(4, "group", "max", "far"), contains="query_rank")
 test_fail(lambda: check_quoka_options(4, "group", "max", gqa_agg="sum"), contains="gqa_agg")
+
 
 # %% [markdown]
 # $G$ from the heads; an empty cache (the first chunk) passes; a bad shape or a NaN is refused naming the argument:
@@ -464,6 +483,7 @@ def check_chunk(q_chunk: Tensor, k_cache: Tensor) -> int:
     require_finite("q_chunk", q_chunk); require_finite("k_cache", k_cache)
     return G
 
+
 # %%
 _q, _k = torch.randn(1, 6, 4, 8), torch.randn(1, 2, 5, 8)
 test_eq(check_chunk(_q, _k), 3)
@@ -471,17 +491,20 @@ test_eq(check_chunk(_q, _k[:, :, :0]), 3)
 test_fail(lambda: check_chunk(_q, _k[..., :4]), contains="q_chunk (as q) / k_cache (as k)")
 test_fail(lambda: check_chunk(_q, _k.masked_fill(_k > 1, math.nan)), contains="k_cache contains NaN or inf")
 
+
 # %%
 #| export
 def unit_keys(k: Tensor) -> Tensor:
     "k̂ = k / max(|k|, EPS) per key, in the accumulation dtype: [..., T, D]."
     return unit_vectors(k)
 
+
 # %%
 _k = torch.randn(1, 2, 9, 4, generator=torch.Generator().manual_seed(0))
 for h in range(2):
     for j in range(9): assert_close(unit_keys(_k)[0, h, j], _unit(_k[0, h, j]))
 test_eq(unit_keys(_k.bfloat16()).dtype, torch.float32)
+
 
 # %% [markdown]
 # Unit keys given by the caller are checked for what they are, cheaply: their shape, dtype and device, and their
@@ -514,6 +537,7 @@ test_eq(check_unit_keys(unit_keys(_k[:, :, :0]), _k[:, :, :0]).shape, (1, 2, 0, 
 test_fail(lambda: check_unit_keys(unit_keys(_k.roll(1, 2)), _k), contains="positions [0, 4, 8] are not those of")
 test_fail(lambda: check_unit_keys(unit_keys(_k)[:, :1], _k), contains="k_unit must be the unit keys [B,Hkv,T,D]")
 
+
 # %%
 #| export
 def check_k_cache(k_cache: Tensor) -> Tensor:
@@ -523,9 +547,11 @@ def check_k_cache(k_cache: Tensor) -> Tensor:
                         f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
     return k_cache
 
+
 # %%
 test_eq(check_k_cache(_k), _k)
 for bad in (_k[0], _k.long(), _k.tolist()): test_fail(lambda: check_k_cache(bad), contains="k_cache must be")
+
 
 # %% [markdown]
 # The unit-key cache: fed the keys of a growing cache chunk by chunk (buffer growth included), it returns exactly
@@ -565,6 +591,7 @@ class UnitKeyCache:
         self.length = T
         return self.buffer[:, :, :T]
 
+
 # %%
 g = torch.Generator().manual_seed(4)
 for dtype in (torch.float32, torch.bfloat16):
@@ -587,6 +614,7 @@ cache.update(kb)
 cache.apply_rows(lambda x: x[[2, 0, 0]])
 kb = torch.cat([kb[[2, 0, 0]], kb[:, :, :1]], 2)   # the moved rows and one new key each
 test_eq(cache.update(kb), unit_keys(kb))
+
 
 # %% [markdown]
 # Check the pre-aggregation identity against the head-by-head computation: all $G \cdot |I|$
@@ -764,6 +792,7 @@ def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | 
     return top_budget_indices(_quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank,
                                             generator, gqa_agg), n)
 
+
 # %%
 def _qk(G, S, T, B=2, Hkv=2, D=16, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
@@ -805,10 +834,12 @@ def _ranked(values: list, n: int) -> list:
     "The n indices of the largest values, ties to the lower index, in ascending order."
     return sorted(sorted(range(len(values)), key=lambda i: (-values[i], i))[:n])
 
+
 # %%
 test_eq(_ranked([1.0, 3.0, 3.0, 0.0, 3.0], 2), [1, 2])   # ties to the lower index
 test_eq(_ranked([5.0, 1.0, 4.0], 2), [0, 2])             # ascending, not by value
 test_eq(_ranked([1.0, 2.0], 5), [0, 1])
+
 
 # %% [markdown]
 # The loops agree with the pre-aggregated product in float64, for every option (the `random` rankings from equal
@@ -851,6 +882,7 @@ def quoka_scores_reference(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, quer
             out[b, h] = (rows.amax(1) if query_agg == "max" else rows.mean(1)).amax(0)
     return out
 
+
 # %%
 for G in (1, 3):
     q, k = _qk(G, 9, 15, seed=G)
@@ -861,6 +893,7 @@ for G in (1, 3):
                     seeded = lambda: torch.Generator().manual_seed(2)
                     assert_close(quoka_scores(q, k, 4, mode, agg, query_rank=rank, generator=seeded(), gqa_agg=gqa),
                                  quoka_scores_reference(q, k, 4, mode, agg, rank, seeded(), gqa), rtol=0, atol=1e-12)
+
 
 # %% [markdown]
 # Check `quoka_select` against the reference: GQA $G = 1, 3, 4$, both query modes (and the

@@ -117,9 +117,11 @@ def _check_budget(budget):
     resolve_budget(budget, 0)  # raises on a bad budget
     return budget
 
+
 # %%
 test_eq((_check_budget(7), _check_budget(0.25)), (7, 0.25))
 for bad in (0, 1.5, "x"): test_fail(lambda: _check_budget(bad), contains="budget must be an int >= 1")
+
 
 # %% [markdown]
 # The policies below differ only in `pick_earlier`. Check the shared part with a policy that
@@ -144,6 +146,7 @@ class EarlierKeysPolicy(SelectionPolicy):
         "Indices [B,Hkv,n] (ascending) of the earlier keys k_earlier [B,Hkv,T,D] the queries q attend to; None: all."
         raise NotImplementedError(f"{type(self).__name__} must implement pick_earlier(q, k_earlier, ctx)")
 
+
 # %%
 class FirstKeys(EarlierKeysPolicy):
     def __init__(self, budget, decode=True): super().__init__(decode); self.budget = budget
@@ -153,6 +156,7 @@ class FirstKeys(EarlierKeysPolicy):
 test_eq([FirstKeys(3).fits(T) for T in (0, 3, 4)], [True, True, False])
 test_eq([FirstKeys(0.5).fits(T) for T in (0, 1, 2)], [True, True, False])
 test_fail(lambda: EarlierKeysPolicy().pick_earlier(None, None, None), contains="must implement pick_earlier")
+
 
 # %%
 #| export
@@ -169,6 +173,7 @@ def select(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tens
     if idx is None or idx.shape[-1] == T: return None
     return add_chunk_keys(idx, k.shape[2], q.shape[2])
 
+
 # %%
 def first_keys_select(budget, kind, T, decode=True):
     S = 1 if kind == "decode" else 4  # a chunk of 4 queries, or one decode query, after T earlier keys
@@ -182,6 +187,7 @@ test_eq(first_keys_select(3, "decode", 10, decode=False), None)
 test_eq(first_keys_select(3, "prefill", 10), torch.tensor([0, 1, 2, 10, 11, 12, 13]).expand(2, 3, -1))
 test_eq(first_keys_select(0.5, "decode", 10), torch.tensor([0, 1, 2, 3, 4, 10]).expand(2, 3, -1))
 test_fail(lambda: FirstKeys(3, decode=1), contains="decode must be a bool")
+
 
 # %% [markdown]
 # In a padded batch (the model's mask hides padding keys, see *Padded batches* below) each row picks from its own
@@ -207,6 +213,7 @@ def select_rows(self, q: Tensor, k: Tensor, ctx: AttentionContext, real: Tensor)
         chosen[b, :, :T].scatter_(1, keys[idx[0]], True)
         dropped = True
     return chosen if dropped else None
+
 
 # %%
 real = torch.ones(2, 7, dtype=torch.bool)
@@ -251,6 +258,7 @@ class QuokaPolicy(EarlierKeysPolicy):
                 f"query_agg={self.query_agg!r}, query_rank={self.query_rank!r}, gqa_agg={self.gqa_agg!r}, "
                 f"sinks={self.sinks}, recent={self.recent}, decode={self.decode_sparse})")
 
+
 # %%
 test_eq(repr(QuokaPolicy(n_q=4, budget=0.25, sinks=2)),
         "QuokaPolicy(n_q=4, budget=0.25, query_select='group', query_agg='max', query_rank='dissimilar', "
@@ -259,6 +267,7 @@ test_eq(QuokaPolicy(query_rank="random", seed=3).generator.initial_seed(), 3)
 test_eq(QuokaPolicy().generator, None)
 test_fail(lambda: QuokaPolicy(budget=0), contains="budget must be")
 test_fail(lambda: QuokaPolicy(cache_unit_keys=1), contains="cache_unit_keys must be a bool")
+
 
 # %% [markdown]
 # `earlier_indices` is Algorithm 1 for one call, or with anchors the same scores and `anchored_top_indices`. On
@@ -288,6 +297,7 @@ def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill",
     if n == T: return all_key_indices(B, Hkv, T, k_earlier.device)
     return anchored_top_indices(s, n, self.sinks, self.recent)
 
+
 # %%
 g = torch.Generator().manual_seed(0)
 q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 20, 8, generator=g)
@@ -300,6 +310,7 @@ test_eq(anchored[..., -2:], torch.tensor([18, 19]).expand(2, 2, 2))    # the rec
 test_eq(QuokaPolicy(n_q=3, budget=20, sinks=1).earlier_indices(q, k), all_key_indices(2, 2, 20))
 test_fail(lambda: QuokaPolicy(sinks=1).earlier_indices(q, k, "decode"), contains="one query per head")
 test_fail(lambda: QuokaPolicy().earlier_indices(q, k, "verify"), contains="kind must be")
+
 
 # %% [markdown]
 # The unit keys of a cache layer are kept across calls (and follow its batch operations); without a cache layer,
@@ -318,6 +329,7 @@ def unit_keys(self, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
         follow_batch_ops(layer, id(self), self.unit_caches[layer].apply_rows)
     return self.unit_caches[layer].update(k_earlier)
 
+
 # %%
 layer = DynamicLayer()
 layer.update(k, k)
@@ -326,7 +338,6 @@ assert_close(pol.unit_keys(k, SimpleNamespace(cache_layer=layer)), k / k.norm(di
 test_eq(len(pol.unit_caches), 1)
 test_eq(pol.unit_keys(k, SimpleNamespace(cache_layer=None)), None)
 test_eq(QuokaPolicy(cache_unit_keys=False).unit_keys(k, SimpleNamespace(cache_layer=layer)), None)
-
 
 # %% [markdown]
 # The attribute is `decode_sparse` because `decode` is the `AttentionPolicy` method for
@@ -464,6 +475,7 @@ class BaselinePolicy(EarlierKeysPolicy):
         name = getattr(self.select_fn, "__name__", repr(self.select_fn))
         return f"BaselinePolicy({name}, budget={self.budget}, decode={self.decode_sparse}, **{self.options})"
 
+
 # %%
 q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 20, 8, generator=g)
 mean_policy = BaselinePolicy(mean_score_select, 5)
@@ -473,6 +485,7 @@ test_eq((mean_policy.pass_scale, BaselinePolicy(sparq_select, 5, r=4, scale=0.3)
 test_eq(BaselinePolicy(sparq_select, 5, r=4).earlier_indices(q, k, 0.3), sparq_select(q, k, 5, r=4, scale=0.3))
 test_fail(lambda: BaselinePolicy("mean"), contains="select_fn must be a selection function")
 test_fail(lambda: BaselinePolicy(lambda q, k: None), contains="must take a `budget` argument")
+
 
 # %% [markdown]
 # Loki without a calibration basis uses the cache's own: `LokiPolicy` keeps each layer's key moments
@@ -544,6 +557,7 @@ class LessIsMorePolicy(EarlierKeysPolicy):
             self.row_selectors[row].reset()
         return self.row_selectors[row]
 
+
 # %%
 _lim = LessIsMorePolicy(LessIsMoreSelector(budget=6, selection_layers=(0,)))
 test_eq((_lim.fits(0), _lim.fits(5)), (True, False))
@@ -551,7 +565,6 @@ assert _lim.row_selector(None) is _lim.selector
 row1 = _lim.row_selector(1)
 assert isinstance(row1, LessIsMoreSelector) and row1 is not _lim.selector and _lim.row_selector(1) is row1
 test_fail(lambda: LessIsMorePolicy(QuokaPolicy()), contains="selector must be a LessIsMoreSelector")
-
 
 # %% [markdown]
 # Each baseline at full budget reproduces dense chunked prefill; at a small budget its
@@ -701,10 +714,10 @@ for name, policy in [("quoka 256", QuokaPolicy(16, 256)), ("quoka 512", QuokaPol
     recall[name] = dict(mean=sum(per_layer) / len(per_layer), worst=min(per_layer))
 recall
 
+
 # %% [markdown]
 # What these comparisons come to, with every baseline, over budgets and on RULER-style prompts, is measured by the
 # [quoka_accuracy stage](../reproduce/22_quoka_accuracy.ipynb).
-
 
 # %% [markdown]
 # ## The methods (QuoKA and its baselines)
@@ -751,6 +764,7 @@ class SelectionMethod(Method):
         "Layers that score keys: all."
         return shape.layers
 
+
 # %%
 shape = ModelShape(9, 3, 64, 30)  # SmolLM2-135M: G = 3 query heads per KV head, D = 64, 30 layers
 sm = SelectionMethod(256, chunk_size=64)
@@ -759,6 +773,7 @@ test_eq(SelectionMethod(0.25).budget, 0.25)  # a fraction of the cache
 test_fail(lambda: SelectionMethod(0), contains="budget must be")
 test_fail(lambda: SelectionMethod(8, decode=1), contains="decode must be a bool")
 test_fail(lambda: sm.key_cost(shape, 64), contains="must implement key_cost")
+
 
 # %%
 #| export
@@ -772,6 +787,7 @@ def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int 
     step = per_key * n_cached + fixed if resolve_budget(self.budget, n_cached) < n_cached else 0
     return ScoringCost(per_key, step, step * shape.Hkv * self.scoring_layers(shape))
 
+
 # %%
 class _Flat(SelectionMethod):
     def key_cost(self, shape, S): return 10, 7  # 10 per key, 7 per call
@@ -779,6 +795,7 @@ class _Flat(SelectionMethod):
 test_eq(_Flat(256).scoring_cost(shape, 1000), ScoringCost(10, 10 * 1000 + 7, (10 * 1000 + 7) * 3 * 30))
 test_eq(_Flat(256).scoring_cost(shape, 200), ScoringCost(10, 0, 0))  # the keys fit the budget: a dense call
 test_eq(_Flat(256, decode=False).scoring_cost(shape, 1000, "decode"), ScoringCost())
+
 
 # %%
 #| export
@@ -807,6 +824,7 @@ class Quoka(SelectionMethod):
         heads = shape.G if self.gqa_agg == "max" else 1
         return heads * min(self.n_q, S) * shape.D, shape.G * S * shape.D if ranks else 0
 
+
 # %%
 # N_Q D per key; ranking the G S queries of a chunk of S = 128 against their mean: G S D per call
 test_eq(Quoka(256).key_cost(shape, 128), (16 * 64, 3 * 128 * 64))
@@ -814,6 +832,7 @@ test_eq(Quoka(256, gqa_agg="max").key_cost(shape, 128), (3 * 16 * 64, 3 * 128 * 
 test_eq(Quoka(256, query_rank="random").key_cost(shape, 128), (16 * 64, 0))  # a random choice ranks nothing
 test_eq(Quoka(256).key_cost(shape, 8), (8 * 64, 0))  # fewer queries than N_Q: all kept, none ranked
 assert isinstance(Quoka(256).policy(), QuokaPolicy)
+
 
 # %%
 #| export
@@ -828,9 +847,11 @@ class BaselineSelection(SelectionMethod):
     def policy(self) -> BaselinePolicy:
         return BaselinePolicy(type(self).select_fn, self.budget, self.decode, **self.options())
 
+
 # %%
 test_eq(BaselineSelection(64).options(), {})
 test_fail(lambda: BaselineSelection(64).policy(), contains="select_fn must be a selection")  # a subclass sets it
+
 
 # %%
 #| export
@@ -849,10 +870,12 @@ class MeanScores(BaselineSelection):
         "Every query of every head of the group times each key: G S D."
         return shape.G * S * shape.D, 0
 
+
 # %%
 test_eq(MeanScores(256).key_cost(shape, 128), (3 * 128 * 64, 0))
 test_eq(MeanScores(256, scores="logits").options(), {"scores": "logits"})
 test_fail(lambda: MeanScores(256, scores="max"), contains="scores must be one of")
+
 
 # %%
 #| export
@@ -871,10 +894,12 @@ class SampleAttention(BaselineSelection):
         "min(n_q, S) sampled queries of every head of the group times each key: G min(n_q, S) D."
         return shape.G * min(self.n_q, S) * shape.D, 0
 
+
 # %%
 test_eq(SampleAttention(256).key_cost(shape, 128), (3 * 16 * 64, 0))
 test_eq(SampleAttention(256).key_cost(shape, 8), (3 * 8 * 64, 0))
 test_fail(lambda: SampleAttention(256, n_q=0), contains="n_q")
+
 
 # %%
 #| export
@@ -896,10 +921,12 @@ class SparQ(BaselineSelection):
         "Every query's top-r channels times the same channels of each key: G S r."
         return shape.G * S * _check_rank(self.r, shape.D), 0
 
+
 # %%
 test_eq(SparQ(256).key_cost(shape, 128), (3 * 128 * 32, 0))  # r = D/2 by default
 test_eq(SparQ(256, r=8).key_cost(shape, 128), (3 * 128 * 8, 0))
 test_fail(lambda: SparQ(256, r=64).check_model(load_model("tiny-llama")[0]), contains="at most the head dim")
+
 
 # %%
 #| export
@@ -928,10 +955,12 @@ class Loki(BaselineSelection):
         r = _check_rank(self.r, shape.D)
         return shape.G * S * r, shape.G * S * shape.D * r
 
+
 # %%
 test_eq(Loki(256).key_cost(shape, 128), (3 * 128 * 32, 3 * 128 * 64 * 32))
 test_fail(lambda: Loki(256, center=1), contains="center must be a bool")
 assert isinstance(Loki(256).policy(), LokiPolicy)
+
 
 # %%
 #| export
@@ -963,6 +992,7 @@ class LessIsMore(SelectionMethod):
         if self.selection_layers[-1] >= L:
             raise ValueError(f"selection_layers must be layer indices in [0, {L}) of this model ({L} layers), got "
                              f"{self.selection_layers}")
+
 
 # %%
 test_eq((LessIsMore(256).key_cost(shape, 128), LessIsMore(256).scoring_layers(shape)), ((3 * 128 * 64, 0), 1))

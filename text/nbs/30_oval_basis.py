@@ -76,6 +76,7 @@ def centre_page(K: Tensor) -> tuple[Tensor, Tensor]:
     mu = K.mean(-2)
     return mu, K - mu.unsqueeze(-2)
 
+
 # %%
 torch.manual_seed(0)
 m, d, dv, r = 10, 12, 6, 3
@@ -142,6 +143,7 @@ test_fail(lambda: check_page(K, V, G.expand(4, dv, dv)), contains="must broadcas
 test_fail(lambda: check_page(K.long(), V), contains="floating-point")
 test_fail(lambda: check_page(K, V.numpy()), contains="torch.Tensor")
 
+
 # %%
 #| export
 def check_eta(eta) -> None:
@@ -149,9 +151,11 @@ def check_eta(eta) -> None:
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
         raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
 
+
 # %%
 for ok in (0, 0.5, 1): check_eta(ok)
 for bad in (-0.1, 1.5, True, "0.5", math.nan): test_fail(lambda: check_eta(bad), contains="eta must be a number")
+
 
 # %% [markdown]
 # ## 2. Logits, page mass and the rank-$r$ approximation
@@ -1006,6 +1010,7 @@ def _unit_mean_diag(M: Tensor) -> Tensor:
     "M divided by its mean diagonal (clamped at 1e-30), App. D.3."
     return M / _mean_diag(M).clamp_min(EPS_TRACE)[..., None, None]
 
+
 # %%
 test_eq(_work_dtype(torch.ones(1), torch.ones(1, dtype=torch.float64)), torch.float64)
 test_eq(_work_dtype(torch.ones(1, dtype=torch.bfloat16)), torch.float32)
@@ -1013,6 +1018,7 @@ M2 = torch.tensor([[2.0, 1.0], [1.0, 4.0]])
 test_eq(_mean_diag(M2), torch.tensor(3.0))
 assert_close(_unit_mean_diag(M2), M2 / 3)
 test_eq(_unit_mean_diag(torch.zeros(2, 2)), torch.zeros(2, 2))              # clamped: no 0/0
+
 
 # %%
 #| export
@@ -1028,6 +1034,7 @@ def _one_cpu_thread(device: torch.device):
     try: yield
     finally: torch.set_num_threads(n)
 
+
 # %%
 n_threads = torch.get_num_threads()
 torch.set_num_threads(2)
@@ -1036,6 +1043,7 @@ test_eq(torch.get_num_threads(), 2)                                            #
 with _one_cpu_thread(torch.device("meta")): test_eq(torch.get_num_threads(), 2)   # not on CPU: untouched
 torch.set_num_threads(n_threads)
 
+
 # %%
 #| export
 def _psd_sqrt(A: Tensor) -> Tensor:
@@ -1043,10 +1051,12 @@ def _psd_sqrt(A: Tensor) -> Tensor:
     lam, U = torch.linalg.eigh(A)
     return (U * lam.clamp_min(0).sqrt().unsqueeze(-2)) @ U.mT
 
+
 # %%
 assert_close(_psd_sqrt(G) @ _psd_sqrt(G), G)
 assert_close(_psd_sqrt(G), _psd_sqrt(G).mT)
 assert_close(_psd_sqrt(torch.diag(torch.tensor([4.0, -1e-3]))), torch.diag(torch.tensor([2.0, 0.0])))  # clamped
+
 
 # %% [markdown]
 # The right singular vectors from the $m\times m$ Gram matrix agree with an SVD of $C$ (as subspaces), and beyond
@@ -1066,6 +1076,7 @@ def _gram_right_singular(C: Tensor, r: int) -> tuple[Tensor, Tensor]:
     keep = lam > lam[..., :1] * (100 * C.shape[-2] * torch.finfo(C.dtype).eps)
     return cols * keep.unsqueeze(-2), keep
 
+
 # %%
 C6 = torch.randn(6, 10, dtype=torch.float64)
 cols6, keep6 = _gram_right_singular(C6, 4)
@@ -1077,6 +1088,7 @@ cols2, keep2 = _gram_right_singular(C2, 4)
 test_eq(keep2, torch.tensor([True, True, False, False]))
 test_eq(cols2[:, 2:], torch.zeros(10, 2, dtype=torch.float64))
 assert_close(cols2[:, :2].T @ cols2[:, :2], torch.eye(2, dtype=torch.float64))
+
 
 # %% [markdown]
 # Kept columns come first, in order and with their signs; the rest is completed to an orthonormal basis:
@@ -1091,6 +1103,7 @@ def _orthonormalize(cols: Tensor, keep: Tensor, r: int) -> Tensor:
     sign = torch.where(Rq.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(Q.dtype)   # keep each column's sign
     return (Q * sign.unsqueeze(-2))[..., :r]
 
+
 # %%
 cols3 = torch.randn(5, 3, dtype=torch.float64)
 Q3 = _orthonormalize(cols3, torch.tensor([True, False, True]), 3)
@@ -1099,6 +1112,7 @@ assert_close(Q3[:, 0], cols3[:, 0] / cols3[:, 0].norm())                        
 P_kept, kept_cols = Q3[:, :2] @ Q3[:, :2].T, cols3[:, [0, 2]]                    # the two kept columns' span
 assert_close(P_kept @ kept_cols, kept_cols)
 test_eq(_orthonormalize(cols3, torch.tensor([True, True, True]), 2).shape, (5, 2))
+
 
 # %% [markdown]
 # The Gram basis above spans the top-$r$ eigenspace of $M_\eta$ (`hybrid_metric`, solved directly) on the page of §1:
@@ -1123,11 +1137,13 @@ def _gram_basis(X: Tensor, Y: Tensor, G: Tensor | None, r: int, eta: float) -> T
         cols, keep = torch.cat([cols, D], -1), torch.cat([keep, keep_d], -1)
     return _orthonormalize(cols, keep, r)
 
+
 # %%
 for eta in etas:
     B_g = _gram_basis(X, Y, G, r, eta)
     U_eta = torch.linalg.eigh(hybrid_metric(K, V, G, eta))[1].flip(-1)[:, :r]
     assert_close(B_g @ B_g.T, U_eta @ U_eta.T, atol=1e-10, rtol=0)
+
 
 # %%
 #| export
@@ -1149,12 +1165,14 @@ def page_basis(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8,
         B = _gram_basis(X, Y, None if G is None else G.to(wd), r, eta)
     return mu.to(K.dtype), B.to(K.dtype), (X @ B).to(K.dtype)
 
+
 # %%
 mu_p, B_p, R_p = page_basis(K, V, G, rank=r)
 test_eq((mu_p.shape, B_p.shape, R_p.shape), ((d,), (d, r), (m, r)))
 assert_close((mu_p, R_p), (mu, X @ B_p))
 assert_close(B_p @ B_p.T, (lambda B: B @ B.T)(_gram_basis(X, Y, G, r, 0.5)))
 test_eq([t.shape for t in page_basis(K[:1], V[:1], G)], [(d,), (d, 0), (1, 0)])   # one token: mu alone
+
 
 # %% [markdown]
 # The direct reference solves the $d\times d$ eigenproblem of $M_\eta$ in float64
@@ -1177,11 +1195,13 @@ def page_basis_reference(K: Tensor, V: Tensor, G: Tensor | None = None, rank: in
     B = U.flip(-1)[..., : min(rank, m - 1, d)]
     return mu, B, X @ B
 
+
 # %%
 pca_X = torch.linalg.svd(X).Vh[:r].T                                             # eta = 0: key PCA of the page
 B_r = page_basis_reference(K, V, G, rank=r, eta=0.0)[1]
 assert_close(B_r @ B_r.T, pca_X @ pca_X.T)
 test_eq(page_basis_reference(K.float(), V.float(), rank=20)[1].shape, (d, m - 1))   # float64, rank capped
+
 
 # %%
 #| export
@@ -1192,12 +1212,12 @@ def subspace_distance(B1: Tensor, B2: Tensor) -> Tensor:
     with _one_cpu_thread(B1.device):
         return torch.linalg.matrix_norm(B1 @ B1.mT - B2 @ B2.mT, ord=2)
 
+
 # %%
 e45 = torch.tensor([[1.0], [1.0]], dtype=torch.float64) / math.sqrt(2)                  # e1, e2 are those of §9
 assert_close(torch.stack([subspace_distance(e1, e1), subspace_distance(e1, e2), subspace_distance(e1, e45)]),
              torch.tensor([0.0, 1.0, math.sin(math.pi / 4)], dtype=torch.float64))   # sine of 0, 90 and 45 degrees
 test_fail(lambda: subspace_distance(e1, torch.eye(2)), contains="B1 and B2 must both be")
-
 
 # %% [markdown]
 # The checks: on the page of §1 and on a batch of random pages, for every $\eta$ in the
@@ -1400,9 +1420,11 @@ def _scale(scale: float | None, d: int) -> float:
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
     return float(scale)
 
+
 # %%
 test_eq((_scale(None, 16), _scale(2, 16)), (0.25, 2.0))
 for bad in (math.inf, math.nan, True, "0.1"): test_fail(lambda: _scale(bad, 16), contains="scale must be")
+
 
 # %%
 #| export
@@ -1421,12 +1443,14 @@ def page_score(q: Tensor, mu: Tensor, B: Tensor, R: Tensor, scale: float | None 
     logits = (R @ code.unsqueeze(-1)).squeeze(-1)                              # R_t . B^T q  [..., m]
     return torch.logsumexp(logits * c, -1) + (mu * q).sum(-1) * c
 
+
 # %%
 mu1, B1, R1 = page_basis(K, V, G, rank=r, eta=0.5)
 qs = torch.randn(300, d, dtype=torch.float64)
 score = page_score(qs, mu1, B1, R1)
 assert_close(score, ellhat_of(mu1, X, B1, qs))
 assert_close(page_score(qs, mu1, B1, R1, scale=0.5), ellhat_of(mu1, X, B1, qs * 0.5 * math.sqrt(d)))
+
 
 # %%
 #| export
@@ -1439,6 +1463,7 @@ def page_lse_exact(q: Tensor, K: Tensor, scale: float | None = None) -> Tensor:
     wd = _work_dtype(q, K)
     logits = (K.to(wd) @ q.to(wd).unsqueeze(-1)).squeeze(-1)
     return torch.logsumexp(logits * _scale(scale, q.shape[-1]), -1)
+
 
 # %%
 assert_close(page_lse_exact(qs, K), ell_of(K, qs))

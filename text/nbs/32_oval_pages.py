@@ -141,11 +141,13 @@ def always_kept(T: int, page_size: int, sink: int, recent: int) -> tuple[int, in
     recent_start = max(sink_end, min((T // m) * m, ((T - recent) // m) * m if recent else T))
     return sink_end, recent_start
 
+
 # %%
 test_eq(always_kept(100, 8, 4, 8), (8, 88))
 test_eq(always_kept(100, 8, 0, 0), (0, 96))
 test_eq(always_kept(37, 8, 1, 1), (8, 32))
 test_eq(always_kept(16, 8, 20, 0), (16, 16))   # a sink longer than the cache: all of it
+
 
 # %% [markdown]
 # On the same 100 tokens with a budget of 40: sink page 0 and recent page 11 hold 8 + 12 tokens (the partial page
@@ -175,12 +177,14 @@ def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int,
     return torch.cat([torch.arange(first, device=dev).expand(*lead, -1), top,
                       torch.arange(last, P, device=dev).expand(*lead, -1)], -1)
 
+
 # %%
 _w = torch.tensor([[[5.0, 1, 9, 2, 8, 3, 0, 4, 6, 7, 9, 9]]])
 test_eq(top_pages(_w, 40, 8, 4, 8, 100), torch.tensor([[[0, 2, 10, 11]]]))   # 9 at pages 2 and 10 (page 11 is recent)
 test_eq(top_pages(_w, 100, 8, 4, 8, 100), torch.arange(12).view(1, 1, 12))   # the cache fits: every page
 test_fail(lambda: top_pages(_w, 40, 8, 4, 8, 90), contains="P = T // page_size")
 test_fail(lambda: top_pages(_w.fill_(math.nan), 40, 8, 4, 8, 100), contains="NaN")
+
 
 # %% [markdown]
 # Pages 0 and 2 of 4 tokens and a partial page of 13 tokens, by hand:
@@ -194,9 +198,11 @@ def page_tokens(pages: Tensor, page_size: int, T: int) -> Tensor:
     return torch.cat([(pages.unsqueeze(-1) * m + torch.arange(m, device=pages.device)).flatten(-2),
                       tail.expand(*pages.shape[:-1], -1)], -1)
 
+
 # %%
 test_eq(page_tokens(torch.tensor([[0, 2]]), 4, 13), torch.tensor([[0, 1, 2, 3, 8, 9, 10, 11, 12]]))
 test_eq(page_tokens(torch.tensor([[1]]), 4, 8), torch.tensor([[4, 5, 6, 7]]))   # no partial page
+
 
 # %% [markdown]
 # The loop reference adds whole pages by decreasing weight until the next would exceed the budget; on the example
@@ -222,10 +228,12 @@ def select_pages_reference(page_scores: Tensor, token_budget: int, page_size: in
             out[-1].append(sorted(kept))
     return out
 
+
 # %%
 test_eq(select_pages_reference(torch.arange(12.0).view(1, 1, 12), 40, 8, 4, 8, 100),
         [[list(range(8)) + list(range(72, 100))]])
 test_eq(select_pages_reference(torch.zeros(1, 1, 4), 40, 8, 0, 0, 37), [[list(range(37))]])   # the cache fits
+
 
 # %% [markdown]
 # `select_pages` against the loop reference, on budgets around the cache, sink and recent regions that overlap,
@@ -270,6 +278,7 @@ def summary_scalars(method: str | PageSummary, page_size: int, head_dim: int, ra
     "Scalars stored per page and KV head by a method's summary (oracle: the m*d keys it reads)."
     spec = make_summary(method, check_int(rank, "rank", 1))
     return spec.scalars(check_int(page_size, "page_size", 1), check_int(head_dim, "head_dim", 1))
+
 
 # %%
 K, V, G = _random_cache(T=64, d=16)
@@ -455,6 +464,7 @@ def _reserve(buf: Tensor | None, used: int, need: int, dim: int, like: Tensor) -
     if used: new.narrow(dim, 0, used).copy_(buf.narrow(dim, 0, used))
     return new
 
+
 # %%
 _b = _reserve(None, 0, 3, 1, torch.zeros(2, 1))
 test_eq(_b.shape, (2, 3))                                    # the first: exactly what is needed
@@ -510,6 +520,7 @@ test_eq(PackedPages(OVALSummary(rank=3), 8).spec.name, "oval")
 test_fail(lambda: PackedPages("keypca", 0), contains="page_size")
 test_fail(lambda: PackedPages("pq", 8), contains="method must be one of")
 
+
 # %% [markdown]
 # Check: on a GQA cache with a trailing partial page, pages appended in uneven chunks (as they
 # complete during decode) give the same tensors as summaries built at once, in every method; a summary of
@@ -560,6 +571,7 @@ for method in METHODS:
 test_fail(lambda: packed.append(build_summaries("quest", K, V, 8)), contains="this store holds")
 rank3 = PackedPages("keypca", 8).append(build_summaries("keypca", K, V, 8, rank=3))
 test_fail(lambda: rank3.append(build_summaries("keypca", K, V, 8, rank=2)), contains="head count or rank")
+
 
 # %% [markdown]
 # The packed scores equal `score_pages`'s and the loop reference's, for one query and for several, in every method:
@@ -617,6 +629,7 @@ def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
     out[:, :, n * m:] = x[:, :, P * m:]
     return out
 
+
 # %%
 from sparsekv.attention import gather_keys
 
@@ -628,6 +641,7 @@ for T in (100, 96, 37):
     test_eq(page_tokens(ids, 8, T), select_pages(w[..., :T // 8], 40, 8, 4, 8, T))
     test_eq(gather_pages(k, ids, 8), gather_keys(k, page_tokens(ids, 8, T)))
 test_fail(lambda: gather_pages(K, ids.int(), 8), contains="pages must be int64")
+
 
 # %% [markdown]
 # `page_attention` equals exact attention over those tokens, `attend_selected` (a masked softmax over the gathered
@@ -737,6 +751,7 @@ test_fail(lambda: PageRetrievalPolicy("oval", 16, policy="sum"), contains="polic
 test_fail(lambda: PageRetrievalPolicy("oval", 16, tau=math.nan), contains="tau must be a finite number")
 test_fail(lambda: PageRetrievalPolicy("oval", 0), contains="token_budget")
 
+
 # %% [markdown]
 # OVAL's metric comes from the layer's `o_proj` once per layer; a summary without a metric (Quest) needs none:
 
@@ -763,6 +778,7 @@ assert_close(pol.metric(_dctx(30)), output_metric(attn.o_proj.weight.detach(), 4
 assert pol.metric(_dctx(31)) is pol.metrics[1]
 test_eq(PageRetrievalPolicy("quest", 16).metric(_dctx(30)), None)
 test_fail(lambda: pol.metric(_dctx(30, layer=2, module=None)), contains="needs the attention module")
+
 
 # %% [markdown]
 # `track` keeps the last `spec_steps + 1` decode queries of a layer and hands back the oldest once there are
@@ -801,6 +817,7 @@ test_eq(pol.track(_qs[0], _k[:, :, :20], _dctx(20, B=2)), None)           # a ca
 test_eq(len(pol.history[1]), 1)
 test_eq(PageRetrievalPolicy("quest", 16).track(_qs[0], _k, _dctx(40, B=2)), None)   # no speculation
 
+
 # %% [markdown]
 # Beam search is supported: the policy hooks each cache layer it decodes with
 # (`follow_batch_ops`); when `generate` reorders, repeats or selects the cache's batch rows, the
@@ -834,6 +851,7 @@ test_eq(pol.seen[1][0], _k[[1, 1], :, :1])
 assert 1 not in pol.summaries
 assert pol.rows[1][0] is row1 and pol.rows[1][1] is not row1 and pol.rows[1][1].budget == 16
 
+
 # %% [markdown]
 # The packed summaries of a layer grow with its cache, page by page, and equal those built from scratch:
 
@@ -862,6 +880,7 @@ for T in (30, 37, 40):
     for n, x in fresh.tensors.items(): assert_close(packed.tensors[n], x)
 test_eq((packed.n_pages, pol.built), (10, 10))                           # each page summarized once
 
+
 # %%
 #| export
 @patch_to(PageRetrievalPolicy)
@@ -875,6 +894,7 @@ _q0 = _qs[0][:, :, 0]
 assert_close(pol.weights(packed, _q0, 2, 0.25), aggregate_gqa(score_pages("oval", fresh, _q0, 0.25), 2))
 test_eq(PageRetrievalPolicy("oval", 16, policy="max").weights(packed, _q0, 2, 0.25),
         aggregate_gqa(packed.scores(_q0, 0.25), 2, "max"))
+
 
 # %% [markdown]
 # **Padded batches.** In a left-padded batch the model's mask hides each row's padding. Pages, sink and
@@ -901,6 +921,7 @@ test_eq(pol.padding(_dctx(30, B=2, mask=_mask)), _mask[:, 0, 0])
 test_eq(pol.padding(_dctx(30, B=2)), None)                                # nothing padded
 test_eq(pol.padding(_dctx(30, B=2, mask=_mask, kind="prefill")), None)
 test_eq(pol.padding(_dctx(30, B=2, mask=_mask, layer=0)), None)           # a dense layer
+
 
 # %% [markdown]
 # `page_ids` runs the steps above for a decode query. Checked with a small budget: each decode step's output
@@ -988,6 +1009,7 @@ for j, (a, b, c) in enumerate(zip(plain, _steps(never, qs), _steps(always, qs)))
     test_eq(b, select_pages(w, 16, 4, 4, 4, T))
 test_eq((never.corrected, never.speculated, always.corrected, always.speculated), (0, 6, 6, 6))
 
+
 # %% [markdown]
 # A row's policy has this one's settings and output metrics, and no state of its own yet:
 
@@ -1008,6 +1030,7 @@ test_eq((row.budget, row.spec_steps, row.tau, row.speculated, row.summaries, row
 test_eq(never.speculated, 6)                                               # the policy keeps its own
 row = pol.row_policy()
 assert row.metrics is pol.metrics and row.summaries is not pol.summaries and row.built == 0 < pol.built
+
 
 # %% [markdown]
 # Padded batches, with every summary: a prompt of 40 tokens and one of 27 left-padded to 40 (13 padding
@@ -1065,6 +1088,7 @@ with torch.no_grad():
                 test_eq(out[b, 40 - row.shape[1]:], tiny.generate(row, attention_mask=torch.ones_like(row), **gen)[0])
         test_eq((pol.last[1, :, 13:17].all().item(), pol.last[1, :, :13].any().item()), (True, False))
         assert (pol.last.sum(-1) < pmask.sum(-1)[:, None] + 4).all()  # both rows select (4 tokens decoded so far)
+
 
 # %% [markdown]
 # Generation on the tiny model: when sink and recent cover the sequence (the retrieval path
@@ -1151,6 +1175,7 @@ class PageRetrieval(Method):
         "The first layers, dense at decode too (the policy's default)."
         return self.policy().dense_layers
 
+
 # %%
 class _MinMax(PageRetrieval):  # Quest's summary and page cost, unregistered
     summary = "quest"
@@ -1166,6 +1191,7 @@ test_eq(q.scoring_cost(shape, 4096, "decode"), ScoringCost(384 / 32, 384 * 128, 
 test_eq(q.scoring_cost(shape, 200, "decode").per_step, 0)  # the cache fits the budget: dense
 test_fail(lambda: PageRetrieval.page_cost(q, shape), contains="must implement page_cost")  # a subclass states it
 
+
 # %%
 #| export
 class Quest(PageRetrieval):
@@ -1176,8 +1202,10 @@ class Quest(PageRetrieval):
         "[q+, q-] times [k_max, k_min] per query head: 2 G D."
         return 2 * shape.G * shape.D
 
+
 # %%
 test_eq(Quest(256).page_cost(shape), 2 * 3 * 64)
+
 
 # %%
 #| export
@@ -1189,8 +1217,10 @@ class ArkVale(PageRetrieval):
         "[q, |q|] times [centre, radius] per query head: G (D + 1)."
         return shape.G * (shape.D + 1)
 
+
 # %%
 test_eq(ArkVale(256).page_cost(shape), 3 * (64 + 1))
+
 
 # %%
 #| export
@@ -1203,9 +1233,11 @@ class KeyPCA(PageRetrieval):
         r = min(self.rank, self.page_size - 1, shape.D)
         return shape.G * (shape.D * (r + 1) + self.page_size * r)
 
+
 # %%
 test_eq(KeyPCA(256).page_cost(shape), 3 * (64 * 9 + 32 * 8))  # r = 8
 test_eq(KeyPCA(256, page_size=4).page_cost(shape), 3 * (64 * 4 + 4 * 3))  # r = m - 1 = 3
+
 
 # %%
 #| export
@@ -1222,8 +1254,10 @@ class OVAL(PageRetrieval):
 
     page_cost = KeyPCA.page_cost  # the same summary format as key PCA (§3.3)
 
+
 # %%
 test_eq((OVAL(256).page_cost(shape), OVAL(256, eta=0.25).options()["eta"]), (KeyPCA(256).page_cost(shape), 0.25))
+
 
 # %%
 #| export
@@ -1234,6 +1268,7 @@ class OraclePages(PageRetrieval):
     def page_cost(self, shape):
         "Every key of the page times each query head: G m D."
         return shape.G * self.page_size * shape.D
+
 
 # %%
 test_eq(OraclePages(256).page_cost(shape), 3 * 32 * 64)

@@ -148,7 +148,6 @@ def _masked_mean(x: torch.Tensor, mask) -> torch.Tensor:
 test_eq(_masked_mean(torch.tensor([1.0, 2.0, 6.0]), None).item(), 3.0)
 test_eq(_masked_mean(torch.tensor([1.0, 2.0, 6.0]), torch.tensor([True, False, True])).item(), 3.5)
 
-
 # %% [markdown]
 # Logits of long sequences are large (`[8192, 49152]` is 1.6 GB in float32), and a softmax
 # makes several copies. The per-position metrics therefore run over blocks of rows of the
@@ -1596,7 +1595,6 @@ test_fail(lambda: pass_at_k([True, False], 1), contains="2-D array")
 #| export
 WALL_TIME, ROW_CHECK = "wall_s", "row_check"
 _RESERVED = (WALL_TIME, ROW_CHECK)
-
 
 # %%
 # the column names results files hold: renaming them would orphan every finished cell on disk

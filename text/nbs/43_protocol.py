@@ -63,6 +63,7 @@ from sparsekv.models import tiny_model
 
 torch.set_num_threads(1)  # small tensors: threads only add overhead
 
+
 # %% [markdown]
 # ## Measured budgets
 #
@@ -83,6 +84,7 @@ def _mean_max(rows: list[dict]) -> tuple[float, float]:
     "Mean over the queries of every row (a head of a layer) and the max of their maxes."
     if not rows: return math.nan, math.nan
     return sum(r["mean"] * r["queries"] for r in rows) / sum(r["queries"] for r in rows), max(r["max"] for r in rows)
+
 
 # %%
 test_eq(_mean_max([dict(mean=2.0, queries=1, max=3), dict(mean=5.0, queries=3, max=9)]), ((2 + 15) / 4, 9))
@@ -110,6 +112,7 @@ def measured_budget(meter: AttendedBudget, n_keys: int | None = None) -> dict:
     out["dense_layers"] = len(dense) if len(sparse) < len(dec) else 0
     out["decode_reads"] = _mean_max(dec)[0]
     return out
+
 
 # %%
 model, tok = tiny_model("tiny-llama")
@@ -190,9 +193,11 @@ def _builds(make: Callable[..., Method], name: str, budget: int, params: dict) -
     except ValueError: return False
     return True
 
+
 # %%
 test_eq([_builds(methods.make, "quest", b, SMALL["quest"]) for b in (7, 8)], [False, True])   # sink + recent = 8
 test_eq(_builds(methods.make, "streaming_llm", 1, {}), True)
+
 
 # %% [markdown]
 # `fit_budget`'s check against a scan of every nominal budget, for one method of each family on the tiny model
@@ -228,6 +233,7 @@ def fit_budget(name: str, target: int, measure: Callable[[Method], dict], phase:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if most(mid) <= target else (lo, mid - 1)
     return make(name, lo, **params), seen[lo]
+
 
 # %%
 def probe(m: Method) -> dict:
@@ -293,11 +299,13 @@ def item_hash(item: dict) -> str:
     "A short hash of an item's prompt, answer prefix and answer: its key in a results grid (new text, new key)."
     return hashlib.sha256(json.dumps([item["prompt"], item["answer_prefix"], item["answer"]]).encode()).hexdigest()[:16]
 
+
 # %%
 test_eq(item_hash(dict(prompt="p", answer_prefix="a", answer="x", seed=3)),
         hashlib.sha256(b'["p", "a", "x"]').hexdigest()[:16])             # by hand; other fields do not count
 assert item_hash(dict(prompt="p", answer_prefix="a", answer="y")) != item_hash(dict(prompt="p", answer_prefix="a",
                                                                                      answer="x"))
+
 
 # %%
 #| export
@@ -305,11 +313,13 @@ def prompt_ids(tok, item: dict, device=None) -> torch.Tensor:
     "Token ids `[1, L]` of an item's prompt, a space and its answer prefix."
     return tok(item["prompt"] + " " + item["answer_prefix"], return_tensors="pt").input_ids.to(device)
 
+
 # %%
 item = make_task("passkey", tok, 200, seed=0, depth=0.5)
 item_ids = prompt_ids(tok, item)
 test_eq((item_ids.ndim, item_ids.shape[0], item_ids.dtype), (2, 1, torch.long))
 assert tok.decode(item_ids[0], skip_special_tokens=True).endswith(item["prompt"][-20:] + " " + item["answer_prefix"])
+
 
 # %%
 #| export
@@ -317,10 +327,12 @@ def prefills_densely(method: Method) -> bool:
     "Whether `method` prefills with dense attention into transformers' own cache (dense, page retrieval)."
     return method.family in ("dense", "retrieval") and method.chunk_size is None
 
+
 # %%
 pages = dict(page_size=4, sink=4, recent=4)  # pages of 4 so a 24-entry budget retrieves some
 four = (methods.make("dense"), methods.make("quest", 24, **pages), methods.make("quoka", 24), methods.make("tova", 24))
 test_eq([prefills_densely(m) for m in four], [True, True, False, False])
+
 
 # %%
 #| export
@@ -334,12 +346,14 @@ def dense_prefill(model, ids: torch.Tensor) -> dict:
     return {"ids": ids, "cache": cache, "logits": logits, "budget": measured_budget(meter),
             "seconds": time.perf_counter() - start}
 
+
 # %%
 shared = dense_prefill(model, item_ids)
 L = item_ids.shape[1]
 with torch.no_grad(): torch.testing.assert_close(shared["logits"], model(item_ids).logits[:, -1])
 test_eq((shared["cache"].get_seq_length(), shared["budget"]["prefill_max"]), (L, L))   # the last query sees all L
 assert math.isnan(shared["budget"]["decode_max"]) and shared["seconds"] > 0
+
 
 # %%
 #| export
@@ -355,6 +369,7 @@ def _generate_after(method: Method, model, ids: torch.Tensor, n_new: int, prefil
         return model.generate(out, past_key_values=copy.deepcopy(prefilled["cache"]), max_new_tokens=n_new - 1,
                               **kwargs)
 
+
 # %%
 greedy = dict(do_sample=False, pad_token_id=0)
 test_eq(_generate_after(methods.make("dense"), model, item_ids, 4, shared, **greedy),
@@ -362,6 +377,7 @@ test_eq(_generate_after(methods.make("dense"), model, item_ids, 4, shared, **gre
 test_eq(shared["cache"].get_seq_length(), L)                                   # it decoded from a copy
 test_fail(lambda: _generate_after(methods.make("dense"), model, item_ids[:, 1:], 4, shared), contains="another prompt")
 test_fail(lambda: _generate_after(methods.make("quoka", 24), model, item_ids, 4, shared), contains="prefilled: quoka")
+
 
 # %% [markdown]
 # The check of `answer`: on the tiny model and a passkey item, every method that prefills densely answers the same
@@ -385,6 +401,7 @@ def answer(method: Method, model, tok, item: dict, extra_tokens: int = 3, prefil
     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     return {"correct": int(score_exact(text, item["answer"]) == 1.0), "completion": text.replace("\n", "\\n"),
             **budget, "seconds": seconds}
+
 
 # %%
 for m in [methods.make("dense")] + [methods.make(n, 24, **pages) for n in methods.names("retrieval")]:
@@ -420,6 +437,7 @@ def _check_windows(ids, prefix: int) -> int:
         raise ValueError(f"prefix must be below the windows' {ids.shape[1]} tokens, got {prefix}")
     return prefix
 
+
 # %%
 wins = torch.randint(3, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
 win = wins[:1]
@@ -427,6 +445,7 @@ test_eq(_check_windows(wins, 47), 47)
 test_fail(lambda: _check_windows(wins, 48), contains="prefix must be below")
 test_fail(lambda: _check_windows(wins[0], 8), contains="ids must be a [B, S]")
 test_fail(lambda: _check_windows(wins, 0), contains="prefix must be")
+
 
 # %%
 #| export
@@ -452,11 +471,13 @@ def window_logits(method: Method, model, ids: torch.Tensor, prefix: int, times: 
         times |= {"prefill_s": decoding - start, "step_s": (end - decoding) / max(1, len(steps) - 1)}
     return torch.stack(steps, 1)
 
+
 # %%
 times = {}
 with measure_attended() as meter: dense_steps = window_logits(methods.make("dense"), model, wins, 32, times)
 with torch.no_grad(): torch.testing.assert_close(dense_steps, model(input_ids=wins).logits[:, 31:-1])
 test_eq(sorted(times), ["prefill_s", "step_s"])
+
 
 # %%
 #| export
@@ -466,10 +487,12 @@ def memory_columns(meter: AttendedBudget) -> dict:
     got = {"peak": meter.stored(), "decode": meter.stored("decode")}
     return {f"kv_{p}": g["entries"] for p, g in got.items()} | {f"kv_bytes_{p}": g["bytes"] for p, g in got.items()}
 
+
 # %%
 kv_bytes = model.config.num_hidden_layers * 2 * model.config.num_key_value_heads * model.config.head_dim * 4
 test_eq(memory_columns(meter), {"kv_peak": 47, "kv_decode": 47, "kv_bytes_peak": 47 * kv_bytes,
                                 "kv_bytes_decode": 47 * kv_bytes})   # dense: every one of the 47 tokens fed, kept
+
 
 # %% [markdown]
 # The checks of `continuation`: dense attention agrees with itself at every step (KL 0) and its NLL is the plain
@@ -497,6 +520,7 @@ def continuation(method: Method, model, ids: torch.Tensor, prefix: int, dense_lo
     return [{"agreement": float(top1_agreement(g, d)), "kl": float(kl_to_teacher(g, d)),
              "nll": float(token_nll(g, y, shift=False)[0].mean()), **budget, **cost}
             for g, d, y in zip(got, dense_logits, ids[:, prefix:])]
+
 
 # %%
 (dense_row,) = continuation(methods.make("dense"), model, win, prefix=32)

@@ -61,6 +61,7 @@ def decide(lo: float, hi: float, n: int, margin: float = 0.0, side: str = "above
     if hi < margin: return "refuted"
     return "tied" if margin == 0 else "undecided"
 
+
 # %% [markdown]
 # Checked against the table above case by case, and the two sides against each other: a claim
 # "below $m$" is the claim "above $-m$" on the negated interval.
@@ -76,6 +77,7 @@ rng = np.random.default_rng(0)
 for _ in range(200):
     (lo, hi), m = np.sort(rng.normal(size=2)), rng.normal()
     assert decide(lo, hi, 55, m, "below") == decide(-hi, -lo, 55, -m, "above")
+
 
 # %% [markdown]
 # ## Measures
@@ -106,6 +108,7 @@ class Measure:
             keep &= table[col].isin(want if isinstance(want, list) else [want]).to_numpy()
         keep &= table[self.metric].notna().to_numpy()  # a correlation of a constant is NaN: no value, not a zero
         return table[keep].groupby(list(self.item))[self.metric].mean()
+
 
 # %%
 t = pd.DataFrame({"window": [0, 0, 1, 1, 2], "method": ["x", "x", "x", "y", "x"], "m": [1.0, 3.0, 5.0, 7.0, 9.0]})
@@ -146,6 +149,7 @@ def _measure(d, where: str, source: str | None = None) -> Measure:
         raise ValueError(f"{where}.where must be a mapping, got {d['where']!r}")
     return Measure(src, d["metric"], tuple(item), d.get("where", {}))
 
+
 # %%
 assert _measure({"source": "g.csv", "metric": "m", "item": ["w"]}, "a") == Measure("g.csv", "m", ("w",))
 assert _measure({"metric": "m", "item": ["w"], "where": {"x": 1}}, "b", "g.csv").where == {"x": 1}
@@ -172,6 +176,7 @@ class Claim:
 def _number(x, name: str, ok) -> None:
     if isinstance(x, bool) or not ok(x): raise ValueError(f"{name}, got {x!r}")
 
+
 # %%
 #| export
 def parse_claim(d: dict) -> Claim:
@@ -195,6 +200,7 @@ def parse_claim(d: dict) -> Claim:
     return Claim(*(d[k] for k in _TEXT_KEYS), a, b, float(d.get("margin", 0.0)), d.get("side", "above"),
                d.get("min_n", 2), mech)
 
+
 # %%
 #| export
 def load_claims(path: str | os.PathLike) -> tuple[dict, list[Claim]]:
@@ -210,6 +216,7 @@ def load_claims(path: str | os.PathLike) -> tuple[dict, list[Claim]]:
     if len({c.id for c in claims}) != len(claims): raise ValueError(f"{path}: claim ids repeat")
     return models, claims
 
+
 # %%
 models, claims = load_claims("../reproduce/claims.yaml")
 assert "smollm2-135m" in models and {c.paper for c in claims} == {"QuoKA", "OVAL", "KVpop"}
@@ -219,6 +226,7 @@ assert parse_claim(_good) == Claim("x", "p", "c", "s", "m", Measure("g", "m", ("
 try: parse_claim({**_good, "sid": "below"})
 except ValueError as e: assert "sid" in str(e) and "claim x" in str(e)
 else: raise AssertionError("an unknown key must be refused")
+
 
 # %% [markdown]
 # ## Reading a grid for a model
@@ -265,6 +273,7 @@ def verdict_rows(claims: list[Claim], models: dict, root: str | os.PathLike = ".
     "The verdict table, one row per claim and model."
     return pd.DataFrame([evaluate(c, m, p, root) for c in claims for m, p in models.items()])
 
+
 # %% [markdown]
 # A check on a small grid written here: two methods on six prompts, one where `a` wins four and
 # loses none, so the paired interval lies above zero; the same rows under another model's name are
@@ -287,6 +296,7 @@ with tempfile.TemporaryDirectory() as d:
     assert (m1["n"], m1["estimate"], m1["verdict"]) == (6, 4 / 6, "confirmed") and m1["lo"] > 0, m1
     assert (m2["n"], m2["verdict"], m3["verdict"]) == (0, "not tested", "not tested")
     assert m1["source"] == "runs/p/g.csv" and m3["source"] is None
+
 
 # %% [markdown]
 # ## The table
@@ -322,11 +332,13 @@ def verdicts_markdown(rows: pd.DataFrame, claims: list[Claim]) -> str:
                                           *(_cell(rs[m]) for m in models), differ]).replace("\n", " ") + " |")
     return "\n".join(lines) + "\n"
 
+
 # %%
 assert _cell(dict(verdict="tied", n=16, estimate=-0.00012, lo=-0.00031, hi=0.00007)) == \
     "-0.00012 [-0.00031, +0.00007], n = 16: **tied**"  # an interval 0.0004 wide: five decimals
 md = verdicts_markdown(rows, [c])
 assert "+0.667 [" in md and "**confirmed**" in md and md.count("not tested") == 2 and md.count("\n") == 3
+
 
 # %% [markdown]
 # Under the table, one generated sentence says what changed with the model: the claims decided on
@@ -350,6 +362,7 @@ def agreement_summary(rows: pd.DataFrame) -> str:
             f"The same verdict on each: {say(same)}. Different verdicts: {say(differ)}. "
             f"Not decided yet: {say(pending)}.")
 
+
 # %%
 s = agreement_summary(pd.DataFrame({"claim": ["a", "a", "b", "b", "c", "c"], "model": ["m1", "m2"] * 3,
                                     "verdict": ["confirmed", "confirmed", "tied", "refuted", "refuted", "pending"]}))
@@ -360,4 +373,3 @@ assert "Different verdicts: b (m1 tied, m2 refuted)." in s and s.endswith("Not d
 # The `verdicts` stage of the pipeline (`reproduce/40_verdicts.ipynb`) writes this table for the
 # committed grids to `reproduce/runs/verdicts.md` with the rows beside it (`verdicts.csv`); the
 # README shows it, and `tests/test_verdicts.py` recomputes every cell from its grid.
-

@@ -47,10 +47,12 @@ def is_sync(op: str, args: tuple) -> bool:
     indices = args[1] if op == "aten.index" and len(args) > 1 else ()
     return any(t is not None and t.dtype == torch.bool for t in indices)
 
+
 # %%
 assert is_sync("aten.nonzero", ()) and not is_sync("aten.topk", ())
 _x = torch.arange(4.)
 assert is_sync("aten.index", (_x, [_x > 1])) and not is_sync("aten.index", (_x, [torch.tensor([0, 2])]))
+
 
 # %%
 #| export
@@ -76,6 +78,7 @@ class HostSyncs(TorchDispatchMode):
     @property
     def total(self) -> int: return sum(self.counts.values())
 
+
 # %% [markdown]
 # Checked on each way of reading a value back, against operations that stay on the device (a
 # `topk`, a gather, a `where` with three arguments, a mask applied by multiplication):
@@ -96,6 +99,7 @@ assert rec.total == 0, rec.counts
 def _reads_one(t): return t.max().item()  # noqa: E704
 with HostSyncs() as rec: _reads_one(x)
 assert list(rec.counts) == [("aten._local_scalar_dense", "?")]  # a line outside the library and transformers: '?'
+
 
 # %% [markdown]
 # ## A method's steps
@@ -120,6 +124,7 @@ def step_syncs(method: Method, model, input_ids: torch.Tensor, phase: str = "dec
             pos = torch.full((input_ids.shape[0], 1), S - 1)
             with rec: model(input_ids[:, -1:], past_key_values=cache, position_ids=pos, use_cache=True)
     return rec
+
 
 # %% [markdown]
 # Checked on the tiny model: unpatched (dense) attention reads nothing back, in a decode step or a

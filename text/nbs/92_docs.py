@@ -453,6 +453,7 @@ def include_files(md: str, root: Path) -> str:
         return path.read_text().strip()
     return _re_include.sub(text, md)
 
+
 # %%
 import tempfile
 
@@ -463,6 +464,7 @@ with tempfile.TemporaryDirectory() as _d:
     try: include_files("<!-- include: none.md -->", Path(_d))
     except FileNotFoundError as e: assert "none.md" in str(e)
     else: raise AssertionError("a missing file must be an error")
+
 
 # %%
 #| export
@@ -612,6 +614,7 @@ assert 'make reproduce PROFILE=cpu-full ARGS="--only calibration"' in _page
 assert _page.index("## calibration\n") < _page.index("## calibration (`cpu-full`")
 assert "(`cpu-full` profile" not in _page.replace("## calibration (`cpu-full`", "")  # only the stage that has one
 
+
 # %% [markdown]
 # ## 4. The Pipeline page
 #
@@ -632,6 +635,7 @@ def stage_timings(runs: Path) -> list[dict]:
                          finished=made.get("finished"), threads=(made.get("params") or {}).get("threads")))
     return rows
 
+
 # %%
 def _stamp(runs: Path, profile: str, stage: str, text: str):
     (runs/profile/".stamps").mkdir(parents=True, exist_ok=True)
@@ -651,6 +655,7 @@ test_eq([(r["profile"], r["stage"], r["seconds"]) for r in _rows],
 test_eq([(r["finished"], r["threads"]) for r in _rows],
         [("2026-12-03T16:07:27", None), ("2026-12-04T23:32:08", [1, 2]), (None, None)])
 
+
 # %% [markdown]
 # Each cell of the table reads the time the way a person says it, the day the run finished and, where the
 # stage's parameters set them, the torch threads it ran with.
@@ -666,12 +671,14 @@ def timing_cell(row: dict | None) -> str:
     if threads is None: return cell
     return cell + ", threads " + ", ".join(map(str, threads if isinstance(threads, list) else [threads]))
 
+
 # %%
 test_eq(timing_cell(None), "")
 test_eq(timing_cell(dict(seconds=8.0, finished="2026-12-03T16:07:27", threads=None)), "~8 s, 2026-12-03")
 test_eq(timing_cell(dict(seconds=267.2, finished="2026-12-04T23:32:08", threads=[1, 2])),
         "~4 min, 2026-12-04, threads 1, 2")
 test_eq(timing_cell(dict(seconds=4078, finished=None, threads=1)), "~1 h 08 min, threads 1")
+
 
 # %% [markdown]
 # The table: stages in the order given (the pipeline's), any other stamped stage after them by name;
@@ -693,6 +700,7 @@ def timing_table(rows: list[dict], order: list[str] = ()) -> str:
     lines = ["| stage | " + " | ".join(f"`{p}`" for p in profiles) + " |", "|---" * (len(profiles) + 1) + "|"]
     for s in stages: lines.append(f"| `{s}` | " + " | ".join(timing_cell(cells.get((s, p))) for p in profiles) + " |")
     return "\n".join(lines)
+
 
 # %%
 test_eq(timing_table([]), "*No stage has run yet: there is no stamp under `reproduce/runs/<profile>/.stamps/`.*")
@@ -790,6 +798,7 @@ def write_pipeline_page(site: Path, root: Path, runs: Path | None = None) -> Pat
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, site/"pipeline.ipynb")
     return site/"pipeline.ipynb"
+
 
 # %%
 with tempfile.TemporaryDirectory() as _d:
