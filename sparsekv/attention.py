@@ -87,6 +87,7 @@ def require_data(name: str, x: Tensor | None) -> None:
 class IntArgumentError(ValueError, TypeError):
     "A bad integer argument; a `TypeError` too, since a non-integer is also the wrong type."
 
+# %% ../nbs/00_attention.ipynb #e9ec313d
 def check_int(x, name: str, lo: int = 0, hi: int | None = None) -> int:
     "`x` as an `int` if it is an integer (not a bool) in [`lo`, `hi`]; else raise naming `name` and the range."
     msg = f"{name} must be " + (f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]") + f", got {x!r}"
@@ -105,32 +106,38 @@ def and_masks(*preds):
     if not preds: raise ValueError("and_masks needs at least one predicate")
     return lambda p, t: functools.reduce(operator.and_, (f(p, t) for f in preds))
 
+# %% ../nbs/00_attention.ipynb #7d146ba0
 def or_masks(*preds):
     "The predicate (p, t) -> bool true where any one of `preds` is true."
     if not preds: raise ValueError("or_masks needs at least one predicate")
     return lambda p, t: functools.reduce(operator.or_, (f(p, t) for f in preds))
 
+# %% ../nbs/00_attention.ipynb #f025e8f1
 def not_mask(pred):
     "The predicate (p, t) -> bool true where `pred` is false."
     return lambda p, t: ~pred(p, t)
 
-# %% ../nbs/00_attention.ipynb #05b58605
+# %% ../nbs/00_attention.ipynb #af92d225
 def is_causal(p, t):
     "Key position t is at or before query position p."
     return t <= p
 
+# %% ../nbs/00_attention.ipynb #ace7f802
 def in_sinks(s: int):
     "Predicate: key t is one of the first `s` positions (an attention sink), t < s."
     return lambda p, t: t < s
 
+# %% ../nbs/00_attention.ipynb #39e023dd
 def in_window(w: int):
     "Predicate: key t is among the `w` most recent positions of query p (p itself included), p - t < w."
     return lambda p, t: p - t < w
 
+# %% ../nbs/00_attention.ipynb #777e7642
 def sink_window_visible(s: int, w: int):
     "Predicate of StreamingLLM's pattern (the fixed part of KVpop Eq. (1)): causal and (sink or window)."
     return and_masks(is_causal, or_masks(in_sinks(s), in_window(w)))
 
+# %% ../nbs/00_attention.ipynb #c485aba2
 def evictable(s: int, w: int):
     "Predicate of E(p) = {t : s <= t <= p - w} (KVpop Eq. (4)): causal keys neither sinks nor window protect."
     return and_masks(is_causal, not_mask(or_masks(in_sinks(s), in_window(w))))
@@ -165,6 +172,7 @@ def softmax_scale(scale: float | None, D: int) -> float:
         raise ValueError(f"scale must be a finite number or None (for 1/sqrt(D)), got {scale!r}")
     return float(scale)
 
+# %% ../nbs/00_attention.ipynb #5f278696
 def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: float | None = None) -> Tensor:
     "Scores s_ij = scale * q_i.k_j, [B, Hq, Sq, Sk] in float32 (float64 input: float64), -inf where `mask` is False."
     G = check_qkv(q, k)
@@ -231,10 +239,12 @@ def position_mask_mod(pred, offset: int = 0):
     def mask_mod(b, h, q_idx, kv_idx): return pred(q_idx + offset, kv_idx)
     return mask_mod
 
+# %% ../nbs/00_attention.ipynb #bd52b0e5
 def causal_mask_mod(offset: int = 0):
     "FlexAttention mask_mod of `causal_mask`: query i sees key j iff j <= i + offset."
     return position_mask_mod(is_causal, offset)
 
+# %% ../nbs/00_attention.ipynb #8face67a
 def mask_mod_from_bool(mask: Tensor):
     "FlexAttention mask_mod reading a captured boolean mask [B, H, Sq, Sk] (True = attend)."
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
@@ -244,6 +254,7 @@ def mask_mod_from_bool(mask: Tensor):
     def mask_mod(b, h, q_idx, kv_idx): return mask[b, h, q_idx, kv_idx]
     return mask_mod
 
+# %% ../nbs/00_attention.ipynb #6478fd31
 def bias_score_mod(bias: Tensor):
     "FlexAttention score_mod adding a captured bias [B, H, Sq, Sk] to each score."
     if not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.dim() != 4:
@@ -252,7 +263,7 @@ def bias_score_mod(bias: Tensor):
     def score_mod(score, b, h, q_idx, kv_idx): return score + bias[b, h, q_idx, kv_idx]
     return score_mod
 
-# %% ../nbs/00_attention.ipynb #a69c6baf
+# %% ../nbs/00_attention.ipynb #28ec9f49
 def block_mask_from_bool(mask: Tensor, shape: tuple) -> BlockMask:
     "FlexAttention BlockMask for a boolean mask broadcastable to `shape` = (B, Hq, Sq, Sk), True = attend."
     B, H, Sq, Sk = shape
@@ -261,16 +272,18 @@ def block_mask_from_bool(mask: Tensor, shape: tuple) -> BlockMask:
     return create_block_mask(mask_mod_from_bool(mask.expand(shape)), None if mask.shape[0] == 1 else B,
                              None if mask.shape[1] == 1 else H, Sq, Sk, device=mask.device)
 
+# %% ../nbs/00_attention.ipynb #ea42d795
 def causal_block_mask(Sq: int, Sk: int, device=None, offset: int | None = None) -> BlockMask:
     "FlexAttention BlockMask of `causal_mask(Sq, Sk, device, offset)`."
     return create_block_mask(causal_mask_mod(Sk - Sq if offset is None else offset), None, None, Sq, Sk, device=device)
 
-# %% ../nbs/00_attention.ipynb #bd52b0e5
+# %% ../nbs/00_attention.ipynb #4d3ff922
 @functools.cache
 def compiled_flex_attention():
     "`flex_attention` through `torch.compile`, built once per process (the fused kernel on CUDA)."
     return torch.compile(flex_attention)
 
+# %% ../nbs/00_attention.ipynb #f2bc8a1a
 def flex_attention_lse(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask | None = None, score_mod=None,
                        scale: float | None = None, enable_gqa: bool | None = None) -> tuple[Tensor, Tensor]:
     """FlexAttention returning (out in q's dtype, lse [B,Hq,Sq] float32 natural log); compiled on CUDA, eager on CPU.

@@ -151,27 +151,37 @@ class EvictingLayer(DynamicLayer):
         self.scores = torch.zeros(key_states.shape[:2] + (0,), dtype=torch.float32, device=self.device)
         self.is_initialized = True
 
-    def arm(self) -> None:
-        "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
-        self.armed = True
+# %% ../nbs/04_cache.ipynb #ade6ced3
+@patch_to(EvictingLayer)
+def arm(self) -> None:
+    "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
+    self.armed = True
 
-    def get_seq_length(self) -> int:
-        "Number of tokens seen (the next token's position), not the number kept."
-        return self.seen
+# %% ../nbs/04_cache.ipynb #64134fb8
+@patch_to(EvictingLayer)
+def get_seq_length(self) -> int:
+    "Number of tokens seen (the next token's position), not the number kept."
+    return self.seen
 
-    def get_max_length(self) -> int:
-        "-1: no maximum (the budget bounds what is kept, not the tokens seen)."
-        return -1
+# %% ../nbs/04_cache.ipynb #53c3b878
+@patch_to(EvictingLayer)
+def get_max_length(self) -> int:
+    "-1: no maximum (the budget bounds what is kept, not the tokens seen)."
+    return -1
 
-    def _apply(self, fn) -> None:
-        "Apply `fn` to keys, values, positions and scores."
-        if self.is_initialized:
-            self.keys, self.values, self.positions, self.scores = map(
-                fn, (self.keys, self.values, self.positions, self.scores))
+# %% ../nbs/04_cache.ipynb #c44167e2
+@patch_to(EvictingLayer)
+def _apply(self, fn) -> None:
+    "Apply `fn` to keys, values, positions and scores."
+    if self.is_initialized:
+        self.keys, self.values, self.positions, self.scores = map(
+            fn, (self.keys, self.values, self.positions, self.scores))
 
-    def reset(self) -> None:
-        self._apply(lambda x: x[:, :, :0])
-        self.seen = 0
+# %% ../nbs/04_cache.ipynb #4e6eabb2
+@patch_to(EvictingLayer)
+def reset(self) -> None:
+    self._apply(lambda x: x[:, :, :0])
+    self.seen = 0
 
 # %% ../nbs/04_cache.ipynb #a71ec9dc
 @patch_to(EvictingLayer)
@@ -250,17 +260,17 @@ def apply_rows(self, fn) -> None:
     "Apply the batch-row map `fn` (see `row_map`) to all per-row state (here: keys, values, positions, scores)."
     self._apply(fn)
 
-
+# %% ../nbs/04_cache.ipynb #1c946585
 @patch_to(EvictingLayer)
 def reorder_cache(self, beam_idx: Tensor) -> None:
     self.apply_rows(row_map("reorder_cache", beam_idx))
 
-
+# %% ../nbs/04_cache.ipynb #e88bced9
 @patch_to(EvictingLayer)
 def batch_repeat_interleave(self, repeats: int) -> None:
     self.apply_rows(row_map("batch_repeat_interleave", repeats))
 
-
+# %% ../nbs/04_cache.ipynb #6b0d5576
 @patch_to(EvictingLayer)
 def batch_select_indices(self, indices: Tensor) -> None:
     self.apply_rows(row_map("batch_select_indices", indices))
@@ -370,17 +380,17 @@ def _rows(self, fn) -> None:
     self.update(keys, values)
     if self.capacity < cap: self._buffers(cap, keys, values)
 
-
+# %% ../nbs/04_cache.ipynb #a9433dfc
 @patch_to(GrowingLayer)
 def reorder_cache(self, beam_idx: Tensor) -> None:  # noqa: F811
     self._rows(row_map("reorder_cache", beam_idx))
 
-
+# %% ../nbs/04_cache.ipynb #e417ea3c
 @patch_to(GrowingLayer)
 def batch_repeat_interleave(self, repeats: int) -> None:  # noqa: F811
     self._rows(row_map("batch_repeat_interleave", repeats))
 
-
+# %% ../nbs/04_cache.ipynb #8c7a2b08
 @patch_to(GrowingLayer)
 def batch_select_indices(self, indices: Tensor) -> None:  # noqa: F811
     self._rows(row_map("batch_select_indices", indices))

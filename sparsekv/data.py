@@ -129,6 +129,7 @@ def encode(tokenizer, texts: list[str]) -> list[list[int]]:
 def _prose_hash() -> str:
     return hashlib.sha256(prose_text().encode()).hexdigest()[:12]
 
+# %% ../nbs/02_data.ipynb #53d85d43
 _PROSE_TOKENS: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 def prose_tokens(tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -192,9 +193,11 @@ def _reasoning_gym():
         raise ModuleNotFoundError("reasoning problems need `reasoning-gym`: pip install 'sparsekv[data]'") from e
     return reasoning_gym
 
+# %% ../nbs/02_data.ipynb #2cf3ab77
 def _check_reasoning_task(task: str):
     if task not in REASONING_TASKS: raise ValueError(f"task must be one of {REASONING_TASKS}, got {task!r}")
 
+# %% ../nbs/02_data.ipynb #a68780c5
 def reasoning_problems(task: str, n: int, seed: int = 0, **config) -> list[dict]:
     "`n` problems `{question, answer, metadata}` of reasoning-gym dataset `task`; one seed gives the same problems."
     _check_reasoning_task(task)
@@ -233,6 +236,7 @@ def extract_final_answer(completion: str) -> str | None:
 def _scorer(task: str):
     return _reasoning_gym().create_dataset(task, seed=0, size=1).score_answer
 
+# %% ../nbs/02_data.ipynb #38f0af83
 def score_reasoning(task: str, item: dict, completion: str) -> float:
     "Score of `completion` for the problem `item` by the dataset's own `score_answer` (1.0 = correct)."
     _check_reasoning_task(task)
@@ -312,6 +316,7 @@ def _task_rng(name: str, seed: int) -> random.Random:
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     return random.Random(f"{name}:{seed}")  # str seeds hash deterministically across runs
 
+# %% ../nbs/02_data.ipynb #556c14fe
 def _check_context_tokens(context_tokens):
     if not isinstance(context_tokens, int) or context_tokens < 1:
         raise ValueError(f"context_tokens must be a positive int, got {context_tokens!r}")
@@ -320,6 +325,7 @@ def _check_context_tokens(context_tokens):
 def _numbers(rng: random.Random, n: int, digits: int) -> list[str]:
     return [str(v) for v in rng.sample(range(10**(digits - 1), 10**digits), n)]
 
+# %% ../nbs/02_data.ipynb #efe73205
 def _variable_names(rng: random.Random, n: int) -> list[str]:
     names: list[str] = []
     while len(names) < n:
@@ -365,6 +371,7 @@ def _check_depth(depth, rng: random.Random) -> float:
     if not 0 <= depth <= 1: raise ValueError(f"depth must be in [0, 1] (fraction of the haystack) or None, got {depth}")
     return float(depth)
 
+# %% ../nbs/02_data.ipynb #079bdc73
 def _and_list(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
@@ -528,9 +535,11 @@ def kv_retrieval(tokenizer, context_tokens: int, seed: int, depth: float | None 
 def _normalize(text: str) -> str:
     return " ".join(text.lower().split())
 
+# %% ../nbs/02_data.ipynb #3d05e650
 def _found(expected: str, prediction: str) -> bool:
     return re.search(rf"(?<![a-z0-9]){re.escape(_normalize(expected))}(?![a-z0-9])", prediction) is not None
 
+# %% ../nbs/02_data.ipynb #a247b2a2
 def score_exact(prediction: str, answer: str | list[str]) -> float:
     "1.0 if `answer` occurs in `prediction` as a whole (case and spaces ignored); for a list, the fraction that do."
     if not isinstance(prediction, str): raise TypeError(f"prediction must be a str, got {type(prediction).__name__}")

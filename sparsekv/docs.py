@@ -56,6 +56,7 @@ def library_digest(root: Path) -> str:
     for p in sorted((root/"sparsekv").rglob("*.py")): h.update(p.read_bytes())
     return h.hexdigest()
 
+# %% ../nbs/92_docs.ipynb #f901b3c5
 def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
     "Execute notebook `src` by nbdev's test runner into `dest`, reusing `dest` if `src` and the library are unchanged."
     from nbdev.test import test_nb
@@ -74,11 +75,12 @@ def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
     write_text(stamp, key)
     return dest
 
-# %% ../nbs/92_docs.ipynb #bd707e19
+# %% ../nbs/92_docs.ipynb #03a4eb81
 def pipeline_stages(root: Path, profile: str = RESULTS_PROFILE) -> list[Stage]:
     "The stages of the project's pipeline, with the paths of `profile` (default `cpu`, the one the docs show)."
     return load_stages(root/"reproduce"/"pipeline.yaml", profile)
 
+# %% ../nbs/92_docs.ipynb #983b7ebf
 def reproduce_notebooks(root: Path, runs: Path | None = None) -> dict[Path, Path]:
     "Map each pipeline notebook to its executed copy in `runs` (default `reproduce/runs/`), or to itself when none."
     runs = runs or root/"reproduce"/"runs"
@@ -99,6 +101,7 @@ def _split_directives(src: str) -> tuple[dict, str]:
         lines.pop(0)
     return dirs, "\n".join(lines)
 
+# %% ../nbs/92_docs.ipynb #38b25f9e
 def _title_cell(raw: str):
     "A Markdown title cell from nbdev's YAML front matter."
     from nbformat.v4 import new_markdown_cell
@@ -107,6 +110,7 @@ def _title_cell(raw: str):
     if fm.get("description"): text += f"\n\n> {fm['description']}"
     return new_markdown_cell(text)
 
+# %% ../nbs/92_docs.ipynb #59208c15
 def myst_cells(nb, links=None):
     "Turn the Quarto markup nbdev's processors leave in `nb` into MyST-NB, in place; `links(md)` rewrites links."
     from nbformat.v4 import new_code_cell
@@ -140,6 +144,7 @@ def page_name(nb: str | os.PathLike) -> str:
     p = nbpath2html(Path(nb)).with_suffix("")
     return (p.relative_to("nbs") if p.parts[0] == "nbs" else p).as_posix()
 
+# %% ../nbs/92_docs.ipynb #f03b1ac1
 def module_index(root: Path) -> dict:
     "The library's `_modidx.py` dict (doc settings and every exported symbol's page), read without importing it."
     src = (root/"sparsekv"/"_modidx.py").read_text()
@@ -194,11 +199,13 @@ class _Raw(str):
     "Text shown as written where `inspect` would quote it (a string annotation, a default's repr)."
     def __repr__(self): return str(self)
 
+# %% ../nbs/92_docs.ipynb #0f61ded7
 def _as_written(x):
     "A string annotation unquoted, and a forward reference `'Name'` as `Name`."
     if x is inspect.Parameter.empty or not isinstance(x, str): return x
     return _Raw(x[1:-1] if len(x) > 1 and x[0] == x[-1] and x[0] in "'\"" else x)
 
+# %% ../nbs/92_docs.ipynb #f8a590fa
 def _default(d):
     "A default as its repr when that is Python, else `...` (a repr like `<object at 0x..>`)."
     if d is inspect.Parameter.empty: return d
@@ -206,6 +213,7 @@ def _default(d):
     except SyntaxError: return _Raw("...")
     return _Raw(repr(d))
 
+# %% ../nbs/92_docs.ipynb #7ed077f9
 def signature_text(obj, drop_first: bool = False) -> str:
     "`obj`'s call signature as in its source (string annotations unquoted); `drop_first` drops `self`/`cls`."
     try: sig = inspect.signature(obj)
@@ -214,7 +222,7 @@ def signature_text(obj, drop_first: bool = False) -> str:
     return str(sig.replace(parameters=ps[1:] if drop_first else ps,
                            return_annotation=_as_written(sig.return_annotation)))
 
-# %% ../nbs/92_docs.ipynb #5a5922d8
+# %% ../nbs/92_docs.ipynb #0142f274
 _re_md_special = re.compile(r"([\\`*_\[\]<>$#|~{}!+\-&=^:])")
 _re_code_span = re.compile(r"(`[^`\n]+`)")
 
@@ -225,16 +233,19 @@ def literal_md(text: str) -> str:
     # a paragraph starting "1. " or "1) " would be a list
     return "\n\n".join(re.sub(r"^(\d+)([.)])", r"\1\\\2", esc(p)) for p in paras if p)
 
+# %% ../nbs/92_docs.ipynb #f22b24d5
 def _own_doc(obj) -> str:
     "`obj`'s own docstring (a class does not inherit its base's)."
     doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
     return literal_md(inspect.cleandoc(doc)) if isinstance(doc, str) else ""
 
-# %% ../nbs/92_docs.ipynb #2af698a4
+# %% ../nbs/92_docs.ipynb #df793ae2
 def _directive(kind: str, sig: str, body: str, options: dict | None = None, fence: str = "```") -> str:
+    "A MyST `py:` directive of `kind` for `sig`, with `options` and `body`, fenced by `fence`."
     opts = [f":{k}: {v}" for k, v in (options or {}).items()]
     return "\n".join([f"{fence}{{py:{kind}}} {sig}", *opts, *(["", body] if body else []), fence])
 
+# %% ../nbs/92_docs.ipynb #1f7ede60
 def _member_entry(name: str, member) -> str | None:
     "A nested `py:` entry for a public class member defined in the class body, or None."
     if isinstance(member, property):
@@ -245,6 +256,7 @@ def _member_entry(name: str, member) -> str | None:
     if not inspect.isfunction(f): return None
     return _directive(kind, name + signature_text(f, drop_first=kind != "staticmethod"), _own_doc(f))
 
+# %% ../nbs/92_docs.ipynb #28f26c3c
 def api_entry(obj, name: str, module: str, skip: set[str] = frozenset()) -> str:
     "The MyST `py:` directive of `obj`, shown as `name` of `module`; a class lists its public members but `skip`."
     if inspect.isclass(obj):
@@ -259,9 +271,11 @@ def api_entry(obj, name: str, module: str, skip: set[str] = frozenset()) -> str:
 _re_show_doc = re.compile(r"^show_doc\((\w+(?:\.\w+)*)\)\s*$", re.MULTILINE)
 
 def _shown(cell) -> str | None:
+    "The name a `show_doc(name)` code cell shows, or None."
     m = _re_show_doc.search(cell.source) if cell.cell_type == "code" else None
     return m.group(1) if m else None
 
+# %% ../nbs/92_docs.ipynb #0842f676
 class api_entries(Processor):
     "Turn each `show_doc(name)` cell into a Markdown cell holding the `py:` entry of `name` in the notebook's module."
     def begin(self):
@@ -293,6 +307,7 @@ def docs_processors(procs) -> list:
     from nbdev.processors import exec_show_docs
     return [api_entries if p is exec_show_docs else p for p in procs if p.__name__ != "rm_export"]
 
+# %% ../nbs/92_docs.ipynb #79d9fca5
 def process_notebook(src: Path, dest: Path, root: Path, links=None) -> Path:
     "Run nbdev's docs processors on notebook `src`, write the MyST-NB page to `dest`; `links(md)` rewrites links."
     import nbformat
@@ -321,6 +336,7 @@ def _figure(path: str, caption: str) -> str:
     alt = " ".join(re.sub(r"[`*$]", "", caption).split())
     return "\n".join([f":::{{figure}} {path}", f":alt: {alt}", ":width: 100%", "", caption, ":::"])
 
+# %% ../nbs/92_docs.ipynb #16d4f612
 def stage_results(stage: Stage, runs: Path, page: str | None = None, profile: str = RESULTS_PROFILE) -> str:
     "The Results section of `stage` from the run folder `runs` (`reproduce/runs/<profile>`); `page`: its notebook's."
     rel = lambda p: p.relative_to(stage.root).as_posix()
@@ -342,7 +358,7 @@ def stage_results(stage: Stage, runs: Path, page: str | None = None, profile: st
     return "\n".join([*lines, "", f"Regenerate it{when}:", "", "```bash",
                       f'make reproduce {which}ARGS="--only {stage.name}"', "```"])
 
-# %% ../nbs/92_docs.ipynb #fddf4823
+# %% ../nbs/92_docs.ipynb #503cad9e
 RESULTS_INTRO = """# Results
 
 > Every figure and table the pipeline reproduces, beside the paper's numbers.
@@ -369,6 +385,7 @@ def results_page(root: Path, runs: Path | None = None, pages: set[str] = frozens
     top = [f"## Verdicts\n\n{verdicts.read_text().strip()}"] if verdicts.exists() else []
     return "\n\n".join([RESULTS_INTRO, *top, *sections]) + "\n"
 
+# %% ../nbs/92_docs.ipynb #e3d4e67b
 def write_results_page(site: Path, root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> Path:
     "Write the Results page into Sphinx's source folder `site`, with a copy of every figure it shows."
     import nbformat
@@ -409,6 +426,7 @@ def _ordered(keys, first) -> list[str]:
     keys = set(keys)
     return [k for k in first if k in keys] + sorted(keys - set(first))
 
+# %% ../nbs/92_docs.ipynb #8642be02
 def timing_table(rows: list[dict], order: list[str] = ()) -> str:
     "Markdown table of `rows` (`stage_timings`): a line per stage (`order` first), a column per profile."
     if not rows: return "*No stage has run yet: there is no stamp under `reproduce/runs/<profile>/.stamps/`.*"
@@ -420,7 +438,7 @@ def timing_table(rows: list[dict], order: list[str] = ()) -> str:
     return "\n".join(lines)
 
 # %% ../nbs/92_docs.ipynb #74aaf395
-PIPELINE_INTRO = """# Pipeline
+_PIPELINE_NEEDS = """# Pipeline
 
 > What `make test` and `make reproduce` need, and how long each stage of the pipeline took.
 
@@ -458,7 +476,10 @@ Qwen2.5-Coder-0.5B-Instruct (about 490 MB; sizes and SHA-256 checked, none of it
 | `gpu-smoke` | every stage with the `gpu` profile's settings on a CPU, with tiny models |
 
 `make reproduce PROFILE=cpu-full` picks a profile; `make reproduce ARGS="--only demo --force"` reruns one stage,
-and stages whose outputs are up to date are skipped.
+and stages whose outputs are up to date are skipped."""
+
+# %% ../nbs/92_docs.ipynb #1cd0cc0a
+PIPELINE_INTRO = _PIPELINE_NEEDS + """
 
 ## On a GPU machine
 
@@ -488,11 +509,13 @@ on 2 CPU cores. A resumable stage's last run computes only the cells its committ
 be far below a run from scratch (the `cpu-full` grids took hours, over many runs). The slowest cells of each run
 are in its stamp, `reproduce/runs/<profile>/.stamps/<stage>.json`."""
 
+# %% ../nbs/92_docs.ipynb #1f7e838b
 def pipeline_page(root: Path, runs: Path | None = None) -> str:
     "The Pipeline page (MyST): what the commands need, and the stage times of the stamps in `runs` (`reproduce/runs`)."
     order = list(dict.fromkeys(s.name for p in PROFILES for s in pipeline_stages(root, p)))
     return PIPELINE_INTRO + "\n\n" + timing_table(stage_timings(runs or root/"reproduce"/"runs"), order) + "\n"
 
+# %% ../nbs/92_docs.ipynb #e78562af
 def write_pipeline_page(site: Path, root: Path, runs: Path | None = None) -> Path:
     "Write the Pipeline page into Sphinx's source folder `site`."
     import nbformat
@@ -526,10 +549,12 @@ python_maximum_signature_line_length = 88
 toc_object_entries_show_parents = "hide"
 '''
 
+# %% ../nbs/92_docs.ipynb #7fe38a9a
 def toctree(caption: str, pages: list[str]) -> str:
     "A hidden MyST toctree: the sidebar section `caption` listing `pages`."
     return "\n".join(["```{toctree}", ":hidden:", f":caption: {caption}", "", *pages, "```"])
 
+# %% ../nbs/92_docs.ipynb #4016952e
 def note_profile(page: Path, executed: Path) -> Path:
     "Say under the title of the experiment page `page` (a MyST notebook) which run, `executed`, it shows."
     import nbformat
@@ -540,25 +565,11 @@ def note_profile(page: Path, executed: Path) -> Path:
     nbformat.write(nb, page)
     return page
 
-
-
-# %% ../nbs/92_docs.ipynb #a291a116
-def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | None = None,
-               mathjax: str | os.PathLike | None = None, execute: bool | list[str] = True,
-               only: list[str] | None = None, runs: str | os.PathLike | None = None) -> Path:
-    """Build the static site into `dest` (default `_docs/`) from all notebooks or `only` these (by file stem or page
-    name); `execute` may name the only ones to run; `runs`: the pipeline's runs folder (default `reproduce/runs`)."""
-    import nbformat
-    from nbformat.v4 import new_markdown_cell
-    root = project_root(root)
-    dest = Path(dest) if dest else root/"_docs"
-    mathjax = Path(mathjax) if mathjax else root/".venv/mathjax/node_modules/mathjax/es5/tex-chtml.js"
-    if not mathjax.is_file():
-        raise FileNotFoundError(f"mathjax: {mathjax} not found (run `make docs`, which installs it)")
-    # Sphinx's source folder: `_build/site` for `_docs/`, else one beside `dest` (builds elsewhere run side by side)
-    site = root/"_build"/"site" if dest.resolve() == (root/"_docs").resolve() else dest.with_name(dest.name + "-src")
+# %% ../nbs/92_docs.ipynb #2ce06b7f
+def _site_pages(root: Path, only: list[str] | None, execute: bool | list[str], runs: Path) -> dict[str, Path]:
+    """Page name -> the notebook to render: each notebook of `nbs/` (executed into `_build/exec/` where `execute`
+    says so) and each pipeline notebook (its executed copy in `runs`), all or `only` those named and the home page."""
     exec_dir = root/"_build"/"exec"
-    shutil.rmtree(site, ignore_errors=True)
     digest = library_digest(root)
     wanted = lambda p: only is None or p.stem == "index" or bool({p.stem, page_name(p.relative_to(root))} & set(only))
     pages = {}  # page name -> the notebook to render
@@ -566,15 +577,15 @@ def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | 
         if not wanted(src): continue
         run = execute is True or (execute and src.stem in execute)
         pages[page_name(src.relative_to(root))] = execute_notebook(src, exec_dir/src.name, digest) if run else src
-    runs = Path(runs) if runs else root/"reproduce"/"runs"
     for src, executed in reproduce_notebooks(root, runs).items():
         if wanted(src): pages[page_name(src.relative_to(root))] = executed
-    links = SiteLinks(root)
-    for page, src in pages.items():
-        process_notebook(src, site/f"{page}.ipynb", root, partial(links, here=page))
-        if src.parent.parent == runs: note_profile(site/f"{page}.ipynb", src)
-    write_results_page(site, root, runs/RESULTS_PROFILE, set(pages))
-    write_pipeline_page(site, root, runs)
+    return pages
+
+# %% ../nbs/92_docs.ipynb #ffb8fca2
+def _write_home(site: Path, pages: list[str]) -> Path:
+    "Give the home page in Sphinx's source folder `site` links to Results and Pipeline and the sidebar of `pages`."
+    import nbformat
+    from nbformat.v4 import new_markdown_cell
     index = nbformat.read(site/"index.ipynb", as_version=4)
     library = [p for p in pages if not p.startswith("reproduce/") and p != "index"]
     experiments = [p for p in pages if p.startswith("reproduce/")]
@@ -586,6 +597,31 @@ def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | 
                                                        toctree("Library", library),
                                                        toctree("Experiments", experiments)])))
     nbformat.write(index, site/"index.ipynb")
+    return site/"index.ipynb"
+
+# %% ../nbs/92_docs.ipynb #db43aee4
+def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | None = None,
+               mathjax: str | os.PathLike | None = None, execute: bool | list[str] = True,
+               only: list[str] | None = None, runs: str | os.PathLike | None = None) -> Path:
+    """Build the static site into `dest` (default `_docs/`) from all notebooks or `only` these (by file stem or page
+    name); `execute` may name the only ones to run; `runs`: the pipeline's runs folder (default `reproduce/runs`)."""
+    root = project_root(root)
+    dest = Path(dest) if dest else root/"_docs"
+    mathjax = Path(mathjax) if mathjax else root/".venv/mathjax/node_modules/mathjax/es5/tex-chtml.js"
+    if not mathjax.is_file():
+        raise FileNotFoundError(f"mathjax: {mathjax} not found (run `make docs`, which installs it)")
+    # Sphinx's source folder: `_build/site` for `_docs/`, else one beside `dest` (builds elsewhere run side by side)
+    site = root/"_build"/"site" if dest.resolve() == (root/"_docs").resolve() else dest.with_name(dest.name + "-src")
+    shutil.rmtree(site, ignore_errors=True)
+    runs = Path(runs) if runs else root/"reproduce"/"runs"
+    pages = _site_pages(root, only, execute, runs)
+    links = SiteLinks(root)
+    for page, src in pages.items():
+        process_notebook(src, site/f"{page}.ipynb", root, partial(links, here=page))
+        if src.parent.parent == runs: note_profile(site/f"{page}.ipynb", src)
+    write_results_page(site, root, runs/RESULTS_PROFILE, set(pages))
+    write_pipeline_page(site, root, runs)
+    _write_home(site, list(pages))
     write_text(site/"conf.py", SPHINX_CONF)
     shutil.copytree(mathjax.parent, site/"_static"/"mathjax")
     subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", str(site), str(dest)], check=True)
@@ -605,6 +641,7 @@ def readme_text(root: str | os.PathLike | None = None) -> str:
     note = "<!-- Generated from nbs/index.ipynb by `python -m sparsekv.docs --readme`: edit the notebook. -->\n\n"
     return note + re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
 
+# %% ../nbs/92_docs.ipynb #7ab9d4eb
 def write_readme(root: str | os.PathLike | None = None) -> Path:
     "Regenerate `README.md` from `nbs/index.ipynb`."
     root = project_root(root)

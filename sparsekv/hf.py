@@ -53,25 +53,33 @@ class AttendedBudget:
         s = self._stats.setdefault((phase, layer), [0.0, 0, torch.zeros(c.shape[0], dtype=torch.float64)])
         s[0], s[1], s[2] = s[0] + c.sum(1), s[1] + c.shape[1], torch.maximum(s[2], c.max(1).values)
 
-    def per_head(self) -> list[dict]:
-        "One row per (phase, layer, head): mean and max attended KV entries and the number of queries."
-        return [{"phase": p, "layer": l, "head": h, "mean": float(s[0][h] / s[1]), "max": int(s[2][h]),
-                 "queries": s[1]} for (p, l), s in sorted(self._stats.items()) for h in range(len(s[2]))]
+# %% ../nbs/03_hf.ipynb #3db18daf
+@patch_to(AttendedBudget)
+def per_head(self) -> list[dict]:
+    "One row per (phase, layer, head): mean and max attended KV entries and the number of queries."
+    return [{"phase": p, "layer": l, "head": h, "mean": float(s[0][h] / s[1]), "max": int(s[2][h]),
+             "queries": s[1]} for (p, l), s in sorted(self._stats.items()) for h in range(len(s[2]))]
 
-    def _of(self, phase: str | None) -> list:
-        stats = [s for (p, _), s in self._stats.items() if phase in (None, p)]
-        if not stats: raise ValueError(f"nothing was recorded{f' in phase {phase!r}' if phase else ''}: "
-                                       "run attention inside measure_attended()")
-        return stats
+# %% ../nbs/03_hf.ipynb #c2bf2657
+@patch_to(AttendedBudget)
+def _of(self, phase: str | None) -> list:
+    stats = [s for (p, _), s in self._stats.items() if phase in (None, p)]
+    if not stats: raise ValueError(f"nothing was recorded{f' in phase {phase!r}' if phase else ''}: "
+                                   "run attention inside measure_attended()")
+    return stats
 
-    def mean(self, phase: str | None = None) -> float:
-        "Mean attended KV entries over the recorded queries of every head and layer (of `phase`: prefill or decode)."
-        stats = self._of(phase)
-        return sum(float(s[0].sum()) for s in stats) / sum(s[1] * len(s[2]) for s in stats)
+# %% ../nbs/03_hf.ipynb #bc770ea3
+@patch_to(AttendedBudget)
+def mean(self, phase: str | None = None) -> float:
+    "Mean attended KV entries over the recorded queries of every head and layer (of `phase`: prefill or decode)."
+    stats = self._of(phase)
+    return sum(float(s[0].sum()) for s in stats) / sum(s[1] * len(s[2]) for s in stats)
 
-    def max(self, phase: str | None = None) -> int:
-        "The most KV entries any recorded query of any head attended to (in `phase`: prefill or decode)."
-        return int(max(float(s[2].max()) for s in self._of(phase)))
+# %% ../nbs/03_hf.ipynb #f2593041
+@patch_to(AttendedBudget)
+def max(self, phase: str | None = None) -> int:
+    "The most KV entries any recorded query of any head attended to (in `phase`: prefill or decode)."
+    return int(max(float(s[2].max()) for s in self._of(phase)))
 
 # %% ../nbs/03_hf.ipynb #88d68bd9
 @patch_to(AttendedBudget)
@@ -218,17 +226,21 @@ class AttentionContext:
         if self.cache is None or self.layer_idx >= len(self.cache.layers): return None
         return self.cache.layers[self.layer_idx]
 
-    def full_mask(self) -> Tensor:
-        "The mask as a tensor (the causal mask when `mask` is None), broadcastable to [B,Hkv,Sq,Sk]."
-        if self.mask is not None: return self.mask
-        return causal_mask(self.query_positions.shape[0], self.key_positions.shape[-1],
-                           self.key_positions.device)[None, None]
+# %% ../nbs/03_hf.ipynb #36fadb30
+@patch_to(AttentionContext)
+def full_mask(self) -> Tensor:
+    "The mask as a tensor (the causal mask when `mask` is None), broadcastable to [B,Hkv,Sq,Sk]."
+    if self.mask is not None: return self.mask
+    return causal_mask(self.query_positions.shape[0], self.key_positions.shape[-1],
+                       self.key_positions.device)[None, None]
 
-    def real_keys(self) -> Tensor | None:
-        "Boolean [B,Sk]: the keys some query may see (not padding); None when every key is seen (nothing padded)."
-        if self.mask is None or isinstance(self.cache_layer, EvictingLayer): return None  # eviction: no padding
-        real = self.mask.any(-2).any(1).expand(self.key_positions.shape[0], -1)
-        return None if bool(real.all()) else real
+# %% ../nbs/03_hf.ipynb #32589a1b
+@patch_to(AttentionContext)
+def real_keys(self) -> Tensor | None:
+    "Boolean [B,Sk]: the keys some query may see (not padding); None when every key is seen (nothing padded)."
+    if self.mask is None or isinstance(self.cache_layer, EvictingLayer): return None  # eviction: no padding
+    real = self.mask.any(-2).any(1).expand(self.key_positions.shape[0], -1)
+    return None if bool(real.all()) else real
 
 # %% ../nbs/03_hf.ipynb #f23d0462
 @patch_to(AttentionContext)
@@ -589,22 +601,30 @@ class Method:
         "`budget` if it is an int >= 1 (KV entries each query may attend to, per KV head)."
         return check_int(budget, "budget", 1)
 
-    def policy(self) -> AttentionPolicy:
-        "A fresh attention policy for one run (dense here)."
-        return DensePolicy()
+# %% ../nbs/03_hf.ipynb #4adf3c37
+@patch_to(Method)
+def policy(self) -> AttentionPolicy:
+    "A fresh attention policy for one run (dense here)."
+    return DensePolicy()
 
-    def cache(self, model: PreTrainedModel) -> Cache | None:
-        "The cache to pass as `past_key_values` for one run (here `GrowingCache`: no copy of the cache per step)."
-        return GrowingCache(config=model.config)
+# %% ../nbs/03_hf.ipynb #552bcaad
+@patch_to(Method)
+def cache(self, model: PreTrainedModel) -> Cache | None:
+    "The cache to pass as `past_key_values` for one run (here `GrowingCache`: no copy of the cache per step)."
+    return GrowingCache(config=model.config)
 
-    @contextlib.contextmanager
-    def patch(self, model: PreTrainedModel):
-        "Patch `model` with a fresh `policy()` inside the block and yield the cache to pass (`cache(model)`)."
-        with patch(model, self.policy()): yield self.cache(model)
+# %% ../nbs/03_hf.ipynb #6fbfbd26
+@patch_to(Method)
+@contextlib.contextmanager
+def patch(self, model: PreTrainedModel):  # noqa: F811  the method Method.patch; the module keeps the function
+    "Patch `model` with a fresh `policy()` inside the block and yield the cache to pass (`cache(model)`)."
+    with patch(model, self.policy()): yield self.cache(model)
 
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({args})"
+# %% ../nbs/03_hf.ipynb #fe8c4b1b
+@patch_to(Method)
+def __repr__(self):
+    args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+    return f"{type(self).__name__}({args})"
 
 # %% ../nbs/03_hf.ipynb #6eb775f6
 @patch_to(Method)
@@ -678,7 +698,7 @@ class ScoringCost:
     per_step: int = 0
     total: int = 0
 
-
+# %% ../nbs/03_hf.ipynb #31c02f1b
 PHASES = ("prefill", "decode")
 
 

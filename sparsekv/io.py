@@ -23,10 +23,12 @@ __all__ = ['DIGEST_SUFFIX', 'atomic_path', 'write_text', 'write_json', 'write_cs
 
 # %% ../nbs/90_io.ipynb #0ba45dad
 def _umask() -> int:
+    "The process's file mode creation mask (read by setting it and setting it back)."
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
+# %% ../nbs/90_io.ipynb #d7010304
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike):
     "Yield a temporary path beside `path`; move it over `path` only if the block succeeds."
@@ -42,16 +44,18 @@ def atomic_path(path: str | os.PathLike):
     finally:
         tmp.unlink(missing_ok=True)
 
-# %% ../nbs/90_io.ipynb #53842c68
+# %% ../nbs/90_io.ipynb #4bce6e14
 def write_text(path: str | os.PathLike, text: str) -> Path:
     "Write `text` to `path` atomically."
     with atomic_path(path) as tmp: tmp.write_text(text)
     return Path(path)
 
+# %% ../nbs/90_io.ipynb #5366f2ad
 def write_json(path: str | os.PathLike, obj) -> Path:
     "Write `obj` as indented JSON to `path` atomically."
     return write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
+# %% ../nbs/90_io.ipynb #4098e45b
 def write_csv(path: str | os.PathLike, df: pd.DataFrame) -> Path:
     "Write `df` (without its index) as CSV to `path` atomically."
     with atomic_path(path) as tmp: df.to_csv(tmp, index=False)
@@ -68,7 +72,7 @@ def cache_dir() -> Path:
 class DamagedFileError(OSError):
     "A file whose bytes do not match the digest recorded beside it (or inside its manifest)."
 
-
+# %% ../nbs/90_io.ipynb #79409484
 def file_sha256(path: str | os.PathLike) -> str:
     "The SHA-256 of the file at `path`, in hex, read in 4 MiB blocks."
     h = hashlib.sha256()
@@ -85,7 +89,7 @@ def digest_path(path: str | os.PathLike) -> Path:
     path = Path(path)
     return path.with_name(path.name + DIGEST_SUFFIX)
 
-
+# %% ../nbs/90_io.ipynb #7ca18011
 def read_digests(path: str | os.PathLike) -> list[str] | None:
     "The digests `path`'s digest file accepts (the current first), or None when it has no digest file."
     try: lines = digest_path(path).read_text(encoding="ascii").split("\n")
@@ -110,7 +114,7 @@ def atomic_path_with_digest(path: str | os.PathLike):
         write_text(digest_path(path), f"{new}  {name}\n" + (f"# previous\n{old}  {name}\n" if old else ""))
     write_text(digest_path(path), f"{new}  {name}\n")
 
-
+# %% ../nbs/90_io.ipynb #4d3da3e0
 def record_digest(path: str | os.PathLike) -> Path:
     "Record the digest of `path` as it is now beside it (for a file you trust that was written without one)."
     return write_text(digest_path(path), f"{file_sha256(path)}  {Path(path).name}\n")
@@ -137,6 +141,7 @@ def use_style():
     matplotlib.rcParams.update({"figure.dpi": 110, "savefig.dpi": 150, "savefig.bbox": "tight",
                                 "figure.figsize": (6.4, 4.0), "axes.titleweight": "bold"})
 
+# %% ../nbs/90_io.ipynb #880714dc
 def save_figure(fig, path: str | os.PathLike, data: pd.DataFrame | dict | None = None) -> Path:
     "Save `fig` as PNG at `path` and `data` beside it (`.csv` for a DataFrame, `.json` for a dict), atomically."
     path = Path(path)

@@ -38,12 +38,12 @@ def names() -> list[str]:
     "The presses `make` builds, sorted."
     return sorted(PRESSES)
 
-
+# %% ../nbs/08_presses.ipynb #f799cc88
 def available() -> bool:
     "Whether kvpress is installed here (the peer environment), so that presses run."
     return importlib.util.find_spec("kvpress") is not None
 
-
+# %% ../nbs/08_presses.ipynb #f731e647
 def make_press(name: str, **options):
     "A fresh kvpress press `name` (one of `names()`) with its `options`; the ratio is set at each prefill."
     if name not in PRESSES: raise ValueError(f"name must be one of {names()}, got {name!r}")
@@ -61,7 +61,7 @@ def is_first_prefill(layer, n_queries: int) -> bool:
     "Whether an attention call of `n_queries` tokens read the whole prompt: its cache `layer` holds exactly those."
     return layer.get_seq_length() == n_queries
 
-
+# %% ../nbs/08_presses.ipynb #711a0332
 @contextlib.contextmanager
 def compress_after_prefill(model, press, budget: int):
     "Within the block, each attention layer's prefill cache is cut to `budget` entries per KV head by `press`."
@@ -117,7 +117,7 @@ class PressMethod(Method):
                              "included; generate each prompt alone or batch prompts of equal length")
         return super().generate(model, input_ids, **kwargs)
 
-
+# %% ../nbs/08_presses.ipynb #660886c3
 def make(name: str, budget: int, **press_options) -> PressMethod:
     "kvpress press `name` as a method keeping `budget` entries per KV head after the prefill."
     return PressMethod(budget, name, **press_options)

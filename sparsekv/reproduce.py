@@ -56,7 +56,7 @@ class Stage:
     description: str = ""
     captions: dict[Path, str] = field(default_factory=dict)  # output PNG -> the paper figure/table it reproduces
 
-# %% ../nbs/91_reproduce.ipynb #bd75308f
+# %% ../nbs/91_reproduce.ipynb #3d9fa264
 def find_pipeline(start: str | os.PathLike | None = None) -> Path:
     "The nearest `reproduce/pipeline.yaml` at or above `start` (default: the working directory)."
     here = Path(start or Path.cwd()).resolve()
@@ -64,6 +64,7 @@ def find_pipeline(start: str | os.PathLike | None = None) -> Path:
         if (d/"reproduce"/"pipeline.yaml").is_file(): return d/"reproduce"/"pipeline.yaml"
     raise FileNotFoundError(f"no reproduce/pipeline.yaml at or above {here}; pass --pipeline PATH")
 
+# %% ../nbs/91_reproduce.ipynb #069d9bb3
 def _expand_inputs(root: Path, patterns: list[str], where: str) -> list[Path]:
     "The files the `inputs` globs of a stage match; a glob that matches no file is an error naming it (a typo)."
     found = set()
@@ -73,10 +74,13 @@ def _expand_inputs(root: Path, patterns: list[str], where: str) -> list[Path]:
         found |= files
     return sorted(found)
 
+# %% ../nbs/91_reproduce.ipynb #0d7f4283
 class _UniqueKeyLoader(yaml.SafeLoader):
     "YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last silently)."
 
+# %% ../nbs/91_reproduce.ipynb #0e63e661
 def _unique_mapping(loader, node, deep=False):
+    "A YAML mapping, refusing a key given twice in it."
     keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
     dup = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
     if dup is not None: raise yaml.constructor.ConstructorError(None, None, f"key {dup!r} given twice", node.start_mark)
@@ -84,6 +88,7 @@ def _unique_mapping(loader, node, deep=False):
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
+# %% ../nbs/91_reproduce.ipynb #11e5dedc
 def _read_spec(pipeline: Path) -> dict:
     "The `stages` mapping of `pipeline`, after checking the file's overall shape."
     try: spec = yaml.load(pipeline.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
@@ -98,7 +103,19 @@ def _read_spec(pipeline: Path) -> dict:
         raise ValueError(f"{pipeline}: unknown top-level key(s) {unknown}; the file holds only `stages:`")
     return stages
 
-# %% ../nbs/91_reproduce.ipynb #3d9fa264
+# %% ../nbs/91_reproduce.ipynb #e9864d4c
+def _check_captions(captions, outputs: list[str], where: str) -> None:
+    "Each caption names a PNG among `outputs` (as written there) and is one line of text."
+    if not isinstance(captions, dict):
+        raise ValueError(f"{where}: captions must map output PNGs to one-line captions, got {captions!r}")
+    for path, text in captions.items():
+        if path not in outputs or not str(path).endswith(".png"):
+            raise ValueError(f"{where}: captions names {path!r}, which is not a PNG among its outputs "
+                             f"{[o for o in outputs if o.endswith('.png')]}")
+        if not isinstance(text, str) or not text.strip() or "\n" in text.strip():
+            raise ValueError(f"{where}: the caption of {path!r} must be one line of text, got {text!r}")
+
+# %% ../nbs/91_reproduce.ipynb #b1410a9f
 STAGE_KEYS = ("notebook", "params", "outputs", "inputs", "description", "captions")
 
 def _check_stage(name, s, pipeline: Path, profile: str) -> None:
@@ -127,18 +144,9 @@ def _check_stage(name, s, pipeline: Path, profile: str) -> None:
     if not isinstance(s.get("description", ""), str): raise ValueError(f"{where}: description must be text")
     _check_captions(s.get("captions", {}), s["outputs"], where)
 
-def _check_captions(captions, outputs: list[str], where: str) -> None:
-    "Each caption names a PNG among `outputs` (as written there) and is one line of text."
-    if not isinstance(captions, dict):
-        raise ValueError(f"{where}: captions must map output PNGs to one-line captions, got {captions!r}")
-    for path, text in captions.items():
-        if path not in outputs or not str(path).endswith(".png"):
-            raise ValueError(f"{where}: captions names {path!r}, which is not a PNG among its outputs "
-                             f"{[o for o in outputs if o.endswith('.png')]}")
-        if not isinstance(text, str) or not text.strip() or "\n" in text.strip():
-            raise ValueError(f"{where}: the caption of {path!r} must be one line of text, got {text!r}")
-
+# %% ../nbs/91_reproduce.ipynb #72ddb2f9
 def _output_path(root: Path, pattern: str, profile: str, where: str) -> Path:
+    "The output `pattern` of a stage for `profile`, under `root`; a field other than `{profile}` is an error."
     try: return root/pattern.format(profile=profile)
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"{where}: output {pattern!r} may use only {{profile}} ({type(e).__name__}: {e})") from e
@@ -153,6 +161,7 @@ def _parameters_cell(nb, nb_path: Path):
     if len(cells) != 1: raise ValueError(f"{nb_path} must have exactly one `#| parameters` cell, found {len(cells)}")
     return cells[0]
 
+# %% ../nbs/91_reproduce.ipynb #c157e42a
 def notebook_parameters(nb_path: Path) -> dict:
     "The parameters notebook `nb_path` declares, with their defaults (`...` for a default that is not a literal)."
     import nbformat
@@ -170,6 +179,7 @@ def notebook_parameters(nb_path: Path) -> dict:
         res.update({t.id: value for t in targets if isinstance(t, ast.Name)})
     return res
 
+# %% ../nbs/91_reproduce.ipynb #3ac886a1
 def _fits(value, default) -> bool:
     "Whether `value` may stand for a parameter whose default is `default`."
     if value is None or default is None or default is ...: return True
@@ -178,6 +188,7 @@ def _fits(value, default) -> bool:
     if isinstance(default, (list, tuple)): return isinstance(value, (list, tuple))
     return isinstance(value, type(default))
 
+# %% ../nbs/91_reproduce.ipynb #204dad59
 def _check_params(params: dict, declared: dict, where: str) -> None:
     "Raise a ValueError naming the first of `params` its notebook does not declare, or of the wrong type."
     for k, v in params.items():
@@ -189,7 +200,7 @@ def _check_params(params: dict, declared: dict, where: str) -> None:
             raise ValueError(f"{where}: {k} must be like the notebook's default {declared[k]!r} "
                              f"({type(declared[k]).__name__}), got {v!r}")
 
-# %% ../nbs/91_reproduce.ipynb #b1cb65ce
+# %% ../nbs/91_reproduce.ipynb #a84290b6
 def profile_params(params: dict, profile: str, where: str) -> dict:
     "A stage's parameters for `profile`: its own entries, over those of the profile named by `from:` if given."
     own = dict(params[profile] or {})
@@ -201,7 +212,7 @@ def profile_params(params: dict, profile: str, where: str) -> dict:
                          f"own, one of {own_params}, got {base!r}")
     return {**(params[base] or {}), **own}
 
-
+# %% ../nbs/91_reproduce.ipynb #e164036f
 def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     "Read `pipeline`'s stages with `profile`'s parameters and outputs; a malformed file raises a ValueError naming it."
     if profile not in PROFILES: raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
@@ -230,32 +241,39 @@ def run_params(stage: Stage, profile: str) -> dict:
     "The parameters of `stage` for `profile` as stamped: its folders relative to the repository."
     return {**stage.params, "profile": profile, "fig_dir": f"figures/{profile}", "out_dir": f"reproduce/runs/{profile}"}
 
+# %% ../nbs/91_reproduce.ipynb #13c1ffd1
 def injected_params(params: dict, root: Path) -> dict:
     "`params` as papermill injects them: the folders absolute (the notebook runs in `reproduce/`)."
     return {**params, "fig_dir": str(root/params["fig_dir"]), "out_dir": str(root/params["out_dir"])}
 
+# %% ../nbs/91_reproduce.ipynb #2d1be9c5
 def fingerprint(params: dict) -> str:
     "A short hash of `params`, stable across runs."
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+# %% ../nbs/91_reproduce.ipynb #02d815cd
 def _content_hashes(paths: list[Path], root: Path) -> dict[str, str]:
     "Short content hash of each file of `paths`, by its path relative to `root`."
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in paths}
 
+# %% ../nbs/91_reproduce.ipynb #c39bee62
 def input_hashes(stage: Stage) -> dict[str, str]:
     "Content hash of each input of `stage`, by its path relative to the repository."
     return _content_hashes(stage.inputs, stage.root)
 
+# %% ../nbs/91_reproduce.ipynb #7dfc4e49
 def output_hashes(stage: Stage) -> dict[str, str]:
     "Content hash of each output of `stage` (all must exist), by its path relative to the repository."
     return _content_hashes(stage.outputs, stage.root)
 
+# %% ../nbs/91_reproduce.ipynb #b149d100
 def read_stamp(stamp: Path) -> dict | None:
     "The stamp a finished stage wrote, or None (none, or unreadable)."
     try: made = json.loads(stamp.read_text())
     except (OSError, ValueError): return None
     return made if isinstance(made, dict) else None
 
+# %% ../nbs/91_reproduce.ipynb #48a948d6
 def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str | None:
     "Why `stage` must run, or None when its outputs were made from the current parameters and inputs."
     missing = [p for p in (executed, *stage.outputs) if not p.exists()]
@@ -280,6 +298,7 @@ def tag_parameters_cell(nb_path: Path, dest: Path) -> Path:
     with atomic_path(dest) as tmp: nbformat.write(nb, tmp)
     return dest
 
+# %% ../nbs/91_reproduce.ipynb #07268a02
 class StageFailed(RuntimeError):
     "A stage raised, or did not write an output it promised."
     def __init__(self, stage: str, notebook: Path | None, reason: str):
@@ -294,6 +313,7 @@ def _local_paths(root: Path) -> list[tuple[str, str]]:
     "(local path, replacement) pairs, longest first: the repository becomes relative, the home folder `~`."
     return [(f"{root}/", ""), (str(root), "."), (f"{Path.home()}/", "~/")]
 
+# %% ../nbs/91_reproduce.ipynb #119d6c4f
 def _unlocal(text, pairs):
     "`text` (a string or a list of lines) with each local path replaced."
     if isinstance(text, list): return [_unlocal(t, pairs) for t in text]
@@ -301,6 +321,7 @@ def _unlocal(text, pairs):
     for old, new in pairs: text = text.replace(old, new)
     return text
 
+# %% ../nbs/91_reproduce.ipynb #38fa6b95
 def _published(output: dict, pairs) -> bool:
     "Whether a cell `output` is kept (not a stderr stream, not a widget); its text is made relative in place."
     if output.get("output_type") == "stream":
@@ -313,6 +334,7 @@ def _published(output: dict, pairs) -> bool:
     if "traceback" in output: output["traceback"] = _unlocal(output["traceback"], pairs)
     return True
 
+# %% ../nbs/91_reproduce.ipynb #e4ac60df
 def slowest_cells(nb_path: Path, n: int = 5) -> list[dict]:
     "The `n` code cells of executed notebook `nb_path` that took longest (papermill's durations), slowest first."
     import nbformat
@@ -322,6 +344,7 @@ def slowest_cells(nb_path: Path, n: int = 5) -> list[dict]:
              for i, c in enumerate(nb.cells) if c.metadata.get("papermill", {}).get("duration") is not None]
     return sorted(timed, key=lambda r: -r["seconds"])[:n]
 
+# %% ../nbs/91_reproduce.ipynb #7c89987a
 def clean_executed(nb_path: Path, root: Path) -> Path:
     "Clean the executed notebook `nb_path` in place: no stderr, widgets, local paths or run-to-run metadata."
     import nbformat
@@ -334,11 +357,12 @@ def clean_executed(nb_path: Path, root: Path) -> Path:
     with atomic_path(nb_path) as tmp: nbformat.write(nb, tmp)
     return nb_path
 
-# %% ../nbs/91_reproduce.ipynb #7c89987a
+# %% ../nbs/91_reproduce.ipynb #245da4f6
 def stamp_path(root: Path, profile: str, name: str) -> Path:
     "Where stage `name` of `profile` keeps its stamp."
     return root/"reproduce"/"runs"/profile/".stamps"/f"{name}.json"
 
+# %% ../nbs/91_reproduce.ipynb #d2971a82
 def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
     "Hidden paths, unique to this run, for the prepared input and the partial output notebook of stage `name`."
     fd, src = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".input.ipynb")
@@ -346,10 +370,12 @@ def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
     src = Path(src)
     return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
 
+# %% ../nbs/91_reproduce.ipynb #ab3f1db8
 def kernel_config(socket_dir: Path) -> Config:
     "A kernel talking over local sockets in `socket_dir` (over TCP, ipykernel warns that traffic is unencrypted)."
     return Config(KernelManager={"transport": "ipc", "ip": str(socket_dir/"kernel")})
 
+# %% ../nbs/91_reproduce.ipynb #bd1816f5
 @contextlib.contextmanager
 def _environment(**env: str):
     "Within the block, the environment variables `env` are set (for the kernels started in it)."
@@ -361,6 +387,7 @@ def _environment(**env: str):
             if v is None: os.environ.pop(k, None)
             else: os.environ[k] = v
 
+# %% ../nbs/91_reproduce.ipynb #0c578750
 def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> float:
     "Execute `stage` with papermill (its stamp removed first, written last); return its wall time in seconds."
     import papermill as pm
@@ -403,10 +430,12 @@ def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> 
 
 # %% ../nbs/91_reproduce.ipynb #fa29a2ab
 def _git_commit(root: Path) -> str:
+    "The short hash of the commit checked out at `root`, or 'unknown'."
     try: return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError): return "unknown"
 
+# %% ../nbs/91_reproduce.ipynb #904a6a7e
 def stage_state(stage: Stage, root: Path, profile: str) -> str:
     "The state of `stage` from its stamp and outputs: up to date (when made), stale (why) or not run."
     out_dir = root/"reproduce"/"runs"/profile
@@ -419,6 +448,7 @@ def stage_state(stage: Stage, root: Path, profile: str) -> str:
     if made is None and not (out_dir/f"{stage.name}.ipynb").exists(): return "not run"
     return f"stale: {reason}"
 
+# %% ../nbs/91_reproduce.ipynb #52926a2d
 _re_heading = re.compile(r"^(#{1,6})(?=\s)", re.MULTILINE)
 
 def demote_headings(md: str, top: int) -> str:
@@ -430,10 +460,12 @@ def demote_headings(md: str, top: int) -> str:
                for i, p in enumerate(parts))
     return "".join(shifted)
 
+# %% ../nbs/91_reproduce.ipynb #0cc54590
 def status_rows(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> list[tuple[str, str]]:
     "(stage, state) of every stage: what this run did to it, else what its stamp and outputs say."
     return [(s.name, status.get(s.name) or stage_state(s, root, profile)) for s in stages]
 
+# %% ../nbs/91_reproduce.ipynb #f2982c2e
 def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> Path:
     "Write `reproduce/runs/<profile>/summary.md` from this run's `status`, other stages' stamps and their fragments."
     out_dir = root/"reproduce"/"runs"/profile
@@ -454,12 +486,14 @@ def last_seconds(root: Path, profile: str, name: str) -> float | None:
     secs = (read_stamp(stamp_path(root, profile, name)) or {}).get("seconds")
     return float(secs) if isinstance(secs, (int, float)) and not isinstance(secs, bool) and secs >= 0 else None
 
+# %% ../nbs/91_reproduce.ipynb #d1e87309
 def format_duration(seconds: float) -> str:
     "`seconds` the way a person says it: `~40 s`, `~12 min`, `~1 h 05 min`."
     if seconds < 90: return f"~{max(1, round(seconds))} s"
     minutes = round(seconds / 60)
     return f"~{minutes} min" if minutes < 60 else f"~{minutes // 60} h {minutes % 60:02d} min"
 
+# %% ../nbs/91_reproduce.ipynb #ed788e60
 def progress_line(i: int, n: int, name: str, expected: list[float | None]) -> str:
     "The line announcing stage `name`, `i` of `n`; `expected[j]` is the estimate of the j-th stage still to run."
     here = "no estimate yet" if expected[0] is None else f"expected {format_duration(expected[0])}"
@@ -478,6 +512,7 @@ def outputs_report(root: Path, profile: str, stages: list[Stage]) -> list[str]:
         lines += [f"{s.name}:", *(f"  {p.relative_to(root).as_posix()}" for p in files)] if files else []
     return lines + [f"summary: {(out_dir/'summary.md').relative_to(root).as_posix()}"]
 
+# %% ../nbs/91_reproduce.ipynb #3442216c
 def format_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     "`rows` under `header` as plain text columns, for a terminal."
     widths = [max(len(str(r[j])) for r in (header, *rows)) for j in range(len(header))]
@@ -496,6 +531,7 @@ def sigterm_as_interrupt():
     try: yield
     finally: signal.signal(signal.SIGTERM, old)
 
+# %% ../nbs/91_reproduce.ipynb #6d798055
 def _plan(stages: list[Stage], root: Path, profile: str, force: bool) -> list[tuple[Stage, str | None, float | None]]:
     "(stage, why it runs or None to skip, its estimate) for each of `stages`, decided before the first one runs."
     out_dir = root/"reproduce"/"runs"/profile
@@ -506,6 +542,7 @@ def _plan(stages: list[Stage], root: Path, profile: str, force: bool) -> list[tu
         plan.append((s, reason, last_seconds(root, profile, s.name)))
     return plan
 
+# %% ../nbs/91_reproduce.ipynb #427d1fba
 def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = False,
                  pipeline: str | os.PathLike | None = None, progress: bool = True) -> dict[str, str]:
     "Run the stages of `pipeline` for `profile` (all, or `only` the named one); return each stage's status."
@@ -539,7 +576,7 @@ def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = Fa
         write_summary(root, profile, stages, status)
     return status
 
-# %% ../nbs/91_reproduce.ipynb #148a1271
+# %% ../nbs/91_reproduce.ipynb #23b4ad63
 def report(pipeline: str | os.PathLike | None, profile: str, status: dict[str, str]) -> str:
     "What the command line prints after a run: where the outputs of the stages in `status` went, and the stages."
     pipeline = Path(pipeline) if pipeline else find_pipeline()
@@ -549,11 +586,13 @@ def report(pipeline: str | os.PathLike | None, profile: str, status: dict[str, s
     table = format_table(status_rows(root, profile, stages, status), ("stage", "status"))
     return "\n".join(["", "Outputs:", *outputs_report(root, profile, ran), "", table])
 
+# %% ../nbs/91_reproduce.ipynb #60736d19
 def _stage_error(e: StageFailed) -> str:
     "The error a failed stage's notebook raised (papermill's message holds the cell's traceback), or ''."
     cause = e.__cause__
     return "" if cause is None or isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}".strip()
 
+# %% ../nbs/91_reproduce.ipynb #4ac9e62e
 def _cli(prog: str, run) -> int:
     "Run `run()` for command line `prog`: 0, or 1 for a failed stage, 2 for a user error, 130 when interrupted."
     try: run()
@@ -568,7 +607,7 @@ def _cli(prog: str, run) -> int:
         return 130
     return 0
 
-
+# %% ../nbs/91_reproduce.ipynb #e22b82a0
 def main(argv: list[str] | None = None) -> int:
     "Command line: `python -m sparsekv.reproduce [--profile P] [--only STAGE] [--force] [--list]`."
     ap = argparse.ArgumentParser(prog="sparsekv-reproduce", description="Run the sparsekv reproduction pipeline.")
@@ -623,7 +662,7 @@ def leaderboard_stage(labels: list[str], budgets: list[int], profile: str = "cpu
     return Stage(name="leaderboard_custom", notebook=stage.notebook, params=params, outputs=outputs, root=stage.root,
                  inputs=stage.inputs, description=stage.description)
 
-
+# %% ../nbs/91_reproduce.ipynb #66beef91
 def leaderboard_main(argv: list[str] | None = None) -> int:
     "Command line: `sparsekv-leaderboard --methods M [M ...] --budgets B [B ...] [--profile P] [--windows N]`."
     ap = argparse.ArgumentParser(prog="sparsekv-leaderboard",

@@ -33,6 +33,7 @@ def _items(x, name: str) -> np.ndarray:
     if len(bad): raise ValueError(f"{name} contains NaN or inf at items {bad[:5].tolist()}")
     return arr.astype(np.float64)
 
+# %% ../nbs/41_stats.ipynb #6033b296
 def _level(level) -> float:
     "`level` as a float in (0, 1)."
     if isinstance(level, bool) or not isinstance(level, numbers.Real):
@@ -88,6 +89,7 @@ def _check_results(results, metric: str, method: str, budget: str, item: str) ->
             raise ValueError(f"results has {int(bad.sum())} row(s) with {what}, e.g. {df[bad].iloc[0].to_dict()}")
     return df
 
+# %% ../nbs/41_stats.ipynb #90c54479
 def _check_baselines(baselines, methods: list, reference) -> list | None:
     "`baselines` as a list of methods of the table other than the reference, or None."
     if baselines is None: return None
@@ -98,13 +100,14 @@ def _check_baselines(baselines, methods: list, reference) -> list | None:
     if unknown: raise ValueError(f"baselines {unknown} are not methods of results other than the reference: {methods}")
     return list(baselines)
 
-# %% ../nbs/41_stats.ipynb #c181c2e4
+# %% ../nbs/41_stats.ipynb #d6803e8d
 def _budgets(values: pd.Series) -> list:
     "The distinct budgets, sorted when they compare (numbers), else in order of first appearance; 64.0 as 64."
     found = [int(b) if isinstance(b, float) and b.is_integer() else b for b in pd.unique(values)]  # NaN made floats
     try: return sorted(found)
     except TypeError: return found
 
+# %% ../nbs/41_stats.ipynb #724eb882
 def _aligned(rows: pd.DataFrame, metric: str, method: str, item: str, order: list, where: str) -> pd.DataFrame:
     "The scores as an item × method table (items sorted, methods as in `order`); raise if a method lacks an item."
     table = rows.pivot(index=item, columns=method, values=metric).sort_index()
@@ -117,13 +120,14 @@ def _aligned(rows: pd.DataFrame, metric: str, method: str, item: str, order: lis
     if len(table) < 2: raise ValueError(f"results has {len(table)} item(s) {where}: an interval needs at least 2")
     return table
 
+# %% ../nbs/41_stats.ipynb #a7be9adf
 def _diff(x: np.ndarray, y: np.ndarray, prefix: str, level: float, n_boot: int, seed: int, min_items: int) -> dict:
     "The paired difference `x - y` as `compare`'s columns: `diff_<prefix>`, `<prefix>_lo`, `_hi`, `_sig`."
     d, lo, hi = paired_ci(x, y, level, n_boot, seed)
     sig = len(x) >= min_items and (lo > 0 or hi < 0)
     return {f"diff_{prefix}": d, f"{prefix}_lo": lo, f"{prefix}_hi": hi, f"{prefix}_sig": bool(sig)}
 
-# %% ../nbs/41_stats.ipynb #90c54479
+# %% ../nbs/41_stats.ipynb #e1eb16be
 def _reference_rows(ref: pd.DataFrame, budget: str, b, reference) -> pd.DataFrame:
     "The reference's rows used at budget `b`: its own at `b`, else all of them if they carry one budget value."
     if (ref[budget] == b).any(): return ref[ref[budget] == b]
@@ -131,6 +135,7 @@ def _reference_rows(ref: pd.DataFrame, budget: str, b, reference) -> pd.DataFram
         raise ValueError(f"reference {reference!r} has no rows at {budget}={b!r} and several budgets of its own")
     return ref
 
+# %% ../nbs/41_stats.ipynb #452726fa
 def _compare_budget(table: pd.DataFrame, b, reference, cands: list, higher_is_better: bool, level: float,
                     n_boot: int, seed: int, min_items: int) -> list[dict]:
     "`compare`'s rows at budget `b`, from its item × method `table` and the candidate baselines `cands`."
@@ -213,8 +218,10 @@ def compare_reference(results: pd.DataFrame, metric: str, method="method", budge
 
 # %% ../nbs/41_stats.ipynb #30c13de5
 def _check_show(show):
+    "Raise a ValueError unless `show` is one of the columns `compare_cell` shows."
     if show not in ("mean", "ref", "base"): raise ValueError(f"show must be 'mean', 'ref' or 'base', got {show!r}")
 
+# %% ../nbs/41_stats.ipynb #8d96b69c
 def compare_cell(row: dict, show: str = "mean", digits: int = 3) -> str:
     "One row of `compare` as text: `mean ± se`, or a difference `d [lo, hi]` (`*`: excludes 0, and the baseline)."
     _check_show(show)
@@ -223,6 +230,7 @@ def compare_cell(row: dict, show: str = "mean", digits: int = 3) -> str:
     text = f"{row[f'diff_{show}']:+.{digits}f} [{row[f'{show}_lo']:+.{digits}f}, {row[f'{show}_hi']:+.{digits}f}]"
     return text + ("*" if row[f"{show}_sig"] else "") + (f" vs {row['baseline']}" if show == "base" else "")
 
+# %% ../nbs/41_stats.ipynb #c61aff9f
 def compare_table(cmp: pd.DataFrame, show: str = "mean", digits: int = 3) -> pd.DataFrame:
     "`compare`'s result as method × budget text: `mean ± se`, or a difference `d [lo, hi]` (`*`: excludes 0)."
     _check_show(show)

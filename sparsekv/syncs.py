@@ -36,6 +36,7 @@ def _where(skip: int = 2) -> str:
             if top in parts: return f"{Path(*parts[parts.index(top):]).as_posix()}:{f.lineno}"
     return "?"
 
+# %% ../nbs/45_host_syncs.ipynb #61388fae
 class HostSyncs(TorchDispatchMode):
     "Within the block, count each operator that reads a device value on the host, by operator and code line."
     def __init__(self):

@@ -32,31 +32,33 @@ class KVpopScorers(nn.Module):
         self.scorers, self.decays = nn.ModuleList(scorers), nn.ModuleList(decays)
         self.n = check_int(n, "n (the decay step)", 1)
 
-    @classmethod
-    def mlp(cls, num_layers: int, num_kv_heads: int, head_dim: int, n: int = 1, **decay_kwargs) -> "KVpopScorers":
-        "MLP scorers (zero score head: neutral ranking) and default decays for every layer."
-        return cls([MLPScorer(num_kv_heads, head_dim) for _ in range(num_layers)],
-                   [LogDecay(num_kv_heads, **decay_kwargs) for _ in range(num_layers)], n)
+# %% ../../nbs/15_kvpop_cache.ipynb #f9e3c045
+@patch_to(KVpopScorers, cls_method=True)
+def mlp(cls, num_layers: int, num_kv_heads: int, head_dim: int, n: int = 1, **decay_kwargs) -> "KVpopScorers":
+    "MLP scorers (zero score head: neutral ranking) and default decays for every layer."
+    return cls([MLPScorer(num_kv_heads, head_dim) for _ in range(num_layers)],
+               [LogDecay(num_kv_heads, **decay_kwargs) for _ in range(num_layers)], n)
 
-    @classmethod
-    def mlstm(cls, num_layers: int, num_kv_heads: int, head_dim: int, delay: int, n: int = 1,
-              **decay_kwargs) -> "KVpopScorers":
-        "mLSTM scorers with readout delay `delay` (= the window w in KVpop) and default decays for every layer."
-        return cls([MLSTMScorer(num_kv_heads, head_dim, delay=delay) for _ in range(num_layers)],
-                   [LogDecay(num_kv_heads, **decay_kwargs) for _ in range(num_layers)], n)
+# %% ../../nbs/15_kvpop_cache.ipynb #150810c1
+@patch_to(KVpopScorers, cls_method=True)
+def mlstm(cls, num_layers: int, num_kv_heads: int, head_dim: int, delay: int, n: int = 1,
+          **decay_kwargs) -> "KVpopScorers":
+    "mLSTM scorers with readout delay `delay` (= the window w in KVpop) and default decays for every layer."
+    return cls([MLSTMScorer(num_kv_heads, head_dim, delay=delay) for _ in range(num_layers)],
+               [LogDecay(num_kv_heads, **decay_kwargs) for _ in range(num_layers)], n)
 
-    def raw(self, layer_idx: int, k: Tensor, v: Tensor) -> Tensor:
-        "Raw scores [B,Hkv,S] of layer `layer_idx` from keys/values [B,Hkv,S,d]."
-        return self.scorers[self._layer(layer_idx)](k, v).float()
+# %% ../../nbs/15_kvpop_cache.ipynb #15ec4dd7
+@patch_to(KVpopScorers)
+def _layer(self, layer_idx: int) -> int:
+    if not 0 <= layer_idx < len(self.scorers):
+        raise ValueError(f"layer_idx must lie in [0, {len(self.scorers)}), got {layer_idx}")
+    return layer_idx
 
-    def priority(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
-        "Static priorities r_t - floor(t/n) log(gamma_h), float32 [B,Hkv,S], at absolute `positions` [B,Hkv,S]."
-        return self.decayed(layer_idx, self.raw(layer_idx, k, v), positions)
-
-    def _layer(self, layer_idx: int) -> int:
-        if not 0 <= layer_idx < len(self.scorers):
-            raise ValueError(f"layer_idx must lie in [0, {len(self.scorers)}), got {layer_idx}")
-        return layer_idx
+# %% ../../nbs/15_kvpop_cache.ipynb #fa9b4608
+@patch_to(KVpopScorers)
+def raw(self, layer_idx: int, k: Tensor, v: Tensor) -> Tensor:
+    "Raw scores [B,Hkv,S] of layer `layer_idx` from keys/values [B,Hkv,S,d]."
+    return self.scorers[self._layer(layer_idx)](k, v).float()
 
 # %% ../../nbs/15_kvpop_cache.ipynb #f15e3031
 @patch_to(KVpopScorers)
@@ -66,6 +68,12 @@ def decayed(self, layer_idx: int, r: Tensor, positions: Tensor) -> Tensor:
     log_gamma = log_gamma.view(1, -1, *([1] * (r.dim() - 2)))
     steps = positions if self.n == 1 else torch.div(positions, self.n, rounding_mode="floor")
     return torch.addcmul(r.float(), steps.float(), log_gamma, value=-1)
+
+# %% ../../nbs/15_kvpop_cache.ipynb #0825f185
+@patch_to(KVpopScorers)
+def priority(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    "Static priorities r_t - floor(t/n) log(gamma_h), float32 [B,Hkv,S], at absolute `positions` [B,Hkv,S]."
+    return self.decayed(layer_idx, self.raw(layer_idx, k, v), positions)
 
 # %% ../../nbs/15_kvpop_cache.ipynb #f87bd2ba
 class KVpopRule(TopScoreRule):

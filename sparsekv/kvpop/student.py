@@ -120,15 +120,21 @@ class KVpopStudent(DistillStudent):
         self.agg, self.eps, self.target = agg, eps, target
         self.captured: list[tuple[Tensor, Tensor]] = []
 
-    def policy(self) -> KVpopTrainPolicy:
-        return KVpopTrainPolicy(self)
+# %% ../../nbs/17_kvpop_student.ipynb #65a3b483
+@patch_to(KVpopStudent)
+def policy(self) -> KVpopTrainPolicy:
+    return KVpopTrainPolicy(self)
 
-    def fsdp_units(self) -> list[nn.Module]:
-        "Each layer's scorer and decay: the policy calls their forward."
-        return [*self.scorers.scorers, *self.scorers.decays]
+# %% ../../nbs/17_kvpop_student.ipynb #e4678cdd
+@patch_to(KVpopStudent)
+def fsdp_units(self) -> list[nn.Module]:
+    "Each layer's scorer and decay: the policy calls their forward."
+    return [*self.scorers.scorers, *self.scorers.decays]
 
-    def inference_cache(self) -> KVpopCache:
-        return KVpopCache(self.scorers, self.sink, self.window, self.k)
+# %% ../../nbs/17_kvpop_student.ipynb #7df8244d
+@patch_to(KVpopStudent)
+def inference_cache(self) -> KVpopCache:
+    return KVpopCache(self.scorers, self.sink, self.window, self.k)
 
 # %% ../../nbs/17_kvpop_student.ipynb #ea1b5aee
 @patch_to(KVpopStudent, cls_method=True)

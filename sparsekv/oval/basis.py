@@ -25,9 +25,11 @@ def centre_page(K: Tensor) -> tuple[Tensor, Tensor]:
 
 # %% ../../nbs/30_oval_basis.ipynb #91ce87ca
 def _check_tensor(x, name: str) -> None:
+    "Raise a TypeError naming `name` unless `x` is a floating-point tensor."
     if not isinstance(x, Tensor): raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point(): raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
+# %% ../../nbs/30_oval_basis.ipynb #0765ab52
 def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
     """Check pages K [..., m, d], V [..., m, dv] and a metric G [..., dv, dv] broadcastable to their batch (or None),
     all finite."""
@@ -60,8 +62,11 @@ def check_eta(eta) -> None:
         raise ValueError(f"eta must be a number in [0, 1], got {eta!r}")
 
 # %% ../../nbs/30_oval_basis.ipynb #4c9563e0
-def _trace(M: Tensor) -> Tensor: return M.diagonal(dim1=-2, dim2=-1).sum(-1)
+def _trace(M: Tensor) -> Tensor:
+    "The trace of each matrix of the batch `M [..., n, n]`."
+    return M.diagonal(dim1=-2, dim2=-1).sum(-1)
 
+# %% ../../nbs/30_oval_basis.ipynb #d6ad1ac4
 def page_risks(K: Tensor, V: Tensor, B: Tensor, G: Tensor | None = None) -> tuple[Tensor, Tensor]:
     "Trace forms (§3.1) R_key(B) = tr(J X^T X J)/d, R_out(B) = tr(J M_out J)/(m^2 d), J = I - BB^T (G = I if None)."
     check_page(K, V, G)
@@ -95,10 +100,15 @@ def hybrid_metric(K: Tensor, V: Tensor, G: Tensor | None = None, eta: float = 0.
 
 # %% ../../nbs/30_oval_basis.ipynb #f56d0009
 def _work_dtype(*xs: Tensor) -> torch.dtype:
+    "float64 when any of `xs` is float64, else float32: the dtype the basis is computed in."
     return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
 
-def _mean_diag(M: Tensor) -> Tensor: return M.diagonal(dim1=-2, dim2=-1).mean(-1)
+# %% ../../nbs/30_oval_basis.ipynb #c5502859
+def _mean_diag(M: Tensor) -> Tensor:
+    "The mean diagonal entry of each matrix of the batch `M [..., n, n]`."
+    return M.diagonal(dim1=-2, dim2=-1).mean(-1)
 
+# %% ../../nbs/30_oval_basis.ipynb #5e89fbba
 def _unit_mean_diag(M: Tensor) -> Tensor:
     "M divided by its mean diagonal (clamped at 1e-30), App. D.3."
     return M / _mean_diag(M).clamp_min(EPS_TRACE)[..., None, None]

@@ -274,6 +274,13 @@ test_fail(lambda: require_data("priority", torch.empty(2, 3, device="meta")), co
 class IntArgumentError(ValueError, TypeError):
     "A bad integer argument; a `TypeError` too, since a non-integer is also the wrong type."
 
+
+# %%
+assert issubclass(IntArgumentError, ValueError) and issubclass(IntArgumentError, TypeError)
+
+
+# %%
+#| export
 def check_int(x, name: str, lo: int = 0, hi: int | None = None) -> int:
     "`x` as an `int` if it is an integer (not a bool) in [`lo`, `hi`]; else raise naming `name` and the range."
     msg = f"{name} must be " + (f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]") + f", got {x!r}"
@@ -341,14 +348,37 @@ def and_masks(*preds):
     if not preds: raise ValueError("and_masks needs at least one predicate")
     return lambda p, t: functools.reduce(operator.and_, (f(p, t) for f in preds))
 
+
+# %%
+a, b = torch.rand(5, 6) > 0.5, torch.rand(5, 6) > 0.5
+fa, fb = (lambda p, t: a[p, t]), (lambda p, t: b[p, t])
+p, t = torch.arange(5)[:, None], torch.arange(6)
+test_eq(and_masks(fa, fb)(p, t), a & b)
+test_fail(lambda: and_masks(), contains="at least one predicate")
+
+
+# %%
+#| export
 def or_masks(*preds):
     "The predicate (p, t) -> bool true where any one of `preds` is true."
     if not preds: raise ValueError("or_masks needs at least one predicate")
     return lambda p, t: functools.reduce(operator.or_, (f(p, t) for f in preds))
 
+
+# %%
+test_eq(or_masks(fa, fb)(p, t), a | b)
+test_fail(lambda: or_masks(), contains="at least one predicate")
+
+
+# %%
+#| export
 def not_mask(pred):
     "The predicate (p, t) -> bool true where `pred` is false."
     return lambda p, t: ~pred(p, t)
+
+
+# %%
+test_eq(not_mask(fa)(p, t), ~a)
 
 
 # %%
@@ -357,21 +387,38 @@ def is_causal(p, t):
     "Key position t is at or before query position p."
     return t <= p
 
+
+# %%
+test_eq(is_causal(torch.tensor(2), torch.arange(5)), torch.tensor([True, True, True, False, False]))
+
+
+# %%
+#| export
 def in_sinks(s: int):
     "Predicate: key t is one of the first `s` positions (an attention sink), t < s."
     return lambda p, t: t < s
 
+
+# %%
+test_eq(in_sinks(2)(torch.tensor(9), torch.arange(5)), torch.tensor([True, True, False, False, False]))
+
+
+# %%
+#| export
 def in_window(w: int):
     "Predicate: key t is among the `w` most recent positions of query p (p itself included), p - t < w."
     return lambda p, t: p - t < w
 
+
+# %%
+test_eq(in_window(2)(torch.tensor(3), torch.arange(5)), torch.tensor([False, False, True, True, True]))
+
+
+# %%
+#| export
 def sink_window_visible(s: int, w: int):
     "Predicate of StreamingLLM's pattern (the fixed part of KVpop Eq. (1)): causal and (sink or window)."
     return and_masks(is_causal, or_masks(in_sinks(s), in_window(w)))
-
-def evictable(s: int, w: int):
-    "Predicate of E(p) = {t : s <= t <= p - w} (KVpop Eq. (4)): causal keys neither sinks nor window protect."
-    return and_masks(is_causal, not_mask(or_masks(in_sinks(s), in_window(w))))
 
 
 # %% [markdown]
@@ -382,21 +429,29 @@ def evictable(s: int, w: int):
 for s, w in [(0, 1), (2, 1), (0, 4), (3, 5), (9, 2)]:
     p, t = torch.arange(12)[:, None], torch.arange(12)
     want_vis = torch.tensor([[t_ <= p_ and (t_ < s or p_ - t_ < w) for t_ in range(12)] for p_ in range(12)])
-    want_evict = torch.tensor([[s <= t_ <= p_ - w for t_ in range(12)] for p_ in range(12)])
     test_eq(sink_window_visible(s, w)(p, t), want_vis)
-    test_eq(evictable(s, w)(p, t), want_evict)
-    test_eq(want_vis | want_evict, torch.ones(12, 12, dtype=torch.bool).tril())  # the causal keys, split in two
     pos = torch.randint(0, 30, (2, 3, 7)).sort(-1).values                       # [B, Hkv, N] positions per head
     qp = torch.tensor([4, 17, 29])
     got = sink_window_visible(s, w)(qp[:, None], pos[:, :, None, :])              # [B, Hkv, Sq, N]
     for b, h, i, j in itertools.product(range(2), range(3), range(3), range(7)):
         tt, pp = pos[b, h, j].item(), qp[i].item()
         test_eq(got[b, h, i, j].item(), tt <= pp and (tt < s or pp - tt < w))
-a, b = torch.rand(5, 6) > 0.5, torch.rand(5, 6) > 0.5
-fa, fb = (lambda p, t: a[p, t]), (lambda p, t: b[p, t])
-p, t = torch.arange(5)[:, None], torch.arange(6)
-test_eq(and_masks(fa, fb)(p, t), a & b); test_eq(or_masks(fa, fb)(p, t), a | b); test_eq(not_mask(fa)(p, t), ~a)
-test_fail(lambda: and_masks(), contains="at least one predicate")
+
+
+# %%
+#| export
+def evictable(s: int, w: int):
+    "Predicate of E(p) = {t : s <= t <= p - w} (KVpop Eq. (4)): causal keys neither sinks nor window protect."
+    return and_masks(is_causal, not_mask(or_masks(in_sinks(s), in_window(w))))
+
+
+# %%
+for s, w in [(0, 1), (2, 1), (0, 4), (3, 5), (9, 2)]:
+    p, t = torch.arange(12)[:, None], torch.arange(12)
+    want_vis = torch.tensor([[t_ <= p_ and (t_ < s or p_ - t_ < w) for t_ in range(12)] for p_ in range(12)])
+    want_evict = torch.tensor([[s <= t_ <= p_ - w for t_ in range(12)] for p_ in range(12)])
+    test_eq(evictable(s, w)(p, t), want_evict)
+    test_eq(want_vis | want_evict, torch.ones(12, 12, dtype=torch.bool).tril())  # the causal keys, split in two
 
 
 # %% [markdown]
@@ -476,6 +531,15 @@ def softmax_scale(scale: float | None, D: int) -> float:
         raise ValueError(f"scale must be a finite number or None (for 1/sqrt(D)), got {scale!r}")
     return float(scale)
 
+
+# %%
+test_eq(softmax_scale(None, 16), 0.25)
+test_eq(softmax_scale(2, 16), 2.0)
+test_fail(lambda: softmax_scale(math.nan, 16), contains="scale must be a finite number")
+
+
+# %%
+#| export
 def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: float | None = None) -> Tensor:
     "Scores s_ij = scale * q_i.k_j, [B, Hq, Sq, Sk] in float32 (float64 input: float64), -inf where `mask` is False."
     G = check_qkv(q, k)
@@ -485,6 +549,12 @@ def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None = None, scale: fl
     acc = torch.promote_types(q.dtype, torch.float32)
     s = softmax_scale(scale, D) * (q.to(acc) @ repeat_kv(k.to(acc), G).transpose(-1, -2))
     return s.masked_fill(~mask, -math.inf)
+
+
+# %%
+q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
+want = torch.stack([q[0, h] @ k[0, h // 2].T for h in range(4)])[None] / math.sqrt(8)
+assert_close(attention_scores(q, k), want.masked_fill(~causal_mask(3, 5), -math.inf))
 
 
 # %%
@@ -708,10 +778,26 @@ def position_mask_mod(pred, offset: int = 0):
     def mask_mod(b, h, q_idx, kv_idx): return pred(q_idx + offset, kv_idx)
     return mask_mod
 
+
+# %%
+qi, kj = torch.arange(4)[:, None], torch.arange(7)
+want = torch.tensor([[p - t < 2 for t in range(7)] for p in range(3, 7)])
+test_eq(position_mask_mod(in_window(2), 3)(0, 0, qi, kj), want)
+
+
+# %%
+#| export
 def causal_mask_mod(offset: int = 0):
     "FlexAttention mask_mod of `causal_mask`: query i sees key j iff j <= i + offset."
     return position_mask_mod(is_causal, offset)
 
+
+# %%
+test_eq(causal_mask_mod(3)(0, 0, qi, kj), causal_mask(4, 7))
+
+
+# %%
+#| export
 def mask_mod_from_bool(mask: Tensor):
     "FlexAttention mask_mod reading a captured boolean mask [B, H, Sq, Sk] (True = attend)."
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
@@ -721,6 +807,15 @@ def mask_mod_from_bool(mask: Tensor):
     def mask_mod(b, h, q_idx, kv_idx): return mask[b, h, q_idx, kv_idx]
     return mask_mod
 
+
+# %%
+m = torch.rand(1, 2, 4, 7) > 0.5
+test_eq(mask_mod_from_bool(m)(0, 1, qi, kj), m[0, 1])
+test_fail(lambda: mask_mod_from_bool(m.float()), contains="mask must be a 4-D torch.bool tensor")
+
+
+# %%
+#| export
 def bias_score_mod(bias: Tensor):
     "FlexAttention score_mod adding a captured bias [B, H, Sq, Sk] to each score."
     if not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.dim() != 4:
@@ -728,6 +823,12 @@ def bias_score_mod(bias: Tensor):
                         f"{getattr(bias, 'dtype', type(bias).__name__)}")
     def score_mod(score, b, h, q_idx, kv_idx): return score + bias[b, h, q_idx, kv_idx]
     return score_mod
+
+
+# %%
+bias = torch.randn(1, 2, 4, 7)
+test_eq(bias_score_mod(bias)(torch.ones(4, 7), 0, 1, qi, kj), 1 + bias[0, 1])
+test_fail(lambda: bias_score_mod(m), contains="bias must be a 4-D floating-point tensor")
 
 
 # %%
@@ -740,9 +841,23 @@ def block_mask_from_bool(mask: Tensor, shape: tuple) -> BlockMask:
     return create_block_mask(mask_mod_from_bool(mask.expand(shape)), None if mask.shape[0] == 1 else B,
                              None if mask.shape[1] == 1 else H, Sq, Sk, device=mask.device)
 
+
+# %%
+bm = block_mask_from_bool(m, (1, 2, 4, 7))
+test_eq(bm.seq_lengths, (4, 7))
+test_eq(bm.mask_mod(0, 1, qi, kj), m[0, 1])
+
+
+# %%
+#| export
 def causal_block_mask(Sq: int, Sk: int, device=None, offset: int | None = None) -> BlockMask:
     "FlexAttention BlockMask of `causal_mask(Sq, Sk, device, offset)`."
     return create_block_mask(causal_mask_mod(Sk - Sq if offset is None else offset), None, None, Sq, Sk, device=device)
+
+
+# %%
+test_eq(causal_block_mask(4, 7).mask_mod(0, 0, qi, kj), causal_mask(4, 7))
+test_eq(causal_block_mask(4, 7, offset=1).mask_mod(0, 0, qi, kj), causal_mask(4, 7, offset=1))
 
 
 # %%
@@ -752,6 +867,13 @@ def compiled_flex_attention():
     "`flex_attention` through `torch.compile`, built once per process (the fused kernel on CUDA)."
     return torch.compile(flex_attention)
 
+
+# %%
+assert compiled_flex_attention() is compiled_flex_attention()   # built once, then cached
+
+
+# %%
+#| export
 def flex_attention_lse(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask | None = None, score_mod=None,
                        scale: float | None = None, enable_gqa: bool | None = None) -> tuple[Tensor, Tensor]:
     """FlexAttention returning (out in q's dtype, lse [B,Hq,Sq] float32 natural log); compiled on CUDA, eager on CPU.
@@ -842,6 +964,13 @@ def sdpa_attention_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = No
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~seen, scale=scale, enable_gqa=G > 1)
     return out.masked_fill(~seen, 0.0), masked_logsumexp(attention_scores(q, k, mask, scale))
 
+
+# %%
+q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+mask = torch.rand(1, 1, 6, 6) > 0.5
+mask[..., 1, :] = False                       # a fully masked row: out 0, lse -inf
+for got, want in zip(sdpa_attention_lse(q, k, v, mask), attention_reference(q, k, v, mask)):
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 # %%
 #| export

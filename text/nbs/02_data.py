@@ -314,6 +314,12 @@ test_eq(pieces[0] + pieces[1], tok("In the beginning God created", add_special_t
 def _prose_hash() -> str:
     return hashlib.sha256(prose_text().encode()).hexdigest()[:12]
 
+
+# %%
+assert re.fullmatch(r"[0-9a-f]{12}", _prose_hash())
+
+# %%
+#| export
 _PROSE_TOKENS: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 def prose_tokens(tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -463,9 +469,24 @@ def _reasoning_gym():
         raise ModuleNotFoundError("reasoning problems need `reasoning-gym`: pip install 'sparsekv[data]'") from e
     return reasoning_gym
 
+
+# %%
+test_eq(_reasoning_gym().__name__, "reasoning_gym")
+
+
+# %%
+#| export
 def _check_reasoning_task(task: str):
     if task not in REASONING_TASKS: raise ValueError(f"task must be one of {REASONING_TASKS}, got {task!r}")
 
+
+# %%
+for task in REASONING_TASKS: _check_reasoning_task(task)
+test_fail(lambda: _check_reasoning_task("gsm8k"), contains="task must be one of")
+
+
+# %%
+#| export
 def reasoning_problems(task: str, n: int, seed: int = 0, **config) -> list[dict]:
     "`n` problems `{question, answer, metadata}` of reasoning-gym dataset `task`; one seed gives the same problems."
     _check_reasoning_task(task)
@@ -542,6 +563,15 @@ for completion, expected in [("So the total is 1,234 apples.", "1234"), ("x = 3,
 def _scorer(task: str):
     return _reasoning_gym().create_dataset(task, seed=0, size=1).score_answer
 
+
+# %%
+item = reasoning_problems("chain_sum", 1, seed=5)[0]
+test_eq(_scorer("chain_sum")(item["answer"], item), 1.0)
+assert _scorer("chain_sum")(str(int(item["answer"]) + 1), item) < 1.0
+
+
+# %%
+#| export
 def score_reasoning(task: str, item: dict, completion: str) -> float:
     "Score of `completion` for the problem `item` by the dataset's own `score_answer` (1.0 = correct)."
     _check_reasoning_task(task)
@@ -730,15 +760,21 @@ def _task_rng(name: str, seed: int) -> random.Random:
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     return random.Random(f"{name}:{seed}")  # str seeds hash deterministically across runs
 
+
+# %%
+test_eq(_task_rng("passkey", 3).random(), random.Random("passkey:3").random())
+assert _task_rng("passkey", 3).random() != _task_rng("kv_retrieval", 3).random()
+test_fail(lambda: _task_rng("passkey", True), contains="seed must be an int")
+
+
+# %%
+#| export
 def _check_context_tokens(context_tokens):
     if not isinstance(context_tokens, int) or context_tokens < 1:
         raise ValueError(f"context_tokens must be a positive int, got {context_tokens!r}")
 
 
 # %%
-test_eq(_task_rng("passkey", 3).random(), random.Random("passkey:3").random())
-assert _task_rng("passkey", 3).random() != _task_rng("kv_retrieval", 3).random()
-test_fail(lambda: _task_rng("passkey", True), contains="seed must be an int")
 _check_context_tokens(1)
 test_fail(lambda: _check_context_tokens(0), contains="positive int")
 test_fail(lambda: _check_context_tokens(2.0), contains="positive int")
@@ -749,6 +785,14 @@ test_fail(lambda: _check_context_tokens(2.0), contains="positive int")
 def _numbers(rng: random.Random, n: int, digits: int) -> list[str]:
     return [str(v) for v in rng.sample(range(10**(digits - 1), 10**digits), n)]
 
+
+# %%
+numbers = _numbers(random.Random(0), 50, 4)
+test_eq((len(set(numbers)), {len(v) for v in numbers}, any(v.startswith("0") for v in numbers)), (50, {4}, False))
+
+
+# %%
+#| export
 def _variable_names(rng: random.Random, n: int) -> list[str]:
     names: list[str] = []
     while len(names) < n:
@@ -757,8 +801,6 @@ def _variable_names(rng: random.Random, n: int) -> list[str]:
 
 
 # %%
-numbers = _numbers(random.Random(0), 50, 4)
-test_eq((len(set(numbers)), {len(v) for v in numbers}, any(v.startswith("0") for v in numbers)), (50, {4}, False))
 names = _variable_names(random.Random(0), 30)
 test_eq(len(set(names)), 30)
 assert all(re.fullmatch(r"[A-Z]{5}", v) for v in names)
@@ -822,14 +864,20 @@ def _check_depth(depth, rng: random.Random) -> float:
     if not 0 <= depth <= 1: raise ValueError(f"depth must be in [0, 1] (fraction of the haystack) or None, got {depth}")
     return float(depth)
 
-def _and_list(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
 
 # %%
 test_eq(_check_depth(0.25, random.Random(0)), 0.25)
 test_eq(_check_depth(None, random.Random(0)), random.Random(0).random())
 test_fail(lambda: _check_depth(1.5, random.Random(0)), contains="depth must be in [0, 1]")
+
+
+# %%
+#| export
+def _and_list(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+# %%
 test_eq([_and_list(["a"]), _and_list(["a", "b"]), _and_list(["a", "b", "c"])], ["a", "a and b", "a, b and c"])
 
 
@@ -1188,9 +1236,23 @@ test_fail(lambda: kv_retrieval(tok, 500, 0, n_pairs=0), contains="n_pairs must b
 def _normalize(text: str) -> str:
     return " ".join(text.lower().split())
 
+
+# %%
+test_eq(_normalize("  The\tNumber:\n ABC "), "the number: abc")
+
+
+# %%
+#| export
 def _found(expected: str, prediction: str) -> bool:
     return re.search(rf"(?<![a-z0-9]){re.escape(_normalize(expected))}(?![a-z0-9])", prediction) is not None
 
+
+# %%
+assert _found("ABC", "the abc def") and not _found("abc", "the abcd def") and not _found("1234567", "12345678")
+
+
+# %%
+#| export
 def score_exact(prediction: str, answer: str | list[str]) -> float:
     "1.0 if `answer` occurs in `prediction` as a whole (case and spaces ignored); for a list, the fraction that do."
     if not isinstance(prediction, str): raise TypeError(f"prediction must be a str, got {type(prediction).__name__}")

@@ -133,37 +133,68 @@ class AttendedBudget:
         s = self._stats.setdefault((phase, layer), [0.0, 0, torch.zeros(c.shape[0], dtype=torch.float64)])
         s[0], s[1], s[2] = s[0] + c.sum(1), s[1] + c.shape[1], torch.maximum(s[2], c.max(1).values)
 
-    def per_head(self) -> list[dict]:
-        "One row per (phase, layer, head): mean and max attended KV entries and the number of queries."
-        return [{"phase": p, "layer": l, "head": h, "mean": float(s[0][h] / s[1]), "max": int(s[2][h]),
-                 "queries": s[1]} for (p, l), s in sorted(self._stats.items()) for h in range(len(s[2]))]
-
-    def _of(self, phase: str | None) -> list:
-        stats = [s for (p, _), s in self._stats.items() if phase in (None, p)]
-        if not stats: raise ValueError(f"nothing was recorded{f' in phase {phase!r}' if phase else ''}: "
-                                       "run attention inside measure_attended()")
-        return stats
-
-    def mean(self, phase: str | None = None) -> float:
-        "Mean attended KV entries over the recorded queries of every head and layer (of `phase`: prefill or decode)."
-        stats = self._of(phase)
-        return sum(float(s[0].sum()) for s in stats) / sum(s[1] * len(s[2]) for s in stats)
-
-    def max(self, phase: str | None = None) -> int:
-        "The most KV entries any recorded query of any head attended to (in `phase`: prefill or decode)."
-        return int(max(float(s[2].max()) for s in self._of(phase)))
-
 
 # %%
 _b = AttendedBudget()
 _b.add(torch.tensor([[[1, 2], [3, 4]]]), "prefill", 0)
 _b.add(torch.tensor([[[5], [6]]]), "decode", 0)
+test_eq(_b._stats[("prefill", 0)][:2], [torch.tensor([3.0, 7.0], dtype=torch.float64), 2])
+
+
+# %%
+#| export
+@patch_to(AttendedBudget)
+def per_head(self) -> list[dict]:
+    "One row per (phase, layer, head): mean and max attended KV entries and the number of queries."
+    return [{"phase": p, "layer": l, "head": h, "mean": float(s[0][h] / s[1]), "max": int(s[2][h]),
+             "queries": s[1]} for (p, l), s in sorted(self._stats.items()) for h in range(len(s[2]))]
+
+
+# %%
 test_eq(_b.per_head(), [{"phase": "decode", "layer": 0, "head": 0, "mean": 5.0, "max": 5, "queries": 1},
                         {"phase": "decode", "layer": 0, "head": 1, "mean": 6.0, "max": 6, "queries": 1},
                         {"phase": "prefill", "layer": 0, "head": 0, "mean": 1.5, "max": 2, "queries": 2},
                         {"phase": "prefill", "layer": 0, "head": 1, "mean": 3.5, "max": 4, "queries": 2}])
-test_eq((_b.mean(), _b.mean("prefill"), _b.max(), _b.max("prefill")), (3.5, 2.5, 6, 4))
+
+
+# %%
+#| export
+@patch_to(AttendedBudget)
+def _of(self, phase: str | None) -> list:
+    stats = [s for (p, _), s in self._stats.items() if phase in (None, p)]
+    if not stats: raise ValueError(f"nothing was recorded{f' in phase {phase!r}' if phase else ''}: "
+                                   "run attention inside measure_attended()")
+    return stats
+
+
+# %%
+test_eq([len(_b._of(None)), len(_b._of("decode"))], [2, 1])
+
+
+# %%
+#| export
+@patch_to(AttendedBudget)
+def mean(self, phase: str | None = None) -> float:
+    "Mean attended KV entries over the recorded queries of every head and layer (of `phase`: prefill or decode)."
+    stats = self._of(phase)
+    return sum(float(s[0].sum()) for s in stats) / sum(s[1] * len(s[2]) for s in stats)
+
+
+# %%
+test_eq((_b.mean(), _b.mean("prefill")), (3.5, 2.5))
 test_fail(lambda: _b.mean("x"), contains="nothing was recorded in phase 'x'")
+
+
+# %%
+#| export
+@patch_to(AttendedBudget)
+def max(self, phase: str | None = None) -> int:
+    "The most KV entries any recorded query of any head attended to (in `phase`: prefill or decode)."
+    return int(max(float(s[2].max()) for s in self._of(phase)))
+
+
+# %%
+test_eq((_b.max(), _b.max("prefill")), (6, 4))
 
 
 # %% [markdown]
@@ -548,29 +579,45 @@ class AttentionContext:
         if self.cache is None or self.layer_idx >= len(self.cache.layers): return None
         return self.cache.layers[self.layer_idx]
 
-    def full_mask(self) -> Tensor:
-        "The mask as a tensor (the causal mask when `mask` is None), broadcastable to [B,Hkv,Sq,Sk]."
-        if self.mask is not None: return self.mask
-        return causal_mask(self.query_positions.shape[0], self.key_positions.shape[-1],
-                           self.key_positions.device)[None, None]
-
-    def real_keys(self) -> Tensor | None:
-        "Boolean [B,Sk]: the keys some query may see (not padding); None when every key is seen (nothing padded)."
-        if self.mask is None or isinstance(self.cache_layer, EvictingLayer): return None  # eviction: no padding
-        real = self.mask.any(-2).any(1).expand(self.key_positions.shape[0], -1)
-        return None if bool(real.all()) else real
-
 
 # %%
 _ctx = AttentionContext(layer_idx=0, kind="prefill", query_positions=torch.arange(3, 5),
                         key_positions=torch.arange(5).expand(2, 2, 5), mask=None, scale=0.25)
-test_eq((_ctx.past_len, _ctx.cache_layer, _ctx.real_keys()), (3, None, None))
+test_eq((_ctx.chunk_index, _ctx.cache, _ctx.row), (None, None, None))
+test_eq((_ctx.past_len, _ctx.cache_layer), (3, None))
+
+
+# %%
+#| export
+@patch_to(AttentionContext)
+def full_mask(self) -> Tensor:
+    "The mask as a tensor (the causal mask when `mask` is None), broadcastable to [B,Hkv,Sq,Sk]."
+    if self.mask is not None: return self.mask
+    return causal_mask(self.query_positions.shape[0], self.key_positions.shape[-1],
+                       self.key_positions.device)[None, None]
+
+
+# %%
 test_eq(_ctx.full_mask(), causal_mask(2, 5)[None, None])
 _pm = torch.ones(2, 1, 2, 5, dtype=torch.bool)
 _pm[1, ..., 0] = False
 _pctx = AttentionContext(0, "prefill", torch.arange(3, 5), torch.arange(5).expand(2, 2, 5), _pm, 0.25)
-test_eq(_pctx.real_keys(), torch.tensor([[True] * 5, [False] + [True] * 4]))
 test_eq(_pctx.full_mask(), _pm)
+
+
+# %%
+#| export
+@patch_to(AttentionContext)
+def real_keys(self) -> Tensor | None:
+    "Boolean [B,Sk]: the keys some query may see (not padding); None when every key is seen (nothing padded)."
+    if self.mask is None or isinstance(self.cache_layer, EvictingLayer): return None  # eviction: no padding
+    real = self.mask.any(-2).any(1).expand(self.key_positions.shape[0], -1)
+    return None if bool(real.all()) else real
+
+
+# %%
+test_eq(_ctx.real_keys(), None)
+test_eq(_pctx.real_keys(), torch.tensor([[True] * 5, [False] + [True] * 4]))
 
 
 # %% [markdown]
@@ -1590,35 +1637,65 @@ class Method:
         "`budget` if it is an int >= 1 (KV entries each query may attend to, per KV head)."
         return check_int(budget, "budget", 1)
 
-    def policy(self) -> AttentionPolicy:
-        "A fresh attention policy for one run (dense here)."
-        return DensePolicy()
-
-    def cache(self, model: PreTrainedModel) -> Cache | None:
-        "The cache to pass as `past_key_values` for one run (here `GrowingCache`: no copy of the cache per step)."
-        return GrowingCache(config=model.config)
-
-    @contextlib.contextmanager
-    def patch(self, model: PreTrainedModel):
-        "Patch `model` with a fresh `policy()` inside the block and yield the cache to pass (`cache(model)`)."
-        with patch(model, self.policy()): yield self.cache(model)
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({args})"
-
 
 # %%
 class _ChunkedDense(Method):
     name, chunk_size = "_chunked_dense", 4
 
+test_fail(lambda: type("Other", (Method,), {"name": "_chunked_dense"}), contains="already taken")
+test_fail(lambda: type("Other", (Method,), {"family": "pruning"}), contains="family must be one of")
+for bad in (0, -3, True, 2.5, "8"): test_fail(lambda: Method(bad), contains="budget must be")
+
+
+# %%
+#| export
+@patch_to(Method)
+def policy(self) -> AttentionPolicy:
+    "A fresh attention policy for one run (dense here)."
+    return DensePolicy()
+
+
+# %%
+test_eq(type(Method(8).policy()), DensePolicy)
+
+
+# %%
+#| export
+@patch_to(Method)
+def cache(self, model: PreTrainedModel) -> Cache | None:
+    "The cache to pass as `past_key_values` for one run (here `GrowingCache`: no copy of the cache per step)."
+    return GrowingCache(config=model.config)
+
+
+# %%
+test_eq(type(Method(8).cache(model)), GrowingCache)
+
+
+# %%
+#| export
+@patch_to(Method)
+@contextlib.contextmanager
+def patch(self, model: PreTrainedModel):  # noqa: F811  the method Method.patch; the module keeps the function
+    "Patch `model` with a fresh `policy()` inside the block and yield the cache to pass (`cache(model)`)."
+    with patch(model, self.policy()): yield self.cache(model)
+
+
+# %%
 with Method(8).patch(model) as c:
     assert isinstance(c, GrowingCache) and c.get_seq_length() == 0, c
     test_eq(model.config._attn_implementation, ATTN_NAME)
 test_eq(model.config._attn_implementation, impl)
-test_fail(lambda: type("Other", (Method,), {"name": "_chunked_dense"}), contains="already taken")
-test_fail(lambda: type("Other", (Method,), {"family": "pruning"}), contains="family must be one of")
-for bad in (0, -3, True, 2.5, "8"): test_fail(lambda: Method(bad), contains="budget must be")
+
+
+# %%
+#| export
+@patch_to(Method)
+def __repr__(self):
+    args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+    return f"{type(self).__name__}({args})"
+
+
+# %%
 test_eq(repr(Method(8)), "Method(budget=8)")
 
 
@@ -1700,6 +1777,9 @@ del Method.registry["_chunked_dense"]
 # (retrieval). The formulas are derived, and checked against the multiply-adds the code performs, on
 # [the costs page](42_costs.ipynb). A method that scores no cached keys costs zero: dense attention, and the eviction
 # methods (TOVA and H2O reuse the attention weights, KVpop and DMS score each key once, when it arrives).
+#
+# The shape is read from a config as transformers spells it; the tiny test model has 4 query heads over 2 KV
+# heads of 16 dimensions ($64 / 4$) in 2 layers.
 
 # %%
 #| export
@@ -1734,10 +1814,6 @@ class ModelShape:
         return cls(Hq, Hkv, getattr(c, "head_dim", None) or c.hidden_size // Hq, L)
 
 
-# %% [markdown]
-# The shape is read from a config as transformers spells it; the tiny test model has 4 query heads over 2 KV
-# heads of 16 dimensions ($64 / 4$) in 2 layers.
-
 # %%
 test_eq(ModelShape.of(load_model("tiny-llama")[0]), ModelShape(Hq=4, Hkv=2, D=16, layers=2))
 test_eq(ModelShape(9, 3, 64, 30).G, 3)
@@ -1756,6 +1832,12 @@ class ScoringCost:
     total: int = 0
 
 
+# %%
+test_eq(ScoringCost(), ScoringCost(0, 0, 0))
+test_fail(lambda: setattr(ScoringCost(), "total", 1), exc=AttributeError)   # frozen
+
+# %%
+#| export
 PHASES = ("prefill", "decode")
 
 
@@ -1773,8 +1855,11 @@ test_eq([queries_per_call("prefill", None, 128), queries_per_call("prefill", 7, 
          queries_per_call("decode", None, 128)], [128, 7, 1])
 test_fail(lambda: queries_per_call("training", None, 128), contains="phase must be one of")
 test_fail(lambda: queries_per_call("decode", 4, 128), contains="chunk must be None or 1 at decode")
-test_eq(ScoringCost(), ScoringCost(0, 0, 0))
 
+
+# %% [markdown]
+# A method that states no cost (dense attention, the eviction methods) chooses no keys: zero, with its arguments
+# checked all the same.
 
 # %%
 #| export
@@ -1785,10 +1870,6 @@ def scoring_cost(method: Method, shape, n_cached: int, phase: str = "prefill", c
     ModelShape.of(shape), check_int(n_cached, "n_cached"), queries_per_call(phase, chunk, 1)
     return ScoringCost()
 
-
-# %% [markdown]
-# A method that states no cost (dense attention, the eviction methods) chooses no keys: zero, with its arguments
-# checked all the same.
 
 # %%
 test_eq(scoring_cost(Method(8), ModelShape(9, 3, 64, 30), 4096, "decode"), ScoringCost())

@@ -366,39 +366,76 @@ class EvictingLayer(DynamicLayer):
         self.scores = torch.zeros(key_states.shape[:2] + (0,), dtype=torch.float32, device=self.device)
         self.is_initialized = True
 
-    def arm(self) -> None:
-        "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
-        self.armed = True
-
-    def get_seq_length(self) -> int:
-        "Number of tokens seen (the next token's position), not the number kept."
-        return self.seen
-
-    def get_max_length(self) -> int:
-        "-1: no maximum (the budget bounds what is kept, not the tokens seen)."
-        return -1
-
-    def _apply(self, fn) -> None:
-        "Apply `fn` to keys, values, positions and scores."
-        if self.is_initialized:
-            self.keys, self.values, self.positions, self.scores = map(
-                fn, (self.keys, self.values, self.positions, self.scores))
-
-    def reset(self) -> None:
-        self._apply(lambda x: x[:, :, :0])
-        self.seen = 0
-
 
 # %%
 _fresh = EvictingLayer(SinkWindowRule(2, 3), 0)
-test_eq((_fresh.get_seq_length(), _fresh.get_max_length(), _fresh.armed), (0, -1, False))
+test_eq(_fresh.armed, False)
 _fresh.lazy_initialization(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))
 test_eq((_fresh.keys.shape, _fresh.positions.shape, _fresh.scores.dtype), ((2, 3, 0, 4), (2, 3, 0), torch.float32))
+
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def arm(self) -> None:
+    "Allow the next `update` (called by `patch`'s hook: the dispatcher will evict after attention)."
+    self.armed = True
+
+
+# %%
 _fresh.arm()
 test_eq(_fresh.armed, True)
+
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def get_seq_length(self) -> int:
+    "Number of tokens seen (the next token's position), not the number kept."
+    return self.seen
+
+
+# %%
+test_eq(_fresh.get_seq_length(), 0)
+
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def get_max_length(self) -> int:
+    "-1: no maximum (the budget bounds what is kept, not the tokens seen)."
+    return -1
+
+
+# %%
+test_eq(_fresh.get_max_length(), -1)
+
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def _apply(self, fn) -> None:
+    "Apply `fn` to keys, values, positions and scores."
+    if self.is_initialized:
+        self.keys, self.values, self.positions, self.scores = map(
+            fn, (self.keys, self.values, self.positions, self.scores))
+
+
+# %%
 _fresh._apply(lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], 4, *x.shape[3:])], dim=2))
 _fresh.seen = 4
 test_eq((_fresh.keys.shape[2], _fresh.scores.shape[2]), (4, 4))
+
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def reset(self) -> None:
+    self._apply(lambda x: x[:, :, :0])
+    self.seen = 0
+
+
+# %%
 _fresh.reset()
 test_eq((_fresh.seen, _fresh.keys.shape[2], _fresh.positions.shape[2]), (0, 0, 0))
 
@@ -593,21 +630,6 @@ def apply_rows(self, fn) -> None:
     self._apply(fn)
 
 
-@patch_to(EvictingLayer)
-def reorder_cache(self, beam_idx: Tensor) -> None:
-    self.apply_rows(row_map("reorder_cache", beam_idx))
-
-
-@patch_to(EvictingLayer)
-def batch_repeat_interleave(self, repeats: int) -> None:
-    self.apply_rows(row_map("batch_repeat_interleave", repeats))
-
-
-@patch_to(EvictingLayer)
-def batch_select_indices(self, indices: Tensor) -> None:
-    self.apply_rows(row_map("batch_select_indices", indices))
-
-
 # %%
 _rows2 = EvictingLayer(TopScoreRule(1, 1, 1, score_fn=lambda i, k, v, p: k[..., 0]), 0)
 _rows2.arm()
@@ -615,8 +637,42 @@ _k2 = torch.randn(2, 1, 4, 3)
 _rows2.update(_k2, _k2)
 _rows2.evict()
 _before = [(_rows2.keys[b], _rows2.positions[b], _rows2.scores[b]) for b in range(2)]
+_rows2.apply_rows(lambda x: x * 1)
+test_eq([(_rows2.keys[b], _rows2.positions[b], _rows2.scores[b]) for b in range(2)], _before)
+
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def reorder_cache(self, beam_idx: Tensor) -> None:
+    self.apply_rows(row_map("reorder_cache", beam_idx))
+
+
+# %%
 _rows2.reorder_cache(torch.tensor([1, 0]))
+test_eq(_rows2.positions[0], _before[1][1])
+
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def batch_repeat_interleave(self, repeats: int) -> None:
+    self.apply_rows(row_map("batch_repeat_interleave", repeats))
+
+
+# %%
 _rows2.batch_repeat_interleave(2)
+test_eq(_rows2.keys.shape[0], 4)
+
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def batch_select_indices(self, indices: Tensor) -> None:
+    self.apply_rows(row_map("batch_select_indices", indices))
+
+
+# %%
 _rows2.batch_select_indices(torch.tensor([0, 3]))
 for b, src in ((0, 1), (1, 0)):
     test_eq((_rows2.keys[b], _rows2.positions[b], _rows2.scores[b]), _before[src])
@@ -834,16 +890,39 @@ def _rows(self, fn) -> None:
     if self.capacity < cap: self._buffers(cap, keys, values)
 
 
+# %%
+_g2, _kk = GrowingLayer(min_capacity=8), torch.randn(2, 3, 5, 4)
+_g2.update(_kk, 2 * _kk)
+_g2._rows(lambda x: x.flip(0))
+test_eq((_g2.keys, _g2.values, _g2.capacity), (_kk.flip(0), 2 * _kk.flip(0), 8))
+
+
+# %%
+#| export
 @patch_to(GrowingLayer)
 def reorder_cache(self, beam_idx: Tensor) -> None:  # noqa: F811
     self._rows(row_map("reorder_cache", beam_idx))
 
 
+# %%
+_g2.reorder_cache(torch.tensor([1, 0]))
+test_eq(_g2.keys, _kk)
+
+
+# %%
+#| export
 @patch_to(GrowingLayer)
 def batch_repeat_interleave(self, repeats: int) -> None:  # noqa: F811
     self._rows(row_map("batch_repeat_interleave", repeats))
 
 
+# %%
+_g2.batch_repeat_interleave(2)
+test_eq(_g2.values, 2 * _kk.repeat_interleave(2, 0))
+
+
+# %%
+#| export
 @patch_to(GrowingLayer)
 def batch_select_indices(self, indices: Tensor) -> None:  # noqa: F811
     self._rows(row_map("batch_select_indices", indices))

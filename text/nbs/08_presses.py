@@ -106,11 +106,29 @@ def names() -> list[str]:
     return sorted(PRESSES)
 
 
+# %%
+test_eq(names()[:3], ["compactor", "cur", "expected_attention"])
+test_eq(len(names()), len(set(PRESSES.values())))
+
+
+# %%
+#| export
 def available() -> bool:
     "Whether kvpress is installed here (the peer environment), so that presses run."
     return importlib.util.find_spec("kvpress") is not None
 
 
+# %%
+test_eq(available(), importlib.util.find_spec("kvpress") is not None)
+
+
+# %% [markdown]
+# kvpress caps transformers below 5.3, so it lives in an environment of its own (`make peers` builds
+# `.venv-peers`; the README says which transformers each holds). Elsewhere a press is refused in one line
+# that says so:
+
+# %%
+#| export
 def make_press(name: str, **options):
     "A fresh kvpress press `name` (one of `names()`) with its `options`; the ratio is set at each prefill."
     if name not in PRESSES: raise ValueError(f"name must be one of {names()}, got {name!r}")
@@ -124,13 +142,8 @@ def make_press(name: str, **options):
     return getattr(kvpress, PRESSES[name])(**options)
 
 
-# %% [markdown]
-# kvpress caps transformers below 5.3, so it lives in an environment of its own (`make peers` builds
-# `.venv-peers`; the README says which transformers each holds). Elsewhere a press is refused in one line
-# that says so:
-
 # %%
-test_eq(available(), importlib.util.find_spec("kvpress") is not None)
+test_fail(lambda: make_press("snapk"), contains="name must be one of")
 if not available(): test_fail(lambda: make_press("knorm"), contains="`make peers` builds the peer environment")
 
 
@@ -151,6 +164,15 @@ def is_first_prefill(layer, n_queries: int) -> bool:
     return layer.get_seq_length() == n_queries
 
 
+# %%
+from types import SimpleNamespace
+
+layer = SimpleNamespace(get_seq_length=lambda: 5)
+test_eq([is_first_prefill(layer, n) for n in (1, 4, 5)], [False, False, True])
+
+
+# %%
+#| export
 @contextlib.contextmanager
 def compress_after_prefill(model, press, budget: int):
     "Within the block, each attention layer's prefill cache is cut to `budget` entries per KV head by `press`."
@@ -175,6 +197,11 @@ def compress_after_prefill(model, press, budget: int):
     finally:
         for hd in handles: hd.remove()
         for m in lent: del m.rotary_emb
+
+
+# %%
+with contextlib.ExitStack() as stack:
+    test_fail(lambda: stack.enter_context(compress_after_prefill(None, None, 0)), contains="budget must be an int >= 1")
 
 
 # %% [markdown]
@@ -217,10 +244,21 @@ class PressMethod(Method):
         return super().generate(model, input_ids, **kwargs)
 
 
+# %%
+test_eq((PressMethod.family, PressMethod.setting), ("eviction", "post-prefill compression"))
+test_fail(lambda: PressMethod(16, "snapk"), contains="name must be one of")
+
+
+# %%
+#| export
 def make(name: str, budget: int, **press_options) -> PressMethod:
     "kvpress press `name` as a method keeping `budget` entries per KV head after the prefill."
     return PressMethod(budget, name, **press_options)
 
+
+# %%
+test_fail(lambda: make("snapk", 16), contains="name must be one of")
+test_fail(lambda: make("knorm", 0), contains="budget")
 
 # %% [markdown]
 # ## Checks
@@ -323,8 +361,6 @@ windows = torch.randint(3, model.config.vocab_size, (2, 48), generator=torch.Gen
 rows = continuation(make("knorm", 16), model, windows, prefix=32)
 test_eq(len(rows), 2)
 assert all(0 <= r["agreement"] <= 1 and r["decode_max"] <= 16 + 15 for r in rows)
-test_fail(lambda: make("snapk", 16), contains="name must be one of")
 test_fail(lambda: make("knorm", 16, compression_ratio=0.5), contains="pass budget")
-test_fail(lambda: make("knorm", 0), contains="budget")
 padded = torch.ones_like(ids).index_fill(1, torch.tensor([0, 1]), 0)          # two tokens of left padding
 test_fail(lambda: make("knorm", 8).generate(model, ids, attention_mask=padded, **gen), contains="padding")

@@ -139,6 +139,9 @@ with tempfile.TemporaryDirectory() as d:
                                        "--window", "4", "--k", "6", "--warmup-steps", "1", "--out", d]))
     assert list(hist.kind) == ["train", "train"] and set(torch.load(Path(d)/"trained.pt")) == {"student", "spec"}
 
+# %% [markdown]
+# Each mistake gives one line naming it and exit status 2, no traceback; with `--debug`, the error itself:
+
 # %%
 #| export
 # the errors of bad arguments or files (a missing model, a wrong budget): one line, no traceback
@@ -154,9 +157,6 @@ def main(argv=None) -> pd.DataFrame:
         print(f"python -m sparsekv.train: error: {e} (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
 
-
-# %% [markdown]
-# Check: each mistake gives one line naming it and exit status 2, no traceback; with `--debug` the error itself.
 
 # %%
 import contextlib

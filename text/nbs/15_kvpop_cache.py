@@ -56,46 +56,69 @@ class KVpopScorers(nn.Module):
         self.scorers, self.decays = nn.ModuleList(scorers), nn.ModuleList(decays)
         self.n = check_int(n, "n (the decay step)", 1)
 
-    @classmethod
-    def mlp(cls, num_layers: int, num_kv_heads: int, head_dim: int, n: int = 1, **decay_kwargs) -> "KVpopScorers":
-        "MLP scorers (zero score head: neutral ranking) and default decays for every layer."
-        return cls([MLPScorer(num_kv_heads, head_dim) for _ in range(num_layers)],
-                   [LogDecay(num_kv_heads, **decay_kwargs) for _ in range(num_layers)], n)
 
-    @classmethod
-    def mlstm(cls, num_layers: int, num_kv_heads: int, head_dim: int, delay: int, n: int = 1,
-              **decay_kwargs) -> "KVpopScorers":
-        "mLSTM scorers with readout delay `delay` (= the window w in KVpop) and default decays for every layer."
-        return cls([MLSTMScorer(num_kv_heads, head_dim, delay=delay) for _ in range(num_layers)],
-                   [LogDecay(num_kv_heads, **decay_kwargs) for _ in range(num_layers)], n)
+# %%
+test_fail(lambda: KVpopScorers([MLPScorer(3, 8)], []), contains="one scorer and one LogDecay per layer")
 
-    def raw(self, layer_idx: int, k: Tensor, v: Tensor) -> Tensor:
-        "Raw scores [B,Hkv,S] of layer `layer_idx` from keys/values [B,Hkv,S,d]."
-        return self.scorers[self._layer(layer_idx)](k, v).float()
 
-    def priority(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
-        "Static priorities r_t - floor(t/n) log(gamma_h), float32 [B,Hkv,S], at absolute `positions` [B,Hkv,S]."
-        return self.decayed(layer_idx, self.raw(layer_idx, k, v), positions)
-
-    def _layer(self, layer_idx: int) -> int:
-        if not 0 <= layer_idx < len(self.scorers):
-            raise ValueError(f"layer_idx must lie in [0, {len(self.scorers)}), got {layer_idx}")
-        return layer_idx
+# %%
+#| export
+@patch_to(KVpopScorers, cls_method=True)
+def mlp(cls, num_layers: int, num_kv_heads: int, head_dim: int, n: int = 1, **decay_kwargs) -> "KVpopScorers":
+    "MLP scorers (zero score head: neutral ranking) and default decays for every layer."
+    return cls([MLPScorer(num_kv_heads, head_dim) for _ in range(num_layers)],
+               [LogDecay(num_kv_heads, **decay_kwargs) for _ in range(num_layers)], n)
 
 
 # %%
 sc = KVpopScorers.mlp(2, 3, 8, n=4)
-test_eq(sc.raw(1, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)).detach(), torch.zeros(2, 3, 5))  # zero heads
+test_eq(([type(m).__name__ for m in sc.scorers], len(sc.decays), sc.n), (["MLPScorer"] * 2, 2, 4))
+
+
+# %%
+#| export
+@patch_to(KVpopScorers, cls_method=True)
+def mlstm(cls, num_layers: int, num_kv_heads: int, head_dim: int, delay: int, n: int = 1,
+          **decay_kwargs) -> "KVpopScorers":
+    "mLSTM scorers with readout delay `delay` (= the window w in KVpop) and default decays for every layer."
+    return cls([MLSTMScorer(num_kv_heads, head_dim, delay=delay) for _ in range(num_layers)],
+               [LogDecay(num_kv_heads, **decay_kwargs) for _ in range(num_layers)], n)
+
+
+# %%
 test_eq([type(m).__name__ for m in KVpopScorers.mlstm(2, 3, 8, delay=4).scorers], ["MLSTMScorer"] * 2)
-test_fail(lambda: KVpopScorers([MLPScorer(3, 8)], []), contains="one scorer and one LogDecay per layer")
+
+
+# %%
+#| export
+@patch_to(KVpopScorers)
+def _layer(self, layer_idx: int) -> int:
+    if not 0 <= layer_idx < len(self.scorers):
+        raise ValueError(f"layer_idx must lie in [0, {len(self.scorers)}), got {layer_idx}")
+    return layer_idx
+
+
+# %%
+test_eq([sc._layer(0), sc._layer(1)], [0, 1])
+test_fail(lambda: sc._layer(-1), contains="layer_idx must lie in [0, 2)")
+
+
+# %%
+#| export
+@patch_to(KVpopScorers)
+def raw(self, layer_idx: int, k: Tensor, v: Tensor) -> Tensor:
+    "Raw scores [B,Hkv,S] of layer `layer_idx` from keys/values [B,Hkv,S,d]."
+    return self.scorers[self._layer(layer_idx)](k, v).float()
+
+
+# %%
+test_eq(sc.raw(1, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)).detach(), torch.zeros(2, 3, 5))  # zero heads
 test_fail(lambda: sc.raw(2, torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8)), contains="layer_idx must lie in [0, 2)")
 
 
 # %% [markdown]
 # `decayed` applies the decay to raw scores: $r_t - \lfloor t/n \rfloor \log\gamma_h$, in float32.
-#
-# Checked by hand for $n = 4$ (positions 0..4 are steps 0, 0, 0, 0, 1); and at positions $0..S-1$ `priority`
-# is `static_priority` of the raw scores, for $n = 1$ and for age buckets $n > 1$:
+# Checked by hand for $n = 4$ (positions 0..4 are steps 0, 0, 0, 0, 1):
 
 # %%
 #| export
@@ -115,6 +138,21 @@ r = torch.randn(1, 3, 5)
 log_g = sc.decays[0]()
 assert_close(sc.decayed(0, r, torch.arange(5).expand(1, 3, 5)),
              r - torch.tensor([0.0, 0, 0, 0, 1]) * log_g[:, None])
+
+
+# %% [markdown]
+# `priority` scores keys and values and decays the scores; at positions $0..S-1$ it is `static_priority` of the
+# raw scores, for $n = 1$ and for age buckets $n > 1$:
+
+# %%
+#| export
+@patch_to(KVpopScorers)
+def priority(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    "Static priorities r_t - floor(t/n) log(gamma_h), float32 [B,Hkv,S], at absolute `positions` [B,Hkv,S]."
+    return self.decayed(layer_idx, self.raw(layer_idx, k, v), positions)
+
+
+# %%
 torch.manual_seed(0)
 sc = KVpopScorers.mlp(2, 3, 8, n=4)
 for m in sc.modules():

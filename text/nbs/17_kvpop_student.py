@@ -265,21 +265,23 @@ class KVpopStudent(DistillStudent):
         self.agg, self.eps, self.target = agg, eps, target
         self.captured: list[tuple[Tensor, Tensor]] = []
 
-    def policy(self) -> KVpopTrainPolicy:
-        return KVpopTrainPolicy(self)
-
-    def fsdp_units(self) -> list[nn.Module]:
-        "Each layer's scorer and decay: the policy calls their forward."
-        return [*self.scorers.scorers, *self.scorers.decays]
-
-    def inference_cache(self) -> KVpopCache:
-        return KVpopCache(self.scorers, self.sink, self.window, self.k)
-
 
 # %%
 model, tok = load_model("tiny-llama", num_layers=2)
 sc = random_scorers(model, seed=1)
 student = KVpopStudent(sc, sink=2, window=4, k=3, n_boundaries=8)
+test_eq((student.k, student.sink, student.window, student.captured), (3, 2, 4, []))
+test_fail(lambda: KVpopStudent(sc.scorers, sink=2, window=4, k=3), contains="scorers must be a KVpopScorers")
+
+
+# %%
+#| export
+@patch_to(KVpopStudent)
+def policy(self) -> KVpopTrainPolicy:
+    return KVpopTrainPolicy(self)
+
+
+# %%
 ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
 attn = model.model.layers[0].self_attn
 outputs = []
@@ -313,8 +315,29 @@ with patch(model, student.policy()):
 test_eq(len(student.captured), len(captured))  # eval mode captures nothing new
 assert_close(logits_eval, logits.detach())  # and attends identically
 test_eq((type(student.policy()), student.policy().student is student), (KVpopTrainPolicy, True))
-test_eq((type(student.inference_cache()), student.inference_cache().rule.budget), (KVpopCache, 2 + 4 + 3))
+
+
+# %%
+#| export
+@patch_to(KVpopStudent)
+def fsdp_units(self) -> list[nn.Module]:
+    "Each layer's scorer and decay: the policy calls their forward."
+    return [*self.scorers.scorers, *self.scorers.decays]
+
+
+# %%
 test_eq(len(student.fsdp_units()), 2 * len(sc.scorers))
+
+
+# %%
+#| export
+@patch_to(KVpopStudent)
+def inference_cache(self) -> KVpopCache:
+    return KVpopCache(self.scorers, self.sink, self.window, self.k)
+
+
+# %%
+test_eq((type(student.inference_cache()), student.inference_cache().rule.budget), (KVpopCache, 2 + 4 + 3))
 test_fail(lambda: KVpopStudent("mlp", 2, 4, 3), exc=TypeError, contains="scorers must be a KVpopScorers, got str")
 test_fail(lambda: KVpopStudent(sc, 2, 4, 3, agg="median"), contains="agg must be one of")
 test_fail(lambda: KVpopStudent(sc, 2, 4, 3, tau=-1.0), contains="tau must be a finite number in (0, inf)")

@@ -105,9 +105,19 @@ test_eq(centre_page(torch.tensor([[1.0, 2.0], [3.0, 6.0]])),                 # b
 # %%
 #| export
 def _check_tensor(x, name: str) -> None:
+    "Raise a TypeError naming `name` unless `x` is a floating-point tensor."
     if not isinstance(x, Tensor): raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point(): raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
+
+# %%
+_check_tensor(torch.ones(1), "K")
+test_fail(lambda: _check_tensor(np.ones(1), "K"), contains="K must be a torch.Tensor, got ndarray")
+test_fail(lambda: _check_tensor(torch.ones(1, dtype=torch.int64), "V"), contains="V must be a floating-point tensor")
+
+
+# %%
+#| export
 def check_page(K: Tensor, V: Tensor, G: Tensor | None = None) -> None:
     """Check pages K [..., m, d], V [..., m, dv] and a metric G [..., dv, dv] broadcastable to their batch (or None),
     all finite."""
@@ -433,8 +443,17 @@ assert abs(slope - 1) < 0.05 and gaps[0] < 1e-3 * lin.norm()
 
 # %%
 #| export
-def _trace(M: Tensor) -> Tensor: return M.diagonal(dim1=-2, dim2=-1).sum(-1)
+def _trace(M: Tensor) -> Tensor:
+    "The trace of each matrix of the batch `M [..., n, n]`."
+    return M.diagonal(dim1=-2, dim2=-1).sum(-1)
 
+
+# %%
+test_eq(_trace(torch.tensor([[[1.0, 2.0], [3.0, 4.0]], [[0.5, 9.0], [9.0, 0.25]]])), torch.tensor([5.0, 0.75]))
+
+
+# %%
+#| export
 def page_risks(K: Tensor, V: Tensor, B: Tensor, G: Tensor | None = None) -> tuple[Tensor, Tensor]:
     "Trace forms (§3.1) R_key(B) = tr(J X^T X J)/d, R_out(B) = tr(J M_out J)/(m^2 d), J = I - BB^T (G = I if None)."
     check_page(K, V, G)
@@ -1002,20 +1021,35 @@ for eta in etas:
 # %%
 #| export
 def _work_dtype(*xs: Tensor) -> torch.dtype:
+    "float64 when any of `xs` is float64, else float32: the dtype the basis is computed in."
     return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
 
-def _mean_diag(M: Tensor) -> Tensor: return M.diagonal(dim1=-2, dim2=-1).mean(-1)
 
+# %%
+test_eq(_work_dtype(torch.ones(1), torch.ones(1, dtype=torch.float64)), torch.float64)
+test_eq(_work_dtype(torch.ones(1, dtype=torch.bfloat16)), torch.float32)
+
+
+# %%
+#| export
+def _mean_diag(M: Tensor) -> Tensor:
+    "The mean diagonal entry of each matrix of the batch `M [..., n, n]`."
+    return M.diagonal(dim1=-2, dim2=-1).mean(-1)
+
+
+# %%
+M2 = torch.tensor([[2.0, 1.0], [1.0, 4.0]])
+test_eq(_mean_diag(M2), torch.tensor(3.0))
+
+
+# %%
+#| export
 def _unit_mean_diag(M: Tensor) -> Tensor:
     "M divided by its mean diagonal (clamped at 1e-30), App. D.3."
     return M / _mean_diag(M).clamp_min(EPS_TRACE)[..., None, None]
 
 
 # %%
-test_eq(_work_dtype(torch.ones(1), torch.ones(1, dtype=torch.float64)), torch.float64)
-test_eq(_work_dtype(torch.ones(1, dtype=torch.bfloat16)), torch.float32)
-M2 = torch.tensor([[2.0, 1.0], [1.0, 4.0]])
-test_eq(_mean_diag(M2), torch.tensor(3.0))
 assert_close(_unit_mean_diag(M2), M2 / 3)
 test_eq(_unit_mean_diag(torch.zeros(2, 2)), torch.zeros(2, 2))              # clamped: no 0/0
 

@@ -103,12 +103,27 @@ def _items(x, name: str) -> np.ndarray:
     if len(bad): raise ValueError(f"{name} contains NaN or inf at items {bad[:5].tolist()}")
     return arr.astype(np.float64)
 
+
+# %%
+test_eq(_items(torch.tensor([1, 2], dtype=torch.int32), "a"), np.array([1.0, 2.0]))
+test_eq(_items([True, False], "a").dtype, np.float64)
+test_fail(lambda: _items([[1.0, 2.0]], "x"), contains="x must be 1-D (one score per item)")
+
+
+# %%
+#| export
 def _level(level) -> float:
     "`level` as a float in (0, 1)."
     if isinstance(level, bool) or not isinstance(level, numbers.Real):
         raise TypeError(f"level must be a float in (0, 1), got {level!r}")
     if not 0 < level < 1: raise ValueError(f"level must be a float in (0, 1), got {level!r}")
     return float(level)
+
+
+# %%
+test_eq(_level(0.9), 0.9)
+test_fail(lambda: _level(True), contains="level must be a float in (0, 1)")
+test_fail(lambda: _level(1), contains="level must be a float in (0, 1), got 1")
 
 
 # %%
@@ -127,11 +142,21 @@ def paired_ci(a, b, level: float = 0.95, n_boot: int = 10_000, seed: int = 0) ->
     return float(d.mean()), float(lo), float(hi)
 
 
+# %%
+_m, _lo, _hi = paired_ci([1.0, 2.0, 4.0], [0.0, 0.0, 1.0], n_boot=100)
+test_close(_m, 2.0, eps=1e-15)
+assert 1.0 <= _lo <= _m <= _hi <= 3.0  # inside the range of the differences
+
+
 # %% [markdown]
 # The brute-force reference loops over the resamples in Python, drawing each resample's
 # indices with the same generator, summing the differences in Python, and takes the
 # percentiles by explicit linear interpolation between order statistics (position
 # $h = (R-1)\,q$, numpy's default).
+#
+# The checks below: the vectorised interval equals the loop on random correlated scores (small and
+# odd $n$, several levels, lists, tensors), drawing in blocks changes nothing, and bad input
+# names its argument.
 
 # %%
 #| export
@@ -147,11 +172,6 @@ def paired_ci_reference(a, b, level: float = 0.95, n_boot: int = 10_000, seed: i
         return means[j] + (h - j) * (means[min(j + 1, n_boot - 1)] - means[j])
     return sum(d) / n, percentile((1 - level) / 2), percentile((1 + level) / 2)
 
-
-# %% [markdown]
-# Checks: the vectorised interval equals the loop on random correlated scores (small and
-# odd $n$, several levels, lists, tensors), drawing in blocks changes nothing, and bad input
-# names its argument.
 
 # %%
 def _scores(n: int, rho: float = 0.9, delta: float = 0.1, seed: int = 0):
@@ -329,6 +349,17 @@ def _check_results(results, metric: str, method: str, budget: str, item: str) ->
             raise ValueError(f"results has {int(bad.sum())} row(s) with {what}, e.g. {df[bad].iloc[0].to_dict()}")
     return df
 
+
+# %%
+_df = pd.DataFrame(dict(method=["a", "b"], budget=[1, 1], item=["x", "x"], s=[0.5, 1.0], extra=0))
+test_eq(list(_check_results(_df, "s", "method", "budget", "item").columns), ["method", "budget", "item", "s"])
+test_fail(lambda: _check_results(_df.assign(s=[np.inf, 1.0]), "s", "method", "budget", "item"),
+          contains="1 row(s) with a NaN or infinite 's'")
+test_fail(lambda: _check_results(_df.to_dict(), "s", "method", "budget", "item"), contains="must be a pandas DataFrame")
+
+
+# %%
+#| export
 def _check_baselines(baselines, methods: list, reference) -> list | None:
     "`baselines` as a list of methods of the table other than the reference, or None."
     if baselines is None: return None
@@ -341,6 +372,13 @@ def _check_baselines(baselines, methods: list, reference) -> list | None:
 
 
 # %%
+test_eq(_check_baselines(("b",), ["dense", "a", "b"], "dense"), ["b"])
+test_eq(_check_baselines(None, ["dense", "a"], "dense"), None)
+test_fail(lambda: _check_baselines([], ["dense", "a"], "dense"), contains="at least one method")
+test_fail(lambda: _check_baselines(["dense"], ["dense", "a"], "dense"), contains="baselines ['dense'] are not methods")
+
+
+# %%
 #| export
 def _budgets(values: pd.Series) -> list:
     "The distinct budgets, sorted when they compare (numbers), else in order of first appearance; 64.0 as 64."
@@ -348,6 +386,14 @@ def _budgets(values: pd.Series) -> list:
     try: return sorted(found)
     except TypeError: return found
 
+
+# %%
+test_eq(_budgets(pd.Series([128.0, 64.0, 128.0])), [64, 128])
+test_eq(_budgets(pd.Series(["full", 64], dtype=object)), ["full", 64])  # no order between text and numbers
+
+
+# %%
+#| export
 def _aligned(rows: pd.DataFrame, metric: str, method: str, item: str, order: list, where: str) -> pd.DataFrame:
     "The scores as an item × method table (items sorted, methods as in `order`); raise if a method lacks an item."
     table = rows.pivot(index=item, columns=method, values=metric).sort_index()
@@ -360,11 +406,27 @@ def _aligned(rows: pd.DataFrame, metric: str, method: str, item: str, order: lis
     if len(table) < 2: raise ValueError(f"results has {len(table)} item(s) {where}: an interval needs at least 2")
     return table
 
+
+# %%
+_rows = pd.DataFrame(dict(method=["b", "a", "b", "a"], item=["y", "y", "x", "x"], s=[1.0, 2.0, 3.0, 4.0]))
+test_eq(_aligned(_rows, "s", "method", "item", ["a", "b"], "here").to_numpy(), np.array([[4.0, 3.0], [2.0, 1.0]]))
+test_fail(lambda: _aligned(_rows.iloc[:3], "s", "method", "item", ["a", "b"], "here"),
+          contains="method 'a' here lacks item(s) ['x']")
+
+
+# %%
+#| export
 def _diff(x: np.ndarray, y: np.ndarray, prefix: str, level: float, n_boot: int, seed: int, min_items: int) -> dict:
     "The paired difference `x - y` as `compare`'s columns: `diff_<prefix>`, `<prefix>_lo`, `_hi`, `_sig`."
     d, lo, hi = paired_ci(x, y, level, n_boot, seed)
     sig = len(x) >= min_items and (lo > 0 or hi < 0)
     return {f"diff_{prefix}": d, f"{prefix}_lo": lo, f"{prefix}_hi": hi, f"{prefix}_sig": bool(sig)}
+
+
+# %%
+_x, _y = np.array([3.0, 5.0, 9.0, 4.0]), np.array([1.0, 3.0, 7.0, 2.0])
+test_eq(_diff(_x, _y, "ref", 0.95, 100, 0, 4), {"diff_ref": 2.0, "ref_lo": 2.0, "ref_hi": 2.0, "ref_sig": True})
+test_eq(_diff(_x, _y, "base", 0.95, 100, 0, 5)["base_sig"], False)  # fewer items than min_items: not marked
 
 
 # %%
@@ -376,6 +438,17 @@ def _reference_rows(ref: pd.DataFrame, budget: str, b, reference) -> pd.DataFram
         raise ValueError(f"reference {reference!r} has no rows at {budget}={b!r} and several budgets of its own")
     return ref
 
+
+# %%
+_ref = pd.DataFrame(dict(budget=[np.nan, np.nan], s=[1.0, 2.0]))
+test_eq(len(_reference_rows(_ref, "budget", 64, "dense")), 2)  # one budget value of its own: used at every budget
+_ref = pd.DataFrame(dict(budget=[64, 128], s=[1.0, 2.0]))
+test_eq(_reference_rows(_ref, "budget", 128, "dense").s.tolist(), [2.0])
+test_fail(lambda: _reference_rows(_ref, "budget", 256, "dense"), contains="no rows at budget=256")
+
+
+# %%
+#| export
 def _compare_budget(table: pd.DataFrame, b, reference, cands: list, higher_is_better: bool, level: float,
                     n_boot: int, seed: int, min_items: int) -> list[dict]:
     "`compare`'s rows at budget `b`, from its item × method `table` and the candidate baselines `cands`."
@@ -393,6 +466,16 @@ def _compare_budget(table: pd.DataFrame, b, reference, cands: list, higher_is_be
                 row |= _diff(x, table[row["baseline"]].to_numpy(float), "base", level, n_boot, seed, min_items)
         rows.append(row)
     return rows
+
+
+# %%
+_table = pd.DataFrame({"dense": [1.0] * 4, "a": [0.5, 0.6, 0.7, 0.8], "b": [0.4, 0.5, 0.6, 0.7]})
+_rows = _compare_budget(_table, 64, "dense", ["a", "b"], True, 0.95, 200, 0, 2)
+test_eq([(r["method"], r["budget"], r["baseline"]) for r in _rows],
+        [("dense", 64, None), ("a", 64, "b"), ("b", 64, "a")])
+test_close([_rows[1]["diff_base"], _rows[1]["base_lo"], _rows[2]["diff_base"]], [0.1, 0.1, -0.1], eps=1e-12)
+test_eq([_rows[1]["base_sig"], _rows[0]["ref_sig"]], [True, False])
+test_eq(list(_rows[0]), COMPARE_COLUMNS)
 
 
 # %%
@@ -426,12 +509,26 @@ def compare(results: pd.DataFrame, metric: str, method: str = "method", budget: 
     return out
 
 
+# %%
+_t = pd.DataFrame(dict(method=["dense"] * 3 + ["a"] * 3, budget=[np.nan] * 3 + [64] * 3, item=[0, 1, 2] * 2,
+                       s=[1.0, 0.8, 0.9, 0.9, 0.7, 0.8]))
+_c = compare(_t, "s", n_boot=100)
+test_eq(_c[["method", "budget", "n"]].values.tolist(), [["dense", 64, 3], ["a", 64, 3]])
+test_close(_c.diff_ref[1], -0.1, eps=1e-12)
+test_eq(_c.ref_sig.tolist(), [False, False])  # 3 items: fewer than min_items, so not marked
+
+
 # %% [markdown]
 # The brute-force reference builds the same rows with Python loops: a dict of scores per
 # method, budget and item, means by `sum`, the standard error by `statistics.stdev`, the best
 # baseline by an explicit scan, and the intervals by `paired_ci_reference` over the items in
 # sorted order (the order `compare` pairs them in, so both see the same resamples). It checks
 # nothing: it is only for tables that `compare` accepts.
+#
+# The check below: a synthetic evaluation of 30 held-out windows of varying difficulty, dense (no budget) and
+# four eviction methods at three budgets, each method's agreement the window's dense agreement
+# plus an effect that shrinks with the budget and a little per-window noise. The rows are
+# shuffled: `compare` pairs by item, not by row order.
 
 # %%
 #| export
@@ -467,12 +564,6 @@ def compare_reference(results: pd.DataFrame, metric: str, method="method", budge
             out.append(row)
     return out
 
-
-# %% [markdown]
-# A synthetic evaluation: 30 held-out windows of varying difficulty, dense (no budget) and
-# four eviction methods at three budgets, each method's agreement the window's dense agreement
-# plus an effect that shrinks with the budget and a little per-window noise. The rows are
-# shuffled: `compare` pairs by item, not by row order.
 
 # %%
 _EFFECTS = {"kvpop": -0.01, "tova": -0.02, "h2o": -0.025, "streaming": -0.08}
@@ -561,8 +652,17 @@ test_fail(lambda: compare(results[results.method == "dense"], "agreement"), cont
 # %%
 #| export
 def _check_show(show):
+    "Raise a ValueError unless `show` is one of the columns `compare_cell` shows."
     if show not in ("mean", "ref", "base"): raise ValueError(f"show must be 'mean', 'ref' or 'base', got {show!r}")
 
+
+# %%
+_check_show("ref")
+test_fail(lambda: _check_show("se"), contains="show must be 'mean', 'ref' or 'base', got 'se'")
+
+
+# %%
+#| export
 def compare_cell(row: dict, show: str = "mean", digits: int = 3) -> str:
     "One row of `compare` as text: `mean ± se`, or a difference `d [lo, hi]` (`*`: excludes 0, and the baseline)."
     _check_show(show)
@@ -571,6 +671,15 @@ def compare_cell(row: dict, show: str = "mean", digits: int = 3) -> str:
     text = f"{row[f'diff_{show}']:+.{digits}f} [{row[f'{show}_lo']:+.{digits}f}, {row[f'{show}_hi']:+.{digits}f}]"
     return text + ("*" if row[f"{show}_sig"] else "") + (f" vs {row['baseline']}" if show == "base" else "")
 
+
+# %%
+_row = dict(mean=0.5, se=0.01, diff_ref=-0.02, ref_lo=-0.03, ref_hi=-0.01, ref_sig=True, diff_base=np.nan)
+test_eq([compare_cell(_row), compare_cell(_row, "ref", 2), compare_cell(_row, "base")],
+        ["0.500 ± 0.010", "-0.02 [-0.03, -0.01]*", ""])
+
+
+# %%
+#| export
 def compare_table(cmp: pd.DataFrame, show: str = "mean", digits: int = 3) -> pd.DataFrame:
     "`compare`'s result as method × budget text: `mean ± se`, or a difference `d [lo, hi]` (`*`: excludes 0)."
     _check_show(show)

@@ -64,6 +64,15 @@ def _where(skip: int = 2) -> str:
             if top in parts: return f"{Path(*parts[parts.index(top):]).as_posix()}:{f.lineno}"
     return "?"
 
+
+# %%
+from fastcore.test import test_eq
+
+test_eq(_where(), "?")  # called from a notebook: no line of the library or of transformers on the stack
+
+
+# %%
+#| export
 class HostSyncs(TorchDispatchMode):
     "Within the block, count each operator that reads a device value on the host, by operator and code line."
     def __init__(self):

@@ -31,10 +31,26 @@ import pandas as pd
 # %%
 #| export
 def _umask() -> int:
+    "The process's file mode creation mask (read by setting it and setting it back)."
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
+
+# %%
+import tempfile as _tf
+
+from fastcore.test import test_eq, test_fail
+
+_mask = _umask()
+test_eq(os.umask(_mask), _mask)  # unchanged by reading it
+
+
+# %% [markdown]
+# `atomic_path` is checked below: an interrupted write leaves the old content in place and no temporary file.
+
+# %%
+#| export
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike):
     "Yield a temporary path beside `path`; move it over `path` only if the block succeeds."
@@ -52,20 +68,56 @@ def atomic_path(path: str | os.PathLike):
 
 
 # %%
+with _tf.TemporaryDirectory() as d:
+    p = Path(d)/"out.txt"
+    p.write_text("old")
+    def _interrupted():
+        with atomic_path(p) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed mid-write")
+    test_fail(_interrupted, contains="killed mid-write")
+    test_eq(p.read_text(), "old")
+    test_eq(sorted(x.name for x in Path(d).iterdir()), ["out.txt"])
+    test_eq(p.stat().st_mode & 0o777, 0o666 & ~_umask())
+
+
+# %%
 #| export
 def write_text(path: str | os.PathLike, text: str) -> Path:
     "Write `text` to `path` atomically."
     with atomic_path(path) as tmp: tmp.write_text(text)
     return Path(path)
 
+
+# %%
+with _tf.TemporaryDirectory() as d:
+    test_eq(write_text(Path(d)/"sub"/"t.txt", "x").read_text(), "x")  # its folder made on the way
+
+
+# %%
+#| export
 def write_json(path: str | os.PathLike, obj) -> Path:
     "Write `obj` as indented JSON to `path` atomically."
     return write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
+
+# %%
+with _tf.TemporaryDirectory() as d:
+    write_json(Path(d)/"sub"/"r.json", {"b": 1, "a": [1, 2]})
+    test_eq(json.loads((Path(d)/"sub"/"r.json").read_text()), {"a": [1, 2], "b": 1})
+
+
+# %%
+#| export
 def write_csv(path: str | os.PathLike, df: pd.DataFrame) -> Path:
     "Write `df` (without its index) as CSV to `path` atomically."
     with atomic_path(path) as tmp: df.to_csv(tmp, index=False)
     return Path(path)
+
+
+# %%
+with _tf.TemporaryDirectory() as d:
+    test_eq(write_csv(Path(d)/"t.csv", pd.DataFrame({"a": [1, 2]}, index=[5, 6])).read_text(), "a\n1\n2\n")
 
 
 # %% [markdown]
@@ -81,26 +133,12 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("sparsekv"))
 
 
-# %% [markdown]
-# A check that an interrupted write leaves the old content in place and no temporary file:
-
 # %%
-import tempfile as _tf
-from fastcore.test import test_eq, test_fail
-
-with _tf.TemporaryDirectory() as d:
-    p = Path(d)/"out.txt"
-    write_text(p, "old")
-    def _interrupted():
-        with atomic_path(p) as tmp:
-            tmp.write_text("half")
-            raise RuntimeError("killed mid-write")
-    test_fail(_interrupted, contains="killed mid-write")
-    test_eq(p.read_text(), "old")
-    test_eq(sorted(x.name for x in Path(d).iterdir()), ["out.txt"])
-    test_eq(p.stat().st_mode & 0o777, 0o666 & ~_umask())
-    write_json(Path(d)/"sub"/"r.json", {"b": 1, "a": [1, 2]})
-    test_eq(json.loads((Path(d)/"sub"/"r.json").read_text()), {"a": [1, 2], "b": 1})
+_old = os.environ.get("SPARSEKV_CACHE")
+os.environ["SPARSEKV_CACHE"] = "~/elsewhere"
+test_eq(cache_dir(), Path.home()/"elsewhere")
+if _old is None: del os.environ["SPARSEKV_CACHE"]
+else: os.environ["SPARSEKV_CACHE"] = _old
 
 
 # %% [markdown]
@@ -125,6 +163,12 @@ class DamagedFileError(OSError):
     "A file whose bytes do not match the digest recorded beside it (or inside its manifest)."
 
 
+# %%
+assert issubclass(DamagedFileError, OSError)  # a file problem: callers that catch OSError see it
+
+
+# %%
+#| export
 def file_sha256(path: str | os.PathLike) -> str:
     "The SHA-256 of the file at `path`, in hex, read in 4 MiB blocks."
     h = hashlib.sha256()
@@ -137,7 +181,6 @@ def file_sha256(path: str | os.PathLike) -> str:
 with _tf.TemporaryDirectory() as d:
     (Path(d)/"w.bin").write_bytes(b"x" * (5 << 20))  # more than one block
     test_eq(file_sha256(Path(d)/"w.bin"), hashlib.sha256(b"x" * (5 << 20)).hexdigest())
-assert issubclass(DamagedFileError, OSError)  # a file problem: callers that catch OSError see it
 
 # %% [markdown]
 # The digest file holds one `<sha256>  NAME` line, and during a replacement a second one after a `# previous` line.
@@ -153,6 +196,12 @@ def digest_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + DIGEST_SUFFIX)
 
 
+# %%
+test_eq(digest_path("runs/w.bin"), Path("runs/w.bin.sha256"))
+
+
+# %%
+#| export
 def read_digests(path: str | os.PathLike) -> list[str] | None:
     "The digests `path`'s digest file accepts (the current first), or None when it has no digest file."
     try: lines = digest_path(path).read_text(encoding="ascii").split("\n")
@@ -177,6 +226,9 @@ with _tf.TemporaryDirectory() as d:
 # %% [markdown]
 # Writing: `atomic_path_with_digest` is `atomic_path` followed by the digest of what was written. `record_digest`
 # records the digest of a file as it is now (a file one trusts that an older version wrote without one).
+#
+# The checks: the digest file names the file's digest; killed between the file's rename and the digest's, the digest file
+# accepts both versions, so whichever of the two the file holds is accepted; `record_digest` writes the same line.
 
 # %%
 #| export
@@ -194,36 +246,43 @@ def atomic_path_with_digest(path: str | os.PathLike):
     write_text(digest_path(path), f"{new}  {name}\n")
 
 
+# %%
+_tmp = _tf.TemporaryDirectory()
+d = _tmp.name
+p = Path(d)/"w.bin"
+with atomic_path_with_digest(p) as tmp: tmp.write_bytes(b"first version")
+test_eq(digest_path(p).read_text(), f"{hashlib.sha256(b'first version').hexdigest()}  w.bin\n")
+def _killed_between():
+    with atomic_path(p) as tmp:  # what atomic_path_with_digest does, killed after the file's rename
+        tmp.write_bytes(b"second")
+        old = read_digests(p)[0]
+        write_text(digest_path(p), f"{file_sha256(tmp)}  w.bin\n# previous\n{old}  w.bin\n")
+    raise KeyboardInterrupt
+test_fail(_killed_between, exc=KeyboardInterrupt)
+test_eq((p.read_bytes(), file_sha256(p) in read_digests(p)), (b"second", True))
+test_eq(read_digests(p)[1], hashlib.sha256(b"first version").hexdigest())
+
+
+# %%
+#| export
 def record_digest(path: str | os.PathLike) -> Path:
     "Record the digest of `path` as it is now beside it (for a file you trust that was written without one)."
     return write_text(digest_path(path), f"{file_sha256(path)}  {Path(path).name}\n")
 
 
-# %% [markdown]
-# Check: the digest file names the file's digest; killed between the file's rename and the digest's, the digest file
-# accepts both versions, so whichever of the two the file holds is accepted; `record_digest` writes the same line.
-
 # %%
-with _tf.TemporaryDirectory() as d:
-    p = Path(d)/"w.bin"
-    with atomic_path_with_digest(p) as tmp: tmp.write_bytes(b"first version")
-    test_eq(digest_path(p).read_text(), f"{hashlib.sha256(b'first version').hexdigest()}  w.bin\n")
-    def _killed_between():
-        with atomic_path(p) as tmp:  # what atomic_path_with_digest does, killed after the file's rename
-            tmp.write_bytes(b"second")
-            old = read_digests(p)[0]
-            write_text(digest_path(p), f"{file_sha256(tmp)}  w.bin\n# previous\n{old}  w.bin\n")
-        raise KeyboardInterrupt
-    test_fail(_killed_between, exc=KeyboardInterrupt)
-    test_eq((p.read_bytes(), file_sha256(p) in read_digests(p)), (b"second", True))
-    test_eq(read_digests(p)[1], hashlib.sha256(b"first version").hexdigest())
-    written = digest_path(p).read_text().splitlines()[0] + "\n"
-    record_digest(p)
-    test_eq(digest_path(p).read_text(), written)
+written = digest_path(p).read_text().splitlines()[0] + "\n"
+record_digest(p)
+test_eq(digest_path(p).read_text(), written)
+_tmp.cleanup()
 
 
 # %% [markdown]
 # Reading: `verify_digest` checks a file against its digest file, or against digests recorded elsewhere (a manifest).
+#
+# The check: a file written with its digest verifies; one byte changed (size and modification time kept, so no listing
+# shows it) is refused naming the file, both digests and what rebuilds it; a file without a digest file reports False
+# (the caller decides what an unverified file means); digests given by the caller are checked the same way.
 
 # %%
 #| export
@@ -240,11 +299,6 @@ def verify_digest(path: str | os.PathLike, rebuild: str, digests: list[str] | No
     raise DamagedFileError(f"{path} is damaged: its SHA-256 is {found}, expected {digests[0]} (recorded in "
                            f"{recorded_in}); {rebuild}")
 
-
-# %% [markdown]
-# Check: a file written with its digest verifies; one byte changed (size and modification time kept, so no listing
-# shows it) is refused naming the file, both digests and what rebuilds it; a file without a digest file reports False
-# (the caller decides what an unverified file means); digests given by the caller are checked the same way.
 
 # %%
 with _tf.TemporaryDirectory() as d:
@@ -283,6 +337,14 @@ def use_style():
     matplotlib.rcParams.update({"figure.dpi": 110, "savefig.dpi": 150, "savefig.bbox": "tight",
                                 "figure.figsize": (6.4, 4.0), "axes.titleweight": "bold"})
 
+
+# %%
+use_style()
+test_eq((matplotlib.rcParams["savefig.dpi"], matplotlib.rcParams["figure.figsize"]), (150, [6.4, 4.0]))
+
+
+# %%
+#| export
 def save_figure(fig, path: str | os.PathLike, data: pd.DataFrame | dict | None = None) -> Path:
     "Save `fig` as PNG at `path` and `data` beside it (`.csv` for a DataFrame, `.json` for a dict), atomically."
     path = Path(path)

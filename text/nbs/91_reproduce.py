@@ -76,6 +76,36 @@ from traitlets.config import Config
 
 from sparsekv.io import atomic_path, write_json, write_text
 
+# %% [markdown]
+# The checks below build a throw-away project with a two-stage pipeline: stage `a` writes a figure and a
+# summary fragment, stage `b` fails when its parameter `n` is 3 or more.
+
+# %%
+import io
+
+import nbformat
+from fastcore.test import test_eq, test_fail
+from nbformat.v4 import new_code_cell, new_notebook
+
+def _toy_notebook(path, body):
+    nb = new_notebook(cells=[new_code_cell("#| parameters\nprofile = 'quick'\nfig_dir = out_dir = '.'\nn = 1"),
+                             new_code_cell(body)])
+    nbformat.write(nb, path)
+
+def _toy_project(d):
+    (d/"reproduce").mkdir()
+    _toy_notebook(d/"reproduce"/"a.ipynb", "from pathlib import Path\n"
+                  "Path(fig_dir, 'a.txt').write_text(str(n))\nPath(out_dir, 'a.md').write_text(f'a wrote {n}')")
+    _toy_notebook(d/"reproduce"/"b.ipynb", "assert n < 3, 'n too large'\n")
+    (d/"reproduce"/"pipeline.yaml").write_text(
+        "stages:\n"
+        "  a:\n    notebook: reproduce/a.ipynb\n    params: {quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n"
+        "    outputs: ['figures/{profile}/a.txt']\n"
+        "  b:\n    notebook: reproduce/b.ipynb\n    params: {quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n"
+        "    outputs: []\n")
+    return d/"reproduce"/"pipeline.yaml"
+
+
 # %%
 #| export
 PROFILES = ("quick", "cpu", "cpu-full", "qwen-full", "gpu", "gpu-smoke")
@@ -96,6 +126,12 @@ class Stage:
 
 
 # %%
+_st = Stage(name="a", notebook=Path("/r/reproduce/a.ipynb"), params={"n": 1}, outputs=[], root=Path("/r"))
+test_eq((_st.inputs, _st.description, _st.captions), ([], "", {}))
+assert set(REQUIRED_PROFILES) <= set(PROFILES)
+
+
+# %%
 #| export
 def find_pipeline(start: str | os.PathLike | None = None) -> Path:
     "The nearest `reproduce/pipeline.yaml` at or above `start` (default: the working directory)."
@@ -104,6 +140,14 @@ def find_pipeline(start: str | os.PathLike | None = None) -> Path:
         if (d/"reproduce"/"pipeline.yaml").is_file(): return d/"reproduce"/"pipeline.yaml"
     raise FileNotFoundError(f"no reproduce/pipeline.yaml at or above {here}; pass --pipeline PATH")
 
+
+# %%
+test_eq(find_pipeline(), Path("..").resolve()/"reproduce"/"pipeline.yaml")  # the notebook runs in nbs/
+with tempfile.TemporaryDirectory() as d: test_fail(lambda: find_pipeline(d), contains="pass --pipeline PATH")
+
+
+# %%
+#| export
 def _expand_inputs(root: Path, patterns: list[str], where: str) -> list[Path]:
     "The files the `inputs` globs of a stage match; a glob that matches no file is an error naming it (a typo)."
     found = set()
@@ -113,10 +157,30 @@ def _expand_inputs(root: Path, patterns: list[str], where: str) -> list[Path]:
         found |= files
     return sorted(found)
 
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); (d/"x").mkdir()
+    for f in ("a.py", "b.py", "c.txt"): (d/"x"/f).touch()
+    test_eq(_expand_inputs(d, ["x/*.py", "x/a.py"], "w"), [d/"x"/"a.py", d/"x"/"b.py"])
+    test_fail(lambda: _expand_inputs(d, ["x/*.md"], "stage 'a'"), contains="stage 'a': inputs pattern 'x/*.md'")
+
+
+# %%
+#| export
 class _UniqueKeyLoader(yaml.SafeLoader):
     "YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last silently)."
 
+
+# %%
+test_eq(yaml.load("a: 1\nb: [2]", Loader=_UniqueKeyLoader), {"a": 1, "b": [2]})
+test_fail(lambda: yaml.load("!!python/object/apply:os.getcwd []", Loader=_UniqueKeyLoader))  # safe: no Python objects
+
+
+# %%
+#| export
 def _unique_mapping(loader, node, deep=False):
+    "A YAML mapping, refusing a key given twice in it."
     keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
     dup = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
     if dup is not None: raise yaml.constructor.ConstructorError(None, None, f"key {dup!r} given twice", node.start_mark)
@@ -124,6 +188,13 @@ def _unique_mapping(loader, node, deep=False):
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
+# %%
+test_eq(yaml.load("a: {c: 1, d: 2}", Loader=_UniqueKeyLoader), {"a": {"c": 1, "d": 2}})
+test_fail(lambda: yaml.load("a: 1\nb: {c: 1, c: 2}", Loader=_UniqueKeyLoader), contains="key 'c' given twice")
+
+
+# %%
+#| export
 def _read_spec(pipeline: Path) -> dict:
     "The `stages` mapping of `pipeline`, after checking the file's overall shape."
     try: spec = yaml.load(pipeline.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
@@ -138,6 +209,33 @@ def _read_spec(pipeline: Path) -> dict:
         raise ValueError(f"{pipeline}: unknown top-level key(s) {unknown}; the file holds only `stages:`")
     return stages
 
+
+# %%
+assert "leaderboard" in _read_spec(find_pipeline())
+with tempfile.TemporaryDirectory() as d:
+    (Path(d)/"pipeline.yaml").write_text("stages: {}\n")
+    test_fail(lambda: _read_spec(Path(d)/"pipeline.yaml"), contains="a mapping of at least one stage")
+
+
+# %%
+#| export
+def _check_captions(captions, outputs: list[str], where: str) -> None:
+    "Each caption names a PNG among `outputs` (as written there) and is one line of text."
+    if not isinstance(captions, dict):
+        raise ValueError(f"{where}: captions must map output PNGs to one-line captions, got {captions!r}")
+    for path, text in captions.items():
+        if path not in outputs or not str(path).endswith(".png"):
+            raise ValueError(f"{where}: captions names {path!r}, which is not a PNG among its outputs "
+                             f"{[o for o in outputs if o.endswith('.png')]}")
+        if not isinstance(text, str) or not text.strip() or "\n" in text.strip():
+            raise ValueError(f"{where}: the caption of {path!r} must be one line of text, got {text!r}")
+
+
+# %%
+_check_captions({"figures/{profile}/a.png": "Fig. 1"}, ["figures/{profile}/a.png"], "w")
+test_fail(lambda: _check_captions({"a.csv": "x"}, ["a.csv"], "w"), contains="not a PNG among its outputs")
+test_fail(lambda: _check_captions({"a.png": "two\nlines"}, ["a.png"], "w"), contains="must be one line of text")
+test_fail(lambda: _check_captions(["a.png"], ["a.png"], "w"), contains="captions must map output PNGs")
 
 # %%
 #| export
@@ -169,22 +267,32 @@ def _check_stage(name, s, pipeline: Path, profile: str) -> None:
     if not isinstance(s.get("description", ""), str): raise ValueError(f"{where}: description must be text")
     _check_captions(s.get("captions", {}), s["outputs"], where)
 
-def _check_captions(captions, outputs: list[str], where: str) -> None:
-    "Each caption names a PNG among `outputs` (as written there) and is one line of text."
-    if not isinstance(captions, dict):
-        raise ValueError(f"{where}: captions must map output PNGs to one-line captions, got {captions!r}")
-    for path, text in captions.items():
-        if path not in outputs or not str(path).endswith(".png"):
-            raise ValueError(f"{where}: captions names {path!r}, which is not a PNG among its outputs "
-                             f"{[o for o in outputs if o.endswith('.png')]}")
-        if not isinstance(text, str) or not text.strip() or "\n" in text.strip():
-            raise ValueError(f"{where}: the caption of {path!r} must be one line of text, got {text!r}")
 
+# %%
+_ok = {"notebook": "reproduce/a.ipynb", "params": {"quick": {"n": 1}, "cpu": None, "gpu": {}}, "outputs": ["a.png"]}
+_check_stage("a", _ok, Path("pipeline.yaml"), "quick")  # shaped as documented: no error
+for bad, msg in [({**_ok, "ouputs": []}, "unknown key(s) ['ouputs']"),
+                 ({**_ok, "notebook": 3}, "notebook must be a path"),
+                 ({k: v for k, v in _ok.items() if k != "outputs"}, "lacks ['outputs']"),
+                 ({**_ok, "inputs": "x.py"}, "inputs must be a list of paths"),
+                 ({**_ok, "description": 3}, "description must be text")]:
+    test_fail(lambda: _check_stage("a", bad, Path("pipeline.yaml"), "quick"), contains=msg)
+test_fail(lambda: _check_stage("a", {**_ok, "params": {"quick": {}}}, Path("p.yaml"), "cpu"),
+          contains="no params for profile 'cpu'")
+
+
+# %%
+#| export
 def _output_path(root: Path, pattern: str, profile: str, where: str) -> Path:
+    "The output `pattern` of a stage for `profile`, under `root`; a field other than `{profile}` is an error."
     try: return root/pattern.format(profile=profile)
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"{where}: output {pattern!r} may use only {{profile}} ({type(e).__name__}: {e})") from e
 
+
+# %%
+test_eq(_output_path(Path("/r"), "figures/{profile}/a.png", "cpu", "w"), Path("/r/figures/cpu/a.png"))
+test_fail(lambda: _output_path(Path("/r"), "figures/{prof}/a.png", "cpu", "w"), contains="may use only {profile}")
 
 # %% [markdown]
 # A stage's parameters must be parameters its notebook declares, of the type of their default
@@ -204,6 +312,16 @@ def _parameters_cell(nb, nb_path: Path):
     if len(cells) != 1: raise ValueError(f"{nb_path} must have exactly one `#| parameters` cell, found {len(cells)}")
     return cells[0]
 
+
+# %%
+_nb = new_notebook(cells=[new_code_cell("import os"), new_code_cell("#| parameters\nn = 1")])
+test_eq(_parameters_cell(_nb, Path("t.ipynb")).source, "#| parameters\nn = 1")
+_nb.cells.append(new_code_cell("#|  parameters\nm = 2"))
+test_fail(lambda: _parameters_cell(_nb, Path("t.ipynb")), contains="exactly one `#| parameters` cell, found 2")
+
+
+# %%
+#| export
 def notebook_parameters(nb_path: Path) -> dict:
     "The parameters notebook `nb_path` declares, with their defaults (`...` for a default that is not a literal)."
     import nbformat
@@ -221,6 +339,19 @@ def notebook_parameters(nb_path: Path) -> dict:
         res.update({t.id: value for t in targets if isinstance(t, ast.Name)})
     return res
 
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    p = Path(d)/"t.ipynb"
+    params = "#| parameters\nn = 1\nx: float = 0.5\nm = make()\ns = [1, 2]"
+    nbformat.write(new_notebook(cells=[new_code_cell(params)]), p)
+    test_eq(notebook_parameters(p), {"n": 1, "x": 0.5, "m": ..., "s": [1, 2]})
+    p.write_text("not a notebook")
+    test_fail(lambda: notebook_parameters(p), contains="is not a readable notebook")
+
+
+# %%
+#| export
 def _fits(value, default) -> bool:
     "Whether `value` may stand for a parameter whose default is `default`."
     if value is None or default is None or default is ...: return True
@@ -229,6 +360,14 @@ def _fits(value, default) -> bool:
     if isinstance(default, (list, tuple)): return isinstance(value, (list, tuple))
     return isinstance(value, type(default))
 
+
+# %%
+test_eq([_fits(v, d) for v, d in [(1, 0.5), (0.5, 1), (True, 1), (True, False), ([1], (2,)), (None, 3), ("a", ...)]],
+        [True, False, False, True, True, True, True])
+
+
+# %%
+#| export
 def _check_params(params: dict, declared: dict, where: str) -> None:
     "Raise a ValueError naming the first of `params` its notebook does not declare, or of the wrong type."
     for k, v in params.items():
@@ -239,6 +378,13 @@ def _check_params(params: dict, declared: dict, where: str) -> None:
         if not _fits(v, declared[k]):
             raise ValueError(f"{where}: {k} must be like the notebook's default {declared[k]!r} "
                              f"({type(declared[k]).__name__}), got {v!r}")
+
+
+# %%
+_check_params({"n": 2}, {"n": 1, "profile": "quick"}, "w")
+test_fail(lambda: _check_params({"out_dir": "x"}, {"n": 1}, "w"), contains="out_dir is set by the runner")
+test_fail(lambda: _check_params({"m": 2}, {"n": 1, "profile": "quick"}, "w"), contains="it declares ['n']")
+test_fail(lambda: _check_params({"n": "2"}, {"n": 1}, "w"), contains="n must be like the notebook's default 1 (int)")
 
 
 # %%
@@ -255,6 +401,15 @@ def profile_params(params: dict, profile: str, where: str) -> dict:
     return {**(params[base] or {}), **own}
 
 
+# %%
+_p = {"gpu": {"n": 3, "m": 1}, "quick": None, "gpu-smoke": {"from": "gpu", "n": 0}}
+test_eq(profile_params(_p, "gpu-smoke", "w"), {"n": 0, "m": 1})
+test_eq(profile_params(_p, "quick", "w"), {})
+test_fail(lambda: profile_params({**_p, "gpu-smoke": {"from": "tpu"}}, "gpu-smoke", "w"), contains="['gpu', 'quick']")
+
+
+# %%
+#| export
 def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     "Read `pipeline`'s stages with `profile`'s parameters and outputs; a malformed file raises a ValueError naming it."
     if profile not in PROFILES: raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
@@ -279,698 +434,9 @@ def load_stages(pipeline: str | os.PathLike, profile: str) -> list[Stage]:
     return stages
 
 
-# %% [markdown]
-# ## Staleness
-#
-# A stage is up to date when its outputs exist and were made from the current parameters and
-# the current *content* of its inputs. Modification times would not do: `nbdev-export`
-# rewrites every module of the library (so `make reproduce`, which exports first, would
-# rerun everything), and a fresh `git clone` gives every file a new time. So each run stores
-# a stamp beside its executed notebook with the hash of its parameters and of each input
-# file, and the run's duration (for the next run's estimates); an edited input or a new
-# parameter makes the stage stale, and the reason names it. Paths in a stamp are relative to
-# the repository, so the stamps of a committed run hold in any clone.
-#
-# The stamp is deleted **before** a stage runs and written only after all its outputs are: a
-# stage killed half-way (even a forced rerun of an up-to-date stage) has no stamp, so the next
-# run redoes it instead of keeping outputs of two different runs.
-#
-# The stamp also records the content hash of each **output** the run wrote. An output cut short, edited
-# or replaced afterwards (a CSV truncated by a full disk, a figure overwritten by hand) makes the
-# stage stale, naming the output, instead of a rerun reporting "up to date". Stamps written before outputs were
-# hashed (the committed runs' stamps) have no such record: their stage is not made stale for that (hours
-# of reruns for nothing); its state says the outputs are not recorded, and the stage's next run records them.
-
-# %%
-#| export
-def run_params(stage: Stage, profile: str) -> dict:
-    "The parameters of `stage` for `profile` as stamped: its folders relative to the repository."
-    return {**stage.params, "profile": profile, "fig_dir": f"figures/{profile}", "out_dir": f"reproduce/runs/{profile}"}
-
-def injected_params(params: dict, root: Path) -> dict:
-    "`params` as papermill injects them: the folders absolute (the notebook runs in `reproduce/`)."
-    return {**params, "fig_dir": str(root/params["fig_dir"]), "out_dir": str(root/params["out_dir"])}
-
-def fingerprint(params: dict) -> str:
-    "A short hash of `params`, stable across runs."
-    return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-def _content_hashes(paths: list[Path], root: Path) -> dict[str, str]:
-    "Short content hash of each file of `paths`, by its path relative to `root`."
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in paths}
-
-def input_hashes(stage: Stage) -> dict[str, str]:
-    "Content hash of each input of `stage`, by its path relative to the repository."
-    return _content_hashes(stage.inputs, stage.root)
-
-def output_hashes(stage: Stage) -> dict[str, str]:
-    "Content hash of each output of `stage` (all must exist), by its path relative to the repository."
-    return _content_hashes(stage.outputs, stage.root)
-
-def read_stamp(stamp: Path) -> dict | None:
-    "The stamp a finished stage wrote, or None (none, or unreadable)."
-    try: made = json.loads(stamp.read_text())
-    except (OSError, ValueError): return None
-    return made if isinstance(made, dict) else None
-
-def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str | None:
-    "Why `stage` must run, or None when its outputs were made from the current parameters and inputs."
-    missing = [p for p in (executed, *stage.outputs) if not p.exists()]
-    if missing: return f"missing {missing[0].name}"
-    made = read_stamp(stamp)
-    if made is None: return "no stamp (never finished, or interrupted)"
-    if made.get("fingerprint") != fingerprint(params): return "parameters changed"
-    old = made.get("inputs", {})
-    changed = [Path(p).name for p, h in input_hashes(stage).items() if old.get(p) != h]
-    if changed: return f"input changed: {changed[0]}"
-    if "outputs" not in made: return None  # an older stamp: the outputs are not recorded (see `stage_state`)
-    changed = [Path(p).name for p, h in output_hashes(stage).items() if made["outputs"].get(p) != h]
-    return f"output changed since the run: {changed[0]}" if changed else None
-
-
-# %% [markdown]
-# ## Running one stage
-#
-# Papermill finds the parameters cell by its `parameters` tag; we add the tag in a prepared
-# copy of the notebook (next to the executed one) so the source stays free of metadata.
-
-# %%
-#| export
-def tag_parameters_cell(nb_path: Path, dest: Path) -> Path:
-    "Copy notebook `nb_path` to `dest` with its `#| parameters` cell tagged for papermill."
-    import nbformat
-    nb = nbformat.read(nb_path, as_version=4)
-    _parameters_cell(nb, nb_path).metadata.setdefault("tags", []).append("parameters")
-    nb.metadata.setdefault("kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"})
-    with atomic_path(dest) as tmp: nbformat.write(nb, tmp)
-    return dest
-
-class StageFailed(RuntimeError):
-    "A stage raised, or did not write an output it promised."
-    def __init__(self, stage: str, notebook: Path | None, reason: str):
-        self.stage, self.notebook = stage, notebook
-        where = f"; executed notebook: {notebook}" if notebook else ""
-        super().__init__(f"stage {stage!r} failed: {reason}{where}")
-
-
-# %% [markdown]
-# ### Executed notebooks fit to publish
-#
-# The executed notebook of a stage is what the docs show on its experiment page, and the `cpu`
-# profile's are committed: they must read the same on every machine and change only when the
-# results do. The kernel runs with `TQDM_DISABLE=1` (no progress bars), and the notebook is
-# cleaned before it is kept: standard-error streams (warnings) are dropped, and so are widget
-# outputs; the repository's absolute path becomes relative (`figures/cpu/x.png`) and the home
-# folder `~`; the timings papermill and Jupyter record per cell and per run are removed.
-
-# %%
-#| export
-_WIDGET = "application/vnd.jupyter.widget-view+json"
-
-def _local_paths(root: Path) -> list[tuple[str, str]]:
-    "(local path, replacement) pairs, longest first: the repository becomes relative, the home folder `~`."
-    return [(f"{root}/", ""), (str(root), "."), (f"{Path.home()}/", "~/")]
-
-def _unlocal(text, pairs):
-    "`text` (a string or a list of lines) with each local path replaced."
-    if isinstance(text, list): return [_unlocal(t, pairs) for t in text]
-    if not isinstance(text, str): return text
-    for old, new in pairs: text = text.replace(old, new)
-    return text
-
-def _published(output: dict, pairs) -> bool:
-    "Whether a cell `output` is kept (not a stderr stream, not a widget); its text is made relative in place."
-    if output.get("output_type") == "stream":
-        if output.get("name") == "stderr": return False
-        output["text"] = _unlocal(output["text"], pairs)
-    data = output.get("data", {})
-    if _WIDGET in data: return False
-    for mime, v in data.items():
-        if mime.startswith("text/"): data[mime] = _unlocal(v, pairs)
-    if "traceback" in output: output["traceback"] = _unlocal(output["traceback"], pairs)
-    return True
-
-def slowest_cells(nb_path: Path, n: int = 5) -> list[dict]:
-    "The `n` code cells of executed notebook `nb_path` that took longest (papermill's durations), slowest first."
-    import nbformat
-    nb = nbformat.read(nb_path, as_version=4)
-    timed = [dict(cell=i, seconds=round(c.metadata["papermill"]["duration"], 1),
-                  first_line=c.source.strip().partition("\n")[0][:80])
-             for i, c in enumerate(nb.cells) if c.metadata.get("papermill", {}).get("duration") is not None]
-    return sorted(timed, key=lambda r: -r["seconds"])[:n]
-
-def clean_executed(nb_path: Path, root: Path) -> Path:
-    "Clean the executed notebook `nb_path` in place: no stderr, widgets, local paths or run-to-run metadata."
-    import nbformat
-    nb, pairs = nbformat.read(nb_path, as_version=4), _local_paths(root)
-    for key in ("papermill", "widgets"): nb.metadata.pop(key, None)
-    for c in nb.cells:
-        for key in ("papermill", "execution", "ExecuteTime"): c.metadata.pop(key, None)
-        c.source = _unlocal(c.source, pairs)
-        if c.cell_type == "code": c.outputs = [o for o in c.outputs if _published(o, pairs)]
-    with atomic_path(nb_path) as tmp: nbformat.write(nb, tmp)
-    return nb_path
-
-
-# %% [markdown]
-# The cleaning, on a notebook holding each kind of noise:
-
-# %%
-import nbformat as _nbf
-from fastcore.test import test_eq
-from nbformat.v4 import new_code_cell, new_notebook, new_output
-
-with tempfile.TemporaryDirectory() as d:
-    d = Path(d)
-    cell = new_code_cell(f"fig_dir = '{d}/figures/cpu'", metadata={"execution": {"iopub.status.idle": "t"},
-                                                                     "papermill": {"duration": 1.0}, "tags": ["x"]})
-    cell.outputs = [new_output("stream", name="stderr", text="TqdmWarning: ...\n"),
-                    new_output("stream", name="stdout", text=f"wrote {d}/figures/cpu/a.png\n"),
-                    new_output("display_data", data={_WIDGET: {"model_id": "m"}, "text/plain": "bar"}),
-                    new_output("execute_result", data={"text/plain": f"PosixPath('{d}')"}, execution_count=1)]
-    nb = new_notebook(cells=[cell], metadata={"papermill": {"duration": 3.0}, "widgets": {}})
-    _nbf.write(nb, d/"x.ipynb")
-    test_eq(slowest_cells(d/"x.ipynb"), [dict(cell=0, seconds=1.0, first_line=f"fig_dir = '{d}/figures/cpu'"[:80])])
-    got = _nbf.read(clean_executed(d/"x.ipynb", d), as_version=4)
-    test_eq(dict(got.metadata), {})
-    test_eq((got.cells[0].source, dict(got.cells[0].metadata)), ("fig_dir = 'figures/cpu'", {"tags": ["x"]}))
-    test_eq([(o.output_type, o.get("text") or o.data["text/plain"]) for o in got.cells[0].outputs],
-            [("stream", "wrote figures/cpu/a.png\n"), ("execute_result", "PosixPath('.')")])
-
-
-# %%
-#| export
-def stamp_path(root: Path, profile: str, name: str) -> Path:
-    "Where stage `name` of `profile` keeps its stamp."
-    return root/"reproduce"/"runs"/profile/".stamps"/f"{name}.json"
-
-def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
-    "Hidden paths, unique to this run, for the prepared input and the partial output notebook of stage `name`."
-    fd, src = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".input.ipynb")
-    os.close(fd)
-    src = Path(src)
-    return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
-
-def kernel_config(socket_dir: Path) -> Config:
-    "A kernel talking over local sockets in `socket_dir` (over TCP, ipykernel warns that traffic is unencrypted)."
-    return Config(KernelManager={"transport": "ipc", "ip": str(socket_dir/"kernel")})
-
-@contextlib.contextmanager
-def _environment(**env: str):
-    "Within the block, the environment variables `env` are set (for the kernels started in it)."
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try: yield
-    finally:
-        for k, v in old.items():
-            if v is None: os.environ.pop(k, None)
-            else: os.environ[k] = v
-
-def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> float:
-    "Execute `stage` with papermill (its stamp removed first, written last); return its wall time in seconds."
-    import papermill as pm
-    out_dir = root/"reproduce"/"runs"/profile
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (root/"figures"/profile).mkdir(parents=True, exist_ok=True)
-    params = run_params(stage, profile)
-    stamp = stamp_path(root, profile, stage.name)
-    stamp.unlink(missing_ok=True)  # from here on the old outputs no longer count as one run's
-    executed, failed = out_dir/f"{stage.name}.ipynb", out_dir/f"{stage.name}.failed.ipynb"
-    failed.unlink(missing_ok=True)
-    src, partial = _temp_notebooks(out_dir, stage.name)
-    start, inputs = time.time(), input_hashes(stage)  # what the run reads: an input edited meanwhile stales it
-    try:
-        tag_parameters_cell(stage.notebook, src)
-        # the kernel inherits TQDM_DISABLE: no progress bars in the notebook; its sockets go with the temporary folder
-        with _environment(TQDM_DISABLE="1"), tempfile.TemporaryDirectory(prefix="sparsekv-kernel-") as sockets:
-            pm.execute_notebook(src, partial, parameters=injected_params(params, root), kernel_name="python3",
-                                cwd=stage.notebook.parent, progress_bar=progress, log_output=False,
-                                config=kernel_config(Path(sockets)))
-    except BaseException as e:
-        if partial.exists(): os.replace(partial, failed)
-        if isinstance(e, KeyboardInterrupt): raise
-        raise StageFailed(stage.name, failed if failed.exists() else None, type(e).__name__) from e
-    finally:
-        src.unlink(missing_ok=True)
-    # The stage's notebook may record outputs with coarse timestamps: compare with one second of slack.
-    stale = [p for p in stage.outputs if not p.exists() or p.stat().st_mtime < start - 1]
-    if stale:
-        os.replace(partial, failed)
-        raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
-    slowest = slowest_cells(partial)  # before cleaning drops the durations: where the next cut would pay
-    os.replace(clean_executed(partial, root), executed)
-    seconds = time.time() - start
-    write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": inputs,
-                       "outputs": output_hashes(stage),
-                       "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1),
-                       "slowest_cells": slowest})
-    return seconds
-
-
-# %% [markdown]
-# ## The summary
-#
-# `summary.md` lists every stage of the profile with its state, then the Markdown fragment each
-# stage wrote about its results (its headings moved below the stage's). A stage this run
-# visited says what happened to it (ran, skipped, failed, interrupted); any other stage
-# (outside `--only`, or not reached before an interruption) is described from its stamp and
-# outputs, as `stale_reason` sees them: up to date (and when it was made), stale (and why), or not run.
-
-# %%
-#| export
-def _git_commit(root: Path) -> str:
-    try: return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError): return "unknown"
-
-def stage_state(stage: Stage, root: Path, profile: str) -> str:
-    "The state of `stage` from its stamp and outputs: up to date (when made), stale (why) or not run."
-    out_dir = root/"reproduce"/"runs"/profile
-    stamp = stamp_path(root, profile, stage.name)
-    reason = stale_reason(stage, out_dir/f"{stage.name}.ipynb", stamp, run_params(stage, profile))
-    made = read_stamp(stamp)
-    if reason is None:
-        unrecorded = "" if "outputs" in made else "; outputs not recorded in its stamp: recorded at its next run"
-        return f"up to date (made {made.get('finished', 'earlier')}{unrecorded})"
-    if made is None and not (out_dir/f"{stage.name}.ipynb").exists(): return "not run"
-    return f"stale: {reason}"
-
-_re_heading = re.compile(r"^(#{1,6})(?=\s)", re.MULTILINE)
-
-def demote_headings(md: str, top: int) -> str:
-    "`md` with its headings moved down so that the highest is of level `top` (at most 6); code blocks untouched."
-    parts = re.split(r"(^```.*?^```[^\n]*$)", md, flags=re.MULTILINE | re.DOTALL)  # odd parts: fenced code
-    levels = [len(h) for p in parts[::2] for h in _re_heading.findall(p)]
-    shift = max(0, top - min(levels, default=top))
-    shifted = (_re_heading.sub(lambda m: "#" * min(6, len(m.group(1)) + shift), p) if i % 2 == 0 else p
-               for i, p in enumerate(parts))
-    return "".join(shifted)
-
-def status_rows(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> list[tuple[str, str]]:
-    "(stage, state) of every stage: what this run did to it, else what its stamp and outputs say."
-    return [(s.name, status.get(s.name) or stage_state(s, root, profile)) for s in stages]
-
-def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> Path:
-    "Write `reproduce/runs/<profile>/summary.md` from this run's `status`, other stages' stamps and their fragments."
-    out_dir = root/"reproduce"/"runs"/profile
-    lines = [f"# Reproduction summary: profile `{profile}`", "",
-             f"Last run {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit `{_git_commit(root)}`.", "",
-             "| stage | status | outputs |", "|---|---|---|"]
-    for s, (_, state) in zip(stages, status_rows(root, profile, stages, status)):
-        outs = ", ".join(f"`{p.relative_to(root)}`" for p in s.outputs)
-        lines.append(f"| {s.name} | {state} | {outs} |")
-    for s in stages:
-        frag = out_dir/f"{s.name}.md"
-        if frag.exists(): lines += ["", f"## {s.name}", "", demote_headings(frag.read_text().strip(), 3)]
-    return write_text(out_dir/"summary.md", "\n".join(lines) + "\n")
-
-
-# %%
-test_eq(demote_headings("# A\ntext\n## B\n```\n# a comment\n```\n#not a heading", 3),
-        "### A\ntext\n#### B\n```\n# a comment\n```\n#not a heading")
-test_eq(demote_headings("#### deep enough\n###### six", 3), "#### deep enough\n###### six")
-test_eq(demote_headings("# one\n###### six", 3), "### one\n###### six")
-
-
-# %% [markdown]
-# ## Progress and estimates
-#
-# Each stage is announced with the time its last run of this profile took (its stamp's
-# `seconds`) and the time left for the whole run: the stages still to run, those up to date
-# counting nothing. A stage never run has no estimate yet; the line says so, and the time left
-# counts only the stages that have one. The committed `cpu` run carries its stamps, so a fresh
-# clone has estimates for the default profile.
-
-# %%
-#| export
-def last_seconds(root: Path, profile: str, name: str) -> float | None:
-    "How long the last finished run of stage `name` of `profile` took, from its stamp (None: unknown)."
-    secs = (read_stamp(stamp_path(root, profile, name)) or {}).get("seconds")
-    return float(secs) if isinstance(secs, (int, float)) and not isinstance(secs, bool) and secs >= 0 else None
-
-def format_duration(seconds: float) -> str:
-    "`seconds` the way a person says it: `~40 s`, `~12 min`, `~1 h 05 min`."
-    if seconds < 90: return f"~{max(1, round(seconds))} s"
-    minutes = round(seconds / 60)
-    return f"~{minutes} min" if minutes < 60 else f"~{minutes // 60} h {minutes % 60:02d} min"
-
-def progress_line(i: int, n: int, name: str, expected: list[float | None]) -> str:
-    "The line announcing stage `name`, `i` of `n`; `expected[j]` is the estimate of the j-th stage still to run."
-    here = "no estimate yet" if expected[0] is None else f"expected {format_duration(expected[0])}"
-    known, unknown = [e for e in expected if e is not None], sum(e is None for e in expected)
-    if not known: return f"[{i}/{n}] {name}: {here}, no estimate yet for the run"
-    more = f" and {unknown} stage{'s' * (unknown > 1)} with no estimate yet" if unknown else ""
-    return f"[{i}/{n}] {name}: {here}, {format_duration(sum(known))} left for the run{more}"
-
-
-# %%
-test_eq([format_duration(x) for x in (0.2, 40, 89, 91, 720, 3599, 3900)],
-        ["~1 s", "~40 s", "~89 s", "~2 min", "~12 min", "~1 h 00 min", "~1 h 05 min"])
-test_eq(progress_line(3, 11, "kvpop_decode", [240.0, None, 1500.0]),
-        "[3/11] kvpop_decode: expected ~4 min, ~29 min left for the run and 1 stage with no estimate yet")
-test_eq(progress_line(1, 2, "demo", [None, None]), "[1/2] demo: no estimate yet, no estimate yet for the run")
-test_eq(progress_line(2, 2, "demo", [5.0]), "[2/2] demo: expected ~5 s, ~5 s left for the run")
-
-
-# %% [markdown]
-# At the end the command line prints where every output of the stages it visited went
-# (relative paths, grouped by stage) and the table of stages and states, as in `summary.md`.
-
-# %%
-#| export
-def outputs_report(root: Path, profile: str, stages: list[Stage]) -> list[str]:
-    "Lines naming, per stage, each output it has (relative paths), its executed notebook, and the summary."
-    out_dir = root/"reproduce"/"runs"/profile
-    lines = []
-    for s in stages:
-        files = [p for p in (*s.outputs, out_dir/f"{s.name}.ipynb") if p.exists()]
-        lines += [f"{s.name}:", *(f"  {p.relative_to(root).as_posix()}" for p in files)] if files else []
-    return lines + [f"summary: {(out_dir/'summary.md').relative_to(root).as_posix()}"]
-
-def format_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
-    "`rows` under `header` as plain text columns, for a terminal."
-    widths = [max(len(str(r[j])) for r in (header, *rows)) for j in range(len(header))]
-    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
-    return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
-
-
-# %%
-test_eq(format_table([("demo", "ran in 5 s"), ("kvpop_distill", "not run")], ("stage", "status")),
-        "stage          status\n-------------  ----------\ndemo           ran in 5 s\nkvpop_distill  not run")
-
-
-# %% [markdown]
-# ## The runner
-#
-# Ctrl-C stops the run after marking the stage it interrupted; `SIGTERM` (a `kill`, a job
-# scheduler's time limit) is handled the same way, so the temporary notebooks are removed and
-# the summary is written in both cases.
-
-# %%
-#| export
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    "Within the block (in the main thread), SIGTERM raises KeyboardInterrupt, so cleanup runs as on Ctrl-C."
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    def handler(signum, frame): raise KeyboardInterrupt(f"terminated by signal {signum}")
-    old = signal.signal(signal.SIGTERM, handler)
-    try: yield
-    finally: signal.signal(signal.SIGTERM, old)
-
-def _plan(stages: list[Stage], root: Path, profile: str, force: bool) -> list[tuple[Stage, str | None, float | None]]:
-    "(stage, why it runs or None to skip, its estimate) for each of `stages`, decided before the first one runs."
-    out_dir = root/"reproduce"/"runs"/profile
-    plan = []
-    for s in stages:
-        reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb", stamp_path(root, profile, s.name),
-                                                     run_params(s, profile))
-        plan.append((s, reason, last_seconds(root, profile, s.name)))
-    return plan
-
-def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = False,
-                 pipeline: str | os.PathLike | None = None, progress: bool = True) -> dict[str, str]:
-    "Run the stages of `pipeline` for `profile` (all, or `only` the named one); return each stage's status."
-    pipeline = Path(pipeline) if pipeline else find_pipeline()
-    root = pipeline.resolve().parent.parent
-    stages = load_stages(pipeline, profile)
-    if only is not None:
-        names = [s.name for s in stages]
-        if only not in names: raise ValueError(f"only must name a stage of {pipeline}: {names}, got {only!r}")
-    plan = _plan([s for s in stages if only in (None, s.name)], root, profile, force)
-    say = print if progress else (lambda *a, **k: None)
-    status: dict[str, str] = {}
-    try:
-        with sigterm_as_interrupt():
-            for i, (s, reason, _) in enumerate(plan, 1):
-                if reason is None:
-                    say(f"[{i}/{len(plan)}] {s.name}: up to date, skipped", flush=True)
-                    status[s.name] = "up to date (skipped)"
-                    continue
-                expected = [e for _, r, e in plan[i - 1:] if r is not None]
-                say(f"{progress_line(i, len(plan), s.name, expected)} ({reason})", flush=True)
-                try: secs = run_stage(s, root, profile, progress=progress)
-                except StageFailed as e:
-                    status[s.name] = f"FAILED: see `{e.notebook.relative_to(root) if e.notebook else s.notebook}`"
-                    raise
-                except KeyboardInterrupt:
-                    status[s.name] = "interrupted (its outputs may be partial: the next run redoes it)"
-                    raise
-                status[s.name] = f"ran in {secs:.0f} s"
-    finally:
-        write_summary(root, profile, stages, status)
-    return status
-
-
-# %%
-#| export
-def report(pipeline: str | os.PathLike | None, profile: str, status: dict[str, str]) -> str:
-    "What the command line prints after a run: where the outputs of the stages in `status` went, and the stages."
-    pipeline = Path(pipeline) if pipeline else find_pipeline()
-    root = pipeline.resolve().parent.parent
-    stages = load_stages(pipeline, profile)
-    ran = [s for s in stages if s.name in status]
-    table = format_table(status_rows(root, profile, stages, status), ("stage", "status"))
-    return "\n".join(["", "Outputs:", *outputs_report(root, profile, ran), "", table])
-
-def _stage_error(e: StageFailed) -> str:
-    "The error a failed stage's notebook raised (papermill's message holds the cell's traceback), or ''."
-    cause = e.__cause__
-    return "" if cause is None or isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}".strip()
-
-def _cli(prog: str, run) -> int:
-    "Run `run()` for command line `prog`: 0, or 1 for a failed stage, 2 for a user error, 130 when interrupted."
-    try: run()
-    except StageFailed as e:  # a real error: the notebook's traceback, then one line saying where to look
-        print(f"\n{_stage_error(e)}\n\n{e}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as e:  # a user error (bad pipeline file, unknown stage): one line, no traceback
-        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted; finished work is kept, rerun to continue", file=sys.stderr)
-        return 130
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    "Command line: `python -m sparsekv.reproduce [--profile P] [--only STAGE] [--force] [--list]`."
-    ap = argparse.ArgumentParser(prog="sparsekv-reproduce", description="Run the sparsekv reproduction pipeline.")
-    ap.add_argument("--profile", default="cpu", choices=PROFILES, help="parameter set (default: cpu)")
-    ap.add_argument("--only", metavar="STAGE", help="run only this stage")
-    ap.add_argument("--force", action="store_true", help="rerun stages even when up to date")
-    ap.add_argument("--pipeline", help="path to pipeline.yaml (default: the nearest reproduce/pipeline.yaml)")
-    ap.add_argument("--list", action="store_true", help="list the stages, their state (and why stale), and exit")
-    a = ap.parse_args(argv)
-
-    def run():
-        if a.list:
-            pipeline = Path(a.pipeline) if a.pipeline else find_pipeline()
-            root, stages = pipeline.resolve().parent.parent, load_stages(pipeline, a.profile)
-            print(format_table([(s.name, stage_state(s, root, a.profile), s.description) for s in stages],
-                               ("stage", "status", "description")))
-            return
-        print(report(a.pipeline, a.profile, run_pipeline(a.profile, a.only, a.force, a.pipeline)))
-    return _cli(ap.prog, run)
-
-
-# %% [markdown]
-# ## A custom leaderboard
-#
-# `sparsekv-leaderboard --methods quoka tova kvpress_snapkv --budgets 128 256` runs the `leaderboard` stage of
-# a profile (default `cpu`) on a selection of methods and measured budgets: each name is one of the
-# profile's labels, a registry name (`sparsekv.methods.names()`) or `kvpress_` and a press
-# (`sparsekv.presses.names()`); dense, the reference, is always in. It writes
-# `figures/custom/leaderboard_custom.png` and `reproduce/runs/custom/leaderboard_custom.md` (neither
-# committed), shows papermill's progress, and keeps its grids there, so an interrupted run resumes
-# where it stopped and a second selection reuses the rows the first one made.
-
-# %%
-#| export
-CUSTOM = "custom"  # the folders of a custom run: figures/custom, reproduce/runs/custom
-
-
-def leaderboard_stage(labels: list[str], budgets: list[int], profile: str = "cpu",
-                      pipeline: str | os.PathLike | None = None, n_windows: int | None = None) -> Stage:
-    """The `leaderboard` stage of `profile` on the methods `labels` (its labels, registry names or kvpress_<press>) at
-    the measured `budgets` (and `n_windows` windows if given), dense included, writing to the `custom` folders."""
-    from sparsekv import methods, presses  # torch: only when asked
-    stage = next((s for s in load_stages(pipeline or find_pipeline(), profile) if s.name == "leaderboard"), None)
-    if stage is None: raise ValueError(f"the pipeline has no leaderboard stage for profile {profile!r}")
-    known, specs = stage.params.get("method_specs", {}), {"dense": {}}
-    for label in labels:
-        press = label.removeprefix("kvpress_")
-        if label in known: specs[label] = known[label]
-        elif label in methods.names() or "+" in label and set(label.split("+", 1)) <= set(methods.names()):
-            specs[label] = {}  # a registry name or a composition 'prefill+decode' of two
-        elif label != press and press in presses.names(): specs[label] = {"press": press}
-        else:
-            raise ValueError(f"methods: {label!r} is none of profile {profile}'s labels {sorted(known)}, of the "
-                             f"registry's {methods.names()} (or 'prefill+decode' of two), nor kvpress_<press> for a "
-                             f"press of {presses.names()}")
-    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
-        raise ValueError(f"budgets must be one or more ints >= 1, got {budgets!r}")
-    params = {**stage.params, "stem": "leaderboard_custom", "method_specs": specs, "budgets": list(budgets)}
-    if n_windows is not None:
-        if isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1:
-            raise ValueError(f"windows must be an int >= 1, got {n_windows!r}")
-        params["n_windows"] = n_windows
-    outputs = [stage.root/"figures"/CUSTOM/"leaderboard_custom.png",
-               stage.root/"reproduce"/"runs"/CUSTOM/"leaderboard_custom.md"]
-    return Stage(name="leaderboard_custom", notebook=stage.notebook, params=params, outputs=outputs, root=stage.root,
-                 inputs=stage.inputs, description=stage.description)
-
-
-def leaderboard_main(argv: list[str] | None = None) -> int:
-    "Command line: `sparsekv-leaderboard --methods M [M ...] --budgets B [B ...] [--profile P] [--windows N]`."
-    ap = argparse.ArgumentParser(prog="sparsekv-leaderboard",
-                                 description="Run chosen methods through the leaderboard stage (resumable).")
-    ap.add_argument("--methods", nargs="+", required=True, metavar="M",
-                    help="the profile's labels, registry names, compositions 'prefill+decode' of two, or "
-                         "kvpress_<press> (dense is always in)")
-    ap.add_argument("--budgets", nargs="+", type=int, required=True, metavar="B",
-                    help="measured ceilings: KV entries per decode query and KV head")
-    ap.add_argument("--profile", default="cpu", choices=PROFILES, help="the parameter set to start from (default: cpu)")
-    ap.add_argument("--windows", type=int, help="held-out windows (default: the profile's)")
-    ap.add_argument("--pipeline", help="path to pipeline.yaml (default: the nearest reproduce/pipeline.yaml)")
-    a = ap.parse_args(argv)
-
-    def run():
-        stage = leaderboard_stage(a.methods, a.budgets, a.profile, a.pipeline, a.windows)
-        seconds = run_stage(stage, stage.root, CUSTOM)
-        print(stage.outputs[1].read_text())
-        print(f"{ap.prog}: {seconds:.0f} s; the table: {stage.outputs[1]}, the figure: {stage.outputs[0]}")
-    return _cli(ap.prog, run)
-
-
-# %% [markdown]
-# The selection is resolved before anything runs; a name that is no method, or a bad budget, stops
-# the command with one line naming it:
-
-# %%
-import io
-
-from fastcore.test import test_fail
-
-lb = leaderboard_stage(["quoka", "tova", "kvpress_knorm", "kvpress_lagkv"], [48, 64], profile="quick")
-test_eq(list(lb.params["method_specs"]), ["dense", "quoka", "tova", "kvpress_knorm", "kvpress_lagkv"])
-test_eq((lb.params["method_specs"]["kvpress_lagkv"], lb.params["budgets"], lb.params["stem"]),
-        ({"press": "lagkv"}, [48, 64], "leaderboard_custom"))
-test_eq([p.name for p in lb.outputs], ["leaderboard_custom.png", "leaderboard_custom.md"])
-test_eq(run_params(lb, CUSTOM)["out_dir"], "reproduce/runs/custom")
-test_eq(leaderboard_stage(["quoka+kvpop_mlp"], [48], profile="quick").params["method_specs"]["quoka+kvpop_mlp"], {})
-test_fail(lambda: leaderboard_stage(["snapkv"], [48], profile="quick"), contains="kvpress_<press>")
-test_fail(lambda: leaderboard_stage(["quoka+snapkv"], [48], profile="quick"), contains="'prefill+decode' of two")
-test_fail(lambda: leaderboard_stage(["quoka"], [0], profile="quick"), contains="budgets must be")
-test_fail(lambda: leaderboard_stage(["quoka"], [48], profile="quick", n_windows=0), contains="windows must be")
-with contextlib.redirect_stderr(io.StringIO()) as err:
-    test_eq(leaderboard_main(["--methods", "quoak", "--budgets", "48", "--profile", "quick"]), 2)
-assert "'quoak' is none of" in err.getvalue()
-
-# %% [markdown]
-# `python -m sparsekv.reproduce` runs `main`; the guard is exported but not evaluated here
-# (a notebook's `__name__` is also `"__main__"`).
-
-# %%
-#| export
-#| eval: false
-if __name__ == "__main__": sys.exit(main())
-
-# %% [markdown]
-# ## Checks
-#
-# A throw-away project with a two-stage pipeline exercises the runner end to end:
-# running, skipping, forcing, parameter changes, a failing stage and a broken promise.
-
-# %%
-from fastcore.test import test_eq, test_fail
-import nbformat
-from nbformat.v4 import new_code_cell, new_notebook
-
-def _toy_notebook(path, body):
-    nb = new_notebook(cells=[new_code_cell("#| parameters\nprofile = 'quick'\nfig_dir = out_dir = '.'\nn = 1"),
-                             new_code_cell(body)])
-    nbformat.write(nb, path)
-
-def _toy_project(d):
-    (d/"reproduce").mkdir()
-    _toy_notebook(d/"reproduce"/"a.ipynb", "from pathlib import Path\n"
-                  "Path(fig_dir, 'a.txt').write_text(str(n))\nPath(out_dir, 'a.md').write_text(f'a wrote {n}')")
-    _toy_notebook(d/"reproduce"/"b.ipynb", "assert n < 3, 'n too large'\n")
-    (d/"reproduce"/"pipeline.yaml").write_text(
-        "stages:\n"
-        "  a:\n    notebook: reproduce/a.ipynb\n    params: {quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n"
-        "    outputs: ['figures/{profile}/a.txt']\n"
-        "  b:\n    notebook: reproduce/b.ipynb\n    params: {quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n"
-        "    outputs: []\n")
-    return d/"reproduce"/"pipeline.yaml"
-
-
-# %%
-with tempfile.TemporaryDirectory() as d:
-    d = Path(d); pipe = _toy_project(d)
-    st = run_pipeline("quick", pipeline=pipe, progress=False)
-    assert st["a"].startswith("ran") and st["b"].startswith("ran"), st
-    test_eq((d/"figures"/"quick"/"a.txt").read_text(), "1")
-    assert "a wrote 1" in (d/"reproduce"/"runs"/"quick"/"summary.md").read_text()
-    test_eq([p.name for p in (d/"reproduce").rglob("*") if p.is_socket()], [])  # the kernels' sockets went away
-    # nothing changed: both skipped; --force and --only rerun just one
-    test_eq(set(run_pipeline("quick", pipeline=pipe, progress=False).values()), {"up to date (skipped)"})
-    st = run_pipeline("quick", only="a", force=True, pipeline=pipe, progress=False)
-    test_eq(list(st), ["a"])
-    # touching an input changes nothing; editing it, or new parameters, make a stage stale again
-    os.utime(d/"reproduce"/"a.ipynb")
-    test_eq(set(run_pipeline("quick", pipeline=pipe, progress=False).values()), {"up to date (skipped)"})
-    nb = nbformat.read(d/"reproduce"/"a.ipynb", as_version=4)
-    nb.cells.append(new_code_cell("# an edit"))
-    nbformat.write(nb, d/"reproduce"/"a.ipynb")
-    test_eq(stale_reason(load_stages(pipe, "quick")[0], d/"reproduce"/"runs"/"quick"/"a.ipynb",
-                         d/"reproduce"/"runs"/"quick"/".stamps"/"a.json",
-                         run_params(load_stages(pipe, "quick")[0], "quick")), "input changed: a.ipynb")
-    st = run_pipeline("quick", pipeline=pipe, progress=False)
-    assert st["a"].startswith("ran") and st["b"] == "up to date (skipped)", st
-    pipe.write_text(pipe.read_text().replace("quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n    outputs: []",
-                                             "quick: {n: 2}, cpu: {n: 2}, gpu: {n: 3}}\n    outputs: []"))
-    st = run_pipeline("quick", pipeline=pipe, progress=False)
-    assert st["a"] == "up to date (skipped)" and st["b"].startswith("ran"), st
-    # a failing stage stops the run and keeps its executed notebook for inspection
-    test_fail(lambda: run_pipeline("gpu", pipeline=pipe, progress=False), contains="b.failed.ipynb")
-    assert (d/"reproduce"/"runs"/"gpu"/"b.failed.ipynb").exists()
-    assert not (d/"reproduce"/"runs"/"gpu"/"b.ipynb").exists()
-
 # %%
 #| hide
 test_fail(lambda: load_stages("reproduce/pipeline.yaml", "tpu"), contains="profile must be one of")
-
-# %% [markdown]
-# An output changed after its run (here cut to nothing) makes its stage stale, naming the output, and `--list` says
-# so; the rerun records the new outputs. A stamp without output digests (an older version's) keeps its stage up to
-# date, says its outputs are not recorded, and the stage's next run records them.
-
-# %%
-import io
-
-with tempfile.TemporaryDirectory() as d:
-    d = Path(d); pipe = _toy_project(d)
-    run_pipeline("quick", pipeline=pipe, progress=False)
-    out, a = d/"figures"/"quick"/"a.txt", load_stages(pipe, "quick")[0]
-    out.write_text("")
-    test_eq(stage_state(a, d, "quick"), "stale: output changed since the run: a.txt")
-    with contextlib.redirect_stdout(io.StringIO()) as listed:
-        test_eq(main(["--pipeline", str(pipe), "--profile", "quick", "--list"]), 0)
-    assert "a      stale: output changed since the run: a.txt" in listed.getvalue(), listed.getvalue()
-    assert run_pipeline("quick", pipeline=pipe, progress=False)["a"].startswith("ran")
-    test_eq(out.read_text(), "1")
-    stamp = stamp_path(d, "quick", "a")
-    made = read_stamp(stamp)
-    test_eq(made["outputs"], {"figures/quick/a.txt": hashlib.sha256(b"1").hexdigest()[:16]})
-    write_json(stamp, {k: v for k, v in made.items() if k != "outputs"})   # as an older version wrote it
-    out.write_text("edited")
-    assert stage_state(a, d, "quick").endswith("outputs not recorded in its stamp: recorded at its next run)")
-    test_eq(run_pipeline("quick", pipeline=pipe, progress=False)["a"], "up to date (skipped)")
-    run_pipeline("quick", only="a", force=True, pipeline=pipe, progress=False)
-    assert "outputs" in read_stamp(stamp) and "not recorded" not in stage_state(a, d, "quick")
 
 # %% [markdown]
 # `cpu-full` is optional per stage: only the stages that give it params belong to that profile,
@@ -1002,34 +468,6 @@ with tempfile.TemporaryDirectory() as d:
     for bad in ("tpu", "gpu-smoke"):
         pipe.write_text(spec.replace("gpu: {n: 3}}", f"gpu: {{n: 3}}, gpu-smoke: {{from: {bad}}}}}", 1))
         test_fail(lambda: load_stages(pipe, "gpu-smoke"), contains="params.gpu-smoke.from must name another profile")
-
-# %% [markdown]
-# A stage killed between two outputs, then rerun: its stamp went away when it started, so the
-# rerun redoes it and both outputs come from one run. Running `--only` one stage leaves the
-# summary's word on the others to their stamps.
-
-# %%
-with tempfile.TemporaryDirectory() as d:
-    d = Path(d); pipe = _toy_project(d)
-    _toy_notebook(d/"reproduce"/"c.ipynb", "from pathlib import Path\nPath(fig_dir, 'c1.txt').write_text(str(n))\n"
-                  "assert not Path(fig_dir, 'die').exists(), 'killed between outputs'\n"
-                  "Path(fig_dir, 'c2.txt').write_text(str(n))")
-    pipe.write_text(pipe.read_text() + "  c:\n    notebook: reproduce/c.ipynb\n"
-                    "    params: {quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n"
-                    "    outputs: ['figures/{profile}/c1.txt', 'figures/{profile}/c2.txt']\n")
-    run_pipeline("quick", pipeline=pipe, progress=False)
-    figs = d/"figures"/"quick"
-    (figs/"die").touch()
-    pipe.write_text(pipe.read_text().replace("c.ipynb\n    params: {quick: {n: 1}",
-                                             "c.ipynb\n    params: {quick: {n: 5}"))
-    test_fail(lambda: run_pipeline("quick", only="c", pipeline=pipe, progress=False), contains="stage 'c' failed")
-    (figs/"die").unlink()
-    test_eq(((figs/"c1.txt").read_text(), (figs/"c2.txt").read_text()), ("5", "1"))  # outputs of two runs ...
-    assert run_pipeline("quick", only="c", pipeline=pipe, progress=False)["c"].startswith("ran")  # ... so it runs again
-    test_eq(((figs/"c1.txt").read_text(), (figs/"c2.txt").read_text()), ("5", "5"))
-    summary = (d/"reproduce"/"runs"/"quick"/"summary.md").read_text()
-    assert "| a | up to date (made " in summary and "| b | up to date (made " in summary, summary
-    test_eq([p.name for p in (d/"reproduce"/"runs"/"quick").glob(".*.ipynb")], [])  # no temporary notebook left
 
 # %% [markdown]
 # A pipeline file that is empty, not YAML, not UTF-8, shaped otherwise than documented, or with an `inputs`
@@ -1079,3 +517,1011 @@ with tempfile.TemporaryDirectory() as d:
     pipe.write_text(_stage + "    params: {quick: {n: 2}}\n"
                     "    captions: {'figures/{profile}/a.png': Fig. 1 of the paper}\n")
     test_eq(load_stages(pipe, "quick")[0].captions, {d/"figures"/"quick"/"a.png": "Fig. 1 of the paper"})
+
+
+# %% [markdown]
+# ## Staleness
+#
+# A stage is up to date when its outputs exist and were made from the current parameters and
+# the current *content* of its inputs. Modification times would not do: `nbdev-export`
+# rewrites every module of the library (so `make reproduce`, which exports first, would
+# rerun everything), and a fresh `git clone` gives every file a new time. So each run stores
+# a stamp beside its executed notebook with the hash of its parameters and of each input
+# file, and the run's duration (for the next run's estimates); an edited input or a new
+# parameter makes the stage stale, and the reason names it. Paths in a stamp are relative to
+# the repository, so the stamps of a committed run hold in any clone.
+#
+# The stamp is deleted **before** a stage runs and written only after all its outputs are: a
+# stage killed half-way (even a forced rerun of an up-to-date stage) has no stamp, so the next
+# run redoes it instead of keeping outputs of two different runs.
+#
+# The stamp also records the content hash of each **output** the run wrote. An output cut short, edited
+# or replaced afterwards (a CSV truncated by a full disk, a figure overwritten by hand) makes the
+# stage stale, naming the output, instead of a rerun reporting "up to date". Stamps written before outputs were
+# hashed (the committed runs' stamps) have no such record: their stage is not made stale for that (hours
+# of reruns for nothing); its state says the outputs are not recorded, and the stage's next run records them.
+
+# %%
+#| export
+def run_params(stage: Stage, profile: str) -> dict:
+    "The parameters of `stage` for `profile` as stamped: its folders relative to the repository."
+    return {**stage.params, "profile": profile, "fig_dir": f"figures/{profile}", "out_dir": f"reproduce/runs/{profile}"}
+
+
+# %%
+_st = Stage(name="a", notebook=Path("/r/reproduce/a.ipynb"), params={"n": 1}, outputs=[], root=Path("/r"))
+test_eq(run_params(_st, "cpu"), {"n": 1, "profile": "cpu", "fig_dir": "figures/cpu", "out_dir": "reproduce/runs/cpu"})
+
+
+# %%
+#| export
+def injected_params(params: dict, root: Path) -> dict:
+    "`params` as papermill injects them: the folders absolute (the notebook runs in `reproduce/`)."
+    return {**params, "fig_dir": str(root/params["fig_dir"]), "out_dir": str(root/params["out_dir"])}
+
+
+# %%
+test_eq(injected_params(run_params(_st, "cpu"), Path("/r")),
+        {"n": 1, "profile": "cpu", "fig_dir": "/r/figures/cpu", "out_dir": "/r/reproduce/runs/cpu"})
+
+
+# %%
+#| export
+def fingerprint(params: dict) -> str:
+    "A short hash of `params`, stable across runs."
+    return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# %%
+test_eq(fingerprint({"a": 1, "b": [2]}), fingerprint({"b": [2], "a": 1}))  # the order of the keys does not count
+test_eq(fingerprint({}), hashlib.sha256(b"{}").hexdigest()[:16])
+assert fingerprint({"a": 1}) != fingerprint({"a": 2})
+
+
+# %%
+#| export
+def _content_hashes(paths: list[Path], root: Path) -> dict[str, str]:
+    "Short content hash of each file of `paths`, by its path relative to `root`."
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in paths}
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); (d/"x").mkdir(); (d/"x"/"a.txt").write_text("1")
+    test_eq(_content_hashes([d/"x"/"a.txt"], d), {"x/a.txt": hashlib.sha256(b"1").hexdigest()[:16]})
+
+
+# %%
+#| export
+def input_hashes(stage: Stage) -> dict[str, str]:
+    "Content hash of each input of `stage`, by its path relative to the repository."
+    return _content_hashes(stage.inputs, stage.root)
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); a = load_stages(_toy_project(d), "quick")[0]
+    digest = hashlib.sha256((d/"reproduce"/"a.ipynb").read_bytes()).hexdigest()[:16]
+    test_eq(input_hashes(a), {"reproduce/a.ipynb": digest})
+
+
+# %%
+#| export
+def output_hashes(stage: Stage) -> dict[str, str]:
+    "Content hash of each output of `stage` (all must exist), by its path relative to the repository."
+    return _content_hashes(stage.outputs, stage.root)
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); a = load_stages(_toy_project(d), "quick")[0]
+    test_fail(lambda: output_hashes(a))  # not run yet: no output to hash
+    (d/"figures"/"quick").mkdir(parents=True); (d/"figures"/"quick"/"a.txt").write_text("1")
+    test_eq(output_hashes(a), {"figures/quick/a.txt": hashlib.sha256(b"1").hexdigest()[:16]})
+
+
+# %%
+#| export
+def read_stamp(stamp: Path) -> dict | None:
+    "The stamp a finished stage wrote, or None (none, or unreadable)."
+    try: made = json.loads(stamp.read_text())
+    except (OSError, ValueError): return None
+    return made if isinstance(made, dict) else None
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    p = Path(d)/"a.json"
+    test_eq(read_stamp(p), None)
+    for text, want in (("[1]", None), ("{bad", None), ('{"seconds": 2}', {"seconds": 2})):
+        p.write_text(text)
+        test_eq(read_stamp(p), want)
+
+
+# %%
+#| export
+def stale_reason(stage: Stage, executed: Path, stamp: Path, params: dict) -> str | None:
+    "Why `stage` must run, or None when its outputs were made from the current parameters and inputs."
+    missing = [p for p in (executed, *stage.outputs) if not p.exists()]
+    if missing: return f"missing {missing[0].name}"
+    made = read_stamp(stamp)
+    if made is None: return "no stamp (never finished, or interrupted)"
+    if made.get("fingerprint") != fingerprint(params): return "parameters changed"
+    old = made.get("inputs", {})
+    changed = [Path(p).name for p, h in input_hashes(stage).items() if old.get(p) != h]
+    if changed: return f"input changed: {changed[0]}"
+    if "outputs" not in made: return None  # an older stamp: the outputs are not recorded (see `stage_state`)
+    changed = [Path(p).name for p, h in output_hashes(stage).items() if made["outputs"].get(p) != h]
+    return f"output changed since the run: {changed[0]}" if changed else None
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); a = load_stages(_toy_project(d), "quick")[0]
+    executed, stamp, params = d/"a.ipynb", d/"a.json", run_params(a, "quick")
+    test_eq(stale_reason(a, executed, stamp, params), "missing a.ipynb")
+    executed.touch(); a.outputs[0].parent.mkdir(parents=True); a.outputs[0].write_text("1")
+    test_eq(stale_reason(a, executed, stamp, params), "no stamp (never finished, or interrupted)")
+    write_json(stamp, {"fingerprint": fingerprint(params), "inputs": input_hashes(a), "outputs": output_hashes(a)})
+    test_eq(stale_reason(a, executed, stamp, params), None)
+    test_eq(stale_reason(a, executed, stamp, {**params, "n": 2}), "parameters changed")
+    a.outputs[0].write_text("2")
+    test_eq(stale_reason(a, executed, stamp, params), "output changed since the run: a.txt")
+
+
+# %% [markdown]
+# ## Running one stage
+#
+# Papermill finds the parameters cell by its `parameters` tag; we add the tag in a prepared
+# copy of the notebook (next to the executed one) so the source stays free of metadata.
+
+# %%
+#| export
+def tag_parameters_cell(nb_path: Path, dest: Path) -> Path:
+    "Copy notebook `nb_path` to `dest` with its `#| parameters` cell tagged for papermill."
+    import nbformat
+    nb = nbformat.read(nb_path, as_version=4)
+    _parameters_cell(nb, nb_path).metadata.setdefault("tags", []).append("parameters")
+    nb.metadata.setdefault("kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"})
+    with atomic_path(dest) as tmp: nbformat.write(nb, tmp)
+    return dest
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); _toy_project(d)
+    got = nbformat.read(tag_parameters_cell(d/"reproduce"/"a.ipynb", d/"t.ipynb"), as_version=4)
+    test_eq([c.metadata.get("tags") for c in got.cells], [["parameters"], None])
+    test_eq(got.metadata.kernelspec.name, "python3")
+
+
+# %%
+#| export
+class StageFailed(RuntimeError):
+    "A stage raised, or did not write an output it promised."
+    def __init__(self, stage: str, notebook: Path | None, reason: str):
+        self.stage, self.notebook = stage, notebook
+        where = f"; executed notebook: {notebook}" if notebook else ""
+        super().__init__(f"stage {stage!r} failed: {reason}{where}")
+
+
+# %%
+test_eq(str(StageFailed("a", Path("runs/a.failed.ipynb"), "ValueError")),
+        "stage 'a' failed: ValueError; executed notebook: runs/a.failed.ipynb")
+test_eq(str(StageFailed("a", None, "x")), "stage 'a' failed: x")
+
+# %% [markdown]
+# ### Executed notebooks fit to publish
+#
+# The executed notebook of a stage is what the docs show on its experiment page, and the `cpu`
+# profile's are committed: they must read the same on every machine and change only when the
+# results do. The kernel runs with `TQDM_DISABLE=1` (no progress bars), and the notebook is
+# cleaned before it is kept: standard-error streams (warnings) are dropped, and so are widget
+# outputs; the repository's absolute path becomes relative (`figures/cpu/x.png`) and the home
+# folder `~`; the timings papermill and Jupyter record per cell and per run are removed.
+
+# %%
+#| export
+_WIDGET = "application/vnd.jupyter.widget-view+json"
+
+def _local_paths(root: Path) -> list[tuple[str, str]]:
+    "(local path, replacement) pairs, longest first: the repository becomes relative, the home folder `~`."
+    return [(f"{root}/", ""), (str(root), "."), (f"{Path.home()}/", "~/")]
+
+
+# %%
+test_eq([new for _, new in _local_paths(Path("/nowhere/repo"))], ["", ".", "~/"])  # the longest path first
+
+
+# %%
+#| export
+def _unlocal(text, pairs):
+    "`text` (a string or a list of lines) with each local path replaced."
+    if isinstance(text, list): return [_unlocal(t, pairs) for t in text]
+    if not isinstance(text, str): return text
+    for old, new in pairs: text = text.replace(old, new)
+    return text
+
+
+# %%
+_pairs = _local_paths(Path("/nowhere/repo"))
+test_eq(_unlocal(["see /nowhere/repo/figures/a.png", "in /nowhere/repo"], _pairs), ["see figures/a.png", "in ."])
+test_eq(_unlocal(f"{Path.home()}/data", _pairs), "~/data")
+test_eq(_unlocal(3, _pairs), 3)
+
+
+# %%
+#| export
+def _published(output: dict, pairs) -> bool:
+    "Whether a cell `output` is kept (not a stderr stream, not a widget); its text is made relative in place."
+    if output.get("output_type") == "stream":
+        if output.get("name") == "stderr": return False
+        output["text"] = _unlocal(output["text"], pairs)
+    data = output.get("data", {})
+    if _WIDGET in data: return False
+    for mime, v in data.items():
+        if mime.startswith("text/"): data[mime] = _unlocal(v, pairs)
+    if "traceback" in output: output["traceback"] = _unlocal(output["traceback"], pairs)
+    return True
+
+
+# %%
+_out = {"output_type": "stream", "name": "stdout", "text": "wrote /nowhere/repo/a.png\n"}
+assert _published(_out, _pairs)
+test_eq(_out["text"], "wrote a.png\n")
+assert not _published({"output_type": "stream", "name": "stderr", "text": "a warning"}, _pairs)
+assert not _published({"output_type": "display_data", "data": {_WIDGET: {}, "text/plain": "bar"}}, _pairs)
+
+
+# %% [markdown]
+# The checks of `slowest_cells` and of the cleaning below share one executed notebook, holding each kind
+# of noise.
+
+# %%
+#| export
+def slowest_cells(nb_path: Path, n: int = 5) -> list[dict]:
+    "The `n` code cells of executed notebook `nb_path` that took longest (papermill's durations), slowest first."
+    import nbformat
+    nb = nbformat.read(nb_path, as_version=4)
+    timed = [dict(cell=i, seconds=round(c.metadata["papermill"]["duration"], 1),
+                  first_line=c.source.strip().partition("\n")[0][:80])
+             for i, c in enumerate(nb.cells) if c.metadata.get("papermill", {}).get("duration") is not None]
+    return sorted(timed, key=lambda r: -r["seconds"])[:n]
+
+
+# %%
+import nbformat as _nbf
+from fastcore.test import test_eq
+from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+_tmp = tempfile.TemporaryDirectory()
+d = Path(_tmp.name)
+cell = new_code_cell(f"fig_dir = '{d}/figures/cpu'", metadata={"execution": {"iopub.status.idle": "t"},
+                                                                 "papermill": {"duration": 1.0}, "tags": ["x"]})
+cell.outputs = [new_output("stream", name="stderr", text="TqdmWarning: ...\n"),
+                new_output("stream", name="stdout", text=f"wrote {d}/figures/cpu/a.png\n"),
+                new_output("display_data", data={_WIDGET: {"model_id": "m"}, "text/plain": "bar"}),
+                new_output("execute_result", data={"text/plain": f"PosixPath('{d}')"}, execution_count=1)]
+nb = new_notebook(cells=[cell], metadata={"papermill": {"duration": 3.0}, "widgets": {}})
+_nbf.write(nb, d/"x.ipynb")
+test_eq(slowest_cells(d/"x.ipynb"), [dict(cell=0, seconds=1.0, first_line=f"fig_dir = '{d}/figures/cpu'"[:80])])
+
+
+# %%
+#| export
+def clean_executed(nb_path: Path, root: Path) -> Path:
+    "Clean the executed notebook `nb_path` in place: no stderr, widgets, local paths or run-to-run metadata."
+    import nbformat
+    nb, pairs = nbformat.read(nb_path, as_version=4), _local_paths(root)
+    for key in ("papermill", "widgets"): nb.metadata.pop(key, None)
+    for c in nb.cells:
+        for key in ("papermill", "execution", "ExecuteTime"): c.metadata.pop(key, None)
+        c.source = _unlocal(c.source, pairs)
+        if c.cell_type == "code": c.outputs = [o for o in c.outputs if _published(o, pairs)]
+    with atomic_path(nb_path) as tmp: nbformat.write(nb, tmp)
+    return nb_path
+
+
+# %%
+got = _nbf.read(clean_executed(d/"x.ipynb", d), as_version=4)
+test_eq(dict(got.metadata), {})
+test_eq((got.cells[0].source, dict(got.cells[0].metadata)), ("fig_dir = 'figures/cpu'", {"tags": ["x"]}))
+test_eq([(o.output_type, o.get("text") or o.data["text/plain"]) for o in got.cells[0].outputs],
+        [("stream", "wrote figures/cpu/a.png\n"), ("execute_result", "PosixPath('.')")])
+_tmp.cleanup()
+
+
+# %%
+#| export
+def stamp_path(root: Path, profile: str, name: str) -> Path:
+    "Where stage `name` of `profile` keeps its stamp."
+    return root/"reproduce"/"runs"/profile/".stamps"/f"{name}.json"
+
+
+# %%
+test_eq(stamp_path(Path("/r"), "cpu", "demo"), Path("/r/reproduce/runs/cpu/.stamps/demo.json"))
+
+
+# %%
+#| export
+def _temp_notebooks(out_dir: Path, name: str) -> tuple[Path, Path]:
+    "Hidden paths, unique to this run, for the prepared input and the partial output notebook of stage `name`."
+    fd, src = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".input.ipynb")
+    os.close(fd)
+    src = Path(src)
+    return src, src.with_name(src.name.removesuffix(".input.ipynb") + ".partial.ipynb")
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    (src, partial), (src2, _) = _temp_notebooks(Path(d), "demo"), _temp_notebooks(Path(d), "demo")
+    assert src.exists() and src != src2 and src.name.startswith(".demo.") and src.name.endswith(".input.ipynb")
+    test_eq(partial.name, src.name.replace(".input.", ".partial."))
+
+
+# %%
+#| export
+def kernel_config(socket_dir: Path) -> Config:
+    "A kernel talking over local sockets in `socket_dir` (over TCP, ipykernel warns that traffic is unencrypted)."
+    return Config(KernelManager={"transport": "ipc", "ip": str(socket_dir/"kernel")})
+
+
+# %%
+_km = kernel_config(Path("/s")).KernelManager
+test_eq((_km.transport, _km.ip), ("ipc", "/s/kernel"))
+
+
+# %%
+#| export
+@contextlib.contextmanager
+def _environment(**env: str):
+    "Within the block, the environment variables `env` are set (for the kernels started in it)."
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try: yield
+    finally:
+        for k, v in old.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+
+
+# %%
+os.environ["SPARSEKV_KEPT"] = "old"
+os.environ.pop("SPARSEKV_NEW", None)
+with _environment(SPARSEKV_KEPT="new", SPARSEKV_NEW="1"):
+    test_eq((os.environ["SPARSEKV_KEPT"], os.environ["SPARSEKV_NEW"]), ("new", "1"))
+test_eq((os.environ.pop("SPARSEKV_KEPT"), os.environ.get("SPARSEKV_NEW")), ("old", None))
+
+
+# %%
+#| export
+def run_stage(stage: Stage, root: Path, profile: str, progress: bool = True) -> float:
+    "Execute `stage` with papermill (its stamp removed first, written last); return its wall time in seconds."
+    import papermill as pm
+    out_dir = root/"reproduce"/"runs"/profile
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (root/"figures"/profile).mkdir(parents=True, exist_ok=True)
+    params = run_params(stage, profile)
+    stamp = stamp_path(root, profile, stage.name)
+    stamp.unlink(missing_ok=True)  # from here on the old outputs no longer count as one run's
+    executed, failed = out_dir/f"{stage.name}.ipynb", out_dir/f"{stage.name}.failed.ipynb"
+    failed.unlink(missing_ok=True)
+    src, partial = _temp_notebooks(out_dir, stage.name)
+    start, inputs = time.time(), input_hashes(stage)  # what the run reads: an input edited meanwhile stales it
+    try:
+        tag_parameters_cell(stage.notebook, src)
+        # the kernel inherits TQDM_DISABLE: no progress bars in the notebook; its sockets go with the temporary folder
+        with _environment(TQDM_DISABLE="1"), tempfile.TemporaryDirectory(prefix="sparsekv-kernel-") as sockets:
+            pm.execute_notebook(src, partial, parameters=injected_params(params, root), kernel_name="python3",
+                                cwd=stage.notebook.parent, progress_bar=progress, log_output=False,
+                                config=kernel_config(Path(sockets)))
+    except BaseException as e:
+        if partial.exists(): os.replace(partial, failed)
+        if isinstance(e, KeyboardInterrupt): raise
+        raise StageFailed(stage.name, failed if failed.exists() else None, type(e).__name__) from e
+    finally:
+        src.unlink(missing_ok=True)
+    # The stage's notebook may record outputs with coarse timestamps: compare with one second of slack.
+    stale = [p for p in stage.outputs if not p.exists() or p.stat().st_mtime < start - 1]
+    if stale:
+        os.replace(partial, failed)
+        raise StageFailed(stage.name, failed, f"promised output not written: {stale[0]}")
+    slowest = slowest_cells(partial)  # before cleaning drops the durations: where the next cut would pay
+    os.replace(clean_executed(partial, root), executed)
+    seconds = time.time() - start
+    write_json(stamp, {"fingerprint": fingerprint(params), "params": params, "inputs": inputs,
+                       "outputs": output_hashes(stage),
+                       "finished": dt.datetime.now().isoformat(timespec="seconds"), "seconds": round(seconds, 1),
+                       "slowest_cells": slowest})
+    return seconds
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); a = load_stages(_toy_project(d), "quick")[0]
+    secs = run_stage(a, d, "quick", progress=False)
+    test_eq((d/"figures"/"quick"/"a.txt").read_text(), "1")
+    made = read_stamp(stamp_path(d, "quick", "a"))
+    test_eq((made["fingerprint"], made["inputs"], made["outputs"]),
+            (fingerprint(run_params(a, "quick")), input_hashes(a), output_hashes(a)))
+    assert abs(made["seconds"] - secs) < 0.1, (made, secs)
+    executed = d/"reproduce"/"runs"/"quick"/"a.ipynb"
+    test_eq(stale_reason(a, executed, stamp_path(d, "quick", "a"), run_params(a, "quick")), None)
+
+
+# %% [markdown]
+# ## The summary
+#
+# `summary.md` lists every stage of the profile with its state, then the Markdown fragment each
+# stage wrote about its results (its headings moved below the stage's). A stage this run
+# visited says what happened to it (ran, skipped, failed, interrupted); any other stage
+# (outside `--only`, or not reached before an interruption) is described from its stamp and
+# outputs, as `stale_reason` sees them: up to date (and when it was made), stale (and why), or not run.
+
+# %%
+#| export
+def _git_commit(root: Path) -> str:
+    "The short hash of the commit checked out at `root`, or 'unknown'."
+    try: return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError): return "unknown"
+
+
+# %%
+assert re.fullmatch(r"[0-9a-f]{4,40}|unknown", _git_commit(Path("..")))
+with tempfile.TemporaryDirectory() as d: test_eq(_git_commit(Path(d)), "unknown")
+
+
+# %%
+#| export
+def stage_state(stage: Stage, root: Path, profile: str) -> str:
+    "The state of `stage` from its stamp and outputs: up to date (when made), stale (why) or not run."
+    out_dir = root/"reproduce"/"runs"/profile
+    stamp = stamp_path(root, profile, stage.name)
+    reason = stale_reason(stage, out_dir/f"{stage.name}.ipynb", stamp, run_params(stage, profile))
+    made = read_stamp(stamp)
+    if reason is None:
+        unrecorded = "" if "outputs" in made else "; outputs not recorded in its stamp: recorded at its next run"
+        return f"up to date (made {made.get('finished', 'earlier')}{unrecorded})"
+    if made is None and not (out_dir/f"{stage.name}.ipynb").exists(): return "not run"
+    return f"stale: {reason}"
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); a = load_stages(_toy_project(d), "quick")[0]
+    test_eq(stage_state(a, d, "quick"), "not run")
+    (d/"reproduce"/"runs"/"quick").mkdir(parents=True); (d/"reproduce"/"runs"/"quick"/"a.ipynb").touch()
+    test_eq(stage_state(a, d, "quick"), "stale: missing a.txt")
+
+# %%
+#| export
+_re_heading = re.compile(r"^(#{1,6})(?=\s)", re.MULTILINE)
+
+def demote_headings(md: str, top: int) -> str:
+    "`md` with its headings moved down so that the highest is of level `top` (at most 6); code blocks untouched."
+    parts = re.split(r"(^```.*?^```[^\n]*$)", md, flags=re.MULTILINE | re.DOTALL)  # odd parts: fenced code
+    levels = [len(h) for p in parts[::2] for h in _re_heading.findall(p)]
+    shift = max(0, top - min(levels, default=top))
+    shifted = (_re_heading.sub(lambda m: "#" * min(6, len(m.group(1)) + shift), p) if i % 2 == 0 else p
+               for i, p in enumerate(parts))
+    return "".join(shifted)
+
+
+# %%
+test_eq(demote_headings("# A\ntext\n## B\n```\n# a comment\n```\n#not a heading", 3),
+        "### A\ntext\n#### B\n```\n# a comment\n```\n#not a heading")
+test_eq(demote_headings("#### deep enough\n###### six", 3), "#### deep enough\n###### six")
+test_eq(demote_headings("# one\n###### six", 3), "### one\n###### six")
+
+
+# %%
+#| export
+def status_rows(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> list[tuple[str, str]]:
+    "(stage, state) of every stage: what this run did to it, else what its stamp and outputs say."
+    return [(s.name, status.get(s.name) or stage_state(s, root, profile)) for s in stages]
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); stages = load_stages(_toy_project(d), "quick")
+    test_eq(status_rows(d, "quick", stages, {"b": "ran in 3 s"}), [("a", "not run"), ("b", "ran in 3 s")])
+
+
+# %%
+#| export
+def write_summary(root: Path, profile: str, stages: list[Stage], status: dict[str, str]) -> Path:
+    "Write `reproduce/runs/<profile>/summary.md` from this run's `status`, other stages' stamps and their fragments."
+    out_dir = root/"reproduce"/"runs"/profile
+    lines = [f"# Reproduction summary: profile `{profile}`", "",
+             f"Last run {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}, commit `{_git_commit(root)}`.", "",
+             "| stage | status | outputs |", "|---|---|---|"]
+    for s, (_, state) in zip(stages, status_rows(root, profile, stages, status)):
+        outs = ", ".join(f"`{p.relative_to(root)}`" for p in s.outputs)
+        lines.append(f"| {s.name} | {state} | {outs} |")
+    for s in stages:
+        frag = out_dir/f"{s.name}.md"
+        if frag.exists(): lines += ["", f"## {s.name}", "", demote_headings(frag.read_text().strip(), 3)]
+    return write_text(out_dir/"summary.md", "\n".join(lines) + "\n")
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); stages = load_stages(_toy_project(d), "quick")
+    (d/"reproduce"/"runs"/"quick").mkdir(parents=True)
+    (d/"reproduce"/"runs"/"quick"/"a.md").write_text("# Paper vs ours\nsame")
+    text = write_summary(d, "quick", stages, {"a": "ran in 1 s"}).read_text()
+    assert "| a | ran in 1 s | `figures/quick/a.txt` |\n| b | not run |  |" in text, text
+    assert text.endswith("## a\n\n### Paper vs ours\nsame\n"), text
+
+
+# %% [markdown]
+# ## Progress and estimates
+#
+# Each stage is announced with the time its last run of this profile took (its stamp's
+# `seconds`) and the time left for the whole run: the stages still to run, those up to date
+# counting nothing. A stage never run has no estimate yet; the line says so, and the time left
+# counts only the stages that have one. The committed `cpu` run carries its stamps, so a fresh
+# clone has estimates for the default profile.
+
+# %%
+#| export
+def last_seconds(root: Path, profile: str, name: str) -> float | None:
+    "How long the last finished run of stage `name` of `profile` took, from its stamp (None: unknown)."
+    secs = (read_stamp(stamp_path(root, profile, name)) or {}).get("seconds")
+    return float(secs) if isinstance(secs, (int, float)) and not isinstance(secs, bool) and secs >= 0 else None
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d)
+    test_eq(last_seconds(d, "cpu", "demo"), None)
+    for secs, want in ((12.5, 12.5), (True, None), (-1, None), ("3", None)):
+        write_json(stamp_path(d, "cpu", "demo"), {"seconds": secs})
+        test_eq(last_seconds(d, "cpu", "demo"), want)
+
+
+# %%
+#| export
+def format_duration(seconds: float) -> str:
+    "`seconds` the way a person says it: `~40 s`, `~12 min`, `~1 h 05 min`."
+    if seconds < 90: return f"~{max(1, round(seconds))} s"
+    minutes = round(seconds / 60)
+    return f"~{minutes} min" if minutes < 60 else f"~{minutes // 60} h {minutes % 60:02d} min"
+
+
+# %%
+test_eq([format_duration(x) for x in (0.2, 40, 89, 91, 720, 3599, 3900)],
+        ["~1 s", "~40 s", "~89 s", "~2 min", "~12 min", "~1 h 00 min", "~1 h 05 min"])
+
+
+# %%
+#| export
+def progress_line(i: int, n: int, name: str, expected: list[float | None]) -> str:
+    "The line announcing stage `name`, `i` of `n`; `expected[j]` is the estimate of the j-th stage still to run."
+    here = "no estimate yet" if expected[0] is None else f"expected {format_duration(expected[0])}"
+    known, unknown = [e for e in expected if e is not None], sum(e is None for e in expected)
+    if not known: return f"[{i}/{n}] {name}: {here}, no estimate yet for the run"
+    more = f" and {unknown} stage{'s' * (unknown > 1)} with no estimate yet" if unknown else ""
+    return f"[{i}/{n}] {name}: {here}, {format_duration(sum(known))} left for the run{more}"
+
+
+# %%
+test_eq(progress_line(3, 11, "kvpop_decode", [240.0, None, 1500.0]),
+        "[3/11] kvpop_decode: expected ~4 min, ~29 min left for the run and 1 stage with no estimate yet")
+test_eq(progress_line(1, 2, "demo", [None, None]), "[1/2] demo: no estimate yet, no estimate yet for the run")
+test_eq(progress_line(2, 2, "demo", [5.0]), "[2/2] demo: expected ~5 s, ~5 s left for the run")
+
+
+# %% [markdown]
+# At the end the command line prints where every output of the stages it visited went
+# (relative paths, grouped by stage) and the table of stages and states, as in `summary.md`.
+
+# %%
+#| export
+def outputs_report(root: Path, profile: str, stages: list[Stage]) -> list[str]:
+    "Lines naming, per stage, each output it has (relative paths), its executed notebook, and the summary."
+    out_dir = root/"reproduce"/"runs"/profile
+    lines = []
+    for s in stages:
+        files = [p for p in (*s.outputs, out_dir/f"{s.name}.ipynb") if p.exists()]
+        lines += [f"{s.name}:", *(f"  {p.relative_to(root).as_posix()}" for p in files)] if files else []
+    return lines + [f"summary: {(out_dir/'summary.md').relative_to(root).as_posix()}"]
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); stages = load_stages(_toy_project(d), "quick")
+    (d/"figures"/"quick").mkdir(parents=True); (d/"figures"/"quick"/"a.txt").write_text("1")
+    test_eq(outputs_report(d, "quick", stages),
+            ["a:", "  figures/quick/a.txt", "summary: reproduce/runs/quick/summary.md"])
+
+
+# %%
+#| export
+def format_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    "`rows` under `header` as plain text columns, for a terminal."
+    widths = [max(len(str(r[j])) for r in (header, *rows)) for j in range(len(header))]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
+    return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
+
+
+# %%
+test_eq(format_table([("demo", "ran in 5 s"), ("kvpop_distill", "not run")], ("stage", "status")),
+        "stage          status\n-------------  ----------\ndemo           ran in 5 s\nkvpop_distill  not run")
+
+
+# %% [markdown]
+# ## The runner
+#
+# Ctrl-C stops the run after marking the stage it interrupted; `SIGTERM` (a `kill`, a job
+# scheduler's time limit) is handled the same way, so the temporary notebooks are removed and
+# the summary is written in both cases.
+
+# %%
+#| export
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    "Within the block (in the main thread), SIGTERM raises KeyboardInterrupt, so cleanup runs as on Ctrl-C."
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def handler(signum, frame): raise KeyboardInterrupt(f"terminated by signal {signum}")
+    old = signal.signal(signal.SIGTERM, handler)
+    try: yield
+    finally: signal.signal(signal.SIGTERM, old)
+
+
+# %%
+_old = signal.getsignal(signal.SIGTERM)
+with sigterm_as_interrupt(): _inside = signal.getsignal(signal.SIGTERM)
+test_eq(signal.getsignal(signal.SIGTERM), _old)  # restored after the block
+if threading.current_thread() is threading.main_thread():
+    try:
+        _inside(15, None)
+        raise AssertionError("SIGTERM's handler did not raise")
+    except KeyboardInterrupt as e: test_eq(str(e), "terminated by signal 15")
+
+
+# %%
+#| export
+def _plan(stages: list[Stage], root: Path, profile: str, force: bool) -> list[tuple[Stage, str | None, float | None]]:
+    "(stage, why it runs or None to skip, its estimate) for each of `stages`, decided before the first one runs."
+    out_dir = root/"reproduce"/"runs"/profile
+    plan = []
+    for s in stages:
+        reason = "forced" if force else stale_reason(s, out_dir/f"{s.name}.ipynb", stamp_path(root, profile, s.name),
+                                                     run_params(s, profile))
+        plan.append((s, reason, last_seconds(root, profile, s.name)))
+    return plan
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); stages = load_stages(_toy_project(d), "quick")
+    test_eq([(s.name, r, e) for s, r, e in _plan(stages, d, "quick", False)],
+            [("a", "missing a.ipynb", None), ("b", "missing b.ipynb", None)])
+    write_json(stamp_path(d, "quick", "a"), {"seconds": 4.0})
+    test_eq([(r, e) for _, r, e in _plan(stages, d, "quick", True)], [("forced", 4.0), ("forced", None)])
+
+
+# %%
+#| export
+def run_pipeline(profile: str = "cpu", only: str | None = None, force: bool = False,
+                 pipeline: str | os.PathLike | None = None, progress: bool = True) -> dict[str, str]:
+    "Run the stages of `pipeline` for `profile` (all, or `only` the named one); return each stage's status."
+    pipeline = Path(pipeline) if pipeline else find_pipeline()
+    root = pipeline.resolve().parent.parent
+    stages = load_stages(pipeline, profile)
+    if only is not None:
+        names = [s.name for s in stages]
+        if only not in names: raise ValueError(f"only must name a stage of {pipeline}: {names}, got {only!r}")
+    plan = _plan([s for s in stages if only in (None, s.name)], root, profile, force)
+    say = print if progress else (lambda *a, **k: None)
+    status: dict[str, str] = {}
+    try:
+        with sigterm_as_interrupt():
+            for i, (s, reason, _) in enumerate(plan, 1):
+                if reason is None:
+                    say(f"[{i}/{len(plan)}] {s.name}: up to date, skipped", flush=True)
+                    status[s.name] = "up to date (skipped)"
+                    continue
+                expected = [e for _, r, e in plan[i - 1:] if r is not None]
+                say(f"{progress_line(i, len(plan), s.name, expected)} ({reason})", flush=True)
+                try: secs = run_stage(s, root, profile, progress=progress)
+                except StageFailed as e:
+                    status[s.name] = f"FAILED: see `{e.notebook.relative_to(root) if e.notebook else s.notebook}`"
+                    raise
+                except KeyboardInterrupt:
+                    status[s.name] = "interrupted (its outputs may be partial: the next run redoes it)"
+                    raise
+                status[s.name] = f"ran in {secs:.0f} s"
+    finally:
+        write_summary(root, profile, stages, status)
+    return status
+
+
+# %%
+# the runner end to end on the throw-away project: running, skipping, forcing, parameter changes
+# and a failing stage
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); pipe = _toy_project(d)
+    st = run_pipeline("quick", pipeline=pipe, progress=False)
+    assert st["a"].startswith("ran") and st["b"].startswith("ran"), st
+    test_eq((d/"figures"/"quick"/"a.txt").read_text(), "1")
+    assert "a wrote 1" in (d/"reproduce"/"runs"/"quick"/"summary.md").read_text()
+    test_eq([p.name for p in (d/"reproduce").rglob("*") if p.is_socket()], [])  # the kernels' sockets went away
+    # nothing changed: both skipped; --force and --only rerun just one
+    test_eq(set(run_pipeline("quick", pipeline=pipe, progress=False).values()), {"up to date (skipped)"})
+    st = run_pipeline("quick", only="a", force=True, pipeline=pipe, progress=False)
+    test_eq(list(st), ["a"])
+    # touching an input changes nothing; editing it, or new parameters, make a stage stale again
+    os.utime(d/"reproduce"/"a.ipynb")
+    test_eq(set(run_pipeline("quick", pipeline=pipe, progress=False).values()), {"up to date (skipped)"})
+    nb = nbformat.read(d/"reproduce"/"a.ipynb", as_version=4)
+    nb.cells.append(new_code_cell("# an edit"))
+    nbformat.write(nb, d/"reproduce"/"a.ipynb")
+    test_eq(stale_reason(load_stages(pipe, "quick")[0], d/"reproduce"/"runs"/"quick"/"a.ipynb",
+                         d/"reproduce"/"runs"/"quick"/".stamps"/"a.json",
+                         run_params(load_stages(pipe, "quick")[0], "quick")), "input changed: a.ipynb")
+    st = run_pipeline("quick", pipeline=pipe, progress=False)
+    assert st["a"].startswith("ran") and st["b"] == "up to date (skipped)", st
+    pipe.write_text(pipe.read_text().replace("quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n    outputs: []",
+                                             "quick: {n: 2}, cpu: {n: 2}, gpu: {n: 3}}\n    outputs: []"))
+    st = run_pipeline("quick", pipeline=pipe, progress=False)
+    assert st["a"] == "up to date (skipped)" and st["b"].startswith("ran"), st
+    # a failing stage stops the run and keeps its executed notebook for inspection
+    test_fail(lambda: run_pipeline("gpu", pipeline=pipe, progress=False), contains="b.failed.ipynb")
+    assert (d/"reproduce"/"runs"/"gpu"/"b.failed.ipynb").exists()
+    assert not (d/"reproduce"/"runs"/"gpu"/"b.ipynb").exists()
+
+# %% [markdown]
+# A stage killed between two outputs, then rerun: its stamp went away when it started, so the
+# rerun redoes it and both outputs come from one run. Running `--only` one stage leaves the
+# summary's word on the others to their stamps.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); pipe = _toy_project(d)
+    _toy_notebook(d/"reproduce"/"c.ipynb", "from pathlib import Path\nPath(fig_dir, 'c1.txt').write_text(str(n))\n"
+                  "assert not Path(fig_dir, 'die').exists(), 'killed between outputs'\n"
+                  "Path(fig_dir, 'c2.txt').write_text(str(n))")
+    pipe.write_text(pipe.read_text() + "  c:\n    notebook: reproduce/c.ipynb\n"
+                    "    params: {quick: {n: 1}, cpu: {n: 2}, gpu: {n: 3}}\n"
+                    "    outputs: ['figures/{profile}/c1.txt', 'figures/{profile}/c2.txt']\n")
+    run_pipeline("quick", pipeline=pipe, progress=False)
+    figs = d/"figures"/"quick"
+    (figs/"die").touch()
+    pipe.write_text(pipe.read_text().replace("c.ipynb\n    params: {quick: {n: 1}",
+                                             "c.ipynb\n    params: {quick: {n: 5}"))
+    test_fail(lambda: run_pipeline("quick", only="c", pipeline=pipe, progress=False), contains="stage 'c' failed")
+    (figs/"die").unlink()
+    test_eq(((figs/"c1.txt").read_text(), (figs/"c2.txt").read_text()), ("5", "1"))  # outputs of two runs ...
+    assert run_pipeline("quick", only="c", pipeline=pipe, progress=False)["c"].startswith("ran")  # ... so it runs again
+    test_eq(((figs/"c1.txt").read_text(), (figs/"c2.txt").read_text()), ("5", "5"))
+    summary = (d/"reproduce"/"runs"/"quick"/"summary.md").read_text()
+    assert "| a | up to date (made " in summary and "| b | up to date (made " in summary, summary
+    test_eq([p.name for p in (d/"reproduce"/"runs"/"quick").glob(".*.ipynb")], [])  # no temporary notebook left
+
+
+# %%
+#| export
+def report(pipeline: str | os.PathLike | None, profile: str, status: dict[str, str]) -> str:
+    "What the command line prints after a run: where the outputs of the stages in `status` went, and the stages."
+    pipeline = Path(pipeline) if pipeline else find_pipeline()
+    root = pipeline.resolve().parent.parent
+    stages = load_stages(pipeline, profile)
+    ran = [s for s in stages if s.name in status]
+    table = format_table(status_rows(root, profile, stages, status), ("stage", "status"))
+    return "\n".join(["", "Outputs:", *outputs_report(root, profile, ran), "", table])
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); pipe = _toy_project(d)
+    test_eq(report(pipe, "quick", {"b": "ran in 2 s"}).splitlines(),
+            ["", "Outputs:", "summary: reproduce/runs/quick/summary.md", "",
+             "stage  status", "-----  ----------", "a      not run", "b      ran in 2 s"])
+
+
+# %%
+#| export
+def _stage_error(e: StageFailed) -> str:
+    "The error a failed stage's notebook raised (papermill's message holds the cell's traceback), or ''."
+    cause = e.__cause__
+    return "" if cause is None or isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}".strip()
+
+
+# %%
+_e = StageFailed("a", None, "PapermillExecutionError")
+test_eq(_stage_error(_e), "")
+_e.__cause__ = ValueError("n too large")
+test_eq(_stage_error(_e), "ValueError: n too large")
+_e.__cause__ = KeyboardInterrupt()
+test_eq(_stage_error(_e), "")
+
+
+# %%
+#| export
+def _cli(prog: str, run) -> int:
+    "Run `run()` for command line `prog`: 0, or 1 for a failed stage, 2 for a user error, 130 when interrupted."
+    try: run()
+    except StageFailed as e:  # a real error: the notebook's traceback, then one line saying where to look
+        print(f"\n{_stage_error(e)}\n\n{e}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:  # a user error (bad pipeline file, unknown stage): one line, no traceback
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted; finished work is kept, rerun to continue", file=sys.stderr)
+        return 130
+    return 0
+
+
+# %%
+def _raising(e):
+    def run(): raise e
+    return run
+with contextlib.redirect_stderr(io.StringIO()) as err:
+    test_eq([_cli("p", lambda: None), _cli("p", _raising(StageFailed("a", None, "x"))),
+             _cli("p", _raising(ValueError("bad\n  stage"))), _cli("p", _raising(KeyboardInterrupt()))], [0, 1, 2, 130])
+assert "p: error: bad stage" in err.getvalue() and "stage 'a' failed: x" in err.getvalue(), err.getvalue()
+
+
+# %% [markdown]
+# An output changed after its run (cut to nothing in the check below) makes its stage stale, naming the output,
+# and `--list` says so; the rerun records the new outputs. A stamp without output digests (an older version's)
+# keeps its stage up to date, says its outputs are not recorded, and the stage's next run records them.
+
+# %%
+#| export
+def main(argv: list[str] | None = None) -> int:
+    "Command line: `python -m sparsekv.reproduce [--profile P] [--only STAGE] [--force] [--list]`."
+    ap = argparse.ArgumentParser(prog="sparsekv-reproduce", description="Run the sparsekv reproduction pipeline.")
+    ap.add_argument("--profile", default="cpu", choices=PROFILES, help="parameter set (default: cpu)")
+    ap.add_argument("--only", metavar="STAGE", help="run only this stage")
+    ap.add_argument("--force", action="store_true", help="rerun stages even when up to date")
+    ap.add_argument("--pipeline", help="path to pipeline.yaml (default: the nearest reproduce/pipeline.yaml)")
+    ap.add_argument("--list", action="store_true", help="list the stages, their state (and why stale), and exit")
+    a = ap.parse_args(argv)
+
+    def run():
+        if a.list:
+            pipeline = Path(a.pipeline) if a.pipeline else find_pipeline()
+            root, stages = pipeline.resolve().parent.parent, load_stages(pipeline, a.profile)
+            print(format_table([(s.name, stage_state(s, root, a.profile), s.description) for s in stages],
+                               ("stage", "status", "description")))
+            return
+        print(report(a.pipeline, a.profile, run_pipeline(a.profile, a.only, a.force, a.pipeline)))
+    return _cli(ap.prog, run)
+
+
+# %% [markdown]
+# ## A custom leaderboard
+#
+# `sparsekv-leaderboard --methods quoka tova kvpress_snapkv --budgets 128 256` runs the `leaderboard` stage of
+# a profile (default `cpu`) on a selection of methods and measured budgets: each name is one of the
+# profile's labels, a registry name (`sparsekv.methods.names()`) or `kvpress_` and a press
+# (`sparsekv.presses.names()`); dense, the reference, is always in. It writes
+# `figures/custom/leaderboard_custom.png` and `reproduce/runs/custom/leaderboard_custom.md` (neither
+# committed), shows papermill's progress, and keeps its grids there, so an interrupted run resumes
+# where it stopped and a second selection reuses the rows the first one made.
+#
+# The selection is resolved before anything runs; a name that is no method, or a bad budget, stops
+# the command with one line naming it.
+
+# %%
+#| export
+CUSTOM = "custom"  # the folders of a custom run: figures/custom, reproduce/runs/custom
+
+
+def leaderboard_stage(labels: list[str], budgets: list[int], profile: str = "cpu",
+                      pipeline: str | os.PathLike | None = None, n_windows: int | None = None) -> Stage:
+    """The `leaderboard` stage of `profile` on the methods `labels` (its labels, registry names or kvpress_<press>) at
+    the measured `budgets` (and `n_windows` windows if given), dense included, writing to the `custom` folders."""
+    from sparsekv import methods, presses  # torch: only when asked
+    stage = next((s for s in load_stages(pipeline or find_pipeline(), profile) if s.name == "leaderboard"), None)
+    if stage is None: raise ValueError(f"the pipeline has no leaderboard stage for profile {profile!r}")
+    known, specs = stage.params.get("method_specs", {}), {"dense": {}}
+    for label in labels:
+        press = label.removeprefix("kvpress_")
+        if label in known: specs[label] = known[label]
+        elif label in methods.names() or "+" in label and set(label.split("+", 1)) <= set(methods.names()):
+            specs[label] = {}  # a registry name or a composition 'prefill+decode' of two
+        elif label != press and press in presses.names(): specs[label] = {"press": press}
+        else:
+            raise ValueError(f"methods: {label!r} is none of profile {profile}'s labels {sorted(known)}, of the "
+                             f"registry's {methods.names()} (or 'prefill+decode' of two), nor kvpress_<press> for a "
+                             f"press of {presses.names()}")
+    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
+        raise ValueError(f"budgets must be one or more ints >= 1, got {budgets!r}")
+    params = {**stage.params, "stem": "leaderboard_custom", "method_specs": specs, "budgets": list(budgets)}
+    if n_windows is not None:
+        if isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1:
+            raise ValueError(f"windows must be an int >= 1, got {n_windows!r}")
+        params["n_windows"] = n_windows
+    outputs = [stage.root/"figures"/CUSTOM/"leaderboard_custom.png",
+               stage.root/"reproduce"/"runs"/CUSTOM/"leaderboard_custom.md"]
+    return Stage(name="leaderboard_custom", notebook=stage.notebook, params=params, outputs=outputs, root=stage.root,
+                 inputs=stage.inputs, description=stage.description)
+
+
+# %%
+import io
+
+from fastcore.test import test_fail
+
+lb = leaderboard_stage(["quoka", "tova", "kvpress_knorm", "kvpress_lagkv"], [48, 64], profile="quick")
+test_eq(list(lb.params["method_specs"]), ["dense", "quoka", "tova", "kvpress_knorm", "kvpress_lagkv"])
+test_eq((lb.params["method_specs"]["kvpress_lagkv"], lb.params["budgets"], lb.params["stem"]),
+        ({"press": "lagkv"}, [48, 64], "leaderboard_custom"))
+test_eq([p.name for p in lb.outputs], ["leaderboard_custom.png", "leaderboard_custom.md"])
+test_eq(run_params(lb, CUSTOM)["out_dir"], "reproduce/runs/custom")
+test_eq(leaderboard_stage(["quoka+kvpop_mlp"], [48], profile="quick").params["method_specs"]["quoka+kvpop_mlp"], {})
+test_fail(lambda: leaderboard_stage(["snapkv"], [48], profile="quick"), contains="kvpress_<press>")
+test_fail(lambda: leaderboard_stage(["quoka+snapkv"], [48], profile="quick"), contains="'prefill+decode' of two")
+test_fail(lambda: leaderboard_stage(["quoka"], [0], profile="quick"), contains="budgets must be")
+test_fail(lambda: leaderboard_stage(["quoka"], [48], profile="quick", n_windows=0), contains="windows must be")
+
+
+# %%
+#| export
+def leaderboard_main(argv: list[str] | None = None) -> int:
+    "Command line: `sparsekv-leaderboard --methods M [M ...] --budgets B [B ...] [--profile P] [--windows N]`."
+    ap = argparse.ArgumentParser(prog="sparsekv-leaderboard",
+                                 description="Run chosen methods through the leaderboard stage (resumable).")
+    ap.add_argument("--methods", nargs="+", required=True, metavar="M",
+                    help="the profile's labels, registry names, compositions 'prefill+decode' of two, or "
+                         "kvpress_<press> (dense is always in)")
+    ap.add_argument("--budgets", nargs="+", type=int, required=True, metavar="B",
+                    help="measured ceilings: KV entries per decode query and KV head")
+    ap.add_argument("--profile", default="cpu", choices=PROFILES, help="the parameter set to start from (default: cpu)")
+    ap.add_argument("--windows", type=int, help="held-out windows (default: the profile's)")
+    ap.add_argument("--pipeline", help="path to pipeline.yaml (default: the nearest reproduce/pipeline.yaml)")
+    a = ap.parse_args(argv)
+
+    def run():
+        stage = leaderboard_stage(a.methods, a.budgets, a.profile, a.pipeline, a.windows)
+        seconds = run_stage(stage, stage.root, CUSTOM)
+        print(stage.outputs[1].read_text())
+        print(f"{ap.prog}: {seconds:.0f} s; the table: {stage.outputs[1]}, the figure: {stage.outputs[0]}")
+    return _cli(ap.prog, run)
+
+
+# %%
+with contextlib.redirect_stderr(io.StringIO()) as err:
+    test_eq(leaderboard_main(["--methods", "quoak", "--budgets", "48", "--profile", "quick"]), 2)
+assert "'quoak' is none of" in err.getvalue()
+
+# %% [markdown]
+# `python -m sparsekv.reproduce` runs `main`; the guard is exported but not evaluated here
+# (a notebook's `__name__` is also `"__main__"`).
+
+# %%
+#| export
+#| eval: false
+if __name__ == "__main__": sys.exit(main())
+
+# %%
+import io
+
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d); pipe = _toy_project(d)
+    run_pipeline("quick", pipeline=pipe, progress=False)
+    out, a = d/"figures"/"quick"/"a.txt", load_stages(pipe, "quick")[0]
+    out.write_text("")
+    test_eq(stage_state(a, d, "quick"), "stale: output changed since the run: a.txt")
+    with contextlib.redirect_stdout(io.StringIO()) as listed:
+        test_eq(main(["--pipeline", str(pipe), "--profile", "quick", "--list"]), 0)
+    assert "a      stale: output changed since the run: a.txt" in listed.getvalue(), listed.getvalue()
+    assert run_pipeline("quick", pipeline=pipe, progress=False)["a"].startswith("ran")
+    test_eq(out.read_text(), "1")
+    stamp = stamp_path(d, "quick", "a")
+    made = read_stamp(stamp)
+    test_eq(made["outputs"], {"figures/quick/a.txt": hashlib.sha256(b"1").hexdigest()[:16]})
+    write_json(stamp, {k: v for k, v in made.items() if k != "outputs"})   # as an older version wrote it
+    out.write_text("edited")
+    assert stage_state(a, d, "quick").endswith("outputs not recorded in its stamp: recorded at its next run)")
+    test_eq(run_pipeline("quick", pipeline=pipe, progress=False)["a"], "up to date (skipped)")
+    run_pipeline("quick", only="a", force=True, pipeline=pipe, progress=False)
+    assert "outputs" in read_stamp(stamp) and "not recorded" not in stage_state(a, d, "quick")

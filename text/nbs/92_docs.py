@@ -75,6 +75,16 @@ def project_root(start: str | os.PathLike | None = None) -> Path:
     raise FileNotFoundError(f"no pyproject.toml with [tool.nbdev] at or above {here}")
 
 
+# %%
+import tempfile
+
+from fastcore.test import test_eq, test_fail
+
+_root = project_root()
+test_eq(_root, Path("..").resolve())  # the notebook runs in nbs/
+with tempfile.TemporaryDirectory() as _d: test_fail(lambda: project_root(_d), contains="no pyproject.toml")
+
+
 # %% [markdown]
 # ## 1. Executing notebooks, with a cache
 
@@ -86,6 +96,17 @@ def library_digest(root: Path) -> str:
     for p in sorted((root/"sparsekv").rglob("*.py")): h.update(p.read_bytes())
     return h.hexdigest()
 
+
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    _lib = Path(_d)/"sparsekv"
+    (_lib/"sub").mkdir(parents=True)
+    (_lib/"a.py").write_text("a"); (_lib/"sub"/"b.py").write_text("b"); (_lib/"c.txt").write_text("c")
+    test_eq(library_digest(Path(_d)), hashlib.sha256(b"ab").hexdigest())  # the .py files, in order of path
+
+
+# %%
+#| export
 def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
     "Execute notebook `src` by nbdev's test runner into `dest`, reusing `dest` if `src` and the library are unchanged."
     from nbdev.test import test_nb
@@ -106,11 +127,35 @@ def execute_notebook(src: Path, dest: Path, digest: str) -> Path:
 
 
 # %%
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+with tempfile.TemporaryDirectory() as _d:
+    _src, _dest = Path(_d)/"t.ipynb", Path(_d)/"exec"/"t.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("1 + 1"), new_code_cell("#| slow\nraise ValueError")]), _src)
+    _got = nbformat.read(execute_notebook(_src, _dest, "lib"), as_version=4)
+    test_eq([[o.get("data") for o in c.outputs] for c in _got.cells], [[{"text/plain": "2"}], []])  # slow: skipped
+    _made = _dest.stat().st_mtime_ns
+    execute_notebook(_src, _dest, "lib")  # unchanged: the cached copy
+    test_eq(_dest.stat().st_mtime_ns, _made)
+
+
+# %%
 #| export
 def pipeline_stages(root: Path, profile: str = RESULTS_PROFILE) -> list[Stage]:
     "The stages of the project's pipeline, with the paths of `profile` (default `cpu`, the one the docs show)."
     return load_stages(root/"reproduce"/"pipeline.yaml", profile)
 
+
+# %%
+_profiles = lambda p: {d for s in pipeline_stages(_root, p) for o in s.outputs
+                       for d in o.relative_to(_root).parts if d in PROFILES}
+test_eq(_profiles("cpu"), {"cpu"})  # figures/cpu/..., reproduce/runs/cpu/...
+test_eq(_profiles("quick"), {"quick"})
+
+
+# %%
+#| export
 def reproduce_notebooks(root: Path, runs: Path | None = None) -> dict[Path, Path]:
     "Map each pipeline notebook to its executed copy in `runs` (default `reproduce/runs/`), or to itself when none."
     runs = runs or root/"reproduce"/"runs"
@@ -120,6 +165,18 @@ def reproduce_notebooks(root: Path, runs: Path | None = None) -> dict[Path, Path
         res[s.notebook] = next((r for r in executed if r.exists()), s.notebook)
     return res
 
+
+# %%
+_demo = next(s for s in pipeline_stages(_root) if s.name == "demo")
+with tempfile.TemporaryDirectory() as _d:
+    _runs = Path(_d)
+    for _p in ("quick", "cpu"): (_runs/_p).mkdir()
+    (_runs/"quick"/"demo.ipynb").touch()
+    _nbs = reproduce_notebooks(_root, _runs)
+    test_eq(_nbs[_demo.notebook], _runs/"quick"/"demo.ipynb")
+    assert all(_nbs[s.notebook] == s.notebook for s in pipeline_stages(_root) if s.notebook != _demo.notebook)
+    (_runs/"cpu"/"demo.ipynb").touch()  # the cpu run comes before the quick one
+    test_eq(reproduce_notebooks(_root, _runs)[_demo.notebook], _runs/"cpu"/"demo.ipynb")
 
 # %% [markdown]
 # ## 2. nbdev's processing, translated for MyST-NB
@@ -136,6 +193,14 @@ def _split_directives(src: str) -> tuple[dict, str]:
         lines.pop(0)
     return dirs, "\n".join(lines)
 
+
+# %%
+test_eq(_split_directives("#| echo: false\n#|hide\nx = 1\n#| not: leading"),
+        ({"echo": "false", "hide": ""}, "x = 1\n#| not: leading"))
+
+
+# %%
+#| export
 def _title_cell(raw: str):
     "A Markdown title cell from nbdev's YAML front matter."
     from nbformat.v4 import new_markdown_cell
@@ -144,6 +209,14 @@ def _title_cell(raw: str):
     if fm.get("description"): text += f"\n\n> {fm['description']}"
     return new_markdown_cell(text)
 
+
+# %%
+test_eq(_title_cell("---\ntitle: T\ndescription: D\n---").source, "# T\n\n> D")
+test_eq(_title_cell("---\n---").source, "# Untitled")
+
+
+# %%
+#| export
 def myst_cells(nb, links=None):
     "Turn the Quarto markup nbdev's processors leave in `nb` into MyST-NB, in place; `links(md)` rewrites links."
     from nbformat.v4 import new_code_cell
@@ -171,6 +244,18 @@ def myst_cells(nb, links=None):
     return nb
 
 
+# %%
+from nbformat.v4 import new_raw_cell
+
+nb = new_notebook(cells=[new_raw_cell("---\ntitle: T\ndescription: D\n---"),
+                         new_code_cell("#| echo: false\n#| output: asis\nprint(1)"),
+                         new_code_cell("#| include: false\nx = 1"), new_code_cell("y = 2")])
+myst_cells(nb)
+test_eq(nb.cells[0].source, "# T\n\n> D")
+test_eq((nb.cells[1].source, nb.cells[1].metadata.tags), ("print(1)", ["remove-input"]))
+test_eq([c.source for c in nb.cells[2:]], ["y = 2"])
+
+
 # %% [markdown]
 # ### Links
 #
@@ -189,6 +274,14 @@ def page_name(nb: str | os.PathLike) -> str:
     p = nbpath2html(Path(nb)).with_suffix("")
     return (p.relative_to("nbs") if p.parts[0] == "nbs" else p).as_posix()
 
+
+# %%
+test_eq([page_name(p) for p in ["nbs/10_kvpop_target.ipynb", "nbs/index.ipynb", "reproduce/12_kvpop_distill.ipynb"]],
+        ["kvpop_target", "index", "reproduce/kvpop_distill"])
+
+
+# %%
+#| export
 def module_index(root: Path) -> dict:
     "The library's `_modidx.py` dict (doc settings and every exported symbol's page), read without importing it."
     src = (root/"sparsekv"/"_modidx.py").read_text()
@@ -196,15 +289,15 @@ def module_index(root: Path) -> dict:
 
 
 # %%
-from fastcore.test import test_eq
-
-test_eq([page_name(p) for p in ["nbs/10_kvpop_target.ipynb", "nbs/index.ipynb", "reproduce/12_kvpop_distill.ipynb"]],
-        ["kvpop_target", "index", "reproduce/kvpop_distill"])
 # nbdev's own index names the same pages: every symbol's page is the page of a notebook
-_root = project_root()
 _pages = {page_name(p.relative_to(_root)) for p in (_root/"nbs").glob("*.ipynb")}
 _linked = {url.split(".html")[0] for syms in module_index(_root)["syms"].values() for url, _ in syms.values()}
 assert _linked <= _pages, _linked - _pages
+
+# %% [markdown]
+# A name becomes a cross-reference to its entry, a page link a relative link (from
+# `reproduce/` one folder up), a link nbdev nested inside a link's text is unwrapped, and
+# anything leaving the project stays as written. For the README, links lead to notebooks.
 
 # %%
 #| export
@@ -252,11 +345,6 @@ class SiteLinks:
         return _re_link.sub(lambda m: self.link(m, here), md)
 
 
-# %% [markdown]
-# A name becomes a cross-reference to its entry, a page link a relative link (from
-# `reproduce/` one folder up), a link nbdev nested inside a link's text is unwrapped, and
-# anything leaving the project stays as written. For the README, links lead to notebooks.
-
 # %%
 _host = SiteLinks(_root).base  # where nbdev points a name: `/` (root-relative) while no docs host is configured
 _md = (f"[`repeat_kv`]({_host}attention.html#repeat_kv), "
@@ -293,11 +381,26 @@ class _Raw(str):
     "Text shown as written where `inspect` would quote it (a string annotation, a default's repr)."
     def __repr__(self): return str(self)
 
+
+# %%
+test_eq((repr(_Raw("int")), repr("int")), ("int", "'int'"))
+
+
+# %%
+#| export
 def _as_written(x):
     "A string annotation unquoted, and a forward reference `'Name'` as `Name`."
     if x is inspect.Parameter.empty or not isinstance(x, str): return x
     return _Raw(x[1:-1] if len(x) > 1 and x[0] == x[-1] and x[0] in "'\"" else x)
 
+
+# %%
+test_eq([repr(_as_written(x)) for x in ("'Tensor'", "int | None", 3)], ["Tensor", "int | None", "3"])
+assert _as_written(inspect.Parameter.empty) is inspect.Parameter.empty
+
+
+# %%
+#| export
 def _default(d):
     "A default as its repr when that is Python, else `...` (a repr like `<object at 0x..>`)."
     if d is inspect.Parameter.empty: return d
@@ -305,6 +408,13 @@ def _default(d):
     except SyntaxError: return _Raw("...")
     return _Raw(repr(d))
 
+
+# %%
+test_eq([repr(_default(d)) for d in (1, "a", None, object())], ["1", "'a'", "None", "..."])
+
+
+# %%
+#| export
 def signature_text(obj, drop_first: bool = False) -> str:
     "`obj`'s call signature as in its source (string annotations unquoted); `drop_first` drops `self`/`cls`."
     try: sig = inspect.signature(obj)
@@ -313,6 +423,27 @@ def signature_text(obj, drop_first: bool = False) -> str:
     return str(sig.replace(parameters=ps[1:] if drop_first else ps,
                            return_annotation=_as_written(sig.return_annotation)))
 
+
+# %%
+from torch import Tensor  # for the annotations below; `annotations` keeps them unevaluated strings
+
+
+class _Demo:
+    "Keeps `k`*2 entries."
+    def __init__(self, k: int, f=lambda x: x, name: str = "a"): pass  # annotations are strings here (`annotations`)
+    def keep(self, x: "Tensor") -> Tensor:
+        "Kept entries."
+    @property
+    def size(self) -> int:
+        "Entries kept."
+    def _private(self): pass
+
+test_eq(signature_text(_Demo), "(k: int, f=..., name: str = 'a')")
+
+# %% [markdown]
+# `literal_md` is checked by rendering with markdown-it (the CommonMark parser under MyST, with its
+# dollar math): the text a reader sees must be the docstring as written, for a docstring built to
+# break Markdown and for every docstring of the library.
 
 # %%
 #| export
@@ -326,16 +457,6 @@ def literal_md(text: str) -> str:
     # a paragraph starting "1. " or "1) " would be a list
     return "\n\n".join(re.sub(r"^(\d+)([.)])", r"\1\\\2", esc(p)) for p in paras if p)
 
-def _own_doc(obj) -> str:
-    "`obj`'s own docstring (a class does not inherit its base's)."
-    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
-    return literal_md(inspect.cleandoc(doc)) if isinstance(doc, str) else ""
-
-
-# %% [markdown]
-# The check renders with markdown-it (the CommonMark parser under MyST, with its dollar
-# math) and compares the text a reader sees with the docstring as written, for a
-# docstring built to break Markdown and for every docstring of the library.
 
 # %%
 from markdown_it import MarkdownIt
@@ -360,10 +481,35 @@ test_eq(_reads(literal_md(_tricky)), _plain(_tricky))
 
 # %%
 #| export
+def _own_doc(obj) -> str:
+    "`obj`'s own docstring (a class does not inherit its base's)."
+    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
+    return literal_md(inspect.cleandoc(doc)) if isinstance(doc, str) else ""
+
+
+# %%
+class _A:
+    "A `x*y` *b*."
+class _B(_A): pass
+
+test_eq((_own_doc(_A), _own_doc(_B), _own_doc(lambda: 0)), ("A `x*y` \\*b\\*.", "", ""))
+
+
+# %%
+#| export
 def _directive(kind: str, sig: str, body: str, options: dict | None = None, fence: str = "```") -> str:
+    "A MyST `py:` directive of `kind` for `sig`, with `options` and `body`, fenced by `fence`."
     opts = [f":{k}: {v}" for k, v in (options or {}).items()]
     return "\n".join([f"{fence}{{py:{kind}}} {sig}", *opts, *(["", body] if body else []), fence])
 
+
+# %%
+test_eq(_directive("function", "f(x)", "Doc.", {"module": "m"}), "```{py:function} f(x)\n:module: m\n\nDoc.\n```")
+test_eq(_directive("property", "size", "", fence="````"), "````{py:property} size\n````")
+
+
+# %%
+#| export
 def _member_entry(name: str, member) -> str | None:
     "A nested `py:` entry for a public class member defined in the class body, or None."
     if isinstance(member, property):
@@ -374,6 +520,15 @@ def _member_entry(name: str, member) -> str | None:
     if not inspect.isfunction(f): return None
     return _directive(kind, name + signature_text(f, drop_first=kind != "staticmethod"), _own_doc(f))
 
+
+# %%
+test_eq(_member_entry("size", vars(_Demo)["size"]), "```{py:property} size\n\nEntries kept.\n```")
+test_eq(_member_entry("keep", vars(_Demo)["keep"]), "```{py:method} keep(x: Tensor) -> Tensor\n\nKept entries.\n```")
+test_eq(_member_entry("n", 3), None)
+
+
+# %%
+#| export
 def api_entry(obj, name: str, module: str, skip: set[str] = frozenset()) -> str:
     "The MyST `py:` directive of `obj`, shown as `name` of `module`; a class lists its public members but `skip`."
     if inspect.isclass(obj):
@@ -386,20 +541,6 @@ def api_entry(obj, name: str, module: str, skip: set[str] = frozenset()) -> str:
 
 
 # %%
-from torch import Tensor  # for the annotations below; `annotations` keeps them unevaluated strings
-
-
-class _Demo:
-    "Keeps `k`*2 entries."
-    def __init__(self, k: int, f=lambda x: x, name: str = "a"): pass  # annotations are strings here (`annotations`)
-    def keep(self, x: "Tensor") -> Tensor:
-        "Kept entries."
-    @property
-    def size(self) -> int:
-        "Entries kept."
-    def _private(self): pass
-
-test_eq(signature_text(_Demo), "(k: int, f=..., name: str = 'a')")
 test_eq(api_entry(_Demo, "_Demo", "m"), "\n".join([
     "````{py:class} _Demo(k: int, f=..., name: str = 'a')", ":module: m", "", "Keeps `k`\\*2 entries.", "",
     "```{py:method} keep(x: Tensor) -> Tensor", "", "Kept entries.", "```", "",
@@ -418,9 +559,18 @@ test_eq(api_entry(_Demo, "_Demo", "m", skip={"_Demo.keep", "_Demo.size"}).count(
 _re_show_doc = re.compile(r"^show_doc\((\w+(?:\.\w+)*)\)\s*$", re.MULTILINE)
 
 def _shown(cell) -> str | None:
+    "The name a `show_doc(name)` code cell shows, or None."
     m = _re_show_doc.search(cell.source) if cell.cell_type == "code" else None
     return m.group(1) if m else None
 
+
+# %%
+test_eq([_shown(c) for c in (new_code_cell("show_doc(KVpopCache.layer)"), new_code_cell("x = 1"),
+                             new_markdown_cell("show_doc(f)"))], ["KVpopCache.layer", None, None])
+
+
+# %%
+#| export
 class api_entries(Processor):
     "Turn each `show_doc(name)` cell into a Markdown cell holding the `py:` entry of `name` in the notebook's module."
     def begin(self):
@@ -435,6 +585,16 @@ class api_entries(Processor):
         cell.cell_type, cell.source = "markdown", api_entry(obj, name, self.module, self.shown)
         for k in ("outputs", "execution_count", "has_sd"): cell.pop(k, None)
 
+
+# %%
+from fastcore.nbio import dict2nb
+from nbdev.process import NBProcessor
+
+_nb = dict2nb(new_notebook(cells=[new_code_cell("#| default_exp attention"), new_code_cell("show_doc(repeat_kv)")]))
+NBProcessor(nb=_nb, procs=[api_entries]).process()
+test_eq(_nb.cells[1].cell_type, "markdown")
+assert _nb.cells[1].source.startswith("```{py:function} repeat_kv(x: Tensor, n_rep: int) -> Tensor\n:module: "
+                                      "sparsekv.attention\n"), _nb.cells[1].source
 
 # %% [markdown]
 # A page can show a generated file (the verdict table the pipeline writes) without anyone typing
@@ -473,6 +633,15 @@ def docs_processors(procs) -> list:
     from nbdev.processors import exec_show_docs
     return [api_entries if p is exec_show_docs else p for p in procs if p.__name__ != "rm_export"]
 
+
+# %%
+from nbdev.processors import add_show_docs, exec_show_docs, rm_export
+
+test_eq(docs_processors([add_show_docs, rm_export, exec_show_docs]), [add_show_docs, api_entries])
+
+
+# %%
+#| export
 def process_notebook(src: Path, dest: Path, root: Path, links=None) -> Path:
     "Run nbdev's docs processors on notebook `src`, write the MyST-NB page to `dest`; `links(md)` rewrites links."
     import nbformat
@@ -496,6 +665,16 @@ def process_notebook(src: Path, dest: Path, root: Path, links=None) -> Path:
     return dest
 
 
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    _src = Path(_d)/"t.ipynb"
+    nbformat.write(new_notebook(cells=[new_markdown_cell("# T\n\n> D"), new_code_cell("#| hide\nx = 1"),
+                                       new_code_cell("#| export\ny = 2"), new_markdown_cell("[a](b.ipynb)")]), _src)
+    _got = nbformat.read(process_notebook(_src, Path(_d)/"out"/"t.ipynb", _root, str.upper), as_version=4)
+# the title from the front matter, the hidden cell gone, exported code shown, links rewritten
+test_eq([c.source for c in _got.cells], ["# T\n\n> D", "y = 2", "[A](B.IPYNB)"])
+
+
 # %% [markdown]
 # ## 3. The Results page
 #
@@ -512,6 +691,19 @@ def _figure(path: str, caption: str) -> str:
     alt = " ".join(re.sub(r"[`*$]", "", caption).split())
     return "\n".join([f":::{{figure}} {path}", f":alt: {alt}", ":width: 100%", "", caption, ":::"])
 
+
+# %%
+test_eq(_figure("figures/cpu/a.png", "Fig. 1: `x` *y*"),
+        ":::{figure} figures/cpu/a.png\n:alt: Fig. 1: x y\n:width: 100%\n\nFig. 1: `x` *y*\n:::")
+
+
+# %% [markdown]
+# The section of a stage with its summary committed shows each figure under its caption and the
+# summary's tables; without, it says so. (In the check, a stage of the real pipeline and a run folder
+# made up.)
+
+# %%
+#| export
 def stage_results(stage: Stage, runs: Path, page: str | None = None, profile: str = RESULTS_PROFILE) -> str:
     "The Results section of `stage` from the run folder `runs` (`reproduce/runs/<profile>`); `page`: its notebook's."
     rel = lambda p: p.relative_to(stage.root).as_posix()
@@ -533,6 +725,26 @@ def stage_results(stage: Stage, runs: Path, page: str | None = None, profile: st
     return "\n".join([*lines, "", f"Regenerate it{when}:", "", "```bash",
                       f'make reproduce {which}ARGS="--only {stage.name}"', "```"])
 
+
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    _runs = Path(_d)
+    _missing = stage_results(_demo, _runs)
+    assert "**No `cpu` results for this stage yet:** `reproduce/runs/cpu/demo.md`" in _missing, _missing
+    (_runs/"demo.md").write_text("# Paper vs ours\n\n| n | paper | ours |\n|---|---|---|\n| 64 | 0.6 | 0.62 |\n")
+    (_runs/".stamps").mkdir()
+    (_runs/".stamps"/"demo.json").write_text('{"seconds": 14.2}')
+    _done = stage_results(_demo, _runs, page="reproduce/demo")
+for _png in (p for p in _demo.outputs if p.suffix == ".png"):
+    _caption = _demo.captions.get(_png) or _demo.description
+    assert f":::{{figure}} {_png.relative_to(_root).as_posix()}" in _done and f"\n{_caption}\n:::" in _done, _done
+assert "### Paper vs ours" in _done and "| 64 | 0.6 | 0.62 |" in _done and "No `cpu` results" not in _done
+assert "[reproduce/demo](reproduce/demo.ipynb)" in _done and 'make reproduce ARGS="--only demo"' in _done
+assert "took ~14 s on 2 cores" in _done
+
+# %% [markdown]
+# A stage whose `cpu-full` run is committed gets a second section, after its `cpu` one, with
+# that run's summary and the command that regenerates it.
 
 # %%
 #| export
@@ -562,6 +774,21 @@ def results_page(root: Path, runs: Path | None = None, pages: set[str] = frozens
     top = [f"## Verdicts\n\n{verdicts.read_text().strip()}"] if verdicts.exists() else []
     return "\n\n".join([RESULTS_INTRO, *top, *sections]) + "\n"
 
+
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    _runs = Path(_d)/"cpu"
+    (_runs.parent/"cpu-full").mkdir(parents=True)
+    (_runs.parent/"cpu-full"/"calibration.md").write_text("| task | accuracy |\n|---|---|\n| passkey | 0.95 |\n")
+    _page = results_page(_root, _runs)
+assert "## calibration (`cpu-full` profile: more items)" in _page and "| passkey | 0.95 |" in _page, _page
+assert 'make reproduce PROFILE=cpu-full ARGS="--only calibration"' in _page
+assert _page.index("## calibration\n") < _page.index("## calibration (`cpu-full`")
+assert "(`cpu-full` profile" not in _page.replace("## calibration (`cpu-full`", "")  # only the stage that has one
+
+
+# %%
+#| export
 def write_results_page(site: Path, root: Path, runs: Path | None = None, pages: set[str] = frozenset()) -> Path:
     "Write the Results page into Sphinx's source folder `site`, with a copy of every figure it shows."
     import nbformat
@@ -576,43 +803,12 @@ def write_results_page(site: Path, root: Path, runs: Path | None = None, pages: 
     return site/"results.ipynb"
 
 
-# %% [markdown]
-# The section of a stage with its summary committed shows each figure under its caption and the
-# summary's tables; without, it says so. (A stage from the real pipeline, a run folder made up here.)
-
-# %%
-import tempfile
-
-_demo = next(s for s in pipeline_stages(_root) if s.name == "demo")
-with tempfile.TemporaryDirectory() as _d:
-    _runs = Path(_d)
-    _missing = stage_results(_demo, _runs)
-    assert "**No `cpu` results for this stage yet:** `reproduce/runs/cpu/demo.md`" in _missing, _missing
-    (_runs/"demo.md").write_text("# Paper vs ours\n\n| n | paper | ours |\n|---|---|---|\n| 64 | 0.6 | 0.62 |\n")
-    (_runs/".stamps").mkdir()
-    (_runs/".stamps"/"demo.json").write_text('{"seconds": 14.2}')
-    _done = stage_results(_demo, _runs, page="reproduce/demo")
-for _png in (p for p in _demo.outputs if p.suffix == ".png"):
-    _caption = _demo.captions.get(_png) or _demo.description
-    assert f":::{{figure}} {_png.relative_to(_root).as_posix()}" in _done and f"\n{_caption}\n:::" in _done, _done
-assert "### Paper vs ours" in _done and "| 64 | 0.6 | 0.62 |" in _done and "No `cpu` results" not in _done
-assert "[reproduce/demo](reproduce/demo.ipynb)" in _done and 'make reproduce ARGS="--only demo"' in _done
-assert "took ~14 s on 2 cores" in _done
-
-# %% [markdown]
-# A stage whose `cpu-full` run is committed gets a second section, after its `cpu` one, with
-# that run's summary and the command that regenerates it.
-
 # %%
 with tempfile.TemporaryDirectory() as _d:
-    _runs = Path(_d)/"cpu"
-    (_runs.parent/"cpu-full").mkdir(parents=True)
-    (_runs.parent/"cpu-full"/"calibration.md").write_text("| task | accuracy |\n|---|---|\n| passkey | 0.95 |\n")
-    _page = results_page(_root, _runs)
-assert "## calibration (`cpu-full` profile: more items)" in _page and "| passkey | 0.95 |" in _page, _page
-assert 'make reproduce PROFILE=cpu-full ARGS="--only calibration"' in _page
-assert _page.index("## calibration\n") < _page.index("## calibration (`cpu-full`")
-assert "(`cpu-full` profile" not in _page.replace("## calibration (`cpu-full`", "")  # only the stage that has one
+    _nb = write_results_page(Path(_d), _root, Path(_d)/"runs")
+    test_eq(nbformat.read(_nb, as_version=4).cells[0].source.splitlines()[0], "# Results")
+    _copies = [p for p in Path(_d).rglob("*.png")]
+    assert _copies and all(p.read_bytes() == (_root/p.relative_to(_d)).read_bytes() for p in _copies)
 
 
 # %% [markdown]
@@ -691,6 +887,13 @@ def _ordered(keys, first) -> list[str]:
     keys = set(keys)
     return [k for k in first if k in keys] + sorted(keys - set(first))
 
+
+# %%
+test_eq(_ordered(["b", "x", "a", "b", "c"], ["a", "b", "z"]), ["a", "b", "c", "x"])
+
+
+# %%
+#| export
 def timing_table(rows: list[dict], order: list[str] = ()) -> str:
     "Markdown table of `rows` (`stage_timings`): a line per stage (`order` first), a column per profile."
     if not rows: return "*No stage has run yet: there is no stamp under `reproduce/runs/<profile>/.stamps/`.*"
@@ -717,7 +920,7 @@ test_eq(timing_table(_rows + [_extra], order=["speed", "demo"]).splitlines(), [
 
 # %%
 #| export
-PIPELINE_INTRO = """# Pipeline
+_PIPELINE_NEEDS = """# Pipeline
 
 > What `make test` and `make reproduce` need, and how long each stage of the pipeline took.
 
@@ -755,7 +958,16 @@ Qwen2.5-Coder-0.5B-Instruct (about 490 MB; sizes and SHA-256 checked, none of it
 | `gpu-smoke` | every stage with the `gpu` profile's settings on a CPU, with tiny models |
 
 `make reproduce PROFILE=cpu-full` picks a profile; `make reproduce ARGS="--only demo --force"` reruns one stage,
-and stages whose outputs are up to date are skipped.
+and stages whose outputs are up to date are skipped."""
+
+# %%
+_targets = set(re.findall(r"^([\w-]+):", (_root/"Makefile").read_text(), re.M))
+test_eq(set(re.findall(r"`make ([\w-]+)", _PIPELINE_NEEDS)) - _targets, set())  # each command it names exists
+test_eq(re.findall(r"^\| `([\w-]+)` \|", _PIPELINE_NEEDS, re.M), list(PROFILES))  # and every profile, in order
+
+# %%
+#| export
+PIPELINE_INTRO = _PIPELINE_NEEDS + """
 
 ## On a GPU machine
 
@@ -785,11 +997,32 @@ on 2 CPU cores. A resumable stage's last run computes only the cells its committ
 be far below a run from scratch (the `cpu-full` grids took hours, over many runs). The slowest cells of each run
 are in its stamp, `reproduce/runs/<profile>/.stamps/<stage>.json`."""
 
+# %%
+test_eq(set(re.findall(r"`make ([\w-]+)", PIPELINE_INTRO)) - _targets, set())
+assert PIPELINE_INTRO.startswith(_PIPELINE_NEEDS + "\n\n## On a GPU machine\n")
+
+
+# %%
+#| export
 def pipeline_page(root: Path, runs: Path | None = None) -> str:
     "The Pipeline page (MyST): what the commands need, and the stage times of the stamps in `runs` (`reproduce/runs`)."
     order = list(dict.fromkeys(s.name for p in PROFILES for s in pipeline_stages(root, p)))
     return PIPELINE_INTRO + "\n\n" + timing_table(stage_timings(runs or root/"reproduce"/"runs"), order) + "\n"
 
+
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    _runs = Path(_d)
+    assert "*No stage has run yet" in pipeline_page(_root, _runs)
+    _stamp(_runs, "cpu", "speed", _speed)
+    _stamp(_runs, "cpu", "demo", '{"seconds": 8.0, "finished": "2026-12-03T16:07:27"}')
+    _page = pipeline_page(_root, _runs)
+assert _page.startswith("# Pipeline\n") and "apt-get install python3 python3-venv make" in _page
+assert _page.index("| `demo` |") < _page.index("| `speed` |")  # the pipeline's order: demo is its first stage
+
+
+# %%
+#| export
 def write_pipeline_page(site: Path, root: Path, runs: Path | None = None) -> Path:
     "Write the Pipeline page into Sphinx's source folder `site`."
     import nbformat
@@ -803,14 +1036,9 @@ def write_pipeline_page(site: Path, root: Path, runs: Path | None = None) -> Pat
 # %%
 with tempfile.TemporaryDirectory() as _d:
     _runs = Path(_d)
-    assert "*No stage has run yet" in pipeline_page(_root, _runs)
     _stamp(_runs, "cpu", "speed", _speed)
-    _stamp(_runs, "cpu", "demo", '{"seconds": 8.0, "finished": "2026-12-03T16:07:27"}')
-    _page = pipeline_page(_root, _runs)
     _nb = write_pipeline_page(Path(_d), _root, _runs)
     assert _nb.name == "pipeline.ipynb" and "| `speed` | ~4 min, 2026-12-04, threads 1, 2 |" in _nb.read_text()
-assert _page.startswith("# Pipeline\n") and "apt-get install python3 python3-venv make" in _page
-assert _page.index("| `demo` |") < _page.index("| `speed` |")  # the pipeline's order: demo is its first stage
 
 # %% [markdown]
 # ## 5. Sphinx
@@ -840,10 +1068,26 @@ python_maximum_signature_line_length = 88
 toc_object_entries_show_parents = "hide"
 '''
 
+# %%
+_conf = {}
+exec(SPHINX_CONF, _conf)  # valid Python, as Sphinx reads it
+test_eq((_conf["extensions"], _conf["nb_execution_mode"], _conf["mathjax_path"]),
+        (["myst_nb"], "off", "mathjax/tex-chtml.js"))
+
+
+# %%
+#| export
 def toctree(caption: str, pages: list[str]) -> str:
     "A hidden MyST toctree: the sidebar section `caption` listing `pages`."
     return "\n".join(["```{toctree}", ":hidden:", f":caption: {caption}", "", *pages, "```"])
 
+
+# %%
+test_eq(toctree("Library", ["a", "b"]), "```{toctree}\n:hidden:\n:caption: Library\n\na\nb\n```")
+
+
+# %%
+#| export
 def note_profile(page: Path, executed: Path) -> Path:
     "Say under the title of the experiment page `page` (a MyST notebook) which run, `executed`, it shows."
     import nbformat
@@ -855,25 +1099,21 @@ def note_profile(page: Path, executed: Path) -> Path:
     return page
 
 
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    _page = Path(_d)/"demo.ipynb"
+    nbformat.write(new_notebook(cells=[new_markdown_cell("# Demo"), new_code_cell("x = 1")]), _page)
+    _got = nbformat.read(note_profile(_page, Path("reproduce/runs/cpu/demo.ipynb")), as_version=4)
+test_eq([c.source for c in _got.cells],
+        ["# Demo", "*Shown as executed by the pipeline's `cpu` profile (`reproduce/runs/cpu/demo.ipynb`).*", "x = 1"])
+
 
 # %%
 #| export
-def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | None = None,
-               mathjax: str | os.PathLike | None = None, execute: bool | list[str] = True,
-               only: list[str] | None = None, runs: str | os.PathLike | None = None) -> Path:
-    """Build the static site into `dest` (default `_docs/`) from all notebooks or `only` these (by file stem or page
-    name); `execute` may name the only ones to run; `runs`: the pipeline's runs folder (default `reproduce/runs`)."""
-    import nbformat
-    from nbformat.v4 import new_markdown_cell
-    root = project_root(root)
-    dest = Path(dest) if dest else root/"_docs"
-    mathjax = Path(mathjax) if mathjax else root/".venv/mathjax/node_modules/mathjax/es5/tex-chtml.js"
-    if not mathjax.is_file():
-        raise FileNotFoundError(f"mathjax: {mathjax} not found (run `make docs`, which installs it)")
-    # Sphinx's source folder: `_build/site` for `_docs/`, else one beside `dest` (builds elsewhere run side by side)
-    site = root/"_build"/"site" if dest.resolve() == (root/"_docs").resolve() else dest.with_name(dest.name + "-src")
+def _site_pages(root: Path, only: list[str] | None, execute: bool | list[str], runs: Path) -> dict[str, Path]:
+    """Page name -> the notebook to render: each notebook of `nbs/` (executed into `_build/exec/` where `execute`
+    says so) and each pipeline notebook (its executed copy in `runs`), all or `only` those named and the home page."""
     exec_dir = root/"_build"/"exec"
-    shutil.rmtree(site, ignore_errors=True)
     digest = library_digest(root)
     wanted = lambda p: only is None or p.stem == "index" or bool({p.stem, page_name(p.relative_to(root))} & set(only))
     pages = {}  # page name -> the notebook to render
@@ -881,15 +1121,23 @@ def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | 
         if not wanted(src): continue
         run = execute is True or (execute and src.stem in execute)
         pages[page_name(src.relative_to(root))] = execute_notebook(src, exec_dir/src.name, digest) if run else src
-    runs = Path(runs) if runs else root/"reproduce"/"runs"
     for src, executed in reproduce_notebooks(root, runs).items():
         if wanted(src): pages[page_name(src.relative_to(root))] = executed
-    links = SiteLinks(root)
-    for page, src in pages.items():
-        process_notebook(src, site/f"{page}.ipynb", root, partial(links, here=page))
-        if src.parent.parent == runs: note_profile(site/f"{page}.ipynb", src)
-    write_results_page(site, root, runs/RESULTS_PROFILE, set(pages))
-    write_pipeline_page(site, root, runs)
+    return pages
+
+
+# %%
+_pages = _site_pages(_root, ["20_quoka_select", "reproduce/demo"], False, Path("/nowhere/runs"))
+test_eq(_pages, {"index": _root/"nbs"/"index.ipynb", "quoka_select": _root/"nbs"/"20_quoka_select.ipynb",
+                 "reproduce/demo": _demo.notebook})  # no run in /nowhere/runs: the notebook as committed
+
+
+# %%
+#| export
+def _write_home(site: Path, pages: list[str]) -> Path:
+    "Give the home page in Sphinx's source folder `site` links to Results and Pipeline and the sidebar of `pages`."
+    import nbformat
+    from nbformat.v4 import new_markdown_cell
     index = nbformat.read(site/"index.ipynb", as_version=4)
     library = [p for p in pages if not p.startswith("reproduce/") and p != "index"]
     experiments = [p for p in pages if p.startswith("reproduce/")]
@@ -901,10 +1149,52 @@ def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | 
                                                        toctree("Library", library),
                                                        toctree("Experiments", experiments)])))
     nbformat.write(index, site/"index.ipynb")
+    return site/"index.ipynb"
+
+
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    _home = new_notebook(cells=[new_markdown_cell("# sparsekv"), new_markdown_cell("text")])
+    nbformat.write(_home, Path(_d)/"index.ipynb")
+    _got = nbformat.read(_write_home(Path(_d), ["index", "attention", "reproduce/demo"]), as_version=4)
+test_eq([c.source[:12] for c in _got.cells], ["# sparsekv", "**[Results](", "text", "```{toctree}"])
+test_eq(_got.cells[-1].source, "\n\n".join([toctree("Results", ["results", "pipeline"]),
+                                             toctree("Library", ["attention"]),
+                                             toctree("Experiments", ["reproduce/demo"])]))
+
+
+# %%
+#| export
+def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | None = None,
+               mathjax: str | os.PathLike | None = None, execute: bool | list[str] = True,
+               only: list[str] | None = None, runs: str | os.PathLike | None = None) -> Path:
+    """Build the static site into `dest` (default `_docs/`) from all notebooks or `only` these (by file stem or page
+    name); `execute` may name the only ones to run; `runs`: the pipeline's runs folder (default `reproduce/runs`)."""
+    root = project_root(root)
+    dest = Path(dest) if dest else root/"_docs"
+    mathjax = Path(mathjax) if mathjax else root/".venv/mathjax/node_modules/mathjax/es5/tex-chtml.js"
+    if not mathjax.is_file():
+        raise FileNotFoundError(f"mathjax: {mathjax} not found (run `make docs`, which installs it)")
+    # Sphinx's source folder: `_build/site` for `_docs/`, else one beside `dest` (builds elsewhere run side by side)
+    site = root/"_build"/"site" if dest.resolve() == (root/"_docs").resolve() else dest.with_name(dest.name + "-src")
+    shutil.rmtree(site, ignore_errors=True)
+    runs = Path(runs) if runs else root/"reproduce"/"runs"
+    pages = _site_pages(root, only, execute, runs)
+    links = SiteLinks(root)
+    for page, src in pages.items():
+        process_notebook(src, site/f"{page}.ipynb", root, partial(links, here=page))
+        if src.parent.parent == runs: note_profile(site/f"{page}.ipynb", src)
+    write_results_page(site, root, runs/RESULTS_PROFILE, set(pages))
+    write_pipeline_page(site, root, runs)
+    _write_home(site, list(pages))
     write_text(site/"conf.py", SPHINX_CONF)
     shutil.copytree(mathjax.parent, site/"_static"/"mathjax")
     subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", str(site), str(dest)], check=True)
     return dest
+
+
+# %%
+test_fail(lambda: build_docs(mathjax="/nowhere/tex-chtml.js"), contains="mathjax: /nowhere/tex-chtml.js not found")
 
 
 # %% [markdown]
@@ -929,6 +1219,14 @@ def readme_text(root: str | os.PathLike | None = None) -> str:
     note = "<!-- Generated from nbs/index.ipynb by `python -m sparsekv.docs --readme`: edit the notebook. -->\n\n"
     return note + re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
 
+
+# %%
+# The committed README is what the index notebook generates.
+test_eq((_root/"README.md").read_text(), readme_text(_root))
+
+
+# %%
+#| export
 def write_readme(root: str | os.PathLike | None = None) -> Path:
     "Regenerate `README.md` from `nbs/index.ipynb`."
     root = project_root(root)
@@ -954,26 +1252,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # %%
+test_fail(lambda: main(["--mathjax", "/nowhere/tex-chtml.js"]), contains="mathjax: /nowhere/tex-chtml.js not found")
+
+# %%
 #| export
 #| eval: false
 if __name__ == "__main__": sys.exit(main())
-
-# %% [markdown]
-# ## Checks
-
-# %%
-from fastcore.test import test_eq
-from nbformat.v4 import new_code_cell, new_notebook, new_raw_cell
-
-nb = new_notebook(cells=[new_raw_cell("---\ntitle: T\ndescription: D\n---"),
-                         new_code_cell("#| echo: false\n#| output: asis\nprint(1)"),
-                         new_code_cell("#| include: false\nx = 1"), new_code_cell("y = 2")])
-myst_cells(nb)
-test_eq(nb.cells[0].source, "# T\n\n> D")
-test_eq((nb.cells[1].source, nb.cells[1].metadata.tags), ("print(1)", ["remove-input"]))
-test_eq([c.source for c in nb.cells[2:]], ["y = 2"])
-
-# %%
-# The committed README is what the index notebook generates.
-root = project_root()
-test_eq((root/"README.md").read_text(), readme_text(root))
