@@ -4,24 +4,12 @@
 # > Figure 2(a) and Figure 3 of the QuoKA paper, measured on one chunked-prefill chunk of a real model (SmolLM2-135M; Qwen2.5-Coder-0.5B in the `qwen-full` profile).
 
 # %% [markdown]
-# QuoKA (`../shared/papers/quoka.txt`) rests on two observations about the $B_{CP}$ queries of a
-# chunked-prefill chunk, which this stage checks on a real model (`model_name`) with a prose prefix:
-#
-# - **Figure 2(a)**: queries with a *low* cosine similarity to the chunk's mean query $M_Q$
-#   spread their attention over *more* keys, so keeping the $N_Q$ most dissimilar queries
-#   (§3.1) keeps the queries that carry most of the selection signal. For each query $i$ of the
-#   chunk and query head, we compute $\cos(M_Q, q_i)$ and $n_{90}(i)$, the smallest number of
-#   keys whose attention probabilities sum to at least $0.9$ (largest first, over every key the
-#   query sees causally). The Spearman correlation between the two, per layer, should be negative.
-# - **Figure 3**: a key's attention probability, taken over the chunk's queries, has a heavy
-#   tail: its maximum over queries is far above its mean for some keys. Aggregating by the mean
-#   (the naive extension, mean-of-scores) dilutes the keys that one query needs; QuoKA
-#   aggregates by the max (§3.3). Over the earlier (cached) keys we compare the two
-#   distributions and how much the top-$B_{SA}$ sets by max and by mean overlap.
-#
-# The post-RoPE queries and keys are captured by a `DensePolicy` subclass under
-# `sparsekv.hf.chunked_prefill`, so the model computes exactly what it computes unpatched; the
-# chunk is the last of the chunked prefill.
+# QuoKA rests on two observations about the $B_{CP}$ queries of a chunked-prefill chunk, checked here on a real model
+# (`model_name`) with a prose prefix, on the last chunk of a dense chunked prefill (captured by `LayerCapture`):
+# **Figure 2(a)**, queries with a *low* cosine similarity to the chunk's mean query $M_Q$ spread their attention over
+# *more* keys (§3.1); **Figure 3**, a key's attention probability over the chunk's queries is heavy-tailed, so the
+# max over queries keeps what the mean dilutes (§3.3). The machinery is in
+# [the QuoKA experiments](../nbs/23_quoka_experiments.ipynb).
 
 # %%
 #| parameters
@@ -49,114 +37,57 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
-from sparsekv.attention import causal_mask
-from sparsekv.hf import DensePolicy, chunked_prefill
 from sparsekv.data import token_stream
-from sparsekv.eval import attention_fidelity
 from sparsekv.io import save_figure, use_style, write_text
 from sparsekv.models import MODEL_LABELS, load_model, model_info
-from sparsekv.quoka.select import quoka_select
+from sparsekv.quoka import experiments as qx
 from sparsekv.stats import compare, compare_table, plot_compare
 
 use_style()
-
-
-# %%
-class CapturePolicy(DensePolicy):
-    "Dense attention that keeps, per layer in `layers`, the post-RoPE q, k, v and the scale of the latest call."
-
-    def __init__(self, layers):
-        self.layers, self.qkv = set(layers), {}
-
-    def attend(self, q, k, v, ctx):
-        if ctx.layer_idx in self.layers:
-            self.qkv[ctx.layer_idx] = (q.detach().clone(), k.detach().clone(), v.detach().clone(), ctx.scale)
-        return super().attend(q, k, v, ctx)
-
-
-def last_chunk(model, ids: torch.Tensor, layers) -> dict:
-    "Per layer in `layers`: (q, k, v, scale) of the last chunk of a dense chunked prefill of `ids` (q: that chunk's)."
-    capture = CapturePolicy(layers)
-    chunked_prefill(model, ids, chunk_size, capture)
-    return capture.qkv
-
-
-# %%
-def panel_grid(n: int, width: float = 3.4, height: float = 2.9, per_row: int = 3):
-    "A constrained-layout figure with `n` panels, at most `per_row` per row (shared y), and the flat list of its axes."
-    rows, cols = -(-n // per_row), min(n, per_row)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols + 1.2, height * rows), squeeze=False, sharey=True,
-                             layout="constrained")
-    for ax in axes.flat[n:]: ax.set_visible(False)
-    return fig, list(axes.flat[:n])
-
+panel_grid = lambda n: qx.panel_grid(n, 3.4, 2.9, pad=1.2, sharey=True)
 
 # %%
 model, tok = load_model(model_name)
 info = model_info(model)
 model_label = MODEL_LABELS.get(model_name, model_name)  # the model's name in titles and tables
-if prefix_len % chunk_size: raise ValueError(f"prefix_len must be a multiple of chunk_size={chunk_size}, got {prefix_len}")
+if prefix_len % chunk_size:
+    raise ValueError(f"prefix_len must be a multiple of chunk_size={chunk_size}, got {prefix_len}")
 if max(layers) >= info.num_layers: raise ValueError(f"layers must lie below {info.num_layers}, got {layers}")
 ids = token_stream(tok)[prose_offset:prose_offset + prefix_len][None]
-captured = last_chunk(model, ids, layers)
+captured = qx.last_chunk(model, ids, layers, chunk_size)
 G = info.group_size
 print(info, {l: tuple(captured[l][0].shape) for l in layers})
 
-
-# %%
-def keys_for_mass(p: torch.Tensor, mass: float) -> torch.Tensor:
-    "Per row of probabilities `p`, the smallest number of entries (largest first) summing to at least `mass`."
-    cum = p.sort(dim=-1, descending=True).values.cumsum(-1)
-    return (cum < mass).sum(-1) + 1
-
-assert keys_for_mass(torch.tensor([[0.5, 0.05, 0.4, 0.05], [1.0, 0, 0, 0]]), 0.9).tolist() == [2, 1]
-
-
-def chunk_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    "Causal attention probabilities [Hq,S,Sk] of the chunk's S queries q [1,Hq,S,D] (the last S positions) over all keys k [1,Hkv,Sk,D]."
-    S, Sk = q.shape[2], k.shape[2]
-    logits = scale * q[0].double() @ k[0].double().repeat_interleave(q.shape[1] // k.shape[1], 0).transpose(-1, -2)
-    seen = torch.arange(Sk)[None] <= torch.arange(Sk - S, Sk)[:, None]
-    return logits.masked_fill(~seen, float("-inf")).softmax(-1)
-
-# the probabilities match the model's own attention on the chunk (SDPA over the same q, k, v would give p @ v)
-_q, _k, _, _s = captured[layers[0]]
-_p = chunk_probs(_q, _k, _s)
-torch.testing.assert_close(_p.sum(-1), torch.ones(_p.shape[:2], dtype=torch.float64))
-assert (_p[:, 0, _k.shape[2] - chunk_size + 1:] == 0).all()  # the chunk's first query sees none of the later chunk keys
-
 # %% [markdown]
 # ## Figure 2(a): similarity to the mean query vs keys needed for 90% of the mass
+#
+# For each query $i$ of the chunk and query head: $\cos(M_Q, q_i)$ and $n_{90}(i)$, the smallest number of keys whose
+# attention probabilities sum to at least `mass` (largest first, over every key the query sees causally). The
+# Spearman correlation between the two, per layer, should be negative.
 
 # %%
 rows = []
 for l in layers:
     q, k, _, scale = captured[l]
-    p = chunk_probs(q, k, scale)
-    n90 = keys_for_mass(p, mass)  # [Hq,S]
-    cos = F.cosine_similarity(q[0].double(), q[0].double().mean(1, keepdim=True), dim=-1)  # [Hq,S]
+    n90 = qx.keys_for_mass(qx.chunk_probs(q, k, scale), mass)  # [Hq,S]
+    cos = qx.query_similarity(q)  # [Hq,S]
     for h in range(q.shape[1]):
         rows += [{"layer": l, "head": h, "query": i, "cos_to_mean": cos[h, i].item(), "keys_for_mass": int(n90[h, i])}
                  for i in range(q.shape[2])]
 obs = pd.DataFrame(rows)
 
-
-def spearman(x: pd.Series, y: pd.Series) -> float:
-    "Spearman rank correlation (Pearson correlation of the average ranks)."
-    return x.rank().corr(y.rank())
-
-assert abs(spearman(pd.Series([1, 2, 3, 4]), pd.Series([10, 9, 2, 1])) + 1) < 1e-12
-corr = pd.DataFrame([{"layer": l, "spearman": spearman(g.cos_to_mean, g.keys_for_mass),
-                      "spearman_within_heads": np.mean([spearman(h.cos_to_mean, h.keys_for_mass) for _, h in g.groupby("head")])}
+corr = pd.DataFrame([{"layer": l, "spearman": qx.spearman(g.cos_to_mean, g.keys_for_mass),
+                      "spearman_within_heads": np.mean([qx.spearman(h.cos_to_mean, h.keys_for_mass)
+                                                        for _, h in g.groupby("head")])}
                      for l, g in obs.groupby("layer")])
 corr
 
 # %%
 fig, axes = panel_grid(len(layers))
 heads = sorted(obs["head"].unique())
-colours = dict(zip(heads, plt.get_cmap("tab20").colors if len(heads) <= 20 else plt.get_cmap("viridis")(np.linspace(0, 1, len(heads)))))
+colours = dict(zip(heads, plt.get_cmap("tab20").colors if len(heads) <= 20
+                   else plt.get_cmap("viridis")(np.linspace(0, 1, len(heads)))))
 for ax, (l, g) in zip(axes, obs.groupby("layer")):
     for h, gh in g.groupby("head"):
         ax.scatter(gh.cos_to_mean, gh.keys_for_mass, color=colours[h], s=5, alpha=0.6, label=f"head {h}")
@@ -177,10 +108,11 @@ rows, overlap = [], []
 for l in layers:
     q, k, _, scale = captured[l]
     T = k.shape[2] - chunk_size
-    p = chunk_probs(q, k, scale)[:, :, :T]  # the earlier (cached) keys, the ones a selection chooses from
+    p = qx.chunk_probs(q, k, scale)[:, :, :T]  # the earlier (cached) keys, the ones a selection chooses from
     mx, mn = p.amax(1), p.mean(1)  # [Hq,T]
     for h in range(q.shape[1]):
-        rows.append(pd.DataFrame({"layer": l, "head": h, "key": np.arange(T), "max_score": mx[h].numpy(), "mean_score": mn[h].numpy()}))
+        rows.append(pd.DataFrame({"layer": l, "head": h, "key": np.arange(T), "max_score": mx[h].numpy(),
+                                  "mean_score": mn[h].numpy()}))
         n = min(budget, T)
         top_max, top_mean = set(mx[h].topk(n).indices.tolist()), set(mn[h].topk(n).indices.tolist())
         overlap.append({"layer": l, "head": h, "budget": n, "overlap": len(top_max & top_mean) / n})
@@ -212,7 +144,6 @@ fig.suptitle(f"QuoKA Fig. 3 analogue: per-key max vs mean attention over the que
 save_figure(fig, Path(fig_dir)/"quoka_fig3_max_vs_mean.png", data=scores)
 plt.show()
 
-
 # %% [markdown]
 # ## The premise per head, over windows, and on untrained models
 #
@@ -224,38 +155,27 @@ plt.show()
 # the correlation is when no training shaped the queries.
 
 # %%
-def head_premise(q: torch.Tensor, k: torch.Tensor, scale: float) -> np.ndarray:
-    "Per query head, Spearman of cos(M_Q, q_i) with the keys for `mass` of q_i's attention over the chunk: [Hq]."
-    n90 = keys_for_mass(chunk_probs(q, k, scale), mass).double()
-    cos = F.cosine_similarity(q[0].double(), q[0].double().mean(1, keepdim=True), dim=-1)
-    return np.array([spearman(pd.Series(cos[h].numpy()), pd.Series(n90[h].numpy())) for h in range(q.shape[1])])
-
 # the per-head statistic is the pooled one restricted to each head (NaN where a head needs the same number of keys
 # for every query: a rank correlation with a constant)
 _q, _k, _, _s = captured[layers[0]]
-_ref = [spearman(g.cos_to_mean, g.keys_for_mass) for _, g in obs[obs.layer == layers[0]].groupby("head")]
-np.testing.assert_allclose(head_premise(_q, _k, _s), _ref, rtol=0, atol=1e-9)  # NaN only where the reference has NaN
-
-
-def window_ids(tok, w: int, length: int) -> torch.Tensor:
-    "Prose window w (of consecutive windows of `length` tokens from prose_offset) as [1, length] ids."
-    start = prose_offset + w * length
-    return token_stream(tok)[start:start + length][None]
-
-
+_ref = [qx.spearman(g.cos_to_mean, g.keys_for_mass) for _, g in obs[obs.layer == layers[0]].groupby("head")]
+np.testing.assert_allclose(qx.head_premise(_q, _k, _s, mass), _ref, rtol=0, atol=1e-9)
+window_ids = lambda w: qx.window_ids(tok, w, prefix_len, prose_offset)
 all_layers = list(range(info.num_layers))
-windows = {w: last_chunk(model, window_ids(tok, w, prefix_len), all_layers) for w in range(n_windows)}
+windows = {w: qx.last_chunk(model, window_ids(w), all_layers, chunk_size) for w in range(n_windows)}
 premise = pd.DataFrame([{"model": model_label, "window": w, "layer": l, "head": h, "spearman": r}
                         for w, qkv in windows.items() for l in all_layers
-                        for h, r in enumerate(head_premise(qkv[l][0], qkv[l][1], qkv[l][3]))])
+                        for h, r in enumerate(qx.head_premise(qkv[l][0], qkv[l][1], qkv[l][3], mass))])
 for name in tiny_models:  # untrained: random weights, the same statistic on the start of the same windows' text
     tiny, tiny_tok = load_model(name)
     for w in range(n_windows):
-        text = tok.decode(window_ids(tok, w, prefix_len)[0])
-        qkv = last_chunk(tiny, token_stream(tiny_tok, text)[:tiny_prefix_len][None], range(model_info(tiny).num_layers))
+        text = tok.decode(window_ids(w)[0])
+        qkv = qx.last_chunk(tiny, token_stream(tiny_tok, text)[:tiny_prefix_len][None],
+                            range(model_info(tiny).num_layers), chunk_size)
         premise = pd.concat([premise, pd.DataFrame(
             [{"model": name, "window": w, "layer": l, "head": h, "spearman": r}
-             for l, (q, k, _, sc) in qkv.items() for h, r in enumerate(head_premise(q, k, sc))])], ignore_index=True)
+             for l, (q, k, _, sc) in qkv.items() for h, r in enumerate(qx.head_premise(q, k, sc, mass))])],
+            ignore_index=True)
 per_layer = premise.groupby(["model", "layer"]).spearman.agg(
     mean="mean", se=lambda x: x.std(ddof=1) / np.sqrt(x.count()), share_negative=lambda x: (x < 0).mean(),
     heads="count").reset_index()
@@ -286,28 +206,10 @@ plt.show()
 # the items of the paired intervals (`compare`, reference: all queries).
 
 # %%
-RANKINGS = ("all", "dissimilar", "similar", "random")
-
-
-def chunk_fidelity(q, k, v, scale, idx) -> tuple[float, float]:
-    "Mean mass recall and relative output error of the chunk q over its earlier keys `idx` [1,Hkv,n] and its own keys."
-    S, Sk = q.shape[2], k.shape[2]
-    keep = torch.ones(1, k.shape[1], 1, Sk, dtype=torch.bool)
-    keep[..., :Sk - S] = torch.zeros(1, k.shape[1], Sk - S, dtype=torch.bool).scatter(2, idx, True)[:, :, None]
-    m, e = attention_fidelity(q, k, v, keep, causal_mask(S, Sk)[None, None], scale=scale)
-    return m.nanmean().item(), e.nanmean().item()
-
-
-def ranking_select(q, k_earlier, b: int, ranking: str, generator=None) -> torch.Tensor:
-    "QuoKA's earlier keys for the chunk q with the queries chosen by `ranking` ('all': every query; 'random': `generator`)."
-    if ranking == "all": return quoka_select(q, k_earlier, q.shape[2], b)
-    return quoka_select(q, k_earlier, n_q, b, query_rank=ranking, generator=generator)
-
-
 # full budget: every ranking keeps every key and matches dense exactly
 _q, _k, _v, _s = windows[0][0]
-for _r in RANKINGS:
-    _m, _e = chunk_fidelity(_q, _k, _v, _s, ranking_select(_q, _k[:, :, :-chunk_size], _k.shape[2], _r))
+for _r in qx.RANKINGS:
+    _m, _e = qx.chunk_fidelity(_q, _k, _v, _s, qx.ranking_select(_q, _k[:, :, :-chunk_size], _k.shape[2], _r, n_q))
     assert abs(_m - 1) < 1e-6 and _e < 1e-5, (_r, _m, _e)
 
 # one generator per seed, drawn in loop order: each window and layer gets fresh random queries, reproducibly
@@ -317,13 +219,15 @@ for w, qkv in windows.items():
     for l in all_layers:
         q, k, v, scale = qkv[l]
         for b in ablation_budgets:
-            for ranking in RANKINGS:
-                fid = [chunk_fidelity(q, k, v, scale, ranking_select(q, k[:, :, :-chunk_size], b, ranking, g))
+            for ranking in qx.RANKINGS:
+                fid = [qx.chunk_fidelity(q, k, v, scale,
+                                         qx.ranking_select(q, k[:, :, :-chunk_size], b, ranking, n_q, g))
                        for g in (draws.values() if ranking == "random" else [None])]
                 rows.append({"window": w, "layer": l, "budget": b, "ranking": ranking,
                              "mass_recall": np.mean([f[0] for f in fid]), "output_error": np.mean([f[1] for f in fid])})
 choice = pd.DataFrame(rows)
-per_window = choice.groupby(["window", "budget", "ranking"], sort=False)[["mass_recall", "output_error"]].mean().reset_index()
+per_window = (choice.groupby(["window", "budget", "ranking"], sort=False)[["mass_recall", "output_error"]].mean()
+              .reset_index())
 cmp_mass = compare(per_window, "mass_recall", method="ranking", item="window", reference="all",
                    baselines=["similar", "random"])
 cmp_err = compare(per_window, "output_error", method="ranking", item="window", reference="all",
@@ -353,7 +257,8 @@ n_neg = int((corr.spearman < 0).sum())
 ratio_p50, share10 = scores.max_over_mean.median(), (scores.max_over_mean > 10).mean()
 top_overlap = overlap.overlap.mean()
 fig2a_why = ("agrees (no number to compare)" if n_neg == len(layers) else
-             f"the opposite sign in {len(layers) - n_neg} of {len(layers)} layers: {model_label} on {prefix_len} tokens "
+             f"the opposite sign in {len(layers) - n_neg} of {len(layers)} layers: {model_label} on {prefix_len} "
+             "tokens "
              "of prose, not the paper's 3-30B models (§4); the text names no model, layer or length for its plot")
 fig3_why = ("agrees (no number to compare)" if share10 >= 0.05 else
             f"a lighter tail: only {share10:.1%} of keys with max/mean > 10 at this chunk and prefix length")
@@ -386,7 +291,8 @@ paper_vs_ours = [
     "| the premise per head (Fig. 2(a) is one plot) | a negative correlation, no model, layer or head named | "
     f"mean per-head Spearman over {n_windows} windows negative in {neg_layers} of {len(real_layers)} layers "
     f"(from {real_layers['mean'].min():+.2f} to {real_layers['mean'].max():+.2f}); untrained tiny models: "
-    + ", ".join(f"{m} {v:+.2f}" for m, v in tiny_mean.items()) + " | measured, not compared: the paper gives no number |",
+    + ", ".join(f"{m} {v:+.2f}" for m, v in tiny_mean.items())
+    + " | measured, not compared: the paper gives no number |",
     "| keeping the most dissimilar queries beats other choices at equal N_Q | §3.1 motivates it by Fig. 2(a); no "
     f"ablation of the choice itself (§4.5 varies N_Q) | B_SA = {b_top}, N_Q = {n_q}: mass recall "
     f"{dis_m['mean']:.3f}, {verdict(dis_m)} ({dis_m.diff_base:+.3f} [{dis_m.base_lo:+.3f}, {dis_m.base_hi:+.3f}]); "
@@ -398,17 +304,21 @@ paper_vs_ours = [
 lines = [f"{model_label}, prose prefix of {prefix_len} tokens, chunked prefill with B_CP = {chunk_size}; "
          f"the last chunk's {chunk_size} queries, layers {layers}.", "",
          f"Figure 2(a): Spearman correlation between cos(M_Q, q_i) and the keys holding {mass:.0%} of q_i's attention "
-         "(pooled over query heads, and the mean of the per-head correlations); negative = dissimilar queries attend more broadly.", "",
+         "(pooled over query heads, and the mean of the per-head correlations); negative = dissimilar queries attend "
+         "more broadly.", "",
          corr.round(2).to_markdown(index=False), "",
-         f"Figure 3: per-key attention probability over the chunk's queries, earlier keys only: quantiles of the max and the mean, "
-         f"of max/mean, the share of keys with max/mean > 10, and the overlap of the top-{budget} keys by max and by mean.", "",
+         "Figure 3: per-key attention probability over the chunk's queries, earlier keys only: quantiles of the max "
+         f"and the mean, of max/mean, the share of keys with max/mean > 10, and the overlap of the top-{budget} keys "
+         "by max and by mean.", "",
          tails.to_markdown(index=False, floatfmt=".3g"), "",
          f"The premise per head: Spearman of cos(M_Q, q_i) with the keys for {mass:.0%} of the mass, per query head, "
-         f"over {n_windows} windows of {prefix_len} prose tokens ({model_label}) and {tiny_prefix_len} tokens (untrained "
-         "tiny models); per layer the mean over heads and windows, its standard error, and the share of negative heads.",
+         f"over {n_windows} windows of {prefix_len} prose tokens ({model_label}) and {tiny_prefix_len} tokens "
+         "(untrained tiny models); per layer the mean over heads and windows, its standard error, and the share of "
+         "negative heads.",
          "", per_layer.to_markdown(index=False, floatfmt=".3g"), "",
          f"Which queries QuoKA keeps, N_Q = {n_q} of B_CP = {chunk_size} (all: every query, the reference), paired 95% "
-         f"intervals over {n_windows} windows (each the mean over {len(all_layers)} layers). Mass recall, mean ± se:", "",
+         f"intervals over {n_windows} windows (each the mean over {len(all_layers)} layers). Mass recall, mean ± se:",
+         "",
          compare_table(cmp_mass).to_markdown(), "", "Mass recall, difference to the best other choice:", "",
          compare_table(cmp_mass, "base").to_markdown(), "", "Relative output error, mean ± se:", "",
          compare_table(cmp_err).to_markdown(), "", "Relative output error, difference to the best other choice:", "",

@@ -4,51 +4,15 @@
 # > Figure 5 analogue on this CPU: dense SDPA over every earlier key vs QuoKA's selection plus SDPA over B_SA keys, and the baselines, with ratios from one run.
 
 # %% [markdown]
-# One chunk of chunked prefill: $B_{CP} = 128$ queries attend to the $T$ cached keys of earlier
-# chunks and causally to their own 128 keys. We time the attention module's work for that chunk
-# on random (seeded) tensors with the head shapes of SmolLM2-135M (9 query / 3 KV heads,
-# $d = 64$) and Qwen3-4B (32 / 8, $d = 128$), in each of `dtypes` (float32 and bfloat16; the `cpu` profile float32
-# only, as CPUs run bfloat16 products far slower than GPUs do):
-#
-# - **dense**: `sparsekv.hf.dense_attention` over all $T + 128$ keys (what dense chunked
-#   prefill computes);
-# - **QuoKA** (`quoka`): what `QuokaPolicy` does for the chunk: its `UnitKeyCache` already holds the
-#   unit keys of the earlier chunks and normalizes the previous chunk's 128 keys, `quoka_select`
-#   ($N_Q = 16$, $B_{SA} = 1024$) scores the cached unit keys, the chunk's own keys are appended,
-#   `attend_selected` gathers and runs SDPA over $B_{SA} + 128$ keys; the *selection* part (unit
-#   keys + `quoka_select`) is timed inside the same call for the overhead share;
-# - **QuoKA without the unit-key cache** (`quoka_nocache`): `quoka_select` normalizing all $T$
-#   keys again (session 1's path);
-# - the baselines under the same gather + SDPA: mean-of-scores (softmax scores of all 128
-#   queries), SampleAttention (16 sampled queries), Loki (scores in the top-$d/2$ principal
-#   subspace, basis precomputed outside the timing as the paper does offline), SparQ.
-#
-# Each time is the best of `repeats` calls (`clock`: the thread's CPU time with one thread, which
-# does not count waits for a core on a shared machine, else the wall time), with one thread and with the
-# default thread count; ratios are taken within one run, and a method's selection share is
-# measured inside the same call as its total. The gather of the selected keys and values
-# (`add_chunk_keys` + `gather_keys`) is timed on its own. Then end-to-end time to first token on
-# SmolLM2: `chunked_prefill` with the dense policy vs `QuokaPolicy`.
-#
-# **Arithmetic of the overhead.** Per KV head and chunk, the pre-aggregated scoring is one
-# product of $N_Q$ rows with all $T$ cached unit keys, $N_Q\,T\,d$ multiply-adds, while sparse
-# attention computes $QK^\top$ and $PV$ for $G\,B_{CP}$ query rows over $B_{SA} + B_{CP}$ keys,
-# $2\,G\,B_{CP}(B_{SA} + B_{CP})\,d$. Their ratio
-#
-# $$r = \frac{N_Q\,T}{2\,G\,B_{CP}\,(B_{SA} + B_{CP})}$$
-#
-# grows linearly with $T$ while the attention stays fixed, so the selection share $r / (1 + r)$
-# is at most 20% only while $r \le 1/4$, i.e. $T \le G\,B_{CP}(B_{SA} + B_{CP}) / (2 N_Q)$: 13,824 keys
-# for SmolLM2 ($G = 3$) and 18,432 for Qwen3-4B ($G = 4$) at $B_{CP} = 128$, $B_{SA} = 1024$,
-# $N_Q = 16$ — if both ran at the same FLOP rate. A 16-row product streams all $T$ keys for few
-# FLOPs per byte and runs well below SDPA's rate, so the measured share is higher still. The
-# fragment prints $r$ next to the measured shares. So beside the FLOP bound, each configuration also
-# times the **measured floor**: that product, its max over the $N_Q$ rows and the top-$B_{SA}$ on the
-# cached unit keys, run as the selection of the same chunk (so it meets the same cold caches);
-# QuoKA's selection time over the floor is what the implementation adds to it (choosing and
-# pre-aggregating the queries, normalizing the new chunk's keys, checks). That ratio is the median,
-# over `floor_pairs` pairs of chunks run back to back in alternating order, of the ratio within a
-# pair (times taken side by side, as the other latency stages compare them on this shared machine).
+# One chunk of chunked prefill: $B_{CP}$ queries attend to the $T$ cached keys of earlier chunks and causally to
+# their own. On random (seeded) tensors with the head shapes of SmolLM2-135M and Qwen3-4B (`shapes`), in each of
+# `dtypes`, we time dense SDPA over all $T + B_{CP}$ keys against each method's selection of $B_{SA}$ earlier keys
+# plus the gather and SDPA over the kept keys (`sparse_chunk_attention`): QuoKA with the policy's unit-key cache
+# (`quoka`) and without it (`quoka_nocache`), mean-of-scores, SampleAttention, Loki (basis precomputed outside the
+# timing, as the paper does offline) and SparQ. Each time is the best of `repeats` calls on the `clock` (the
+# thread's CPU time with one thread); ratios are taken within one run, and a method's selection share inside the
+# same call as its total. Then the end-to-end time to first token on SmolLM2. The machinery is in
+# [the QuoKA experiments](../nbs/23_quoka_experiments.ipynb).
 
 # %%
 #| parameters
@@ -71,160 +35,33 @@ ttft_repeats = 2  # alternating dense / QuoKA runs, best of each
 seed = 0
 
 # %%
-import statistics
 import time
-from functools import partial
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from sparsekv.quoka.baselines import loki_basis, loki_select, mean_score_select, sample_attention_select, sparq_select
 from sparsekv.data import token_stream
-from sparsekv.attention import gather_keys
-from sparsekv.hf import DensePolicy, add_chunk_keys, attend_selected, chunked_prefill, dense_attention
+from sparsekv.hf import chunked_prefill
 from sparsekv.io import save_figure, use_style, write_csv, write_text
+from sparsekv.methods import make
 from sparsekv.models import load_model
-from sparsekv.quoka.select import UnitKeyCache, preaggregated_queries, quoka_select, select_queries
-from sparsekv.select import top_budget_indices
-from sparsekv.quoka.policy import QuokaPolicy
+from sparsekv.quoka import experiments as qx
 
 use_style()
 default_threads = torch.get_num_threads()
 thread_counts = sorted({t or default_threads for t in threads})
 print(f"default threads: {default_threads}; timed with {thread_counts}")
 
-
 # %%
-def clock() -> float:
-    "Seconds on this thread's CPU clock with one intra-op thread (blind to waits on a shared machine), else wall time."
-    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
-
-
-def sparse_chunk_attention(select, q, k, v):
-    "One chunk as the policy computes it (select earlier keys, add the chunk's own, gather + SDPA): (output, selection seconds, total seconds)."
-    T, S = k.shape[2] - q.shape[2], q.shape[2]
-    t0 = clock()
-    idx = select(q, k[:, :, :T])
-    t1 = clock()
-    out = attend_selected(q, k, v, add_chunk_keys(idx, k.shape[2], S))
-    return out, t1 - t0, clock() - t0
-
-
-def dense_chunk_attention(q, k, v):
-    "One chunk of dense chunked prefill (SDPA over all T + S keys): (output, 0, total seconds)."
-    t0 = clock()
-    out = dense_attention(q, k, v)
-    return out, 0.0, clock() - t0
-
-
-def best_split(f, repeats: int) -> tuple[float, float]:
-    "(selection, total) seconds of the fastest of `repeats` calls of `f` after one warm-up: both parts from the same call."
-    f()
-    return min((f()[1:] for _ in range(repeats)), key=lambda st: st[1])
-
-
-def chunk_tensors(Hq: int, Hkv: int, D: int, T: int, S: int, dtype: torch.dtype, seed: int):
-    "Random q [1,Hq,S,D] and k, v [1,Hkv,T+S,D] (the chunk's own keys last), seeded."
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, Hq, S, D, generator=g).to(dtype)
-    k, v = (torch.randn(1, Hkv, T + S, D, generator=g).to(dtype) for _ in range(2))
-    return q, k, v
-
-
-def cached_quoka_select(k_cache: torch.Tensor):
-    "QuokaPolicy's selection for the chunk after k_cache: a UnitKeyCache holding all but the last chunk's unit keys, each call adds those and selects."
-    T = k_cache.shape[2]
-    units = UnitKeyCache()
-    units.update(k_cache[:, :, :T - chunk_size])
-
-    def select(q, k):
-        units.crop(T - chunk_size)  # the state before this chunk, for every repeat
-        return quoka_select(q, k, n_q=n_q, budget=budget, k_unit=units.update(k))
-    return select
-
-
-def floor_select(q, k_cache):
-    """QuoKA's floor as a selection, q_chunk, k_cache -> [B,Hkv,B_SA]: one product of the pre-aggregated unit queries
-    (computed here, outside the timing) with the cached unit keys, its max, the top-B_SA."""
-    G = q.shape[1] // k_cache.shape[1]
-    qbar = preaggregated_queries(q, select_queries(q, n_q, G), G)
-    k_unit = UnitKeyCache().update(k_cache).contiguous()
-    return lambda q, k: top_budget_indices((qbar @ k_unit.mT).amax(2), budget)
-
-
-def paired_ratio(select, floor, q, k, v, pairs: int) -> float:
-    "Median over `pairs` of select's time over floor's, both timed as a chunk's selection, back to back in alternating order."
-    sparse_chunk_attention(select, q, k, v), sparse_chunk_attention(floor, q, k, v)  # warm-up
-    ratios = []
-    for j in range(pairs):
-        order = (select, floor) if j % 2 else (floor, select)
-        t = dict(zip(order, (sparse_chunk_attention(f, q, k, v)[1] for f in order)))
-        ratios.append(t[select] / t[floor])
-    return statistics.median(ratios)
-
-
-def gather_seconds(idx, k, v, S: int) -> float:
-    "Best time of the policy's gather: the chunk's own keys appended to idx, keys and values gathered."
-    def f():
-        t0 = clock()
-        full = add_chunk_keys(idx, k.shape[2], S)
-        gather_keys(k, full), gather_keys(v, full)
-        return clock() - t0
-    f()
-    return min(f() for _ in range(repeats))
-
-
-def selectors(k_cache: torch.Tensor) -> dict:
-    "Each method's selection of earlier keys, q_chunk, k_cache -> [B,Hkv,B_SA] (Loki's basis precomputed here, outside the timing)."
-    basis = loki_basis(k_cache)
-    return {"quoka": cached_quoka_select(k_cache), "quoka_nocache": partial(quoka_select, n_q=n_q, budget=budget),
-            "mean_scores": partial(mean_score_select, budget=budget),
-            "sample_attention": partial(sample_attention_select, budget=budget, n_q=n_q),
-            "loki": partial(loki_select, budget=budget, basis=basis),
-            "sparq": partial(sparq_select, budget=budget)}
-
-
-# %%
-# a selection of every key reproduces dense attention, so the sparse path computes the same attention as the dense one
-_q, _k, _v = chunk_tensors(6, 2, 16, 200, 32, torch.float64, seed)
-torch.testing.assert_close(sparse_chunk_attention(lambda q, k: quoka_select(q, k, n_q=4, budget=10_000), _q, _k, _v)[0],
-                           dense_chunk_attention(_q, _k, _v)[0])
-# the cached path selects exactly what quoka_select selects, on every repeat
-_q, _k, _v = chunk_tensors(6, 2, 16, 4 * chunk_size, chunk_size, torch.float32, seed)
-_sel = cached_quoka_select(_k[:, :, :4 * chunk_size])
-for _ in range(2): torch.testing.assert_close(_sel(_q, _k[:, :, :4 * chunk_size]), quoka_select(_q, _k[:, :, :4 * chunk_size], n_q=n_q, budget=budget))
-
-
-# %%
-def time_config(model_name: str, Hq: int, Hkv: int, D: int, T: int, dtype_name: str, n_threads: int) -> list[dict]:
-    "Rows (one per method) of the best total time of one chunk of this configuration and the selection time within it."
-    torch.set_num_threads(n_threads)
-    q, k, v = chunk_tensors(Hq, Hkv, D, T, chunk_size, getattr(torch, dtype_name), seed)
-    sel = selectors(k[:, :, :T])
-    base = {"model": model_name, "heads": f"{Hq}/{Hkv}x{D}", "T": T, "dtype": dtype_name, "threads": n_threads}
-    rows = []
-    for m in methods:
-        f = partial(dense_chunk_attention, q, k, v) if m == "dense" else partial(sparse_chunk_attention, sel[m], q, k, v)
-        selection_s, total_s = best_split(f, repeats)
-        rows.append({**base, "method": m, "seconds": total_s, "selection_seconds": selection_s})
-    idx = sel["quoka"](q, k[:, :, :T])
-    rows[methods.index("quoka")]["gather_seconds"] = gather_seconds(idx, k, v, chunk_size)
-    # timed where QuoKA's selection is timed, inside a chunk (after the last chunk's attention left the caches cold)
-    floor = floor_select(q, k[:, :, :T])
-    rows[methods.index("quoka")]["floor_seconds"] = best_split(partial(sparse_chunk_attention, floor, q, k, v), repeats)[0]
-    rows[methods.index("quoka")]["selection_over_floor"] = paired_ratio(sel["quoka"], floor, q, k, v, floor_pairs)
-    return rows
-
-
 rows = []
 for n_threads in thread_counts:
     for dtype_name in dtypes:
         for model_name, (Hq, Hkv, D) in shapes.items():
             for T in contexts:
-                rows += time_config(model_name, Hq, Hkv, D, T, dtype_name, n_threads)
+                rows += qx.time_chunk(model_name, Hq, Hkv, D, T, dtype_name, n_threads, methods, chunk_size, budget,
+                                      n_q, repeats, floor_pairs, seed)
 torch.set_num_threads(default_threads)
 times = pd.DataFrame(rows)
 times["selection_share"] = times.selection_seconds / times.seconds
@@ -237,15 +74,41 @@ quoka_rows = times[times.method == "quoka"].set_index(keys)
 nocache_share = times[times.method == "quoka_nocache"].set_index(keys).selection_share
 G_of = {f"{hq}/{hkv}x{d}": hq // hkv for hq, hkv, d in shapes.values()}
 flop_ratio = pd.Series([n_q * T / (2 * G_of[h] * chunk_size * (budget + chunk_size))  # r of the arithmetic above
-                        for h, T in zip(wide.index.get_level_values("heads"), wide.index.get_level_values("T"))], index=wide.index)
-ratios = pd.DataFrame({"dense_over_quoka": wide.dense / wide.quoka, "selection_share": quoka_rows.selection_share.loc[wide.index],
+                        for h, T in zip(wide.index.get_level_values("heads"), wide.index.get_level_values("T"))],
+                       index=wide.index)
+ratios = pd.DataFrame({"dense_over_quoka": wide.dense / wide.quoka,
+                       "selection_share": quoka_rows.selection_share.loc[wide.index],
                        "nocache_selection_share": nocache_share.loc[wide.index],
                        "gather_share": (quoka_rows.gather_seconds / quoka_rows.seconds).loc[wide.index],
                        "selection_over_floor": quoka_rows.selection_over_floor.loc[wide.index],
                        "flop_ratio_r": flop_ratio, "flop_share_r_over_1_plus_r": flop_ratio / (1 + flop_ratio),
-                       **{f"dense_over_{m}": wide.dense / wide[m] for m in methods if m not in ("dense", "quoka")}}).reset_index()
+                       **{f"dense_over_{m}": wide.dense / wide[m] for m in methods
+                          if m not in ("dense", "quoka")}}).reset_index()
 write_csv(Path(fig_dir)/"quoka_latency_ratios.csv", ratios)
 ratios
+
+# %% [markdown]
+# ## The selection's share, against its arithmetic
+#
+# Per KV head and chunk, the pre-aggregated scoring is one
+# product of $N_Q$ rows with all $T$ cached unit keys, $N_Q\,T\,d$ multiply-adds, while sparse
+# attention computes $QK^\top$ and $PV$ for $G\,B_{CP}$ query rows over $B_{SA} + B_{CP}$ keys,
+# $2\,G\,B_{CP}(B_{SA} + B_{CP})\,d$. Their ratio
+#
+# $$r = \frac{N_Q\,T}{2\,G\,B_{CP}\,(B_{SA} + B_{CP})}$$
+#
+# grows linearly with $T$ while the attention stays fixed, so the selection share $r / (1 + r)$
+# is at most 20% only while $r \le 1/4$, i.e. $T \le G\,B_{CP}(B_{SA} + B_{CP}) / (2 N_Q)$: 13,824 keys
+# for SmolLM2 ($G = 3$) and 18,432 for Qwen3-4B ($G = 4$) at $B_{CP} = 128$, $B_{SA} = 1024$,
+# $N_Q = 16$ — if both ran at the same FLOP rate. A 16-row product streams all $T$ keys for few
+# FLOPs per byte and runs well below SDPA's rate, so the measured share is higher still. The
+# fragment prints $r$ next to the measured shares. So beside the FLOP bound, each configuration also
+# times the **measured floor**: that product, its max over the $N_Q$ rows and the top-$B_{SA}$ on the
+# cached unit keys, run as the selection of the same chunk (so it meets the same cold caches);
+# QuoKA's selection time over the floor is what the implementation adds to it (choosing and
+# pre-aggregating the queries, normalizing the new chunk's keys, checks). That ratio is the median,
+# over `floor_pairs` pairs of chunks run back to back in alternating order, of the ratio within a
+# pair (times taken side by side, as the other latency stages compare them on this shared machine).
 
 # %%
 panels = list(times.groupby(["model", "dtype"]))
@@ -276,8 +139,10 @@ plt.show()
 # %%
 model, tok = load_model()
 ids = token_stream(tok)[:ttft_tokens][None]
-policies = {"dense": DensePolicy(), "quoka": QuokaPolicy(n_q=n_q, budget=ttft_budget)}
-chunked_prefill(model, ids[:, :2 * chunk_size], chunk_size, policies["quoka"])  # warm-up, so that neither timing pays first-call costs
+policies = {"dense": make("dense").policy(),
+            "quoka": make("quoka", ttft_budget, chunk_size=chunk_size, n_q=n_q).policy()}
+# warm-up, so that neither timing pays first-call costs
+chunked_prefill(model, ids[:, :2 * chunk_size], chunk_size, policies["quoka"])
 ttft = {name: float("inf") for name in policies}
 for _ in range(ttft_repeats):
     for name, pol in policies.items():
@@ -290,7 +155,6 @@ ttft_df = pd.DataFrame([{"tokens": ttft_tokens, "chunk_size": chunk_size, "budge
 write_csv(Path(fig_dir)/"quoka_latency_ttft.csv", ttft_df)
 ttft_df
 
-
 # %% [markdown]
 # **What stands above the floor.** At $S = 128$ queries, choosing and pre-aggregating them is a few hundred
 # thousand multiply-adds: its cost is the tensor operations themselves (each pays a fixed dispatch and setup
@@ -299,28 +163,11 @@ ttft_df
 # the floor, and the excess over the floor in time, (selection/floor − 1) × floor:
 
 # %%
-class OpCount(TorchDispatchMode):
-    "Count the ATen operations run inside the `with` block."
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
-def op_count(f) -> int:
-    "ATen operations of one call of f, after a warm-up call (the unit-key buffer has grown)."
-    f()
-    with OpCount() as c: f()
-    return c.n
-
-
 _T = min(contexts)
-_q, _k, _ = chunk_tensors(*shapes["SmolLM2-135M"], _T, chunk_size, torch.float32, seed)
-_sel, _floor = cached_quoka_select(_k[:, :, :_T]), floor_select(_q, _k[:, :, :_T])  # built outside the count
-ops = {"selection": op_count(lambda: _sel(_q, _k[:, :, :_T])), "floor": op_count(lambda: _floor(_q, None))}
+_q, _k, _ = qx.chunk_tensors(*shapes["SmolLM2-135M"], _T, chunk_size, torch.float32, seed)
+_sel = qx.cached_quoka_select(_k[:, :, :_T], chunk_size, n_q, budget)  # built outside the count
+_floor = qx.floor_select(_q, _k[:, :, :_T], n_q, budget)
+ops = {"selection": qx.op_count(lambda: _sel(_q, _k[:, :, :_T])), "floor": qx.op_count(lambda: _floor(_q, None))}
 excess = quoka_rows.reset_index().assign(excess_ms=lambda r: 1e3 * (r.selection_over_floor - 1) * r.floor_seconds)
 print(ops)
 excess[["model", "dtype", "threads", "T", "floor_seconds", "selection_over_floor", "excess_ms"]]
@@ -329,36 +176,49 @@ excess[["model", "dtype", "threads", "T", "floor_seconds", "selection_over_floor
 # %%
 def ratio_table(r: pd.DataFrame) -> str:
     "Markdown table of the dense/method ratios and QuoKA's selection share."
-    cols = ["model", "dtype", "threads", "T", "dense_over_quoka", "selection_share", "nocache_selection_share", "gather_share",
+    cols = ["model", "dtype", "threads", "T", "dense_over_quoka", "selection_share", "nocache_selection_share",
+            "gather_share",
             "selection_over_floor", "flop_share_r_over_1_plus_r",
             *[c for c in r.columns if c.startswith("dense_over_") and c != "dense_over_quoka"]]
     return r[cols].sort_values(["model", "dtype", "threads", "T"]).round(2).to_markdown(index=False)
 
 top = ratios[ratios["T"] == max(contexts)]
-lines = [f"Attention time of one chunked-prefill chunk (B_CP = {chunk_size} queries, T cached keys), dense SDPA over all "
-         f"T + {chunk_size} keys vs selection of B_SA = {budget} keys + SDPA over B_SA + {chunk_size} (QuoKA N_Q = {n_q}); "
+lines = [f"Attention time of one chunked-prefill chunk (B_CP = {chunk_size} queries, T cached keys), dense "
+         f"SDPA over all "
+         f"T + {chunk_size} keys vs selection of B_SA = {budget} keys + SDPA over B_SA "
+         f"+ {chunk_size} (QuoKA N_Q = {n_q}); "
          f"best of {repeats}, random tensors, threads {thread_counts} (default {default_threads}). Ratios dense/method "
          "(> 1: faster than dense) and QuoKA's selection share of its own time:", "", ratio_table(ratios), "",
-         f"At T = {max(contexts)}: dense/QuoKA from {top.dense_over_quoka.min():.1f}x to {top.dense_over_quoka.max():.1f}x, "
-         f"selection share from {top.selection_share.min():.0%} to {top.selection_share.max():.0%} with the unit-key cache "
+         f"At T = {max(contexts)}: dense/QuoKA from "
+         f"{top.dense_over_quoka.min():.1f}x to {top.dense_over_quoka.max():.1f}x, "
+         f"selection share from {top.selection_share.min():.0%} to {top.selection_share.max():.0%} "
+         f"with the unit-key cache "
          f"(without it {top.nocache_selection_share.min():.0%} to {top.nocache_selection_share.max():.0%}; the gather "
          f"{top.gather_share.min():.0%} to {top.gather_share.max():.0%}) (goals: >= 5x at 32k, share <= 20%). "
          f"The FLOP ratio alone bounds the share from below by r/(1+r) = {top.flop_share_r_over_1_plus_r.min():.0%} to "
-         f"{top.flop_share_r_over_1_plus_r.max():.0%} at this T (r = N_Q T / (2 G B_CP (B_SA + B_CP))): the share grows with T "
+         f"{top.flop_share_r_over_1_plus_r.max():.0%} at this T (r = N_Q T / (2 G B_CP (B_SA + B_CP))): "
+         f"the share grows with T "
          "while the sparse attention stays fixed, so <= 20% holds only up to T = G B_CP (B_SA + B_CP) / (2 N_Q) = "
-         + ", ".join(f"{name} {G_of[f'{hq}/{hkv}x{d}'] * chunk_size * (budget + chunk_size) // (2 * n_q)}" for name, (hq, hkv, d) in shapes.items())
-         + " keys. Against the measured floor (the same product, max and top-B_SA on the cached unit keys, timed as the same chunk's selection), "
-         f"QuoKA's selection takes {top.selection_over_floor.min():.2f}x to {top.selection_over_floor.max():.2f}x of it at "
-         f"T = {max(contexts)} (all T: {ratios.selection_over_floor.min():.2f}x to {ratios.selection_over_floor.max():.2f}x; "
-         "goal <= 1.15x): what stands above it is choosing the queries, pre-aggregating them and normalizing the new chunk's keys, "
+         + ", ".join(f"{name} {G_of[f'{hq}/{hkv}x{d}'] * chunk_size * (budget + chunk_size) // (2 * n_q)}"
+                     for name, (hq, hkv, d) in shapes.items())
+         + " keys. Against the measured floor (the same product, max and top-B_SA on the cached unit keys, "
+           "timed as the same chunk's selection), "
+         f"QuoKA's selection takes {top.selection_over_floor.min():.2f}x to {top.selection_over_floor.max():.2f}x "
+         f"of it at "
+         f"T = {max(contexts)} (all T: {ratios.selection_over_floor.min():.2f}x "
+         f"to {ratios.selection_over_floor.max():.2f}x; "
+         "goal <= 1.15x): what stands above it is choosing the queries, pre-aggregating them "
+         "and normalizing the new chunk's keys, "
          f"{ops['selection'] - ops['floor']} tensor operations per chunk and layer beyond the floor's {ops['floor']}, "
          "as many at every T. The measured excess over the floor, (selection/floor - 1) x floor: "
          + "; ".join(f"{r.model} ({r.dtype}, {r.threads} thread(s)) {r.excess_ms:.2f} ms at T = {r.T}"
                      for r in excess.itertuples())
          + " (where it grows with T, part of it is not the fixed cost of those operations; this stage does not "
          "separate which part).", "",
-         f"End-to-end chunked prefill (best of {ttft_repeats}) of {ttft_tokens} prose tokens on SmolLM2-135M (float32, {torch.get_num_threads()} threads, "
-         f"B_CP = {chunk_size}): dense {ttft['dense']:.2f} s, QuoKA (B_SA = {ttft_budget}, N_Q = {n_q}) {ttft['quoka']:.2f} s, "
+         f"End-to-end chunked prefill (best of {ttft_repeats}) of {ttft_tokens} prose tokens on SmolLM2-135M "
+         f"(float32, {torch.get_num_threads()} threads, "
+         f"B_CP = {chunk_size}): dense {ttft['dense']:.2f} s, QuoKA (B_SA = {ttft_budget}, N_Q = {n_q}) "
+         f"{ttft['quoka']:.2f} s, "
          f"ratio {ttft['dense'] / ttft['quoka']:.2f}x.", ""]
 top_best = top[top.threads == best_threads]
 paper_vs_ours = [
@@ -366,7 +226,8 @@ paper_vs_ours = [
     "| attention-module speed-up of QuoKA over dense, on a CPU | §4.6, Fig. 5(c): \"5-6x gains at long context "
     "lengths\" on an Intel Xeon W-2125 CPU (§1: 7x on CPUs; 5x at 30k tokens on an A100) | "
     f"{top_best.dense_over_quoka.min():.1f}x to {top_best.dense_over_quoka.max():.1f}x at T = {max(contexts)} "
-    f"({best_threads} thread(s), both head shapes, {' and '.join(dtypes)}) | one chunk on random tensors against PyTorch SDPA, "
+    f"({best_threads} thread(s), both head shapes, {' and '.join(dtypes)}) | one chunk on random tensors "
+    f"against PyTorch SDPA, "
     "not FlashAttention or the paper's kernels; the paper's Fig. 5(c) lengths and B_SA are not in its text |",
     "| time to first token, QuoKA vs dense chunked prefill | §4: \"3x TTFT improvement on 50k tokens\" (Qwen3-4B, "
     f"A100) | {ttft['dense'] / ttft['quoka']:.2f}x on {ttft_tokens} tokens (SmolLM2-135M, B_SA = {ttft_budget}) | "
