@@ -62,8 +62,9 @@ lines += ["", "Paper vs ours (the paper gives complexities, not measured numbers
           f"S x{hi.S / lo.S:.0f} ({lo.S} to {hi.S}): time x{hi.torch_s / lo.torch_s:.1f}, memory per head "
           f"x{hi.torch_bytes_per_head / lo.torch_bytes_per_head:.1f}; brute force x{hi.brute_s / lo.brute_s:.1f} | "
           "no number to compare; the torch backend scans on the CPU, the paper's in Triton on a GPU |",
-          "| target without the dense attention map | \"we never materialize the corresponding $S\\times S$ probability "
-          f"matrices\" (§3.2, App. D) | chunked peak {target['chunked_peak_ratio']:.3f} of dense at S = {target_length} | "
+          "| target without the dense attention map | \"we never materialize the corresponding $S\\times S$ "
+          f"probability matrices\" (§3.2, App. D) | chunked peak {target['chunked_peak_ratio']:.3f} of dense at "
+          f"S = {target_length} | "
           "no number to compare |"]
 write_text(Path(out_dir)/"kvpop_core_bench.md", "\n".join(lines) + "\n")
 print("\n".join(lines))

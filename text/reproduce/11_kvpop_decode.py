@@ -75,12 +75,14 @@ use_style()
 torch.set_num_threads(threads)  # both sides of every ratio get the same threads
 model, tok = load_model(model_name, dtype=dtype, device=device)
 cfg = model.config
-HKV, D, LAYERS = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, cfg.num_hidden_layers
+HKV, LAYERS = cfg.num_key_value_heads, cfg.num_hidden_layers
+D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-prose = torch.as_tensor(prose_tokens(tok)[0][:max(check_context, max(s + 2 * w + k for s, w, k in budgets)) + 1], dtype=torch.long,
-                        device=device)[None]
+n_prose = max(check_context, max(s + 2 * w + k for s, w, k in budgets)) + 1
+prose = torch.as_tensor(prose_tokens(tok)[0][:n_prose], dtype=torch.long, device=device)[None]
 cuda = torch.device(device).type == "cuda"
-print(f"{model_name}: {LAYERS} layers, {HKV} KV heads of dim {D}, {dtype}, {torch.get_num_threads()} thread(s), device {device}")
+print(f"{model_name}: {LAYERS} layers, {HKV} KV heads of dim {D}, {dtype}, {torch.get_num_threads()} thread(s), "
+      f"device {device}")
 
 
 # %% [markdown]
@@ -108,7 +110,8 @@ class Decoder:
         with torch.no_grad():
             if self.policy is None: logits = model(self.token, past_key_values=self.cache, use_cache=True).logits
             else:
-                with patch(model, self.policy): logits = model(self.token, past_key_values=self.cache, use_cache=True).logits
+                with patch(model, self.policy):
+                    logits = model(self.token, past_key_values=self.cache, use_cache=True).logits
         self.token = logits[:, -1:].argmax(-1)
 
 
@@ -131,7 +134,8 @@ def kvpop_filled(kind: str, s: int, w: int, k: int) -> Decoder:
 
 
 def fast_forward(cache: KVpopCache, L: int) -> None:
-    "Move every non-sink entry, the token count and the mLSTM's first unread position forward so the next token is at position L."
+    """Move every non-sink entry, the token count and the mLSTM's first unread position forward so the next token is at
+    position L."""
     for layer in cache.layers:
         d = L - layer.seen
         if d < 0: raise ValueError(f"L={L} is before the cache's next position {layer.seen}")
@@ -141,7 +145,8 @@ def fast_forward(cache: KVpopCache, L: int) -> None:
 
 
 def step_peak_bytes(dec: Decoder) -> int:
-    "Peak bytes of live tensor storage during one decode step: the cache's storages (until freed) plus what the step allocates."
+    """Peak bytes of live tensor storage during one decode step: the cache's storages (until freed) plus what the step
+    allocates."""
     return peak_memory(dec.step, device=device, held=cache_storages(dec.cache))[1]
 
 
@@ -178,9 +183,11 @@ for s, w, k in budgets:
         ff = copy.deepcopy(dec)  # the same filled cache, fast-forwarded below
         for j in tqdm(range(real_steps), desc=f"{name} real decode", leave=False):
             t = seconds(dec.step)
-            if j >= real_steps - repeats: steady.append({"method": name, "how": "real", "L": dec.cache.get_seq_length(), **t})
+            if j >= real_steps - repeats:
+                steady.append({"method": name, "how": "real", "L": dec.cache.get_seq_length(), **t})
         fast_forward(ff.cache, dec.cache.get_seq_length() - repeats)
-        steady += [{"method": name, "how": "fast-forward", "L": ff.cache.get_seq_length() + 1, **seconds(ff.step)} for _ in range(repeats)]
+        steady += [{"method": name, "how": "fast-forward", "L": ff.cache.get_seq_length() + 1, **seconds(ff.step)}
+                   for _ in range(repeats)]
         kv[name] = dict(dec=ff, fill=s + 2 * w + k, budget=s + w + k)
 steady = pd.DataFrame(steady)
 steady_ratio = steady.groupby(["method", "how"]).seconds.median().unstack()
@@ -221,7 +228,8 @@ wide = lat.pivot_table(index=["L", "step"], columns="method", values="seconds")
 wide_wall = lat.pivot_table(index=["L", "step"], columns="method", values="wall_seconds")
 kv_names = [m for m in kv if m in wide.columns]  # in budget order
 ratios = pd.DataFrame({f"dense_over_{m}": (wide["dense"] / wide[m]).groupby("L").median() for m in kv_names})
-ratios_wall = pd.DataFrame({f"wall_dense_over_{m}": (wide_wall["dense"] / wide_wall[m]).groupby("L").median() for m in kv_names})
+ratios_wall = pd.DataFrame({f"wall_dense_over_{m}": (wide_wall["dense"] / wide_wall[m]).groupby("L").median()
+                            for m in kv_names})
 ratios = ratios.join(ratios_wall).reset_index()
 ratios["L"] = ratios["L"].astype(int)
 table = per.merge(mem, on=["L", "method"])
@@ -251,40 +259,47 @@ save_figure(fig, Path(fig_dir)/"kvpop_decode.png", data=table)
 Lmax = max(contexts)
 L4 = min([L for L in contexts if L >= 4096] or [min(contexts)])
 big = ratios.set_index("L").loc[Lmax]
-lines = [f"{model_name} ({LAYERS} layers, {HKV} KV heads, d = {D}, {dtype}), batch 1, {torch.get_num_threads()} thread(s) on {device}. "
-         f"Dense: `DynamicCache` filled with random keys/values (timing against a real prefill at L = {check_context}: synthetic/real "
-         f"{check_ratio:.2f}x). KVpop: random scorers, real prefill of s + 2w + k tokens, then fast-forwarded (timing against "
-         "real decode at the same position: " + ", ".join(f"{m} {r:.2f}x" for m, r in steady_ratio.fast_forward_over_real.items()) +
-         f"). Times: median over {repeats} interleaved steps, CPU time of the thread (wall clock in brackets).", "",
-         "| L | method | ms per token | cache (MiB) | peak during a step, weights excluded / included (MiB) |", "|---|---|---|---|---|"]
+lines = [f"{model_name} ({LAYERS} layers, {HKV} KV heads, d = {D}, {dtype}), batch 1, {torch.get_num_threads()} "
+         f"thread(s) on {device}. Dense: `DynamicCache` filled with random keys/values (timing against a real prefill "
+         f"at L = {check_context}: synthetic/real {check_ratio:.2f}x). KVpop: random scorers, real prefill of "
+         "s + 2w + k tokens, then fast-forwarded (timing against real decode at the same position: "
+         + ", ".join(f"{m} {r:.2f}x" for m, r in steady_ratio.fast_forward_over_real.items())
+         + f"). Times: median over {repeats} interleaved steps, CPU time of the thread (wall clock in brackets).", "",
+         "| L | method | ms per token | cache (MiB) | peak during a step, weights excluded / included (MiB) |",
+         "|---|---|---|---|---|"]
 lines += [f"| {r.L} | {r.method} | {1e3 * r.seconds:.1f} ({1e3 * r.wall_seconds:.1f}) | {r.cache_bytes / mib:.2f} | "
           f"{r.step_peak_bytes / mib:.1f} / {r.peak_with_weights_bytes / mib:.1f} |" for r in table.itertuples()]
 lines += ["", "| L | " + " | ".join(f"dense / {m}" for m in kv_names) + " |", "|---|" + "---|" * len(kv_names)]
-lines += [f"| {r['L']} | " + " | ".join("-" if pd.isna(r[f"dense_over_{m}"]) else f"{r[f'dense_over_{m}']:.2f}x ({r[f'wall_dense_over_{m}']:.2f}x)"
+lines += [f"| {r['L']} | " + " | ".join("-" if pd.isna(r[f"dense_over_{m}"]) else
+                                          f"{r[f'dense_over_{m}']:.2f}x ({r[f'wall_dense_over_{m}']:.2f}x)"
                                           for m in kv_names) + " |" for r in ratios.to_dict("records")]
 growth = []
 for m, g in table.groupby("method", sort=False):
     g = g.set_index("L")
     if L4 in g.index and Lmax in g.index and L4 < Lmax:
-        growth.append((m, *(g.loc[Lmax, c] / g.loc[L4, c] - 1 for c in ("cache_bytes", "step_peak_bytes", "peak_with_weights_bytes"))))
+        growth.append((m, *(g.loc[Lmax, c] / g.loc[L4, c] - 1
+                            for c in ("cache_bytes", "step_peak_bytes", "peak_with_weights_bytes"))))
 lines += ["", f"Memory growth from L = {L4} to L = {Lmax} (cache / peak without weights / peak with weights): " +
           "; ".join(f"{m} {a:+.1%} / {b:+.1%} / {c:+.1%}" for m, a, b, c in growth) + "."]
 kv_growth = [b for m, a, b, c in growth if m != "dense"]
-lines += ["", f"Goals at L = {Lmax}: KVpop peak memory (weights excluded) grows at most {max(kv_growth, default=float('nan')):.1%} from "
-          f"L = {L4} (goal <= 5%: {'met' if kv_growth and max(kv_growth) <= 0.05 else 'missed'}); per-token decode "
+lines += ["", f"Goals at L = {Lmax}: KVpop peak memory (weights excluded) grows at most "
+          f"{max(kv_growth, default=float('nan')):.1%} from L = {L4} (goal <= 5%: "
+          f"{'met' if kv_growth and max(kv_growth) <= 0.05 else 'missed'}); per-token decode "
           + ", ".join(f"{m} {big[f'dense_over_{m}']:.2f}x" for m in kv_names) + " faster than dense (goal >= 3x: "
           + ("met" if all(big[f"dense_over_{m}"] >= 3 for m in kv_names) else "missed for "
              + ", ".join(m for m in kv_names if big[f"dense_over_{m}"] < 3)) + ")."]
 with_w = {m: c for m, a, b, c in growth}  # growth of the peak with weights (what the paper's peak VRAM counts)
 kv_with = max((c for m, c in with_w.items() if m != "dense"), default=float("nan"))
-lines += ["", "Paper vs ours (the paper: a GPU, batch 1, contexts up to 131k; §4.1 \"Inference efficiency\", Fig. 4):", "",
+lines += ["", "Paper vs ours (the paper: a GPU, batch 1, contexts up to 131k; §4.1 \"Inference efficiency\", Fig. 4):",
+          "",
           "| claim | paper | ours | why they differ |", "|---|---|---|---|",
-          f"| dense peak memory grows with the context | +100%: \"from 18GB at 16k tokens to 36GB at 131k\" (8x context) "
-          f"| {with_w.get('dense', float('nan')):+.1%} from L = {L4} to {Lmax} ({Lmax / L4:.0f}x context), weights included "
-          f"| the weights ({weights_bytes / 2**30:.2f} GiB here) dominate the peak until the dense cache outgrows them |",
+          "| dense peak memory grows with the context | +100%: \"from 18GB at 16k tokens to 36GB at 131k\" (8x "
+          f"context) | {with_w.get('dense', float('nan')):+.1%} from L = {L4} to {Lmax} ({Lmax / L4:.0f}x context), "
+          f"weights included | the weights ({weights_bytes / 2**30:.2f} GiB here) dominate the peak until the dense "
+          "cache outgrows them |",
           f"| KVpop peak memory stays nearly flat | \"both DMS and KVpop only grow by 19% to 19GB\" | {kv_with:+.1%} "
-          "(largest over the KVpop caches) | ours counts live tensor storage exactly (no allocator, nothing else on the "
-          "device) |",
+          "(largest over the KVpop caches) | ours counts live tensor storage exactly (no allocator, nothing else on "
+          "the device) |",
           "| per-token decode faster than dense at long context | no number in the text (Fig. 4 plots it; §1: "
           "\"faster long-generation decoding\") | " + ", ".join(f"{m} {big[f'dense_over_{m}']:.2f}x" for m in kv_names)
           + f" at L = {Lmax} | CPU and a 135M model: the scorer's fixed cost per step outweighs the attention saved "

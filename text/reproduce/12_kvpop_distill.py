@@ -49,7 +49,7 @@ seq_len = 256
 compressions = [0.75, 0.875]   # 75% and 88%: budgets of S/4 and S/8
 sink = 4
 window = 4                     # the paper's 256 at 16k tokens, scaled with the length
-k_slots = None                 # None: k is (1 - CR) S - sink - window; the gpu profile gives Table 3's k per compression
+k_slots = None                 # None: k is (1 - CR) S - sink - window; the gpu profile gives Table 3's k per CR
 n_train = 4                    # training windows (cycled); None: every window of the training split
 batch_size = 1                 # windows per optimizer step
 n_val = 1                      # held-out windows
@@ -59,7 +59,7 @@ full_params = None             # full mode: regex of the base parameters that tr
 scorer_lr = 1e-3               # peak learning rate of the new parameters (Table 3)
 base_lrs = [8e-5, 8e-6]        # candidate learning rates of the base model in full mode (Table 3: 8e-5); the best on:
 n_select = 1                   # training-split windows never trained on: the base learning rate is chosen on them
-dms_bias_scale = 50.0          # DMS: scale of its per-head gate bias (its effective LR); larger lets few steps open the gates
+dms_bias_scale = 50.0          # DMS: scale of its per-head gate bias (its effective LR); larger: few steps open gates
 eval_every = 1                 # Fig. 5: held-out agreement every eval_every steps
 eviction_chunk = 16            # TOVA/H2O teacher forcing: evict every eviction_chunk tokens (1: exact decoding)
 baseline_batch = 1             # held-out windows per teacher-forced pass of the training-free baselines
@@ -68,15 +68,11 @@ recall_queries = 16            # Fig. 7: query positions per window
 seed = 0
 
 # %%
-import copy
 import inspect
-import re
 from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-from matplotlib.colors import BoundaryNorm
 import numpy as np
 import pandas as pd
 import torch
@@ -86,9 +82,10 @@ from sparsekv.data import packed_sequences
 from sparsekv.eval import kl_to_teacher, perplexity, run_grid, token_accuracy, top1_agreement
 from sparsekv.hf import AttentionPolicy, DensePolicy, patch
 from sparsekv.io import save_figure, use_style, write_csv, write_text
-from sparsekv.kvpop.cache import KVpopScorers
-from sparsekv.kvpop.loss import kept_long_range, retention_recall
-from sparsekv.kvpop.target import future_attention_target
+from sparsekv.kvpop.experiments import (Recording, dms_eviction_figure, final_query_retention, head_recall,
+                                        interval_verdict, own_pass_priorities, readout_figure, recall_boxes,
+                                        rescaled_scorers, retention_heatmaps, scored_logits, trainable_copy)
+from sparsekv.kvpop.loss import kept_long_range
 from sparsekv.distill import DistillConfig, distill, epoch_batches
 from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
 from sparsekv.methods import make as make_method
@@ -107,7 +104,8 @@ scale_w = S / 16384
 budgets = {cr: round((1 - cr) * S) for cr in compressions}
 ks = {cr: (budgets[cr] - sink - window if k_slots is None else k_slots[i]) for i, cr in enumerate(compressions)}
 for cr in compressions:
-    if ks[cr] < 1: raise ValueError(f"compression {cr} leaves no long-range slot at seq_len={S}, sink={sink}, window={window}")
+    if ks[cr] < 1:
+        raise ValueError(f"compression {cr} leaves no long-range slot at seq_len={S}, sink={sink}, window={window}")
 n_scored = S - budgets[min(compressions)]   # positions where the 75%-compression cache is full
 # the first n_train windows are the same for any n_select (one seeded permutation)
 windows = packed_sequences(tok, S, "train", n=None if n_train is None else n_train + n_select, seed=seed).to(device)
@@ -126,27 +124,9 @@ print(info, f"; S={S}, budgets {budgets}, sink {sink}, window {window}, k {ks}; 
 # retention figures read.
 
 # %%
-class Recording(AttentionPolicy):
-    "Attention by `inner`; records each layer's (q, k, v), detached."
-    def __init__(self, inner: AttentionPolicy): self.inner, self.qkv = inner, {}
-
-    def __call__(self, q, k, v, ctx):
-        self.qkv[ctx.layer_idx] = (q.detach(), k.detach(), v.detach())
-        return self.inner(q, k, v, ctx)
-
-
-@torch.no_grad()
 def student_logits(ids: torch.Tensor, policy: AttentionPolicy, cache=None, chunk: int = 1, net=None) -> torch.Tensor:
-    "Logits [1, n_scored, V] of the last n_scored positions of `ids` [1, S] under `policy`, with `cache` fed `chunk` tokens at a time."
-    net = model if net is None else net
-    with patch(net, policy):
-        if cache is None: return net(ids, logits_to_keep=n_scored).logits.float()
-        out = []
-        for a in range(0, ids.shape[1], chunk):
-            pos = torch.arange(a, min(a + chunk, ids.shape[1]), device=ids.device)
-            logits = net(ids[:, pos], past_key_values=cache, use_cache=True, position_ids=pos[None]).logits
-            out.append(logits[:, max(0, S - n_scored - a):])  # only the scored positions: token by token, the rest is memory
-    return torch.cat(out, 1).float()
+    "Logits of the last n_scored positions of `ids` under `policy` on `net` (default: the base model), `scored_logits`."
+    return scored_logits(model if net is None else net, ids, n_scored, policy, cache, chunk)
 
 
 @lru_cache(maxsize=None)
@@ -174,7 +154,8 @@ def window_metrics(logits: torch.Tensor, i: int) -> dict:
 m0 = window_metrics(teacher(0)[0], 0)
 assert m0["agreement"] == 1.0 and abs(m0["kl"]) < 1e-6
 tova = make_method("tova", budget=sink + S + 1, sink=sink, window=S)
-torch.testing.assert_close(student_logits(val_ids[:1], tova.policy(), tova.cache(model), max(S // 4, 1)), teacher(0)[0], atol=2e-3, rtol=1e-3)
+torch.testing.assert_close(student_logits(val_ids[:1], tova.policy(), tova.cache(model), max(S // 4, 1)),
+                           teacher(0)[0], atol=2e-3, rtol=1e-3)
 m0
 
 # %% [markdown]
@@ -191,7 +172,8 @@ BASELINE_SPECS = {"streaming_llm": ("streaming_llm", {}), "tova": ("tova", {}),
 
 
 def baseline_logits(name: str, cr: float, rows: slice) -> torch.Tensor:
-    "Teacher-forced logits [len(rows), n_scored, V] of training-free baseline `name` at compression cr on held-out windows `rows`."
+    """Teacher-forced logits [len(rows), n_scored, V] of training-free baseline `name` at compression cr on held-out
+    windows `rows`."""
     base, options = BASELINE_SPECS[name]
     m = make_method(base, budget=sink + window + ks[cr], sink=sink, window=window, **options)
     return student_logits(val_ids[rows], m.policy(), m.cache(model), S if name == "streaming_llm" else eviction_chunk)
@@ -250,25 +232,22 @@ torch.testing.assert_close(one_chunk, torch.cat(stepped, 1), **tol)
 # equal budget only where that fraction matches.
 
 # %%
-def kvpop_scorers(kind: str, delay: int = 0) -> KVpopScorers:
+def kvpop_scorers(kind: str, delay: int = 0):
     "Fresh MLP or mLSTM (readout delay `delay`) scorers for every layer, decays from Table 3 rescaled to S."
-    decay = dict(gamma_min=0.999 ** (1 / scale_w), gamma_max=0.999999 ** (1 / scale_w))
-    args = info.num_layers, info.num_kv_heads, info.head_dim
-    sc = KVpopScorers.mlp(*args, **decay) if kind == "mlp" else KVpopScorers.mlstm(*args, delay, **decay)
-    for m in sc.scorers:  # the mLSTM's chunkwise form pads S up to its chunk: no longer than the window (same result)
-        if hasattr(m, "chunk_size"): m.chunk_size = min(m.chunk_size, S)
-    return sc.to(device)
+    return rescaled_scorers(kind, info.num_layers, info.num_kv_heads, info.head_dim, S, delay).to(device)
 
 
 STUDENTS = {  # method: (student factory at budget k, training mode)
     "streaming_llm_plus": (lambda k: SinkWindowStudent(sink, window, k), "full"),
-    "dms": (lambda k: DMSStudent(info.num_layers, info.num_kv_heads, info.head_dim, window, target_for_budget(sink + window + k, window, S),
+    "dms": (lambda k: DMSStudent(info.num_layers, info.num_kv_heads, info.head_dim, window,
+                                 target_for_budget(sink + window + k, window, S),
                                  ramp_steps=max(1, 3 * full_steps // 4), sink=sink, bias_scale=dms_bias_scale), "full"),
     "kvpop_mlp": (lambda k: KVpopStudent(kvpop_scorers("mlp"), sink, window, k, seed=seed), "scorer_only"),
     # the paper's own setting (Table 3, trainable parameters: all): scorers and base model, full_steps steps
     "kvpop_mlp_full": (lambda k: KVpopStudent(kvpop_scorers("mlp"), sink, window, k, seed=seed), "full"),
     "kvpop_mlstm": (lambda k: KVpopStudent(kvpop_scorers("mlstm", window), sink, window, k, seed=seed), "scorer_only"),
-    "kvpop_mlstm_immediate": (lambda k: KVpopStudent(kvpop_scorers("mlstm", 0), sink, window, k, seed=seed), "scorer_only"),
+    "kvpop_mlstm_immediate": (lambda k: KVpopStudent(kvpop_scorers("mlstm", 0), sink, window, k, seed=seed),
+                              "scorer_only"),
 }
 FIG5 = ("kvpop_mlstm", "kvpop_mlstm_immediate")
 
@@ -289,23 +268,15 @@ def run_digest(method: str, cr: float, config: DistillConfig, fig5: bool) -> str
                             **({"full_params": full_params} if full_params and config.mode == "full" else {})))
 
 
-def full_copy() -> torch.nn.Module:
-    "A copy of the base model whose parameters matching `full_params` (all when None) train in full mode."
-    net = copy.deepcopy(model)
-    for name, p in net.named_parameters():
-        p.requires_grad_(full_params is None or re.search(full_params, name) is not None)
-    return net
-
-
 def train_student(method: str, cr: float, lr: float | None = None):
     """(network, student in eval mode, training history) of `method` at compression cr, trained or resumed from out_dir;
     full mode trains the base at lr (default base_lr)."""
     make, mode = STUDENTS[method]
     student = make(ks[cr]).to(device)
-    net = model if mode == "scorer_only" else full_copy()
+    net = model if mode == "scorer_only" else trainable_copy(model, full_params)
     n = full_steps if mode == "full" else steps
-    config = DistillConfig(steps=n, mode=mode, base_lr=base_lr if lr is None else lr, new_lr=scorer_lr, warmup_steps=max(1, n // 20),
-                           checkpoint_every=n, seed=seed)
+    config = DistillConfig(steps=n, mode=mode, base_lr=base_lr if lr is None else lr, new_lr=scorer_lr,
+                           warmup_steps=max(1, n // 20), checkpoint_every=n, seed=seed)
     fig5 = method in FIG5 and cr == min(compressions)
     folder = Path(out_dir)/"kvpop_distill"/f"{method}_S{S}_cr{cr:g}_{run_digest(method, cr, config, fig5)}"
     history = distill(net, student, epoch_batches(train_ids, batch_size, n, seed), config, checkpoint_dir=folder,
@@ -362,7 +333,8 @@ if not base_lrs or n_select < 1:
     raise ValueError(f"base_lrs must list at least one learning rate and n_select be >= 1, got {base_lrs}, {n_select}")
 lr_choice = pd.DataFrame([r for lr in base_lrs for r in selection_rows(lr)])
 # in base_lrs's order, so a tie goes to the first listed (the paper's)
-lr_table = lr_choice.pivot_table(index="base_lr", columns="method", values="agreement", aggfunc="mean").reindex(base_lrs)
+lr_table = lr_choice.pivot_table(index="base_lr", columns="method", values="agreement",
+                                 aggfunc="mean").reindex(base_lrs)
 lr_table["mean"] = lr_table[list(SELECT_METHODS)].mean(axis=1)
 base_lr = float(lr_table["mean"].idxmax())
 lr_table = lr_table.reset_index()
@@ -385,14 +357,16 @@ METHODS = ("dense", *BASELINES, "streaming_llm_plus", "dms", "kvpop_mlp", "kvpop
 
 
 def method_logits(method: str, cr: float, i: int) -> torch.Tensor:
-    "Teacher-forced logits of the dense teacher or trained `method` at compression cr on held-out window i (baselines: `baseline_metrics`)."
+    """Teacher-forced logits of the dense teacher or trained `method` at compression cr on held-out window i
+    (baselines: `baseline_metrics`)."""
     if method == "dense": return teacher(i)[0]
     net, student, _ = trained(method, cr)
     return student_logits(val_ids[i:i + 1], student.policy(), net=net)
 
 
 def kv_kept(method: str, cr: float, i: int) -> float:
-    "Fraction of the window's keys the final query may attend to: (s + w + k) / S, DMS's from its hard decisions, 1 for dense."
+    """Fraction of the window's keys the final query may attend to: (s + w + k) / S, DMS's from its hard decisions, 1
+    for dense."""
     if method == "dense": return 1.0
     if method != "dms": return budgets[cr] / S
     net, student, _ = trained(method, cr)
@@ -406,7 +380,8 @@ def cell_metrics(cell: dict) -> dict:
     return {**metrics, "kv_kept": kv_kept(m, cr, i)}
 
 
-cells = [{"seq_len": S, "steps": steps, "full_steps": full_steps, "method": "dense", "compression": 0.0, "window": i} for i in range(n_val)]
+cells = [{"seq_len": S, "steps": steps, "full_steps": full_steps, "method": "dense", "compression": 0.0, "window": i}
+         for i in range(n_val)]
 cells += [{"seq_len": S, "steps": steps, "full_steps": full_steps, "method": m, "compression": cr, "window": i}
           for m in METHODS[1:] for cr in compressions for i in range(n_val)]
 settings = {"model_name": model_name, "dtype": dtype, "device": device, "sink": sink,
@@ -422,7 +397,8 @@ assert len(res) == len(cells)
 write_csv(Path(fig_dir)/"kvpop_distill_cells.csv", res)
 
 # %%
-mean = res.groupby(["compression", "method"], sort=False)[["agreement", "kl", "ppl", "accuracy", "kv_kept"]].mean().reset_index()
+mean = res.groupby(["compression", "method"], sort=False)[["agreement", "kl", "ppl", "accuracy", "kv_kept"]].mean()
+mean = mean.reset_index()
 dense = mean[mean.method == "dense"].iloc[0]
 mean["rel_accuracy"] = mean.accuracy / dense.accuracy
 mean["rel_ppl"] = mean.ppl / dense.ppl
@@ -443,15 +419,10 @@ mean
 cr5 = min(compressions)
 curves = pd.concat([trained(m, cr5)[2].assign(method=m) for m in FIG5])
 curves = curves[curves.kind == "eval"][["method", "step", "agreement", "kl", "ppl", "accuracy"]].reset_index(drop=True)
-fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
-for m, label in zip(FIG5, (f"delayed readout (delay {window})", "immediate readout (delay 0)")):
-    c = curves[curves.method == m]
-    se = np.sqrt(c.agreement * (1 - c.agreement) / n_scored)  # binomial, over the scored positions of window 0
-    ax.plot(c.step, c.agreement, marker="o", label=label)
-    ax.fill_between(c.step, c.agreement - se, c.agreement + se, alpha=0.2, color=ax.lines[-1].get_color())
-ax.set(xlabel="training step", ylabel="held-out token accuracy vs teacher",
-       title=f"mLSTM scorer, CR {cr5:.0%}, S = {S}, held-out window 0; band: ±1 s.e. over {n_scored} positions")
-fig.legend(loc="outside right")
+fig = readout_figure(curves, dict(zip(FIG5, (f"delayed readout (delay {window})", "immediate readout (delay 0)"))),
+                     n_scored)
+fig.axes[0].set_title(f"mLSTM scorer, CR {cr5:.0%}, S = {S}, held-out window 0; band: ±1 s.e. over {n_scored} "
+                      "positions")
 fig.suptitle("KVpop Fig. 5 analogue: delayed vs immediate readout of the mLSTM scorer")
 save_figure(fig, Path(fig_dir)/"kvpop_distill_fig5_delayed_readout.png", data=curves)
 curves
@@ -467,23 +438,14 @@ curves
 # %%
 @lru_cache(maxsize=None)
 def student_pass(method: str, cr: float, i: int) -> tuple[torch.Tensor, dict]:
-    "Priorities [L, Hkv, S] of a KVpop student's scorers on its own forward over held-out window i, and that pass's (q, k, v)."
+    "`own_pass_priorities` of a KVpop student on held-out window i."
     net, student, _ = trained(method, cr)
-    rec = Recording(student.policy())
-    student_logits(val_ids[i:i + 1], rec, net=net)
-    pos = torch.arange(S, device=device).expand(1, info.num_kv_heads, S)
-    with torch.no_grad():
-        prio = torch.cat([student.scorers.priority(l, rec.qkv[l][1], rec.qkv[l][2], pos) for l in range(info.num_layers)])
-    return prio, rec.qkv
+    return own_pass_priorities(net, student, val_ids[i:i + 1], n_scored)
 
 
 def retention_counts(method: str, cr: float, i: int) -> tuple[np.ndarray, int, int]:
-    "Heads keeping each of the last heatmap_tokens evictable tokens lo <= t < hi at the final query, [L, hi - lo], and (lo, hi)."
-    prio = student_pass(method, cr, i)[0]                       # the layers stand in the batch dim
-    kept = kept_long_range(prio, [S - 1], sink, window, ks[cr])  # [L, Hkv, 1, S]
-    hi = S - window            # evictable at the final query S - 1: sink <= t <= S - 1 - w
-    lo = max(sink, hi - heatmap_tokens)
-    return kept[:, :, 0, lo:hi].sum(1).cpu().numpy(), lo, hi
+    "`final_query_retention` of a KVpop student's own pass over held-out window i."
+    return final_query_retention(student_pass(method, cr, i)[0], sink, window, ks[cr], heatmap_tokens)
 
 
 # %% [markdown]
@@ -506,21 +468,12 @@ def token_labels(i: int, lo: int, hi: int) -> list[str]:
     return [tok.decode([t]).replace("\n", "\\n").replace(" ", "\u2423") for t in val_ids[i, lo:hi].tolist()]
 
 panels = [("kvpop_mlstm", 0), ("kvpop_mlp", 0)] + [("kvpop_mlstm", i) for i in range(1, min(n_val, 3))]
-H = info.num_kv_heads
-cmap = plt.get_cmap("viridis", H + 1)   # one colour per count 0..H
-norm = BoundaryNorm(np.arange(H + 2) - 0.5, cmap.N)
-fig, axes = plt.subplots(len(panels), 1, figsize=(max(12, 0.16 * heatmap_tokens + 2), 3.2 * len(panels)),
-                         squeeze=False, layout="constrained")
-heat_rows = []
-for ax, (m, i) in zip(axes[:, 0], panels):
-    counts, lo, hi = retention_counts(m, cr5, i)
-    im = ax.imshow(counts, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
-    ax.grid(False)
-    ax.set_xticks(range(hi - lo), token_labels(i, lo, hi), rotation=90, fontsize=6)
-    ax.set(ylabel="layer", title=f"{m}, held-out window {i}")
-    heat_rows += [{"method": m, "window": i, "layer": l, "position": lo + j, "heads_keeping": int(c)}
-                  for l in range(counts.shape[0]) for j, c in enumerate(counts[l])]
-fig.colorbar(im, ax=axes[:, 0], ticks=range(H + 1), label=f"KV heads keeping the token (of {H})", shrink=0.8)
+counts = {(m, i): retention_counts(m, cr5, i) for m, i in panels}   # (heads keeping each token, lo, hi)
+heat_rows = [{"method": m, "window": i, "layer": l, "position": lo + j, "heads_keeping": int(c)}
+             for (m, i), (n, lo, hi) in counts.items() for l in range(n.shape[0]) for j, c in enumerate(n[l])]
+fig = retention_heatmaps([(f"{m}, held-out window {i}", n, token_labels(i, lo, hi)) for (m, i), (n, lo, hi)
+                          in counts.items()], info.num_kv_heads, heatmap_tokens)
+lo, hi = counts[panels[-1]][1:]
 fig.suptitle(f"KVpop Fig. 6 / Fig. 9 analogue: KV heads of each layer keeping each of the last {hi - lo} evictable "
              f"tokens at the final query (CR {cr5:.0%}, S = {S})")
 save_figure(fig, Path(fig_dir)/"kvpop_distill_fig6_retention.png", data=pd.DataFrame(heat_rows))
@@ -540,18 +493,13 @@ save_figure(fig, Path(fig_dir)/"kvpop_distill_fig6_retention.png", data=pd.DataF
 def recall_per_head(method: str, cr: float, i: int, decayed: bool = False) -> np.ndarray:
     """Retention recall [L, Hkv] of `method` against the teacher's future-attention top-k on held-out window i;
     `decayed`: the target decayed by the student's own gamma."""
-    qkv_t = teacher(i)[1]
-    pos = torch.arange(S, device=device).expand(1, info.num_kv_heads, S)
-    qpos = torch.linspace(sink + window + ks[cr], S - 1, recall_queries).round().long().unique()
-    out = []
-    for l in range(info.num_layers):
-        q, k, _ = qkv_t[l]
-        target = future_attention_target(q, k, window, scale=model.model.layers[l].self_attn.scaling)
-        if decayed: target = trained(method, cr)[1].scorers.decayed(l, target, pos)
-        if method == "streaming_llm": pred = torch.arange(S, dtype=torch.float32, device=device).expand_as(target)
-        else: pred = student_pass(method, cr, i)[0][l:l + 1]
-        out.append(retention_recall(pred, target, qpos, sink, window, ks[cr]).mean(-1)[0])
-    return torch.stack(out).cpu().numpy()
+    if method == "streaming_llm":
+        pred = torch.arange(S, dtype=torch.float32, device=device).expand(L, info.num_kv_heads, S)
+    else: pred = student_pass(method, cr, i)[0]
+    return head_recall(teacher(i)[1], scalings, pred, sink, window, ks[cr], recall_queries,
+                       trained(method, cr)[1].scorers.decayed if decayed else None)
+
+L, scalings = info.num_layers, [layer.self_attn.scaling for layer in model.model.layers]
 
 RECALL = ("kvpop_mlstm", "kvpop_mlp", "streaming_llm")
 TEACHERS = {m: ("undecayed",) if m == "streaming_llm" else ("undecayed", "decayed") for m in RECALL}
@@ -559,21 +507,7 @@ recall_rows = [{"method": m, "teacher": t, "compression": cr, "window": i, "laye
                for m in RECALL for t in TEACHERS[m] for cr in compressions for i in range(n_val)
                for l, row in enumerate(recall_per_head(m, cr, i, t == "decayed")) for h, r in enumerate(row)]
 recall = pd.DataFrame(recall_rows)
-undecayed = recall[recall.teacher == "undecayed"]
-fig, axes = plt.subplots(len(compressions), 1, figsize=(13, 3.5 * len(compressions)), squeeze=False, sharex=True,
-                         layout="constrained")
-for ax, cr in zip(axes[:, 0], compressions):
-    for j, m in enumerate(RECALL):
-        r = undecayed[(undecayed.method == m) & (undecayed.compression == cr)]
-        ax.boxplot([r[r.layer == l].recall for l in range(info.num_layers)], positions=np.arange(info.num_layers) + (j - 1) * 0.27,
-                   widths=0.25, patch_artist=True, boxprops=dict(facecolor=f"C{j}", alpha=0.6), medianprops=dict(color="k"),
-                   showfliers=False, manage_ticks=False)
-    means = undecayed[undecayed.compression == cr].groupby("method").recall.mean()
-    ax.set(ylabel="top-k retention recall", ylim=(0, 1),
-           title=f"CR {cr:.0%}, k = {ks[cr]}; mean " + ", ".join(f"{m} {means[m]:.2f}" for m in RECALL))
-axes[-1, 0].set(xlabel="layer", xticks=range(info.num_layers))
-fig.legend([plt.Rectangle((0, 0), 1, 1, facecolor=f"C{j}", alpha=0.6) for j in range(len(RECALL))], RECALL,
-           loc="outside right")
+fig = recall_boxes(recall[recall.teacher == "undecayed"], list(RECALL), ks, info.num_layers)
 fig.suptitle("KVpop Fig. 7 analogue: recall of the dense teacher's (undecayed) future-attention top-k per layer "
              f"(boxes over KV heads and {n_val} held-out window(s))")
 save_figure(fig, Path(fig_dir)/"kvpop_distill_fig7_recall.png", data=recall)
@@ -588,20 +522,10 @@ recall.groupby(["compression", "method", "teacher"]).recall.mean()
 
 # %%
 net_d, dms_student, _ = trained("dms", cr5)
-ratios = torch.cat([eviction_ratios(dms_student, net_d, val_ids[i:i + 1]) for i in range(n_val)]).median(0).values.cpu().numpy()
+ratios = torch.cat([eviction_ratios(dms_student, net_d, val_ids[i:i + 1]) for i in range(n_val)])
+ratios = ratios.median(0).values.cpu().numpy()
 kvpop_ratio = 1 - ks[cr5] / (S - sink - window)
-fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 6), layout="constrained", width_ratios=(1, 2))
-im = a1.imshow(ratios, aspect="auto", cmap="magma", vmin=0, vmax=1, interpolation="nearest")
-a1.grid(False)
-a1.set(title=f"DMS per layer and KV head (mean {ratios.mean():.2f})", xlabel="KV head", ylabel="layer",
-       xticks=range(info.num_kv_heads))
-fig.colorbar(im, ax=a1, location="left", label="eviction ratio (0 dense, 1 window only)")
-order = np.sort(ratios.ravel())
-a2.step(np.arange(1, order.size + 1), order, where="mid", label="DMS, heads sorted")
-a2.axhline(kvpop_ratio, color="C1", ls="--", label=f"KVpop, every head ({kvpop_ratio:.2f})")
-a2.set(xlabel="KV heads of all layers, sorted", ylabel="eviction ratio", ylim=(-0.03, 1.03),
-       title="the same heads sorted, against KVpop's fixed ratio")
-fig.legend(loc="outside lower center", ncols=2)
+fig = dms_eviction_figure(ratios, kvpop_ratio)
 fig.suptitle(f"KVpop Fig. 8 analogue (App. H): DMS's per-head eviction vs KVpop's fixed budget "
              f"(CR {cr5:.0%}, S = {S}, {full_steps} DMS training steps)")
 save_figure(fig, Path(fig_dir)/"kvpop_distill_fig8_dms_eviction.png",
@@ -624,7 +548,8 @@ def value(method: str, cr: float, col: str = "agreement") -> float:
 
 
 def paired(a: str, b: str, cr: float, metric: str = "agreement") -> tuple[float, float, float] | None:
-    "Mean paired difference a - b of `metric` over the held-out windows at compression cr, 95% interval (None: one window)."
+    """Mean paired difference a - b of `metric` over the held-out windows at compression cr, 95% interval (None: one
+    window)."""
     x, y = (res[(res.method == m) & (res.compression == cr)].sort_values("window")[metric].to_numpy() for m in (a, b))
     return paired_ci(x, y) if len(x) > 1 else None
 
@@ -634,14 +559,8 @@ MIN_ITEMS = inspect.signature(compare).parameters["min_items"].default
 
 
 def verdict(ci: tuple[float, float, float] | None, higher_is_better: bool = True) -> str:
-    """'ahead', 'behind' or 'undecided' by whether the interval excludes 0 (undecided below MIN_ITEMS windows), with
-    the difference and interval."""
-    if ci is None: return "one window: no interval"
-    d, lo, hi = ci
-    better, worse = (lo > 0, hi < 0) if higher_is_better else (hi < 0, lo > 0)
-    word = ("undecided (too few windows)" if n_val < MIN_ITEMS else
-            "ahead" if better else "behind" if worse else "undecided")
-    return f"{word}, {d:+.4f} [{lo:+.4f}, {hi:+.4f}]"
+    "`interval_verdict` over the held-out windows."
+    return interval_verdict(ci, n_val, MIN_ITEMS, higher_is_better)
 
 
 GOAL_BASELINES = ("streaming_llm", "tova", "h2o", "streaming_llm_plus")
@@ -649,7 +568,8 @@ kv = {cr: value("kvpop_mlstm", cr) for cr in compressions}
 keeps = kv[cr5] >= 0.95
 beats = {cr: {b: paired("kvpop_mlstm", b, cr) for b in GOAL_BASELINES} for cr in compressions}
 met = keeps and n_val >= MIN_ITEMS and all(ci is not None and ci[1] > 0 for v in beats.values() for ci in v.values())
-goal = [f"**Goal {'met' if met else 'not met'}.** KVpop-mLSTM's held-out token accuracy vs the teacher at CR {cr5:.0%} is "
+goal = [f"**Goal {'met' if met else 'not met'}.** KVpop-mLSTM's held-out token accuracy vs the teacher at CR "
+        f"{cr5:.0%} is "
         f"{kv[cr5]:.4f} ({'>=' if keeps else '<'} 0.95); its next-token accuracy on the text is "
         f"{value('kvpop_mlstm', cr5, 'rel_accuracy'):.3f} of the teacher's."]
 for cr in compressions:
@@ -739,16 +659,19 @@ delay_gain = 100 * (last.agreement[FIG5[0]] - last.agreement[FIG5[1]])
 delay_se = 100 * np.sqrt(2 * last.agreement[FIG5[0]] * (1 - last.agreement[FIG5[0]]) / n_scored)
 mlstm_recall = recall[(recall.method == "kvpop_mlstm") & (recall.compression == cr5)].groupby("teacher").recall.mean()
 paper = ["| claim | paper | ours | why they differ |", "|---|---|---|---|",
-         "| KVpop beats every sparse baseline (Table 1, §4.1) | \"At CR=75%, all methods improve, but the ordering holds, "
+         "| KVpop beats every sparse baseline (Table 1, §4.1) | \"At CR=75%, all methods improve, but the ordering "
+         "holds, "
          "KVpop outperforms all sparse baselines on average\" | best sparse method by token accuracy vs teacher: "
          + ", ".join(f"{best[cr]} at CR {cr:.1%}" for cr in compressions) + " | "
-         f"{steps} scorer steps and {full_steps} full-mode steps instead of 2,000, prose instead of math traces, 135M |",
+         f"{steps} scorer steps and {full_steps} full-mode steps instead of 2,000, prose instead of math traces, "
+         "135M |",
          f"| delayed mLSTM readout beats immediate (Fig. 5, §4.2) | \"a 0.2-point increase in token accuracy\" after "
          f"2,000 steps | {delay_gain:+.2f} points after {steps} steps (s.e. of the difference {delay_se:.2f}) | "
          f"one held-out window of {n_scored} positions cannot resolve 0.2 points |",
          f"| KVpop recovers the teacher's top-k (Fig. 7, §4.3, CR 75%) | \"a global mean recall of 81%\" | "
-         f"{mlstm_recall['undecayed']:.2f} against the undecayed teacher, {mlstm_recall['decayed']:.2f} against the teacher "
-         f"decayed by its own gamma (KVpop-mLSTM, CR {cr5:.0%}) | scorers start from recency and train {steps} steps; the "
+         f"{mlstm_recall['undecayed']:.2f} against the undecayed teacher, {mlstm_recall['decayed']:.2f} against the "
+         f"teacher decayed by its own gamma (KVpop-mLSTM, CR {cr5:.0%}) | scorers start from recency and train "
+         f"{steps} steps; the "
          "paper's \"full-attention teacher's top-k\" does not say whether the decay applies |",
          "| DMS concentrates its budget in few heads (Fig. 8, App. H) | \"A small subset of heads uses nearly the full "
          "long-range token budget ... many other heads ... collapse to sliding-window-only attention\" | "
@@ -763,19 +686,26 @@ def md_table(df: pd.DataFrame) -> str:
     return df.to_markdown(index=False, floatfmt=".4f", missingval="-")
 
 table = mean.rename(columns={"agreement": "token acc. vs teacher", "kl": "KL(teacher||student)", "ppl": "perplexity",
-                             "accuracy": "next-token acc.", "rel_accuracy": "next-token acc. rel.", "rel_ppl": "perplexity rel.",
+                             "accuracy": "next-token acc.", "rel_accuracy": "next-token acc. rel.",
+                             "rel_ppl": "perplexity rel.",
                              "kv_kept": "KV kept at end", "agreement_se": "s.e."})
-lines = [f"SmolLM2-135M, held-out prose windows of S={S} tokens ({n_val} windows, metrics on the last {n_scored} positions, "
+lines = [f"SmolLM2-135M, held-out prose windows of S={S} tokens ({n_val} windows, metrics on the last {n_scored} "
+         "positions, "
          f"where the 75% cache is full); budgets B=(1-CR)S = {budgets} per KV head: sinks s={sink}, window w={window} "
-         f"(the paper's 256 at 16k scaled), long-range k={ks}. Students trained on {len(train_ids)} training windows, {batch_size} per step: "
+         f"(the paper's 256 at 16k scaled), long-range k={ks}. Students trained on {len(train_ids)} training windows, "
+         f"{batch_size} per step: "
          f"KVpop scorers only (base frozen) for {steps} steps, StreamingLLM+, DMS and KVpop-MLP full "
-         f"{'the whole model' if full_params is None else f'the base parameters matching {full_params!r}'} for {full_steps} steps "
-         f"(the paper: 2,000 steps of 128 x 16k tokens, base and scorers). TOVA/H2O evict every {eviction_chunk} tokens. "
+         f"{'the whole model' if full_params is None else f'the base parameters matching {full_params!r}'} for "
+         f"{full_steps} steps "
+         f"(the paper: 2,000 steps of 128 x 16k tokens, base and scorers). TOVA/H2O evict every {eviction_chunk} "
+         "tokens. "
          "This is a small-scale run of the protocol, not the paper's scale.", "",
-         f"Base learning rate of the full-mode students: {base_lr:g}, the best of {base_lrs} (Table 3: 8e-5) by mean token "
+         f"Base learning rate of the full-mode students: {base_lr:g}, the best of {base_lrs} (Table 3: 8e-5) by mean "
+         "token "
          f"accuracy vs the teacher of {' and '.join(SELECT_METHODS)} at CR {min(compressions):.0%} on {n_select} "
          "training-split windows never trained on:", "", lr_table.to_markdown(index=False, floatfmt=".4g"), "",
-         "Table 1/2 analogue (mean over held-out windows; relative = divided by the dense teacher):", "", md_table(table), "",
+         "Table 1/2 analogue (mean over held-out windows; relative = divided by the dense teacher):", "",
+         md_table(table), "",
          *goal, "",
          f"Every KVpop student against every baseline (paired differences KVpop - baseline over the {n_val} held-out "
          f"windows, 95% bootstrap intervals; ahead/behind only when the interval excludes 0 over at least {MIN_ITEMS} "
@@ -788,12 +718,16 @@ lines = [f"SmolLM2-135M, held-out prose windows of S={S} tokens ({n_val} windows
          f"What adapting the model adds (paired differences a - b over the {n_val} held-out windows, 95% bootstrap "
          f"intervals, ahead/behind as above; {steps} scorer-only steps, {full_steps} full-mode steps):", "",
          adaptation.to_markdown(index=False), "",
-         "Fig. 7 analogue, mean top-k retention recall vs the teacher's future-attention target (undecayed, or decayed by "
+         "Fig. 7 analogue, mean top-k retention recall vs the teacher's future-attention target (undecayed, or "
+         "decayed by "
          "the student's own gamma) over layers, heads, windows:", "",
          md_table(recall.groupby(["compression", "method", "teacher"]).recall.mean().reset_index()), "",
          f"Fig. 8 analogue: DMS evicts a median {np.median(ratios):.3f} of long-range tokens per head at CR {cr5:.0%} "
-         f"(range {ratios.min():.3f}-{ratios.max():.3f} over heads); KVpop evicts {kvpop_ratio:.3f} in every head at the final query.", "",
-         "Fig. 5 analogue, held-out token accuracy vs the teacher during training (mLSTM, delayed and immediate readout):", "",
-         md_table(curves[["method", "step", "agreement"]].pivot(index="step", columns="method", values="agreement").reset_index())]
+         f"(range {ratios.min():.3f}-{ratios.max():.3f} over heads); KVpop evicts {kvpop_ratio:.3f} in every head at "
+         "the final query.", "",
+         "Fig. 5 analogue, held-out token accuracy vs the teacher during training (mLSTM, delayed and immediate "
+         "readout):", "",
+         md_table(curves[["method", "step", "agreement"]].pivot(index="step", columns="method",
+                                                                values="agreement").reset_index())]
 write_text(Path(out_dir)/"kvpop_distill.md", "\n".join(lines) + "\n")
 print("\n".join(lines))

@@ -53,7 +53,7 @@ warmup_steps = 1
 n_boundaries = 64              # boundary queries per window and step (Eq. 25)
 eviction_chunk = 16            # TOVA/H2O: evict every eviction_chunk tokens
 recall_queries = 64            # query positions per held-out window at which retention recall is measured
-every_token = []               # baselines also run evicting every token (as the TOVA and H2O papers do), labelled <name>@1
+every_token = []               # baselines also run evicting every token (as their papers do), labelled <name>@1
 every_token_hours = None       # stop starting every-token batches after this long (None: all windows); a rerun resumes
 baseline_batch = 8             # held-out windows per every-token pass (one forward per token: a batch amortizes it)
 train = True                   # False: evaluate the shipped scorers (sparsekv/checkpoints) instead of training
@@ -64,26 +64,22 @@ seed = 0
 # %%
 import functools
 import math
-import subprocess
 import time
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
 import sparsekv
 from sparsekv.data import packed_sequences
-from sparsekv.distill import DistillConfig, student_spec
+from sparsekv.distill import DistillConfig
 from sparsekv.eval import kl_to_teacher, run_grid, top1_agreement
-from sparsekv.hf import AttentionPolicy, dense_attention, patch
-from sparsekv.io import atomic_path, save_figure, use_style, write_csv, write_text
-from sparsekv.kvpop.cutoff import topk_cutoff
-from sparsekv.kvpop.loss import retention_recall
-from sparsekv.kvpop.mask import kvpop_mask
+from sparsekv.io import save_figure, use_style, write_csv, write_text
+from sparsekv.kvpop.experiments import (OraclePolicy, activation_recall, ahead_status, batched_cell, compare_figure,
+                                        dense_target_student, git_commit, loss_figure, manifest_matches,
+                                        mean_log_gamma, pair_summary, scored_logits, ship_student, versus_baseline)
 from sparsekv.kvpop.offline import ActivationBatches, cache_activations, step_seconds, train_offline
 from sparsekv.kvpop.student import KVpopStudent, shipped_checkpoints, write_shipped_manifest
-from sparsekv.kvpop.target import future_attention_target
 from sparsekv.methods import make as make_method
 from sparsekv.models import load_model, model_info
 from sparsekv.stats import compare, compare_table
@@ -99,7 +95,8 @@ ks = {cr: budgets[cr] - sink - window for cr in compressions}
 n_scored = S - budgets[min(compressions)]
 windows = packed_sequences(tok, S, "train", n=n_train + n_select + n_val_train, seed=seed)
 train_ids, select_ids = windows[:n_train], windows[n_train:n_train + n_select]
-# the validation split holds 23 windows at S = 2,048: more held-out windows come from the training split, never trained on
+# the validation split holds 23 windows at S = 2,048: more held-out windows come from the training split (never
+# trained on)
 val_ids = torch.cat([packed_sequences(tok, S, "validation", n=n_val, seed=seed), windows[n_train + n_select:]])
 lg_min, lg_max = (math.log(g) * 16384 / S for g in (0.999, 0.999999))   # the paper's range per token at S
 out = Path(out_dir) / "kvpop_train"
@@ -115,15 +112,7 @@ print(model_info(model), f"; S={S}, sink {sink}, window {window}, budgets {budge
 # %%
 def student_for(scorer: str, cr: float, log_gamma: float | None) -> KVpopStudent:
     "A fresh dense-target student; `log_gamma`: a fixed per-token decay, None: learned from the midpoint."
-    torch.manual_seed(seed)
-    st = KVpopStudent.for_model(model, sink, window, ks[cr], scorer=scorer, gamma_min=math.exp(lg_min),
-                                gamma_max=math.exp(lg_max), n_boundaries=n_boundaries, target="dense", seed=seed)
-    if log_gamma is not None:
-        frac = torch.tensor((log_gamma - lg_min) / (lg_max - lg_min))
-        for d in st.scorers.decays:
-            d.alpha.data.fill_(float(torch.logit(frac)))
-            d.alpha.requires_grad_(False)
-    return st
+    return dense_target_student(model, sink, window, ks[cr], scorer, (lg_min, lg_max), log_gamma, n_boundaries, seed)
 
 
 activations = out / f"activations_S{S}_w{window}"
@@ -149,26 +138,13 @@ if train:
 # ## The decay, chosen on windows never trained on
 
 # %%
-@torch.no_grad()
 def dense_logits(ids: torch.Tensor) -> torch.Tensor:
-    return model(ids.to(device), logits_to_keep=n_scored).logits.float()
+    return scored_logits(model, ids, n_scored)
 
 
-@torch.no_grad()
-def policy_logits(ids: torch.Tensor, policy: AttentionPolicy, cache=None, chunk: int | None = None,
-                  first: int | None = None) -> torch.Tensor:
-    """Logits of the scored positions under `policy` (one forward), or through `cache`: a first chunk of `first`
-    tokens (default: `chunk`), then chunks of `chunk` tokens."""
-    ids, start = ids.to(device), ids.shape[1] - n_scored
-    with patch(model, policy):
-        if cache is None: return model(ids, logits_to_keep=n_scored).logits.float()
-        parts, bounds = [], [0, *range(first or chunk, ids.shape[1], chunk), ids.shape[1]]
-        for a, b in zip(bounds, bounds[1:]):
-            pos, keep = torch.arange(a, b, device=ids.device), b - max(a, start)  # keep: scored positions in it
-            out = model(ids[:, pos], past_key_values=cache, use_cache=True, position_ids=pos[None],
-                        logits_to_keep=max(keep, 1))
-            if keep > 0: parts.append(out.logits.float()[:, -keep:])
-    return torch.cat(parts, 1)
+def policy_logits(ids: torch.Tensor, policy, cache=None, chunk: int | None = None, first: int | None = None):
+    "Logits of the scored positions under `policy` (`scored_logits`)."
+    return scored_logits(model, ids, n_scored, policy, cache, chunk, first)
 
 
 def metrics(logits: torch.Tensor, teacher: torch.Tensor) -> dict:
@@ -185,10 +161,6 @@ def train_student(scorer: str, cr: float, log_gamma: float | None, n_steps: int,
     hist = train_offline(model, st, training_store(), config, checkpoint_dir=folder)
     write_csv(folder / "history.csv", hist)
     return st.eval(), hist
-
-
-def mean_log_gamma(st: KVpopStudent) -> float:
-    return float(torch.stack([d() for d in st.scorers.decays]).mean())
 
 
 if train:
@@ -237,11 +209,6 @@ def shipped_folder(sc: str, cr: float) -> Path:
     return Path(sparsekv.__file__).parent / "checkpoints" / shipped_name(sc, cr)
 
 
-def commit() -> str:
-    try: return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError): return "unknown"
-
-
 def training_settings(sc: str, cr: float) -> dict:
     "Everything a final student's training depends on: a shipped student with the same settings is this student."
     return dict(method=f"kvpop_{sc}", model=model_name, budget=sink + window + ks[cr], sink=sink, window=window,
@@ -258,17 +225,7 @@ def shipped_student(sc: str, cr: float) -> KVpopStudent:
 
 def already_shipped(sc: str, cr: float) -> bool:
     "Whether the shipped student of (sc, cr) was trained with this run's settings (by an interrupted run of it)."
-    manifest = shipped_checkpoints().get(shipped_name(sc, cr), {})
-    return all(manifest.get(key) == value for key, value in training_settings(sc, cr).items())
-
-
-def ship_student(sc: str, cr: float, st: KVpopStudent, hist: pd.DataFrame):
-    folder = shipped_folder(sc, cr)
-    weights = dict(student=st.state_dict(), spec=dict(method=f"kvpop_{sc}", student=student_spec(st)))
-    with atomic_path(folder / "trained.pt") as tmp: torch.save(weights, tmp)
-    write_csv(folder / "history.csv", hist.round(6))  # the learning curve, shipped beside the weights
-    write_shipped_manifest(folder, dict(name=shipped_name(sc, cr), **training_settings(sc, cr),
-                                        mean_log_gamma=mean_log_gamma(st), commit=commit(), validation=None))
+    return manifest_matches(shipped_checkpoints().get(shipped_name(sc, cr), {}), training_settings(sc, cr))
 
 
 trained, histories, reused = {}, [], []
@@ -285,17 +242,16 @@ for cr in compressions:
         else:
             trained[(sc, cr)], hist = train_student(sc, cr, None if chosen == "learned" else float(chosen), steps,
                                                     f"{sc}_cr{round(cr * 1000)}_{chosen}")
-            if ship: ship_student(sc, cr, trained[(sc, cr)], hist)
+            if ship:
+                ship_student(shipped_folder(sc, cr), f"kvpop_{sc}", trained[(sc, cr)], hist,
+                             dict(name=shipped_name(sc, cr), **training_settings(sc, cr),
+                                  mean_log_gamma=mean_log_gamma(trained[(sc, cr)]), commit=git_commit(),
+                                  validation=None))
         histories.append(hist.assign(scorer=sc, compression=cr))
 print(f"reused shipped students trained by an earlier run of these settings: {reused or 'none'}")
 if train:
     history = pd.concat(histories)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for (sc, cr), h in history[history.kind == "train"].groupby(["scorer", "compression"]):
-        ax.plot(h.step, h.retention_loss.rolling(max(1, steps // 20), min_periods=1).mean(), label=f"{sc}, CR {cr:.1%}")
-    ax.set(xlabel="step", ylabel="retention loss (running mean)", title="KVpop scorers from cached activations")
-    ax.legend()
-    save_figure(fig, Path(fig_dir) / "kvpop_train_loss.png", history)
+    save_figure(loss_figure(history, max(1, steps // 20)), Path(fig_dir) / "kvpop_train_loss.png", history)
 {(sc, cr): round(mean_log_gamma(st), 6) for (sc, cr), st in trained.items()}
 
 
@@ -303,21 +259,6 @@ if train:
 # ## Held-out evaluation
 
 # %%
-class OraclePolicy(AttentionPolicy):
-    "KVpop's mask ranked by the dense future-attention target decayed with `log_gamma` (the teacher policy, Eq. 5)."
-
-    def __init__(self, k: int, log_gamma: float):
-        self.k, self.log_gamma = k, log_gamma
-
-    def attend(self, q, k, v, ctx):
-        r = future_attention_target(q, k, window, scale=ctx.scale)
-        prio = r - ctx.key_positions.float() * self.log_gamma
-        rank, cutoff = topk_cutoff(prio, self.k, sink, window)
-        return dense_attention(q, k, v, kvpop_mask(rank, cutoff, sink, window, q.shape[1] // k.shape[1]), ctx.scale)
-
-
-
-
 def evicting_baseline(name: str, cr: float):
     "TOVA or H2O, `name` as 'method:heads' (heads default 'group'), at compression cr's budget, sinks and window."
     base, _, heads = name.partition(":")
@@ -326,7 +267,8 @@ def evicting_baseline(name: str, cr: float):
 
 def method_logits(name: str, cr: float, ids: torch.Tensor) -> torch.Tensor:
     if name.startswith("kvpop_"): return policy_logits(ids, trained[(name.removeprefix("kvpop_"), cr)].policy())
-    if name == "oracle": return policy_logits(ids, OraclePolicy(ks[cr], mean_log_gamma(trained[(scorers[0], cr)])))
+    if name == "oracle":
+        return policy_logits(ids, OraclePolicy(ks[cr], mean_log_gamma(trained[(scorers[0], cr)]), sink, window))
     if name == "streaming_llm":
         m = make_method(name, budget=sink + window + ks[cr], sink=sink, window=window)
         return policy_logits(ids, m.policy(), m.cache(model), S)  # exact in one chunk
@@ -364,17 +306,7 @@ for metric, better in (("agreement", True), ("kl", False)):
 compare_table(tables["agreement"], "base")
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-for ax, metric in zip(axes, ("agreement", "kl")):
-    cmp = tables[metric]
-    for j, cr in enumerate(compressions):
-        rows = cmp[(cmp.budget == cr) & (cmp.method != "dense")]
-        ax.errorbar(range(len(rows)), rows["mean"], yerr=1.96 * rows["se"], fmt="o", label=f"CR {cr:.1%}",
-                    capsize=3, alpha=0.9)
-        ax.set_xticks(range(len(rows)), rows.method, rotation=35, ha="right")
-    ax.set(ylabel=metric, title=f"{metric} vs the dense model ({len(val_ids)} held-out windows)")
-    ax.legend()
-save_figure(fig, Path(fig_dir) / "kvpop_train.png", results)
+save_figure(compare_figure(tables, compressions, len(val_ids)), Path(fig_dir) / "kvpop_train.png", results)
 
 # %% [markdown]
 # ## Every student against every baseline
@@ -389,35 +321,14 @@ save_figure(fig, Path(fig_dir) / "kvpop_train.png", results)
 kvpop_methods = [f"kvpop_{sc}" for sc in scorers]
 
 
-def against(baseline: str, metric: str, res: pd.DataFrame | None = None) -> pd.DataFrame:
-    "`compare`'s rows of `res` (default: `results`) with `baseline` as the only baseline: the paired differences to it."
-    cmp = compare(results if res is None else res, metric, budget="compression", baselines=[baseline],
-                  higher_is_better=metric == "agreement")
-    cmp = cmp[cmp.baseline == baseline].assign(metric=metric)
-    cmp["better"] = (cmp.diff_base > 0) == (metric == "agreement")
-    return cmp.assign(verdict=[verdict(r) for r in cmp.itertuples()])
-
-
-def verdict(r) -> str:
-    "A `compare` row's difference to its baseline in words: ahead or behind only when its interval excludes 0."
-    word = ("ahead" if r.better else "behind") if r.base_sig else "tied"
-    if r.n < tables[r.metric].attrs["min_items"]: word = "undecided (too few windows)"
-    return f"{word}, {r.diff_base:+.4f} [{r.base_lo:+.4f}, {r.base_hi:+.4f}]"
-
-
-pairs = pd.concat([against(b, m) for b in eval_methods for m in ("agreement", "kl")])
+min_items = tables["agreement"].attrs["min_items"]
+pairs = pd.concat([versus_baseline(results, b, m) for b in eval_methods for m in ("agreement", "kl")])
 pairs = pairs[pairs.method.isin(kvpop_methods)]
 versus = pairs.pivot_table(index=["budget", "method", "baseline"], columns="metric", values="verdict",
                            aggfunc="first", sort=False)
 
 
-def ahead_status(rows: pd.DataFrame) -> str:
-    "Whether every pair in `rows` is ahead: yes, no, or undecided where a pair has too few windows to tell."
-    if (rows.n < tables["agreement"].attrs["min_items"]).any(): return "undecided (too few windows)"
-    return "yes" if (rows.base_sig & rows.better).all() else "no"
-
-
-ahead_of_all = {m: ahead_status(pairs[pairs.method == m]) for m in kvpop_methods}
+ahead_of_all = {m: ahead_status(pairs[pairs.method == m], min_items) for m in kvpop_methods}
 write_csv(Path(fig_dir) / "kvpop_train_pairs.csv", pairs)
 versus
 
@@ -450,17 +361,9 @@ if S <= 256:  # short windows (the quick profile): the first B tokens in one chu
                                    policy_logits(val_ids[:1], m.policy(), m.cache(model), 1), atol=1e-3, rtol=1e-4)
 
 
-every_memo = {}
-
-
-def every_token_cell(c: dict) -> dict:
-    "One held-out window under a baseline evicting every token (its whole batch computed once)."
-    name, cr, i = c["method"].removesuffix("@1"), c["compression"], c["item"]
-    a = i - i % baseline_batch
-    if (name, cr, a) not in every_memo:
-        every_memo.clear()
-        every_memo[(name, cr, a)] = every_token_metrics(name, cr, a)
-    return every_memo[(name, cr, a)][i - a]
+# one held-out window under a baseline evicting every token (its whole batch computed once)
+every_token_cell = batched_cell(lambda c, a: every_token_metrics(c["method"].removesuffix("@1"), c["compression"], a),
+                                baseline_batch, key=lambda c: (c["method"], c["compression"]))
 
 
 every_pairs, every_versus, every_done = pd.DataFrame(), None, "no baseline evicting every token in this profile"
@@ -483,7 +386,8 @@ if every_token:
     if ready:
         both = pd.concat([results, every])
         on_them = pd.concat([both[(both.compression == cr) & both.item.isin(w)] for cr, w in ready.items()])
-        every_pairs = pd.concat([against(f"{b}@1", m, on_them) for b in every_token for m in ("agreement", "kl")])
+        every_pairs = pd.concat([versus_baseline(on_them, f"{b}@1", m) for b in every_token
+                                 for m in ("agreement", "kl")])
         # the students, and each chunked baseline against its own every-token run
         every_pairs = every_pairs[every_pairs.method.isin(kvpop_methods)
                                   | (every_pairs.method + "@1" == every_pairs.baseline)]
@@ -508,27 +412,12 @@ every_versus
 val_store = cache_activations(model, val_ids, out / f"val_activations_S{S}_w{window}", window=window)
 
 
-@torch.no_grad()
 def window_recall(i: int) -> list[dict]:
     "Mean retention recall of held-out window i for each student and StreamingLLM, each compression and teacher."
     batch = ActivationBatches(val_store, [[i]])[0]
-    keys, values, r_tgt = (batch[n].float() for n in ("keys", "values", "target"))
-    L, H = keys.shape[1:3]
-    pos = torch.arange(S).expand(1, H, S)
-    rows = []
-    for cr in compressions:
-        q = torch.linspace(sink + window + ks[cr], S - 1, recall_queries).round().long().unique()
-        for method in ["streaming_llm", *kvpop_methods]:
-            st = trained.get((method.removeprefix("kvpop_"), cr))
-            for teacher in ("undecayed",) if st is None else ("undecayed", "decayed"):
-                recall = []
-                for l in range(L):
-                    target = r_tgt[:, l] if teacher == "undecayed" else st.scorers.decayed(l, r_tgt[:, l], pos)
-                    pred = pos.float() if st is None else st.scorers.priority(l, keys[:, l], values[:, l], pos)
-                    recall.append(retention_recall(pred, target, q, sink, window, ks[cr]).mean())
-                rows.append(dict(window=i, compression=cr, method=method, teacher=teacher,
-                                 recall=float(torch.stack(recall).mean())))
-    return rows
+    return [dict(window=i, compression=cr, **row) for cr in compressions for row in activation_recall(
+        batch, {m: trained.get((m.removeprefix("kvpop_"), cr)) for m in ["streaming_llm", *kvpop_methods]},
+        sink, window, ks[cr], recall_queries)]
 
 
 recall = pd.DataFrame([row for i in range(len(val_ids)) for row in window_recall(i)])
@@ -583,7 +472,6 @@ paper = ["| claim | paper | ours | why they differ |", "|---|---|---|---|",
          "instead of 16,384 and 256; the paper does not say which teacher |"]
 pd.DataFrame(paper_rows)
 
-
 # %% [markdown]
 # ## The goals, measured
 #
@@ -592,18 +480,8 @@ pd.DataFrame(paper_rows)
 # under StreamingLLM's pattern) is compared in `kvpop_distill` at S = 512, not here.
 
 # %%
-def pair_summary(rows: pd.DataFrame) -> str:
-    "How many pairs of `rows` are ahead, how many too few windows decide, and each decided pair not ahead."
-    won, few = rows.base_sig & rows.better, rows.n < tables["agreement"].attrs["min_items"]
-    text = f"{int(won.sum())} of {len(rows)} pairs ahead" + (f", {int(few.sum())} undecided (too few windows)"
-                                                              if few.any() else "")
-    return text + "".join(f"; {r.method} vs {r.baseline}, {r.metric}, CR {r.budget:.1%}: {r.verdict}"
-                          for r in rows[~won & ~few].itertuples())
-
-
 goals = [dict(goal=f"{m} ahead of {', '.join(eval_methods)} at each CR on agreement and KL",
-              measured=pair_summary(rows),
-              met=ahead_status(rows))
+              measured=pair_summary(rows, min_items), met=ahead_status(rows, min_items))
          for m in kvpop_methods for rows in [pairs[pairs.method == m]]]
 goals.append(dict(goal="ahead of StreamingLLM+", measured="not in this stage (kvpop_distill, S = 512)",
                   met="not measured here"))
@@ -621,8 +499,9 @@ if every_token:
     enough = tables["agreement"].attrs["min_items"]
     students_every = every_pairs[every_pairs.method.isin(kvpop_methods)] if len(every_pairs) else every_pairs
     goals.append(dict(goal=f"ahead of {', '.join(every_token)} evicting every token", measured=every_done + (
-                          f"; {pair_summary(students_every)}" if len(students_every) else ""),
-                      met="; ".join(f"CR {cr:.1%}: " + (ahead_status(students_every[students_every.budget == cr])
+                          f"; {pair_summary(students_every, min_items)}" if len(students_every) else ""),
+                      met="; ".join(f"CR {cr:.1%}: " + (ahead_status(students_every[students_every.budget == cr],
+                                                                     min_items)
                                                         if len(w) >= enough else "undecided (too few windows)")
                                     for cr, w in every_windows.items())))
 goals = pd.DataFrame(goals)
@@ -641,7 +520,7 @@ def manifest_of(sc: str, cr: float) -> dict:
     validation = dict(windows=len(val_ids), agreement=float(agree["mean"]), se=float(agree["se"]))
     if ship: return {**shipped_checkpoints()[shipped_name(sc, cr)], "validation": validation}
     return dict(name=shipped_name(sc, cr), **training_settings(sc, cr),
-                mean_log_gamma=mean_log_gamma(trained[(sc, cr)]), commit=commit(), validation=validation)
+                mean_log_gamma=mean_log_gamma(trained[(sc, cr)]), commit=git_commit(), validation=validation)
 
 
 shipped = [manifest_of(sc, cr) for sc, cr in trained] if train else list(shipped_checkpoints().values())
@@ -660,7 +539,8 @@ source = (f"{n_train} training windows (cached once, {per_window_mb:.0f} MB each
           f"the shipped scorers ({', '.join(shipped_name(sc, cr) for sc in scorers for cr in compressions)})")
 if reused: source += f" (trained by an earlier, interrupted run of these settings and shipped: {', '.join(reused)})"
 summary = [f"SmolLM2 ({model_name}), S={S}, sink {sink}, window {window}, k {ks}; {source}; {len(val_ids)} "
-           f"held-out windows ({len(val_ids) - n_val_train} from the validation split, {n_val_train} never-trained ones from "
+           f"held-out windows ({len(val_ids) - n_val_train} from the validation split, {n_val_train} never-trained "
+           "ones from "
            f"the training split); TOVA/H2O evict every {eviction_chunk} tokens; decay {chosen}.", ""]
 if train:
     summary += ["Step time (one window, alternated in one run):", "", md(speed), "",
