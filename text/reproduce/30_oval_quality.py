@@ -5,33 +5,8 @@
 
 # %% [markdown]
 # End-task accuracy mixes retrieval quality with how hard the task is. This stage measures the
-# retrieval itself, on the queries, keys and values a real model (`model_name`: SmolLM2-135M, or
-# Qwen2.5-Coder-0.5B in the `qwen-full` profile) produces over windows of prose
-# (captured with `CapturePolicy` during one dense forward pass):
-#
-# - for each layer and window, the last `n_queries` queries (the decode positions of the window's
-#   final page) score every complete page with a method's summary (`sparsekv.oval.summaries`), the
-#   per-head page softmaxes are averaged over each GQA group (avgSM), and the sink, the recent tokens
-#   and the top pages that fit the token budget are kept, per KV head (`sparsekv.oval.pages`);
-# - **mass recall** $\sum_{j \in \text{kept}} p_j$ of the dense attention $p$, and **relative output
-#   error** $\lVert o_{\text{kept}} - o\rVert / \lVert o \rVert$ of exact attention over the kept keys
-#   (`sparsekv.eval.attention_fidelity`), averaged over query heads and queries.
-#
-# Methods: Quest (per-channel min/max bound), ArkVale (bounding ball), key PCA ($\eta = 0$), OVAL at
-# each $\eta$ with $G$ from the layer's `o_proj`, and the oracle (exact page log-mass); page size 32,
-# rank 8. **Budget**: the paper keeps $\mathcal B = 2048$ tokens of up to 16k-token reasoning traces
-# (ratio 1/8; LongBench v2 is 2048 of 64k, 1/32). With windows of 2k tokens (the cpu profile) we
-# keep the fraction `budget_fractions` of the window, 1/8 and 1/16; sink and recent are one page
-# each, so at 2048 tokens and 1/8 the selectable part is 6 of 62 candidate pages. (The quick smoke
-# test keeps 1/4 of 512-token windows, so that some pages remain selectable.)
-#
-# The grid runs through `run_grid` (one CSV row per window, layer, method, eta and budget), so an
-# interrupted run resumes; the run's settings (model, page size, rank, sink, recent, seed) are key
-# columns of every row, so a run with other settings never reuses rows of another. Calibration
-# windows come from the training part of the prose stream, held-out windows from its validation part
-# (disjoint text). A third pool, `reasoning`, holds windows of math word problems
-# (`reasoning_problems("gsm_symbolic")`, each followed by its answer, concatenated up to the window
-# length): a different domain, on which the prose-calibrated $\eta$ is also scored.
+# retrieval itself, on the queries, keys and values a real model produces over windows of text. The
+# protocol is described under the first table.
 
 # %%
 #| parameters
@@ -62,14 +37,13 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from sparsekv.data import packed_sequences, reasoning_problems, token_stream
-from sparsekv.eval import attention_fidelity, run_grid
-from sparsekv.hf import patch
+from sparsekv.data import packed_sequences
+from sparsekv.eval import run_grid
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.models import MODEL_LABELS, load_model, model_info
-from sparsekv.oval.basis import centre_page, output_metric, page_basis, page_risks
-from sparsekv.oval.pages import CapturePolicy, aggregate_gqa, select_pages
-from sparsekv.oval.summaries import build_summaries, score_pages
+from sparsekv.oval.experiments import (arm_label, arm_page_weights, arms_fidelity, best_eta_summary, choose_eta,
+                                       layer_activations, layer_output_metric, md_table, plot_eta_curve,
+                                       reasoning_window, retrieval_arms, theory_rows, this_run)
 
 use_style()
 torch.manual_seed(seed)
@@ -77,113 +51,81 @@ model, tok = load_model(model_name, dtype=dtype)
 info = model_info(model)
 model_label = MODEL_LABELS.get(model_name, model_name)  # the model's name in titles and tables
 layers = list(range(info.num_layers)) if layers is None else list(layers)
-
-def reasoning_window(i: int) -> torch.Tensor:
-    "seq_len token ids of gsm_symbolic problems and answers (problem seed seed + 1 + i), concatenated."
-    n, ids = 16, torch.zeros(0, dtype=torch.long)
-    while len(ids) < seq_len:
-        n *= 2
-        text = "".join(f"Question: {p['question']}\nAnswer: {p['answer']}\n\n" for p in reasoning_problems("gsm_symbolic", n, seed=seed + 1 + i))
-        ids = token_stream(tok, text)
-    return ids[:seq_len]
-
 windows = {"calib": packed_sequences(tok, seq_len, "train", n=n_calib, seed=seed),
            "heldout": packed_sequences(tok, seq_len, "validation", n=n_heldout, seed=seed),
-           "reasoning": torch.stack([reasoning_window(i) for i in range(n_reasoning)]) if n_reasoning else torch.zeros(0, seq_len, dtype=torch.long)}
+           "reasoning": torch.stack([reasoning_window(tok, seq_len, seed + 1 + i) for i in range(n_reasoning)])
+           if n_reasoning else torch.zeros(0, seq_len, dtype=torch.long)}
 budgets = [int(f * seq_len) for f in budget_fractions]
 print(info, f"; budgets {budgets} of {seq_len} tokens; {torch.get_num_threads()} threads")
 
-
-# %% [markdown]
-# Activations of one window (kept for one window at a time; the forward pass stops after the last
-# layer measured, as a causal stack's layer never reads a later one), each layer's output metric
-# $G_h = \sum_g W_{O,hG+g}^\top W_{O,hG+g}$, and the page weights of one (window, layer, method,
-# eta), shared by the budgets.
-
 # %%
-@lru_cache(maxsize=1)
-def activations(pool: str, window: int) -> dict:
-    "(q, k, v) per layer of one dense forward pass over the window, through the layers up to max(layers) only."
-    cap, stack = CapturePolicy(), model.model.layers
-    model.model.layers = stack[:max(layers) + 1]  # a layer's activations do not depend on the layers after it
-    try:
-        with torch.no_grad(), patch(model, cap): model(windows[pool][window:window + 1], logits_to_keep=1, use_cache=False)
-    finally:
-        model.model.layers = stack
-    return cap.qkv
-
-@lru_cache(maxsize=None)
-def metric(layer: int) -> torch.Tensor:
-    "The layer's output metric G [Hkv, d, d]."
-    W = model.model.layers[layer].self_attn.o_proj.weight.detach()
-    return output_metric(W, info.num_q_heads, info.num_kv_heads, info.head_dim)
-
-ARMS = [("quest", 0.0), ("arkvale", 0.0), ("keypca", 0.0), *[("oval", e) for e in etas], ("oracle", 0.0)]
-
-@lru_cache(maxsize=len(ARMS))
-def page_weights(pool: str, window: int, layer: int, method: str, eta: float) -> torch.Tensor:
-    "avgSM page weights [1, Hkv, n_queries, P] of the window's last n_queries queries."
-    q, k, v = activations(pool, window)[layer]
-    summ = build_summaries(method, k, v, page_size, rank, eta, metric(layer) if method == "oval" else None)
-    return aggregate_gqa(score_pages(method, summ, q[:, :, -n_queries:]), k.shape[1])
-
-@lru_cache(maxsize=len(budget_fractions))
-def layer_results(pool: str, window: int, layer: int, budget: int) -> dict:
-    "(mean mass recall, mean relative output error) of every arm at one (window, layer, budget), the arms batched into one call."
-    q, k, v = activations(pool, window)[layer]
-    idx = torch.cat([select_pages(page_weights(pool, window, layer, m, e), budget, page_size, sink, recent, k.shape[2]) for m, e in ARMS])
-    A = len(ARMS)                                    # the same number of kept tokens for every arm
-    qa = q[:, :, -n_queries:].expand(A, -1, -1, -1)
-    mass, err = attention_fidelity(qa, k.expand(A, -1, -1, -1), v.expand(A, -1, -1, -1), idx)
-    return {arm: (mass[i].nanmean().item(), err[i].nanmean().item()) for i, arm in enumerate(ARMS)}
-
-def cell_metrics(cell: dict) -> dict:
-    "Mean mass recall and relative output error of one (pool, window, layer, method, eta, budget)."
-    mass, err = layer_results(cell["pool"], cell["window"], cell["layer"], cell["budget"])[(cell["method"], cell["eta"])]
-    return {"mass_recall": mass, "output_error": err}
-
-
-# %%
-cells = [{"seq_len": seq_len, "n_queries": n_queries, "pool": pool, "window": i, "layer": layer, "method": m, "eta": e, "budget": b}
-         for pool in windows for i in range(len(windows[pool])) for layer in layers for b in budgets for m, e in ARMS]
-# the pools' sizes are not settings: window i of a pool is the same whatever their number
+ARMS = retrieval_arms(etas)
+activations = lru_cache(maxsize=1)(lambda pool, i: layer_activations(model, windows[pool][i:i + 1], max(layers)))
+metric = lru_cache(maxsize=None)(lambda layer: layer_output_metric(model, layer))
+page_weights = lru_cache(maxsize=len(ARMS))(lambda pool, i, layer, m, e: arm_page_weights(
+    m, e, *activations(pool, i)[layer], page_size, rank, n_queries, metric(layer) if m == "oval" else None))
+layer_results = lru_cache(maxsize=len(budget_fractions))(lambda pool, i, layer, b: dict(zip(ARMS, arms_fidelity(
+    *activations(pool, i)[layer], [page_weights(pool, i, layer, m, e) for m, e in ARMS], b, page_size, sink, recent,
+    n_queries))))
+cells = [{"seq_len": seq_len, "n_queries": n_queries, "pool": pool, "window": i, "layer": layer, "method": m, "eta": e,
+          "budget": b} for pool in windows for i in range(len(windows[pool])) for layer in layers for b in budgets
+         for m, e in ARMS]
+# the run's settings are key columns of every row; the pools' sizes are not (window i is the same whatever their number)
 settings = {"model_name": model_name, "dtype": dtype, "seed": seed, "page_size": page_size, "rank": rank, "sink": sink,
             "recent": recent}
-grid = run_grid(cells, cell_metrics, Path(out_dir)/"oval_quality_grid.csv", desc="oval quality",  # resumable, uncommitted
-                params=settings).drop(columns=list(settings))
-keys = ["seq_len", "n_queries", "pool", "window", "layer", "method", "eta", "budget"]
-res = grid.merge(pd.DataFrame(cells), on=keys)  # this run's cells only (the grid CSV may hold others)
-assert len(res) == len(cells)
-res.insert(res.columns.get_loc("pool") + 1, "source", res.pool.map(lambda p: "reasoning" if p == "reasoning" else "prose"))
+grid = run_grid(cells, lambda c: dict(zip(("mass_recall", "output_error"), layer_results(
+    c["pool"], c["window"], c["layer"], c["budget"])[(c["method"], c["eta"])])),
+    Path(out_dir)/"oval_quality_grid.csv", desc="oval quality", params=settings).drop(columns=list(settings))
+res = this_run(grid, cells)  # this run's cells only (the grid CSV, resumable and uncommitted, may hold others)
+res.insert(res.columns.get_loc("pool") + 1, "source",
+           res.pool.map(lambda p: "reasoning" if p == "reasoning" else "prose"))
 write_csv(Path(fig_dir)/"oval_quality_cells.csv", res)
-res.head()
 
 # %% [markdown]
-# Sanity checks on the measurements: the oracle keeps the pages of largest true mass, so no
-# method beats its mean recall; every recall lies in $[0, 1]$.
+# **Table 4 analogue**: mean over all windows and layers per source (prose: calibration and held-out
+# windows together; reasoning), budget, method and $\eta$.
+
+# %%
+mean_by = res.groupby(["source", "budget", "method", "eta"])[["mass_recall", "output_error"]].mean()
+table4 = mean_by.reset_index()
+table4.insert(2, "arm", [arm_label(m, e) for m, e in zip(table4.method, table4.eta)])
+table4
+
+# %% [markdown]
+# **Protocol.** The activations are captured with `CapturePolicy` during one dense forward pass of
+# `model_name` (SmolLM2-135M, or Qwen2.5-Coder-0.5B in the `qwen-full` profile) over each window:
+#
+# - for each layer and window, the last `n_queries` queries (the decode positions of the window's
+#   final page) score every complete page with a method's summary (`sparsekv.oval.summaries`), the
+#   per-head page softmaxes are averaged over each GQA group (avgSM), and the sink, the recent tokens
+#   and the top pages that fit the token budget are kept, per KV head (`sparsekv.oval.pages`);
+# - **mass recall** $\sum_{j \in \text{kept}} p_j$ of the dense attention $p$, and **relative output
+#   error** $\lVert o_{\text{kept}} - o\rVert / \lVert o \rVert$ of exact attention over the kept keys
+#   (`sparsekv.eval.attention_fidelity`), averaged over query heads and queries.
+#
+# Methods: Quest (per-channel min/max bound), ArkVale (bounding ball), key PCA ($\eta = 0$), OVAL at
+# each $\eta$ with $G$ from the layer's `o_proj`, and the oracle (exact page log-mass); page size 32,
+# rank 8. **Budget**: the paper keeps $\mathcal B = 2048$ tokens of up to 16k-token reasoning traces
+# (ratio 1/8; LongBench v2 is 2048 of 64k, 1/32). We keep the fraction `budget_fractions` of the
+# window; sink and recent are one page each. (The quick smoke test keeps 1/4 of 512-token windows, so
+# that some pages remain selectable.)
+#
+# The grid runs through `run_grid` (one CSV row per window, layer, method, $\eta$ and budget), so an
+# interrupted run resumes. Calibration windows come from the training part of the prose stream,
+# held-out windows from its validation part (disjoint text). A third pool, `reasoning`, holds windows
+# of math word problems (`reasoning_problems("gsm_symbolic")`, each followed by its answer,
+# concatenated up to the window length): a different domain, on which the prose-calibrated $\eta$ is
+# also scored.
+#
+# Sanity checks on the measurements: the oracle keeps the pages of largest true mass, so no method
+# beats its mean recall; every recall lies in $[0, 1]$.
 
 # %%
 assert res.mass_recall.between(0, 1 + 1e-6).all()
-mean_by = res.groupby(["source", "budget", "method", "eta"])[["mass_recall", "output_error"]].mean()
 sources = list(dict.fromkeys(res.source))
 for src in sources:
     for b in budgets:
         assert mean_by.loc[(src, b)].mass_recall.max() <= mean_by.loc[(src, b, "oracle", 0.0), "mass_recall"] + 1e-6
-
-
-# %% [markdown]
-# **Table 4 analogue**: mean over all windows and layers per source (prose: calibration and held-out
-# windows together; reasoning), method and $\eta$.
-
-# %%
-def label(method: str, eta: float) -> str:
-    "Display name of an arm."
-    return f"oval eta={eta:g}" if method == "oval" else method
-
-table4 = mean_by.reset_index()
-table4.insert(2, "arm", [label(m, e) for m, e in zip(table4.method, table4.eta)])
-table4
-
 
 # %% [markdown]
 # **Table 3 analogue**: for each budget and metric, $\eta$ is chosen on the calibration windows,
@@ -192,23 +134,7 @@ table4
 # frozen $\eta$ is also scored on the reasoning windows (a domain shift).
 
 # %%
-def choose_eta(res: pd.DataFrame) -> pd.DataFrame:
-    "Per test pool, budget and metric: eta chosen on the calibration pool, its test value, the test-best eta and value, key PCA and Quest."
-    out = []
-    by = res.groupby(["pool", "budget", "method", "eta"])[["mass_recall", "output_error"]].mean()
-    for pool in [p for p in ("heldout", "reasoning") if len(windows[p])]:
-        for b in budgets:
-            for metric_name, better in (("mass_recall", max), ("output_error", min)):
-                cal = {e: by.loc[("calib", b, "oval", e), metric_name] for e in etas}
-                test = {e: by.loc[(pool, b, "oval", e), metric_name] for e in etas}
-                e_cal, e_best = better(cal, key=cal.get), better(test, key=test.get)
-                out.append({"test_pool": pool, "budget": b, "metric": metric_name, "eta_calibrated": e_cal, "test_at_calibrated": test[e_cal],
-                            "eta_best_test": e_best, "test_best": test[e_best], "gap": abs(test[e_cal] - test[e_best]),
-                            "keypca_test": by.loc[(pool, b, "keypca", 0.0), metric_name],
-                            "quest_test": by.loc[(pool, b, "quest", 0.0), metric_name]})
-    return pd.DataFrame(out)
-
-table3 = choose_eta(res)
+table3 = choose_eta(res, etas, budgets, [p for p in ("heldout", "reasoning") if len(windows[p])])
 write_csv(Path(fig_dir)/"oval_quality_table3.csv", table3)
 table3
 
@@ -220,66 +146,28 @@ table3
 # %%
 rows = [(src, b) for src in sources for b in budgets]
 fig, axes = plt.subplots(len(rows), 2, figsize=(9, 2.9 * len(rows)), squeeze=False, sharex=True, layout="constrained")
-colors = {"quest": "C1", "arkvale": "C2", "oracle": "k"}
 for i, (src, b) in enumerate(rows):
-    t = table4[(table4.source == src) & (table4.budget == b)].set_index("arm")
-    sp = t[t.method.isin(["keypca", "oval"])].sort_values("eta")  # key PCA is OVAL at eta = 0
+    t = table4[(table4.source == src) & (table4.budget == b)]
     for j, (metric_name, name) in enumerate((("mass_recall", "mass recall"), ("output_error", "rel. output error"))):
-        ax = axes[i, j]
-        ax.plot(sp.eta, sp[metric_name], marker="o", color="C0", label="OVAL (eta = 0: key PCA)")
-        for m, c in colors.items():
-            ax.axhline(t.loc[m, metric_name], color=c, ls="--", lw=1.2, label=m)
-        ax.set(ylabel=name, title=f"{src}, budget {b} of {seq_len}", xlabel="eta" if i == len(rows) - 1 else None)
+        plot_eta_curve(axes[i, j], t, metric_name, {"quest": "C1", "arkvale": "C2", "oracle": "k"})
+        axes[i, j].set(ylabel=name, title=f"{src}, budget {b} of {seq_len}",
+                       xlabel="eta" if i == len(rows) - 1 else None)
 fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=9)
-fig.suptitle(f"OVAL Table 4 analogue: page retrieval quality vs eta on {model_label} activations\n({len(layers)} layers, "
-             f"{n_calib}+{n_heldout} prose + {n_reasoning} reasoning windows, page {page_size}, rank {rank})", fontsize=11)
+fig.suptitle(f"OVAL Table 4 analogue: page retrieval quality vs eta on {model_label} activations", fontsize=11)
 save_figure(fig, Path(fig_dir)/"oval_quality.png", data=table4)  # writes table4 to oval_quality.csv
 
-
 # %% [markdown]
-# **Where the theory says OVAL should win, measured on the model** (`30_oval_basis` §16). At
-# leading order the output-risk gain of OVAL at $\eta = 1$ over key PCA is $\rho = 1 + (1 - a)/\tau$,
-# with $a$ the key–output alignment (the share of the best attainable output sensitivity that key
-# PCA's basis captures) and $\tau$ the output sensitivity beyond rank $r$ relative to the top $r$.
-# For every layer and KV head, over the complete pages of the held-out windows: $a$, $\tau$ and
-# $\rho$ with the layer's $G$ (ratio of the mean trace-form risks over pages), the same $\rho$ with
-# $G = I$ (how much of it $G$'s anisotropy contributes), and $G$'s spectrum: its condition
-# number and its effective rank $(\operatorname{tr}G)^2/\operatorname{tr}(G^2)$ as a share of
-# $d$. Beside them, the measured output-error ratio key PCA / OVAL($\eta = 1$) of the retrieval
-# above (held-out prose, per layer).
+# **Where the theory says OVAL should win, measured on the model** (`30_oval_basis` §16): for every
+# layer and KV head, over the complete pages of the held-out windows, the alignment $a$, the tail
+# $\tau$ and the predicted gain $\rho = 1 + (1 - a)/\tau$ of OVAL at $\eta = 1$ over key PCA, with the
+# layer's $G$ and with $G = I$ (how much of it $G$'s anisotropy contributes), and $G$'s spectrum
+# (`theory_rows`). Beside them, the measured output-error ratio key PCA / OVAL($\eta = 1$) of the
+# retrieval above (held-out prose, per layer).
 
 # %%
-def page_stack(x: torch.Tensor) -> torch.Tensor:
-    "The complete pages of one window's keys or values [1, Hkv, T, d] as [Hkv, P, page_size, d]."
-    P = x.shape[2] // page_size
-    return x[0, :, :P * page_size].unflatten(1, (P, page_size))
-
-def theory_row(pool: str, window: int, layer: int) -> list[dict]:
-    "Alignment a, tail tau, predicted gain rho (model G and G = I) and G's spectrum per KV head of one (window, layer)."
-    _, k, v = activations(pool, window)[layer]
-    K, V, G = page_stack(k).double(), page_stack(v).double(), metric(layer).double()
-    Gp = G[:, None]                                                 # one metric per KV head, shared by its pages
-    _, X = centre_page(K)
-    _, Y = centre_page(V)
-    out = []
-    for name, Gm in (("model", Gp), ("identity", None)):
-        B0, B1 = (page_basis(K, V, Gm, rank=rank, eta=e)[1] for e in (0.0, 1.0))
-        r0, r1 = page_risks(K, V, B0, Gm)[1], page_risks(K, V, B1, Gm)[1]
-        YtX = Y.mT @ X
-        M = YtX.mT @ (YtX if Gm is None else Gm @ YtX)              # M_out per page
-        lam = torch.linalg.eigvalsh(M)
-        top, total = lam[..., -B0.shape[-1]:].sum(-1), lam.sum(-1)
-        a = (B0.mT @ M @ B0).diagonal(dim1=-2, dim2=-1).sum(-1) / top
-        out.append({f"rho_{name}": (r0.mean(-1) / r1.mean(-1)).tolist(), f"alignment_{name}": a.mean(-1).tolist(),
-                    f"tail_{name}": ((total - top) / top).mean(-1).tolist()})
-    eig = torch.linalg.eigvalsh(G)
-    spectrum = {"G_condition": (eig[:, -1] / eig[:, 0]).tolist(),
-                "G_effective_rank": ((eig.sum(-1) ** 2 / (eig ** 2).sum(-1)) / G.shape[-1]).tolist()}
-    return [{"pool": pool, "window": window, "layer": layer, "kv_head": h,
-             **{key: vals[h] for part in (*out, spectrum) for key, vals in part.items()}} for h in range(G.shape[0])]
-
-theory = pd.DataFrame([row for i in range(len(windows["heldout"])) for layer in layers
-                       for row in theory_row("heldout", i, layer)])
+theory = pd.DataFrame([{"pool": "heldout", "window": i, "layer": layer, **row}
+                       for i in range(len(windows["heldout"])) for layer in layers
+                       for row in theory_rows(*activations("heldout", i)[layer][1:], metric(layer), rank, page_size)])
 assert (theory.rho_model >= 1 - 1e-9).all() and theory.alignment_model.between(0, 1 + 1e-9).all()
 by_layer = theory.groupby("layer")[["alignment_model", "tail_model", "rho_model", "rho_identity", "G_condition",
                                     "G_effective_rank"]].mean()
@@ -302,10 +190,8 @@ axes[1].set(xlabel="key-output alignment a", ylabel="tail tau", title="per KV he
 axes[2].scatter(by_layer.rho_model, by_layer.measured_error_ratio, s=14)
 axes[2].axhline(1, color="k", lw=0.8)
 axes[2].set(xlabel="predicted gain rho", ylabel="measured error ratio", title=f"per layer (Spearman {rank_corr:.2f})")
-fig.suptitle(f"Where OVAL should beat key PCA on {model_label}: rank {rank}, {len(windows['heldout'])} held-out window(s)",
-             fontsize=11)
+fig.suptitle(f"Where OVAL should beat key PCA on {model_label}", fontsize=11)
 save_figure(fig, Path(fig_dir)/"oval_theory.png", data=theory)
-
 
 # %% [markdown]
 # **Reading it.** $\rho$ is a gain in *reconstructing a page's output from its summary*, the error the
@@ -314,33 +200,16 @@ save_figure(fig, Path(fig_dir)/"oval_theory.png", data=theory)
 # pages it drops, i.e. from how well the summary ranks pages by mass, which is key fidelity ($\eta = 0$'s
 # objective). A large $\rho$ therefore need not show in the measured ratio; what the table can show is
 # whether $G$'s anisotropy (the `rho_model` vs `rho_identity` gap, the condition number) is anywhere near
-# the controlled setting of `30_oval_basis` §16, where it drives $\rho$ to 5.7.
-
-# %%
-def md_table(df: pd.DataFrame) -> str:
-    "df as a markdown table, 4 decimals."
-    return df.to_markdown(index=False, floatfmt=".4f")
-
-summary_rows = []
-for (src, b), t in table4.groupby(["source", "budget"], sort=False):
-    t = t.set_index("arm")
-    ov = t[t.method == "oval"]
-    summary_rows.append({"source": src, "budget": str(b), "best OVAL recall": ov.mass_recall.max(),
-                         "key PCA recall": t.mass_recall["keypca"], "Quest recall": t.mass_recall["quest"],
-                         "ArkVale recall": t.mass_recall["arkvale"], "best OVAL error": ov.output_error.min(),
-                         "key PCA error": t.output_error["keypca"], "Quest error": t.output_error["quest"]})
-
-
-# %% [markdown]
+# the controlled setting of `30_oval_basis` §16.
+#
 # **Paper vs ours.** The paper's numbers are end-task accuracies (avg@$k$ of 8B-14B reasoning
 # models at 16k tokens); ours are retrieval metrics on a small model's activations, so only the
 # direction of each claim is comparable.
 
 # %%
-def per_budget(src: str, fmt) -> str:
-    "fmt(row) of each budget's summary row of source src, joined."
-    return "; ".join(f"B={r['budget']}: {fmt(r)}" for r in summary_rows if r["source"] == src)
-
+summary = best_eta_summary(table4)
+per_budget = lambda src, fmt: "; ".join(f"B={r['budget']}: {fmt(r)}" for r in summary.to_dict("records")
+                                        if r["source"] == src)
 held = table3[(table3.test_pool == "heldout") & (table3.metric == "output_error")]
 paper_vs_ours = pd.DataFrame([
     {"claim": "nonzero eta beats key PCA (eta = 0)",
@@ -348,44 +217,52 @@ paper_vs_ours = pd.DataFrame([
               "(e.g. Llama 8B AIME24 avg@k 42.08 at eta=0, 53.33 at eta=0.5)",
      "ours": "prose, output error, best OVAL vs key PCA: "
              + per_budget("prose", lambda r: f"{r['best OVAL error']:.4f} vs {r['key PCA error']:.4f}")
-             + "; mass recall: " + per_budget("prose", lambda r: f"{r['best OVAL recall']:.4f} vs {r['key PCA recall']:.4f}"),
+             + "; mass recall: "
+             + per_budget("prose", lambda r: f"{r['best OVAL recall']:.4f} vs {r['key PCA recall']:.4f}"),
      "why they differ": "OVAL trades key fidelity (mass recall) for output sensitivity; retrieval metrics of "
                         f"{model_label} averaged over layers, not accuracy"},
     {"claim": "OVAL retrieves better than Quest and ArkVale",
      "paper": "Table 1: Llama 8B average avg@k, eta* 55.69 vs Quest 47.81, ArkVale 49.64",
      "ours": "prose mass recall, best OVAL / Quest / ArkVale: "
-             + per_budget("prose", lambda r: f"{r['best OVAL recall']:.4f} / {r['Quest recall']:.4f} / {r['ArkVale recall']:.4f}"),
+             + per_budget("prose", lambda r: f"{r['best OVAL recall']:.4f} / {r['Quest recall']:.4f} / "
+                                             f"{r['ArkVale recall']:.4f}"),
      "why they differ": "recall of the dense attention mass, not task accuracy"},
     {"claim": "the output-aware basis matters where G weights directions unequally (§3.1-3.2, App. A.3)",
-     "paper": "argued from the theory (a direction with large key energy and no output effect, App. A.3); no measurement of G's "
-              "spectrum or of the key-output alignment on the evaluated models",
-     "ours": f"G's condition number {by_layer.G_condition.min():.1f} to {by_layer.G_condition.max():.1f} per layer (effective rank "
-             f"{by_layer.G_effective_rank.min():.0%} to {by_layer.G_effective_rank.max():.0%} of d); predicted rho {by_layer.rho_model.min():.2f} "
-             f"to {by_layer.rho_model.max():.2f} with G, {by_layer.rho_identity.min():.2f} to {by_layer.rho_identity.max():.2f} with G = I; "
-             f"measured output-error ratio key PCA / OVAL(eta=1) {by_layer.measured_error_ratio.min():.2f} to "
+     "paper": "argued from the theory (a direction with large key energy and no output effect, App. A.3); no "
+              "measurement of G's spectrum or of the key-output alignment on the evaluated models",
+     "ours": f"G's condition number {by_layer.G_condition.min():.1f} to {by_layer.G_condition.max():.1f} per layer "
+             f"(effective rank {by_layer.G_effective_rank.min():.0%} to {by_layer.G_effective_rank.max():.0%} of d); "
+             f"predicted rho {by_layer.rho_model.min():.2f} to {by_layer.rho_model.max():.2f} with G, "
+             f"{by_layer.rho_identity.min():.2f} to {by_layer.rho_identity.max():.2f} with G = I; measured "
+             f"output-error ratio key PCA / OVAL(eta=1) {by_layer.measured_error_ratio.min():.2f} to "
              f"{by_layer.measured_error_ratio.max():.2f} (Spearman with rho over layers {rank_corr:.2f})",
-     "why they differ": "rho is a within-page reconstruction gain; retrieval attends exactly over the kept pages and loses only "
-                        "what it drops, which the ranking (key fidelity) decides"},
+     "why they differ": "rho is a within-page reconstruction gain; retrieval attends exactly over the kept pages and "
+                        "loses only what it drops, which the ranking (key fidelity) decides"},
     {"claim": "eta calibrated on a disjoint pool transfers",
      "paper": "Table 3 / §4.3: gap (sweep best - frozen) 2.05 avg@k points on Llama 8B, 3.50 on Qwen 7B",
-     "ours": "held-out prose, output error: " + "; ".join(f"B={r.budget}: eta {r.eta_calibrated:g} frozen, gap {r.gap:.4f}"
-                                                        for r in held.itertuples()),
-     "why they differ": f"{n_calib} calibration and {n_heldout} held-out window(s) of prose vs 40 calibration problems; "
-                        "gap in relative-error units, not accuracy points"},
+     "ours": "held-out prose, output error: " + "; ".join(
+         f"B={r.budget}: eta {r.eta_calibrated:g} frozen, gap {r.gap:.4f}" for r in held.itertuples()),
+     "why they differ": f"{n_calib} calibration and {n_heldout} held-out window(s) of prose vs 40 calibration "
+                        "problems; gap in relative-error units, not accuracy points"},
 ])
 paper_vs_ours
 
 # %%
-lines = [f"{model_label} activations over windows of {seq_len} tokens ({n_calib} calibration + {n_heldout} held-out prose, "
-         f"{n_reasoning} gsm_symbolic reasoning), {len(layers)} layers, last {n_queries} queries per window; page {page_size}, rank {rank}, "
-         f"sink {sink}, recent {recent}, budgets {budgets} (fractions {budget_fractions} of the window; the paper keeps 2048 of up to 16k tokens, 1/8).", "",
-         "Mean per source, method and eta (Table 4 analogue):", "", md_table(table4.drop(columns=["method", "eta"])), "",
-         "Best OVAL eta against the baselines:", "", md_table(pd.DataFrame(summary_rows)), "",
-         "eta chosen on the prose calibration windows, scored on held-out prose and on reasoning windows (Table 3 analogue):", "", md_table(table3),
-         "", f"Where the theory says OVAL should win (30_oval_basis §16), mean per layer over KV heads and held-out pages: alignment a, "
-         f"tail tau, predicted leading-order gain rho = 1 + (1 - a)/tau with the layer's G and with G = I, G's condition number and "
-         f"effective rank share, and the measured output-error ratio key PCA / OVAL(eta=1) (Spearman over layers {rank_corr:.2f}; "
-         f"the controlled setting of §16 spans rho 1.15 to 5.7):", "", md_table(by_layer.reset_index()),
+lines = [f"{model_label} activations over windows of {seq_len} tokens ({n_calib} calibration + {n_heldout} held-out "
+         f"prose, {n_reasoning} gsm_symbolic reasoning), {len(layers)} layers, last {n_queries} queries per window; "
+         f"page {page_size}, rank {rank}, sink {sink}, recent {recent}, budgets {budgets} (fractions "
+         f"{budget_fractions} of the window; the paper keeps 2048 of up to 16k tokens, 1/8).", "",
+         "Mean per source, method and eta (Table 4 analogue):", "",
+         md_table(table4.drop(columns=["method", "eta"]), ".4f"), "",
+         "Best OVAL eta against the baselines:", "", md_table(summary, ".4f"), "",
+         "eta chosen on the prose calibration windows, scored on held-out prose and on reasoning windows (Table 3 "
+         "analogue):", "", md_table(table3, ".4f"),
+         "", "Where the theory says OVAL should win (30_oval_basis §16), mean per layer over KV heads and held-out "
+         "pages: alignment a, tail tau, predicted leading-order gain rho = 1 + (1 - a)/tau with the layer's G and with "
+         "G = I, G's condition number and effective rank share, and the measured output-error ratio key PCA / "
+         f"OVAL(eta=1) (Spearman over layers {rank_corr:.2f}; the controlled setting of §16 spans rho 1.15 to "
+         "5.7):", "",
+         md_table(by_layer.reset_index(), ".4f"),
          "", "Paper vs ours (the paper's numbers are end-task accuracies, ours retrieval metrics):", "",
          paper_vs_ours.to_markdown(index=False)]
 write_text(Path(out_dir)/"oval_quality.md", "\n".join(lines) + "\n")

@@ -4,33 +4,9 @@
 # > Per-token decode attention at long context through the library's decode path: full attention against page retrieval (`PageRetrievalPolicy`) with Quest, key-PCA and OVAL summaries, and the cost of summarizing a completed page (Figure 2 analogue, on this CPU).
 
 # %% [markdown]
-# One decode step of one layer with SmolLM2-135M head shapes ($H_q = 9$ query heads, $H_{kv} = 3$
-# KV heads, $d = 64$) over a cache of $T$ tokens, on random seeded tensors (the time does not
-# depend on the values), each method called exactly as `sparsekv.hf.patch` calls it at decode:
-#
-# - **full**: `DensePolicy`, SDPA of the query over all $T$ keys and values;
-# - **quest / keypca / oval**: `PageRetrievalPolicy` (`sparsekv.oval.pages`): score every complete
-#   page from the layer's packed summaries (`PackedPages.scores`, one GEMM over all pages of a KV
-#   head), average the per-head page softmaxes over each GQA group (avgSM), keep the sink, the
-#   recent tokens and the top pages within the token budget (`top_pages`), gather those whole
-#   pages and attend to them (`page_attention`). $G$ for OVAL comes from a random `o_proj`.
-#
-# The cache grows by one token per step (a slice of a longer buffer, as a decode cache grows), so
-# the policy runs its real bookkeeping; the summaries of the $T/m$ pages present at the first step
-# are built then (the prefill's share), outside the timed steps. Every timed step calls the four
-# methods back to back in a rotating order, and each ratio is the **median over steps of the
-# ratio within a step**: the machine is shared, so only times taken side by side are compared.
-#
-# **Clock.** The machine is shared with other jobs (more runnable threads than cores), so a call's
-# wall time includes the time it waits to be scheduled, at random. We therefore time each call by
-# the CPU time of the calling thread (`time.thread_time`; with one intra-op thread every kernel
-# runs on it), which counts the work and its memory stalls but not the waits. Wall-clock times
-# are recorded beside it and their ratios reported too.
-#
-# OVAL and key PCA store the same summary $(\mu, B, R)$ per page and head and are scored by the
-# same formula, so their scoring costs should match (goal: OVAL $\le 1.15\times$ key PCA); they
-# differ only in how $B$ is built, which the last section times per completed page. Goal: page
-# retrieval $\ge 2\times$ faster than full attention per token at 32k.
+# One decode step of one layer with SmolLM2-135M head shapes ($H_q = 9$ query heads, $H_{kv} = 3$ KV
+# heads, $d = 64$) over a cache of $T$ tokens, full attention against page retrieval. The method and
+# the clock are described under the first table.
 
 # %%
 #| parameters
@@ -50,134 +26,82 @@ threads = 1
 seed = 0
 
 # %%
-import math
-import statistics
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from matplotlib.ticker import FuncFormatter, NullFormatter, ScalarFormatter
 
-from sparsekv.hf import AttentionContext, DensePolicy, attend_selected, dense_attention
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.oval.basis import output_metric
-from sparsekv.oval.pages import PackedPages, PageRetrievalPolicy, aggregate_gqa, gather_pages, select_pages, top_pages
-from sparsekv.oval.summaries import build_summaries, score_pages
+from sparsekv.oval.experiments import (decode_latency, latency_table, limit_macs, paired_ratio, stand_in_attention,
+                                       summary_build_latency)
 
 use_style()
 torch.set_num_threads(threads)  # every method gets the same threads
 HQ, HKV, D = 9, 3, 64           # SmolLM2-135M attention shapes
 METHODS = ["full", "quest", "keypca", "oval"]
 print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s)")
-
-
-# %%
-def seconds(f) -> dict:
-    "CPU time of the calling thread ('seconds') and wall time ('wall_seconds') of one call of f."
-    c0, w0 = time.thread_time(), time.perf_counter()
-    f()
-    return {"seconds": time.thread_time() - c0, "wall_seconds": time.perf_counter() - w0}
-
-def decode_context(t: int, module) -> AttentionContext:
-    "The context sparsekv.hf builds for a decode query at position t - 1 of layer 1 (no padding mask)."
-    return AttentionContext(layer_idx=1, kind="decode", query_positions=torch.tensor([t - 1]),
-                            key_positions=torch.arange(t).expand(1, HKV, t), mask=None, scale=D ** -0.5, module=module)
-
-def policies() -> dict:
-    "Fresh policies of every method (the retrieval ones keep per-layer summaries)."
-    kw = dict(token_budget=token_budget, page_size=page_size, sink=sink, recent=recent, rank=rank, eta=eta)
-    return {"full": DensePolicy(), **{m: PageRetrievalPolicy(m, **kw) for m in METHODS[1:]}}
-
-
-# %% [markdown]
-# A stand-in attention module gives the policy what it reads from a real layer: `o_proj.weight`
-# (for OVAL's $G$), the head counts and the head dimension.
-
-# %%
 gen = torch.Generator().manual_seed(seed)
-module = SimpleNamespace(o_proj=SimpleNamespace(weight=torch.randn(HQ * D, HQ * D, generator=gen) / math.sqrt(HQ * D)),
-                         config=SimpleNamespace(num_attention_heads=HQ, num_key_value_heads=HKV), head_dim=D)
-G = output_metric(module.o_proj.weight, HQ, HKV, D)
-
-# %% [markdown]
-# ## Per-token decode latency
-#
-# At the first step each retrieval policy's output is checked against the analysis path, from
-# scratch: summaries by `build_summaries`, scores by `score_pages`, `select_pages`, then exact
-# attention over the selected tokens (`attend_selected`). Then `repeats` timed steps; and the
-# scoring alone (`PackedPages.scores` of the layer's summaries), interleaved the same way, beside
-# the broadcast `score_pages` of the same summaries for reference.
+module = stand_in_attention(HQ, HKV, D, gen)  # what a policy reads from a layer: o_proj.weight, head counts
 
 # %%
-steps, scoring, checks, n_kept = [], [], [], {}
-for T in contexts:
-    kb = torch.randn(1, HKV, T + repeats + 1, D, generator=gen)
-    vb = torch.randn(1, HKV, T + repeats + 1, D, generator=gen)
-    qs = torch.randn(repeats + 1, 1, HQ, 1, D, generator=gen)
-    pols = policies()
-    k, v, ctx = kb[:, :, :T], vb[:, :, :T], decode_context(T, module)
-    for m, pol in pols.items():                                               # first step: builds the summaries
-        out = pol(qs[0], k, v, ctx)
-        if m == "full": continue
-        ref = build_summaries(m, k, v, page_size, rank, eta, G)
-        idx = select_pages(aggregate_gqa(score_pages(m, ref, qs[0, :, :, 0], ctx.scale), HKV), token_budget, page_size, sink, recent, T)
-        torch.testing.assert_close(out, attend_selected(qs[0], k, v, idx, scale=ctx.scale), rtol=1e-4, atol=1e-5)
-        checks.append({"T": T, "method": m, "pages built": pol.built, "same selection": torch.equal(pol.select(qs[0], k, v, ctx), idx)})
-    for j in range(1, repeats + 1):                                           # timed steps, the cache grows by one
-        t = T + j
-        k, v, ctx = kb[:, :, :t], vb[:, :, :t], decode_context(t, module)
-        for m in METHODS[j % 4:] + METHODS[:j % 4]:
-            steps.append({"T": T, "step": j, "method": m, **seconds(lambda: pols[m](qs[j], k, v, ctx))})
-    packed = {m: pols[m].summaries[1] for m in METHODS[1:]}
-    views = {m: p.summary() for m, p in packed.items()}
-    scorings = [(m, "packed", lambda q, m=m: packed[m].scores(q)) for m in METHODS[1:]]
-    calls = [("keypca", "score_pages", lambda q: score_pages("keypca", views["keypca"], q))]
-    # attention over each method's kept pages, gathered beforehand: the step's other essential part
-    t = T + repeats  # the cache the stores summarize after the timed steps
-    page_scores = {m: packed[m].scores(qs[0, :, :, 0]) for m in METHODS[1:]}
-    kept = {m: top_pages(aggregate_gqa(page_scores[m], HKV), token_budget, page_size, sink, recent, t) for m in METHODS[1:]}
-    kv_kept = {m: (gather_pages(kb[:, :, :t], p, page_size), gather_pages(vb[:, :, :t], p, page_size)) for m, p in kept.items()}
-    calls += [(m, "attend", lambda q, m=m: dense_attention(q[:, :, None], *kv_kept[m], None, D ** -0.5)) for m in METHODS[1:]]
-    # the step's other parts: choosing the pages from their scores, gathering the kept pages
-    parts = [(m, "choose", lambda q, m=m: top_pages(aggregate_gqa(page_scores[m], HKV), token_budget, page_size, sink,
-                                                    recent, t)) for m in METHODS[1:]]
-    parts += [(m, "gather", lambda q, m=m: (gather_pages(kb[:, :, :t], kept[m], page_size),
-                                            gather_pages(vb[:, :, :t], kept[m], page_size))) for m in METHODS[1:]]
-    n_kept[T] = kv_kept["oval"][0].shape[2]
-    # each kind of call in a loop of its own, the methods rotated within it: interleaved with other kinds, a call
-    # finds the CPU's caches as the one before left them (OVAL's packed scoring timed 1.5x key PCA's when it ran
-    # between the reference scoring and the attention calls, 0.99x among the packed scorings alone)
-    for group in (scorings, calls, parts):
-        for j in range(repeats):
-            for m, path, f in group[j % len(group):] + group[:j % len(group)]:
-                scoring.append({"T": T, "step": j, "method": m, "path": path, **seconds(lambda: f(qs[j, :, :, 0]))})
-steps, scoring = pd.DataFrame(steps), pd.DataFrame(scoring)
-pd.DataFrame(checks)
-
-# %% [markdown]
-# The outputs agree (the assert above); `same selection` records whether the policy also keeps
-# exactly the pages of the from-scratch reference (its scores differ from `score_pages`'s only by
-# float32 rounding, which could swap two near-tied pages). Median times per method:
-
-# %%
-lat = steps.groupby(["T", "method"], sort=False)[["seconds", "wall_seconds"]].median().set_axis(["step_s", "step_wall_s"], axis=1).reset_index()
-lat = lat.merge(scoring[scoring.path == "packed"].groupby(["T", "method"]).seconds.median().rename("score_s").reset_index(), how="left")
-for path in ("attend", "choose", "gather"):
-    lat = lat.merge(scoring[scoring.path == path].groupby(["T", "method"]).seconds.median().rename(f"{path}_s").reset_index(), how="left")
-lat["pages"] = lat["T"] // page_size
+steps, scoring, checks, n_kept = decode_latency(contexts, module, METHODS, token_budget, page_size, sink, recent, rank,
+                                                eta, repeats, gen)
+lat = latency_table(steps, scoring, page_size)
 lat["threads"] = torch.get_num_threads()
 lat
 
+# %% [markdown]
+# Median times per context $T$ and method: the whole step (`step_s`, thread CPU time; `step_wall_s`,
+# wall clock) and its parts timed alone (`score_s`: the packed page scoring; `attend_s`: attention over
+# the kept pages; `choose_s`: choosing the pages; `gather_s`: gathering them).
+#
+# **How.** Each method is called exactly as `sparsekv.hf.patch` calls it at decode, on random seeded
+# tensors (the time does not depend on the values); the policies come from the registry
+# (`methods.make`):
+#
+# - **full**: `DensePolicy`, SDPA of the query over all $T$ keys and values;
+# - **quest / keypca / oval**: `PageRetrievalPolicy` (`sparsekv.oval.pages`): score every complete
+#   page from the layer's packed summaries (`PackedPages.scores`, one GEMM over all pages of a KV
+#   head), average the per-head page softmaxes over each GQA group (avgSM), keep the sink, the
+#   recent tokens and the top pages within the token budget (`top_pages`), gather those whole
+#   pages and attend to them (`page_attention`). $G$ for OVAL comes from a random `o_proj`.
+#
+# The cache grows by one token per step (a slice of a longer buffer, as a decode cache grows), so
+# the policy runs its real bookkeeping; the summaries of the $T/m$ pages present at the first step
+# are built then (the prefill's share), outside the timed steps. Every timed step calls the four
+# methods back to back in a rotating order, and each ratio is the **median over steps of the
+# ratio within a step**: the machine is shared, so only times taken side by side are compared
+# (`decode_latency`, `paired_ratio`).
+#
+# **Clock.** The machine is shared with other jobs (more runnable threads than cores), so a call's
+# wall time includes the time it waits to be scheduled, at random. We therefore time each call by
+# the CPU time of the calling thread (`time.thread_time`; with one intra-op thread every kernel
+# runs on it), which counts the work and its memory stalls but not the waits. Wall-clock times
+# are recorded beside it and their ratios reported too.
+#
+# OVAL and key PCA store the same summary $(\mu, B, R)$ per page and head and are scored by the
+# same formula, so their scoring costs should match (goal: OVAL $\le 1.15\times$ key PCA); they
+# differ only in how $B$ is built, which the last section times per completed page. Goal: page
+# retrieval $\ge 2\times$ faster than full attention per token at 32k.
+#
+# At the first step each retrieval policy's output is checked against the analysis path, from
+# scratch: summaries by `build_summaries`, scores by `score_pages`, `select_pages`, then exact
+# attention over the selected tokens (`attend_selected`). The outputs agree (an assert);
+# `same selection` records whether the policy also keeps exactly the pages of the from-scratch
+# reference (its scores differ from `score_pages`'s only by float32 rounding, which could swap two
+# near-tied pages).
 
 # %%
-def paired_ratio(df: pd.DataFrame, num: str, den: str, col: str = "method", clock: str = "seconds") -> pd.Series:
-    "Per T: the median over steps of time(num) / time(den), both taken in the same step, on `clock`."
-    w = df.pivot_table(index=["T", "step"], columns=col, values=clock)
-    return (w[num] / w[den]).groupby("T").median()
+checks
 
+# %% [markdown]
+# Speed-ups, each the median over steps of the ratio within a step (thread CPU time; `wall_`: wall
+# clock), and the ratio of the broadcast `score_pages` to the packed scoring of the same summaries.
+
+# %%
 rat = pd.DataFrame({
     "full_over_quest": paired_ratio(steps, "full", "quest"),
     "full_over_keypca": paired_ratio(steps, "full", "keypca"),
@@ -191,7 +115,6 @@ rat = pd.DataFrame({
     "wall_full_over_oval": paired_ratio(steps, "full", "oval", clock="wall_seconds"),
 }).reset_index()
 rat
-
 
 # %% [markdown]
 # ## How close page retrieval comes to its limit
@@ -212,25 +135,19 @@ rat
 # bookkeeping. Times are medians of the same run.
 
 # %%
-def limit_macs(method: str, T: int, n: int) -> tuple[int, int]:
-    "Multiply-adds (full attention, page retrieval) of one decode step of one layer over T tokens, n of them kept."
-    P = T // page_size
-    score = 2 * D * P if method == "quest" else (rank + 1) * D * P + rank * page_size * P
-    return HQ * 2 * T * D, HQ * (2 * n * D + score)
-
-
 full_step = lat[lat.method == "full"].set_index("T").step_s
 limits = lat[lat.method != "full"].copy()
 limits["kept_tokens"] = limits["T"].map(n_kept)
-limits["flop_limit"] = [a / b for a, b in (limit_macs(r.method, r.T, r.kept_tokens) for r in limits.itertuples())]
+limits["flop_limit"] = [a / b for a, b in (limit_macs(r.method, r.T, r.kept_tokens, HQ, D, page_size, rank)
+                                            for r in limits.itertuples())]
 limits["speedup"] = [rat.set_index("T").loc[r.T, f"full_over_{r.method}"] for r in limits.itertuples()]
 limits["flop_efficiency"] = limits.speedup / limits.flop_limit
 limits["component_limit"] = limits["T"].map(full_step) / (limits.score_s + limits.attend_s)
 limits["component_efficiency"] = (limits.score_s + limits.attend_s) / limits.step_s
 limits["choose_share"], limits["gather_share"] = limits.choose_s / limits.step_s, limits.gather_s / limits.step_s
 limits["rest_share"] = 1 - limits.component_efficiency - limits.choose_share - limits.gather_share
-limits = limits[["T", "method", "kept_tokens", "flop_limit", "speedup", "flop_efficiency", "component_limit", "component_efficiency",
-                 "choose_share", "gather_share", "rest_share"]]
+limits = limits[["T", "method", "kept_tokens", "flop_limit", "speedup", "flop_efficiency", "component_limit",
+                 "component_efficiency", "choose_share", "gather_share", "rest_share"]]
 write_csv(Path(fig_dir)/"oval_latency_limits.csv", limits)
 limits
 
@@ -239,8 +156,7 @@ limits
 # step's other parts: gathering the kept pages (`gather_share`: a copy of $2nd$ values per KV head from
 # pages scattered over the whole cache, memory-bound, and the same bytes SDPA then reads once more),
 # the softmax over pages and the top-$k$ (`choose_share`), and what is left (`rest_share`): some forty
-# small tensor operations of bookkeeping per call (checks, views, index arithmetic), each a few
-# microseconds on this CPU. (The shares are parts timed alone over the step's median; they need not
+# small tensor operations of bookkeeping per call (checks, views, index arithmetic). (The shares are parts timed alone over the step's median; they need not
 # add up to one exactly.) At 32k the cache (50 MB of keys and values per layer here) no longer fits
 # the CPU's caches, so within a step the gather and the scoring read from memory, while the limit's parts
 # were timed in a loop of their own. Closing the rest of the gap takes a fused kernel that attends to
@@ -252,19 +168,13 @@ limits
 # During decode a page completes every $m$ steps and the policy summarizes it at once for all
 # KV heads (`build_summaries` of that page, appended to the layer's `PackedPages`). Median time per
 # page over `construction_pages` pages, per method; per KV head; and amortized per decoded token
-# ($/m$), in thread CPU time as above. OVAL's `page_basis` adds the output metric to key PCA's eigenproblem.
+# ($/m$), in thread CPU time as above (`summary_build_latency`). OVAL's `page_basis` adds the output
+# metric to key PCA's eigenproblem.
 
 # %%
-Kc = torch.randn(1, HKV, construction_pages * page_size, D, generator=gen)
-Vc = torch.randn(1, HKV, construction_pages * page_size, D, generator=gen)
-rows = []
-for p in range(construction_pages):
-    sl = slice(p * page_size, (p + 1) * page_size)
-    for m in METHODS[1 + p % 3:] + METHODS[1:1 + p % 3]:
-        store = PackedPages(m, page_size)
-        rows.append({"method": m, "page": p, **seconds(lambda: store.append(
-            build_summaries(m, Kc[:, :, sl], Vc[:, :, sl], page_size, rank, eta, G if m == "oval" else None)))})
-build = pd.DataFrame(rows).groupby("method", sort=False).seconds.median().rename("s_per_page").reset_index()
+G = output_metric(module.o_proj.weight, HQ, HKV, D)
+rows = summary_build_latency(METHODS[1:], construction_pages, page_size, rank, eta, G, gen)
+build = rows.groupby("method", sort=False).seconds.median().rename("s_per_page").reset_index()
 build["us_per_page_head"] = 1e6 * build.s_per_page / HKV
 build["us_per_token_amortized"] = 1e6 * build.s_per_page / page_size
 build["threads"] = torch.get_num_threads()
@@ -295,49 +205,53 @@ a3.bar(build.method, build.us_per_page_head, color=[colors[m] for m in build.met
 a3.set(ylabel="CPU us per page and KV head", title="(c) summary of a completed page")
 a3.grid(axis="x", visible=False)
 fig.legend(*a1.get_legend_handles_labels(), loc="outside right center", fontsize=9)
-fig.suptitle(f"OVAL Fig. 2 / §4.5 analogue (decode cost only): one layer with SmolLM2-135M shapes ({HQ}q/{HKV}kv heads, "
-             f"d={D}), page {page_size}, rank {rank}, {torch.get_num_threads()} CPU thread(s)", fontsize=11)
+fig.suptitle(f"OVAL Fig. 2 / §4.5 analogue (decode cost only): one layer with SmolLM2-135M shapes, "
+             f"{torch.get_num_threads()} CPU thread(s)", fontsize=11)
 save_figure(fig, Path(fig_dir)/"oval_latency.png", data=lat)
 
 # %%
 big = rat.set_index("T").loc[max(contexts)]
-lines = [f"Decode attention of one layer ({HQ} query / {HKV} KV heads, d = {D}) through the library's decode path "
-         f"(`DensePolicy`, `PageRetrievalPolicy`), random tensors, page {page_size}, rank {rank}, eta {eta}, budget {token_budget} "
-         f"(sink {sink}, recent {recent}), median of {repeats} steps of a growing cache with the methods interleaved, "
-         f"{torch.get_num_threads()} thread(s). Times: CPU time of the calling thread (wall clock in brackets; the machine is shared). "
-         "Ratios: median over steps of the ratio within a step.", "",
-         "| T | method | whole step (ms) | page scoring (ms) |", "|---|---|---|---|"]
-lines += [f"| {r.T} | {r.method} | {1e3 * r.step_s:.3f} ({1e3 * r.step_wall_s:.3f}) | " + ("-" if r.method == "full" else f"{1e3 * r.score_s:.3f}") + " |"
-          for r in lat.itertuples()]
-lines += ["", "| T | full/Quest | full/keyPCA | full/OVAL | OVAL/keyPCA step | OVAL/keyPCA scoring | score_pages/packed scoring |",
-          "|---|---|---|---|---|---|---|"]
-lines += [f"| {r.T} | {r.full_over_quest:.2f}x | {r.full_over_keypca:.2f}x | {r.full_over_oval:.2f}x | {r.oval_vs_keypca_step:.2f}x | "
-          f"{r.oval_vs_keypca_score:.2f}x | {r.score_pages_over_packed:.2f}x |" for r in rat.itertuples()]
-lines += ["", "Wall-clock ratios (same steps): " + "; ".join(f"T = {r.T}: full/Quest {r.wall_full_over_quest:.2f}x, full/keyPCA "
-          f"{r.wall_full_over_keypca:.2f}x, full/OVAL {r.wall_full_over_oval:.2f}x" for r in rat.itertuples()) + "."]
-lines += ["", f"Goals at T = {max(contexts)}: OVAL scoring {big.oval_vs_keypca_score:.2f}x key PCA's (goal <= 1.15x: "
-          f"{'met' if big.oval_vs_keypca_score <= 1.15 else 'missed'}); page retrieval with OVAL {big.full_over_oval:.2f}x, key PCA "
-          f"{big.full_over_keypca:.2f}x, Quest {big.full_over_quest:.2f}x faster than full attention per token (goal >= 2x: "
-          f"{'met' if big.full_over_oval >= 2 else 'missed'} for OVAL).",
-          "", "Summary of one completed page (all KV heads, `build_summaries` + `PackedPages.append`), median over "
-          f"{construction_pages} pages: " + ", ".join(f"{r.method} {1e6 * r.s_per_page:.1f} us ({r.us_per_page_head:.1f} us per KV head, "
-                                                      f"{r.us_per_token_amortized:.1f} us per decoded token amortized)" for r in build.itertuples()) + "."]
-lines += ["", "How close to the limit (multiply-adds per step and query head: full 2Td; retrieval 2nd + c with c = 2dP for "
-          "Quest, (r+1)dP + rmP for key PCA and OVAL; FLOP limit = their ratio; efficiency = measured speed-up / limit; "
-          "component limit = full step / (packed scoring + SDPA over the kept pages, gathered beforehand), medians of this run; "
-          "component efficiency = those two parts' share of the method's step; choose, gather and rest share: choosing "
-          "the pages from their scores, gathering the kept pages, and the rest of the step):", "",
-          limits.to_markdown(index=False, floatfmt=".2f")]
 top_lim = limits[limits["T"] == max(contexts)].set_index("method")
+ms = lambda x: f"{1e3 * x:.3f}"
+lines = [f"Decode attention of one layer ({HQ} query / {HKV} KV heads, d = {D}) through the library's decode path "
+         f"(`DensePolicy`, `PageRetrievalPolicy`), random tensors, page {page_size}, rank {rank}, eta {eta}, budget "
+         f"{token_budget} (sink {sink}, recent {recent}), median of {repeats} steps of a growing cache with the "
+         f"methods interleaved, {torch.get_num_threads()} thread(s). Times: CPU time of the calling thread (wall clock "
+         "in brackets; the machine is shared). Ratios: median over steps of the ratio within a step.", "",
+         "| T | method | whole step (ms) | page scoring (ms) |", "|---|---|---|---|"]
+lines += [f"| {r.T} | {r.method} | {ms(r.step_s)} ({ms(r.step_wall_s)}) | "
+          + ("-" if r.method == "full" else ms(r.score_s)) + " |" for r in lat.itertuples()]
+lines += ["", "| T | full/Quest | full/keyPCA | full/OVAL | OVAL/keyPCA step | OVAL/keyPCA scoring | "
+          "score_pages/packed scoring |", "|---|---|---|---|---|---|---|"]
+lines += [f"| {r.T} | {r.full_over_quest:.2f}x | {r.full_over_keypca:.2f}x | {r.full_over_oval:.2f}x | "
+          f"{r.oval_vs_keypca_step:.2f}x | {r.oval_vs_keypca_score:.2f}x | {r.score_pages_over_packed:.2f}x |"
+          for r in rat.itertuples()]
+lines += ["", "Wall-clock ratios (same steps): " + "; ".join(
+    f"T = {r.T}: full/Quest {r.wall_full_over_quest:.2f}x, full/keyPCA {r.wall_full_over_keypca:.2f}x, full/OVAL "
+    f"{r.wall_full_over_oval:.2f}x" for r in rat.itertuples()) + "."]
+lines += ["", f"Goals at T = {max(contexts)}: OVAL scoring {big.oval_vs_keypca_score:.2f}x key PCA's (goal <= 1.15x: "
+          f"{'met' if big.oval_vs_keypca_score <= 1.15 else 'missed'}); page retrieval with OVAL "
+          f"{big.full_over_oval:.2f}x, key PCA {big.full_over_keypca:.2f}x, Quest {big.full_over_quest:.2f}x faster "
+          f"than full attention per token (goal >= 2x: {'met' if big.full_over_oval >= 2 else 'missed'} for OVAL).",
+          "", "Summary of one completed page (all KV heads, `build_summaries` + `PackedPages.append`), median over "
+          f"{construction_pages} pages: " + ", ".join(
+              f"{r.method} {1e6 * r.s_per_page:.1f} us ({r.us_per_page_head:.1f} us per KV head, "
+              f"{r.us_per_token_amortized:.1f} us per decoded token amortized)" for r in build.itertuples()) + "."]
+lines += ["", "How close to the limit (multiply-adds per step and query head: full 2Td; retrieval 2nd + c with c = 2dP "
+          "for Quest, (r+1)dP + rmP for key PCA and OVAL; FLOP limit = their ratio; efficiency = measured speed-up / "
+          "limit; component limit = full step / (packed scoring + SDPA over the kept pages, gathered beforehand), "
+          "medians of this run; component efficiency = those two parts' share of the method's step; choose, gather "
+          "and rest share: choosing the pages from their scores, gathering the kept pages, and the rest of the step):",
+          "", limits.to_markdown(index=False, floatfmt=".2f")]
 lines += ["", f"Goal at T = {max(contexts)} (>= 85% of the limit): " + ", ".join(
-    f"{m} {top_lim.flop_efficiency[m]:.0%} of its FLOP limit ({top_lim.flop_limit[m]:.2f}x), {top_lim.component_efficiency[m]:.0%} "
-    f"of its component limit ({top_lim.component_limit[m]:.2f}x), gathering the kept pages {top_lim.gather_share[m]:.0%} of its step"
-    for m in ("oval", "quest")) + "."]
+    f"{m} {top_lim.flop_efficiency[m]:.0%} of its FLOP limit ({top_lim.flop_limit[m]:.2f}x), "
+    f"{top_lim.component_efficiency[m]:.0%} of its component limit ({top_lim.component_limit[m]:.2f}x), gathering "
+    f"the kept pages {top_lim.gather_share[m]:.0%} of its step" for m in ("oval", "quest")) + "."]
 paper_vs_ours = pd.DataFrame([
     {"claim": "OVAL's decode overhead over its key-only retrieval baseline",
      "paper": "Fig. 2(a) / §4.5: about 10% decode overhead over FreeKV on LongBench v2",
-     "ours": f"T = {max(contexts)}: OVAL step {big.oval_vs_keypca_step:.2f}x key PCA's (scoring {big.oval_vs_keypca_score:.2f}x); "
-             f"OVAL step {big.oval_vs_quest_step:.2f}x Quest's",
+     "ours": f"T = {max(contexts)}: OVAL step {big.oval_vs_keypca_step:.2f}x key PCA's (scoring "
+             f"{big.oval_vs_keypca_score:.2f}x); OVAL step {big.oval_vs_quest_step:.2f}x Quest's",
      "why they differ": "one layer's attention on a CPU thread vs end-to-end GPU decode with offloading; FreeKV is not "
                         "implemented here, key PCA (same summary format as OVAL) and Quest stand in for it"},
     {"claim": "page retrieval is faster than full attention at long context",
