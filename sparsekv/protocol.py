@@ -5,31 +5,45 @@
 # %% ../nbs/43_protocol.ipynb #18659f61
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import copy
+import hashlib
+import inspect
+import json
 import math
 import numbers
+import re
 import time
 from collections.abc import Mapping
+from pathlib import Path
+from statistics import NormalDist
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 import torch
+from transformers import DynamicCache
 
-from . import methods
+from . import methods, presses
 from .attention import check_int
 from .cache import GrowingCache
-from .data import count_tokens, score_exact
-from .eval import kl_to_teacher, token_nll, top1_agreement
-from .hf import AttendedBudget, Method, chunked_prefill, measure_attended
+from .costs import KNOBS, matched
+from .data import PASSKEY_PHRASINGS, SYNTHETIC_TASKS, count_tokens, make_task, score_exact
+from .eval import kl_to_teacher, run_grid, token_nll, top1_agreement
+from .hf import AttendedBudget, Method, chunked_prefill, measure_attended, patch
 from .hf import PHASES, ModelShape, scoring_cost
-from .stats import compare
+from .models import model_info, tiny_model
+from .stats import compare, compare_cell, paired_ci
 
 # %% auto #0
 __all__ = ['BUDGET_COLUMNS', 'measured_budget', 'measured_max', 'fit_budget', 'item_hash', 'prompt_ids', 'prefills_densely',
            'dense_prefill', 'answer', 'window_logits', 'memory_columns', 'continuation', 'cost_columns',
-           'protocol_table']
+           'protocol_table', 'MethodSpecs', 'probe_inputs', 'fit_row', 'stored_or_run', 'task_items', 'ProseRows',
+           'AnswerRows', 'finished_answers', 'long_table', 'measured_ceilings', 'show_table', 'pareto_front',
+           'usage_table', 'cost_points', 'cost_front', 'items_for_se', 'largest_se', 'findings', 'pair_lines',
+           'composition_lines', 'plot_protocol_table', 'CalibrationCells', 'common_prefix', 'PrefixReuse',
+           'other_numbers', 'calibration_answer', 'wilson', 'accuracy_table', 'cpu_seconds', 'timed', 'Decoder',
+           'SpeedBench', 'step_ratios', 'goal_line']
 
 # %% ../nbs/43_protocol.ipynb #8a4f98c9
 def _mean_max(rows: list[dict]) -> tuple[float, float]:
@@ -240,3 +254,692 @@ def protocol_table(results: pd.DataFrame, metric: str, **compare_kwargs) -> pd.D
     for c in agg: out.loc[out[method] == ref, c] = ref_meas[c]
     out.attrs.update(cmp.attrs)
     return out
+
+# %% ../nbs/43_protocol.ipynb #8de40d7e
+class MethodSpecs:
+    """The methods of a protocol run by label (`specs`: label -> `{"name", "match_cost", "budgets", **params}` or
+    `{"press": name, **options}`), their run-wide `budgets` (measured ceilings) and prefill chunk sizes; `nominal`
+    holds the fitted nominal budget of each (label, ceiling)."""
+
+    def __init__(self, specs: Mapping, shape, budgets: list[int], chunk_size: int = 128, eviction_chunk: int = 128):
+        if not isinstance(specs, Mapping) or not specs or not all(isinstance(s, Mapping) for s in specs.values()):
+            raise TypeError(f"specs must be a non-empty dict of labels to dicts of parameters, got {specs!r}")
+        if not isinstance(budgets, (list, tuple)) or not budgets:
+            raise ValueError(f"budgets must be a non-empty list of measured ceilings, got {budgets!r}")
+        self.specs, self.shape, self.budgets = dict(specs), ModelShape.of(shape), list(budgets)
+        self.chunk_size, self.eviction_chunk = chunk_size, eviction_chunk
+        self.nominal: dict[tuple[str, int], int] = {}
+
+    def params(self, label: str) -> tuple:
+        """The factory (`methods.make`, or `presses.make` for a press), name and parameters of the method `label`:
+        the run's chunk sizes filled in, and with `match_cost: other` its cost knob set to cost per key what `other`
+        costs."""
+        if label not in self.specs: raise ValueError(f"label must be one of {list(self.specs)}, got {label!r}")
+        spec = {k: v for k, v in self.specs[label].items() if k != "budgets"}
+        if "press" in spec: return presses.make, spec.pop("press"), spec  # a press prefills densely in one call
+        name, match = spec.pop("name", label), spec.pop("match_cost", None)
+        family = methods.get(name).family
+        # (a composition's parts take their own defaults: QuoKA's B_CP = 128)
+        if family == "selection" and methods.get(name) is not methods.PrefillDecode:
+            spec.setdefault("chunk_size", self.chunk_size)
+        if family == "eviction": spec.setdefault("chunk_size", self.eviction_chunk)
+        if match is not None:  # the per-key cost does not depend on the budget: match at any
+            _, goal_name, goal_params = self.params(match)
+            goal = methods.make(goal_name, self.budgets[0], **goal_params)
+            spec[KNOBS[name]] = getattr(matched(name, goal, self.shape, self.budgets[0], **spec), KNOBS[name])
+        return methods.make, name, spec
+
+    def is_press(self, label: str) -> bool:
+        "Whether `label` is a kvpress press (`{\"press\": ...}`)."
+        return self.params(label)[0] is presses.make
+
+    def setting(self, label: str) -> str:
+        "Where the method acts: evict while reading, prefill selection, decode retrieval, post-prefill compression, ..."
+        make, name, params = self.params(label)
+        if make is presses.make: return "post-prefill compression (kvpress)"
+        if methods.get(name) is methods.PrefillDecode:
+            m = make(name, self.budgets[0], **params)
+            return f"{m.prefill.family} prefill + {m.decode.family} decode"
+        return {"dense": "dense", "eviction": "evict while reading", "selection": "prefill selection",
+                "retrieval": "decode retrieval"}[methods.get(name).family]
+
+    def checkpoints(self, label: str) -> list[str]:
+        "The trained scorers (`checkpoint`: a shipped name or a path) the method or a composition's parts load."
+        params = self.params(label)[2]
+        return [p["checkpoint"] for p in (params, params.get("prefill_params") or {}, params.get("decode_params") or {})
+                if "checkpoint" in p]
+
+    def weights_key(self, label: str) -> dict:
+        """`{"scorers": "name@hash, ..."}` for a method that loads trained scorers (by content), else `{}`: a grid
+        cell computed with other weights is computed again, not reused."""
+        def content(checkpoint: str) -> str:
+            shipped = Path(methods.__file__).parent / "checkpoints" / checkpoint / "trained.pt"
+            return hashlib.sha256((shipped if shipped.is_file() else Path(checkpoint)).read_bytes()).hexdigest()[:12]
+        names = self.checkpoints(label)
+        return {"scorers": ", ".join(f"{c}@{content(c)}" for c in names)} if names else {}
+
+    def budgets_of(self, label: str) -> list[int]:
+        "The measured ceilings the method `label` runs at: its own `budgets`, else the run's."
+        own = self.specs[label].get("budgets", self.budgets)
+        if not own or not all(isinstance(b, int) and b > 0 for b in own):
+            raise ValueError(f"method_specs[{label!r}]['budgets'] must be a list of positive ints, got {own!r}")
+        return list(own)
+
+    @property
+    def compressing(self) -> list[str]:
+        "The labels of the methods that compress (every one but dense)."
+        return [label for label in self.specs if self.setting(label) != "dense"]
+
+    @property
+    def reference(self) -> str:
+        "The label of the dense method, the reference of every comparison."
+        return next(label for label in self.specs if label not in self.compressing)
+
+    @property
+    def all_budgets(self) -> list[int]:
+        "Every measured ceiling some compressing method runs at, ascending."
+        return sorted({b for label in self.compressing for b in self.budgets_of(label)})
+
+    @property
+    def unavailable(self) -> set[str]:
+        "The presses of the run when kvpress is not installed (it lives in the peer environment): read, never run."
+        return {label for label in self.specs if self.is_press(label) and not presses.available()}
+
+    def runs(self) -> list[tuple[str, int]]:
+        "(label, ceiling) of every row kind: the reference once (ceiling 0), then each fitted method at each ceiling."
+        return [(self.reference, 0)] + [(label, b) for b in self.all_budgets for label in self.compressing
+                                        if (label, b) in self.nominal]
+
+    def build(self, label: str, budget: int | None = None) -> Method:
+        "The method `label` at its fitted nominal budget for the measured ceiling `budget` (dense: none)."
+        make, name, params = self.params(label)
+        if label not in self.compressing: return make(name, **params)
+        if (label, budget) not in self.nominal:
+            raise ValueError(f"budget: {label} has no fitted nominal budget for the ceiling {budget!r} (fitted: "
+                             f"{sorted(b for lab, b in self.nominal if lab == label)})")
+        return make(name, self.nominal[label, budget], **params)
+
+    def costs(self, n_cached: int) -> dict:
+        "(label, ceiling) -> `cost_columns` of every run at `n_cached` cached keys (NaN for presses: not counted)."
+        uncounted = {"prefill_cost": math.nan, "decode_cost": math.nan}  # each press scores in its own way
+        return {(label, b): uncounted if self.is_press(label) else cost_columns(self.build(label, b or None),
+                                                                                 self.shape, n_cached)
+                for label, b in self.runs()}
+
+# %% ../nbs/43_protocol.ipynb #e275ab99
+def probe_inputs(model, window: int, seed: int = 0) -> tuple:
+    "A random tiny model with `model`'s layers and heads, and a window `[1, window]` of random token ids for it."
+    cfg = model.config
+    # (width: 16 per query head, the tiny model's head dim; transformers wants the width a multiple of the heads)
+    probe_model = tiny_model("tiny-llama", num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+                             num_kv_heads=cfg.num_key_value_heads, hidden_size=16 * cfg.num_attention_heads)[0]
+    ids = torch.randint(3, probe_model.config.vocab_size, (1, check_int(window, "window", 2)),
+                        generator=torch.Generator().manual_seed(seed))
+    return probe_model, ids
+
+# %% ../nbs/43_protocol.ipynb #840ac4f3
+def fit_row(specs: MethodSpecs, label: str, budget: int, model, probe_model, probe_ids: torch.Tensor,
+            probe_steps: int) -> dict:
+    """The fits grid's row of (`label`, measured ceiling `budget`): the fitted `nominal` budget and its measurement
+    (`BUDGET_COLUMNS`) on the probe, or nominal 0 and the reason when no budget keeps to the ceiling."""
+    make, name, params = specs.params(label)
+    on = model if specs.checkpoints(label) else probe_model  # trained scorers have the model's shapes
+    prefix = probe_ids.shape[1] - check_int(probe_steps, "probe_steps", 1)
+    try: m, got = fit_budget(name, budget, lambda m: continuation(m, on, probe_ids, prefix)[0], make=make, **params)
+    except ValueError as e: return {"nominal": 0, "not_applicable": str(e)}
+    return {"nominal": m.budget, **{k: got[k] for k in BUDGET_COLUMNS}}
+
+# %% ../nbs/43_protocol.ipynb #f11bdb04
+def stored_or_run(cells: list[dict], fn: Callable[[dict], Mapping], path, desc: str, params: dict,
+                  time_limit: float | None = None, unavailable=(), stage: str = "protocol") -> pd.DataFrame:
+    """`run_grid` over `cells`, except that those of `unavailable` methods are only read: every stored row, in cell
+    order (`stage` names the stage to rerun in the peer environment)."""
+    if here := [c for c in cells if c["method"] not in unavailable]: run_grid(here, fn, path, desc, params, time_limit)
+    rows = run_grid(cells, fn, path, desc, params, time_limit=0)
+    if missing := sorted({c["method"] for c in cells} & set(unavailable) - set(rows.method)):
+        print(f"not run here (kvpress is in the peer environment: `make peers`, then this stage with "
+              f".venv-peers/bin/python -m sparsekv.reproduce --only {stage}): {', '.join(missing)}")
+    return rows
+
+# %% ../nbs/43_protocol.ipynb #8db02d35
+def task_items(label: str, spec: Mapping, tok, seeds: list[int], depths: list[float]) -> list[dict]:
+    """The items of the accuracy cell `label`, each seed at each depth; `spec` holds `"length"` (tokens), optionally
+    `"task"` (a make_task name, default: the label) and the task's options."""
+    spec = dict(spec)
+    if "length" not in spec: raise ValueError(f"cells[{label!r}] must give its length in tokens, got {spec!r}")
+    name, length = spec.pop("task", label), spec.pop("length")
+    return [{"cell": label, "seed": s, "depth": d, "item": make_task(name, tok, length, s, depth=d, **spec)}
+            for s in seeds for d in depths]
+
+# %% ../nbs/43_protocol.ipynb #701a9b4b
+class ProseRows:
+    """The prose grid's function: `continuation` rows of the `windows` `[N, S]` under each method, `batch` windows at
+    a time after `prefix` tokens, the dense logits of a batch computed once; `build(label, ceiling)` makes a method."""
+
+    def __init__(self, model, windows: torch.Tensor, prefix: int, batch: int, build: Callable, device=None):
+        self.model, self.windows, self.prefix, self.build = model, windows, _check_windows(windows, prefix), build
+        self.batch, self.device = check_int(batch, "batch", 1), device
+        self.done, self.dense = {}, {}
+
+    def batch_of(self, w: int) -> range:
+        "The windows of the batch holding window `w`."
+        start = w - w % self.batch
+        return range(start, min(start + self.batch, len(self.windows)))
+
+    def cells(self, runs: list[tuple[str, int]], weights: Mapping) -> list[dict]:
+        "The grid's cells, batch by batch, every run within a batch; `weights`: each label's `weights_key`."
+        return [{"method": label, "budget": b, **weights[label], "window": w}
+                for start in range(0, len(self.windows), self.batch) for label, b in runs for w in self.batch_of(start)]
+
+    def __call__(self, cell: dict) -> dict:
+        ws = self.batch_of(cell["window"])
+        key = (cell["method"], cell["budget"], ws.start)
+        if key not in self.done:
+            ids = self.windows[list(ws)].to(self.device)
+            if ws.start not in self.dense:
+                self.dense.clear()  # one batch of dense logits at a time
+                with torch.no_grad(): self.dense[ws.start] = self.model(input_ids=ids).logits[:, self.prefix - 1:-1]
+            m = self.build(cell["method"], cell["budget"] or None)
+            rows = continuation(m, self.model, ids, self.prefix, self.dense[ws.start])
+            self.done[key] = {w: {"nominal": m.budget or 0, **r} for w, r in zip(ws, rows)}
+        return self.done[key].pop(cell["window"])
+
+# %% ../nbs/43_protocol.ipynb #7e2b3a2a
+class AnswerRows:
+    """The answers grid's function: `answer` rows of the `items` (label -> `task_items`) under each method, one shared
+    dense prefill per item for the methods that prefill densely; `build(label, ceiling)` makes a method."""
+
+    def __init__(self, model, tok, items: Mapping, build: Callable, extra_tokens: int = 3, device=None):
+        self.model, self.tok, self.build, self.device = model, tok, build, device
+        self.extra_tokens = check_int(extra_tokens, "extra_tokens")
+        self.items = [x for its in items.values() for x in its]
+        self.by_hash, self.shared = {item_hash(x["item"]): x["item"] for x in self.items}, {}
+
+    def cells(self, runs: list[tuple[str, int]], weights: Mapping) -> list[dict]:
+        "The grid's cells: seed by seed (stable: cells, depths), every run on each item."
+        by_seed = sorted(self.items, key=lambda x: x["seed"])
+        return [{"method": label, "budget": b, **weights[label], "cell": x["cell"], "seed": x["seed"],
+                 "depth": x["depth"], "item": item_hash(x["item"])} for x in by_seed for label, b in runs]
+
+    def __call__(self, cell: dict) -> dict:
+        m, item = self.build(cell["method"], cell["budget"] or None), self.by_hash[cell["item"]]
+        if prefills_densely(m) and cell["item"] not in self.shared:
+            self.shared.clear()
+            self.shared[cell["item"]] = dense_prefill(self.model, prompt_ids(self.tok, item, self.device))
+        prefilled = self.shared[cell["item"]] if prefills_densely(m) else None
+        return {"nominal": m.budget or 0, **answer(m, self.model, self.tok, item, self.extra_tokens, prefilled)}
+
+# %% ../nbs/43_protocol.ipynb #97741f45
+def finished_answers(answers: pd.DataFrame, runs: list[tuple[str, int]], budgets: list[int]) -> tuple:
+    """The rows of `answers` on items finished by dense and every run at their ceiling (None if none), and a note
+    of how many items each ceiling kept."""
+    n_runs = pd.Series([b for _, b in runs]).value_counts()
+    n_done = answers.groupby(["budget", "item"]).size()
+    done = {(b, i) for (b, i), n in n_done.items() if n == n_runs[b]}
+    finished = {b: {i for b2, i in done if b2 == b and (0, i) in done} for b in budgets}
+    kept = [(b, i) in done and (0, i) in done if b else any(i in f for f in finished.values())
+            for b, i in zip(answers.budget, answers["item"])]
+    return answers[kept] if any(kept) else None, ", ".join(f"{len(f)} at {b}" for b, f in finished.items())
+
+# %% ../nbs/43_protocol.ipynb #7da66776
+def long_table(rows: pd.DataFrame, item_cols: list[str], reference: str, costs: Mapping) -> pd.DataFrame:
+    """A grid's rows as `compare` reads them: the `reference` without a budget, one `item` id joining `item_cols`,
+    each row's `prefill_cost` and `decode_cost` from `costs` ((label, ceiling) -> `cost_columns`)."""
+    out = rows.assign(budget=rows.budget.astype(int).astype(object).where(rows.method != reference),
+                      item=rows[item_cols].astype(str).agg("/".join, axis=1))
+    for col in ("prefill_cost", "decode_cost"):
+        out[col] = [costs[label, int(b) if b == b and b is not None else 0][col]
+                    for label, b in zip(out.method, out.budget)]
+    return out
+
+# %% ../nbs/43_protocol.ipynb #354ed3a0
+def measured_ceilings(tables: list, reference: str) -> pd.DataFrame:
+    """Per method and ceiling of the long `tables` (None skipped; not the `reference`): the nominal budget, the most
+    and the mean entries a decode query attended to in the compressed layers, dense layers, mean entries read."""
+    measured = pd.concat([t for t in tables if t is not None]).query("method != @reference")
+    return measured.groupby(["method", "budget"], sort=False).agg(
+        nominal=("nominal", "first"), decode_max=("decode_max", "max"), decode_mean=("decode_mean", "mean"),
+        dense_layers=("dense_layers", "max"), decode_reads=("decode_reads", "mean")).reset_index()
+
+# %% ../nbs/43_protocol.ipynb #4dedb496
+def show_table(table: pd.DataFrame, reference: str, setting: Callable[[str], str], digits: int = 3) -> pd.DataFrame:
+    """A `protocol_table` as text: setting, mean ± se, the paired differences (`*`: the 95% interval excludes 0),
+    measured budgets and scoring costs."""
+    recs = table.to_dict("records")
+    out = pd.DataFrame({"method": table.method, "setting": table.method.map(setting),
+                        "budget": table.budget.where(table.method != reference, "-")})
+    for key, head in (("mean", "mean ± se"), ("ref", "vs dense"), ("base", "vs the best other")):
+        out[head] = [compare_cell(r, key, digits) for r in recs]
+    out["decode mean / max"] = [f"{a:.0f} / {b:.0f}" for a, b in zip(table.decode_mean, table.decode_max)]
+    out["dense layers"] = table.dense_layers.astype(int)
+    out["prefill max"] = table.prefill_max.round(0).astype(int)
+    out["scoring MACs per key (prefill, decode)"] = [f"{p:,.0f}, {d:,.0f}" if p == p else "not counted" for p, d in
+                                                     zip(table.prefill_cost, table.decode_cost)]
+    return out
+
+# %% ../nbs/43_protocol.ipynb #b10100a2
+def pareto_front(cost, quality) -> np.ndarray:
+    "Boolean per point: no other point has quality >= its own at cost <= its own, one of them strictly."
+    c, q = np.asarray(cost, float), np.asarray(quality, float)
+    dominated = (c[None] <= c[:, None]) & (q[None] >= q[:, None]) & ((c[None] < c[:, None]) | (q[None] > q[:, None]))
+    return ~dominated.any(1) & np.isfinite(c) & np.isfinite(q)  # a point without a measurement is on no front
+
+# %% ../nbs/43_protocol.ipynb #38bc3f7d
+def usage_table(txt: pd.DataFrame, agreement: pd.DataFrame, reference: str, setting: Callable[[str], str],
+                axes: Mapping) -> pd.DataFrame:
+    """Per method and ceiling of the prose rows `txt`: KV entries and MiB per sequence (peak, while decoding), median
+    prefill s and decode ms, the agreement's mean and se, and `front_<col>` for each cost column of `axes`."""
+    by_row = ["method", "budget"]
+    usage = txt.assign(budget=txt.budget.fillna("-")).groupby(by_row, sort=False).agg(
+        kv_peak=("kv_peak", "max"), kv_decode=("kv_decode", "max"), kv_mib_peak=("kv_bytes_peak", "max"),
+        kv_mib_decode=("kv_bytes_decode", "max"), prefill_s=("prefill_s", "median"), decode_ms=("decode_ms", "median"))
+    usage[["kv_mib_peak", "kv_mib_decode"]] /= 2 ** 20
+    agree = agreement.assign(budget=agreement.budget.where(agreement.method != reference, "-"))
+    agree = agree.drop_duplicates(by_row).set_index(by_row)[["mean", "se"]]  # (dense repeats once per budget)
+    usage = usage.join(agree).reset_index()
+    usage.insert(2, "setting", usage.method.map(setting))
+    for col in axes: usage[f"front_{col}"] = pareto_front(usage[col], usage["mean"])
+    return usage
+
+# %% ../nbs/43_protocol.ipynb #c9f16437
+def cost_points(t: pd.DataFrame, reference: str, setting: Callable[[str], str]) -> pd.DataFrame:
+    "The compressing rows of one accuracy `protocol_table` whose scoring costs are counted, with each row's setting."
+    t = t[(t.method != reference) & t.prefill_cost.notna() & t.decode_cost.notna()]
+    return t.assign(setting=t.method.map(setting))[["method", "budget", "setting", "mean", "se", "prefill_cost",
+                                                    "decode_cost"]]
+
+# %% ../nbs/43_protocol.ipynb #37b114fc
+def cost_front(pts: pd.DataFrame, col: str) -> pd.DataFrame:
+    "The rows of `pts` on the accuracy front by the cost in column `col`, ceiling by ceiling, cheapest first."
+    per_budget = [at[pareto_front(at[col], at["mean"])] for _, at in pts.groupby("budget")]
+    return pd.concat([pts.iloc[:0], *per_budget]).sort_values(["budget", col])
+
+# %% ../nbs/43_protocol.ipynb #ab149326
+def items_for_se(se: float, n: int, target: float) -> int:
+    "Items that bring a standard error `se` measured on `n` items down to `target` (se falls as 1/sqrt(n))."
+    if not target > 0: raise ValueError(f"target must be a standard error > 0, got {target!r}")
+    return math.ceil(n * (se / target) ** 2)
+
+# %% ../nbs/43_protocol.ipynb #5b967196
+def largest_se(t: pd.DataFrame, target_se: float) -> str:
+    "The table's largest standard error, its method, and the items a standard error of `target_se` would take."
+    r = t.loc[t.se.idxmax()]
+    if not r.se > 0: return "largest standard error 0.000"
+    return (f"largest standard error {r.se:.3f} ({r.method} @ {r.budget}; {target_se} would take about "
+            f"{items_for_se(r.se, int(r.n), target_se):,} items)")
+
+# %% ../nbs/43_protocol.ipynb #d7bc9304
+def findings(tables: Mapping, reference: str, min_items: int, target_se: float) -> list[str]:
+    """One bullet per `protocol_table` of `tables` (name -> table): who is behind `reference` (intervals excluding 0),
+    who leads every other method, the largest standard error; no claim on fewer than `min_items` items."""
+    out = []
+    for name, t in tables.items():
+        better = "higher" if t.attrs["higher_is_better"] else "lower"
+        rows = t[t.method != reference]
+        behind = rows[rows.ref_sig & ((rows.diff_ref < 0) == t.attrs["higher_is_better"])]
+        lead = rows[rows.base_sig & ((rows.diff_base > 0) == t.attrs["higher_is_better"])]
+        if t.n.iloc[0] < min_items:
+            out.append(f"- **{name}**: n = {int(t.n.iloc[0])} < {min_items} items, no difference claimed; "
+                       f"{largest_se(t, target_se)}.")
+            continue
+        out.append(f"- **{name}** ({better} is better, n = {int(t.n.iloc[0])}): behind dense: "
+                   + (", ".join(f"{r.method} @ {r.budget} ({r.diff_ref:+.3f})" for r in behind.itertuples()) or "none")
+                   + "; ahead of every other method: "
+                   + (", ".join(f"{r.method} @ {r.budget} ({r.diff_base:+.3f} vs {r.baseline})"
+                                for r in lead.itertuples()) or "none")
+                   + f"; {largest_se(t, target_se)}.")
+    return out
+
+# %% ../nbs/43_protocol.ipynb #5a1fa80d
+def pair_lines(pairs: list, sources: Mapping, runs_at: Callable[[str, int], bool], budgets: list[int],
+               min_items: int) -> list[str]:
+    """One bullet per `[method, other]` pair and ceiling both ran at (`runs_at`): the method minus the other on the
+    items of each source (name -> (rows, metric)) both finished, with its paired 95% interval (`*`: excludes 0, on at
+    least `min_items`)."""
+    out = []
+    for this, other in pairs:
+        for b in (b for b in budgets if runs_at(this, b) and runs_at(other, b)):
+            parts = []
+            for name, (rows, metric) in sources.items():
+                pair = rows[(rows.method == this) & (rows.budget == b)][["item", metric]].merge(
+                    rows[(rows.method == other) & (rows.budget == b)][["item", metric]], on="item",
+                    suffixes=("", "_other"))
+                if len(pair) < 2: continue
+                d, lo, hi = paired_ci(pair[metric].to_numpy(), pair[f"{metric}_other"].to_numpy())
+                claim = len(pair) >= min_items and (lo > 0 or hi < 0)  # as the tables: no claim on few items
+                parts.append(f"{name} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]{'*' if claim else ''} (n = {len(pair)})")
+            out.append(f"- **{this} vs {other} @ {b}**: " + ("; ".join(parts) or "no item finished by both") + ".")
+    return out
+
+# %% ../nbs/43_protocol.ipynb #92c1a908
+def composition_lines(specs: MethodSpecs, txt: pd.DataFrame, usage: pd.DataFrame, axes: Mapping) -> list[str]:
+    """One bullet per composition of `specs` and ceiling: its prose agreement (`txt`) against each part run alone
+    (paired 95% interval), the memory of each (`usage`), and the fronts of `axes` it is on."""
+    def memory(u) -> str:  # prose rows from before memory was measured have none
+        if not np.isfinite(u.kv_mib_peak): return "memory not recorded"
+        return f"{u.kv_mib_peak:.2f} MiB peak / {u.kv_mib_decode:.2f} MiB decoding"
+
+    def same_method(label: str, part, b) -> bool:  # the same class and trained checkpoint
+        if (label, b) not in specs.nominal or specs.is_press(label): return False
+        m = specs.build(label, b)
+        return type(m) is type(part) and getattr(m, "checkpoint", None) == getattr(part, "checkpoint", None)
+
+    out, rows = [], txt.assign(budget=txt.budget.fillna("-"))
+    for label in specs.compressing:
+        make, name, params = specs.params(label)
+        if make is presses.make or methods.get(name) is not methods.PrefillDecode: continue
+        for b in (b for b in specs.all_budgets if (label, b) in specs.nominal):
+            m, me = specs.build(label, b), usage[(usage.method == label) & (usage.budget == b)].iloc[0]
+            a = rows[(rows.method == label) & (rows.budget == b)].sort_values("window")
+            parts = []
+            for role in ("prefill", "decode"):
+                other = next((x for x in specs.compressing if x != label and same_method(x, getattr(m, role), b)),
+                             None)
+                if other is None: continue
+                o = rows[(rows.method == other) & (rows.budget == b)].sort_values("window")
+                d, lo, hi = paired_ci(a.agreement.to_numpy(), o.agreement.to_numpy())
+                ou = usage[(usage.method == other) & (usage.budget == b)].iloc[0]
+                parts.append(f"vs {other} ({role}) {d:+.3f} [{lo:+.3f}, {hi:+.3f}]{'*' if lo > 0 or hi < 0 else ''} "
+                             f"at {memory(ou)}")
+            fronts = [axes[c] for c in axes if me[f"front_{c}"]]
+            out.append(f"- **{label} @ {b}** ({memory(me)}): " + ("; ".join(parts) or "no part in the table")
+                       + "; on the front of: " + (", ".join(fronts) or "none") + ".")
+    return out
+
+# %% ../nbs/43_protocol.ipynb #17b2953d
+def plot_protocol_table(t: pd.DataFrame, ax, reference: str) -> None:
+    "One protocol table on `ax`: methods along x, a marker and error bar per ceiling, the reference as a dashed line."
+    rows = t[t.method != reference]
+    labels, bs = list(dict.fromkeys(rows.method)), sorted(rows.budget.unique())
+    for j, b in enumerate(bs):
+        r = rows[rows.budget == b].set_index("method").reindex(labels)  # NaN where a method does not apply
+        x = np.arange(len(labels)) + (j - (len(bs) - 1) / 2) * 0.8 / len(bs)
+        ax.errorbar(x, r["mean"], yerr=1.96 * r.se, fmt="o", capsize=3, label=f"budget {b}")
+    ax.axhline(float(t.loc[t.method == reference, "mean"].iloc[0]), color="k", ls="--", lw=1, label=reference)
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    ax.set(ylabel=t.attrs["metric"])
+    ax.legend(fontsize=7)
+
+# %% ../nbs/43_protocol.ipynb #b92c0a4b
+class CalibrationCells:
+    """The items of a calibration run: each task of `tasks` at `lengths`, each seed of `seeds` at each needle depth of
+    `depths`; `tasks` maps a label to its spec: `"task"` (a make_task name, default: the label), `"lengths"`,
+    `"seeds"`, `"phrasing"` and the task's options."""
+
+    PHRASINGS = {"passkey": len(PASSKEY_PHRASINGS)}  # tasks asked in several phrasings, and how many
+
+    def __init__(self, tasks: Mapping, tok, lengths: list[int], seeds: list[int], depths: list[float]):
+        if not isinstance(tasks, Mapping) or not tasks:
+            raise TypeError(f"tasks must be a non-empty dict of labels to dicts of options, got {tasks!r}")
+        self.tasks, self.tok, self.lengths, self.seeds, self.depths = dict(tasks), tok, lengths, seeds, depths
+        self._items = {}
+
+    def task_name(self, label: str) -> str:
+        "The `make_task` name of the task labelled `label` (one with a needle depth)."
+        name = self.tasks[label].get("task", label)
+        if name not in SYNTHETIC_TASKS:
+            raise ValueError(f"tasks[{label!r}]: task must be one of {tuple(SYNTHETIC_TASKS)}")
+        if "depth" not in inspect.signature(SYNTHETIC_TASKS[name]).parameters:
+            raise ValueError(f"tasks[{label!r}]: {name} has no needle depth; calibrated tasks need one")
+        return name
+
+    def lengths_of(self, label: str) -> list[int]:
+        "The context lengths the task labelled `label` is measured at."
+        return self.tasks[label].get("lengths", self.lengths)
+
+    def item(self, cell: dict) -> dict:
+        "The `make_task` item of one cell (made once)."
+        key = (cell["task"], cell["length"], cell["seed"], cell["depth"], cell["phrasing"])
+        if key not in self._items:
+            options = {k: v for k, v in self.tasks[cell["task"]].items() if k not in ("task", "lengths", "seeds")}
+            if cell["phrasing"] is not None: options["phrasing"] = cell["phrasing"]
+            self._items[key] = make_task(self.task_name(cell["task"]), self.tok, cell["length"], cell["seed"],
+                                         depth=cell["depth"], **options)
+        return self._items[key]
+
+    def cells(self, label: str, length: int) -> list[dict]:
+        "The items of one (task, length): each seed at each depth (deepest first), phrasings cycled, keyed by hash."
+        n_phr = None if "phrasing" in self.tasks[label] else self.PHRASINGS.get(self.task_name(label))
+        cells = [{"task": label, "length": length, "seed": s, "depth": d,
+                  "phrasing": None if n_phr is None else (i * len(self.depths) + j) % n_phr}
+                 for i, s in enumerate(self.tasks[label].get("seeds", self.seeds))
+                 for j, d in sorted(enumerate(self.depths), key=lambda jd: -jd[1])]
+        # a hash of each item's text in its row's key: a changed task generator or option never reuses old rows
+        return [{**c, "item": item_hash(self.item(c))} for c in cells]
+
+    def all(self) -> list[dict]:
+        "Every cell: task by task, length by length."
+        return [c for label in self.tasks for L in self.lengths_of(label) for c in self.cells(label, L)]
+
+# %% ../nbs/43_protocol.ipynb #1ee467bd
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    "Length of the longest common prefix of two 1-D token tensors."
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n
+
+# %% ../nbs/43_protocol.ipynb #035267ab
+class PrefixReuse:
+    """Dense prefills of `model` that reuse the KV cache of the previous prompt up to their longest common prefix, and
+    the greedy answer loop that decodes from them."""
+
+    def __init__(self, model, device=None):
+        self.model, self.device = model, device
+        self.ids, self.cache = torch.zeros(0, dtype=torch.long, device=device), None
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        "Logits of the last position of `ids` [L] and the number of prompt tokens whose keys and values were reused."
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 1 or not len(ids):
+            raise ValueError(f"ids must be a non-empty 1-D tensor of token ids, got {getattr(ids, 'shape', ids)!r}")
+        n = min(common_prefix(self.ids, ids), len(ids) - 1)  # at least one token to compute the logits from
+        if n: self.cache.crop(n - self.cache.get_seq_length())  # drops the rest of the previous prompt and its answer
+        out = self.model(input_ids=ids[None, n:], past_key_values=self.cache if n else None, use_cache=True,
+                         logits_to_keep=1)
+        self.ids, self.cache = ids, out.past_key_values
+        return out.logits[0, -1], n
+
+    @torch.inference_mode()
+    def greedy(self, tok, ids: torch.Tensor, n_new: int) -> tuple[str, int]:
+        "Greedy completion of `n_new` tokens (or up to EOS) after `ids` [L], as text, and the prompt tokens reused."
+        n_new = check_int(n_new, "n_new", 1)
+        logits, reused = self.prefill(ids)
+        out = [int(logits.argmax())]
+        while len(out) < n_new and out[-1] != tok.eos_token_id:
+            step = torch.tensor([[out[-1]]], device=self.device)
+            out.append(int(self.model(input_ids=step, past_key_values=self.cache, use_cache=True).logits[0, -1]
+                           .argmax()))
+        return tok.decode(out, skip_special_tokens=True), reused
+
+# %% ../nbs/43_protocol.ipynb #82a86ccf
+def other_numbers(item: dict) -> list[str]:
+    "The numbers of the prompt other than the answer (the distractors of the multi-needle and key-value tasks)."
+    return sorted(set(re.findall(r"\d+", item["prompt"])) - {item["answer"]})
+
+# %% ../nbs/43_protocol.ipynb #fe641856
+def calibration_answer(reuse: PrefixReuse, tok, item: dict, extra_tokens: int = 3, device=None) -> dict:
+    """The greedy answer of dense `reuse.model` to one item: correct (0/1), whether a wrong answer names a distractor,
+    the answer's words found, the prompt tokens reused, the item's context tokens and the completion."""
+    n_new = count_tokens(tok, " " + item["answer"]) + check_int(extra_tokens, "extra_tokens")
+    text, reused = reuse.greedy(tok, prompt_ids(tok, item, device)[0], n_new)
+    correct = int(score_exact(text, item["answer"]) == 1.0)
+    distractor = int(not correct and any(score_exact(text, x) == 1.0 for x in other_numbers(item)))
+    return {"correct": correct, "distractor": distractor, "words_found": score_exact(text, item["answer"].split()),
+            "reused_tokens": reused, "context_tokens": item["context_tokens"], "completion": text.replace("\n", "\\n")}
+
+# %% ../nbs/43_protocol.ipynb #2add26ff
+def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    "The Wilson score interval of a binomial proportion with k successes in n trials."
+    n = check_int(n, "n", 1)
+    if not 0 <= k <= n: raise ValueError(f"k must be a count of successes in [0, n={n}], got {k!r}")
+    z = NormalDist().inv_cdf((1 + level) / 2)
+    p, z2 = k / n, z * z / n
+    centre, half = (p + z2 / 2) / (1 + z2), z / (1 + z2) * np.sqrt(p * (1 - p) / n + z2 / (4 * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+# %% ../nbs/43_protocol.ipynb #15d8e276
+def accuracy_table(items: pd.DataFrame, usable_accuracy: float = 0.9, usable_items: int = 50) -> pd.DataFrame:
+    """Accuracy per (task, length) of the item rows: n, accuracy, binomial standard error, 95% Wilson interval, and
+    whether the cell is usable (accuracy >= `usable_accuracy` on >= `usable_items` items)."""
+    t = items.groupby(["task", "length"], sort=False).correct.agg(n="size", k="sum").reset_index()
+    t["accuracy"] = t.k / t.n
+    t["se"] = np.sqrt(t.accuracy * (1 - t.accuracy) / t.n)
+    t["ci_lo"], t["ci_hi"] = zip(*(wilson(k, n) for k, n in zip(t.k, t.n)))
+    t["usable"] = (t.accuracy >= usable_accuracy) & (t.n >= usable_items)
+    return t.drop(columns="k")
+
+# %% ../nbs/43_protocol.ipynb #b49812fd
+def cpu_seconds(fn: Callable[[], object], device=None) -> dict:
+    "CPU time of this thread and wall time of `fn()` (synchronized on CUDA, where the wall time is the one to read)."
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda: torch.cuda.synchronize(device)
+    c0, w0 = time.thread_time(), time.perf_counter()
+    fn()
+    if cuda: torch.cuda.synchronize(device)
+    return {"seconds": time.thread_time() - c0, "wall_seconds": time.perf_counter() - w0}
+
+# %% ../nbs/43_protocol.ipynb #2927b8b3
+def timed(policy):
+    """`policy`, its class swapped for a subclass (isinstance checks still hold) that counts its attention calls in
+    `policy.calls` and adds their CPU time to `policy.attention_seconds`."""
+    class Timed(type(policy)):
+        def __call__(self, q, k, v, ctx):
+            t = time.thread_time()
+            out = super().__call__(q, k, v, ctx)
+            self.attention_seconds += time.thread_time() - t
+            self.calls += 1
+            return out
+
+    policy.__class__, policy.attention_seconds, policy.calls = Timed, 0.0, 0
+    return policy
+
+# %% ../nbs/43_protocol.ipynb #e83e09ac
+class Decoder:
+    """A cache of `model`, the policy it decodes under (None: transformers' default, unpatched) and the next token;
+    the CPU time inside the cache's `update` (every layer's write, and an evicting cache's scoring and eviction) adds
+    up in `cache_seconds`."""
+
+    def __init__(self, model, cache, policy=None, token: int = 0, device=None):
+        self.model, self.cache, self.policy, self.device = model, cache, policy, device
+        self.token = torch.tensor([[token]], device=device)
+        self.cache_seconds, update = 0.0, cache.update
+
+        def timed_update(*args, **kwargs):
+            t = time.thread_time()
+            out = update(*args, **kwargs)
+            self.cache_seconds += time.thread_time() - t
+            return out
+        cache.update = timed_update  # an instance attribute: each attention layer calls cache.update
+
+    def forward(self):
+        "One decode step of the model: the next token, greedy."
+        self.token = self.model(self.token, past_key_values=self.cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    def step(self) -> dict:
+        """One decode step; the times of the forward alone (`generate` patches the model once for all its steps, so
+        entering the patch is not part of a step)."""
+        with (torch.no_grad(), patch(self.model, self.policy) if self.policy is not None
+              else contextlib.nullcontext()):
+            return cpu_seconds(self.forward, self.device)
+
+    def attention_seconds(self) -> float:
+        "The CPU seconds inside the policy's attention so far (NaN for transformers' default)."
+        return getattr(self.policy, "attention_seconds", float("nan"))
+
+# %% ../nbs/43_protocol.ipynb #4ba32044
+class SpeedBench:
+    """Decode steps and prefills of `model` under each method at a budget of `budget_fraction` of the context per KV
+    head, alternated with transformers' default, at each thread count of `threads`, on the token stream `prose`."""
+
+    def __init__(self, model, prose: torch.Tensor, budget_fraction: float = 0.125, threads=(1,), repeats: int = 3,
+                 seed: int = 0, device=None):
+        if not 0 < budget_fraction <= 1: raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction!r}")
+        self.model, self.prose, self.budget_fraction, self.threads = model, prose, budget_fraction, list(threads)
+        self.repeats, self.seed, self.device = check_int(repeats, "repeats", 1), seed, device
+        self.info = model_info(model)
+
+    def make(self, name: str, L: int) -> Method:
+        "Method `name` at a budget of budget_fraction * L entries per KV head (dense: no budget)."
+        return methods.make(name) if name == "dense" else methods.make(name, max(1, round(self.budget_fraction * L)))
+
+    def synthetic_kv(self, L: int) -> list:
+        "L random keys and values per layer, [1, Hkv, L, D] each (the same for every method at this L)."
+        g = torch.Generator().manual_seed(self.seed + L)
+        shape = (1, self.info.num_kv_heads, L, self.info.head_dim)
+        return [tuple(torch.randn(shape, generator=g, dtype=self.model.dtype).to(self.device) for _ in "kv")
+                for _ in range(self.info.num_layers)]
+
+    @staticmethod
+    def fill(cache, kv: list):
+        "`cache` holding the keys and values `kv` in every layer, written as a prefill writes them."
+        for layer, (k, v) in enumerate(kv): cache.update(k, v, layer)
+        return cache
+
+    def decoder(self, name: str, L: int, kv: list) -> tuple[Decoder, int]:
+        """A decoder of method `name` at budget_fraction of L, and the position its steps run at: the `kv` of L tokens
+        for a method that keeps every token, a real chunked prefill of min(L, 2B) prose tokens for an eviction one."""
+        m = self.make(name, L)
+        B, policy = m.budget, timed(m.policy())
+        if m.family != "eviction": return Decoder(self.model, self.fill(m.cache(self.model), kv), policy,
+                                                  device=self.device), L
+        n = min(L, 2 * B)  # a bounded cache: steady after 2B tokens
+        cache, last = chunked_prefill(self.model, self.prose[:, :n], m.chunk_size or n, policy, m.cache(self.model))
+        return Decoder(self.model, cache, policy, int(last.argmax(-1)), self.device), n
+
+    def decode_rows(self, name: str, L: int, kv: list) -> list[dict]:
+        """Steady-state decode steps of `name` at L alternating with the default's at each thread count (who goes
+        first alternates too), and its first step (which builds page summaries, unit keys) timed apart."""
+        torch.set_num_threads(max(self.threads))
+        base = Decoder(self.model, self.fill(DynamicCache(config=self.model.config), kv), device=self.device)
+        dec, at = self.decoder(name, L, kv)
+        first = dec.step()["wall_seconds"]  # summaries, unit keys: built once
+        base.step()
+        rows = []
+        for n in self.threads:
+            torch.set_num_threads(n)
+            for j in range(self.repeats):
+                for who, d in [("default", base), (name, dec)][::(-1) ** j]:  # alternate who goes first
+                    a0, c0 = d.attention_seconds(), d.cache_seconds
+                    t = d.step()
+                    rows.append({"L": L, "threads": n, "method": name, "who": who, "step": j, "position": at, **t,
+                                 "attention_seconds": d.attention_seconds() - a0, "cache_seconds": d.cache_seconds - c0,
+                                 "first_step_seconds": first})
+        return rows
+
+    def ttft(self, name: str, L: int) -> dict:
+        """Times of `name`'s prefill of L prose tokens (in its chunks, else in one call) and its first decode step
+        (which builds a retrieval method's page summaries)."""
+        m = self.make(name, L)
+
+        def run():
+            policy = m.policy()
+            cache, last = chunked_prefill(self.model, self.prose[:, :L], m.chunk_size or L, policy, m.cache(self.model))
+            with torch.no_grad(), patch(self.model, policy):
+                self.model(last.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+        return cpu_seconds(run, self.device)
+
+    def default_ttft(self, L: int) -> dict:
+        "transformers' default: one forward over the prompt into a DynamicCache, then one decode step."
+        def run():
+            with torch.no_grad():
+                cache = DynamicCache(config=self.model.config)
+                last = self.model(self.prose[:, :L], past_key_values=cache, use_cache=True,
+                                  logits_to_keep=1).logits[:, -1]
+                self.model(last.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+        return cpu_seconds(run, self.device)
+
+# %% ../nbs/43_protocol.ipynb #228b5da0
+def step_ratios(df: pd.DataFrame, keys: list, col: str, how: str = "median") -> pd.Series:
+    "Per keys: the `how` (median, min, max) over steps of default / method of `col` within a step."
+    wide = df.pivot_table(index=keys + ["step"], columns="who", values=col)
+    return (wide["default"] / wide.drop(columns="default").max(axis=1)).groupby(keys).agg(how)
+
+# %% ../nbs/43_protocol.ipynb #35ab1466
+def goal_line(what: str, row, target: float) -> str:
+    """A Markdown table row of a speed goal for the `step_ratios` summary `row` (None: not measured): met, tied (a
+    median below target whose fastest step reaches it) or not met."""
+    if row is None: return f"| {what} | >= {target:g}x | not measured in this profile |"
+    if row.speedup >= target: verdict = "met"
+    elif row.fastest_step >= target:
+        verdict = f"tied: the steps' ratios span {row.slowest_step:.2f}-{row.fastest_step:.2f}x"
+    else: verdict = "not met"
+    return f"| {what} | >= {target:g}x | {row.speedup:.2f}x ({verdict}) |"
