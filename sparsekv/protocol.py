@@ -19,6 +19,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Callable
 
+from fastcore.basics import patch_to
 import numpy as np
 import pandas as pd
 import torch
@@ -289,42 +290,6 @@ class MethodSpecs:
             spec[KNOBS[name]] = getattr(matched(name, goal, self.shape, self.budgets[0], **spec), KNOBS[name])
         return methods.make, name, spec
 
-    def is_press(self, label: str) -> bool:
-        "Whether `label` is a kvpress press (`{\"press\": ...}`)."
-        return self.params(label)[0] is presses.make
-
-    def setting(self, label: str) -> str:
-        "Where the method acts: evict while reading, prefill selection, decode retrieval, post-prefill compression, ..."
-        make, name, params = self.params(label)
-        if make is presses.make: return "post-prefill compression (kvpress)"
-        if methods.get(name) is methods.PrefillDecode:
-            m = make(name, self.budgets[0], **params)
-            return f"{m.prefill.family} prefill + {m.decode.family} decode"
-        return {"dense": "dense", "eviction": "evict while reading", "selection": "prefill selection",
-                "retrieval": "decode retrieval"}[methods.get(name).family]
-
-    def checkpoints(self, label: str) -> list[str]:
-        "The trained scorers (`checkpoint`: a shipped name or a path) the method or a composition's parts load."
-        params = self.params(label)[2]
-        return [p["checkpoint"] for p in (params, params.get("prefill_params") or {}, params.get("decode_params") or {})
-                if "checkpoint" in p]
-
-    def weights_key(self, label: str) -> dict:
-        """`{"scorers": "name@hash, ..."}` for a method that loads trained scorers (by content), else `{}`: a grid
-        cell computed with other weights is computed again, not reused."""
-        def content(checkpoint: str) -> str:
-            shipped = Path(methods.__file__).parent / "checkpoints" / checkpoint / "trained.pt"
-            return hashlib.sha256((shipped if shipped.is_file() else Path(checkpoint)).read_bytes()).hexdigest()[:12]
-        names = self.checkpoints(label)
-        return {"scorers": ", ".join(f"{c}@{content(c)}" for c in names)} if names else {}
-
-    def budgets_of(self, label: str) -> list[int]:
-        "The measured ceilings the method `label` runs at: its own `budgets`, else the run's."
-        own = self.specs[label].get("budgets", self.budgets)
-        if not own or not all(isinstance(b, int) and b > 0 for b in own):
-            raise ValueError(f"method_specs[{label!r}]['budgets'] must be a list of positive ints, got {own!r}")
-        return list(own)
-
     @property
     def compressing(self) -> list[str]:
         "The labels of the methods that compress (every one but dense)."
@@ -345,26 +310,73 @@ class MethodSpecs:
         "The presses of the run when kvpress is not installed (it lives in the peer environment): read, never run."
         return {label for label in self.specs if self.is_press(label) and not presses.available()}
 
-    def runs(self) -> list[tuple[str, int]]:
-        "(label, ceiling) of every row kind: the reference once (ceiling 0), then each fitted method at each ceiling."
-        return [(self.reference, 0)] + [(label, b) for b in self.all_budgets for label in self.compressing
-                                        if (label, b) in self.nominal]
+# %% ../nbs/43_protocol.ipynb #5ed206ee
+@patch_to(MethodSpecs)
+def is_press(self, label: str) -> bool:
+    "Whether `label` is a kvpress press (`{\"press\": ...}`)."
+    return self.params(label)[0] is presses.make
 
-    def build(self, label: str, budget: int | None = None) -> Method:
-        "The method `label` at its fitted nominal budget for the measured ceiling `budget` (dense: none)."
-        make, name, params = self.params(label)
-        if label not in self.compressing: return make(name, **params)
-        if (label, budget) not in self.nominal:
-            raise ValueError(f"budget: {label} has no fitted nominal budget for the ceiling {budget!r} (fitted: "
-                             f"{sorted(b for lab, b in self.nominal if lab == label)})")
-        return make(name, self.nominal[label, budget], **params)
+@patch_to(MethodSpecs)
+def setting(self, label: str) -> str:
+    "Where the method acts: evict while reading, prefill selection, decode retrieval, post-prefill compression, ..."
+    make, name, params = self.params(label)
+    if make is presses.make: return "post-prefill compression (kvpress)"
+    if methods.get(name) is methods.PrefillDecode:
+        m = make(name, self.budgets[0], **params)
+        return f"{m.prefill.family} prefill + {m.decode.family} decode"
+    return {"dense": "dense", "eviction": "evict while reading", "selection": "prefill selection",
+            "retrieval": "decode retrieval"}[methods.get(name).family]
 
-    def costs(self, n_cached: int) -> dict:
-        "(label, ceiling) -> `cost_columns` of every run at `n_cached` cached keys (NaN for presses: not counted)."
-        uncounted = {"prefill_cost": math.nan, "decode_cost": math.nan}  # each press scores in its own way
-        return {(label, b): uncounted if self.is_press(label) else cost_columns(self.build(label, b or None),
-                                                                                 self.shape, n_cached)
-                for label, b in self.runs()}
+# %% ../nbs/43_protocol.ipynb #aea19ba4
+@patch_to(MethodSpecs)
+def checkpoints(self, label: str) -> list[str]:
+    "The trained scorers (`checkpoint`: a shipped name or a path) the method or a composition's parts load."
+    params = self.params(label)[2]
+    return [p["checkpoint"] for p in (params, params.get("prefill_params") or {}, params.get("decode_params") or {})
+            if "checkpoint" in p]
+
+@patch_to(MethodSpecs)
+def weights_key(self, label: str) -> dict:
+    """`{"scorers": "name@hash, ..."}` for a method that loads trained scorers (by content), else `{}`: a grid
+    cell computed with other weights is computed again, not reused."""
+    def content(checkpoint: str) -> str:
+        shipped = Path(methods.__file__).parent / "checkpoints" / checkpoint / "trained.pt"
+        return hashlib.sha256((shipped if shipped.is_file() else Path(checkpoint)).read_bytes()).hexdigest()[:12]
+    names = self.checkpoints(label)
+    return {"scorers": ", ".join(f"{c}@{content(c)}" for c in names)} if names else {}
+
+@patch_to(MethodSpecs)
+def budgets_of(self, label: str) -> list[int]:
+    "The measured ceilings the method `label` runs at: its own `budgets`, else the run's."
+    own = self.specs[label].get("budgets", self.budgets)
+    if not own or not all(isinstance(b, int) and b > 0 for b in own):
+        raise ValueError(f"method_specs[{label!r}]['budgets'] must be a list of positive ints, got {own!r}")
+    return list(own)
+
+# %% ../nbs/43_protocol.ipynb #50495885
+@patch_to(MethodSpecs)
+def runs(self) -> list[tuple[str, int]]:
+    "(label, ceiling) of every row kind: the reference once (ceiling 0), then each fitted method at each ceiling."
+    return [(self.reference, 0)] + [(label, b) for b in self.all_budgets for label in self.compressing
+                                    if (label, b) in self.nominal]
+
+@patch_to(MethodSpecs)
+def build(self, label: str, budget: int | None = None) -> Method:
+    "The method `label` at its fitted nominal budget for the measured ceiling `budget` (dense: none)."
+    make, name, params = self.params(label)
+    if label not in self.compressing: return make(name, **params)
+    if (label, budget) not in self.nominal:
+        raise ValueError(f"budget: {label} has no fitted nominal budget for the ceiling {budget!r} (fitted: "
+                         f"{sorted(b for lab, b in self.nominal if lab == label)})")
+    return make(name, self.nominal[label, budget], **params)
+
+@patch_to(MethodSpecs)
+def costs(self, n_cached: int) -> dict:
+    "(label, ceiling) -> `cost_columns` of every run at `n_cached` cached keys (NaN for presses: not counted)."
+    uncounted = {"prefill_cost": math.nan, "decode_cost": math.nan}  # each press scores in its own way
+    return {(label, b): uncounted if self.is_press(label) else cost_columns(self.build(label, b or None),
+                                                                             self.shape, n_cached)
+            for label, b in self.runs()}
 
 # %% ../nbs/43_protocol.ipynb #e275ab99
 def probe_inputs(model, window: int, seed: int = 0) -> tuple:
@@ -885,47 +897,52 @@ class SpeedBench:
         cache, last = chunked_prefill(self.model, self.prose[:, :n], m.chunk_size or n, policy, m.cache(self.model))
         return Decoder(self.model, cache, policy, int(last.argmax(-1)), self.device), n
 
-    def decode_rows(self, name: str, L: int, kv: list) -> list[dict]:
-        """Steady-state decode steps of `name` at L alternating with the default's at each thread count (who goes
-        first alternates too), and its first step (which builds page summaries, unit keys) timed apart."""
-        torch.set_num_threads(max(self.threads))
-        base = Decoder(self.model, self.fill(DynamicCache(config=self.model.config), kv), device=self.device)
-        dec, at = self.decoder(name, L, kv)
-        first = dec.step()["wall_seconds"]  # summaries, unit keys: built once
-        base.step()
-        rows = []
-        for n in self.threads:
-            torch.set_num_threads(n)
-            for j in range(self.repeats):
-                for who, d in [("default", base), (name, dec)][::(-1) ** j]:  # alternate who goes first
-                    a0, c0 = d.attention_seconds(), d.cache_seconds
-                    t = d.step()
-                    rows.append({"L": L, "threads": n, "method": name, "who": who, "step": j, "position": at, **t,
-                                 "attention_seconds": d.attention_seconds() - a0, "cache_seconds": d.cache_seconds - c0,
-                                 "first_step_seconds": first})
-        return rows
+# %% ../nbs/43_protocol.ipynb #3071815d
+@patch_to(SpeedBench)
+def decode_rows(self, name: str, L: int, kv: list) -> list[dict]:
+    """Steady-state decode steps of `name` at L alternating with the default's at each thread count (who goes
+    first alternates too), and its first step (which builds page summaries, unit keys) timed apart."""
+    torch.set_num_threads(max(self.threads))
+    base = Decoder(self.model, self.fill(DynamicCache(config=self.model.config), kv), device=self.device)
+    dec, at = self.decoder(name, L, kv)
+    first = dec.step()["wall_seconds"]  # summaries, unit keys: built once
+    base.step()
+    rows = []
+    for n in self.threads:
+        torch.set_num_threads(n)
+        for j in range(self.repeats):
+            for who, d in [("default", base), (name, dec)][::(-1) ** j]:  # alternate who goes first
+                a0, c0 = d.attention_seconds(), d.cache_seconds
+                t = d.step()
+                rows.append({"L": L, "threads": n, "method": name, "who": who, "step": j, "position": at, **t,
+                             "attention_seconds": d.attention_seconds() - a0, "cache_seconds": d.cache_seconds - c0,
+                             "first_step_seconds": first})
+    return rows
 
-    def ttft(self, name: str, L: int) -> dict:
-        """Times of `name`'s prefill of L prose tokens (in its chunks, else in one call) and its first decode step
-        (which builds a retrieval method's page summaries)."""
-        m = self.make(name, L)
+# %% ../nbs/43_protocol.ipynb #321db0ed
+@patch_to(SpeedBench)
+def ttft(self, name: str, L: int) -> dict:
+    """Times of `name`'s prefill of L prose tokens (in its chunks, else in one call) and its first decode step
+    (which builds a retrieval method's page summaries)."""
+    m = self.make(name, L)
 
-        def run():
-            policy = m.policy()
-            cache, last = chunked_prefill(self.model, self.prose[:, :L], m.chunk_size or L, policy, m.cache(self.model))
-            with torch.no_grad(), patch(self.model, policy):
-                self.model(last.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
-        return cpu_seconds(run, self.device)
+    def run():
+        policy = m.policy()
+        cache, last = chunked_prefill(self.model, self.prose[:, :L], m.chunk_size or L, policy, m.cache(self.model))
+        with torch.no_grad(), patch(self.model, policy):
+            self.model(last.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+    return cpu_seconds(run, self.device)
 
-    def default_ttft(self, L: int) -> dict:
-        "transformers' default: one forward over the prompt into a DynamicCache, then one decode step."
-        def run():
-            with torch.no_grad():
-                cache = DynamicCache(config=self.model.config)
-                last = self.model(self.prose[:, :L], past_key_values=cache, use_cache=True,
-                                  logits_to_keep=1).logits[:, -1]
-                self.model(last.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
-        return cpu_seconds(run, self.device)
+@patch_to(SpeedBench)
+def default_ttft(self, L: int) -> dict:
+    "transformers' default: one forward over the prompt into a DynamicCache, then one decode step."
+    def run():
+        with torch.no_grad():
+            cache = DynamicCache(config=self.model.config)
+            last = self.model(self.prose[:, :L], past_key_values=cache, use_cache=True,
+                              logits_to_keep=1).logits[:, -1]
+            self.model(last.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+    return cpu_seconds(run, self.device)
 
 # %% ../nbs/43_protocol.ipynb #228b5da0
 def step_ratios(df: pd.DataFrame, keys: list, col: str, how: str = "median") -> pd.Series:

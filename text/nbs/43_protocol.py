@@ -43,6 +43,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Callable
 
+from fastcore.basics import patch_to
 import numpy as np
 import pandas as pd
 import torch
@@ -667,42 +668,6 @@ class MethodSpecs:
             spec[KNOBS[name]] = getattr(matched(name, goal, self.shape, self.budgets[0], **spec), KNOBS[name])
         return methods.make, name, spec
 
-    def is_press(self, label: str) -> bool:
-        "Whether `label` is a kvpress press (`{\"press\": ...}`)."
-        return self.params(label)[0] is presses.make
-
-    def setting(self, label: str) -> str:
-        "Where the method acts: evict while reading, prefill selection, decode retrieval, post-prefill compression, ..."
-        make, name, params = self.params(label)
-        if make is presses.make: return "post-prefill compression (kvpress)"
-        if methods.get(name) is methods.PrefillDecode:
-            m = make(name, self.budgets[0], **params)
-            return f"{m.prefill.family} prefill + {m.decode.family} decode"
-        return {"dense": "dense", "eviction": "evict while reading", "selection": "prefill selection",
-                "retrieval": "decode retrieval"}[methods.get(name).family]
-
-    def checkpoints(self, label: str) -> list[str]:
-        "The trained scorers (`checkpoint`: a shipped name or a path) the method or a composition's parts load."
-        params = self.params(label)[2]
-        return [p["checkpoint"] for p in (params, params.get("prefill_params") or {}, params.get("decode_params") or {})
-                if "checkpoint" in p]
-
-    def weights_key(self, label: str) -> dict:
-        """`{"scorers": "name@hash, ..."}` for a method that loads trained scorers (by content), else `{}`: a grid
-        cell computed with other weights is computed again, not reused."""
-        def content(checkpoint: str) -> str:
-            shipped = Path(methods.__file__).parent / "checkpoints" / checkpoint / "trained.pt"
-            return hashlib.sha256((shipped if shipped.is_file() else Path(checkpoint)).read_bytes()).hexdigest()[:12]
-        names = self.checkpoints(label)
-        return {"scorers": ", ".join(f"{c}@{content(c)}" for c in names)} if names else {}
-
-    def budgets_of(self, label: str) -> list[int]:
-        "The measured ceilings the method `label` runs at: its own `budgets`, else the run's."
-        own = self.specs[label].get("budgets", self.budgets)
-        if not own or not all(isinstance(b, int) and b > 0 for b in own):
-            raise ValueError(f"method_specs[{label!r}]['budgets'] must be a list of positive ints, got {own!r}")
-        return list(own)
-
     @property
     def compressing(self) -> list[str]:
         "The labels of the methods that compress (every one but dense)."
@@ -723,31 +688,10 @@ class MethodSpecs:
         "The presses of the run when kvpress is not installed (it lives in the peer environment): read, never run."
         return {label for label in self.specs if self.is_press(label) and not presses.available()}
 
-    def runs(self) -> list[tuple[str, int]]:
-        "(label, ceiling) of every row kind: the reference once (ceiling 0), then each fitted method at each ceiling."
-        return [(self.reference, 0)] + [(label, b) for b in self.all_budgets for label in self.compressing
-                                        if (label, b) in self.nominal]
-
-    def build(self, label: str, budget: int | None = None) -> Method:
-        "The method `label` at its fitted nominal budget for the measured ceiling `budget` (dense: none)."
-        make, name, params = self.params(label)
-        if label not in self.compressing: return make(name, **params)
-        if (label, budget) not in self.nominal:
-            raise ValueError(f"budget: {label} has no fitted nominal budget for the ceiling {budget!r} (fitted: "
-                             f"{sorted(b for lab, b in self.nominal if lab == label)})")
-        return make(name, self.nominal[label, budget], **params)
-
-    def costs(self, n_cached: int) -> dict:
-        "(label, ceiling) -> `cost_columns` of every run at `n_cached` cached keys (NaN for presses: not counted)."
-        uncounted = {"prefill_cost": math.nan, "decode_cost": math.nan}  # each press scores in its own way
-        return {(label, b): uncounted if self.is_press(label) else cost_columns(self.build(label, b or None),
-                                                                                 self.shape, n_cached)
-                for label, b in self.runs()}
-
 
 # %% [markdown]
 # The check: on SmolLM2's shape, each label's parameters (the chunk sizes filled in by family, a cost-matched
-# SparQ's rank against `matched` called directly), the settings, the ceilings, the fitted builds and the refusals.
+# SparQ's rank against `matched` called directly) and the refusals.
 
 # %%
 SPECS = {"dense": {}, "streaming_llm": {}, "quoka": {"budgets": [8, 16]}, "sparq_matched": {"name": "sparq",
@@ -761,24 +705,118 @@ knob = KNOBS["sparq"]
 test_eq(specs.params("sparq_matched")[2], {"chunk_size": 8, knob: getattr(matched(
     "sparq", methods.make("quoka", 12, chunk_size=8), shape, 12, chunk_size=8), knob)})
 test_eq(specs.params("knorm"), (presses.make, "knorm", {}))
+test_fail(lambda: specs.params("nope"), contains="label must be one of")
+test_fail(lambda: MethodSpecs([], shape, [8]), contains="specs must be a non-empty dict")
+
+
+# %%
+#| export
+@patch_to(MethodSpecs)
+def is_press(self, label: str) -> bool:
+    "Whether `label` is a kvpress press (`{\"press\": ...}`)."
+    return self.params(label)[0] is presses.make
+
+@patch_to(MethodSpecs)
+def setting(self, label: str) -> str:
+    "Where the method acts: evict while reading, prefill selection, decode retrieval, post-prefill compression, ..."
+    make, name, params = self.params(label)
+    if make is presses.make: return "post-prefill compression (kvpress)"
+    if methods.get(name) is methods.PrefillDecode:
+        m = make(name, self.budgets[0], **params)
+        return f"{m.prefill.family} prefill + {m.decode.family} decode"
+    return {"dense": "dense", "eviction": "evict while reading", "selection": "prefill selection",
+            "retrieval": "decode retrieval"}[methods.get(name).family]
+
+
+# %% [markdown]
+# Where each method acts, read from its family (a composition: its two parts'), and which labels are presses.
+
+# %%
 test_eq([specs.setting(label) for label in SPECS],
         ["dense", "evict while reading", "prefill selection", "prefill selection", "decode retrieval",
          "selection prefill + retrieval decode", "evict while reading", "post-prefill compression (kvpress)"])
-test_eq((specs.reference, specs.compressing, specs.all_budgets), ("dense", list(SPECS)[1:], [8, 12, 16]))
-test_eq(specs.unavailable, set() if presses.available() else {"knorm"})
+test_eq([label for label in SPECS if specs.is_press(label)], ["knorm"])
+
+
+# %%
+#| export
+@patch_to(MethodSpecs)
+def checkpoints(self, label: str) -> list[str]:
+    "The trained scorers (`checkpoint`: a shipped name or a path) the method or a composition's parts load."
+    params = self.params(label)[2]
+    return [p["checkpoint"] for p in (params, params.get("prefill_params") or {}, params.get("decode_params") or {})
+            if "checkpoint" in p]
+
+@patch_to(MethodSpecs)
+def weights_key(self, label: str) -> dict:
+    """`{"scorers": "name@hash, ..."}` for a method that loads trained scorers (by content), else `{}`: a grid
+    cell computed with other weights is computed again, not reused."""
+    def content(checkpoint: str) -> str:
+        shipped = Path(methods.__file__).parent / "checkpoints" / checkpoint / "trained.pt"
+        return hashlib.sha256((shipped if shipped.is_file() else Path(checkpoint)).read_bytes()).hexdigest()[:12]
+    names = self.checkpoints(label)
+    return {"scorers": ", ".join(f"{c}@{content(c)}" for c in names)} if names else {}
+
+@patch_to(MethodSpecs)
+def budgets_of(self, label: str) -> list[int]:
+    "The measured ceilings the method `label` runs at: its own `budgets`, else the run's."
+    own = self.specs[label].get("budgets", self.budgets)
+    if not own or not all(isinstance(b, int) and b > 0 for b in own):
+        raise ValueError(f"method_specs[{label!r}]['budgets'] must be a list of positive ints, got {own!r}")
+    return list(own)
+
+
+# %% [markdown]
+# The weights key hashes the shipped scorers' bytes; the ceilings are each method's own or the run's; the reference,
+# the compressing labels and the presses kvpress is missing for follow from them.
+
+# %%
 shipped = Path(methods.__file__).parent / "checkpoints/smollm2-135m-cr75-mlp/trained.pt"
 test_eq(specs.weights_key("kvpop"),
         {"scorers": f"smollm2-135m-cr75-mlp@{hashlib.sha256(shipped.read_bytes()).hexdigest()[:12]}"})
 test_eq(specs.weights_key("quoka"), {})
+test_eq((specs.reference, specs.compressing, specs.all_budgets), ("dense", list(SPECS)[1:], [8, 12, 16]))
+test_eq(specs.unavailable, set() if presses.available() else {"knorm"})
+test_fail(lambda: MethodSpecs({"dense": {}, "tova": {"budgets": [0]}}, shape, [8]).budgets_of("tova"),
+          contains="must be a list of positive ints")
+
+
+# %%
+#| export
+@patch_to(MethodSpecs)
+def runs(self) -> list[tuple[str, int]]:
+    "(label, ceiling) of every row kind: the reference once (ceiling 0), then each fitted method at each ceiling."
+    return [(self.reference, 0)] + [(label, b) for b in self.all_budgets for label in self.compressing
+                                    if (label, b) in self.nominal]
+
+@patch_to(MethodSpecs)
+def build(self, label: str, budget: int | None = None) -> Method:
+    "The method `label` at its fitted nominal budget for the measured ceiling `budget` (dense: none)."
+    make, name, params = self.params(label)
+    if label not in self.compressing: return make(name, **params)
+    if (label, budget) not in self.nominal:
+        raise ValueError(f"budget: {label} has no fitted nominal budget for the ceiling {budget!r} (fitted: "
+                         f"{sorted(b for lab, b in self.nominal if lab == label)})")
+    return make(name, self.nominal[label, budget], **params)
+
+@patch_to(MethodSpecs)
+def costs(self, n_cached: int) -> dict:
+    "(label, ceiling) -> `cost_columns` of every run at `n_cached` cached keys (NaN for presses: not counted)."
+    uncounted = {"prefill_cost": math.nan, "decode_cost": math.nan}  # each press scores in its own way
+    return {(label, b): uncounted if self.is_press(label) else cost_columns(self.build(label, b or None),
+                                                                             self.shape, n_cached)
+            for label, b in self.runs()}
+
+
+# %% [markdown]
+# The runs, builds and costs once budgets are fitted (`nominal`), and the refusal of a ceiling never fitted.
+
+# %%
 specs.nominal = {("quoka", 8): 6, ("quest", 12): 12}
 test_eq(specs.runs(), [("dense", 0), ("quoka", 8), ("quest", 12)])
 test_eq((specs.build("quoka", 8).budget, specs.build("dense").name), (6, "dense"))
 test_eq(specs.costs(4096)[("quoka", 8)], cost_columns(methods.make("quoka", 6, chunk_size=8), shape, 4096))
 test_fail(lambda: specs.build("quoka", 12), contains="no fitted nominal budget for the ceiling 12")
-test_fail(lambda: specs.params("nope"), contains="label must be one of")
-test_fail(lambda: MethodSpecs({"dense": {}, "tova": {"budgets": [0]}}, shape, [8]).budgets_of("tova"),
-          contains="must be a list of positive ints")
-test_fail(lambda: MethodSpecs([], shape, [8]), contains="specs must be a non-empty dict")
 
 
 # %% [markdown]
@@ -1734,54 +1772,11 @@ class SpeedBench:
         cache, last = chunked_prefill(self.model, self.prose[:, :n], m.chunk_size or n, policy, m.cache(self.model))
         return Decoder(self.model, cache, policy, int(last.argmax(-1)), self.device), n
 
-    def decode_rows(self, name: str, L: int, kv: list) -> list[dict]:
-        """Steady-state decode steps of `name` at L alternating with the default's at each thread count (who goes
-        first alternates too), and its first step (which builds page summaries, unit keys) timed apart."""
-        torch.set_num_threads(max(self.threads))
-        base = Decoder(self.model, self.fill(DynamicCache(config=self.model.config), kv), device=self.device)
-        dec, at = self.decoder(name, L, kv)
-        first = dec.step()["wall_seconds"]  # summaries, unit keys: built once
-        base.step()
-        rows = []
-        for n in self.threads:
-            torch.set_num_threads(n)
-            for j in range(self.repeats):
-                for who, d in [("default", base), (name, dec)][::(-1) ** j]:  # alternate who goes first
-                    a0, c0 = d.attention_seconds(), d.cache_seconds
-                    t = d.step()
-                    rows.append({"L": L, "threads": n, "method": name, "who": who, "step": j, "position": at, **t,
-                                 "attention_seconds": d.attention_seconds() - a0, "cache_seconds": d.cache_seconds - c0,
-                                 "first_step_seconds": first})
-        return rows
-
-    def ttft(self, name: str, L: int) -> dict:
-        """Times of `name`'s prefill of L prose tokens (in its chunks, else in one call) and its first decode step
-        (which builds a retrieval method's page summaries)."""
-        m = self.make(name, L)
-
-        def run():
-            policy = m.policy()
-            cache, last = chunked_prefill(self.model, self.prose[:, :L], m.chunk_size or L, policy, m.cache(self.model))
-            with torch.no_grad(), patch(self.model, policy):
-                self.model(last.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
-        return cpu_seconds(run, self.device)
-
-    def default_ttft(self, L: int) -> dict:
-        "transformers' default: one forward over the prompt into a DynamicCache, then one decode step."
-        def run():
-            with torch.no_grad():
-                cache = DynamicCache(config=self.model.config)
-                last = self.model(self.prose[:, :L], past_key_values=cache, use_cache=True,
-                                  logits_to_keep=1).logits[:, -1]
-                self.model(last.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
-        return cpu_seconds(run, self.device)
-
 
 # %% [markdown]
 # The checks on the tiny model, at a context of 64 and a budget of a quarter: the budgets, the synthetic keys and
 # values (their shapes, the same for every method at one context), a selection method decoding from them with its
-# policy called once per layer, an eviction method from a real prefill of $2B$ tokens, and the rows of the
-# alternating steps.
+# policy called once per layer, and an eviction method from a real prefill of $2B$ tokens.
 
 # %%
 stream = torch.randint(3, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(3))
@@ -1796,11 +1791,74 @@ q_dec.step()
 test_eq((at, q_dec.policy.calls, q_dec.cache.get_seq_length()), (64, model.config.num_hidden_layers, 65))
 assert q_dec.policy.attention_seconds > 0 and q_dec.cache_seconds > 0
 test_eq(bench.decoder("tova", 64, kv)[1], 32)                       # min(L, 2B) prose tokens
+test_fail(lambda: SpeedBench(model, wins, budget_fraction=0), contains="budget_fraction must be in")
+
+
+# %%
+#| export
+@patch_to(SpeedBench)
+def decode_rows(self, name: str, L: int, kv: list) -> list[dict]:
+    """Steady-state decode steps of `name` at L alternating with the default's at each thread count (who goes
+    first alternates too), and its first step (which builds page summaries, unit keys) timed apart."""
+    torch.set_num_threads(max(self.threads))
+    base = Decoder(self.model, self.fill(DynamicCache(config=self.model.config), kv), device=self.device)
+    dec, at = self.decoder(name, L, kv)
+    first = dec.step()["wall_seconds"]  # summaries, unit keys: built once
+    base.step()
+    rows = []
+    for n in self.threads:
+        torch.set_num_threads(n)
+        for j in range(self.repeats):
+            for who, d in [("default", base), (name, dec)][::(-1) ** j]:  # alternate who goes first
+                a0, c0 = d.attention_seconds(), d.cache_seconds
+                t = d.step()
+                rows.append({"L": L, "threads": n, "method": name, "who": who, "step": j, "position": at, **t,
+                             "attention_seconds": d.attention_seconds() - a0, "cache_seconds": d.cache_seconds - c0,
+                             "first_step_seconds": first})
+    return rows
+
+
+# %% [markdown]
+# The rows of the alternating steps: who goes first alternates, every step at the method's position.
+
+# %%
 steps = bench.decode_rows("quoka", 64, kv)
 test_eq([(r["who"], r["step"]) for r in steps], [("default", 0), ("quoka", 0), ("quoka", 1), ("default", 1)])
 test_eq({r["position"] for r in steps}, {64})
+
+
+# %%
+#| export
+@patch_to(SpeedBench)
+def ttft(self, name: str, L: int) -> dict:
+    """Times of `name`'s prefill of L prose tokens (in its chunks, else in one call) and its first decode step
+    (which builds a retrieval method's page summaries)."""
+    m = self.make(name, L)
+
+    def run():
+        policy = m.policy()
+        cache, last = chunked_prefill(self.model, self.prose[:, :L], m.chunk_size or L, policy, m.cache(self.model))
+        with torch.no_grad(), patch(self.model, policy):
+            self.model(last.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+    return cpu_seconds(run, self.device)
+
+@patch_to(SpeedBench)
+def default_ttft(self, L: int) -> dict:
+    "transformers' default: one forward over the prompt into a DynamicCache, then one decode step."
+    def run():
+        with torch.no_grad():
+            cache = DynamicCache(config=self.model.config)
+            last = self.model(self.prose[:, :L], past_key_values=cache, use_cache=True,
+                              logits_to_keep=1).logits[:, -1]
+            self.model(last.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+    return cpu_seconds(run, self.device)
+
+
+# %% [markdown]
+# Both times to first token are measured (positive) on the tiny model.
+
+# %%
 assert bench.ttft("quoka", 64)["seconds"] > 0 and bench.default_ttft(64)["seconds"] > 0
-test_fail(lambda: SpeedBench(model, wins, budget_fraction=0), contains="budget_fraction must be in")
 
 
 # %% [markdown]
