@@ -167,7 +167,7 @@ sync: $(STAMP)
 # The cleaning and syncing rewrite files in place, as the hooks do; CI fails when they change a committed file.
 # The hooks' last check, check-export, compares with what git holds: CI and the hook run it, `make test` does not.
 lint: $(STAMP)
-	$(BIN)/ruff check nbs sparsekv tests reproduce/gpu_check.py
+	$(BIN)/ruff check nbs sparsekv tests reproduce/gpu_check.py $(wildcard reproduce/*.ipynb)
 	$(BIN)/jupytext --quiet --sync $(NOTEBOOKS)
 	$(MAKE) --no-print-directory clean-nbs
 
