@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
@@ -26,14 +25,15 @@ from .basis import centre_page, check_eta, output_metric, page_basis, page_risks
 from .pages import (CapturePolicy, PackedPages, PageRetrievalPolicy, aggregate_gqa, gather_pages,
                                  select_pages, top_pages)
 from .summaries import build_summaries, score_pages, split_pages
+from ..protocol import cpu_seconds
 
 # %% auto #0
 __all__ = ['retrieval_arms', 'arm_label', 'registry_name', 'plot_eta_curve', 'this_run', 'md_table', 'reasoning_window',
            'layer_activations', 'layer_output_metric', 'arm_page_weights', 'arms_fidelity', 'choose_eta',
            'best_eta_summary', 'theory_rows', 'ArmsPolicy', 'held_back_prefill', 'decode_arms', 'arm_policy',
-           'end_of_text_ids', 'cut_at', 'task_arms', 'generation_arms', 'arm_table', 'eta_goal', 'thread_seconds',
-           'stand_in_attention', 'decode_context', 'decode_policies', 'decode_latency', 'latency_table', 'paired_ratio',
-           'limit_macs', 'summary_build_latency']
+           'end_of_text_ids', 'cut_at', 'task_arms', 'generation_arms', 'arm_table', 'eta_goal', 'stand_in_attention',
+           'decode_context', 'decode_policies', 'decode_latency', 'latency_table', 'paired_ratio', 'limit_macs',
+           'summary_build_latency']
 
 # %% ../../nbs/33_oval_experiments.ipynb #94da3d84
 def retrieval_arms(etas: Sequence[float]) -> list[tuple[str, float]]:
@@ -323,13 +323,6 @@ def eta_goal(table: pd.DataFrame, budget_fractions: Sequence[float],
                          ">= quest": sign * (best - t.loc["quest", metric_name]) >= 0})
     return pd.DataFrame(goal)
 
-# %% ../../nbs/33_oval_experiments.ipynb #b9c1f275
-def thread_seconds(f: Callable) -> dict:
-    "CPU time of the calling thread ('seconds') and wall time ('wall_seconds') of one call of `f`."
-    c0, w0 = time.thread_time(), time.perf_counter()
-    f()
-    return {"seconds": time.thread_time() - c0, "wall_seconds": time.perf_counter() - w0}
-
 # %% ../../nbs/33_oval_experiments.ipynb #7501151f
 def stand_in_attention(num_heads: int, num_kv_heads: int, head_dim: int,
                        generator: torch.Generator) -> SimpleNamespace:
@@ -395,7 +388,7 @@ def decode_latency(contexts: Sequence[int], module, names: Sequence[str], token_
             t = T + j
             k, v, ctx = kb[:, :, :t], vb[:, :, :t], decode_context(t, module)
             for m in names[j % len(names):] + names[:j % len(names)]:
-                steps.append({"T": T, "step": j, "method": m, **thread_seconds(lambda: pols[m](qs[j], k, v, ctx))})
+                steps.append({"T": T, "step": j, "method": m, **cpu_seconds(lambda: pols[m](qs[j], k, v, ctx))})
         packed = {m: pols[m].summaries[1] for m in sparse}
         views = {m: p.summary() for m, p in packed.items()}
         scorings = [(m, "packed", lambda q, m=m: packed[m].scores(q)) for m in sparse]
@@ -417,7 +410,7 @@ def decode_latency(contexts: Sequence[int], module, names: Sequence[str], token_
             for j in range(repeats):
                 for m, path, f in group[j % len(group):] + group[:j % len(group)]:
                     scoring.append({"T": T, "step": j, "method": m, "path": path,
-                                    **thread_seconds(lambda: f(qs[j, :, :, 0]))})
+                                    **cpu_seconds(lambda: f(qs[j, :, :, 0]))})
     return pd.DataFrame(steps), pd.DataFrame(scoring), pd.DataFrame(checks), n_kept
 
 # %% ../../nbs/33_oval_experiments.ipynb #00a659e3
@@ -461,6 +454,6 @@ def summary_build_latency(names: Sequence[str], n_pages: int, page_size: int, ra
         sl = slice(p * page_size, (p + 1) * page_size)
         for m in names[p % len(names):] + names[:p % len(names)]:
             store = PackedPages(m, page_size)
-            rows.append({"method": m, "page": p, **thread_seconds(lambda: store.append(
+            rows.append({"method": m, "page": p, **cpu_seconds(lambda: store.append(
                 build_summaries(m, Kc[:, :, sl], Vc[:, :, sl], page_size, rank, eta, G if m == "oval" else None)))})
     return pd.DataFrame(rows)

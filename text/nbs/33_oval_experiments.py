@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
@@ -42,6 +41,7 @@ from sparsekv.oval.basis import centre_page, check_eta, output_metric, page_basi
 from sparsekv.oval.pages import (CapturePolicy, PackedPages, PageRetrievalPolicy, aggregate_gqa, gather_pages,
                                  select_pages, top_pages)
 from sparsekv.oval.summaries import build_summaries, score_pages, split_pages
+from sparsekv.protocol import cpu_seconds
 
 # %%
 #| hide
@@ -719,26 +719,18 @@ test_eq(_g.loc["needle", ["best_eta", "best_oval", "keypca", "full", ">= keypca"
 test_eq(_g.loc["gen_kl", ["best_eta", ">= keypca", ">= quest"]].tolist(), ["oval eta=1", True, True])
 test_fail(lambda: eta_goal(_tab, [0.5], [("needle", sum)]), contains="max or min")
 
-
 # %% [markdown]
 # ## Decode latency
 #
 # The latency stage times one decode step of one layer on random tensors, each method called as
-# `sparsekv.hf.patch` calls it. A call is timed by the CPU time of the calling thread
-# (`time.thread_time`), which leaves out the time it waits to be scheduled on a shared machine; the
-# wall time is kept beside it.
+# `sparsekv.hf.patch` calls it. A call is timed by `sparsekv.protocol.cpu_seconds`: the CPU time of the
+# calling thread (`time.thread_time`), which leaves out the time it waits to be scheduled on a shared
+# machine, with the wall time beside it.
 
 # %%
-#| export
-def thread_seconds(f: Callable) -> dict:
-    "CPU time of the calling thread ('seconds') and wall time ('wall_seconds') of one call of `f`."
-    c0, w0 = time.thread_time(), time.perf_counter()
-    f()
-    return {"seconds": time.thread_time() - c0, "wall_seconds": time.perf_counter() - w0}
+import time
 
-
-# %%
-_s = thread_seconds(lambda: time.sleep(0.05))
+_s = cpu_seconds(lambda: time.sleep(0.05))
 assert _s["wall_seconds"] >= 0.05 and _s["seconds"] < 0.04, _s   # sleeping takes no CPU time
 
 
@@ -857,7 +849,7 @@ def decode_latency(contexts: Sequence[int], module, names: Sequence[str], token_
             t = T + j
             k, v, ctx = kb[:, :, :t], vb[:, :, :t], decode_context(t, module)
             for m in names[j % len(names):] + names[:j % len(names)]:
-                steps.append({"T": T, "step": j, "method": m, **thread_seconds(lambda: pols[m](qs[j], k, v, ctx))})
+                steps.append({"T": T, "step": j, "method": m, **cpu_seconds(lambda: pols[m](qs[j], k, v, ctx))})
         packed = {m: pols[m].summaries[1] for m in sparse}
         views = {m: p.summary() for m, p in packed.items()}
         scorings = [(m, "packed", lambda q, m=m: packed[m].scores(q)) for m in sparse]
@@ -879,7 +871,7 @@ def decode_latency(contexts: Sequence[int], module, names: Sequence[str], token_
             for j in range(repeats):
                 for m, path, f in group[j % len(group):] + group[:j % len(group)]:
                     scoring.append({"T": T, "step": j, "method": m, "path": path,
-                                    **thread_seconds(lambda: f(qs[j, :, :, 0]))})
+                                    **cpu_seconds(lambda: f(qs[j, :, :, 0]))})
     return pd.DataFrame(steps), pd.DataFrame(scoring), pd.DataFrame(checks), n_kept
 
 
@@ -974,7 +966,7 @@ def summary_build_latency(names: Sequence[str], n_pages: int, page_size: int, ra
         sl = slice(p * page_size, (p + 1) * page_size)
         for m in names[p % len(names):] + names[:p % len(names)]:
             store = PackedPages(m, page_size)
-            rows.append({"method": m, "page": p, **thread_seconds(lambda: store.append(
+            rows.append({"method": m, "page": p, **cpu_seconds(lambda: store.append(
                 build_summaries(m, Kc[:, :, sl], Vc[:, :, sl], page_size, rank, eta, G if m == "oval" else None)))})
     return pd.DataFrame(rows)
 
