@@ -39,7 +39,7 @@ __all__ = ['VARIANTS', 'SETTINGS', 'RANKINGS', 'panel_grid', 'greedy_continue', 
            'varied_alone', 'protocol_claim_rows', 'LayerCapture', 'last_chunk', 'keys_for_mass', 'chunk_probs',
            'spearman', 'query_similarity', 'head_premise', 'window_ids', 'chunk_fidelity', 'ranking_select', 'clock',
            'sparse_chunk_attention', 'dense_chunk_attention', 'chunk_tensors', 'best_split', 'cached_quoka_select',
-           'floor_select', 'paired_ratio', 'gather_seconds', 'selectors', 'OpCount', 'op_count', 'time_chunk']
+           'floor_select', 'selection_over_floor', 'gather_seconds', 'selectors', 'OpCount', 'op_count', 'time_chunk']
 
 # %% ../../nbs/23_quoka_experiments.ipynb #052091dd
 def panel_grid(n: int, width: float, height: float, per_row: int = 3, pad: float = 1.4, **kw):
@@ -640,7 +640,7 @@ def floor_select(q, k_cache, n_q: int, budget: int):
     return lambda q, k: top_budget_indices((qbar @ k_unit.mT).amax(2), budget)
 
 # %% ../../nbs/23_quoka_experiments.ipynb #9d468e1f
-def paired_ratio(select, floor, q, k, v, pairs: int) -> float:
+def selection_over_floor(select, floor, q, k, v, pairs: int) -> float:
     """Median over `pairs` of select's time over floor's, both timed as a chunk's selection, back to back in
     alternating order."""
     check_int(pairs, "pairs", 1)
@@ -701,7 +701,7 @@ def time_chunk(model_name: str, Hq: int, Hkv: int, D: int, T: int, dtype_name: s
                seed: int = 0) -> list[dict]:
     """Rows (one per method of `methods`: 'dense' or a key of `selectors`) of the best total time of one chunk of T
     cached keys with these head shapes, and the selection time within it; QuoKA's row adds its gather, its floor and
-    its selection over the floor (`paired_ratio`). Sets torch's intra-op threads to `n_threads`."""
+    its selection over the floor (the function `selection_over_floor`). Sets torch's intra-op threads to `n_threads`."""
     torch.set_num_threads(n_threads)
     q, k, v = chunk_tensors(Hq, Hkv, D, T, chunk_size, getattr(torch, dtype_name), seed)
     sel = selectors(k[:, :, :T], chunk_size, n_q, budget)
@@ -718,5 +718,5 @@ def time_chunk(model_name: str, Hq: int, Hkv: int, D: int, T: int, dtype_name: s
     floor = floor_select(q, k[:, :, :T], n_q, budget)
     rows[methods.index("quoka")]["floor_seconds"] = best_split(partial(sparse_chunk_attention, floor, q, k, v),
                                                                repeats)[0]
-    rows[methods.index("quoka")]["selection_over_floor"] = paired_ratio(sel["quoka"], floor, q, k, v, floor_pairs)
+    rows[methods.index("quoka")]["selection_over_floor"] = selection_over_floor(sel["quoka"], floor, q, k, v, floor_pairs)
     return rows

@@ -1193,7 +1193,7 @@ test_eq(floor_select(_q, _k[:, :, :64], 4, 20)(_q, None).sort(-1).values,
 
 # %%
 #| export
-def paired_ratio(select, floor, q, k, v, pairs: int) -> float:
+def selection_over_floor(select, floor, q, k, v, pairs: int) -> float:
     """Median over `pairs` of select's time over floor's, both timed as a chunk's selection, back to back in
     alternating order."""
     check_int(pairs, "pairs", 1)
@@ -1213,7 +1213,7 @@ _threads = torch.get_num_threads()
 torch.set_num_threads(2)
 _slow = lambda q, k: time.sleep(0.3) or quoka_select(q, k, n_q=4, budget=20)
 _fast = lambda q, k: quoka_select(q, k, n_q=4, budget=20)
-assert paired_ratio(_slow, _fast, _q, _k, _k, 3) > 1.5
+assert selection_over_floor(_slow, _fast, _q, _k, _k, 3) > 1.5
 torch.set_num_threads(_threads)
 
 
@@ -1291,7 +1291,7 @@ def time_chunk(model_name: str, Hq: int, Hkv: int, D: int, T: int, dtype_name: s
                seed: int = 0) -> list[dict]:
     """Rows (one per method of `methods`: 'dense' or a key of `selectors`) of the best total time of one chunk of T
     cached keys with these head shapes, and the selection time within it; QuoKA's row adds its gather, its floor and
-    its selection over the floor (`paired_ratio`). Sets torch's intra-op threads to `n_threads`."""
+    its selection over the floor (the function `selection_over_floor`). Sets torch's intra-op threads to `n_threads`."""
     torch.set_num_threads(n_threads)
     q, k, v = chunk_tensors(Hq, Hkv, D, T, chunk_size, getattr(torch, dtype_name), seed)
     sel = selectors(k[:, :, :T], chunk_size, n_q, budget)
@@ -1308,7 +1308,7 @@ def time_chunk(model_name: str, Hq: int, Hkv: int, D: int, T: int, dtype_name: s
     floor = floor_select(q, k[:, :, :T], n_q, budget)
     rows[methods.index("quoka")]["floor_seconds"] = best_split(partial(sparse_chunk_attention, floor, q, k, v),
                                                                repeats)[0]
-    rows[methods.index("quoka")]["selection_over_floor"] = paired_ratio(sel["quoka"], floor, q, k, v, floor_pairs)
+    rows[methods.index("quoka")]["selection_over_floor"] = selection_over_floor(sel["quoka"], floor, q, k, v, floor_pairs)
     return rows
 
 
