@@ -21,8 +21,8 @@ from .kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budg
 from .kvpop.dms import DMS  # noqa: F401
 from .kvpop.student import KVpopMLP, KVpopMLSTM, StreamingLLMPlus, TrainedMethod  # noqa: F401
 from .oval.pages import OVAL, ArkVale, KeyPCA, OraclePages, PageRetrieval, Quest  # noqa: F401
-from .quoka.policy import (BaselineSelection, LessIsMore, Loki, MeanScores, Quoka,  # noqa: F401
-                                   SampleAttention, SelectionMethod, SparQ)
+from .quoka.baselines import LessIsMore, Loki, MeanScores, SampleAttention, SparQ  # noqa: F401
+from .quoka.policy import BaselineSelection, Quoka, SelectionMethod  # noqa: F401
 
 # %% auto #0
 __all__ = ['names', 'get', 'make', 'Dense', 'RoutedPolicy', 'HandoffCache', 'PrefillDecode']

@@ -7,14 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from sparsekv.quoka.baselines import (LessIsMoreSelector, lessismore_select, loki_select, mean_score_select,
-                                      sample_attention_select, sparq_select)
+from sparsekv.quoka.baselines import (LessIsMorePolicy, LessIsMoreSelector, lessismore_select, loki_select,
+                                      mean_score_select, sample_attention_select, sparq_select)
 from sparsekv.hf import DensePolicy, chunked_prefill, patch
 from sparsekv.models import load_model
 from sparsekv.quoka.select import quoka_scores_reference, quoka_select, quoka_select_reference
 from sparsekv.select import resolve_budget
-from sparsekv.quoka.policy import (BaselinePolicy, LessIsMorePolicy, QuokaPolicy, last_chunk_logits,
-                                   selected_attention_reference)
+from sparsekv.quoka.policy import BaselinePolicy, QuokaPolicy, last_chunk_logits, selected_attention_reference
 from sparsekv.select import anchor_mask, anchored_top_indices, anchored_top_indices_reference
 
 ATOL = dict(atol=1e-5, rtol=0)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import weakref
 
@@ -16,19 +15,15 @@ from torch import Tensor
 
 from ..attention import attention_reference, causal_mask, check_int
 from ..cache import GrowingCache, follow_batch_ops
-from .baselines import (MEAN_SCORES, KeyMoments, LessIsMoreSelector, _check_rank, loki_select,
-                                      mean_score_select, sample_attention_select, sparq_select)
 from ..hf import (AttentionContext, DensePolicy, Method, ModelShape, ScoringCost, SelectionPolicy, active_patch,
                          add_chunk_keys, chunked_prefill, heads_mask, patch, queries_per_call)
-from ..models import model_info
 from .select import (UnitKeyCache, check_quoka_options, quoka_decode_select, quoka_scores,
                                    quoka_select)
 from ..select import all_key_indices, anchored_top_indices, resolve_budget
 
 # %% auto #0
-__all__ = ['EarlierKeysPolicy', 'QuokaPolicy', 'selected_attention_reference', 'BaselinePolicy', 'LokiPolicy', 'LessIsMorePolicy',
-           'last_chunk_logits', 'SelectionMethod', 'Quoka', 'BaselineSelection', 'MeanScores', 'SampleAttention',
-           'SparQ', 'Loki', 'LessIsMore']
+__all__ = ['EarlierKeysPolicy', 'QuokaPolicy', 'selected_attention_reference', 'BaselinePolicy', 'last_chunk_logits',
+           'SelectionMethod', 'Quoka', 'BaselineSelection']
 
 # %% ../../nbs/22_quoka_policy.ipynb #f36ed1bc
 def _check_budget(budget):
@@ -187,49 +182,6 @@ class BaselinePolicy(EarlierKeysPolicy):
         name = getattr(self.select_fn, "__name__", repr(self.select_fn))
         return f"BaselinePolicy({name}, budget={self.budget}, decode={self.decode_sparse}, **{self.options})"
 
-# %% ../../nbs/22_quoka_policy.ipynb #e8859134
-class LokiPolicy(BaselinePolicy):
-    "Loki (`loki_select`) with the cache's basis from per-layer `KeyMoments`, updated by the new keys only."
-
-    def __init__(self, budget: int | float = 1024, decode: bool = True, r: int | None = None, center: bool = False):
-        super().__init__(loki_select, budget, decode, r=r, center=center)
-        self.moments = weakref.WeakKeyDictionary()  # cache layer -> KeyMoments
-
-    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor:
-        layer = ctx.cache_layer
-        if layer is None or ctx.row is not None: return super().pick_earlier(q, k_earlier, ctx)
-        if layer not in self.moments:
-            self.moments[layer] = KeyMoments()
-            follow_batch_ops(layer, id(self), self.moments[layer].apply_rows)  # beam search moves the rows
-        basis = self.moments[layer].update(k_earlier).basis(self.options["center"])
-        return loki_select(q, k_earlier, self.budget, self.options["r"], basis=basis, scale=ctx.scale)
-
-# %% ../../nbs/22_quoka_policy.ipynb #6336aea6
-class LessIsMorePolicy(EarlierKeysPolicy):
-    "LessIsMore (Yang et al. 2025b) in chunked prefill: a `LessIsMoreSelector` picks at selection layers, others reuse."
-
-    def __init__(self, selector: LessIsMoreSelector, decode: bool = True):
-        if not isinstance(selector, LessIsMoreSelector):
-            raise TypeError(f"selector must be a LessIsMoreSelector, got {type(selector).__name__}")
-        super().__init__(decode)
-        self.selector, self.row_selectors = selector, {}
-
-    def fits(self, T: int) -> bool:
-        "Only the first chunk (T = 0) is dense without asking: the selector is not consulted there."
-        return T == 0
-
-    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
-        "The selector's pick for this layer (called for every layer: it checks the order); None: dense."
-        return self.row_selector(ctx.row).select(ctx.layer_idx, q, k_earlier)
-
-    def row_selector(self, row: int | None) -> LessIsMoreSelector:
-        "The selector of the whole batch (row None) or, in a padded batch, of row `row` (its pick is the row's own)."
-        if row is None: return self.selector
-        if row not in self.row_selectors:
-            self.row_selectors[row] = copy.copy(self.selector)
-            self.row_selectors[row].reset()
-        return self.row_selectors[row]
-
 # %% ../../nbs/22_quoka_policy.ipynb #dcbb4ce8
 def last_chunk_logits(model, input_ids: Tensor, chunk_size: int, policy=None) -> Tensor:
     "Logits [B,c,V] at each position of the last chunk (c tokens) of `chunked_prefill(model, input_ids, ...)`."
@@ -331,110 +283,3 @@ class BaselineSelection(SelectionMethod):
 
     def policy(self) -> BaselinePolicy:
         return BaselinePolicy(type(self).select_fn, self.budget, self.decode, **self.options())
-
-# %% ../../nbs/22_quoka_policy.ipynb #42c11ceb
-class MeanScores(BaselineSelection):
-    "Mean of scores: the keys of largest attention probability (or logit, `scores`) over the chunk's queries and heads."
-    name, select_fn = "mean_scores", staticmethod(mean_score_select)
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, scores: str = "softmax"):
-        super().__init__(budget, chunk_size, decode)
-        if scores not in MEAN_SCORES: raise ValueError(f"scores must be one of {MEAN_SCORES}, got {scores!r}")
-        self.scores = scores
-
-    def options(self): return dict(scores=self.scores)
-
-    def key_cost(self, shape, S):
-        "Every query of every head of the group times each key: G S D."
-        return shape.G * S * shape.D, 0
-
-# %% ../../nbs/22_quoka_policy.ipynb #ab0599f4
-class SampleAttention(BaselineSelection):
-    "SampleAttention: the attention of `n_q` uniformly sampled queries (from `seed`)."
-    name, select_fn = "sample_attention", staticmethod(sample_attention_select)
-    cost_knob, small_params = "n_q", {"chunk_size": 8, "n_q": 2}
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16, seed: int = 0):
-        super().__init__(budget, chunk_size, decode)
-        self.n_q, self.seed = check_int(n_q, "n_q", 1), check_int(seed, "seed")
-
-    def options(self): return dict(n_q=self.n_q, seed=self.seed)
-
-    def key_cost(self, shape, S):
-        "min(n_q, S) sampled queries of every head of the group times each key: G min(n_q, S) D."
-        return shape.G * min(self.n_q, S) * shape.D, 0
-
-# %% ../../nbs/22_quoka_policy.ipynb #bad50687
-class SparQ(BaselineSelection):
-    "SparQ: attention approximated from each query's top-`r` channels (None: D/2, QuoKA's 64 of 128 in §4)."
-    name, select_fn, cost_knob = "sparq", staticmethod(sparq_select), "r"
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None):
-        super().__init__(budget, chunk_size, decode)
-        self.r = None if r is None else check_int(r, "r (channels kept)", 1)
-
-    def options(self): return dict(r=self.r)
-
-    def check_model(self, model):
-        "r at most the model's head dim."
-        _check_rank(self.r, model_info(model).head_dim, "r (channels kept, at most the head dim)")
-
-    def key_cost(self, shape, S):
-        "Every query's top-r channels times the same channels of each key: G S r."
-        return shape.G * S * _check_rank(self.r, shape.D), 0
-
-# %% ../../nbs/22_quoka_policy.ipynb #c285c6f1
-class Loki(BaselineSelection):
-    "Loki: attention in the top-`r` (None: D/2) principal subspace of the keys (`center`: of the centred keys)."
-    name, select_fn, cost_knob = "loki", staticmethod(loki_select), "r"
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None,
-                 center: bool = False):
-        super().__init__(budget, chunk_size, decode)
-        self.r = None if r is None else check_int(r, "r (principal directions)", 1)
-        if not isinstance(center, bool): raise TypeError(f"center must be a bool, got {center!r}")
-        self.center = center
-
-    def check_model(self, model):
-        "r at most the model's head dim."
-        _check_rank(self.r, model_info(model).head_dim, "r (principal directions, at most the head dim)")
-
-    def options(self): return dict(r=self.r, center=self.center)
-
-    def policy(self) -> LokiPolicy:
-        return LokiPolicy(self.budget, self.decode, **self.options())
-
-    def key_cost(self, shape, S):
-        "Projected queries times each projected key, G S r; projecting the queries, G S D r, once per call."
-        r = _check_rank(self.r, shape.D)
-        return shape.G * S * r, shape.G * S * shape.D * r
-
-# %% ../../nbs/22_quoka_policy.ipynb #07ce4d99
-class LessIsMore(SelectionMethod):
-    "LessIsMore: one key set for all heads, picked at `selection_layers` and reused by the layers after them."
-    # at layer 0, so that layer 1 of the two-layer test models reuses its pick (at or below it attention is dense)
-    name, small_params = "lessismore", {"chunk_size": 8, "selection_layers": (0,)}
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, selection_layers=(2,),
-                 recent_ratio: float = 0.25):
-        super().__init__(budget, chunk_size, decode)
-        LessIsMoreSelector(self.budget, selection_layers, recent_ratio)  # checks both, naming them
-        self.selection_layers, self.recent_ratio = tuple(selection_layers), recent_ratio
-
-    def policy(self) -> LessIsMorePolicy:
-        return LessIsMorePolicy(LessIsMoreSelector(self.budget, self.selection_layers, self.recent_ratio), self.decode)
-
-    def key_cost(self, shape, S):
-        "At a selection layer, every query of every head times each key: G S D."
-        return shape.G * S * shape.D, 0
-
-    def scoring_layers(self, shape):
-        "Only the selection layers score."
-        return sum(layer < shape.layers for layer in self.selection_layers)
-
-    def check_model(self, model):
-        "Every selection layer is a layer of the model (one beyond it would never select: dense attention)."
-        L = model_info(model).num_layers
-        if self.selection_layers[-1] >= L:
-            raise ValueError(f"selection_layers must be layer indices in [0, {L}) of this model ({L} layers), got "
-                             f"{self.selection_layers}")

@@ -26,8 +26,8 @@ from sparsekv.kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, sp
 from sparsekv.kvpop.dms import DMS  # noqa: F401
 from sparsekv.kvpop.student import KVpopMLP, KVpopMLSTM, StreamingLLMPlus, TrainedMethod  # noqa: F401
 from sparsekv.oval.pages import OVAL, ArkVale, KeyPCA, OraclePages, PageRetrieval, Quest  # noqa: F401
-from sparsekv.quoka.policy import (BaselineSelection, LessIsMore, Loki, MeanScores, Quoka,  # noqa: F401
-                                   SampleAttention, SelectionMethod, SparQ)
+from sparsekv.quoka.baselines import LessIsMore, Loki, MeanScores, SampleAttention, SparQ  # noqa: F401
+from sparsekv.quoka.policy import BaselineSelection, Quoka, SelectionMethod  # noqa: F401
 
 # %%
 #| hide

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Selection baselines for chunked prefill
 #
-# > The KV selection methods QuoKA compares with (§4): mean of scores, SampleAttention, SparQ, Loki, LessIsMore.
+# > The KV selection methods QuoKA compares with (§4), each algorithm with its method class: mean of scores, SampleAttention, SparQ, Loki, LessIsMore.
 
 # %%
 #| default_exp quoka.baselines
@@ -10,12 +10,18 @@
 #| export
 from __future__ import annotations
 
+import copy
 import math
+import weakref
 
 import torch
 from torch import Tensor
 
 from sparsekv.attention import check_int, softmax_scale
+from sparsekv.cache import follow_batch_ops
+from sparsekv.hf import AttentionContext
+from sparsekv.models import model_info
+from sparsekv.quoka.policy import BaselinePolicy, BaselineSelection, EarlierKeysPolicy, SelectionMethod
 from sparsekv.quoka.select import accumulation_dtype, check_chunk, check_k_cache
 from sparsekv.select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference, top_mask
 
@@ -23,6 +29,10 @@ from sparsekv.select import all_key_indices, resolve_budget, top_budget_indices,
 #| hide
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
+
+from sparsekv.hf import ModelShape, chunked_prefill, patch
+from sparsekv.models import load_model
+from sparsekv.quoka.policy import QuokaPolicy
 
 
 # %% [markdown]
@@ -53,6 +63,12 @@ from torch.testing import assert_close
 # Notation: $p_{g,i,j} = \mathrm{softmax}_j(c\, q_{g,i} \cdot k_j)$ is the attention probability
 # of query $i$ of head $g$ on cached key $j$, normalized over the $T$ cached keys, with
 # $c = 1/\sqrt D$ unless `scale` is given.
+#
+# Each section ends with the baseline as a method of the package, registered by its name (see
+# [the registry](07_methods.ipynb)): a subclass of `BaselineSelection` (for LessIsMore, of `SelectionMethod`),
+# which [the chunked-prefill policy](22_quoka_policy.ipynb) defines with `BaselinePolicy`, the policy that runs a
+# selection function per chunk and layer. The class holds the method's parameters, its own policy where it needs
+# one (Loki, LessIsMore), and its scoring cost per cached key (`key_cost`), checked by hand beside it.
 
 # %%
 #| export
@@ -182,6 +198,36 @@ for G in (1, 3, 4):
 
 
 # %% [markdown]
+# **The method.** `MeanScores` (`"mean_scores"`) runs `mean_score_select` under `BaselinePolicy`, with its option
+# `scores`. Its `key_cost` is the scoring's multiply-adds per cached key and KV head: every query of every head of
+# the group times the key, $G S D$. By hand at SmolLM2-135M's shape ($G = 3$, $D = 64$) for a chunk of $S = 128$:
+
+# %%
+#| export
+class MeanScores(BaselineSelection):
+    "Mean of scores: the keys of largest attention probability (or logit, `scores`) over the chunk's queries and heads."
+    name, select_fn = "mean_scores", staticmethod(mean_score_select)
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, scores: str = "softmax"):
+        super().__init__(budget, chunk_size, decode)
+        if scores not in MEAN_SCORES: raise ValueError(f"scores must be one of {MEAN_SCORES}, got {scores!r}")
+        self.scores = scores
+
+    def options(self): return dict(scores=self.scores)
+
+    def key_cost(self, shape, S):
+        "Every query of every head of the group times each key: G S D."
+        return shape.G * S * shape.D, 0
+
+
+# %%
+shape = ModelShape(9, 3, 64, 30)  # SmolLM2-135M: G = 3 query heads per KV head, D = 64, 30 layers
+test_eq(MeanScores(256).key_cost(shape, 128), (3 * 128 * 64, 0))
+test_eq(MeanScores(256, scores="logits").options(), {"scores": "logits"})
+test_fail(lambda: MeanScores(256, scores="max"), contains="scores must be one of")
+
+
+# %% [markdown]
 # ## SampleAttention (Zhu et al. 2024)
 #
 # Q. Zhu, J. Duan, C. Chen, S. Liu, X. Li, G. Feng, X. Lv, H. Cao, X. Chuanfu, X. Zhang et al.,
@@ -279,6 +325,35 @@ for G in (1, 3, 4):
             test_eq(idx, sample_attention_select_reference(q, k, budget, n_q, seed=5))
             _check_indices(idx, 2, 2, resolve_budget(budget, T))
         test_eq(sample_attention_select(q, k, budget, n_q=S), mean_score_select(q, k, budget))
+
+
+# %% [markdown]
+# **The method.** `SampleAttention` (`"sample_attention"`) runs `sample_attention_select` with `n_q` sampled
+# queries drawn from `seed`; `n_q` is its cost knob (`cost_knob`, read by `sparsekv.costs.matched`). Per cached key
+# it scores $G \min(N_Q, S) D$: the 16 sampled queries of a chunk of 128, all the queries of a chunk of 8.
+
+# %%
+#| export
+class SampleAttention(BaselineSelection):
+    "SampleAttention: the attention of `n_q` uniformly sampled queries (from `seed`)."
+    name, select_fn = "sample_attention", staticmethod(sample_attention_select)
+    cost_knob, small_params = "n_q", {"chunk_size": 8, "n_q": 2}
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16, seed: int = 0):
+        super().__init__(budget, chunk_size, decode)
+        self.n_q, self.seed = check_int(n_q, "n_q", 1), check_int(seed, "seed")
+
+    def options(self): return dict(n_q=self.n_q, seed=self.seed)
+
+    def key_cost(self, shape, S):
+        "min(n_q, S) sampled queries of every head of the group times each key: G min(n_q, S) D."
+        return shape.G * min(self.n_q, S) * shape.D, 0
+
+
+# %%
+test_eq(SampleAttention(256).key_cost(shape, 128), (3 * 16 * 64, 0))
+test_eq(SampleAttention(256).key_cost(shape, 8), (3 * 8 * 64, 0))
+test_fail(lambda: SampleAttention(256, n_q=0), contains="n_q")
 
 
 # %% [markdown]
@@ -383,6 +458,38 @@ q, k = _qk(3, 8, 30, seed=9)
 q = q.sign()                                                                      # every magnitude tied
 test_eq(sparq_select(q, k, 10, 6), sparq_select_reference(q, k, 10, 6))
 test_fail(lambda: sparq_select(q, k, 10, r=17), contains="r must be")
+
+
+# %% [markdown]
+# **The method.** `SparQ` (`"sparq"`) runs `sparq_select` with `r` channels, its cost knob; `check_model` refuses
+# an `r` larger than the model's head dim before any work. Per cached key, every query's $r$ channels times the same
+# channels of the key: $G S r$, with $r = D/2 = 32$ by default.
+
+# %%
+#| export
+class SparQ(BaselineSelection):
+    "SparQ: attention approximated from each query's top-`r` channels (None: D/2, QuoKA's 64 of 128 in §4)."
+    name, select_fn, cost_knob = "sparq", staticmethod(sparq_select), "r"
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None):
+        super().__init__(budget, chunk_size, decode)
+        self.r = None if r is None else check_int(r, "r (channels kept)", 1)
+
+    def options(self): return dict(r=self.r)
+
+    def check_model(self, model):
+        "r at most the model's head dim."
+        _check_rank(self.r, model_info(model).head_dim, "r (channels kept, at most the head dim)")
+
+    def key_cost(self, shape, S):
+        "Every query's top-r channels times the same channels of each key: G S r."
+        return shape.G * S * _check_rank(self.r, shape.D), 0
+
+
+# %%
+test_eq(SparQ(256).key_cost(shape, 128), (3 * 128 * 32, 0))  # r = D/2 by default
+test_eq(SparQ(256, r=8).key_cost(shape, 128), (3 * 128 * 8, 0))
+test_fail(lambda: SparQ(256, r=64).check_model(load_model("tiny-llama")[0]), contains="at most the head dim")
 
 
 # %% [markdown]
@@ -578,7 +685,7 @@ test_fail(lambda: loki_select(q, k, 10, 4, basis=calib[:1]), contains="basis mus
 # centred variant, whose covariance is $K^\top K - \frac{1}{T}(\sum_t k_t)(\sum_t k_t)^\top$) only
 # grow with the cache, so `KeyMoments` adds the new keys' outer products and solves the $D \times D$
 # eigenproblem per head: $D^2$ per new key and $O(D^3)$ per call, whatever $T$. The selection
-# policy keeps one per cache layer (`sparsekv.quoka.policy.LokiPolicy`).
+# policy keeps one per cache layer (`LokiPolicy`, below).
 #
 # Check: keys arriving in three parts give the basis `loki_basis` finds for each row's whole
 # cache (as a projector onto the top-$r$ subspace: eigenvector signs are arbitrary), centred and
@@ -634,6 +741,87 @@ for center in (False, True):
 test_eq(mom.update(k[:, :, :10]).length, 10)
 assert_close(mom.xx, k[:, :, :10].transpose(-1, -2) @ k[:, :, :10])
 test_fail(lambda: KeyMoments().basis(), contains="no keys yet")
+
+
+# %% [markdown]
+# Loki without a calibration basis uses the cache's own: `LokiPolicy`, a `BaselinePolicy`, keeps each layer's key
+# moments (`KeyMoments`) and adds only the new keys at each chunk and decode step, rather than a pass over
+# the whole cache per call (a padded batch's rows, which see only their own keys, fall back to the
+# full pass). It picks what `BaselinePolicy(loki_select)` picks.
+#
+# Check on the tiny random Llama in float64: chunked prefill and ten decode steps under either policy give the same
+# logits.
+
+# %%
+#| export
+class LokiPolicy(BaselinePolicy):
+    "Loki (`loki_select`) with the cache's basis from per-layer `KeyMoments`, updated by the new keys only."
+
+    def __init__(self, budget: int | float = 1024, decode: bool = True, r: int | None = None, center: bool = False):
+        super().__init__(loki_select, budget, decode, r=r, center=center)
+        self.moments = weakref.WeakKeyDictionary()  # cache layer -> KeyMoments
+
+    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor:
+        layer = ctx.cache_layer
+        if layer is None or ctx.row is not None: return super().pick_earlier(q, k_earlier, ctx)
+        if layer not in self.moments:
+            self.moments[layer] = KeyMoments()
+            follow_batch_ops(layer, id(self), self.moments[layer].apply_rows)  # beam search moves the rows
+        basis = self.moments[layer].update(k_earlier).basis(self.options["center"])
+        return loki_select(q, k_earlier, self.budget, self.options["r"], basis=basis, scale=ctx.scale)
+
+
+# %%
+model64, _ = load_model("tiny-llama", dtype="float64")
+ids70 = torch.randint(3, 200, (2, 70), generator=torch.Generator().manual_seed(4))
+for center in (False, True):
+    runs = []
+    for policy in (BaselinePolicy(loki_select, 12, r=4, center=center), LokiPolicy(12, r=4, center=center)):
+        cache, last = chunked_prefill(model64, ids70[:, :60], 16, policy)
+        with torch.no_grad(), patch(model64, policy):  # decode steps under the same policy
+            steps = [model64(ids70[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(60, 70)]
+        runs.append(torch.cat([last[:, None], *steps], 1))
+    assert_close(runs[1], runs[0], rtol=1e-9, atol=1e-9)
+print("LokiPolicy: the same logits as BaselinePolicy(loki_select), chunked prefill and decode")
+
+
+# %% [markdown]
+# **The method.** `Loki` (`"loki"`) runs under `LokiPolicy`, with `r` principal directions (its cost knob, at most
+# the head dim) and `center`. Per cached key, the projected queries times the projected key, $G S r$; projecting
+# the chunk's queries, $G S D r$, is paid once per call.
+
+# %%
+#| export
+class Loki(BaselineSelection):
+    "Loki: attention in the top-`r` (None: D/2) principal subspace of the keys (`center`: of the centred keys)."
+    name, select_fn, cost_knob = "loki", staticmethod(loki_select), "r"
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None,
+                 center: bool = False):
+        super().__init__(budget, chunk_size, decode)
+        self.r = None if r is None else check_int(r, "r (principal directions)", 1)
+        if not isinstance(center, bool): raise TypeError(f"center must be a bool, got {center!r}")
+        self.center = center
+
+    def check_model(self, model):
+        "r at most the model's head dim."
+        _check_rank(self.r, model_info(model).head_dim, "r (principal directions, at most the head dim)")
+
+    def options(self): return dict(r=self.r, center=self.center)
+
+    def policy(self) -> LokiPolicy:
+        return LokiPolicy(self.budget, self.decode, **self.options())
+
+    def key_cost(self, shape, S):
+        "Projected queries times each projected key, G S r; projecting the queries, G S D r, once per call."
+        r = _check_rank(self.r, shape.D)
+        return shape.G * S * r, shape.G * S * shape.D * r
+
+
+# %%
+test_eq(Loki(256).key_cost(shape, 128), (3 * 128 * 32, 3 * 128 * 64 * 32))
+test_fail(lambda: Loki(256, center=1), contains="center must be a bool")
+assert isinstance(Loki(256).policy(), LokiPolicy)
 
 
 # %% [markdown]
@@ -860,6 +1048,115 @@ sel.reset()
 test_fail(lambda: sel.select(3, q2, k2), contains="missing")
 test_fail(lambda: LessIsMoreSelector(10, selection_layers=(5, 2)), contains="selection_layers")
 test_fail(lambda: LessIsMoreSelector(0), contains="budget")
+
+
+# %% [markdown]
+# ### LessIsMore in the chunked prefill
+#
+# `LessIsMorePolicy` is an `EarlierKeysPolicy` (see [the policy](22_quoka_policy.ipynb)) that asks one
+# `LessIsMoreSelector` for every layer of every chunk, in order. LessIsMore keeps no budget of its own per call: its
+# selector decides, and a layer that reuses a pick covering all earlier keys attends densely. In a padded batch
+# each row has a selector of its own (`row_selector`), so its pick is the row's.
+
+# %%
+#| export
+class LessIsMorePolicy(EarlierKeysPolicy):
+    "LessIsMore (Yang et al. 2025b) in chunked prefill: a `LessIsMoreSelector` picks at selection layers, others reuse."
+
+    def __init__(self, selector: LessIsMoreSelector, decode: bool = True):
+        if not isinstance(selector, LessIsMoreSelector):
+            raise TypeError(f"selector must be a LessIsMoreSelector, got {type(selector).__name__}")
+        super().__init__(decode)
+        self.selector, self.row_selectors = selector, {}
+
+    def fits(self, T: int) -> bool:
+        "Only the first chunk (T = 0) is dense without asking: the selector is not consulted there."
+        return T == 0
+
+    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
+        "The selector's pick for this layer (called for every layer: it checks the order); None: dense."
+        return self.row_selector(ctx.row).select(ctx.layer_idx, q, k_earlier)
+
+    def row_selector(self, row: int | None) -> LessIsMoreSelector:
+        "The selector of the whole batch (row None) or, in a padded batch, of row `row` (its pick is the row's own)."
+        if row is None: return self.selector
+        if row not in self.row_selectors:
+            self.row_selectors[row] = copy.copy(self.selector)
+            self.row_selectors[row].reset()
+        return self.row_selectors[row]
+
+
+# %%
+_lim = LessIsMorePolicy(LessIsMoreSelector(budget=6, selection_layers=(0,)))
+test_eq((_lim.fits(0), _lim.fits(5)), (True, False))
+assert _lim.row_selector(None) is _lim.selector
+row1 = _lim.row_selector(1)
+assert isinstance(row1, LessIsMoreSelector) and row1 is not _lim.selector and _lim.row_selector(1) is row1
+test_fail(lambda: LessIsMorePolicy(QuokaPolicy()), contains="selector must be a LessIsMoreSelector")
+
+# %% [markdown]
+# On the tiny random Llama of [the policy's checks](22_quoka_policy.ipynb) (2 layers, chunks of 8): at full budget
+# the policy reproduces dense chunked prefill; in a batch of three prompts of 40, 29 and 21 tokens left-padded to
+# 40, each row's last logits equal those of the row alone, and each row selects.
+
+# %%
+model, _ = load_model("tiny-llama")
+ids = torch.randint(3, 259, (2, 40), generator=torch.Generator().manual_seed(1))
+_, dense_last = chunked_prefill(model, ids, 8)
+lim = LessIsMorePolicy(LessIsMoreSelector(budget=40, selection_layers=(0,)))
+assert_close(chunked_prefill(model, ids, 8, lim)[1], dense_last, atol=1e-5, rtol=0)
+lens = [40, 29, 21]
+batch, am = torch.zeros(3, 40, dtype=torch.long), torch.zeros(3, 40, dtype=torch.long)
+for b, n in enumerate(lens): batch[b, 40 - n:], am[b, 40 - n:] = ids[b % 2, :n], 1
+def make(): return LessIsMorePolicy(LessIsMoreSelector(budget=6, selection_layers=(0,)))
+last = chunked_prefill(model, batch, 8, make(), attention_mask=am)[1]
+for b, n in enumerate(lens):
+    alone = chunked_prefill(model, batch[b:b + 1, 40 - n:], 8, make())[1]
+    assert_close(last[b], alone[0], atol=1e-4, rtol=0, msg=f"lessismore, row {b}")
+    assert (alone[0] - chunked_prefill(model, batch[b:b + 1, 40 - n:], 8)[1][0]).abs().max() > 1e-4  # it selects
+
+
+# %% [markdown]
+# **The method.** `LessIsMore` (`"lessismore"`) is a `SelectionMethod` with its own policy. Only its selection
+# layers score keys (`scoring_layers`: one layer, 2, by default), every query of every head times each key, $G S D$;
+# the layers after them reuse the pick. `check_model` refuses a selection layer the model does not have (it would
+# never select): the default layer 2 on the two-layer tiny model.
+
+# %%
+#| export
+class LessIsMore(SelectionMethod):
+    "LessIsMore: one key set for all heads, picked at `selection_layers` and reused by the layers after them."
+    # at layer 0, so that layer 1 of the two-layer test models reuses its pick (at or below it attention is dense)
+    name, small_params = "lessismore", {"chunk_size": 8, "selection_layers": (0,)}
+
+    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, selection_layers=(2,),
+                 recent_ratio: float = 0.25):
+        super().__init__(budget, chunk_size, decode)
+        LessIsMoreSelector(self.budget, selection_layers, recent_ratio)  # checks both, naming them
+        self.selection_layers, self.recent_ratio = tuple(selection_layers), recent_ratio
+
+    def policy(self) -> LessIsMorePolicy:
+        return LessIsMorePolicy(LessIsMoreSelector(self.budget, self.selection_layers, self.recent_ratio), self.decode)
+
+    def key_cost(self, shape, S):
+        "At a selection layer, every query of every head times each key: G S D."
+        return shape.G * S * shape.D, 0
+
+    def scoring_layers(self, shape):
+        "Only the selection layers score."
+        return sum(layer < shape.layers for layer in self.selection_layers)
+
+    def check_model(self, model):
+        "Every selection layer is a layer of the model (one beyond it would never select: dense attention)."
+        L = model_info(model).num_layers
+        if self.selection_layers[-1] >= L:
+            raise ValueError(f"selection_layers must be layer indices in [0, {L}) of this model ({L} layers), got "
+                             f"{self.selection_layers}")
+
+
+# %%
+test_eq((LessIsMore(256).key_cost(shape, 128), LessIsMore(256).scoring_layers(shape)), ((3 * 128 * 64, 0), 1))
+test_fail(lambda: LessIsMore(256).check_model(load_model("tiny-llama")[0]), contains="selection_layers must be")
 
 # %% [markdown]
 # ## Bad input

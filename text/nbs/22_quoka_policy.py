@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import weakref
 
@@ -21,11 +20,8 @@ from torch import Tensor
 
 from sparsekv.attention import attention_reference, causal_mask, check_int
 from sparsekv.cache import GrowingCache, follow_batch_ops
-from sparsekv.quoka.baselines import (MEAN_SCORES, KeyMoments, LessIsMoreSelector, _check_rank, loki_select,
-                                      mean_score_select, sample_attention_select, sparq_select)
 from sparsekv.hf import (AttentionContext, DensePolicy, Method, ModelShape, ScoringCost, SelectionPolicy, active_patch,
                          add_chunk_keys, chunked_prefill, heads_mask, patch, queries_per_call)
-from sparsekv.models import model_info
 from sparsekv.quoka.select import (UnitKeyCache, check_quoka_options, quoka_decode_select, quoka_scores,
                                    quoka_select)
 from sparsekv.select import all_key_indices, anchored_top_indices, resolve_budget
@@ -39,6 +35,7 @@ from torch.testing import assert_close
 from transformers.cache_utils import DynamicLayer
 
 from sparsekv.models import load_model
+from sparsekv.quoka.baselines import loki_select, mean_score_select, sample_attention_select, sparq_select
 from sparsekv.quoka.select import quoka_select_reference
 
 
@@ -100,9 +97,9 @@ from sparsekv.quoka.select import quoka_select_reference
 # `quoka_select`; decode: `quoka_decode_select`; with anchors: the same scores,
 # `quoka_scores`, and `anchored_top_indices`); `select` wraps it for `SelectionPolicy`:
 # None (dense) when there is nothing to select, else the earlier indices plus the
-# block's own keys. That wrapper is the same for the baselines' policies below, so it is
-# written once, in `EarlierKeysPolicy`; each policy only says how it picks the earlier keys
-# (`pick_earlier`).
+# block's own keys. That wrapper is the same for the baselines' policies (`BaselinePolicy` below, and
+# Loki's and LessIsMore's in [the baselines](21_quoka_baselines.ipynb)), so it is written once, in
+# `EarlierKeysPolicy`; each policy only says how it picks the earlier keys (`pick_earlier`).
 #
 # **Unit keys across chunks.** The keys of earlier chunks never change during a chunked
 # prefill, so the policy keeps their unit vectors per layer (`UnitKeyCache`, one per cache
@@ -124,7 +121,7 @@ for bad in (0, 1.5, "x"): test_fail(lambda: _check_budget(bad), contains="budget
 
 
 # %% [markdown]
-# The policies below differ only in `pick_earlier`. Check the shared part with a policy that
+# The policies differ only in `pick_earlier`. Check the shared part with a policy that
 # picks the first $n$ earlier keys: dense while the cache fits (and on the first chunk), dense at
 # decode with `decode=False`, otherwise the picked keys followed by the chunk's own keys $T, \dots, T+S-1$.
 
@@ -443,8 +440,10 @@ out.shape
 # `BaselinePolicy` runs one per chunk exactly as `QuokaPolicy` runs `quoka_select`
 # (dense when the cache fits, the chunk's own keys appended, the same single query at
 # decode). The model's softmax scale is passed to functions that take `scale`.
-# LessIsMore selects at a few layers and reuses the pick in the following ones, so its
-# policy drives one `LessIsMoreSelector` (which checks that layers come in order).
+# Two baselines need more than one call's inputs; their policies are written with their algorithms in
+# [the baselines](21_quoka_baselines.ipynb): Loki keeps each layer's key moments across calls (`LokiPolicy`,
+# a `BaselinePolicy`), and LessIsMore selects at a few layers and reuses the pick in the following ones
+# (`LessIsMorePolicy`, an `EarlierKeysPolicy`).
 
 # %%
 #| export
@@ -486,86 +485,6 @@ test_eq(BaselinePolicy(sparq_select, 5, r=4).earlier_indices(q, k, 0.3), sparq_s
 test_fail(lambda: BaselinePolicy("mean"), contains="select_fn must be a selection function")
 test_fail(lambda: BaselinePolicy(lambda q, k: None), contains="must take a `budget` argument")
 
-
-# %% [markdown]
-# Loki without a calibration basis uses the cache's own: `LokiPolicy` keeps each layer's key moments
-# (`KeyMoments`) and adds only the new keys at each chunk and decode step, rather than a pass over
-# the whole cache per call (a padded batch's rows, which see only their own keys, fall back to the
-# full pass). It picks what `BaselinePolicy(loki_select)` picks.
-
-# %%
-#| export
-class LokiPolicy(BaselinePolicy):
-    "Loki (`loki_select`) with the cache's basis from per-layer `KeyMoments`, updated by the new keys only."
-
-    def __init__(self, budget: int | float = 1024, decode: bool = True, r: int | None = None, center: bool = False):
-        super().__init__(loki_select, budget, decode, r=r, center=center)
-        self.moments = weakref.WeakKeyDictionary()  # cache layer -> KeyMoments
-
-    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor:
-        layer = ctx.cache_layer
-        if layer is None or ctx.row is not None: return super().pick_earlier(q, k_earlier, ctx)
-        if layer not in self.moments:
-            self.moments[layer] = KeyMoments()
-            follow_batch_ops(layer, id(self), self.moments[layer].apply_rows)  # beam search moves the rows
-        basis = self.moments[layer].update(k_earlier).basis(self.options["center"])
-        return loki_select(q, k_earlier, self.budget, self.options["r"], basis=basis, scale=ctx.scale)
-
-
-# %%
-model64, _ = load_model("tiny-llama", dtype="float64")
-ids70 = torch.randint(3, 200, (2, 70), generator=torch.Generator().manual_seed(4))
-for center in (False, True):
-    runs = []
-    for policy in (BaselinePolicy(loki_select, 12, r=4, center=center), LokiPolicy(12, r=4, center=center)):
-        cache, last = chunked_prefill(model64, ids70[:, :60], 16, policy)
-        with torch.no_grad(), patch(model64, policy):  # decode steps under the same policy
-            steps = [model64(ids70[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(60, 70)]
-        runs.append(torch.cat([last[:, None], *steps], 1))
-    assert_close(runs[1], runs[0], rtol=1e-9, atol=1e-9)
-print("LokiPolicy: the same logits as BaselinePolicy(loki_select), chunked prefill and decode")
-
-
-# %% [markdown]
-# LessIsMore keeps no budget of its own per call: its selector decides, and a layer that reuses a pick
-# covering all earlier keys attends densely.
-
-# %%
-#| export
-class LessIsMorePolicy(EarlierKeysPolicy):
-    "LessIsMore (Yang et al. 2025b) in chunked prefill: a `LessIsMoreSelector` picks at selection layers, others reuse."
-
-    def __init__(self, selector: LessIsMoreSelector, decode: bool = True):
-        if not isinstance(selector, LessIsMoreSelector):
-            raise TypeError(f"selector must be a LessIsMoreSelector, got {type(selector).__name__}")
-        super().__init__(decode)
-        self.selector, self.row_selectors = selector, {}
-
-    def fits(self, T: int) -> bool:
-        "Only the first chunk (T = 0) is dense without asking: the selector is not consulted there."
-        return T == 0
-
-    def pick_earlier(self, q: Tensor, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
-        "The selector's pick for this layer (called for every layer: it checks the order); None: dense."
-        return self.row_selector(ctx.row).select(ctx.layer_idx, q, k_earlier)
-
-    def row_selector(self, row: int | None) -> LessIsMoreSelector:
-        "The selector of the whole batch (row None) or, in a padded batch, of row `row` (its pick is the row's own)."
-        if row is None: return self.selector
-        if row not in self.row_selectors:
-            self.row_selectors[row] = copy.copy(self.selector)
-            self.row_selectors[row].reset()
-        return self.row_selectors[row]
-
-
-# %%
-_lim = LessIsMorePolicy(LessIsMoreSelector(budget=6, selection_layers=(0,)))
-test_eq((_lim.fits(0), _lim.fits(5)), (True, False))
-assert _lim.row_selector(None) is _lim.selector
-row1 = _lim.row_selector(1)
-assert isinstance(row1, LessIsMoreSelector) and row1 is not _lim.selector and _lim.row_selector(1) is row1
-test_fail(lambda: LessIsMorePolicy(QuokaPolicy()), contains="selector must be a LessIsMoreSelector")
-
 # %% [markdown]
 # Each baseline at full budget reproduces dense chunked prefill; at a small budget its
 # per-chunk selection is the function called directly:
@@ -583,8 +502,6 @@ for name, (fn, opts) in baselines.items():
             return idx
     sparse = chunked_prefill(model, ids, 8, Rec(fn, 5, **opts))[1]
     assert (sparse - dense_last).abs().max() > 1e-4, name
-lim = LessIsMorePolicy(LessIsMoreSelector(budget=40, selection_layers=(0,)))
-assert_close(chunked_prefill(model, ids, 8, lim)[1], dense_last, atol=1e-5, rtol=0)
 
 # %% [markdown]
 # ## Padded batches
@@ -595,13 +512,14 @@ assert_close(chunked_prefill(model, ids, 8, lim)[1], dense_last, atol=1e-5, rtol
 # keys, its budget is resolved on their number (a row whose real keys fit attends densely while another
 # selects), and its sinks and recent keys are its own first and last real keys. Rows may thus keep
 # different numbers of keys; the policy returns the chosen keys as a boolean `[B,Hkv,Sk]` and
-# `attend_chosen` masks the fillers. LessIsMore keeps one selector per row. Unit keys are not cached
-# row by row (they are recomputed, which changes no selection).
+# `attend_chosen` masks the fillers. Unit keys are not cached row by row (they are recomputed, which changes no
+# selection).
 #
 # Check: three prompts of 40, 29 and 21 tokens left-padded to 40, in chunks of 8 (padding 0, 11 and 19:
 # `chunked_prefill` prefills rows with different remainders separately, so their chunks start at their
 # first token). Each row's last logits equal those of the row alone, under QuoKA (with and without
-# anchors, an int and a fraction budget), the baselines and LessIsMore:
+# anchors, an int and a fraction budget) and the baselines under `BaselinePolicy` (LessIsMore's policy, which keeps
+# one selector per row, is checked the same way in [the baselines](21_quoka_baselines.ipynb)):
 
 # %%
 lens = [40, 29, 21]
@@ -609,8 +527,7 @@ batch, am = torch.zeros(3, 40, dtype=torch.long), torch.zeros(3, 40, dtype=torch
 for b, n in enumerate(lens): batch[b, 40 - n:], am[b, 40 - n:] = ids[b % 2, :n], 1
 policies = {"quoka": lambda: QuokaPolicy(n_q=3, budget=5),
             "quoka anchors": lambda: QuokaPolicy(n_q=3, budget=6, sinks=2, recent=2),
-            "quoka fraction": lambda: QuokaPolicy(n_q=3, budget=0.3),
-            "lessismore": lambda: LessIsMorePolicy(LessIsMoreSelector(budget=6, selection_layers=(0,)))}
+            "quoka fraction": lambda: QuokaPolicy(n_q=3, budget=0.3)}
 for name, (fn, opts) in baselines.items(): policies[name] = lambda fn=fn, opts=opts: BaselinePolicy(fn, 5, **opts)
 for name, make in policies.items():
     last = chunked_prefill(model, batch, 8, make(), attention_mask=am)[1]
@@ -720,13 +637,19 @@ recall
 # [quoka_accuracy stage](../reproduce/22_quoka_accuracy.ipynb).
 
 # %% [markdown]
-# ## The methods (QuoKA and its baselines)
+# ## The methods
 #
 # A chunk of $B_{CP}$ queries attends to $B_{SA}$ = `budget` earlier keys per KV head and to its own keys
 # (so at most `budget + chunk_size` keys); a chunk whose earlier keys fit the budget is dense. The budget
 # may also be a float fraction of the cache (Table 2's 25%), as `resolve_budget` reads it. Each method
 # builds its policy once at construction, so a bad parameter fails there. The registry (`sparsekv.methods`) finds
 # them by name: `methods.make("quoka", 256)` is `Quoka(256)`.
+#
+# This notebook defines what every selection method shares (`SelectionMethod`: the chunking, the budget, the
+# scoring cost from a `key_cost` formula), QuoKA's method (`Quoka`) and `BaselineSelection`, a method that runs a
+# selection function under `BaselinePolicy`. The baselines' classes (`MeanScores`, `SampleAttention`, `SparQ`,
+# `Loki`, `LessIsMore`) follow their algorithms in [the baselines](21_quoka_baselines.ipynb), each beside its
+# selection function, its policy where it has its own, and the check of its `key_cost`.
 
 # %%
 #| export
@@ -851,149 +774,3 @@ class BaselineSelection(SelectionMethod):
 # %%
 test_eq(BaselineSelection(64).options(), {})
 test_fail(lambda: BaselineSelection(64).policy(), contains="select_fn must be a selection")  # a subclass sets it
-
-
-# %%
-#| export
-class MeanScores(BaselineSelection):
-    "Mean of scores: the keys of largest attention probability (or logit, `scores`) over the chunk's queries and heads."
-    name, select_fn = "mean_scores", staticmethod(mean_score_select)
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, scores: str = "softmax"):
-        super().__init__(budget, chunk_size, decode)
-        if scores not in MEAN_SCORES: raise ValueError(f"scores must be one of {MEAN_SCORES}, got {scores!r}")
-        self.scores = scores
-
-    def options(self): return dict(scores=self.scores)
-
-    def key_cost(self, shape, S):
-        "Every query of every head of the group times each key: G S D."
-        return shape.G * S * shape.D, 0
-
-
-# %%
-test_eq(MeanScores(256).key_cost(shape, 128), (3 * 128 * 64, 0))
-test_eq(MeanScores(256, scores="logits").options(), {"scores": "logits"})
-test_fail(lambda: MeanScores(256, scores="max"), contains="scores must be one of")
-
-
-# %%
-#| export
-class SampleAttention(BaselineSelection):
-    "SampleAttention: the attention of `n_q` uniformly sampled queries (from `seed`)."
-    name, select_fn = "sample_attention", staticmethod(sample_attention_select)
-    cost_knob, small_params = "n_q", {"chunk_size": 8, "n_q": 2}
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16, seed: int = 0):
-        super().__init__(budget, chunk_size, decode)
-        self.n_q, self.seed = check_int(n_q, "n_q", 1), check_int(seed, "seed")
-
-    def options(self): return dict(n_q=self.n_q, seed=self.seed)
-
-    def key_cost(self, shape, S):
-        "min(n_q, S) sampled queries of every head of the group times each key: G min(n_q, S) D."
-        return shape.G * min(self.n_q, S) * shape.D, 0
-
-
-# %%
-test_eq(SampleAttention(256).key_cost(shape, 128), (3 * 16 * 64, 0))
-test_eq(SampleAttention(256).key_cost(shape, 8), (3 * 8 * 64, 0))
-test_fail(lambda: SampleAttention(256, n_q=0), contains="n_q")
-
-
-# %%
-#| export
-class SparQ(BaselineSelection):
-    "SparQ: attention approximated from each query's top-`r` channels (None: D/2, QuoKA's 64 of 128 in §4)."
-    name, select_fn, cost_knob = "sparq", staticmethod(sparq_select), "r"
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None):
-        super().__init__(budget, chunk_size, decode)
-        self.r = None if r is None else check_int(r, "r (channels kept)", 1)
-
-    def options(self): return dict(r=self.r)
-
-    def check_model(self, model):
-        "r at most the model's head dim."
-        _check_rank(self.r, model_info(model).head_dim, "r (channels kept, at most the head dim)")
-
-    def key_cost(self, shape, S):
-        "Every query's top-r channels times the same channels of each key: G S r."
-        return shape.G * S * _check_rank(self.r, shape.D), 0
-
-
-# %%
-test_eq(SparQ(256).key_cost(shape, 128), (3 * 128 * 32, 0))  # r = D/2 by default
-test_eq(SparQ(256, r=8).key_cost(shape, 128), (3 * 128 * 8, 0))
-test_fail(lambda: SparQ(256, r=64).check_model(load_model("tiny-llama")[0]), contains="at most the head dim")
-
-
-# %%
-#| export
-class Loki(BaselineSelection):
-    "Loki: attention in the top-`r` (None: D/2) principal subspace of the keys (`center`: of the centred keys)."
-    name, select_fn, cost_knob = "loki", staticmethod(loki_select), "r"
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, r: int | None = None,
-                 center: bool = False):
-        super().__init__(budget, chunk_size, decode)
-        self.r = None if r is None else check_int(r, "r (principal directions)", 1)
-        if not isinstance(center, bool): raise TypeError(f"center must be a bool, got {center!r}")
-        self.center = center
-
-    def check_model(self, model):
-        "r at most the model's head dim."
-        _check_rank(self.r, model_info(model).head_dim, "r (principal directions, at most the head dim)")
-
-    def options(self): return dict(r=self.r, center=self.center)
-
-    def policy(self) -> LokiPolicy:
-        return LokiPolicy(self.budget, self.decode, **self.options())
-
-    def key_cost(self, shape, S):
-        "Projected queries times each projected key, G S r; projecting the queries, G S D r, once per call."
-        r = _check_rank(self.r, shape.D)
-        return shape.G * S * r, shape.G * S * shape.D * r
-
-
-# %%
-test_eq(Loki(256).key_cost(shape, 128), (3 * 128 * 32, 3 * 128 * 64 * 32))
-test_fail(lambda: Loki(256, center=1), contains="center must be a bool")
-assert isinstance(Loki(256).policy(), LokiPolicy)
-
-
-# %%
-#| export
-class LessIsMore(SelectionMethod):
-    "LessIsMore: one key set for all heads, picked at `selection_layers` and reused by the layers after them."
-    # at layer 0, so that layer 1 of the two-layer test models reuses its pick (at or below it attention is dense)
-    name, small_params = "lessismore", {"chunk_size": 8, "selection_layers": (0,)}
-
-    def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, selection_layers=(2,),
-                 recent_ratio: float = 0.25):
-        super().__init__(budget, chunk_size, decode)
-        LessIsMoreSelector(self.budget, selection_layers, recent_ratio)  # checks both, naming them
-        self.selection_layers, self.recent_ratio = tuple(selection_layers), recent_ratio
-
-    def policy(self) -> LessIsMorePolicy:
-        return LessIsMorePolicy(LessIsMoreSelector(self.budget, self.selection_layers, self.recent_ratio), self.decode)
-
-    def key_cost(self, shape, S):
-        "At a selection layer, every query of every head times each key: G S D."
-        return shape.G * S * shape.D, 0
-
-    def scoring_layers(self, shape):
-        "Only the selection layers score."
-        return sum(layer < shape.layers for layer in self.selection_layers)
-
-    def check_model(self, model):
-        "Every selection layer is a layer of the model (one beyond it would never select: dense attention)."
-        L = model_info(model).num_layers
-        if self.selection_layers[-1] >= L:
-            raise ValueError(f"selection_layers must be layer indices in [0, {L}) of this model ({L} layers), got "
-                             f"{self.selection_layers}")
-
-
-# %%
-test_eq((LessIsMore(256).key_cost(shape, 128), LessIsMore(256).scoring_layers(shape)), ((3 * 128 * 64, 0), 1))
-test_fail(lambda: LessIsMore(256).check_model(load_model("tiny-llama")[0]), contains="selection_layers must be")
