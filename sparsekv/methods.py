@@ -20,7 +20,7 @@ from .hf import (METHOD_FAMILIES, PHASES, AttentionContext, AttentionPolicy, Met
 from .kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
 from .kvpop.dms import DMS  # noqa: F401
 from .kvpop.student import KVpopMLP, KVpopMLSTM, StreamingLLMPlus, TrainedMethod  # noqa: F401
-from .oval.pages import OVAL, ArkVale, KeyPCA, OraclePages, PageRetrieval, Quest  # noqa: F401
+from .oval.summaries import OVAL, ArkVale, KeyPCA, OraclePages, PageRetrieval, Quest  # noqa: F401
 from .quoka.baselines import LessIsMore, Loki, MeanScores, SampleAttention, SparQ  # noqa: F401
 from .quoka.policy import BaselineSelection, Quoka, SelectionMethod  # noqa: F401
 

@@ -8,7 +8,7 @@ from sparsekv import methods
 from sparsekv.costs import KNOBS, SMOLLM2, cost_table, counted_macs, counted_surplus, matched, measured_cost
 from sparsekv.methods import ModelShape, ScoringCost, scoring_cost
 from sparsekv.models import tiny_config
-from sparsekv.oval.pages import PageRetrieval
+from sparsekv.oval.summaries import PageRetrieval
 from sparsekv.quoka.policy import SelectionMethod
 
 SHAPES = [ModelShape(4, 2, 16, 2), ModelShape(4, 4, 8, 3), ModelShape(6, 1, 12, 2), SMOLLM2]

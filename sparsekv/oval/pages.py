@@ -17,8 +17,7 @@ from torch import Tensor
 from ..attention import check_int
 from ..cache import follow_batch_ops
 from ..eval import attention_fidelity
-from ..hf import (DensePolicy, Method, ModelShape, ScoringCost, SelectionPolicy, attend_selected,
-                         dense_attention, queries_per_call)
+from ..hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
 from .basis import output_metric
 from .summaries import METHODS, PageSummary, _check_cache, _group_queries, make_summary
 from ..select import top_budget_indices
@@ -28,8 +27,7 @@ from .summaries import build_summaries, score_pages, score_pages_reference, spli
 # %% auto #0
 __all__ = ['GQA_POLICIES', 'aggregate_gqa', 'always_kept', 'top_pages', 'page_tokens', 'select_pages_reference', 'select_pages',
            'summary_scalars', 'storage_table', 'retrieval_quality', 'CapturePolicy', 'PackedPages', 'gather_pages',
-           'page_attention', 'PageRetrievalPolicy', 'PageRetrieval', 'Quest', 'ArkVale', 'KeyPCA', 'OVAL',
-           'OraclePages']
+           'page_attention', 'PageRetrievalPolicy']
 
 # %% ../../nbs/32_oval_pages.ipynb #a82ad631
 GQA_POLICIES = ("avgSM", "max")
@@ -435,94 +433,3 @@ def select_rows(self, q, k, v, ctx, real: Tensor) -> Tensor | None:
         chosen[b].scatter_(1, keys[page_tokens(pages, self.page_size, len(keys))[0]], True)
         dropped = True
     return chosen if dropped else None
-
-# %% ../../nbs/32_oval_pages.ipynb #061fc3a8
-class PageRetrieval(Method):
-    "Dense prefill; decode queries attend to the sink, recent and top pages of `summary`, `budget` tokens per KV head."
-    family, summary, small_params = "retrieval", None, {"page_size": 4, "sink": 4, "recent": 4, "rank": 2}
-
-    def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
-                 rank: int = 8):
-        super().__init__(budget)
-        self.page_size, self.rank = page_size, rank
-        self.sink = min(32, self.budget // 4) if sink is None else sink
-        self.recent = min(32, self.budget // 4) if recent is None else recent
-        self.policy()
-        if self.sink + self.recent > self.budget:
-            raise ValueError(f"budget={self.budget} must cover sink + recent = {self.sink} + {self.recent}")
-
-    def options(self) -> dict:
-        "Keyword arguments of `PageRetrievalPolicy` besides the summary and the budget."
-        return dict(page_size=self.page_size, sink=self.sink, recent=self.recent, rank=self.rank)
-
-    def policy(self) -> PageRetrievalPolicy:
-        return PageRetrievalPolicy(self.summary, token_budget=self.budget, **self.options())
-
-    def page_cost(self, shape: ModelShape) -> int:
-        "Multiply-adds scoring one page for the G decode queries of one KV head."
-        raise NotImplementedError(f"{type(self).__name__} must implement page_cost(shape)")
-
-    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
-        "Multiply-adds scoring the complete pages of `n_cached` keys at a decode step; zero at prefill (it is dense)."
-        shape, _ = ModelShape.of(shape), queries_per_call(phase, chunk, 1)
-        check_int(n_cached, "n_cached")
-        if phase == "prefill": return ScoringCost()
-        page = self.page_cost(shape)
-        step = page * (n_cached // self.page_size) if n_cached > self.budget else 0
-        return ScoringCost(page / self.page_size, step, step * shape.Hkv * max(0, shape.layers - self.dense_layers))
-
-    @property
-    def dense_layers(self) -> int:
-        "The first layers, dense at decode too (the policy's default)."
-        return self.policy().dense_layers
-
-# %% ../../nbs/32_oval_pages.ipynb #4436ea41
-class Quest(PageRetrieval):
-    "Quest: pages scored by their keys' channel-wise min/max bound."
-    name, summary = "quest", "quest"
-
-    def page_cost(self, shape):
-        "[q+, q-] times [k_max, k_min] per query head: 2 G D."
-        return 2 * shape.G * shape.D
-
-# %% ../../nbs/32_oval_pages.ipynb #c70bc42b
-class ArkVale(PageRetrieval):
-    "ArkVale: pages scored by a bounding sphere of their keys."
-    name, summary = "arkvale", "arkvale"
-
-    def page_cost(self, shape):
-        "[q, |q|] times [centre, radius] per query head: G (D + 1)."
-        return shape.G * (shape.D + 1)
-
-# %% ../../nbs/32_oval_pages.ipynb #a53f7e19
-class KeyPCA(PageRetrieval):
-    "Key PCA: pages scored in the rank-`rank` principal basis of their keys (OVAL's eta = 0 endpoint)."
-    name, summary, cost_knob = "key_pca", "keypca", "rank"
-
-    def page_cost(self, shape):
-        "Per query head q times [B, mu], D (r + 1), then the page's m codes R c, m r; r = min(rank, m - 1, D)."
-        r = min(self.rank, self.page_size - 1, shape.D)
-        return shape.G * (shape.D * (r + 1) + self.page_size * r)
-
-# %% ../../nbs/32_oval_pages.ipynb #86ecae37
-class OVAL(PageRetrieval):
-    "OVAL (§3.3): output-aware page bases mixing key fidelity and output sensitivity by `eta`."
-    name, summary, cost_knob = "oval", "oval", "rank"
-
-    def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
-                 rank: int = 8, eta: float = 0.5):
-        self.eta = eta
-        super().__init__(budget, page_size, sink, recent, rank)
-
-    def options(self): return dict(super().options(), eta=self.eta)
-
-    page_cost = KeyPCA.page_cost  # the same summary format as key PCA (§3.3)
-
-# %% ../../nbs/32_oval_pages.ipynb #48be412d
-class OraclePages(PageRetrieval):
-    "The oracle: pages ranked by their exact attention mass (an upper bound, not a method one can deploy)."
-    name, summary = "oracle_pages", "oracle"
-
-    def page_cost(self, shape):
-        "Every key of the page times each query head: G m D."
-        return shape.G * self.page_size * shape.D

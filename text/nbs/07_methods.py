@@ -25,7 +25,7 @@ from sparsekv.hf import (METHOD_FAMILIES, PHASES, AttentionContext, AttentionPol
 from sparsekv.kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
 from sparsekv.kvpop.dms import DMS  # noqa: F401
 from sparsekv.kvpop.student import KVpopMLP, KVpopMLSTM, StreamingLLMPlus, TrainedMethod  # noqa: F401
-from sparsekv.oval.pages import OVAL, ArkVale, KeyPCA, OraclePages, PageRetrieval, Quest  # noqa: F401
+from sparsekv.oval.summaries import OVAL, ArkVale, KeyPCA, OraclePages, PageRetrieval, Quest  # noqa: F401
 from sparsekv.quoka.baselines import LessIsMore, Loki, MeanScores, SampleAttention, SparQ  # noqa: F401
 from sparsekv.quoka.policy import BaselineSelection, Quoka, SelectionMethod  # noqa: F401
 

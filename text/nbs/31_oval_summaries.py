@@ -1,7 +1,7 @@
 # %% [markdown]
 # # OVAL page summaries
 #
-# > The page summaries OVAL compares (Quest, ArkVale, key PCA, OVAL, the oracle) as `PageSummary` classes.
+# > The page summaries OVAL compares (Quest, ArkVale, key PCA, OVAL, the oracle) as `PageSummary` classes, each with its retrieval method.
 
 # %%
 #| default_exp oval.summaries
@@ -18,6 +18,7 @@ from fastcore.basics import patch_to
 from torch import Tensor
 
 from sparsekv.attention import check_int, require_finite
+from sparsekv.hf import Method, ModelShape, ScoringCost, SelectionPolicy, queries_per_call
 from sparsekv.oval.basis import check_eta, page_basis, page_lse_exact, page_score
 
 # %%
@@ -30,17 +31,18 @@ from torch.testing import assert_close
 # A page retriever keeps the full KV cache and, for every decode query, attends exactly to a
 # few *pages* of $m$ consecutive tokens (OVAL §1, D.8). Which pages is decided from a
 # compact *summary* stored beside each completed page. This notebook builds the summaries
-# the OVAL paper compares (§2, §4), one class each; the retrieval itself (GQA aggregation,
-# page selection within a token budget, the decode-time policy) is in
+# the OVAL paper compares (§2, §4), one class each, and after each summary the retrieval method
+# that uses it (a `PageRetrieval` subclass, found by the registry by its name); the retrieval
+# itself (GQA aggregation, page selection within a token budget, the decode-time policy) is in
 # [`sparsekv.oval.pages`](32_oval_pages.ipynb).
 #
-# | method | class | summary per page and KV head | page score for a query $q$ (log domain) |
-# |---|---|---|---|
-# | Quest | `QuestSummary` | per-channel min $\ell$ and max $u$ of the keys | $s\sum_c \max(q_c \ell_c,\ q_c u_c)$ |
-# | ArkVale | `ArkValeSummary` | centre $c$ and radius $\rho$ of a ball holding the keys | $s\,(q\cdot c + \lVert q\rVert \rho)$ |
-# | key PCA (LOCKS) | `KeyPCASummary` | $\mu$, $B$, $R$ from `page_basis(..., eta=0)` | $\log\sum_t \exp(s\,(R_t\cdot B^\top q + \mu\cdot q))$ |
-# | OVAL | `OVALSummary` | $\mu$, $B$, $R$ from `page_basis(..., eta)`, $\eta\in(0,1]$ | same as key PCA |
-# | oracle | `OracleSummary` | the keys themselves | $\log\sum_t \exp(s\, k_t\cdot q)$, the exact page LSE |
+# | method | class | summary per page and KV head | page score for a query $q$ (log domain) | retrieval method (registry name) |
+# |---|---|---|---|---|
+# | Quest | `QuestSummary` | per-channel min $\ell$ and max $u$ of the keys | $s\sum_c \max(q_c \ell_c,\ q_c u_c)$ | `Quest` (`"quest"`) |
+# | ArkVale | `ArkValeSummary` | centre $c$ and radius $\rho$ of a ball holding the keys | $s\,(q\cdot c + \lVert q\rVert \rho)$ | `ArkVale` (`"arkvale"`) |
+# | key PCA (LOCKS) | `KeyPCASummary` | $\mu$, $B$, $R$ from `page_basis(..., eta=0)` | $\log\sum_t \exp(s\,(R_t\cdot B^\top q + \mu\cdot q))$ | `KeyPCA` (`"key_pca"`) |
+# | OVAL | `OVALSummary` | $\mu$, $B$, $R$ from `page_basis(..., eta)`, $\eta\in(0,1]$ | same as key PCA | `OVAL` (`"oval"`) |
+# | oracle | `OracleSummary` | the keys themselves | $\log\sum_t \exp(s\, k_t\cdot q)$, the exact page LSE | `OraclePages` (`"oracle_pages"`) |
 #
 # with $s = 1/\sqrt d$. Only complete pages get a summary; the tokens of a trailing
 # partial page are always attended ("recent"). Keys are post-RoPE, laid out `[B, Hkv, T, d]`.
@@ -392,6 +394,87 @@ lse = logits.logsumexp(-1)                                                     #
 
 
 # %% [markdown]
+# ## Retrieval methods
+#
+# Each summary below is followed by its method, the class the registry finds by name (see
+# [the registry](07_methods.ipynb)): a subclass of `PageRetrieval`, which names its summary (`summary`, a key of
+# `SUMMARIES`) and states what scoring one page costs (`page_cost`). The prompt is prefilled densely into the full
+# cache (`GrowingCache`); each decode query attends to the pages `PageRetrievalPolicy`
+# ([page retrieval](32_oval_pages.ipynb)) picks from the summaries: the sink and recent regions (rounded out to
+# whole pages) and the best-scored pages, within `budget` = `token_budget` tokens per KV head. By default the
+# sink and recent regions take the policy's 32 tokens each, at most a quarter of the budget each.
+#
+# The policy is built on this notebook's summaries (its module imports this one), so `PageRetrieval.policy` imports
+# it when called. Check with a retrieval method of our own that uses Quest's summary (below) and its page cost: the
+# default sink and recent regions, a budget that cannot hold them, and the scoring cost of a decode step, by hand at
+# SmolLM2-135M's shape.
+
+# %%
+#| export
+class PageRetrieval(Method):
+    "Dense prefill; decode queries attend to the sink, recent and top pages of `summary`, `budget` tokens per KV head."
+    family, summary, small_params = "retrieval", None, {"page_size": 4, "sink": 4, "recent": 4, "rank": 2}
+
+    def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
+                 rank: int = 8):
+        super().__init__(budget)
+        self.page_size, self.rank = page_size, rank
+        self.sink = min(32, self.budget // 4) if sink is None else sink
+        self.recent = min(32, self.budget // 4) if recent is None else recent
+        self.policy()
+        if self.sink + self.recent > self.budget:
+            raise ValueError(f"budget={self.budget} must cover sink + recent = {self.sink} + {self.recent}")
+
+    def options(self) -> dict:
+        "Keyword arguments of `PageRetrievalPolicy` besides the summary and the budget."
+        return dict(page_size=self.page_size, sink=self.sink, recent=self.recent, rank=self.rank)
+
+    def policy(self) -> SelectionPolicy:
+        "A fresh `PageRetrievalPolicy` of `summary` with this method's budget and options."
+        # imported here: the policy that runs page retrieval is built on these summaries (its module imports this one)
+        from sparsekv.oval.pages import PageRetrievalPolicy
+        return PageRetrievalPolicy(self.summary, token_budget=self.budget, **self.options())
+
+    def page_cost(self, shape: ModelShape) -> int:
+        "Multiply-adds scoring one page for the G decode queries of one KV head."
+        raise NotImplementedError(f"{type(self).__name__} must implement page_cost(shape)")
+
+    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
+        "Multiply-adds scoring the complete pages of `n_cached` keys at a decode step; zero at prefill (it is dense)."
+        shape, _ = ModelShape.of(shape), queries_per_call(phase, chunk, 1)
+        check_int(n_cached, "n_cached")
+        if phase == "prefill": return ScoringCost()
+        page = self.page_cost(shape)
+        step = page * (n_cached // self.page_size) if n_cached > self.budget else 0
+        return ScoringCost(page / self.page_size, step, step * shape.Hkv * max(0, shape.layers - self.dense_layers))
+
+    @property
+    def dense_layers(self) -> int:
+        "The first layers, dense at decode too (the policy's default)."
+        return self.policy().dense_layers
+
+
+# %%
+class _MinMax(PageRetrieval):  # Quest's summary and page cost, unregistered
+    summary = "quest"
+    def page_cost(self, shape): return 2 * shape.G * shape.D  # noqa: E301
+
+shape = ModelShape(9, 3, 64, 30)  # SmolLM2-135M: G = 3, D = 64, 30 layers
+mm = _MinMax(256)
+test_eq((mm.family, mm.sink, mm.recent, _MinMax(64).sink, _MinMax(64).recent), ("retrieval", 32, 32, 16, 16))
+test_fail(lambda: _MinMax(16, sink=10, recent=10), contains="must cover sink + recent")
+test_eq(mm.scoring_cost(shape, 4096, "prefill"), ScoringCost())  # the prefill is dense
+# a decode step scores the 4096 / 32 complete pages, 2 G D each, in every layer past the dense ones
+test_eq(mm.scoring_cost(shape, 4096, "decode"),
+        ScoringCost(384 / 32, 384 * 128, 384 * 128 * 3 * (30 - mm.dense_layers)))
+test_eq(mm.scoring_cost(shape, 200, "decode").per_step, 0)  # the cache fits the budget: dense
+test_fail(lambda: PageRetrieval.page_cost(mm, shape), contains="must implement page_cost")  # a subclass states it
+test_eq(type(mm.policy()).__name__, "PageRetrievalPolicy")
+
+
+
+
+# %% [markdown]
 # ## Quest
 #
 # Quest (§2) keeps the per-channel extrema of the page's keys. Its score is an upper bound on
@@ -449,6 +532,27 @@ test_fail(lambda: QuestSummary().score(q), contains="holds no pages")
 
 
 # %% [markdown]
+#
+
+# %% [markdown]
+# **The method.** `Quest` (`"quest"`) retrieves with this summary. Scoring a page for the $G$ decode queries of a KV
+# head multiplies each query's $[q^+;\ q^-]$ by the page's row $[u;\ \ell]$: $2 G D$ multiply-adds (`page_cost`).
+
+# %%
+#| export
+class Quest(PageRetrieval):
+    "Quest: pages scored by their keys' channel-wise min/max bound."
+    name, summary = "quest", "quest"
+
+    def page_cost(self, shape):
+        "[q+, q-] times [k_max, k_min] per query head: 2 G D."
+        return 2 * shape.G * shape.D
+
+
+# %%
+test_eq(Quest(256).page_cost(shape), 2 * 3 * 64)
+
+
 # ## ArkVale
 #
 # **Our reading of ArkVale.** The OVAL paper only says ArkVale "summarizes pages with
@@ -501,6 +605,27 @@ _check_summary(ark, K, q)
 
 
 # %% [markdown]
+#
+
+# %% [markdown]
+# **The method.** `ArkVale` (`"arkvale"`) retrieves with the bounding ball: each query's $[q;\ \lVert q\rVert]$ times
+# the page's $[c;\ \rho]$, $G (D + 1)$ multiply-adds per page.
+
+# %%
+#| export
+class ArkVale(PageRetrieval):
+    "ArkVale: pages scored by a bounding sphere of their keys."
+    name, summary = "arkvale", "arkvale"
+
+    def page_cost(self, shape):
+        "[q, |q|] times [centre, radius] per query head: G (D + 1)."
+        return shape.G * (shape.D + 1)
+
+
+# %%
+test_eq(ArkVale(256).page_cost(shape), 3 * (64 + 1))
+
+
 # ## Key PCA
 #
 # Key PCA (LOCKS, §2) is the page basis of [`sparsekv.oval.basis`](30_oval_basis.ipynb) at
@@ -600,6 +725,30 @@ test_fail(lambda: KeyPCASummary(rank=0), contains="rank must be an int >= 1")
 
 
 # %% [markdown]
+#
+
+# %% [markdown]
+# **The method.** `KeyPCA` (`"key_pca"`) retrieves with the key-PCA summary; its rank is its cost knob. Per query
+# head, the product with the packed rows $[B;\ \mu]$ costs $D (r + 1)$, then the page's $m$ codes $R c$ cost $m r$,
+# with $r = \min(\mathrm{rank}, m - 1, D)$.
+
+# %%
+#| export
+class KeyPCA(PageRetrieval):
+    "Key PCA: pages scored in the rank-`rank` principal basis of their keys (OVAL's eta = 0 endpoint)."
+    name, summary, cost_knob = "key_pca", "keypca", "rank"
+
+    def page_cost(self, shape):
+        "Per query head q times [B, mu], D (r + 1), then the page's m codes R c, m r; r = min(rank, m - 1, D)."
+        r = min(self.rank, self.page_size - 1, shape.D)
+        return shape.G * (shape.D * (r + 1) + self.page_size * r)
+
+
+# %%
+test_eq(KeyPCA(256).page_cost(shape), 3 * (64 * 9 + 32 * 8))  # r = 8
+test_eq(KeyPCA(256, page_size=4).page_cost(shape), 3 * (64 * 4 + 4 * 3))  # r = m - 1 = 3
+
+
 # ## OVAL
 #
 # OVAL (§3.3) is the same summary with the output-aware basis: `page_basis(..., eta)` with the
@@ -654,6 +803,32 @@ test_fail(lambda: OVALSummary(eta=1.5), contains="eta must be a number in [0, 1]
 
 
 # %% [markdown]
+#
+
+# %% [markdown]
+# **The method.** `OVAL` (`"oval"`) passes $\eta$ on to the policy (`options`), which gives each layer its output
+# metric $G$ from that layer's `o_proj`. Its summary has key PCA's format, so its page cost is key PCA's.
+
+# %%
+#| export
+class OVAL(PageRetrieval):
+    "OVAL (§3.3): output-aware page bases mixing key fidelity and output sensitivity by `eta`."
+    name, summary, cost_knob = "oval", "oval", "rank"
+
+    def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
+                 rank: int = 8, eta: float = 0.5):
+        self.eta = eta
+        super().__init__(budget, page_size, sink, recent, rank)
+
+    def options(self): return dict(super().options(), eta=self.eta)
+
+    page_cost = KeyPCA.page_cost  # the same summary format as key PCA (§3.3)
+
+
+# %%
+test_eq((OVAL(256).page_cost(shape), OVAL(256, eta=0.25).options()["eta"]), (KeyPCA(256).page_cost(shape), 0.25))
+
+
 # ## Oracle
 #
 # The oracle reads the page's keys themselves; its score is the exact page log-mass, the
@@ -691,7 +866,29 @@ assert_close(orc.score(q), orc.reference(K, q))
 assert_close(orc.score(q), lse)
 _check_summary(orc, K, q)
 
+
 # %% [markdown]
+#
+
+# %% [markdown]
+# **The method.** `OraclePages` (`"oracle_pages"`) ranks the pages by their exact attention mass: an upper bound for
+# the others, not a method one can deploy. Every key of the page times each query head: $G m D$ per page.
+
+# %%
+#| export
+class OraclePages(PageRetrieval):
+    "The oracle: pages ranked by their exact attention mass (an upper bound, not a method one can deploy)."
+    name, summary = "oracle_pages", "oracle"
+
+    def page_cost(self, shape):
+        "Every key of the page times each query head: G m D."
+        return shape.G * self.page_size * shape.D
+
+
+# %%
+test_eq(OraclePages(256).page_cost(shape), 3 * 32 * 64)
+
+
 # ## Methods by name
 #
 # `SUMMARIES` maps each method's name to its class. `make_summary` turns a name and the

@@ -16,7 +16,10 @@
 # scores into retrieval: one page selection per KV head (GQA aggregation), the pages that fit a
 # token budget, what the summaries cost to store, how well they retrieve, and the decode-time
 # policy that plugs it all into `sparsekv.hf`. Every function that takes a `method` takes its
-# name (`"quest"`, `"arkvale"`, `"keypca"`, `"oval"`, `"oracle"`) or a `PageSummary`.
+# name (`"quest"`, `"arkvale"`, `"keypca"`, `"oval"`, `"oracle"`) or a `PageSummary`. The registered methods that
+# run this policy (`PageRetrieval` and its subclasses `Quest`, `ArkVale`, `KeyPCA`, `OVAL`, `OraclePages`) are
+# written beside their summaries in [the summaries](31_oval_summaries.ipynb); each builds its
+# `PageRetrievalPolicy` here.
 
 # %%
 #| export
@@ -34,8 +37,7 @@ from torch import Tensor
 from sparsekv.attention import check_int
 from sparsekv.cache import follow_batch_ops
 from sparsekv.eval import attention_fidelity
-from sparsekv.hf import (DensePolicy, Method, ModelShape, ScoringCost, SelectionPolicy, attend_selected,
-                         dense_attention, queries_per_call)
+from sparsekv.hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
 from sparsekv.oval.basis import output_metric
 from sparsekv.oval.summaries import METHODS, PageSummary, _check_cache, _group_queries, make_summary
 from sparsekv.select import top_budget_indices
@@ -1124,151 +1126,3 @@ for T in (30, 41):
     for n, x in build_summaries("oval", kk[:, :, :T], vv[:, :, :T], 4, rank=2, eta=0.5, G=eye).tensors.items():
         assert_close(fixed.summaries[1].tensors[n], x)
 test_eq((by_class.method, fixed.metric(ctx), len(by_class.metrics)), ("oval", None, 1))
-
-
-# %% [markdown]
-# ## The methods (OVAL and its baselines)
-#
-# The prompt is prefilled densely into the full cache (`GrowingCache`); each decode query attends to the pages
-# `PageRetrievalPolicy` picks from the summaries: the sink and recent regions (rounded out to whole pages)
-# and the best-scored pages, within `budget` = `token_budget` tokens per KV head. By default the
-# sink and recent regions take the policy's 32 tokens each, at most a quarter of the budget each.
-
-# %%
-#| export
-class PageRetrieval(Method):
-    "Dense prefill; decode queries attend to the sink, recent and top pages of `summary`, `budget` tokens per KV head."
-    family, summary, small_params = "retrieval", None, {"page_size": 4, "sink": 4, "recent": 4, "rank": 2}
-
-    def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
-                 rank: int = 8):
-        super().__init__(budget)
-        self.page_size, self.rank = page_size, rank
-        self.sink = min(32, self.budget // 4) if sink is None else sink
-        self.recent = min(32, self.budget // 4) if recent is None else recent
-        self.policy()
-        if self.sink + self.recent > self.budget:
-            raise ValueError(f"budget={self.budget} must cover sink + recent = {self.sink} + {self.recent}")
-
-    def options(self) -> dict:
-        "Keyword arguments of `PageRetrievalPolicy` besides the summary and the budget."
-        return dict(page_size=self.page_size, sink=self.sink, recent=self.recent, rank=self.rank)
-
-    def policy(self) -> PageRetrievalPolicy:
-        return PageRetrievalPolicy(self.summary, token_budget=self.budget, **self.options())
-
-    def page_cost(self, shape: ModelShape) -> int:
-        "Multiply-adds scoring one page for the G decode queries of one KV head."
-        raise NotImplementedError(f"{type(self).__name__} must implement page_cost(shape)")
-
-    def scoring_cost(self, shape, n_cached: int, phase: str = "prefill", chunk: int | None = None) -> ScoringCost:
-        "Multiply-adds scoring the complete pages of `n_cached` keys at a decode step; zero at prefill (it is dense)."
-        shape, _ = ModelShape.of(shape), queries_per_call(phase, chunk, 1)
-        check_int(n_cached, "n_cached")
-        if phase == "prefill": return ScoringCost()
-        page = self.page_cost(shape)
-        step = page * (n_cached // self.page_size) if n_cached > self.budget else 0
-        return ScoringCost(page / self.page_size, step, step * shape.Hkv * max(0, shape.layers - self.dense_layers))
-
-    @property
-    def dense_layers(self) -> int:
-        "The first layers, dense at decode too (the policy's default)."
-        return self.policy().dense_layers
-
-
-# %%
-class _MinMax(PageRetrieval):  # Quest's summary and page cost, unregistered
-    summary = "quest"
-    def page_cost(self, shape): return 2 * shape.G * shape.D  # noqa: E301
-
-shape = ModelShape(9, 3, 64, 30)  # SmolLM2-135M: G = 3, D = 64, 30 layers
-q = _MinMax(256)
-test_eq((q.family, q.sink, q.recent, _MinMax(64).sink, _MinMax(64).recent), ("retrieval", 32, 32, 16, 16))
-test_fail(lambda: _MinMax(16, sink=10, recent=10), contains="must cover sink + recent")
-test_eq(q.scoring_cost(shape, 4096, "prefill"), ScoringCost())  # the prefill is dense
-# a decode step scores the 4096 / 32 complete pages, 2 G D each, in every layer past the dense ones
-test_eq(q.scoring_cost(shape, 4096, "decode"), ScoringCost(384 / 32, 384 * 128, 384 * 128 * 3 * (30 - q.dense_layers)))
-test_eq(q.scoring_cost(shape, 200, "decode").per_step, 0)  # the cache fits the budget: dense
-test_fail(lambda: PageRetrieval.page_cost(q, shape), contains="must implement page_cost")  # a subclass states it
-
-
-# %%
-#| export
-class Quest(PageRetrieval):
-    "Quest: pages scored by their keys' channel-wise min/max bound."
-    name, summary = "quest", "quest"
-
-    def page_cost(self, shape):
-        "[q+, q-] times [k_max, k_min] per query head: 2 G D."
-        return 2 * shape.G * shape.D
-
-
-# %%
-test_eq(Quest(256).page_cost(shape), 2 * 3 * 64)
-
-
-# %%
-#| export
-class ArkVale(PageRetrieval):
-    "ArkVale: pages scored by a bounding sphere of their keys."
-    name, summary = "arkvale", "arkvale"
-
-    def page_cost(self, shape):
-        "[q, |q|] times [centre, radius] per query head: G (D + 1)."
-        return shape.G * (shape.D + 1)
-
-
-# %%
-test_eq(ArkVale(256).page_cost(shape), 3 * (64 + 1))
-
-
-# %%
-#| export
-class KeyPCA(PageRetrieval):
-    "Key PCA: pages scored in the rank-`rank` principal basis of their keys (OVAL's eta = 0 endpoint)."
-    name, summary, cost_knob = "key_pca", "keypca", "rank"
-
-    def page_cost(self, shape):
-        "Per query head q times [B, mu], D (r + 1), then the page's m codes R c, m r; r = min(rank, m - 1, D)."
-        r = min(self.rank, self.page_size - 1, shape.D)
-        return shape.G * (shape.D * (r + 1) + self.page_size * r)
-
-
-# %%
-test_eq(KeyPCA(256).page_cost(shape), 3 * (64 * 9 + 32 * 8))  # r = 8
-test_eq(KeyPCA(256, page_size=4).page_cost(shape), 3 * (64 * 4 + 4 * 3))  # r = m - 1 = 3
-
-
-# %%
-#| export
-class OVAL(PageRetrieval):
-    "OVAL (§3.3): output-aware page bases mixing key fidelity and output sensitivity by `eta`."
-    name, summary, cost_knob = "oval", "oval", "rank"
-
-    def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
-                 rank: int = 8, eta: float = 0.5):
-        self.eta = eta
-        super().__init__(budget, page_size, sink, recent, rank)
-
-    def options(self): return dict(super().options(), eta=self.eta)
-
-    page_cost = KeyPCA.page_cost  # the same summary format as key PCA (§3.3)
-
-
-# %%
-test_eq((OVAL(256).page_cost(shape), OVAL(256, eta=0.25).options()["eta"]), (KeyPCA(256).page_cost(shape), 0.25))
-
-
-# %%
-#| export
-class OraclePages(PageRetrieval):
-    "The oracle: pages ranked by their exact attention mass (an upper bound, not a method one can deploy)."
-    name, summary = "oracle_pages", "oracle"
-
-    def page_cost(self, shape):
-        "Every key of the page times each query head: G m D."
-        return shape.G * self.page_size * shape.D
-
-
-# %%
-test_eq(OraclePages(256).page_cost(shape), 3 * 32 * 64)
