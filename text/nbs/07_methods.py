@@ -78,11 +78,11 @@ torch.set_num_threads(1)  # tiny model: threads only add overhead
 #
 # Each method lives with its paper's code, where adding a baseline is one subclass beside its algorithm: the
 # eviction methods with KVpop's (`sparsekv.kvpop.baselines`, `.student`, `.dms`, one `EvictionMethod` subclass
-# beside its rule), the selection methods with QuoKA's policies (`sparsekv.quoka.policy`, one `SelectionMethod`
-# subclass), the retrieval methods with OVAL's (`sparsekv.oval.pages`, one `PageRetrieval` subclass with its page
-# summary). This module imports them all, so importing it registers every method; the paper packages never
-# import it. The scoring cost every method states (`ModelShape`, `ScoringCost`, `scoring_cost`) is defined with
-# `Method` in `sparsekv.hf`.
+# beside its rule), the selection methods with QuoKA's (`sparsekv.quoka.baselines`, one `SelectionMethod`
+# subclass beside its selection function; QuoKA's own in `sparsekv.quoka.policy`), the retrieval methods with OVAL's
+# (`sparsekv.oval.summaries`, one `PageRetrieval` subclass beside its page summary). This module imports them all,
+# so importing it registers every method; the paper packages never import it. The scoring cost every method states
+# (`ModelShape`, `ScoringCost`, `scoring_cost`) is defined with `Method` in `sparsekv.hf`.
 
 # %% [markdown]
 # ## The registry
