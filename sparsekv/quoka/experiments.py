@@ -701,7 +701,8 @@ def time_chunk(model_name: str, Hq: int, Hkv: int, D: int, T: int, dtype_name: s
                seed: int = 0) -> list[dict]:
     """Rows (one per method of `methods`: 'dense' or a key of `selectors`) of the best total time of one chunk of T
     cached keys with these head shapes, and the selection time within it; QuoKA's row adds its gather, its floor and
-    its selection over the floor (the function `selection_over_floor`). Sets torch's intra-op threads to `n_threads`."""
+    its selection over the floor (the function `selection_over_floor`). Sets torch's intra-op threads to
+    `n_threads`."""
     torch.set_num_threads(n_threads)
     q, k, v = chunk_tensors(Hq, Hkv, D, T, chunk_size, getattr(torch, dtype_name), seed)
     sel = selectors(k[:, :, :T], chunk_size, n_q, budget)
@@ -712,11 +713,10 @@ def time_chunk(model_name: str, Hq: int, Hkv: int, D: int, T: int, dtype_name: s
              else partial(sparse_chunk_attention, sel[m], q, k, v))
         selection_s, total_s = best_split(f, repeats)
         rows.append({**base, "method": m, "seconds": total_s, "selection_seconds": selection_s})
-    idx = sel["quoka"](q, k[:, :, :T])
-    rows[methods.index("quoka")]["gather_seconds"] = gather_seconds(idx, k, v, chunk_size, repeats)
+    idx, quoka_row = sel["quoka"](q, k[:, :, :T]), rows[methods.index("quoka")]
+    quoka_row["gather_seconds"] = gather_seconds(idx, k, v, chunk_size, repeats)
     # timed where QuoKA's selection is timed, inside a chunk (after the last chunk's attention left the caches cold)
     floor = floor_select(q, k[:, :, :T], n_q, budget)
-    rows[methods.index("quoka")]["floor_seconds"] = best_split(partial(sparse_chunk_attention, floor, q, k, v),
-                                                               repeats)[0]
-    rows[methods.index("quoka")]["selection_over_floor"] = selection_over_floor(sel["quoka"], floor, q, k, v, floor_pairs)
+    quoka_row["floor_seconds"] = best_split(partial(sparse_chunk_attention, floor, q, k, v), repeats)[0]
+    quoka_row["selection_over_floor"] = selection_over_floor(sel["quoka"], floor, q, k, v, floor_pairs)
     return rows
