@@ -86,6 +86,7 @@ def part_flex(dry: bool) -> dict:
     """Compiled FlexAttention (eager on the CPU) for the KVpop target and mask against the dense path: forward in
     float32 and bfloat16, backward of the mask's attention (CUDA only: FlexAttention has no backward on the CPU)."""
     import torch
+
     from sparsekv.kvpop.cutoff import topk_cutoff
     from sparsekv.kvpop.mask import kvpop_attention
     from sparsekv.kvpop.target import future_attention_target
@@ -125,6 +126,7 @@ def part_flex(dry: bool) -> dict:
 def part_triton(dry: bool) -> dict:
     "The Triton cutoff kernel against the torch backend (equal cutoffs) and their times; dry: interpreted, 512 tokens."
     import torch
+
     from sparsekv.kvpop.cutoff import topk_cutoff
 
     device = "cpu" if dry else "cuda"
@@ -192,6 +194,7 @@ def _bench_model(dry: bool):
 def part_bench(dry: bool) -> dict:
     "Prefill (time to first token) and per-token decode of dense, KVpop, QuoKA and OVAL on one prompt; ratios to dense."
     import torch
+
     from sparsekv import methods
 
     device = "cpu" if dry else "cuda"

@@ -13,8 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from . import methods
 from .attention import check_int
-from .hf import AttentionContext, Method
-from .hf import ModelShape, queries_per_call, scoring_cost
+from .hf import AttentionContext, Method, ModelShape, queries_per_call, scoring_cost
 from .quoka.baselines import _check_rank
 
 # %% auto #0

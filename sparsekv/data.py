@@ -188,7 +188,8 @@ def packed_sequences(tokenizer, seq_len: int, split: str = "train", val_fraction
 REASONING_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum")
 
 def _reasoning_gym():
-    try: import reasoning_gym
+    try:
+        import reasoning_gym
     except ImportError as e:
         raise ModuleNotFoundError("reasoning problems need `reasoning-gym`: pip install 'sparsekv[data]'") from e
     return reasoning_gym

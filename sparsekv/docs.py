@@ -631,6 +631,7 @@ def build_docs(root: str | os.PathLike | None = None, dest: str | os.PathLike | 
 def readme_text(root: str | os.PathLike | None = None) -> str:
     "The README generated from `nbs/index.ipynb`."
     import tempfile
+
     import nbformat
     from nbconvert import MarkdownExporter
     root = project_root(root)

@@ -671,7 +671,7 @@ def _finished(path: Path, rows: list[dict], bad: list[int], cells: list[dict], t
         warnings.warn(f"{path}: damaged results: " + (f"malformed lines {bad} are dropped; " if bad else "")
                       + (f"the rows of {len(suspect)} cell(s) fail their {ROW_CHECK} (edited, cut, older, or made for "
                          f"other key columns), e.g. {suspect[0]}; "
-                         if suspect else "") + "those cells are computed again")
+                         if suspect else "") + "those cells are computed again", stacklevel=2)
     return found
 
 # %% ../nbs/40_eval.ipynb #8bfeeff4

@@ -14,8 +14,18 @@ from torch import Tensor
 
 from .attention import check_int
 from .cache import EvictingCache, GrowingCache, GrowingLayer, query_count
-from .hf import (METHOD_FAMILIES, PHASES, AttentionContext, AttentionPolicy, Method, ModelShape,  # noqa: F401
-                         ScoringCost, queries_per_call, scoring_cost)
+from sparsekv.hf import (  # noqa: F401
+    METHOD_FAMILIES,
+    PHASES,
+    AttentionContext,
+    AttentionPolicy,
+    Method,
+    ModelShape,
+    ScoringCost,
+    queries_per_call,
+    scoring_cost,
+)
+
 # Every method lives with its paper's code; importing them registers them and makes them reachable from here.
 from .kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
 from .kvpop.dms import DMS  # noqa: F401

@@ -17,11 +17,11 @@ import socket
 import sys
 import tempfile
 import threading
-from urllib.parse import urlparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager, NamedTuple
+from urllib.parse import urlparse
 
 import huggingface_hub
 import torch

@@ -19,10 +19,10 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Callable
 
-from fastcore.basics import patch_to
 import numpy as np
 import pandas as pd
 import torch
+from fastcore.basics import patch_to
 from transformers import DynamicCache
 
 from . import methods, presses
@@ -31,8 +31,16 @@ from .cache import GrowingCache
 from .costs import KNOBS, matched
 from .data import PASSKEY_PHRASINGS, SYNTHETIC_TASKS, count_tokens, make_task, score_exact
 from .eval import kl_to_teacher, run_grid, token_nll, top1_agreement
-from .hf import AttendedBudget, Method, chunked_prefill, measure_attended, patch
-from .hf import PHASES, ModelShape, scoring_cost
+from sparsekv.hf import (
+    PHASES,
+    AttendedBudget,
+    Method,
+    ModelShape,
+    chunked_prefill,
+    measure_attended,
+    patch,
+    scoring_cost,
+)
 from .models import model_info, tiny_model
 from .stats import compare, compare_cell, paired_ci
 

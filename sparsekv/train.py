@@ -17,8 +17,16 @@ import torch.distributed as dist
 
 from . import methods
 from .data import packed_sequences
-from .distill import (DistillConfig, distill, epoch_batches, full_state, shard_for_training, student_spec,
-                              teacher_eval, world)
+from sparsekv.distill import (
+    DistillConfig,
+    distill,
+    epoch_batches,
+    full_state,
+    shard_for_training,
+    student_spec,
+    teacher_eval,
+    world,
+)
 from .io import atomic_path_with_digest, write_csv
 from .models import load_model
 

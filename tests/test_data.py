@@ -9,16 +9,34 @@ import pytest
 import torch
 
 from sparsekv import data
-from sparsekv.data import (DEPTH_TOLERANCE, REASONING_TASKS, SYNTHETIC_TASKS, count_tokens, extract_final_answer,
-                           haystack_clauses, make_task, packed_positions, packed_sequences, prose_clauses,
-                           prose_text, prose_tokens, read_bible_constants, clean_verse, reasoning_problems,
-                           score_exact, score_reasoning, token_stream, tokenizer_fingerprint)
+from sparsekv.data import (
+    DEPTH_TOLERANCE,
+    REASONING_TASKS,
+    SYNTHETIC_TASKS,
+    clean_verse,
+    count_tokens,
+    extract_final_answer,
+    haystack_clauses,
+    make_task,
+    packed_positions,
+    packed_sequences,
+    prose_clauses,
+    prose_text,
+    prose_tokens,
+    read_bible_constants,
+    reasoning_problems,
+    score_exact,
+    score_reasoning,
+    token_stream,
+    tokenizer_fingerprint,
+)
 
 
 @pytest.fixture(scope="module")
 def tok():
     "The SmolLM2 tokenizer of the converted checkpoint."
     from transformers import AutoTokenizer
+
     from sparsekv.models import ensure_smollm2
     return AutoTokenizer.from_pretrained(ensure_smollm2())
 

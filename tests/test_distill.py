@@ -15,11 +15,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sparsekv.kvpop.cache import random_scorers
-from sparsekv.distill import (DistillConfig, distill, epoch_batches, full_state, new_param_lr, rank_slice,
-                              shard_for_training, student_spec)
-from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
+from sparsekv.distill import (
+    DistillConfig,
+    distill,
+    epoch_batches,
+    full_state,
+    new_param_lr,
+    rank_slice,
+    shard_for_training,
+    student_spec,
+)
 from sparsekv.io import verify_digest
+from sparsekv.kvpop.cache import random_scorers
+from sparsekv.kvpop.student import KVpopStudent, SinkWindowStudent
 from sparsekv.models import load_model
 from sparsekv.train import main
 

@@ -11,12 +11,35 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import sparsekv.eval as ev
-from sparsekv.eval import (attention_fidelity, attention_fidelity_reference, attention_mass_recall, avg_at_k,
-                           kl_to_teacher, oracle_topk, pass_at_k, pass_at_k_estimate, pass_at_k_reference,
-                           needle_retention, needle_retention_reference, needle_summary, per_head_mean, perplexity,
-                           perplexity_reference, query_quantile, query_quantile_reference, relative_output_error,
-                           retention_recall, retention_recall_reference, run_grid, token_accuracy, token_kl,
-                           token_kl_reference, token_nll, top1_agreement, top1_agreement_reference)
+from sparsekv.eval import (
+    attention_fidelity,
+    attention_fidelity_reference,
+    attention_mass_recall,
+    avg_at_k,
+    kl_to_teacher,
+    needle_retention,
+    needle_retention_reference,
+    needle_summary,
+    oracle_topk,
+    pass_at_k,
+    pass_at_k_estimate,
+    pass_at_k_reference,
+    per_head_mean,
+    perplexity,
+    perplexity_reference,
+    query_quantile,
+    query_quantile_reference,
+    relative_output_error,
+    retention_recall,
+    retention_recall_reference,
+    run_grid,
+    token_accuracy,
+    token_kl,
+    token_kl_reference,
+    token_nll,
+    top1_agreement,
+    top1_agreement_reference,
+)
 
 
 def gen(seed):

@@ -6,9 +6,9 @@ from torch.testing import assert_close
 from transformers import DynamicCache
 
 from sparsekv import methods
-from sparsekv.kvpop.baselines import attention_probs, eviction_reference, reduce_heads
 from sparsekv.cache import EvictingCache
 from sparsekv.hf import chunked_prefill, patch
+from sparsekv.kvpop.baselines import attention_probs, eviction_reference, reduce_heads
 
 
 def eviction_baseline(name, sink, window, k, heads="group"):

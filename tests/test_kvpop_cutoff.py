@@ -7,9 +7,22 @@ import random
 import pytest
 import torch
 
-from sparsekv.kvpop.cutoff import (CUTOFF_BACKENDS, Fenwick, LogDecay, bench_cutoff, cutoff_python,
-                                   cutoff_torch, cutoff_triton, effective_score, eligible_count, priority_rank,
-                                   rank_reference, static_priority, topk_cutoff, topk_cutoff_reference)
+from sparsekv.kvpop.cutoff import (
+    CUTOFF_BACKENDS,
+    Fenwick,
+    LogDecay,
+    bench_cutoff,
+    cutoff_python,
+    cutoff_torch,
+    cutoff_triton,
+    effective_score,
+    eligible_count,
+    priority_rank,
+    rank_reference,
+    static_priority,
+    topk_cutoff,
+    topk_cutoff_reference,
+)
 
 
 def random_priority(B, H, S, ties, gen):

@@ -6,9 +6,18 @@ import pytest
 import torch
 
 from sparsekv.kvpop.cutoff import LogDecay, static_priority, topk_cutoff_reference
-from sparsekv.kvpop.loss import (balance_weight, kept_long_range, margin_weight, retention_loss,
-                                 retention_loss_reference, retention_recall, sample_boundary_queries, teacher_boundary,
-                                 teacher_boundary_reference, teacher_margin)
+from sparsekv.kvpop.loss import (
+    balance_weight,
+    kept_long_range,
+    margin_weight,
+    retention_loss,
+    retention_loss_reference,
+    retention_recall,
+    sample_boundary_queries,
+    teacher_boundary,
+    teacher_boundary_reference,
+    teacher_margin,
+)
 from sparsekv.kvpop.mask import kvpop_mask_reference
 
 

@@ -10,8 +10,7 @@ from torch.testing import assert_close
 
 from sparsekv.attention import attention_reference, masked_attention
 from sparsekv.kvpop.cutoff import topk_cutoff
-from sparsekv.kvpop.mask import (kvpop_attention, kvpop_block_mask, kvpop_mask, kvpop_mask_mod,
-                                 kvpop_mask_reference)
+from sparsekv.kvpop.mask import kvpop_attention, kvpop_block_mask, kvpop_mask, kvpop_mask_mod, kvpop_mask_reference
 
 
 def random_priority(B, H, S, ties, gen):

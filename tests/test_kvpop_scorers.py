@@ -8,9 +8,21 @@ from mlstm_kernels.torch.parallel.native.fw import mlstm_parallel_fw
 from mlstm_kernels.torch.recurrent.native_step import mlstm_recurrent_step__native_fw
 from torch.testing import assert_close
 
-from sparsekv.kvpop.scorers import (LinearScorer, MLPScorer, MLSTMScorer, count_parameters, hedgehog,
-                                    mlp_scorer_reference, mlstm_chunkwise, mlstm_parallel, mlstm_readout,
-                                    mlstm_recurrent, mlstm_step, mlstm_unstabilized_reference, mlstm_init_state)
+from sparsekv.kvpop.scorers import (
+    LinearScorer,
+    MLPScorer,
+    MLSTMScorer,
+    count_parameters,
+    hedgehog,
+    mlp_scorer_reference,
+    mlstm_chunkwise,
+    mlstm_init_state,
+    mlstm_parallel,
+    mlstm_readout,
+    mlstm_recurrent,
+    mlstm_step,
+    mlstm_unstabilized_reference,
+)
 
 
 def make_kv(B, H, S, d, seed, dtype=torch.float32, scale=1.0):

@@ -6,8 +6,16 @@ import torch
 from torch.testing import assert_close
 
 from sparsekv.attention import attention_scores, causal_mask, masked_logsumexp
-from sparsekv.kvpop.target import (AGGS, aggregate_target, bench_target, causal_lse, future_attention_target,
-                                   future_attention_target_reference, future_count, peak_memory)
+from sparsekv.kvpop.target import (
+    AGGS,
+    aggregate_target,
+    bench_target,
+    causal_lse,
+    future_attention_target,
+    future_attention_target_reference,
+    future_count,
+    peak_memory,
+)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -339,8 +339,15 @@ def test_hub_probe_is_bounded_when_the_name_lookup_hangs(monkeypatch):
 # --- Qwen2.5-Coder-0.5B: a GGUF split across six data packages, assembled and checked, then converted ------------
 
 from sparsekv.models import (  # noqa: E402
-    QWEN_CODER_GEOMETRY, QWEN_CODER_GGUF, QWEN_CODER_NAME, GGUFPart, GGUFParts, assemble_gguf, ensure_qwen_coder,
-    tokenizer_from_gguf)
+    QWEN_CODER_GEOMETRY,
+    QWEN_CODER_GGUF,
+    QWEN_CODER_NAME,
+    GGUFPart,
+    GGUFParts,
+    assemble_gguf,
+    ensure_qwen_coder,
+    tokenizer_from_gguf,
+)
 
 # small stand-ins for the parts, with their sizes and digests pinned here as the real ones are in the library
 FAKE_BLOBS = [b"GGUF" + bytes(range(60)), bytes(range(100, 164)), b"tail" * 8]

@@ -6,8 +6,16 @@ import torch
 
 from sparsekv import methods
 from sparsekv.models import load_model
-from sparsekv.oval.experiments import (arm_policy, decode_arms, decode_policies, generation_arms, held_back_prefill,
-                                       registry_name, retrieval_arms, this_run)
+from sparsekv.oval.experiments import (
+    arm_policy,
+    decode_arms,
+    decode_policies,
+    generation_arms,
+    held_back_prefill,
+    registry_name,
+    retrieval_arms,
+    this_run,
+)
 
 KW = dict(page_size=8, sink=8, recent=8, spec_steps=2, tau=0.8)
 

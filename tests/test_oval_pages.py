@@ -6,15 +6,35 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from sparsekv.hf import AttentionContext, patch
-from sparsekv.oval.basis import output_metric
 from sparsekv.attention import gather_keys
-from sparsekv.hf import attend_selected
-from sparsekv.oval.pages import (GQA_POLICIES, PackedPages, PageRetrievalPolicy, aggregate_gqa, always_kept,
-                                 gather_pages, page_attention, page_tokens, retrieval_quality, select_pages,
-                                 select_pages_reference, storage_table, summary_scalars, top_pages)
-from sparsekv.oval.summaries import (METHODS, SUMMARIES, KeyPCASummary, OVALSummary, QuestSummary, build_summaries,
-                                     score_pages, score_pages_reference)
+from sparsekv.hf import AttentionContext, attend_selected, patch
+from sparsekv.oval.basis import output_metric
+from sparsekv.oval.pages import (
+    GQA_POLICIES,
+    PackedPages,
+    PageRetrievalPolicy,
+    aggregate_gqa,
+    always_kept,
+    gather_pages,
+    page_attention,
+    page_tokens,
+    retrieval_quality,
+    select_pages,
+    select_pages_reference,
+    storage_table,
+    summary_scalars,
+    top_pages,
+)
+from sparsekv.oval.summaries import (
+    METHODS,
+    SUMMARIES,
+    KeyPCASummary,
+    OVALSummary,
+    QuestSummary,
+    build_summaries,
+    score_pages,
+    score_pages_reference,
+)
 
 F64 = torch.float64
 

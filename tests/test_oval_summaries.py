@@ -5,9 +5,21 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from sparsekv.oval.summaries import (METHODS, SUMMARIES, ArkValeSummary, KeyPCASummary, OracleSummary, OVALSummary,
-                                     PageSummary, QuestSummary, build_summaries, make_summary, score_pages,
-                                     score_pages_reference, split_pages)
+from sparsekv.oval.summaries import (
+    METHODS,
+    SUMMARIES,
+    ArkValeSummary,
+    KeyPCASummary,
+    OracleSummary,
+    OVALSummary,
+    PageSummary,
+    QuestSummary,
+    build_summaries,
+    make_summary,
+    score_pages,
+    score_pages_reference,
+    split_pages,
+)
 
 F64 = torch.float64
 

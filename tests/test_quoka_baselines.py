@@ -6,11 +6,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsekv.quoka.baselines import (LessIsMoreSelector, MEAN_SCORES, lessismore_select, lessismore_select_reference,
-                                      lessismore_split, loki_basis, loki_select, loki_select_reference,
-                                      mean_score_select, mean_score_select_reference, sample_attention_select,
-                                      sample_attention_select_reference, sample_query_positions, sparq_select,
-                                      sparq_select_reference)
+from sparsekv.quoka.baselines import (
+    MEAN_SCORES,
+    LessIsMoreSelector,
+    lessismore_select,
+    lessismore_select_reference,
+    lessismore_split,
+    loki_basis,
+    loki_select,
+    loki_select_reference,
+    mean_score_select,
+    mean_score_select_reference,
+    sample_attention_select,
+    sample_attention_select_reference,
+    sample_query_positions,
+    sparq_select,
+    sparq_select_reference,
+)
 from sparsekv.select import resolve_budget
 
 # (S, T, budget): T > budget, T < budget, T == budget, a single query, a fraction, an empty cache

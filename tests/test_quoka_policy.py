@@ -7,14 +7,20 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from sparsekv.quoka.baselines import (LessIsMorePolicy, LessIsMoreSelector, lessismore_select, loki_select,
-                                      mean_score_select, sample_attention_select, sparq_select)
 from sparsekv.hf import DensePolicy, chunked_prefill, patch
 from sparsekv.models import load_model
-from sparsekv.quoka.select import quoka_scores_reference, quoka_select, quoka_select_reference
-from sparsekv.select import resolve_budget
+from sparsekv.quoka.baselines import (
+    LessIsMorePolicy,
+    LessIsMoreSelector,
+    lessismore_select,
+    loki_select,
+    mean_score_select,
+    sample_attention_select,
+    sparq_select,
+)
 from sparsekv.quoka.policy import BaselinePolicy, QuokaPolicy, last_chunk_logits, selected_attention_reference
-from sparsekv.select import anchor_mask, anchored_top_indices, anchored_top_indices_reference
+from sparsekv.quoka.select import quoka_scores_reference, quoka_select, quoka_select_reference
+from sparsekv.select import anchor_mask, anchored_top_indices, anchored_top_indices_reference, resolve_budget
 
 ATOL = dict(atol=1e-5, rtol=0)
 
@@ -115,7 +121,7 @@ def test_random_query_rank_is_seeded(tiny_llama):
 def test_fraction_budget(tiny_llama):
     rec = _recording(QuokaPolicy)(n_q=3, budget=0.25)
     chunked_prefill(tiny_llama, _ids(1, 26, 2), 5, rec)
-    for q, k, v, ctx, idx, out in rec.calls:
+    for _q, _k, _v, ctx, idx, _out in rec.calls:
         n = resolve_budget(0.25, ctx.past_len)
         assert (idx is None) == (n == ctx.past_len)
         if idx is not None: assert idx.shape[-1] == n
@@ -231,7 +237,7 @@ def test_lessismore_policy():
     _, last = chunked_prefill(model, ids, 5, rec)
     by_chunk = {}
     for c in rec.calls: by_chunk.setdefault(c[3].chunk_index, {})[c[3].layer_idx] = c
-    for chunk, layers in by_chunk.items():
+    for layers in by_chunk.values():
         assert layers[0][4] is None and layers[1][4] is None  # below and at the selection layer: dense
         q, k = layers[1][0], layers[1][1]
         T = layers[2][3].past_len

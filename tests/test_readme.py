@@ -9,8 +9,8 @@ import nbformat
 import pytest
 
 from sparsekv import methods
-from sparsekv.kvpop.student import shipped_checkpoints
 from sparsekv.docs import page_name
+from sparsekv.kvpop.student import shipped_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT/"README.md"

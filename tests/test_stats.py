@@ -273,7 +273,7 @@ def test_plot_compare_error_bars():
     cmp = compare(long_table(), "agreement", level=0.9, n_boot=300)
     ax = st.plot_compare(cmp)
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["dense", "kvpop", "streaming", "h2o", "tova"]
-    for k, (m, g) in enumerate(cmp.groupby("method", sort=False)):
+    for k, (_, g) in enumerate(cmp.groupby("method", sort=False)):
         segs = ax.containers[k].lines[2][0].get_segments()
         np.testing.assert_allclose([s[1, 1] - s[0, 1] for s in segs], 2 * 1.6448536 * g.se.to_numpy(), rtol=1e-6)
     assert ax.get_ylabel() == "agreement"

@@ -9,7 +9,7 @@ import yaml
 from sparsekv.io import file_sha256
 from sparsekv.models import MODEL_LABELS
 from sparsekv.stats import paired_ci
-from sparsekv.verdicts import decide, parse_claim, load_claims, verdicts_markdown
+from sparsekv.verdicts import decide, load_claims, parse_claim, verdicts_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAIMS = ROOT/"reproduce"/"claims.yaml"

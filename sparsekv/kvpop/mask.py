@@ -11,8 +11,16 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from ..attention import (BACKENDS, check_int, check_qkv, evictable, flex_attention_lse, masked_attention,
-                                repeat_kv, sink_window_visible)
+from sparsekv.attention import (
+    BACKENDS,
+    check_int,
+    check_qkv,
+    evictable,
+    flex_attention_lse,
+    masked_attention,
+    repeat_kv,
+    sink_window_visible,
+)
 from .cutoff import check_budget, check_priority
 
 # %% auto #0

@@ -22,8 +22,15 @@ from ..eval import attention_fidelity, kl_to_teacher, top1_agreement
 from ..hf import AttentionContext, AttentionPolicy, attend_selected, chunked_prefill, dense_attention, patch
 from ..models import model_info
 from .basis import centre_page, check_eta, output_metric, page_basis, page_risks
-from .pages import (CapturePolicy, PackedPages, PageRetrievalPolicy, aggregate_gqa, gather_pages,
-                                 select_pages, top_pages)
+from sparsekv.oval.pages import (
+    CapturePolicy,
+    PackedPages,
+    PageRetrievalPolicy,
+    aggregate_gqa,
+    gather_pages,
+    select_pages,
+    top_pages,
+)
 from .summaries import build_summaries, score_pages, split_pages
 from ..protocol import cpu_seconds
 

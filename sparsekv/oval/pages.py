@@ -19,10 +19,20 @@ from ..cache import follow_batch_ops
 from ..eval import attention_fidelity
 from ..hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
 from .basis import output_metric
-from .summaries import METHODS, PageSummary, _check_cache, _group_queries, make_summary
-from ..select import top_budget_indices
+
 # the string API of the summaries, importable from here too
-from .summaries import build_summaries, score_pages, score_pages_reference, split_pages  # noqa: F401
+from sparsekv.oval.summaries import (  # noqa: F401
+    METHODS,
+    PageSummary,
+    _check_cache,
+    _group_queries,
+    build_summaries,
+    make_summary,
+    score_pages,
+    score_pages_reference,
+    split_pages,
+)
+from ..select import top_budget_indices
 
 # %% auto #0
 __all__ = ['GQA_POLICIES', 'aggregate_gqa', 'always_kept', 'top_pages', 'page_tokens', 'select_pages_reference', 'select_pages',

@@ -15,10 +15,21 @@ from torch import Tensor
 
 from ..attention import attention_reference, causal_mask, check_int
 from ..cache import GrowingCache, follow_batch_ops
-from ..hf import (AttentionContext, DensePolicy, Method, ModelShape, ScoringCost, SelectionPolicy, active_patch,
-                         add_chunk_keys, chunked_prefill, heads_mask, patch, queries_per_call)
-from .select import (UnitKeyCache, check_quoka_options, quoka_decode_select, quoka_scores,
-                                   quoka_select)
+from sparsekv.hf import (
+    AttentionContext,
+    DensePolicy,
+    Method,
+    ModelShape,
+    ScoringCost,
+    SelectionPolicy,
+    active_patch,
+    add_chunk_keys,
+    chunked_prefill,
+    heads_mask,
+    patch,
+    queries_per_call,
+)
+from .select import UnitKeyCache, check_quoka_options, quoka_decode_select, quoka_scores, quoka_select
 from ..select import all_key_indices, anchored_top_indices, resolve_budget
 
 # %% auto #0

@@ -36,11 +36,11 @@ import socket
 import sys
 import tempfile
 import threading
-from urllib.parse import urlparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager, NamedTuple
+from urllib.parse import urlparse
 
 import huggingface_hub
 import torch
@@ -432,6 +432,7 @@ test_fail(lambda: unpermute_rope_rows(torch.randn(10, 4), 3), contains="n_heads"
 
 # %%
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
 
 def rope_interleaved_loop(x, positions, base):
     "RoPE on adjacent pairs (2i, 2i+1) of the last dim, llama.cpp's 'normal' mode, by loops."
@@ -1027,6 +1028,7 @@ def gguf_part_path(parts: GGUFParts, i: int) -> Path:
 # %%
 import dataclasses
 from unittest import mock
+
 
 def error_of(f):
     "(type, message) of the exception `f()` raises."
@@ -1917,6 +1919,7 @@ answer
 #| slow
 import time
 from unittest import mock
+
 
 def seconds(f, repeat=1):
     "Best wall-clock time of `repeat` calls of `f`."

@@ -464,7 +464,8 @@ print(tok.decode(val[0, :40].tolist()))
 REASONING_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum")
 
 def _reasoning_gym():
-    try: import reasoning_gym
+    try:
+        import reasoning_gym
     except ImportError as e:
         raise ModuleNotFoundError("reasoning problems need `reasoning-gym`: pip install 'sparsekv[data]'") from e
     return reasoning_gym

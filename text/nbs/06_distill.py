@@ -241,7 +241,7 @@ cfg = DistillConfig(steps=400)
 lin = torch.nn.Linear(2, 2)
 opt, sched = make_optimizer(lin, KVpopStudent(random_scorers(model), 2, 4, 3), cfg)
 seen_lr = []
-for i in range(cfg.steps):
+for _ in range(cfg.steps):
     seen_lr.append({g["name"]: g["lr"] for g in opt.param_groups})
     opt.step(); sched.step()
 brute = [1e-3 * (i + 1) / 100 if i < 100 else 8e-5 + (1e-3 - 8e-5) * (1 + math.cos(math.pi * (i - 100) / 300)) / 2

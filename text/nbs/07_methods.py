@@ -19,8 +19,18 @@ from torch import Tensor
 
 from sparsekv.attention import check_int
 from sparsekv.cache import EvictingCache, GrowingCache, GrowingLayer, query_count
-from sparsekv.hf import (METHOD_FAMILIES, PHASES, AttentionContext, AttentionPolicy, Method, ModelShape,  # noqa: F401
-                         ScoringCost, queries_per_call, scoring_cost)
+from sparsekv.hf import (  # noqa: F401
+    METHOD_FAMILIES,
+    PHASES,
+    AttentionContext,
+    AttentionPolicy,
+    Method,
+    ModelShape,
+    ScoringCost,
+    queries_per_call,
+    scoring_cost,
+)
+
 # Every method lives with its paper's code; importing them registers them and makes them reachable from here.
 from sparsekv.kvpop.baselines import H2O, TOVA, EvictionMethod, StreamingLLM, split_budget  # noqa: F401
 from sparsekv.kvpop.dms import DMS  # noqa: F401
@@ -31,18 +41,19 @@ from sparsekv.quoka.policy import BaselineSelection, Quoka, SelectionMethod  # n
 
 # %%
 #| hide
-import torch
 from types import SimpleNamespace
+
+import torch
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
 from sparsekv.hf import DensePolicy, MaskPolicy, chunked_prefill, measure_attended, patch
-from sparsekv.kvpop.cache import KVpopCache, KVpopMaskPolicy, KVpopPolicy, random_scorers
 from sparsekv.kvpop.baselines import TOVARule
+from sparsekv.kvpop.cache import KVpopCache, KVpopMaskPolicy, KVpopPolicy, random_scorers
+from sparsekv.models import load_model
 from sparsekv.oval.pages import PageRetrievalPolicy
 from sparsekv.quoka.policy import QuokaPolicy
-from sparsekv.models import load_model
 from sparsekv.quoka.select import quoka_select
 
 torch.set_num_threads(1)  # tiny model: threads only add overhead

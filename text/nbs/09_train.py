@@ -35,8 +35,16 @@ import torch.distributed as dist
 
 from sparsekv import methods
 from sparsekv.data import packed_sequences
-from sparsekv.distill import (DistillConfig, distill, epoch_batches, full_state, shard_for_training, student_spec,
-                              teacher_eval, world)
+from sparsekv.distill import (
+    DistillConfig,
+    distill,
+    epoch_batches,
+    full_state,
+    shard_for_training,
+    student_spec,
+    teacher_eval,
+    world,
+)
 from sparsekv.io import atomic_path_with_digest, write_csv
 from sparsekv.models import load_model
 

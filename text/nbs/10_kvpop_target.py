@@ -21,8 +21,18 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from sparsekv.attention import (attention_scores, causal_block_mask, causal_mask, check_int, check_qkv,
-                                flex_attention_lse, masked_logsumexp, repeat_kv, require_finite, softmax_scale)
+from sparsekv.attention import (
+    attention_scores,
+    causal_block_mask,
+    causal_mask,
+    check_int,
+    check_qkv,
+    flex_attention_lse,
+    masked_logsumexp,
+    repeat_kv,
+    require_finite,
+    softmax_scale,
+)
 
 # %%
 #| hide

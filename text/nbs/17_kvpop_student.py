@@ -45,10 +45,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sparsekv.attention import attention_reference
 from sparsekv.hf import chunked_prefill, patch
-from sparsekv.models import load_model
 from sparsekv.kvpop.cache import random_scorers
 from sparsekv.kvpop.loss import retention_loss_reference
 from sparsekv.kvpop.mask import kvpop_mask_reference
+from sparsekv.models import load_model
 
 
 

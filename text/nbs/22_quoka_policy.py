@@ -20,10 +20,21 @@ from torch import Tensor
 
 from sparsekv.attention import attention_reference, causal_mask, check_int
 from sparsekv.cache import GrowingCache, follow_batch_ops
-from sparsekv.hf import (AttentionContext, DensePolicy, Method, ModelShape, ScoringCost, SelectionPolicy, active_patch,
-                         add_chunk_keys, chunked_prefill, heads_mask, patch, queries_per_call)
-from sparsekv.quoka.select import (UnitKeyCache, check_quoka_options, quoka_decode_select, quoka_scores,
-                                   quoka_select)
+from sparsekv.hf import (
+    AttentionContext,
+    DensePolicy,
+    Method,
+    ModelShape,
+    ScoringCost,
+    SelectionPolicy,
+    active_patch,
+    add_chunk_keys,
+    chunked_prefill,
+    heads_mask,
+    patch,
+    queries_per_call,
+)
+from sparsekv.quoka.select import UnitKeyCache, check_quoka_options, quoka_decode_select, quoka_scores, quoka_select
 from sparsekv.select import all_key_indices, anchored_top_indices, resolve_budget
 
 # %%
@@ -407,7 +418,7 @@ test_eq(chunked_prefill(model, ids, 8, QuokaPolicy(n_q=3, budget=5, cache_unit_k
 # the ablation's 'similar' ranking passes through unchanged: each call keeps what the reference keeps with it
 rec = Recording(n_q=3, budget=5, query_rank="similar")
 chunked_prefill(model, ids, 8, rec)
-for q, k, v, ctx, idx, out in rec.calls:
+for q, k, _v, ctx, idx, _out in rec.calls:
     if idx is not None: test_eq(idx, quoka_select_reference(q, k[:, :, :ctx.past_len], 3, 5, query_rank="similar"))
 len(rec.calls)
 

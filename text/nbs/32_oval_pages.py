@@ -39,10 +39,20 @@ from sparsekv.cache import follow_batch_ops
 from sparsekv.eval import attention_fidelity
 from sparsekv.hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
 from sparsekv.oval.basis import output_metric
-from sparsekv.oval.summaries import METHODS, PageSummary, _check_cache, _group_queries, make_summary
-from sparsekv.select import top_budget_indices
+
 # the string API of the summaries, importable from here too
-from sparsekv.oval.summaries import build_summaries, score_pages, score_pages_reference, split_pages  # noqa: F401
+from sparsekv.oval.summaries import (  # noqa: F401
+    METHODS,
+    PageSummary,
+    _check_cache,
+    _group_queries,
+    build_summaries,
+    make_summary,
+    score_pages,
+    score_pages_reference,
+    split_pages,
+)
+from sparsekv.select import top_budget_indices
 
 # %%
 #| hide
@@ -353,7 +363,7 @@ q, K, V = _structured()
 res = {mt: retrieval_quality(mt, q, K, V, 16, 128, 16, 16, rank=4) for mt in METHODS}
 rand_idx = select_pages(torch.rand(1, 2, 4, 32, generator=torch.Generator().manual_seed(9)), 128, 16, 16, 16, 512)
 rand_mass, _ = attention_fidelity(q, K, V, rand_idx)
-for mt, (mass, err) in res.items():
+for mt, (mass, _err) in res.items():
     assert (mass <= res["oracle"][0] + 1e-6).all(), mt
     assert mass.mean() > rand_mass.mean(), mt
 pd.DataFrame({mt: {"mass recall": m.mean().item(), "output error": e.mean().item()} for mt, (m, e) in res.items()}).T
@@ -392,9 +402,9 @@ for got, x in zip(cap.qkv[4], (_q, _k, _v)): test_eq(got, x)
 
 # %%
 #| slow
-from sparsekv.models import load_model, model_info
 from sparsekv.data import prose_text
 from sparsekv.hf import patch
+from sparsekv.models import load_model, model_info
 
 # %%
 #| slow
@@ -735,8 +745,8 @@ class PageRetrievalPolicy(SelectionPolicy):
 
 
 # %%
-from sparsekv.models import load_model as _load
 from sparsekv.hf import patch
+from sparsekv.models import load_model as _load
 
 tiny = _load("tiny-llama")[0]
 attn = tiny.model.layers[1].self_attn

@@ -38,8 +38,15 @@ from sparsekv.eval import attention_fidelity, kl_to_teacher, top1_agreement
 from sparsekv.hf import AttentionContext, AttentionPolicy, attend_selected, chunked_prefill, dense_attention, patch
 from sparsekv.models import model_info
 from sparsekv.oval.basis import centre_page, check_eta, output_metric, page_basis, page_risks
-from sparsekv.oval.pages import (CapturePolicy, PackedPages, PageRetrievalPolicy, aggregate_gqa, gather_pages,
-                                 select_pages, top_pages)
+from sparsekv.oval.pages import (
+    CapturePolicy,
+    PackedPages,
+    PageRetrievalPolicy,
+    aggregate_gqa,
+    gather_pages,
+    select_pages,
+    top_pages,
+)
 from sparsekv.oval.summaries import build_summaries, score_pages, split_pages
 from sparsekv.protocol import cpu_seconds
 

@@ -44,8 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from sparsekv import methods
 from sparsekv.attention import check_int
-from sparsekv.hf import AttentionContext, Method
-from sparsekv.hf import ModelShape, queries_per_call, scoring_cost
+from sparsekv.hf import AttentionContext, Method, ModelShape, queries_per_call, scoring_cost
 from sparsekv.quoka.baselines import _check_rank
 
 # %%

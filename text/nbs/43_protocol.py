@@ -43,10 +43,10 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Callable
 
-from fastcore.basics import patch_to
 import numpy as np
 import pandas as pd
 import torch
+from fastcore.basics import patch_to
 from transformers import DynamicCache
 
 from sparsekv import methods, presses
@@ -55,8 +55,16 @@ from sparsekv.cache import GrowingCache
 from sparsekv.costs import KNOBS, matched
 from sparsekv.data import PASSKEY_PHRASINGS, SYNTHETIC_TASKS, count_tokens, make_task, score_exact
 from sparsekv.eval import kl_to_teacher, run_grid, token_nll, top1_agreement
-from sparsekv.hf import AttendedBudget, Method, chunked_prefill, measure_attended, patch
-from sparsekv.hf import PHASES, ModelShape, scoring_cost
+from sparsekv.hf import (
+    PHASES,
+    AttendedBudget,
+    Method,
+    ModelShape,
+    chunked_prefill,
+    measure_attended,
+    patch,
+    scoring_cost,
+)
 from sparsekv.models import model_info, tiny_model
 from sparsekv.stats import compare, compare_cell, paired_ci
 

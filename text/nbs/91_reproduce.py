@@ -87,6 +87,7 @@ import nbformat
 from fastcore.test import test_eq, test_fail
 from nbformat.v4 import new_code_cell, new_notebook
 
+
 def _toy_notebook(path, body):
     nb = new_notebook(cells=[new_code_cell("#| parameters\nprofile = 'quick'\nfig_dir = out_dir = '.'\nn = 1"),
                              new_code_cell(body)])

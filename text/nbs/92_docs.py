@@ -462,6 +462,7 @@ def literal_md(text: str) -> str:
 from markdown_it import MarkdownIt
 from mdit_py_plugins.dollarmath import dollarmath_plugin
 
+
 def _reads(md: str) -> str:
     "The text a reader sees in `md` rendered by markdown-it with dollar math (code spans as their code)."
     tokens = MarkdownIt("commonmark").use(dollarmath_plugin).parse(md)
@@ -1209,6 +1210,7 @@ test_fail(lambda: build_docs(mathjax="/nowhere/tex-chtml.js"), contains="mathjax
 def readme_text(root: str | os.PathLike | None = None) -> str:
     "The README generated from `nbs/index.ipynb`."
     import tempfile
+
     import nbformat
     from nbconvert import MarkdownExporter
     root = project_root(root)

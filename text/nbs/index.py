@@ -46,6 +46,7 @@
 
 # %%
 import torch
+
 from sparsekv import load_model, methods
 
 model, tok = load_model("tiny-llama")  # a seeded test model, so this page runs in seconds; "smollm2-135m": the real one
@@ -70,7 +71,7 @@ assert all(layer.keys.shape[2] == 52 for layer in cache.layers)  # bounded: 52 e
 # %%
 #| hide
 # More of the API, checked here: a page method, a policy under `patch` and `chunked_prefill`, the budget fit.
-from sparsekv import chunked_prefill, patch, PageRetrievalPolicy, QuokaPolicy
+from sparsekv import PageRetrievalPolicy, QuokaPolicy, chunked_prefill, patch
 from sparsekv.protocol import continuation, fit_budget
 
 m = methods.make("oval", budget=48, page_size=8, sink=8, recent=8, rank=4, eta=0.5)
