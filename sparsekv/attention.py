@@ -5,6 +5,8 @@
 # %% ../nbs/00_attention.ipynb #93eb5d31
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import numbers
@@ -17,12 +19,13 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 # %% auto #0
-__all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'require_finite', 'require_data', 'IntArgumentError',
-           'check_int', 'gather_keys', 'and_masks', 'or_masks', 'not_mask', 'is_causal', 'in_sinks', 'in_window',
-           'sink_window_visible', 'evictable', 'causal_mask', 'check_mask', 'softmax_scale', 'attention_scores',
-           'attention_reference', 'attention_chunked', 'merge_attention', 'position_mask_mod', 'causal_mask_mod',
-           'mask_mod_from_bool', 'bias_score_mod', 'block_mask_from_bool', 'causal_block_mask',
-           'compiled_flex_attention', 'flex_attention_lse', 'sdpa_attention_lse', 'masked_attention']
+__all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'checks', 'hot_path', 'content_checks', 'require_finite',
+           'require_data', 'IntArgumentError', 'check_int', 'gather_keys', 'and_masks', 'or_masks', 'not_mask',
+           'is_causal', 'in_sinks', 'in_window', 'sink_window_visible', 'evictable', 'causal_mask', 'check_mask',
+           'softmax_scale', 'attention_scores', 'attention_reference', 'attention_chunked', 'merge_attention',
+           'position_mask_mod', 'causal_mask_mod', 'mask_mod_from_bool', 'bias_score_mod', 'block_mask_from_bool',
+           'causal_block_mask', 'compiled_flex_attention', 'flex_attention_lse', 'sdpa_attention_lse',
+           'masked_attention']
 
 # %% ../nbs/00_attention.ipynb #0329d669
 def masked_logsumexp(s: Tensor, dim: int = -1) -> Tensor:
@@ -66,10 +69,37 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor | None = None) -> int:
     return q.shape[1] // k.shape[1]
 
 # %% ../nbs/00_attention.ipynb #3673b570
+_CHECKS: contextvars.ContextVar = contextvars.ContextVar("sparsekv_step_checks", default=False)
+_IN_STEP: contextvars.ContextVar = contextvars.ContextVar("sparsekv_in_step", default=0)  # open hot paths
+
+
+@contextlib.contextmanager
+def checks(on: bool = True):
+    "Within the block, run (`on=True`) or skip the checks of tensor contents in the per-step path too."
+    if not isinstance(on, bool): raise TypeError(f"on must be a bool, got {on!r}")
+    token = _CHECKS.set(on)
+    try: yield
+    finally: _CHECKS.reset(token)
+
+# %% ../nbs/00_attention.ipynb #1207627b
+@contextlib.contextmanager
+def hot_path():
+    "Mark the block as a per-step path (a decode step, a prefill chunk): content checks skip it unless `checks`."
+    _IN_STEP.set(_IN_STEP.get() + 1)  # a count, not a saved value: open blocks may close in any order (hooks)
+    try: yield
+    finally: _IN_STEP.set(_IN_STEP.get() - 1)
+
+# %% ../nbs/00_attention.ipynb #95ec0ae6
+def content_checks() -> bool:
+    "Whether checks of tensor contents run here: always outside the per-step path, inside it only under `checks`."
+    return _CHECKS.get() or not _IN_STEP.get()
+
+# %% ../nbs/00_attention.ipynb #b310bb9e
 def require_finite(name: str, x: Tensor | None, neg_inf: bool = False) -> None:
     """Raise ValueError if x holds NaN or inf (`neg_inf=True` allows -inf, e.g. masked logits), checking every entry
-    by one reduction; None, meta, empty and integer tensors: no check."""
+    by one reduction; None, meta, empty and integer tensors: no check; in the per-step path only under `checks`."""
     if x is None or x.device.type == "meta" or not x.is_floating_point() or x.numel() == 0: return
+    if not content_checks(): return  # the per-step path reads no value back (see `checks`)
     if neg_inf: ok = x.amax().item() < math.inf  # NaN < inf is False
     else: ok = math.isfinite((x.sum() if x.dtype in (torch.float32, torch.float64) else x.sum(dtype=torch.float32))
                              .item())

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import causal_mask, check_int, check_qkv, gather_keys
+from .attention import causal_mask, check_int, check_qkv, content_checks, gather_keys, hot_path
 from .cache import EvictingCache, EvictingLayer, GrowingCache
 
 # %% auto #0
@@ -155,8 +155,8 @@ def _check_indices(idx: Tensor, k: Tensor):
     if idx.dtype != torch.long: raise TypeError(f"idx must be int64, got {idx.dtype}")
     if idx.ndim != 3 or idx.shape[:2] != k.shape[:2]:
         raise ValueError(f"idx must be [B,Hkv,n] = [{k.shape[0]},{k.shape[1]},n], got {tuple(idx.shape)}")
-    if idx.numel() and (idx.min() < 0 or idx.max() >= k.shape[2]):
-        raise ValueError(f"idx must lie in [0, {k.shape[2]})")
+    if not content_checks() or not idx.numel(): return  # the per-step path reads no value back
+    if idx.min() < 0 or idx.max() >= k.shape[2]: raise ValueError(f"idx must lie in [0, {k.shape[2]})")
     s = idx.sort(-1).values
     if (s[..., 1:] == s[..., :-1]).any(): raise ValueError("idx must not repeat a key within a head")
 
@@ -214,6 +214,8 @@ class AttentionContext:
     dropout: float = 0.0
     # the batch row this context describes on its own (a padded batch, row by row); None: the whole batch
     row: int | None = None
+    # the mask is known on the host to hide keys by causality alone (no padding, no sliding window)
+    causal_only: bool = False
 
     @property
     def past_len(self) -> int:
@@ -237,8 +239,9 @@ def full_mask(self) -> Tensor:
 # %% ../nbs/03_hf.ipynb #32589a1b
 @patch_to(AttentionContext)
 def real_keys(self) -> Tensor | None:
-    "Boolean [B,Sk]: the keys some query may see (not padding); None when every key is seen (nothing padded)."
-    if self.mask is None or isinstance(self.cache_layer, EvictingLayer): return None  # eviction: no padding
+    """Boolean [B,Sk]: the keys some query may see (not padding); None when every key is seen (nothing padded;
+    known without reading the mask when `causal_only`)."""
+    if self.mask is None or self.causal_only or isinstance(self.cache_layer, EvictingLayer): return None
     real = self.mask.any(-2).any(1).expand(self.key_positions.shape[0], -1)
     return None if bool(real.all()) else real
 
@@ -311,6 +314,8 @@ class _Patch:
     "State of one `patch` context: the policy and what the hooks recorded."
     def __init__(self, policy: AttentionPolicy):
         self.policy, self.kind, self.chunk_index, self.calls = policy, None, None, {}
+        # causal_only: the model is called without padding (chunked_prefill's unpadded loop); steps: open hot paths
+        self.causal_only, self.steps = False, []
 
 
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> stack of _Patch
@@ -334,6 +339,14 @@ def _configs(model: PreTrainedModel) -> list:
         todo += [getattr(c, key, None) for key in getattr(c, "sub_configs", {})]
     return list(seen.values())
 
+# %% ../nbs/03_hf.ipynb #f8bbc641
+def _plain_causal(module) -> bool:
+    "Whether an attention module's layer is masked by causality alone when nothing is padded (no window, no chunks)."
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None: return types[module.layer_idx] == "full_attention"
+    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
+
 # %% ../nbs/03_hf.ipynb #9fab7968
 def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout) -> AttentionContext:
     "Build the policy's context for one call of `module`."
@@ -353,8 +366,10 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
     kind = state.kind or ("decode" if sq == 1 and (sk > 1 or isinstance(layer, EvictingLayer) and layer.seen > 1)
                           else "prefill")
     mask = attention_mask
+    # known on the host: no padding, and this layer's mask is causal (`AttentionContext.real_keys` reads nothing)
+    causal_only = state.causal_only and mask is not None and _plain_causal(module)
     if isinstance(layer, EvictingLayer):
-        if mask is not None and not (mask == causal_mask(sq, sk, key.device)).all():
+        if mask is not None and not causal_only and not (mask == causal_mask(sq, sk, key.device)).all():
             raise ValueError("evicting caches support unpadded batches of full-attention layers only: the model's "
                              "mask hides keys (padding?); generate each prompt alone or batch prompts of equal length")
         key_positions = layer.positions
@@ -364,7 +379,7 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
     chunk_index = state.chunk_index if state.chunk_index is not None else (0 if kind == "prefill" else None)
     return AttentionContext(layer_idx=idx, kind=kind, query_positions=query_positions, key_positions=key_positions,
                             mask=mask, scale=scaling if scaling is not None else key.shape[-1] ** -0.5, module=module,
-                            chunk_index=chunk_index, cache=cache, dropout=dropout)
+                            chunk_index=chunk_index, cache=cache, dropout=dropout, causal_only=causal_only)
 
 # %% ../nbs/03_hf.ipynb #439aff78
 def _sparsekv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -417,6 +432,21 @@ def _record_call(state: _Patch):
         seen = None if not isinstance(cache, Cache) else layer.get_seq_length() if layer is not None else 0
         state.calls[module] = (cache, seen)
         if isinstance(layer, EvictingLayer): layer.arm()
+        _open_step(state)
+    return hook
+
+
+def _open_step(state: _Patch) -> None:
+    "Enter the per-step path (no content checks, see `checks`) until the forward hook of the call closes it."
+    step = hot_path()
+    step.__enter__()
+    state.steps.append(step)
+
+
+def _end_call(state: _Patch):
+    "Forward hook (called also when the call raises) closing the per-step path its pre-hook opened."
+    def hook(module, args, output):
+        if state.steps: state.steps.pop().__exit__(None, None, None)
     return hook
 
 # %% ../nbs/03_hf.ipynb #1be3dcd5
@@ -432,15 +462,20 @@ def patch(model: PreTrainedModel, policy: AttentionPolicy):
     hooks, own_prepare = [], model.__dict__.get("prepare_inputs_for_generation")
     try:
         model.prepare_inputs_for_generation = _checked_prepare(model.prepare_inputs_for_generation)
+        # the model's call (a decode step, a prefill chunk) and each attention call in it: the per-step path
+        hooks.append(model.register_forward_pre_hook(lambda module, args: _open_step(state)))
+        hooks.append(model.register_forward_hook(_end_call(state), always_call=True))
         for m in modules:
             _ACTIVE.setdefault(m, []).append(state)
             hooks.append(m.register_forward_pre_hook(_record_call(state), with_kwargs=True))
+            hooks.append(m.register_forward_hook(_end_call(state), always_call=True))
         model.set_attn_implementation(ATTN_NAME)
         if model.config._attn_implementation != ATTN_NAME:
             raise ValueError(f"{type(model).__name__} does not support a custom attention function "
                              "(AttentionInterface)")
         yield model
     finally:
+        while state.steps: state.steps.pop().__exit__(None, None, None)  # a call cut short (KeyboardInterrupt)
         if own_prepare is None: model.__dict__.pop("prepare_inputs_for_generation", None)
         else: model.prepare_inputs_for_generation = own_prepare
         for h in hooks: h.remove()
@@ -467,9 +502,10 @@ def check_input_ids(model: PreTrainedModel, input_ids: Tensor) -> Tensor:
                          f"got {got}")
     emb = model.get_input_embeddings()
     V = emb.num_embeddings if emb is not None else model.config.vocab_size
-    lo, hi = (int(x) for x in input_ids.aminmax())
-    if lo < 0 or hi >= V:
-        raise ValueError(f"input_ids must be token ids in [0, {V}) (the model's vocabulary), got ids from {lo} to {hi}")
+    lo, hi = input_ids.aminmax()
+    if bool((lo < 0) | (hi >= V)):  # one read per prompt, before any chunk is queued
+        raise ValueError(f"input_ids must be token ids in [0, {V}) (the model's vocabulary), got ids from {int(lo)} "
+                         f"to {int(hi)}")
     return input_ids
 
 # %% ../nbs/03_hf.ipynb #93ae49d2
@@ -494,9 +530,9 @@ def _patched(model: PreTrainedModel, policy: AttentionPolicy | None):
     "Patch with `policy`; with None keep an active patch or patch densely. Yields the patch state."
     if policy is None and active_patch(model) is not None:
         state = active_patch(model)
-        saved = state.kind, state.chunk_index
+        saved = state.kind, state.chunk_index, state.causal_only
         try: yield state
-        finally: state.kind, state.chunk_index = saved
+        finally: state.kind, state.chunk_index, state.causal_only = saved
     else:
         with patch(model, policy or DensePolicy()): yield active_patch(model)
 
@@ -510,7 +546,7 @@ def _prefill_chunks(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, 
         mask = attention_mask.long()
         row_pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with torch.no_grad(), _patched(model, policy) as state:
-        state.kind = "prefill"
+        state.kind, state.causal_only = "prefill", attention_mask is None  # unpadded: masks by causality alone
         for c, a in enumerate(range(0, S, chunk_size)):
             state.chunk_index, e = c, min(a + chunk_size, S)
             pos = torch.arange(start + a, start + e, device=input_ids.device)

@@ -6,10 +6,23 @@ import torch
 from torch.testing import assert_close
 from transformers import DynamicCache
 
-from sparsekv.attention import attention_reference
+from sparsekv.attention import attention_reference, content_checks
 from sparsekv.cache import EvictingCache, EvictionRule, SinkWindowCache, TopScoreRule
-from sparsekv.hf import (ATTN_NAME, AttentionPolicy, DensePolicy, MaskPolicy, SelectionPolicy, _ACTIVE, active_patch,
-                         add_chunk_keys, attend_selected, chunked_prefill, dense_attention, heads_mask, patch)
+from sparsekv.hf import (
+    _ACTIVE,
+    ATTN_NAME,
+    AttentionPolicy,
+    DensePolicy,
+    MaskPolicy,
+    SelectionPolicy,
+    active_patch,
+    add_chunk_keys,
+    attend_selected,
+    chunked_prefill,
+    dense_attention,
+    heads_mask,
+    patch,
+)
 
 ATOL = dict(atol=1e-5, rtol=0)
 
@@ -120,6 +133,7 @@ def test_patch_nesting_and_exceptions(tiny_model):
         with pytest.raises(RuntimeError, match="boom"):
             with patch(tiny_model, DensePolicy()): raise RuntimeError("boom")
     assert tiny_model.config._attn_implementation == impl and active_patch(tiny_model) is None
+    assert content_checks()  # every step each patch's hooks opened is closed, in whichever order they ran
     with pytest.raises(TypeError, match="AttentionPolicy"):
         with patch(tiny_model, lambda q, k, v, ctx: q): pass
     with pytest.raises(TypeError, match="PreTrainedModel"):

@@ -10,9 +10,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from fastcore.basics import patch_to
+from torch import Tensor, nn
 
 from ..attention import check_int, require_finite
 

@@ -10,6 +10,8 @@
 #| export
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import numbers
@@ -191,11 +193,84 @@ test_fail(lambda: check_qkv(q, k[..., :3], k), contains="head dim")
 test_fail(lambda: check_qkv(q[0], k, k), contains="must be 4-D")
 test_fail(lambda: check_qkv(q, k, k[:, :, :4]), contains="k and v must agree")
 
+# %% [markdown]
+# ## Checks of tensor contents, and the per-step path
+#
+# Two kinds of checks guard the entry points. Checks of what a caller passes (a shape, a dtype, a Python
+# int, an option) read nothing from the device. Checks of what a tensor *holds* (a NaN or an infinity, an index
+# out of range, a repeated index) must read a value back: on an accelerator the host then waits until the
+# device has finished everything queued before it (see [the host synchronizations](45_host_syncs.ipynb)). Once
+# per call of a function is harmless; once per layer of every decoded token or prefill chunk, it makes the step
+# wait on the host. So the content checks run wherever a function is called directly, and are skipped inside
+# the *per-step path*: the attention modules of a model patched by `sparsekv.hf.patch`, which mark their
+# forward calls with `hot_path`. For debugging, `checks` turns them on there too: within `with checks():` a
+# NaN key in a decode step raises the same error a direct call does. Library code asks `content_checks`
+# before a check that reads a tensor's values.
+
+# %%
+#| export
+_CHECKS: contextvars.ContextVar = contextvars.ContextVar("sparsekv_step_checks", default=False)
+_IN_STEP: contextvars.ContextVar = contextvars.ContextVar("sparsekv_in_step", default=0)  # open hot paths
+
+
+@contextlib.contextmanager
+def checks(on: bool = True):
+    "Within the block, run (`on=True`) or skip the checks of tensor contents in the per-step path too."
+    if not isinstance(on, bool): raise TypeError(f"on must be a bool, got {on!r}")
+    token = _CHECKS.set(on)
+    try: yield
+    finally: _CHECKS.reset(token)
+
+
+# %%
+#| export
+@contextlib.contextmanager
+def hot_path():
+    "Mark the block as a per-step path (a decode step, a prefill chunk): content checks skip it unless `checks`."
+    _IN_STEP.set(_IN_STEP.get() + 1)  # a count, not a saved value: open blocks may close in any order (hooks)
+    try: yield
+    finally: _IN_STEP.set(_IN_STEP.get() - 1)
+
+
+# %%
+#| export
+def content_checks() -> bool:
+    "Whether checks of tensor contents run here: always outside the per-step path, inside it only under `checks`."
+    return _CHECKS.get() or not _IN_STEP.get()
+
+
+# %% [markdown]
+# Outside the per-step path the checks run; inside it they run only under `checks()`; `checks(False)` turns
+# them off again in a nested block; the state is restored on exit, also when the block raises:
+
+# %%
+assert content_checks()
+with hot_path():
+    assert not content_checks()
+    with checks():
+        assert content_checks()
+        with checks(False): assert not content_checks()
+        assert content_checks()
+    assert not content_checks()
+with checks(): assert content_checks()       # outside the per-step path they run anyway
+try:
+    with hot_path(), checks(): raise KeyError
+except KeyError: pass
+assert content_checks() and not _CHECKS.get() and not _IN_STEP.get()
+_a, _b = hot_path(), hot_path()  # two opened by hooks, closed in the order they were opened
+_a.__enter__(), _b.__enter__()
+_a.__exit__(None, None, None)
+assert not content_checks()
+_b.__exit__(None, None, None)
+assert content_checks()
+test_fail(lambda: checks(1).__enter__(), contains="on must be a bool")
+
 
 # %% [markdown]
 # One NaN or infinity in an input spreads through a softmax to whole rows of output. The entry
 # points check their inputs with `require_finite` (one pass over the tensor), naming the tensor;
-# where `-inf` is part of the contract (masked logits) it can be allowed.
+# where `-inf` is part of the contract (masked logits) it can be allowed. It is a content check: inside the
+# per-step path it runs only under `checks()`.
 #
 # The pass is a reduction over every entry, never a sample: the **sum** (in float32 at least). In IEEE
 # arithmetic a NaN or an infinity anywhere makes the sum NaN or infinite (inf + finite = inf, inf - inf = NaN,
@@ -210,8 +285,9 @@ test_fail(lambda: check_qkv(q, k, k[:, :, :4]), contains="k and v must agree")
 #| export
 def require_finite(name: str, x: Tensor | None, neg_inf: bool = False) -> None:
     """Raise ValueError if x holds NaN or inf (`neg_inf=True` allows -inf, e.g. masked logits), checking every entry
-    by one reduction; None, meta, empty and integer tensors: no check."""
+    by one reduction; None, meta, empty and integer tensors: no check; in the per-step path only under `checks`."""
     if x is None or x.device.type == "meta" or not x.is_floating_point() or x.numel() == 0: return
+    if not content_checks(): return  # the per-step path reads no value back (see `checks`)
     if neg_inf: ok = x.amax().item() < math.inf  # NaN < inf is False
     else: ok = math.isfinite((x.sum() if x.dtype in (torch.float32, torch.float64) else x.sum(dtype=torch.float32))
                              .item())
@@ -241,6 +317,9 @@ require_finite("huge", torch.full((4,), 3e38))                 # finite: the flo
 require_finite("huge", torch.full((4,), 6e4, dtype=torch.float16))
 test_fail(lambda: require_finite("both", torch.tensor([math.inf, -math.inf, 1.0])), contains="both contains NaN or inf")
 require_finite("empty", torch.empty(0, 3)), require_finite("ids", torch.arange(5))
+with hot_path():  # the per-step path: skipped, unless checks() is on
+    require_finite("q", torch.tensor([math.nan]))
+    with checks(): test_fail(lambda: require_finite("q", torch.tensor([math.nan])), contains="q contains NaN or inf")
 
 
 # %% [markdown]

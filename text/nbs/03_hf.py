@@ -46,18 +46,20 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sparsekv.attention import causal_mask, check_int, check_qkv, gather_keys
+from sparsekv.attention import causal_mask, check_int, check_qkv, content_checks, gather_keys, hot_path
 from sparsekv.cache import EvictingCache, EvictingLayer, GrowingCache
 
 # %%
 #| hide
+import dataclasses
 import itertools
+from types import SimpleNamespace
 
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 from transformers import DynamicCache
 
-from sparsekv.attention import attention_reference
+from sparsekv.attention import attention_reference, checks
 from sparsekv.cache import SinkWindowCache, TopScoreRule
 from sparsekv.models import load_model
 
@@ -401,7 +403,8 @@ test_fail(lambda: meter.max("decode"), contains="nothing was recorded in phase '
 # Gathering is what makes it fast: the cost is $O(|I|)$ per query instead of $O(S_k)$. The causal
 # mask still applies to the gathered keys (a chunk's own keys are visible only to later queries of
 # the chunk), so we gather the mask's columns along with the keys. Indices must be distinct
-# (a repeated key would be counted twice).
+# (a repeated key would be counted twice). Their range and distinctness are content checks, read back from the
+# device: in a patched model's step they run only under `sparsekv.attention.checks` (their shape and dtype always).
 
 # %%
 #| export
@@ -410,8 +413,8 @@ def _check_indices(idx: Tensor, k: Tensor):
     if idx.dtype != torch.long: raise TypeError(f"idx must be int64, got {idx.dtype}")
     if idx.ndim != 3 or idx.shape[:2] != k.shape[:2]:
         raise ValueError(f"idx must be [B,Hkv,n] = [{k.shape[0]},{k.shape[1]},n], got {tuple(idx.shape)}")
-    if idx.numel() and (idx.min() < 0 or idx.max() >= k.shape[2]):
-        raise ValueError(f"idx must lie in [0, {k.shape[2]})")
+    if not content_checks() or not idx.numel(): return  # the per-step path reads no value back
+    if idx.min() < 0 or idx.max() >= k.shape[2]: raise ValueError(f"idx must lie in [0, {k.shape[2]})")
     s = idx.sort(-1).values
     if (s[..., 1:] == s[..., :-1]).any(): raise ValueError("idx must not repeat a key within a head")
 
@@ -423,6 +426,10 @@ test_fail(lambda: _check_indices(torch.tensor([[[0, 4], [3, 1]]]).int(), _kk), c
 test_fail(lambda: _check_indices(torch.tensor([[[0, 4]]]), _kk), contains="idx must be [B,Hkv,n] = [1,2,n]")
 test_fail(lambda: _check_indices(torch.tensor([[[0, 5], [3, 1]]]), _kk), contains="idx must lie in [0, 5)")
 test_fail(lambda: _check_indices(torch.tensor([[[0, 0], [3, 1]]]), _kk), contains="must not repeat")
+with hot_path():  # in the per-step path: shapes and dtypes only, unless checks() is on
+    _check_indices(torch.tensor([[[0, 0], [3, 9]]]), _kk)
+    test_fail(lambda: _check_indices(torch.tensor([[[0, 4]]]), _kk), contains="idx must be [B,Hkv,n] = [1,2,n]")
+    with checks(): test_fail(lambda: _check_indices(torch.tensor([[[0, 5], [3, 1]]]), _kk), contains="must lie in")
 
 
 # %% [markdown]
@@ -567,6 +574,8 @@ class AttentionContext:
     dropout: float = 0.0
     # the batch row this context describes on its own (a padded batch, row by row); None: the whole batch
     row: int | None = None
+    # the mask is known on the host to hide keys by causality alone (no padding, no sliding window)
+    causal_only: bool = False
 
     @property
     def past_len(self) -> int:
@@ -583,7 +592,7 @@ class AttentionContext:
 # %%
 _ctx = AttentionContext(layer_idx=0, kind="prefill", query_positions=torch.arange(3, 5),
                         key_positions=torch.arange(5).expand(2, 2, 5), mask=None, scale=0.25)
-test_eq((_ctx.chunk_index, _ctx.cache, _ctx.row), (None, None, None))
+test_eq((_ctx.chunk_index, _ctx.cache, _ctx.row, _ctx.causal_only), (None, None, None, False))
 test_eq((_ctx.past_len, _ctx.cache_layer), (3, None))
 
 
@@ -609,8 +618,9 @@ test_eq(_pctx.full_mask(), _pm)
 #| export
 @patch_to(AttentionContext)
 def real_keys(self) -> Tensor | None:
-    "Boolean [B,Sk]: the keys some query may see (not padding); None when every key is seen (nothing padded)."
-    if self.mask is None or isinstance(self.cache_layer, EvictingLayer): return None  # eviction: no padding
+    """Boolean [B,Sk]: the keys some query may see (not padding); None when every key is seen (nothing padded;
+    known without reading the mask when `causal_only`)."""
+    if self.mask is None or self.causal_only or isinstance(self.cache_layer, EvictingLayer): return None
     real = self.mask.any(-2).any(1).expand(self.key_positions.shape[0], -1)
     return None if bool(real.all()) else real
 
@@ -618,6 +628,10 @@ def real_keys(self) -> Tensor | None:
 # %%
 test_eq(_ctx.real_keys(), None)
 test_eq(_pctx.real_keys(), torch.tensor([[True] * 5, [False] + [True] * 4]))
+_causal = AttentionContext(0, "prefill", torch.arange(3, 5), torch.arange(5).expand(2, 2, 5),
+                           causal_mask(2, 5)[None, None], 0.25)
+test_eq(_causal.real_keys(), None)                       # read from the mask: every key is seen
+test_eq(dataclasses.replace(_causal, causal_only=True).real_keys(), None)  # known on the host: nothing read
 
 
 # %% [markdown]
@@ -780,6 +794,8 @@ class _Patch:
     "State of one `patch` context: the policy and what the hooks recorded."
     def __init__(self, policy: AttentionPolicy):
         self.policy, self.kind, self.chunk_index, self.calls = policy, None, None, {}
+        # causal_only: the model is called without padding (chunked_prefill's unpadded loop); steps: open hot paths
+        self.causal_only, self.steps = False, []
 
 
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> stack of _Patch
@@ -787,6 +803,7 @@ _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention mo
 # %%
 _st = _Patch(_DecodeMarker())
 test_eq((type(_st.policy), _st.kind, _st.chunk_index, _st.calls), (_DecodeMarker, None, None, {}))
+test_eq((_st.causal_only, _st.steps), (False, []))
 test_eq(len(_ACTIVE), 0)                                                   # nothing patched yet
 
 
@@ -828,6 +845,27 @@ assert any(c is model.config for c in _cfgs) and len({id(c) for c in _cfgs}) == 
 
 
 # %% [markdown]
+# Without padding, `transformers` masks a full-attention layer by causality alone; a layer with a sliding window
+# (or attention in chunks) hides old keys too. Which one a layer is, the model's config says:
+
+# %%
+#| export
+def _plain_causal(module) -> bool:
+    "Whether an attention module's layer is masked by causality alone when nothing is padded (no window, no chunks)."
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None: return types[module.layer_idx] == "full_attention"
+    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
+
+
+# %%
+assert _plain_causal(attention_modules(model)[0])  # the tiny Llama: no layer types, no window
+_lt = SimpleNamespace(layer_idx=1, config=SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))
+assert not _plain_causal(_lt) and _plain_causal(SimpleNamespace(layer_idx=0, config=_lt.config))
+assert not _plain_causal(SimpleNamespace(layer_idx=0, config=SimpleNamespace(sliding_window=4096)))  # Mistral's way
+
+
+# %% [markdown]
 # The context of a call: a prefill of 3 tokens without a cache, then a decode query after 5 tokens the layer saw;
 # a mask that is not boolean is refused.
 
@@ -851,8 +889,10 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
     kind = state.kind or ("decode" if sq == 1 and (sk > 1 or isinstance(layer, EvictingLayer) and layer.seen > 1)
                           else "prefill")
     mask = attention_mask
+    # known on the host: no padding, and this layer's mask is causal (`AttentionContext.real_keys` reads nothing)
+    causal_only = state.causal_only and mask is not None and _plain_causal(module)
     if isinstance(layer, EvictingLayer):
-        if mask is not None and not (mask == causal_mask(sq, sk, key.device)).all():
+        if mask is not None and not causal_only and not (mask == causal_mask(sq, sk, key.device)).all():
             raise ValueError("evicting caches support unpadded batches of full-attention layers only: the model's "
                              "mask hides keys (padding?); generate each prompt alone or batch prompts of equal length")
         key_positions = layer.positions
@@ -862,7 +902,7 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
     chunk_index = state.chunk_index if state.chunk_index is not None else (0 if kind == "prefill" else None)
     return AttentionContext(layer_idx=idx, kind=kind, query_positions=query_positions, key_positions=key_positions,
                             mask=mask, scale=scaling if scaling is not None else key.shape[-1] ** -0.5, module=module,
-                            chunk_index=chunk_index, cache=cache, dropout=dropout)
+                            chunk_index=chunk_index, cache=cache, dropout=dropout, causal_only=causal_only)
 
 
 # %%
@@ -954,6 +994,21 @@ def _record_call(state: _Patch):
         seen = None if not isinstance(cache, Cache) else layer.get_seq_length() if layer is not None else 0
         state.calls[module] = (cache, seen)
         if isinstance(layer, EvictingLayer): layer.arm()
+        _open_step(state)
+    return hook
+
+
+def _open_step(state: _Patch) -> None:
+    "Enter the per-step path (no content checks, see `checks`) until the forward hook of the call closes it."
+    step = hot_path()
+    step.__enter__()
+    state.steps.append(step)
+
+
+def _end_call(state: _Patch):
+    "Forward hook (called also when the call raises) closing the per-step path its pre-hook opened."
+    def hook(module, args, output):
+        if state.steps: state.steps.pop().__exit__(None, None, None)
     return hook
 
 
@@ -964,6 +1019,10 @@ test_eq(_st.calls[_a0], (None, None))
 _dc = DynamicCache()
 _record_call(_st)(_a0, (), {"past_key_values": _dc})
 test_eq(_st.calls[_a0], (_dc, 0))
+test_eq(len(_st.steps), 2)
+assert not content_checks()  # inside the layer's call: the per-step path
+_end_call(_st)(_a0, (), None); _end_call(_st)(_a0, (), None); _end_call(_st)(_a0, (), None)  # one more: no-op
+assert content_checks() and not _st.steps
 
 
 # %% [markdown]
@@ -984,15 +1043,20 @@ def patch(model: PreTrainedModel, policy: AttentionPolicy):
     hooks, own_prepare = [], model.__dict__.get("prepare_inputs_for_generation")
     try:
         model.prepare_inputs_for_generation = _checked_prepare(model.prepare_inputs_for_generation)
+        # the model's call (a decode step, a prefill chunk) and each attention call in it: the per-step path
+        hooks.append(model.register_forward_pre_hook(lambda module, args: _open_step(state)))
+        hooks.append(model.register_forward_hook(_end_call(state), always_call=True))
         for m in modules:
             _ACTIVE.setdefault(m, []).append(state)
             hooks.append(m.register_forward_pre_hook(_record_call(state), with_kwargs=True))
+            hooks.append(m.register_forward_hook(_end_call(state), always_call=True))
         model.set_attn_implementation(ATTN_NAME)
         if model.config._attn_implementation != ATTN_NAME:
             raise ValueError(f"{type(model).__name__} does not support a custom attention function "
                              "(AttentionInterface)")
         yield model
     finally:
+        while state.steps: state.steps.pop().__exit__(None, None, None)  # a call cut short (KeyboardInterrupt)
         if own_prepare is None: model.__dict__.pop("prepare_inputs_for_generation", None)
         else: model.prepare_inputs_for_generation = own_prepare
         for h in hooks: h.remove()
@@ -1019,7 +1083,35 @@ with torch.no_grad():
     test_fail(_boom, contains="stop")
     test_eq(model.config._attn_implementation, impl)
     test_eq(len(_ACTIVE), 0)
-    test_eq(sum(len(m._forward_pre_hooks) for m in model.modules()), 0)
+    test_eq(sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()), 0)
+
+
+# %% [markdown]
+# Each call of the patched model (the cache's work before the layers included) and each of its attention calls is the
+# per-step path: the policy runs without content checks (`sparsekv.attention.checks` turns them on), and they are
+# back after the call, also when it raises:
+
+# %%
+class _Checks(DensePolicy):
+    "Record whether content checks run inside each attention call; fail on request."
+    def __init__(self, fail=False): self.seen, self.fail = [], fail
+    def attend(self, q, k, v, ctx):
+        self.seen.append(content_checks())
+        if self.fail: raise RuntimeError("stop")
+        return super().attend(q, k, v, ctx)
+
+
+with torch.no_grad():
+    with patch(model, _pc := _Checks()):
+        model(ids)
+        with checks(): model(ids)
+        assert content_checks()
+    test_eq(_pc.seen, [False] * 2 + [True] * 2)
+    with patch(model, _Checks(fail=True)): test_fail(lambda: model(ids), contains="stop")
+    assert content_checks()
+    with patch(model, DensePolicy()), patch(model, _pc := _Checks()): model(ids)  # nested: hooks of both patches
+    test_eq(_pc.seen, [False] * 2)
+    assert content_checks()
 
 
 # %%
@@ -1101,9 +1193,10 @@ def check_input_ids(model: PreTrainedModel, input_ids: Tensor) -> Tensor:
                          f"got {got}")
     emb = model.get_input_embeddings()
     V = emb.num_embeddings if emb is not None else model.config.vocab_size
-    lo, hi = (int(x) for x in input_ids.aminmax())
-    if lo < 0 or hi >= V:
-        raise ValueError(f"input_ids must be token ids in [0, {V}) (the model's vocabulary), got ids from {lo} to {hi}")
+    lo, hi = input_ids.aminmax()
+    if bool((lo < 0) | (hi >= V)):  # one read per prompt, before any chunk is queued
+        raise ValueError(f"input_ids must be token ids in [0, {V}) (the model's vocabulary), got ids from {int(lo)} "
+                         f"to {int(hi)}")
     return input_ids
 
 
@@ -1151,9 +1244,9 @@ def _patched(model: PreTrainedModel, policy: AttentionPolicy | None):
     "Patch with `policy`; with None keep an active patch or patch densely. Yields the patch state."
     if policy is None and active_patch(model) is not None:
         state = active_patch(model)
-        saved = state.kind, state.chunk_index
+        saved = state.kind, state.chunk_index, state.causal_only
         try: yield state
-        finally: state.kind, state.chunk_index = saved
+        finally: state.kind, state.chunk_index, state.causal_only = saved
     else:
         with patch(model, policy or DensePolicy()): yield active_patch(model)
 
@@ -1182,7 +1275,7 @@ def _prefill_chunks(model: PreTrainedModel, input_ids: Tensor, chunk_size: int, 
         mask = attention_mask.long()
         row_pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with torch.no_grad(), _patched(model, policy) as state:
-        state.kind = "prefill"
+        state.kind, state.causal_only = "prefill", attention_mask is None  # unpadded: masks by causality alone
         for c, a in enumerate(range(0, S, chunk_size)):
             state.chunk_index, e = c, min(a + chunk_size, S)
             pos = torch.arange(start + a, start + e, device=input_ids.device)
@@ -1198,6 +1291,26 @@ for _cs in (3, 13):
     _cache = GrowingCache(config=model.config)
     assert_close(_prefill_chunks(model, ids, _cs, None, _cache), full, atol=1e-5, rtol=0)
     test_eq(_cache.get_seq_length(), 13)
+
+
+# %% [markdown]
+# Unpadded, the loop knows that each chunk's mask hides keys by causality alone: its contexts say so
+# (`causal_only`), and what `real_keys` would read from the mask agrees; with an attention mask it does not know:
+
+# %%
+class _Masks(DensePolicy):
+    "Record (causal_only, whether the mask shows every key to some query) per call."
+    def __init__(self): self.seen = []
+    def attend(self, q, k, v, ctx):
+        self.seen.append((ctx.causal_only, None if ctx.mask is None else bool(ctx.mask.any(-2).any(1).all())))
+        return super().attend(q, k, v, ctx)
+
+
+_prefill_chunks(model, ids, 4, _pm := _Masks(), GrowingCache(config=model.config))
+# 13 tokens, chunks of 4, 4, 4, 1: the first and the one-token chunk have no mask (transformers' is_causal)
+test_eq(_pm.seen, [(False, None)] * 2 + [(True, True)] * 4 + [(False, None)] * 2)
+_prefill_chunks(model, ids, 4, _pm := _Masks(), GrowingCache(config=model.config), torch.ones_like(ids))
+test_eq({c for c, _ in _pm.seen}, {False})
 
 
 # %% [markdown]

@@ -15,9 +15,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from fastcore.basics import patch_to
+from torch import Tensor, nn
 
 from sparsekv.attention import check_int, require_finite
 
@@ -30,6 +29,8 @@ from fastcore.test import test_eq, test_fail
 from mlstm_kernels.torch.parallel.native.fw import mlstm_parallel_fw
 from mlstm_kernels.torch.recurrent.native_step import mlstm_recurrent_step__native_fw
 from torch.testing import assert_close
+
+from sparsekv.attention import checks, hot_path
 
 
 # %% [markdown]
@@ -46,6 +47,9 @@ from torch.testing import assert_close
 #
 # with post-RoPE keys and values. The scorer is trained only by the retention loss, never
 # through the backbone (§3.3), so the input is *detached*: no gradient reaches $k$ or $v$.
+#
+# `check_kv` refuses a NaN or infinite key by `require_finite`, a content check: in a patched model's step (the
+# cache scores every new token, in every layer) it runs only under `sparsekv.attention.checks`.
 
 # %%
 #| export
@@ -71,6 +75,11 @@ check_kv(torch.zeros(2, 3, 5, 4), torch.zeros(2, 3, 5, 4), 3, 4)  # [B, Hkv, S, 
 test_fail(lambda: check_kv(torch.zeros(2, 3, 5, 4), torch.zeros(2, 3, 5, 4), 2), contains="num_kv_heads=2")
 test_fail(lambda: check_kv(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), 3, 8), contains="head_dim=8")  # one token
 test_fail(lambda: check_kv(torch.zeros(3), torch.zeros(3)), contains="floating-point tensor")
+test_fail(lambda: check_kv(torch.full((1, 3, 2, 4), math.nan), torch.zeros(1, 3, 2, 4)), contains="k contains NaN")
+with hot_path():  # a step: the shapes only, unless checks() is on
+    check_kv(torch.full((1, 3, 2, 4), math.nan), torch.zeros(1, 3, 2, 4))
+    with checks(): test_fail(lambda: check_kv(torch.zeros(1, 3, 2, 4), torch.full((1, 3, 2, 4), math.inf)),
+                             contains="v contains NaN")
 
 
 # %%
