@@ -2067,6 +2067,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                 'sparsekv/reproduce.py'),
                                     'sparsekv.reproduce.write_summary': ('reproduce.html#write_summary', 'sparsekv/reproduce.py')},
             'sparsekv.select': { 'sparsekv.select._check_top': ('select.html#_check_top', 'sparsekv/select.py'),
+                                 'sparsekv.select._order_keys': ('select.html#_order_keys', 'sparsekv/select.py'),
                                  'sparsekv.select.all_key_indices': ('select.html#all_key_indices', 'sparsekv/select.py'),
                                  'sparsekv.select.anchor_mask': ('select.html#anchor_mask', 'sparsekv/select.py'),
                                  'sparsekv.select.anchored_top_indices': ('select.html#anchored_top_indices', 'sparsekv/select.py'),

@@ -11,7 +11,7 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
-from .attention import check_int
+from .attention import check_int, content_checks
 
 # %% auto #0
 __all__ = ['resolve_budget', 'top_mask', 'top_budget_indices_reference', 'top_budget_indices', 'all_key_indices', 'anchor_mask',
@@ -36,7 +36,7 @@ def _check_top(scores: Tensor, n: int):
     "Refuse an `n` outside [0, T] and NaN scores (they have no order)."
     T = scores.shape[-1]
     check_int(n, "n", 0, T)
-    if scores.is_floating_point() and scores.isnan().any():
+    if scores.is_floating_point() and content_checks() and scores.isnan().any():  # a read: see `checks`
         raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
 
 # %% ../nbs/05_select.ipynb #a8b86f9e
@@ -58,15 +58,21 @@ def top_budget_indices_reference(scores: Tensor, n: int) -> Tensor:
     return torch.tensor(picked, dtype=torch.long).reshape(*scores.shape[:-1], n)
 
 # %% ../nbs/05_select.ipynb #1c946354
+def _order_keys(scores: Tensor) -> Tensor:
+    "Distinct int64 keys [..., T] ordered as (score, lower index first), for scores of at most 32 bits."
+    T = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, the score it equals
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)    # negative floats: the larger magnitude ranks lower
+    return (bits << 32) | (T - 1 - torch.arange(T, device=scores.device))
+
+# %% ../nbs/05_select.ipynb #502c7f3a
 def top_budget_indices(scores: Tensor, n: int) -> Tensor:
     "Indices [..., n], ascending, of the `n` largest scores of each row (last dim); ties: the lower index wins."
-    check_int(n, "n", 0, scores.shape[-1])
-    if n and scores.numel():
-        vals, idx = scores.topk(n, dim=-1, sorted=False)
-        # no tie at the cut: a unique set (topk ranks NaN first, so a NaN fails this test and top_mask refuses it)
-        if ((scores >= vals.amin(-1, keepdim=True)).sum(-1) == n).all(): return idx.sort(-1).values
-    # nonzero lists each row's entries in index order
-    return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)
+    _check_top(scores, n)  # NaN only outside the per-step path (see `sparsekv.attention.checks`)
+    if scores.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        idx = _order_keys(scores).topk(n, dim=-1, sorted=False).indices  # distinct keys: no tie to break
+    else: idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n]  # float64, integers
+    return idx.sort(-1).values
 
 # %% ../nbs/05_select.ipynb #8ace17f6
 def all_key_indices(B: int, Hkv: int, T: int, device=None) -> Tensor:

@@ -6,7 +6,7 @@ import torch
 from torch.testing import assert_close
 from transformers import DynamicCache
 
-from sparsekv.attention import attention_reference, content_checks
+from sparsekv.attention import attention_reference, checks, content_checks
 from sparsekv.cache import EvictingCache, EvictionRule, SinkWindowCache, TopScoreRule
 from sparsekv.hf import (
     _ACTIVE,
@@ -385,6 +385,23 @@ def test_follow_batch_ops_moves_side_state_once_and_per_copy():
     twin = copy.deepcopy(layer)
     twin.reorder_cache(torch.tensor([1, 1]))
     assert torch.equal(twin.keys, k[[0, 0]]) and torch.equal(layer.keys, k[[1, 0]])
+
+
+def test_content_checks_run_in_a_step_only_under_checks(tiny_llama):
+    """A NaN key in a patched model's step: not looked for by default (no value is read back), refused by name under
+    `checks()`; the same call outside a step (quoka_select called directly) refuses it either way."""
+    from sparsekv import methods
+    from sparsekv.quoka.select import quoka_select
+    model = copy.deepcopy(tiny_llama)
+    with torch.no_grad(): model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
+    ids, quoka = _ids(1, 40, 3), methods.make("quoka", 8, **methods.get("quoka").small_params)
+    with torch.no_grad(), quoka.patch(model) as cache:
+        chunked_prefill(model, ids, quoka.chunk_size, cache=cache)  # runs: the check is off in the step
+    with pytest.raises(ValueError, match="k_cache contains NaN or inf"), checks():
+        with torch.no_grad(), quoka.patch(model) as cache: chunked_prefill(model, ids, quoka.chunk_size, cache=cache)
+    k = torch.randn(1, 2, 20, 16)
+    with pytest.raises(ValueError, match="k_cache contains NaN or inf"):
+        quoka_select(torch.randn(1, 4, 4, 16), k.index_fill(2, torch.tensor([3]), float("nan")), 4, 8)
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(tiny_llama):

@@ -16,7 +16,7 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
-from sparsekv.attention import check_int
+from sparsekv.attention import check_int, content_checks
 
 # %%
 #| hide
@@ -82,12 +82,19 @@ test_fail(lambda: resolve_budget(4, -1), contains="T must be")
 # entry $> v$ is kept, and of the entries $= v$ the first $n - \#\{> v\}$ in index order (a
 # cumulative count). NaN scores have no order; they are refused.
 #
-# **Fast path.** Ties *at the cut* are what need the rule; elsewhere the top $n$ form a
-# unique set. `top_budget_indices` first takes `topk` (unsorted) and counts the entries
-# $\ge v$: if every row has exactly $n$ of them, nobody is tied with the $n$-th score, the set
-# is unique and `topk`'s indices, sorted, are the answer (a sort of $n$ numbers instead of the
-# mask, cumulative count and `nonzero` over all $T$). Otherwise it falls back to `top_mask`.
-# The checks below exercise both (random rows: no ties; rows of three values: ties at the cut).
+# **Without reading anything back.** `top_mask` is the definition; turning its mask into indices
+# takes a `nonzero`, whose output size the host must read from the device, and telling whether ties
+# are at the cut at all takes a test of the data: a decode step would wait on the host for either, in
+# every layer. `top_budget_indices` needs neither: it ranks *keys that are distinct by construction*.
+# A float of at most 32 bits maps to a 32-bit integer of the same order (its IEEE bits, with the
+# magnitude bits of a negative number flipped; `-0.0` first becomes `0.0`, which it equals as a score);
+# shifted up by 32 bits, with $T - 1 - j$ below it for the index $j$, it gives one 64-bit key per
+# entry ordered by (score, lower index first). Keys are distinct, so `topk` of them has no tie to break:
+# its $n$ indices are exactly the reference's, found by one `topk` of fixed size $n$ and a sort of $n$.
+# float64 and integer scores (no room for the index beside them) take one stable descending sort
+# instead, which keeps equal scores in index order. NaN scores have no order: a direct call refuses
+# them; in the per-step path that check reads a value, so it runs there only under
+# `sparsekv.attention.checks`.
 
 # %%
 #| export
@@ -95,7 +102,7 @@ def _check_top(scores: Tensor, n: int):
     "Refuse an `n` outside [0, T] and NaN scores (they have no order)."
     T = scores.shape[-1]
     check_int(n, "n", 0, T)
-    if scores.is_floating_point() and scores.isnan().any():
+    if scores.is_floating_point() and content_checks() and scores.isnan().any():  # a read: see `checks`
         raise ValueError("scores contain NaN (check the inputs for NaN or inf)")
 
 
@@ -143,15 +150,33 @@ test_eq(top_budget_indices_reference(torch.tensor([[2.0, 1, 2, 2], [5, 4, 3, 6]]
 
 # %%
 #| export
+def _order_keys(scores: Tensor) -> Tensor:
+    "Distinct int64 keys [..., T] ordered as (score, lower index first), for scores of at most 32 bits."
+    T = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, the score it equals
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)    # negative floats: the larger magnitude ranks lower
+    return (bits << 32) | (T - 1 - torch.arange(T, device=scores.device))
+
+
+# %%
+_x = torch.tensor([-math.inf, -2.5, -1e-30, -0.0, 0.0, 1e-30, 1.0, 3e38, math.inf])
+# descending: the values' order; -0.0 (index 3) and 0.0 (index 4) tie, so the lower index comes first
+test_eq(_order_keys(_x).argsort(descending=True).tolist(), [8, 7, 6, 5, 3, 4, 2, 1, 0])
+test_eq(_order_keys(torch.tensor([1.0, 1.0, 1.0])).argsort(descending=True).tolist(), [0, 1, 2])
+for dtype in (torch.float16, torch.bfloat16):  # widened to float32 exactly: the same order
+    _r = torch.randn(50).to(dtype)
+    test_eq(_order_keys(_r).argsort(descending=True), _order_keys(_r.float()).argsort(descending=True))
+
+
+# %%
+#| export
 def top_budget_indices(scores: Tensor, n: int) -> Tensor:
     "Indices [..., n], ascending, of the `n` largest scores of each row (last dim); ties: the lower index wins."
-    check_int(n, "n", 0, scores.shape[-1])
-    if n and scores.numel():
-        vals, idx = scores.topk(n, dim=-1, sorted=False)
-        # no tie at the cut: a unique set (topk ranks NaN first, so a NaN fails this test and top_mask refuses it)
-        if ((scores >= vals.amin(-1, keepdim=True)).sum(-1) == n).all(): return idx.sort(-1).values
-    # nonzero lists each row's entries in index order
-    return top_mask(scores, n).nonzero()[:, -1].view(*scores.shape[:-1], n)
+    _check_top(scores, n)  # NaN only outside the per-step path (see `sparsekv.attention.checks`)
+    if scores.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        idx = _order_keys(scores).topk(n, dim=-1, sorted=False).indices  # distinct keys: no tie to break
+    else: idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n]  # float64, integers
+    return idx.sort(-1).values
 
 
 # %%
@@ -173,6 +198,29 @@ for n in (1, 2, 3):  # a NaN anywhere in a row is refused, whichever entries the
     test_fail(lambda: top_budget_indices(torch.tensor([[3.0, 2.0, 1.0], [1.0, math.nan, 2.0]]), n), contains="NaN")
 test_fail(lambda: top_budget_indices(torch.zeros(4), 5), contains="n must be")
 test_fail(lambda: top_mask(torch.zeros(4), 5), contains="n must be")
+
+# %% [markdown]
+# The same check on many rows of every dtype, with many ties (a few repeated values, signed zeros) and
+# infinities, against the reference's Python sort; and the selection reads nothing back from the device (no
+# operator of `sparsekv.syncs.SYNC_OPS`), in the per-step path as well as in a direct call but for the NaN check:
+
+# %%
+from sparsekv.attention import hot_path
+from sparsekv.syncs import HostSyncs
+
+g = torch.Generator().manual_seed(1)
+for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64):
+    for T in (1, 2, 7, 64, 300):
+        few = torch.randint(-2, 3, (4, 3, T), generator=g)
+        signed = few * 0.0 if dtype.is_floating_point else few  # -0.0 and 0.0 tie
+        for s in (few.to(dtype), signed.to(dtype), torch.randn(4, 3, T, generator=g).to(dtype)):
+            if dtype.is_floating_point and T > 2: s[..., 1], s[..., -2] = math.inf, -math.inf
+            for n in sorted({0, 1, T // 3, T - 1, T} - {-1}):
+                test_eq(top_budget_indices(s, n), top_budget_indices_reference(s, n))
+                with HostSyncs() as rec, hot_path(): top_budget_indices(s, n)
+                test_eq(rec.total, 0)
+with HostSyncs() as rec: top_budget_indices(torch.randn(3, 50), 5)
+test_eq([op for op, _ in rec.counts], ["aten._local_scalar_dense"])  # a direct call: only the NaN check reads
 
 
 # %%
