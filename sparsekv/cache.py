@@ -13,12 +13,13 @@ from torch import Tensor
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from . import attention  # attention.content_checks: whether a check may read values back (a step may not)
 from .attention import IntArgumentError, check_int, evictable, gather_keys, is_causal, sink_window_visible
 
 # %% auto #0
-__all__ = ['BATCH_OPS', 'EvictionRule', 'SinkWindowRule', 'TopScoreRule', 'row_map', 'hooked_layer_class', 'follow_batch_ops',
-           'query_count', 'tokens_to_lose', 'EvictingLayer', 'EvictingCache', 'SinkWindowCache', 'GrowingLayer',
-           'GrowingCache']
+__all__ = ['BATCH_OPS', 'EvictionRule', 'visible_count', 'SinkWindowRule', 'TopScoreRule', 'row_map', 'hooked_layer_class',
+           'follow_batch_ops', 'query_count', 'tokens_to_lose', 'EvictingLayer', 'EvictingCache', 'SinkWindowCache',
+           'GrowingLayer', 'GrowingCache']
 
 # %% ../nbs/04_cache.ipynb #40ccaa34
 class EvictionRule:
@@ -33,13 +34,27 @@ class EvictionRule:
         "Boolean `[B,Hkv,Sq,N]`: the layer's entries each query position attends to (monotone in the position)."
         return is_causal(query_positions[:, None], layer.positions[:, :, None, :])
 
+    def count(self, layer: "EvictingLayer", next_position: int) -> int | None:
+        "Entries visible to `next_position`, known on the host (None: unknown, `keep` reads it from the device)."
+        return None
+
     def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
         "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
         vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
-        counts = vis.sum(-1)
-        if (counts != counts.flatten()[0]).any():
-            raise ValueError(f"{type(self).__name__} keeps different numbers of entries per head: {counts.tolist()}")
-        return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :int(counts.flatten()[0])]
+        M = self.count(layer, next_position)
+        if M is None or attention.content_checks(): M = visible_count(self, vis, M)  # reads the device
+        return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M]
+
+# %% ../nbs/04_cache.ipynb #3a9f9a51
+def visible_count(rule: EvictionRule, vis: Tensor, claimed: int | None = None) -> int:
+    "The entries `vis` [B,Hkv,N] shows in each head, read from the device: one number, `claimed` if not None."
+    counts = vis.sum(-1)
+    if (counts != counts.flatten()[0]).any():
+        raise ValueError(f"{type(rule).__name__} keeps different numbers of entries per head: {counts.tolist()}")
+    n = int(counts.flatten()[0])
+    if claimed is not None and n != claimed:
+        raise ValueError(f"{type(rule).__name__}.count says {claimed} entries stay visible, its rule shows {n}")
+    return n
 
 # %% ../nbs/04_cache.ipynb #ed5a431a
 class SinkWindowRule(EvictionRule):
@@ -50,6 +65,11 @@ class SinkWindowRule(EvictionRule):
 
     def visible(self, layer, query_positions):
         return sink_window_visible(self.sink, self.window)(query_positions[:, None], layer.positions[:, :, None, :])
+
+    def count(self, layer, next_position):
+        "min(p, s + w - 1) for the layer's next position p (sinks and window never leave); None for another position."
+        if next_position != getattr(layer, "seen", None) or getattr(layer, "looked_ahead", True): return None
+        return min(next_position, self.sink + self.window - 1)
 
 # %% ../nbs/04_cache.ipynb #97670fe4
 class TopScoreRule(SinkWindowRule):
@@ -68,11 +88,17 @@ class TopScoreRule(SinkWindowRule):
         base = super().visible(layer, query_positions)
         if self.k == 0: return base
         eligible = evictable(self.sink, self.window)(query_positions[:, None], layer.positions[:, :, None, :])
-        s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
+        # an eligible -inf score still ranks above every other entry (so `count` holds whatever the scores)
+        s = layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min)[:, :, None, :].expand(eligible.shape)
         # entries are in position order: ties -> earlier
-        best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]
+        best = s.masked_fill(~eligible, float("-inf")).argsort(dim=-1, descending=True, stable=True)[..., :self.k]
         # KVpop Eq. (1): sinks, window, and the k best of E(p)
         return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
+
+    def count(self, layer, next_position):
+        "The sink-window count plus min(k, |E(p)|), E(p) = {t : s <= t <= p - w} (see above)."
+        base = super().count(layer, next_position)
+        return None if base is None else base + min(self.k, max(0, next_position - self.window - self.sink + 1))
 
 # %% ../nbs/04_cache.ipynb #d2ae2e46
 BATCH_OPS = ("reorder_cache", "batch_repeat_interleave", "batch_select_indices")
@@ -142,7 +168,8 @@ class EvictingLayer(DynamicLayer):
         super().__init__()
         self.rule, self.layer_idx = rule, layer_idx
         self.positions = self.scores = None
-        self.seen, self.armed = 0, False
+        # looked_ahead: an eviction for a position past the next one (the rule's `count` no longer holds)
+        self.seen, self.armed, self.looked_ahead = 0, False, False
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -181,7 +208,7 @@ def _apply(self, fn) -> None:
 @patch_to(EvictingLayer)
 def reset(self) -> None:
     self._apply(lambda x: x[:, :, :0])
-    self.seen = 0
+    self.seen, self.looked_ahead = 0, False
 
 # %% ../nbs/04_cache.ipynb #a71ec9dc
 @patch_to(EvictingLayer)
@@ -202,7 +229,8 @@ def scored_entries(self, key_states: Tensor, value_states: Tensor) -> tuple[Tens
     s = key_states.shape[2]
     pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
     sc = self.rule.scores(self, key_states, value_states, pos)
-    if sc.shape != pos.shape or not torch.isfinite(sc).all():
+    # the values only outside the per-step path (a read; see sparsekv.attention.checks)
+    if sc.shape != pos.shape or (attention.content_checks() and not torch.isfinite(sc).all()):
         raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape "
                          f"{tuple(pos.shape)}, got {tuple(sc.shape)}")
     return pos, sc
@@ -225,7 +253,9 @@ def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> t
 def evict(self, next_position: int | None = None) -> None:
     "Keep only the entries the rule shows to `next_position` (default: the next token)."
     if not self.is_initialized: return
-    idx = self.rule.keep(self, self.seen if next_position is None else next_position)
+    p = self.seen if next_position is None else next_position
+    self.looked_ahead = self.looked_ahead or p > self.seen
+    idx = self.rule.keep(self, p)
     if idx.shape[-1] == self.positions.shape[-1]: return
     self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
     self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)

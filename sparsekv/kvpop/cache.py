@@ -124,34 +124,41 @@ def kvpop_visible_reference(positions: Tensor, scores: Tensor, query_positions: 
 # %% ../../nbs/15_kvpop_cache.ipynb #a13b8cab
 @patch_to(KVpopRule)
 def visible(self, layer, query_positions):
-    "Sinks, window, pending (unread), the k best eligible; a row of <= k + 1 eligible drops its worst (no sort)."
+    "Sinks, window, pending (unread) and the k best eligible entries (one stable sort: ties to the earlier)."
     t, p = layer.positions[:, :, None, :], query_positions[:, None]
     # scored later: never eligible yet, kept meanwhile
     pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)
     base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
     eligible = evictable(self.sink, self.window)(p, t) & ~pending
-    n = eligible.sum(-1, keepdim=True)
-    if int(n.max()) <= self.k + 1:  # decode: the k kept entries and the one that just became eligible
-        s = layer.scores[:, :, None, :].masked_fill(~eligible, float("inf"))
-        worst = t.shape[-1] - 1 - s.flip(-1).argmin(-1, keepdim=True)  # lowest priority, ties -> the later entry
-        return (base | eligible) & ~torch.zeros_like(eligible).scatter(-1, worst, n > self.k)
-    s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
-    # ties -> earlier (entries in position order)
-    best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]
+    # an eligible -inf still ranks above the entries that are not eligible (so `count` holds)
+    s = layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min)[:, :, None, :].expand(eligible.shape)
+    best = s.masked_fill(~eligible, float("-inf")).argsort(dim=-1, descending=True, stable=True)[..., :self.k]
     return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
 
 # %% ../../nbs/15_kvpop_cache.ipynb #ad5307c2
 @patch_to(KVpopRule)
+def eligible_span(self, layer, p: int) -> tuple[int, int]:
+    """For a query position p >= seen - 1 of the layer: the entries [i0, i1) eligible at p, in every head (the sinks
+    before them; the window and the pending entries, all positions after min(p - w, pending_from - 1), after)."""
+    n = layer.positions.shape[-1]
+    pending_from = layer.kvpop_readout.pending_from if self.recurrent else layer.seen
+    i0 = min(self.sink, layer.seen)
+    return i0, max(i0, n - (layer.seen - 1 - min(p - self.window, pending_from - 1)))
+
+# %% ../../nbs/15_kvpop_cache.ipynb #8ce1eaa0
+@patch_to(KVpopRule)
+def count(self, layer, next_position):
+    "Entries visible to the layer's next position: all but the eligible beyond the k best; None for another."
+    if next_position != getattr(layer, "seen", None) or getattr(layer, "looked_ahead", True): return None
+    i0, i1 = self.eligible_span(layer, next_position)
+    return layer.positions.shape[-1] - max(0, i1 - i0 - self.k)
+
+# %% ../../nbs/15_kvpop_cache.ipynb #8269646f
+@patch_to(KVpopRule)
 def keep(self, layer, next_position):
-    "Indices of the entries visible to `next_position`; at decode (none or one dropped per head) without a sort."
+    "Indices of the entries visible to `next_position` (`count` of them per head), after the recurrent scorer's check."
     self.check_masked(layer)
-    drop = ~self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
-    nd = drop.sum(-1)
-    if int(nd.max()) > 1 or bool((nd != nd.flatten()[0]).any()):
-        return super(KVpopRule, self).keep(layer, next_position)
-    ar = torch.arange(drop.shape[-1] - int(nd.flatten()[0]), device=drop.device)
-    if not drop.any(): return ar.expand(*drop.shape[:2], -1)
-    return ar + (ar >= drop.to(torch.uint8).argmax(-1, keepdim=True))
+    return super(KVpopRule, self).keep(layer, next_position)
 
 # %% ../../nbs/15_kvpop_cache.ipynb #ebfb5696
 class DelayedReadout:
@@ -258,11 +265,8 @@ def apply_rows(self, fn) -> None:
 def worst_eligible(self, p: int):
     """For query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the
     worst of k + 1 (lowest priority, ties -> the later), or False if more are eligible (after a prefill chunk)."""
-    rule, n = self.rule, self.positions.shape[-1]
-    pending_from = self.kvpop_readout.pending_from if rule.recurrent else self.seen
-    # every head holds the sinks first and all positions after min(p - w, pending_from - 1) last (window, pending)
-    i0 = min(rule.sink, self.seen)
-    i1 = max(i0, n - (self.seen - 1 - min(p - rule.window, pending_from - 1)))
+    rule = self.rule
+    i0, i1 = rule.eligible_span(self, p)
     if i1 - i0 <= rule.k: return None
     if i1 - i0 > rule.k + 1: return False
     return i1 - 1 - self.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
@@ -273,6 +277,7 @@ def evict(self, next_position: int | None = None) -> None:
     "Keep the entries the rule shows to `next_position` (default: the next token), compacted in position order."
     if not self.is_initialized: return
     p = self.seen if next_position is None else next_position
+    self.looked_ahead = self.looked_ahead or p > self.seen  # then `KVpopRule.count` no longer holds
     worst = self.worst_eligible(p) if p == self.seen else False
     if worst is None: return self.rule.check_masked(self)
     if worst is False: idx = self.rule.keep(self, p)

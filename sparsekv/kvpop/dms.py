@@ -274,7 +274,8 @@ def compact(self, next_position: int) -> None:
     "Keep in each layer and head the entries visible to `next_position`, padded with dead ones to the most."
     if any(not l.is_initialized for l in self.layers): return
     live = self.live(next_position)
-    M = max(int(v.sum(-1).max()) for v in live)
+    # the tensors' size is the busiest head's count, decided by the decisions: one read a step, for all layers
+    M = int(torch.stack([v.sum(-1).amax() for v in live]).amax())
     for l, vis in zip(self.layers, live):
         if M == vis.shape[-1]: continue
         # live first, then padding

@@ -18,6 +18,7 @@ from torch import Tensor
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from sparsekv import attention  # attention.content_checks: whether a check may read values back (a step may not)
 from sparsekv.attention import IntArgumentError, check_int, evictable, gather_keys, is_causal, sink_window_visible
 
 # %%
@@ -74,6 +75,13 @@ from torch.testing import assert_close
 # to run otherwise, rather than silently keeping everything. A forward pass interrupted by an
 # exception leaves the cache unevicted: start a new one.
 #
+# **How many entries stay.** `keep` returns a tensor of $M$ entries per head; $M$ is a shape, which the host must
+# know. Reading it from the mask (`vis.sum(-1)`) would make every decode step wait for the device in every layer,
+# so a rule says it from what the host knows: `count(layer, p)` is the number of entries visible to the layer's next
+# position $p$ (None when it cannot tell; then `keep` reads it, and checks that every head keeps as many). A rule
+# that changes which entries a single query sees states its `count` too. Outside the per-step path (and inside it
+# under `sparsekv.attention.checks`) `keep` also reads the count and checks the rule's claim.
+#
 # The base rule is causal attention: it keeps every entry at or before the next position, in order, and refuses a
 # layer whose heads would keep different numbers of entries (here head 1 holds a position after the query):
 
@@ -91,13 +99,29 @@ class EvictionRule:
         "Boolean `[B,Hkv,Sq,N]`: the layer's entries each query position attends to (monotone in the position)."
         return is_causal(query_positions[:, None], layer.positions[:, :, None, :])
 
+    def count(self, layer: "EvictingLayer", next_position: int) -> int | None:
+        "Entries visible to `next_position`, known on the host (None: unknown, `keep` reads it from the device)."
+        return None
+
     def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
         "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
         vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
-        counts = vis.sum(-1)
-        if (counts != counts.flatten()[0]).any():
-            raise ValueError(f"{type(self).__name__} keeps different numbers of entries per head: {counts.tolist()}")
-        return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :int(counts.flatten()[0])]
+        M = self.count(layer, next_position)
+        if M is None or attention.content_checks(): M = visible_count(self, vis, M)  # reads the device
+        return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M]
+
+
+# %%
+#| export
+def visible_count(rule: EvictionRule, vis: Tensor, claimed: int | None = None) -> int:
+    "The entries `vis` [B,Hkv,N] shows in each head, read from the device: one number, `claimed` if not None."
+    counts = vis.sum(-1)
+    if (counts != counts.flatten()[0]).any():
+        raise ValueError(f"{type(rule).__name__} keeps different numbers of entries per head: {counts.tolist()}")
+    n = int(counts.flatten()[0])
+    if claimed is not None and n != claimed:
+        raise ValueError(f"{type(rule).__name__}.count says {claimed} entries stay visible, its rule shows {n}")
+    return n
 
 
 # %%
@@ -108,6 +132,8 @@ test_eq(_dense.visible(_two, torch.tensor([1, 2]))[0].tolist(),
         [[[True, True, False], [True, True, True]], [[True, True, False], [True, True, False]]])
 test_eq(_dense.keep(SimpleNamespace(positions=torch.tensor([[[0, 3, 5]]])), 6).tolist(), [[[0, 1, 2]]])
 test_fail(lambda: _dense.keep(_two, 5), contains="keeps different numbers of entries per head: [[3, 2]]")
+test_eq(_dense.count(_two, 5), None)
+test_fail(lambda: visible_count(_dense, torch.ones(1, 2, 3, dtype=torch.bool), 2), contains="count says 2 entries")
 
 
 # %% [markdown]
@@ -123,6 +149,11 @@ class SinkWindowRule(EvictionRule):
 
     def visible(self, layer, query_positions):
         return sink_window_visible(self.sink, self.window)(query_positions[:, None], layer.positions[:, :, None, :])
+
+    def count(self, layer, next_position):
+        "min(p, s + w - 1) for the layer's next position p (sinks and window never leave); None for another position."
+        if next_position != getattr(layer, "seen", None) or getattr(layer, "looked_ahead", True): return None
+        return min(next_position, self.sink + self.window - 1)
 
 
 # %%
@@ -143,7 +174,9 @@ test_fail(lambda: SinkWindowRule(2, 0), contains="window")
 # $K(p+1) = \operatorname{top}_k(K(p) \cup \{x\}) = \operatorname{top}_k(E(p) \cup \{x\}) = \operatorname{top}_k E(p+1)$,
 # because any token of $E(p)$ outside $K(p)$ has $k$ better tokens in $K(p)$. Ties go to the earlier
 # token. So a query's visible set depends only on its position and the scores, which gives
-# `visible` directly; the cache keeps at most $s + w - 1 + k$ entries between steps.
+# `visible` directly; the cache keeps at most $s + w - 1 + k$ entries between steps. The host knows how many
+# without looking: at the layer's next position $p$ every head keeps $\min(p, s + w - 1)$ sinks and window
+# entries and $\min(k, |E(p)|)$ others (`count`), as long as no eviction looked past the tokens seen.
 #
 # If a rule changes scores over time (H2O accumulates attention), `visible` uses the current
 # scores; a chunk's within-chunk visibility is then an approximation (prefill those rules densely
@@ -172,11 +205,17 @@ class TopScoreRule(SinkWindowRule):
         base = super().visible(layer, query_positions)
         if self.k == 0: return base
         eligible = evictable(self.sink, self.window)(query_positions[:, None], layer.positions[:, :, None, :])
-        s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
+        # an eligible -inf score still ranks above every other entry (so `count` holds whatever the scores)
+        s = layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min)[:, :, None, :].expand(eligible.shape)
         # entries are in position order: ties -> earlier
-        best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]
+        best = s.masked_fill(~eligible, float("-inf")).argsort(dim=-1, descending=True, stable=True)[..., :self.k]
         # KVpop Eq. (1): sinks, window, and the k best of E(p)
         return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
+
+    def count(self, layer, next_position):
+        "The sink-window count plus min(k, |E(p)|), E(p) = {t : s <= t <= p - w} (see above)."
+        base = super().count(layer, next_position)
+        return None if base is None else base + min(self.k, max(0, next_position - self.window - self.sink + 1))
 
 
 # %%
@@ -357,7 +396,8 @@ class EvictingLayer(DynamicLayer):
         super().__init__()
         self.rule, self.layer_idx = rule, layer_idx
         self.positions = self.scores = None
-        self.seen, self.armed = 0, False
+        # looked_ahead: an eviction for a position past the next one (the rule's `count` no longer holds)
+        self.seen, self.armed, self.looked_ahead = 0, False, False
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -369,7 +409,7 @@ class EvictingLayer(DynamicLayer):
 
 # %%
 _fresh = EvictingLayer(SinkWindowRule(2, 3), 0)
-test_eq(_fresh.armed, False)
+test_eq((_fresh.armed, _fresh.looked_ahead), (False, False))
 _fresh.lazy_initialization(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))
 test_eq((_fresh.keys.shape, _fresh.positions.shape, _fresh.scores.dtype), ((2, 3, 0, 4), (2, 3, 0), torch.float32))
 
@@ -432,7 +472,7 @@ test_eq((_fresh.keys.shape[2], _fresh.scores.shape[2]), (4, 4))
 @patch_to(EvictingLayer)
 def reset(self) -> None:
     self._apply(lambda x: x[:, :, :0])
-    self.seen = 0
+    self.seen, self.looked_ahead = 0, False
 
 
 # %%
@@ -478,7 +518,8 @@ def scored_entries(self, key_states: Tensor, value_states: Tensor) -> tuple[Tens
     s = key_states.shape[2]
     pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
     sc = self.rule.scores(self, key_states, value_states, pos)
-    if sc.shape != pos.shape or not torch.isfinite(sc).all():
+    # the values only outside the per-step path (a read; see sparsekv.attention.checks)
+    if sc.shape != pos.shape or (attention.content_checks() and not torch.isfinite(sc).all()):
         raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape "
                          f"{tuple(pos.shape)}, got {tuple(sc.shape)}")
     return pos, sc
@@ -540,7 +581,9 @@ test_eq((_lay.positions[0, 1].tolist(), _lay.scores[0, 1].tolist(), _lay.seen),
 def evict(self, next_position: int | None = None) -> None:
     "Keep only the entries the rule shows to `next_position` (default: the next token)."
     if not self.is_initialized: return
-    idx = self.rule.keep(self, self.seen if next_position is None else next_position)
+    p = self.seen if next_position is None else next_position
+    self.looked_ahead = self.looked_ahead or p > self.seen
+    idx = self.rule.keep(self, p)
     if idx.shape[-1] == self.positions.shape[-1]: return
     self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
     self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
@@ -557,6 +600,37 @@ test_eq(lay.positions[0].tolist(), [[0, 1, 5, 6]] * 2)
 assert_close(lay.keys, k7[:, :, [0, 1, 5, 6]])
 test_eq((lay.get_seq_length(), lay.get_mask_sizes(1)), (7, (5, 3)))
 test_fail(lambda: lay.update(k7, k7), contains="only inside sparsekv.hf.patch")
+
+# %% [markdown]
+# The counts the rules state agree with the device's, after prefill chunks of every size and decode steps, for
+# sink-window and top-score rules (random scores with ties, and -inf scores, which only the per-step path lets
+# through): each `keep` below reads the count and checks the claim (outside the per-step path). Inside it, eviction
+# reads nothing back; an eviction past the next position makes the count unknown (then read):
+
+# %%
+from sparsekv.attention import hot_path
+from sparsekv.syncs import HostSyncs
+
+_g = torch.Generator().manual_seed(0)
+for _rule in (SinkWindowRule(2, 3), SinkWindowRule(0, 1), TopScoreRule(1, 2, 3), TopScoreRule(0, 4, 2),
+              TopScoreRule(2, 1, 5, score_fn=lambda i, k, v, p: k[..., 0].round()),
+              TopScoreRule(1, 2, 2, score_fn=lambda i, k, v, p: torch.where(k[..., 0] > 0, float("-inf"), 0.0))):
+    for _chunks in ([1] * 12, [5, 1, 1, 4, 1, 1, 1], [12], [3, 3, 3, 1, 1, 1]):
+        _l, _seen_counts = EvictingLayer(_rule, 0), []
+        for _c in _chunks:
+            _l.arm()
+            with hot_path():  # as in a step: -inf scores are not refused there
+                _l.update(torch.randn(2, 3, _c, 4, generator=_g), torch.randn(2, 3, _c, 4, generator=_g))
+            _seen_counts.append(_rule.count(_l, _l.seen))
+            _l.evict()  # keep() checks the claimed count against the device's
+        assert None not in _seen_counts
+        _l.arm()
+        with HostSyncs() as _rec, hot_path():  # a decode step's update and eviction
+            _l.update(torch.randn(2, 3, 1, 4, generator=_g), torch.randn(2, 3, 1, 4, generator=_g))
+            _l.evict()
+        test_eq(_rec.total, 0)
+_l.evict(_l.seen + 3)
+assert _l.looked_ahead and _rule.count(_l, _l.seen) is None
 
 
 # %% [markdown]

@@ -268,41 +268,33 @@ test_eq(vis(2, 5)[0].int().tolist(), [1, 1, 0, 1, 0, 1, 1, 1])
 
 
 # %% [markdown]
-# At decode `visible` needs no sort. After the previous eviction a head holds at most $k$ eligible
-# entries, and one query later at most one more becomes eligible (the token leaving the window, or
-# with a delayed scorer the pending token just read out). The top $k$ of at most $k + 1$ entries
-# are all of them but the worst: the lowest priority, and among equal ones the later entry (the
-# sort is stable over entries in position order, so ties go to the earlier). `visible` uses this
-# whenever no row has more than $k + 1$ eligible entries, and the stable sort otherwise (prefill
-# chunks).
+# `visible` ranks the eligible entries of every query by one stable sort (ties to the earlier entry), whatever
+# their number: a branch on how many are eligible would have to read that number back from the device. (At decode
+# the layer avoids the sort altogether: see `worst_eligible` below.) An eligible entry whose priority is $-\infty$
+# still ranks above the entries that are not eligible, so each head keeps $\min(k, |E|)$ of them whatever the
+# priorities; for finite ones this is the reference exactly.
 #
 # `visible` against the reference on random layer states, with many tied priorities (integers),
-# with and without pending entries, for single queries (the no-sort path whenever at most $k + 1$
-# entries are eligible) and chunks of queries:
+# with and without pending entries, for single queries and chunks of queries:
 
 # %%
 #| export
 @patch_to(KVpopRule)
 def visible(self, layer, query_positions):
-    "Sinks, window, pending (unread), the k best eligible; a row of <= k + 1 eligible drops its worst (no sort)."
+    "Sinks, window, pending (unread) and the k best eligible entries (one stable sort: ties to the earlier)."
     t, p = layer.positions[:, :, None, :], query_positions[:, None]
     # scored later: never eligible yet, kept meanwhile
     pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)
     base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
     eligible = evictable(self.sink, self.window)(p, t) & ~pending
-    n = eligible.sum(-1, keepdim=True)
-    if int(n.max()) <= self.k + 1:  # decode: the k kept entries and the one that just became eligible
-        s = layer.scores[:, :, None, :].masked_fill(~eligible, float("inf"))
-        worst = t.shape[-1] - 1 - s.flip(-1).argmin(-1, keepdim=True)  # lowest priority, ties -> the later entry
-        return (base | eligible) & ~torch.zeros_like(eligible).scatter(-1, worst, n > self.k)
-    s = layer.scores[:, :, None, :].expand(eligible.shape).masked_fill(~eligible, float("-inf"))
-    # ties -> earlier (entries in position order)
-    best = s.argsort(dim=-1, descending=True, stable=True)[..., :self.k]
+    # an eligible -inf still ranks above the entries that are not eligible (so `count` holds)
+    s = layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min)[:, :, None, :].expand(eligible.shape)
+    best = s.masked_fill(~eligible, float("-inf")).argsort(dim=-1, descending=True, stable=True)[..., :self.k]
     return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
 
 
 # %%
-gen, fast = torch.Generator().manual_seed(0), 0
+gen = torch.Generator().manual_seed(0)
 for trial in range(300):
     s_, w_, k_ = (int(x) for x in torch.randint(1, 6, (3,), generator=gen))
     seen = int(torch.randint(s_ + w_, s_ + w_ + 3 * k_, (1,), generator=gen))
@@ -314,46 +306,65 @@ for trial in range(300):
     layer = SimpleNamespace(positions=pos, scores=sco, seen=seen, kvpop_readout=SimpleNamespace(pending_from=pend))
     for qp in (torch.tensor([seen]), torch.arange(seen - 3, seen + 1)):
         test_eq(rule.visible(layer, qp), kvpop_visible_reference(pos, sco, qp, s_, w_, k_, pend))
-    fast += int(((pos >= s_) & (seen - pos >= w_) & (pos < pend)).sum(-1).max()) <= k_ + 1
-assert fast > 50  # the no-sort path was exercised
 
 
 # %% [markdown]
-# `keep` (the indices that survive an eviction) skips the sort too when every head drops the same
-# number of entries, none or one: the kept indices are then all but the dropped one.
+# `keep` (the indices that survive an eviction) is `EvictionRule.keep` with the rule's `count`: at the layer's
+# next position every head holds the sinks first, then the entries eligible now, then the window and pending
+# entries (`eligible_span`), and keeps all but the eligible ones beyond the $k$ best, a number the host knows.
 #
-# Against the sorting `keep` of `TopScoreRule` on decode states (sinks, $k$ survivors, the window,
-# tied integer priorities): the next token drops one entry per head, the current one none.
+# Against the reference on decode states and after chunks (sinks, survivors, the window, tied integer priorities):
+# the count is the reference's, and `keep` (which outside the per-step path also reads the count and checks the
+# claim) returns the reference's entries; for another position than the next the count is unknown (read):
+
+# %%
+#| export
+@patch_to(KVpopRule)
+def eligible_span(self, layer, p: int) -> tuple[int, int]:
+    """For a query position p >= seen - 1 of the layer: the entries [i0, i1) eligible at p, in every head (the sinks
+    before them; the window and the pending entries, all positions after min(p - w, pending_from - 1), after)."""
+    n = layer.positions.shape[-1]
+    pending_from = layer.kvpop_readout.pending_from if self.recurrent else layer.seen
+    i0 = min(self.sink, layer.seen)
+    return i0, max(i0, n - (layer.seen - 1 - min(p - self.window, pending_from - 1)))
+
+
+# %%
+#| export
+@patch_to(KVpopRule)
+def count(self, layer, next_position):
+    "Entries visible to the layer's next position: all but the eligible beyond the k best; None for another."
+    if next_position != getattr(layer, "seen", None) or getattr(layer, "looked_ahead", True): return None
+    i0, i1 = self.eligible_span(layer, next_position)
+    return layer.positions.shape[-1] - max(0, i1 - i0 - self.k)
+
 
 # %%
 #| export
 @patch_to(KVpopRule)
 def keep(self, layer, next_position):
-    "Indices of the entries visible to `next_position`; at decode (none or one dropped per head) without a sort."
+    "Indices of the entries visible to `next_position` (`count` of them per head), after the recurrent scorer's check."
     self.check_masked(layer)
-    drop = ~self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
-    nd = drop.sum(-1)
-    if int(nd.max()) > 1 or bool((nd != nd.flatten()[0]).any()):
-        return super(KVpopRule, self).keep(layer, next_position)
-    ar = torch.arange(drop.shape[-1] - int(nd.flatten()[0]), device=drop.device)
-    if not drop.any(): return ar.expand(*drop.shape[:2], -1)
-    return ar + (ar >= drop.to(torch.uint8).argmax(-1, keepdim=True))
+    return super(KVpopRule, self).keep(layer, next_position)
 
 
 # %%
 gen = torch.Generator().manual_seed(1)
-for trial in range(100):
+for _ in range(100):
     s_, w_, k_ = (int(x) for x in torch.randint(1, 6, (3,), generator=gen))
     seen = s_ + w_ + k_ + int(torch.randint(0, 10, (1,), generator=gen))
-    heads = [torch.cat([torch.arange(s_), s_ + torch.randperm(seen - w_ - s_, generator=gen)[:k_].sort().values,
+    extra = int(torch.randint(0, 3, (1,), generator=gen)) * k_  # > 0: after a chunk, more than k + 1 eligible
+    heads = [torch.cat([torch.arange(s_), s_ + torch.randperm(seen - w_ - s_, generator=gen)[:k_ + extra].sort().values,
                         torch.arange(seen - w_, seen)]) for _ in range(3)]
     pos = torch.stack(heads)[None]
-    layer = SimpleNamespace(positions=pos, scores=torch.randint(0, 3, pos.shape, generator=gen).float(), seen=seen)
+    sco = torch.randint(0, 3, pos.shape, generator=gen).float()
+    layer = SimpleNamespace(positions=pos, scores=sco, seen=seen, looked_ahead=False)
     rule = KVpopRule(KVpopScorers.mlp(1, 3, 2), s_, w_, k_)
-    for p, dropped in ((seen, 1), (seen - 1, 0)):
-        got = rule.keep(layer, p)
-        test_eq(got, TopScoreRule.keep(rule, layer, p))
-        test_eq(got.shape[-1], pos.shape[-1] - dropped)
+    for p in (seen, seen - 1):
+        want = kvpop_visible_reference(pos, sco, torch.tensor([p]), s_, w_, k_, seen)[:, :, 0]
+        n_want = int(want.sum(-1).flatten()[0])
+        test_eq(rule.count(layer, p), n_want if p == seen else None)
+        test_eq(rule.keep(layer, p), torch.argsort((~want).to(torch.uint8), dim=-1, stable=True)[..., :n_want])
 
 
 # %% [markdown]
@@ -566,11 +577,8 @@ assert not torch.equal(before[2][0], before[2][1])  # the rows differ: the swap 
 def worst_eligible(self, p: int):
     """For query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the
     worst of k + 1 (lowest priority, ties -> the later), or False if more are eligible (after a prefill chunk)."""
-    rule, n = self.rule, self.positions.shape[-1]
-    pending_from = self.kvpop_readout.pending_from if rule.recurrent else self.seen
-    # every head holds the sinks first and all positions after min(p - w, pending_from - 1) last (window, pending)
-    i0 = min(rule.sink, self.seen)
-    i1 = max(i0, n - (self.seen - 1 - min(p - rule.window, pending_from - 1)))
+    rule = self.rule
+    i0, i1 = rule.eligible_span(self, p)
     if i1 - i0 <= rule.k: return None
     if i1 - i0 > rule.k + 1: return False
     return i1 - 1 - self.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
@@ -600,6 +608,7 @@ def evict(self, next_position: int | None = None) -> None:
     "Keep the entries the rule shows to `next_position` (default: the next token), compacted in position order."
     if not self.is_initialized: return
     p = self.seen if next_position is None else next_position
+    self.looked_ahead = self.looked_ahead or p > self.seen  # then `KVpopRule.count` no longer holds
     worst = self.worst_eligible(p) if p == self.seen else False
     if worst is None: return self.rule.check_masked(self)
     if worst is False: idx = self.rule.keep(self, p)

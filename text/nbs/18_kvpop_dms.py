@@ -593,7 +593,9 @@ test_fail(lambda: DMSPolicy(_train).attend(_q, _k, _v, SimpleNamespace(**{**vars
 # after the other after attention, a `DMSLayer` defers its eviction and the last layer compacts all
 # layers together. The physical memory is therefore that of the busiest head; the *logical* memory per
 # head (`DMSCache.live_counts`) is what a ragged (paged) layout would store, the quantity of Fig. 8.
-# Decode queries must be masked (the padding is not visible), which `DMSPolicy` does.
+# Decode queries must be masked (the padding is not visible), which `DMSPolicy` does. $M$ is a shape decided by
+# the learned decisions, so the host reads it: once per step for all layers (the one read back of a DMS decode
+# step; a cache of fixed capacity with masks would need none).
 
 # %%
 #| export
@@ -698,7 +700,8 @@ def compact(self, next_position: int) -> None:
     "Keep in each layer and head the entries visible to `next_position`, padded with dead ones to the most."
     if any(not l.is_initialized for l in self.layers): return
     live = self.live(next_position)
-    M = max(int(v.sum(-1).max()) for v in live)
+    # the tensors' size is the busiest head's count, decided by the decisions: one read a step, for all layers
+    M = int(torch.stack([v.sum(-1).amax() for v in live]).amax())
     for l, vis in zip(self.layers, live):
         if M == vis.shape[-1]: continue
         # live first, then padding
