@@ -167,11 +167,10 @@ def _gram_basis(X: Tensor, Y: Tensor, G: Tensor | None, r: int, eta: float) -> T
     A = _unit_mean_diag((1 - eta) * c_key[..., None, None] * eye + eta * c_out[..., None, None] * W)
     C = _psd_sqrt(A) @ X                                                      # C^T C = M_eta (up to a factor)
     cols, keep = _gram_right_singular(C, r)
-    # rank C < r: complete with key PCA of the rest
-    if not bool(keep.all()):
-        D, keep_d = _gram_right_singular(X - (X @ cols) @ cols.mT, r)
-        cols, keep = torch.cat([cols, D], -1), torch.cat([keep, keep_d], -1)
-    return _orthonormalize(cols, keep, r)
+    # rank C < r somewhere in the batch: complete with key PCA of the rest (chosen on the device, not by an if)
+    D, keep_d = _gram_right_singular(X - (X @ cols) @ cols.mT, r)
+    completed = _orthonormalize(torch.cat([cols, D], -1), torch.cat([keep, keep_d], -1), r)
+    return torch.where(keep.all(), _orthonormalize(cols, keep, r), completed)
 
 # %% ../../nbs/30_oval_basis.ipynb #128bdb2b
 def page_basis(K: Tensor, V: Tensor, G: Tensor | None = None, rank: int = 8,

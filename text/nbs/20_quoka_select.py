@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparsekv.attention import check_int, check_qkv, require_data, require_finite
+from sparsekv.attention import check_int, check_qkv, content_checks, require_data, require_finite
 from sparsekv.select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %%
@@ -23,6 +23,8 @@ import math
 
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
+
+from sparsekv.attention import checks, hot_path
 
 # %% [markdown]
 # Under **chunked prefill** a prompt of length $L$ is processed in blocks $X_1, X_2, \dots$
@@ -467,7 +469,9 @@ test_fail(lambda: check_quoka_options(4, "group", "max", gqa_agg="sum"), contain
 
 
 # %% [markdown]
-# $G$ from the heads; an empty cache (the first chunk) passes; a bad shape or a NaN is refused naming the argument:
+# $G$ from the heads; an empty cache (the first chunk) passes; a bad shape or a NaN is refused naming the argument.
+# The NaN check reads a value back from the device: in a patched model's step (where the policy calls this for
+# every chunk and layer) it runs only under `sparsekv.attention.checks`, the shapes always:
 
 # %%
 #| export
@@ -490,6 +494,10 @@ test_eq(check_chunk(_q, _k), 3)
 test_eq(check_chunk(_q, _k[:, :, :0]), 3)
 test_fail(lambda: check_chunk(_q, _k[..., :4]), contains="q_chunk (as q) / k_cache (as k)")
 test_fail(lambda: check_chunk(_q, _k.masked_fill(_k > 1, math.nan)), contains="k_cache contains NaN or inf")
+with hot_path():
+    test_eq(check_chunk(_q, _k.masked_fill(_k > 1, math.nan)), 3)
+    test_fail(lambda: check_chunk(_q, _k[..., :4]), contains="q_chunk (as q) / k_cache (as k)")
+    with checks(): test_fail(lambda: check_chunk(_q, _k * math.inf), contains="k_cache contains NaN or inf")
 
 
 # %%
@@ -509,7 +517,9 @@ test_eq(unit_keys(_k.bfloat16()).dtype, torch.float32)
 # %% [markdown]
 # Unit keys given by the caller are checked for what they are, cheaply: their shape, dtype and device, and their
 # first, middle and last keys against `unit_keys` of those of `k_cache` (three keys a call, not the cache). Unit keys
-# of other keys of the right shape (another layer's, another sequence's) would otherwise be scored silently.
+# of other keys of the right shape (another layer's, another sequence's) would otherwise be scored silently. The
+# comparison of values is a content check (`torch.allclose` returns a Python bool: a read back), so in a patched
+# model's step it runs only under `sparsekv.attention.checks`.
 
 # %%
 #| export
@@ -523,11 +533,13 @@ def check_unit_keys(k_unit: Tensor, k_cache: Tensor) -> Tensor:
         raise ValueError(f"k_unit must be the unit keys [B,Hkv,T,D] = {tuple(k_cache.shape)} in {dtype} on "
                          f"{k_cache.device} (`unit_keys(k_cache)`), got {got} on {getattr(k_unit, 'device', None)}")
     T = k_cache.shape[2]
-    at = torch.tensor(sorted({0, T // 2, T - 1}), device=k_cache.device) if T else None
-    if T and not torch.allclose(k_unit.index_select(2, at), unit_vectors(k_cache.index_select(2, at)), rtol=1e-5,
-                                atol=1e-6, equal_nan=True):
+    if not T or not content_checks(): return k_unit  # comparing values reads back: not in the per-step path
+    pos = sorted({0, T // 2, T - 1})
+    at = torch.tensor(pos, device=k_cache.device)
+    if not torch.allclose(k_unit.index_select(2, at), unit_vectors(k_cache.index_select(2, at)), rtol=1e-5,
+                          atol=1e-6, equal_nan=True):
         raise ValueError("k_unit must be the unit keys of k_cache (`unit_keys(k_cache)`); its keys at positions "
-                         f"{at.tolist()} are not those of k_cache (another layer's, or a cache that changed?)")
+                         f"{pos} are not those of k_cache (another layer's, or a cache that changed?)")
     return k_unit
 
 
@@ -536,6 +548,9 @@ test_eq(check_unit_keys(unit_keys(_k), _k), unit_keys(_k))
 test_eq(check_unit_keys(unit_keys(_k[:, :, :0]), _k[:, :, :0]).shape, (1, 2, 0, 4))
 test_fail(lambda: check_unit_keys(unit_keys(_k.roll(1, 2)), _k), contains="positions [0, 4, 8] are not those of")
 test_fail(lambda: check_unit_keys(unit_keys(_k)[:, :1], _k), contains="k_unit must be the unit keys [B,Hkv,T,D]")
+with hot_path():  # shapes only, unless checks() is on
+    test_eq(check_unit_keys(unit_keys(_k.roll(1, 2)), _k), unit_keys(_k.roll(1, 2)))
+    with checks(): test_fail(lambda: check_unit_keys(unit_keys(_k.roll(1, 2)), _k), contains="are not those of")
 
 
 # %%
@@ -985,6 +1000,19 @@ for G in (1, 3):
     test_eq(quoka_decode_select(q, k, 12), quoka_select_reference(q, k, 16, 12))
     test_eq(quoka_decode_select(q, k, 12, gqa_agg="max"), quoka_select_reference(q, k, 16, 12, gqa_agg="max"))
 test_fail(lambda: quoka_decode_select(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 9, 4)), contains="one query per head")
+
+# %% [markdown]
+# In a patched model's step, Alg. 1 (with cached unit keys, for a chunk and at decode, in float32 and float64) reads
+# nothing back from the device (`sparsekv.syncs.HostSyncs` counts the operators that would):
+
+# %%
+from sparsekv.syncs import HostSyncs
+
+for dtype in (torch.float32, torch.float64):
+    q, k = _qk(3, 8, 20, dtype=dtype)
+    with HostSyncs() as rec, hot_path():
+        quoka_select(q, k, 4, 8, k_unit=unit_keys(k)), quoka_decode_select(q[:, :, :1], k, 8, k_unit=unit_keys(k))
+    test_eq(rec.total, 0)
 
 # %% [markdown]
 # ## Bad input

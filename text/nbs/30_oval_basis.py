@@ -1149,6 +1149,11 @@ test_eq(_orthonormalize(cols3, torch.tensor([True, True, True]), 2).shape, (5, 2
 
 
 # %% [markdown]
+# When $C$ has rank below $r$ on some page of the batch, the basis is completed by key PCA of what is left. Whether
+# that happens is a property of the data, so the completion is computed for every batch and chosen by
+# `torch.where` on the device: testing it with an `if` would read a value back in every decode step that builds a
+# page. (As before, one rank-deficient page completes the whole batch.)
+#
 # The Gram basis above spans the top-$r$ eigenspace of $M_\eta$ (`hybrid_metric`, solved directly) on the page of §1:
 
 # %%
@@ -1165,11 +1170,10 @@ def _gram_basis(X: Tensor, Y: Tensor, G: Tensor | None, r: int, eta: float) -> T
     A = _unit_mean_diag((1 - eta) * c_key[..., None, None] * eye + eta * c_out[..., None, None] * W)
     C = _psd_sqrt(A) @ X                                                      # C^T C = M_eta (up to a factor)
     cols, keep = _gram_right_singular(C, r)
-    # rank C < r: complete with key PCA of the rest
-    if not bool(keep.all()):
-        D, keep_d = _gram_right_singular(X - (X @ cols) @ cols.mT, r)
-        cols, keep = torch.cat([cols, D], -1), torch.cat([keep, keep_d], -1)
-    return _orthonormalize(cols, keep, r)
+    # rank C < r somewhere in the batch: complete with key PCA of the rest (chosen on the device, not by an if)
+    D, keep_d = _gram_right_singular(X - (X @ cols) @ cols.mT, r)
+    completed = _orthonormalize(torch.cat([cols, D], -1), torch.cat([keep, keep_d], -1), r)
+    return torch.where(keep.all(), _orthonormalize(cols, keep, r), completed)
 
 
 # %%
@@ -1177,6 +1181,37 @@ for eta in etas:
     B_g = _gram_basis(X, Y, G, r, eta)
     U_eta = torch.linalg.eigh(hybrid_metric(K, V, G, eta))[1].flip(-1)[:, :r]
     assert_close(B_g @ B_g.T, U_eta @ U_eta.T, atol=1e-10, rtol=0)
+
+
+# %% [markdown]
+# The choice on the device gives exactly what the branch on the host gave (written out below), bit for bit, on
+# batches of full-rank pages, of rank-deficient ones, and of both mixed:
+
+# %%
+def _gram_basis_branch(X, Y, G, r, eta):
+    "The Gram basis with the completion behind an if (a read back), as it was written before."
+    m = X.shape[-2]
+    YG = Y if G is None else Y @ G
+    T = _unit_mean_diag(X @ X.mT)
+    W = _unit_mean_diag((YG @ Y.mT + Y @ YG.mT) / 2)
+    c_key, c_out = 1 / _trace(T).clamp_min(EPS_TRACE), 1 / (W * T).sum((-2, -1)).clamp_min(EPS_TRACE)
+    eye = torch.eye(m, dtype=X.dtype)
+    A = _unit_mean_diag((1 - eta) * c_key[..., None, None] * eye + eta * c_out[..., None, None] * W)
+    cols, keep = _gram_right_singular(_psd_sqrt(A) @ X, r)
+    if not bool(keep.all()):
+        D, keep_d = _gram_right_singular(X - (X @ cols) @ cols.mT, r)
+        cols, keep = torch.cat([cols, D], -1), torch.cat([keep, keep_d], -1)
+    return _orthonormalize(cols, keep, r)
+
+
+_g = torch.Generator().manual_seed(3)
+for dtype in (torch.float32, torch.float64):
+    full = torch.randn(4, 8, 6, generator=_g, dtype=dtype)
+    low = torch.randn(4, 8, 2, generator=_g, dtype=dtype) @ torch.randn(4, 2, 6, generator=_g, dtype=dtype)  # rank 2
+    for Kb in (full, low, torch.cat([full, low])):
+        Xb, Yb = centre_page(Kb)[1], centre_page(torch.randn(Kb.shape, generator=_g, dtype=dtype))[1]
+        for eta in (0.0, 0.5, 1.0):
+            test_eq(_gram_basis(Xb, Yb, None, 4, eta), _gram_basis_branch(Xb, Yb, None, 4, eta))
 
 
 # %%
