@@ -2108,6 +2108,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                 'sparsekv.syncs.HostSyncs.__torch_dispatch__': ( 'host_syncs.html#hostsyncs.__torch_dispatch__',
                                                                                  'sparsekv/syncs.py'),
                                 'sparsekv.syncs.HostSyncs.total': ('host_syncs.html#hostsyncs.total', 'sparsekv/syncs.py'),
+                                'sparsekv.syncs._in_calls': ('host_syncs.html#_in_calls', 'sparsekv/syncs.py'),
                                 'sparsekv.syncs._where': ('host_syncs.html#_where', 'sparsekv/syncs.py'),
                                 'sparsekv.syncs.is_sync': ('host_syncs.html#is_sync', 'sparsekv/syncs.py'),
                                 'sparsekv.syncs.step_syncs': ('host_syncs.html#step_syncs', 'sparsekv/syncs.py')},

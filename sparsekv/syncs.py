@@ -5,6 +5,7 @@
 # %% ../nbs/45_host_syncs.ipynb #ec4c7f9c
 from __future__ import annotations
 
+import contextlib
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -19,12 +20,14 @@ __all__ = ['SYNC_OPS', 'is_sync', 'HostSyncs', 'step_syncs']
 
 # %% ../nbs/45_host_syncs.ipynb #17645a00
 SYNC_OPS = frozenset({"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique2",
-                      "aten.unique_dim", "aten.unique_consecutive", "aten.equal"})
+                      "aten.unique_dim", "aten.unique_consecutive", "aten.equal", "aten.allclose", "aten.bincount"})
 
-def is_sync(op: str, args: tuple) -> bool:
-    "Whether the operator `op` (e.g. 'aten.nonzero') called with `args` reads a device value on the host."
+def is_sync(op: str, args: tuple, kwargs: dict | None = None) -> bool:
+    "Whether the operator `op` (e.g. 'aten.nonzero') called with `args`, `kwargs` reads a device value on the host."
     if op in SYNC_OPS: return True
-    indices = args[1] if op == "aten.index" and len(args) > 1 else ()
+    if op == "aten.repeat_interleave":  # repeats as a tensor: the output size is their sum, unless given
+        return isinstance(args[0], torch.Tensor) and args[0].dim() > 0 and (kwargs or {}).get("output_size") is None
+    indices = args[1] if op in ("aten.index", "aten.index_put", "aten.index_put_") and len(args) > 1 else ()
     return any(t is not None and t.dtype == torch.bool for t in indices)
 
 # %% ../nbs/45_host_syncs.ipynb #85d6f685
@@ -45,22 +48,36 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = str(func.overloadpacket)
-        if is_sync(op, args): self.counts[(op, _where())] += 1
+        if is_sync(op, args, kwargs): self.counts[(op, _where())] += 1
         return func(*args, **(kwargs or {}))
 
     @property
     def total(self) -> int: return sum(self.counts.values())
 
 # %% ../nbs/45_host_syncs.ipynb #1025b05c
-def step_syncs(method: Method, model, input_ids: torch.Tensor, phase: str = "decode") -> HostSyncs:
-    "Host reads of `method` on `model` prefilling `input_ids[:, :-1]` (`phase='prefill'`) or decoding its last token."
+@contextlib.contextmanager
+def _in_calls(model, rec: HostSyncs):
+    "Within the block, record with `rec` inside each forward call of `model` only (hooks; also when a call raises)."
+    def enter(*args): rec.__enter__()  # a hook returns None: a value would replace the call's inputs or output
+    def leave(*args): rec.__exit__(None, None, None)
+    pre, post = model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)
+    try: yield rec
+    finally: pre.remove(), post.remove()
+
+# %% ../nbs/45_host_syncs.ipynb #43f89d1f
+def step_syncs(method: Method, model, input_ids: torch.Tensor, phase: str = "decode", steps: int = 1) -> HostSyncs:
+    """Host reads of `method` on `model` prefilling `input_ids[:, :-steps]` (`phase='prefill'`) or in the last of
+    the `steps` decode steps of the tokens after them."""
     if phase not in ("decode", "prefill"): raise ValueError(f"phase must be 'decode' or 'prefill', got {phase!r}")
     S, chunk, rec = input_ids.shape[1], getattr(method, "chunk_size", None), HostSyncs()
+    if not 1 <= steps < S:
+        raise ValueError(f"steps must be an int in [1, {S - 1}] (tokens after a prefill), got {steps!r}")
     with torch.no_grad(), method.patch(model) as cache:
-        with rec if phase == "prefill" else HostSyncs():
-            if chunk: cache = chunked_prefill(model, input_ids[:, :-1], chunk, cache=cache)[0]
-            else: model(input_ids[:, :-1], past_key_values=cache, use_cache=True)
-        if phase == "decode":
-            pos = torch.full((input_ids.shape[0], 1), S - 1)
-            with rec: model(input_ids[:, -1:], past_key_values=cache, position_ids=pos, use_cache=True)
+        with _in_calls(model, rec) if phase == "prefill" else contextlib.nullcontext():
+            if chunk: cache = chunked_prefill(model, input_ids[:, :-steps], chunk, cache=cache)[0]
+            else: model(input_ids[:, :-steps], past_key_values=cache, use_cache=True)
+        for p in range(S - steps, S) if phase == "decode" else ():
+            pos = torch.full((input_ids.shape[0], 1), p, device=input_ids.device)
+            with rec if p == S - 1 else contextlib.nullcontext():
+                model(input_ids[:, p:p + 1], past_key_values=cache, position_ids=pos, use_cache=True)
     return rec

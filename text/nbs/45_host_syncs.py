@@ -18,15 +18,18 @@
 #
 # Every such read goes through PyTorch's dispatcher as one of a few operators, on the CPU as on a GPU:
 # `aten._local_scalar_dense` (what `.item()`, `int()`, `float()` and `bool()` call), `aten.nonzero`
-# (also behind `torch.where(mask)`), `aten.index` with a boolean index, `aten.masked_select`, the
-# `unique` family and `aten.equal`. A `TorchDispatchMode` sees every operator a block runs, so
-# counting these on the CPU finds the reads a GPU would wait on, without a GPU. (`.tolist()` reads
-# without an operator; it is not seen here.)
+# (also behind `torch.where(mask)`), `aten.index` and `aten.index_put` with a boolean index,
+# `aten.masked_select`, the `unique` family, `aten.equal` and `aten.allclose` (both return a Python bool),
+# `aten.bincount` and `aten.repeat_interleave` with a tensor of repeats and no `output_size` (their output
+# size is a value). A `TorchDispatchMode` sees every operator a block runs, so counting these on the CPU
+# finds the reads a GPU would wait on, without a GPU. (`.tolist()` reads without an operator; it is not
+# seen here.)
 
 # %%
 #| export
 from __future__ import annotations
 
+import contextlib
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -39,12 +42,14 @@ from sparsekv.hf import Method, chunked_prefill
 # %%
 #| export
 SYNC_OPS = frozenset({"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique2",
-                      "aten.unique_dim", "aten.unique_consecutive", "aten.equal"})
+                      "aten.unique_dim", "aten.unique_consecutive", "aten.equal", "aten.allclose", "aten.bincount"})
 
-def is_sync(op: str, args: tuple) -> bool:
-    "Whether the operator `op` (e.g. 'aten.nonzero') called with `args` reads a device value on the host."
+def is_sync(op: str, args: tuple, kwargs: dict | None = None) -> bool:
+    "Whether the operator `op` (e.g. 'aten.nonzero') called with `args`, `kwargs` reads a device value on the host."
     if op in SYNC_OPS: return True
-    indices = args[1] if op == "aten.index" and len(args) > 1 else ()
+    if op == "aten.repeat_interleave":  # repeats as a tensor: the output size is their sum, unless given
+        return isinstance(args[0], torch.Tensor) and args[0].dim() > 0 and (kwargs or {}).get("output_size") is None
+    indices = args[1] if op in ("aten.index", "aten.index_put", "aten.index_put_") and len(args) > 1 else ()
     return any(t is not None and t.dtype == torch.bool for t in indices)
 
 
@@ -52,6 +57,9 @@ def is_sync(op: str, args: tuple) -> bool:
 assert is_sync("aten.nonzero", ()) and not is_sync("aten.topk", ())
 _x = torch.arange(4.)
 assert is_sync("aten.index", (_x, [_x > 1])) and not is_sync("aten.index", (_x, [torch.tensor([0, 2])]))
+assert is_sync("aten.index_put_", (_x, [_x > 1], _x)) and not is_sync("aten.index_put_", (_x, [torch.tensor([0])], _x))
+_r = torch.tensor([1, 2])
+assert is_sync("aten.repeat_interleave", (_r,)) and not is_sync("aten.repeat_interleave", (_r,), {"output_size": 3})
 
 
 # %%
@@ -66,7 +74,7 @@ def _where(skip: int = 2) -> str:
 
 
 # %%
-from fastcore.test import test_eq
+from fastcore.test import test_eq, test_fail
 
 test_eq(_where(), "?")  # called from a notebook: no line of the library or of transformers on the stack
 
@@ -81,7 +89,7 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = str(func.overloadpacket)
-        if is_sync(op, args): self.counts[(op, _where())] += 1
+        if is_sync(op, args, kwargs): self.counts[(op, _where())] += 1
         return func(*args, **(kwargs or {}))
 
     @property
@@ -97,13 +105,16 @@ x = torch.randn(10)
 reads = {"item": lambda: x.sum().item(), "int": lambda: int(x.argmax()), "bool": lambda: bool((x > 0).any()),
          "nonzero": lambda: x.nonzero(), "where(mask)": lambda: torch.where(x > 0), "mask index": lambda: x[x > 0],
          "masked_select": lambda: x.masked_select(x > 0), "unique": lambda: x.round().unique(),
-         "equal": lambda: torch.equal(x, x)}
+         "equal": lambda: torch.equal(x, x), "allclose": lambda: torch.allclose(x, x),
+         "mask assignment": lambda: x.clone().__setitem__(x > 0, 0.0), "bincount": lambda: (x > 0).long().bincount(),
+         "repeat_interleave": lambda: x.repeat_interleave((x > 0).long())}
 for name, read in reads.items():
     with HostSyncs() as rec: read()
     assert rec.total == 1, (name, rec.counts)
 with HostSyncs() as rec:
     v, i = x.topk(3)
-    x.gather(0, i), torch.where(x > 0, x, 0.0), x * (x > 0)
+    x.gather(0, i), torch.where(x > 0, x, 0.0), x * (x > 0), x.repeat_interleave(2)
+    x.repeat_interleave(torch.full((10,), 2), output_size=20)
 assert rec.total == 0, rec.counts
 def _reads_one(t): return t.max().item()  # noqa: E704
 with HostSyncs() as rec: _reads_one(x)
@@ -115,23 +126,51 @@ assert list(rec.counts) == [("aten._local_scalar_dense", "?")]  # a line outside
 #
 # `step_syncs` runs a method as `Method.generate` does and counts the reads of one phase: the
 # prefill of all tokens but the last (in chunks of `chunk_size` when the method has one; divide by the
-# number of chunks for a count per chunk), or the decode step of the last token after it. The decode
-# step's positions are passed explicitly, so the count is the method's and the model's, not that of
-# working out where the step is.
+# number of chunks for a count per chunk), or the decode step of the last token after it (with `steps > 1`,
+# the last of that many decode steps after the prefill of all tokens but those: a step in the steady state of
+# generation, after the first one). Only the model's calls are counted: the decode step's positions are passed
+# explicitly, and the checks
+# `chunked_prefill` makes of the prompt before its first chunk (the token ids in the vocabulary: one read a
+# prompt, while nothing is queued yet) are not part of a chunk. So the count is the method's and the model's,
+# per step or chunk.
 
 # %%
 #| export
-def step_syncs(method: Method, model, input_ids: torch.Tensor, phase: str = "decode") -> HostSyncs:
-    "Host reads of `method` on `model` prefilling `input_ids[:, :-1]` (`phase='prefill'`) or decoding its last token."
+@contextlib.contextmanager
+def _in_calls(model, rec: HostSyncs):
+    "Within the block, record with `rec` inside each forward call of `model` only (hooks; also when a call raises)."
+    def enter(*args): rec.__enter__()  # a hook returns None: a value would replace the call's inputs or output
+    def leave(*args): rec.__exit__(None, None, None)
+    pre, post = model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)
+    try: yield rec
+    finally: pre.remove(), post.remove()
+
+
+# %%
+_lin = torch.nn.Linear(2, 2)
+_lin.register_forward_hook(lambda m, a, out: out.sum().item())  # a read inside each call
+with _in_calls(_lin, HostSyncs()) as rec:
+    _lin(torch.ones(2)), _lin(torch.ones(2)), torch.ones(2).sum().item()  # two calls, one read outside them
+assert rec.total == 2 and not _lin._forward_pre_hooks and len(_lin._forward_hooks) == 1
+
+
+# %%
+#| export
+def step_syncs(method: Method, model, input_ids: torch.Tensor, phase: str = "decode", steps: int = 1) -> HostSyncs:
+    """Host reads of `method` on `model` prefilling `input_ids[:, :-steps]` (`phase='prefill'`) or in the last of
+    the `steps` decode steps of the tokens after them."""
     if phase not in ("decode", "prefill"): raise ValueError(f"phase must be 'decode' or 'prefill', got {phase!r}")
     S, chunk, rec = input_ids.shape[1], getattr(method, "chunk_size", None), HostSyncs()
+    if not 1 <= steps < S:
+        raise ValueError(f"steps must be an int in [1, {S - 1}] (tokens after a prefill), got {steps!r}")
     with torch.no_grad(), method.patch(model) as cache:
-        with rec if phase == "prefill" else HostSyncs():
-            if chunk: cache = chunked_prefill(model, input_ids[:, :-1], chunk, cache=cache)[0]
-            else: model(input_ids[:, :-1], past_key_values=cache, use_cache=True)
-        if phase == "decode":
-            pos = torch.full((input_ids.shape[0], 1), S - 1)
-            with rec: model(input_ids[:, -1:], past_key_values=cache, position_ids=pos, use_cache=True)
+        with _in_calls(model, rec) if phase == "prefill" else contextlib.nullcontext():
+            if chunk: cache = chunked_prefill(model, input_ids[:, :-steps], chunk, cache=cache)[0]
+            else: model(input_ids[:, :-steps], past_key_values=cache, use_cache=True)
+        for p in range(S - steps, S) if phase == "decode" else ():
+            pos = torch.full((input_ids.shape[0], 1), p, device=input_ids.device)
+            with rec if p == S - 1 else contextlib.nullcontext():
+                model(input_ids[:, p:p + 1], past_key_values=cache, position_ids=pos, use_cache=True)
     return rec
 
 
@@ -162,3 +201,13 @@ class ReadsNorm(Method):
 
 rec = step_syncs(ReadsNorm(8), model, ids)
 assert [(op, n) for (op, _), n in rec.counts.items()] == [("aten._local_scalar_dense", model.config.num_hidden_layers)]
+# in chunks: once per layer and chunk (299 tokens in chunks of 100: 3), not the prompt's checks before them
+chunked = ReadsNorm(8)
+chunked.chunk_size = 100
+rec = step_syncs(chunked, model, ids, "prefill")
+assert [(op, n) for (op, _), n in rec.counts.items()] == [("aten._local_scalar_dense",
+                                                           3 * model.config.num_hidden_layers)]
+# the third of three decode steps: once per layer too; steps must leave a prefill
+rec = step_syncs(ReadsNorm(8), model, ids, steps=3)
+assert [(op, n) for (op, _), n in rec.counts.items()] == [("aten._local_scalar_dense", model.config.num_hidden_layers)]
+test_fail(lambda: step_syncs(ReadsNorm(8), model, ids, steps=300), contains="steps must be an int in [1, 299]")
