@@ -34,7 +34,7 @@ import torch
 from fastcore.basics import patch_to
 from torch import Tensor
 
-from sparsekv.attention import check_int
+from sparsekv.attention import check_int, content_checks
 from sparsekv.cache import follow_batch_ops
 from sparsekv.eval import attention_fidelity
 from sparsekv.hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
@@ -179,7 +179,7 @@ def top_pages(page_scores: Tensor, token_budget: int, page_size: int, sink: int,
     if page_scores.dim() < 3 or page_scores.shape[-1] != P:
         raise ValueError(f"page_scores must be [B, Hkv, (S,) P] with P = T // page_size = {P}, got "
                          f"{tuple(page_scores.shape)}")
-    if page_scores.isnan().any(): raise ValueError("page_scores must not contain NaN")
+    if content_checks() and page_scores.isnan().any(): raise ValueError("page_scores must not contain NaN")
     lead, dev = page_scores.shape[:-1], page_scores.device
     if T <= budget: return torch.arange(P, device=dev).expand(*lead, P)
     sink_end, recent_start = always_kept(T, m, sink, recent)
@@ -806,11 +806,15 @@ def track(self, q: Tensor, k: Tensor, ctx) -> Tensor | None:
     if layer is not None and layer not in self.followed:
         self.followed.add(layer)
         follow_batch_ops(layer, id(self), lambda fn, i=i: self.apply_rows(i, fn))
-    first, last_T = self.seen.get(i, (None, 0))
-    if first is None or last_T >= T or not torch.equal(first, k[:, :, :1]):  # the cache restarted
+    first, last_T, last_layer = self.seen.get(i, (None, 0, None))
+    # a new sequence: a cache that did not grow, or another cache object (known on the host); without a cache layer
+    # to follow, a different first key (read back)
+    if layer is None: new = first is None or not torch.equal(first, k[:, :, :1])
+    else: new = last_layer is None or last_layer() is not layer
+    if new or last_T >= T:
         self.summaries.pop(i, None)
         self.history[i] = []
-    self.seen[i] = (k[:, :, :1].clone(), T)
+    self.seen[i] = (k[:, :, :1].clone() if layer is None else None, T, None if layer is None else weakref.ref(layer))
     hist = self.history[i]
     hist.append(q[:, :, -1])
     del hist[: -self.spec_steps - 1]
@@ -844,7 +848,7 @@ def apply_rows(self, i: int, fn) -> None:
     "Layer i's cache moved its batch rows by `fn` (beam search): move the queries kept, rebuild the summaries."
     self.summaries.pop(i, None)
     if i in self.history: self.history[i] = [fn(h) for h in self.history[i]]
-    if i in self.seen: self.seen[i] = (fn(self.seen[i][0]), self.seen[i][1])
+    if i in self.seen and self.seen[i][0] is not None: self.seen[i] = (fn(self.seen[i][0]), *self.seen[i][1:])
     if i in self.rows:  # the row policies move with their rows; a repeated row gets its own copy
         old, moved = self.rows[i], []
         for j in fn(torch.arange(len(old))).tolist():

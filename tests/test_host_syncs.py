@@ -1,0 +1,101 @@
+"""No host syncs in the hot paths: every registered method decodes a token, and every selection method prefills its
+chunks, without an operator that reads a device value back on the host (`sparsekv.syncs`), on the tiny models; and
+the functions of those paths hold no read that the operator count cannot see (`.tolist()`, `.numpy()`, `.cpu()`)."""
+import importlib
+import inspect
+import re
+
+import pytest
+import torch
+
+from sparsekv import methods
+from sparsekv.syncs import step_syncs
+
+# the quick profile of the host_syncs stage: a prompt of 300 tokens, a budget of 64 keys per head (each selection
+# and retrieval method drops keys, each eviction method evicts)
+PROMPT, BUDGET = 300, 64
+PARAMS = {"lessismore": {"selection_layers": [0]}}  # the tiny models have two layers
+SELECTION = [n for n in methods.names() if methods.get(n).family == "selection"]
+# every registered method, and compositions whose decode method evicts (the prompt handed over at the first step)
+DECODE = methods.names() + ["quoka+kvpop_mlstm", "dense+streaming_llm"]
+
+
+def make(name: str):
+    "Method `name` as the host_syncs stage runs it."
+    return methods.make(name) if name == "dense" else methods.make(name, BUDGET, **PARAMS.get(name, {}))
+
+
+def prompt(model) -> torch.Tensor:
+    return torch.randint(3, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+
+
+def where(rec) -> dict:
+    "The reads by (operator, line), for the failure message."
+    return {f"{op} at {line}": n for (op, line), n in rec.counts.items()}
+
+
+def line_of(fn, text: str) -> str:
+    "'sparsekv/x.py:N', the line of `fn`'s source holding `text` (as the operator count names lines)."
+    lines, first = inspect.getsourcelines(fn)
+    n = first + next(i for i, line in enumerate(lines) if text in line)
+    return f"sparsekv/{inspect.getsourcefile(fn).rsplit('/sparsekv/', 1)[1]}:{n}"
+
+
+def allowed(name: str) -> dict:
+    "The reads a decode step of `name` makes by design."
+    if name != "dms": return {}
+    # DMS has no budget: its cache is as long as the busiest head's live entries, which the learned decisions decide,
+    # so a step reads that one count (the compaction's size) for all layers, and nothing else
+    from sparsekv.kvpop.dms import DMSCache
+    return {f"aten._local_scalar_dense at {line_of(DMSCache.compact, 'M = int(')}": 1}
+
+
+@pytest.mark.parametrize("name", DECODE)
+def test_a_decode_step_reads_nothing_back(tiny_model, name):
+    "The first decode step after the prefill, and the third (the steady state of generation)."
+    reads = {f"decode step {steps}": where(step_syncs(make(name), tiny_model, prompt(tiny_model), "decode", steps))
+             for steps in (1, 3)}
+    assert reads == {step: allowed(name) for step in reads}, reads
+
+
+@pytest.mark.parametrize("name", SELECTION)
+def test_a_prefill_chunk_reads_nothing_back(tiny_model, name):
+    m = make(name)
+    assert getattr(m, "chunk_size", None) and m.chunk_size < PROMPT - 1  # several chunks, the later ones select
+    rec = step_syncs(m, tiny_model, prompt(tiny_model), "prefill")
+    assert rec.total == 0, where(rec)
+
+
+# the functions of the per-step and per-chunk paths made free of reads back, by module
+HOT_PATH = {
+    "sparsekv.attention": ["require_finite", "content_checks"],
+    "sparsekv.select": ["_check_top", "top_mask", "_order_keys", "top_budget_indices", "anchored_top_indices"],
+    "sparsekv.hf": ["dense_attention", "_check_indices", "attend_selected", "AttentionContext.real_keys", "_context",
+                    "_plain_causal", "_sparsekv_attention", "_record_call", "_end_call", "SelectionPolicy.attend"],
+    "sparsekv.cache": ["EvictionRule.keep", "SinkWindowRule.count", "TopScoreRule.visible", "TopScoreRule.count",
+                       "EvictingLayer.scored_entries", "EvictingLayer.update", "EvictingLayer.evict"],
+    "sparsekv.kvpop.scorers": ["check_kv", "scorer_input"],
+    "sparsekv.kvpop.cache": ["KVpopRule.visible", "KVpopRule.eligible_span", "KVpopRule.count", "KVpopRule.keep",
+                             "KVpopRule._recurrent_scores", "KVpopLayer.update", "KVpopLayer.worst_eligible",
+                             "KVpopLayer.evict", "KVpopPolicy.decode"],
+    "sparsekv.kvpop.dms": ["DMSRule.visible", "DMSLayer.evict", "DMSCache.live", "DMSCache.compact"],
+    "sparsekv.quoka.select": ["check_chunk", "check_unit_keys", "UnitKeyCache.update", "kept_positions",
+                              "quoka_select", "_quoka_scores", "quoka_decode_select"],
+    "sparsekv.oval.basis": ["check_page", "_gram_right_singular", "_orthonormalize", "_gram_basis", "page_basis"],
+    "sparsekv.oval.pages": ["top_pages", "page_tokens", "PageRetrievalPolicy.track", "PageRetrievalPolicy.page_ids",
+                            "PageRetrievalPolicy.select", "PackedPages.append", "PackedPages.scores"],
+    "sparsekv.quoka.baselines": ["loki_basis", "KeyMoments.update", "lessismore_select", "sparq_select",
+                                 "mean_score_select", "sample_attention_select", "loki_select",
+                                 "_loki_projection", "_merge_ranked", "sample_query_positions"],
+}
+UNSEEN_READS = re.compile(r"\.(tolist|numpy|cpu)\(")  # reads back that bypass the dispatcher
+
+
+@pytest.mark.parametrize("module", list(HOT_PATH))
+def test_hot_path_functions_hold_no_read_the_count_cannot_see(module):
+    mod = importlib.import_module(module)
+    for qualname in HOT_PATH[module]:
+        obj = mod
+        for part in qualname.split("."): obj = getattr(obj, part)
+        src = inspect.getsource(obj)
+        assert not UNSEEN_READS.search(src), f"{module}.{qualname}: {UNSEEN_READS.search(src).group()}"
