@@ -7,9 +7,23 @@ import torch
 import torch.nn.functional as F
 
 import sparsekv.attention as A
-from sparsekv.attention import (BACKENDS, attention_chunked, attention_reference, attention_scores, bias_score_mod,
-                                block_mask_from_bool, causal_block_mask, causal_mask, check_mask, check_qkv,
-                                flex_attention_lse, masked_attention, masked_logsumexp, merge_attention, repeat_kv)
+from sparsekv.attention import (
+    BACKENDS,
+    attention_chunked,
+    attention_reference,
+    attention_scores,
+    bias_score_mod,
+    block_mask_from_bool,
+    causal_block_mask,
+    causal_mask,
+    check_mask,
+    check_qkv,
+    flex_attention_lse,
+    masked_attention,
+    masked_logsumexp,
+    merge_attention,
+    repeat_kv,
+)
 
 LENGTHS = [(1, 1), (33, 33), (130, 130), (1, 130), (7, 33), (33, 7)]  # (Sq, Sk); Sq > Sk has empty rows
 MASKS = ["causal", "random", "shared", "padding"]

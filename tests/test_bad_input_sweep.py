@@ -35,29 +35,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # conftest's tiny models when run as a script
 from conftest import _load_tiny  # noqa: E402
 
-from sparsekv import methods  # noqa: E402
-from sparsekv import models  # noqa: E402
+from sparsekv import (
+    methods,  # noqa: E402
+    models,  # noqa: E402
+)
 from sparsekv import reproduce as rp  # noqa: E402
 from sparsekv.attention import attention_reference, check_int  # noqa: E402
 from sparsekv.cache import SinkWindowCache  # noqa: E402
 from sparsekv.distill import DistillConfig, distill, epoch_batches  # noqa: E402
-from sparsekv.train import main as distill_main  # noqa: E402
 from sparsekv.eval import kl_to_teacher, run_grid  # noqa: E402
 from sparsekv.hf import DensePolicy, chunked_prefill, patch  # noqa: E402
 from sparsekv.io import DamagedFileError, atomic_path_with_digest  # noqa: E402
+from sparsekv.kvpop import student as student_module  # noqa: E402
 from sparsekv.kvpop.cache import KVpopCache, KVpopPolicy, random_scorers  # noqa: E402
 from sparsekv.kvpop.cutoff import topk_cutoff, topk_cutoff_reference  # noqa: E402
 from sparsekv.kvpop.mask import kvpop_mask, kvpop_mask_reference  # noqa: E402
 from sparsekv.kvpop.student import KVpopMLP, KVpopMLSTM, KVpopStudent, StreamingLLMPlus  # noqa: E402
 from sparsekv.kvpop.target import future_attention_target  # noqa: E402
 from sparsekv.models import load_model  # noqa: E402
-from sparsekv.kvpop import student as student_module  # noqa: E402
 from sparsekv.oval.basis import page_basis, page_basis_reference  # noqa: E402
 from sparsekv.oval.pages import PageRetrievalPolicy  # noqa: E402
 from sparsekv.protocol import fit_budget  # noqa: E402
 from sparsekv.quoka.policy import QuokaPolicy  # noqa: E402
 from sparsekv.quoka.select import quoka_select, quoka_select_reference, unit_keys  # noqa: E402
 from sparsekv.select import resolve_budget  # noqa: E402
+from sparsekv.train import main as distill_main  # noqa: E402
 
 CLEAR, RIGHT, UNCLEAR, WRONG = "clear error", "right answer", "unclear error", "silently wrong"
 

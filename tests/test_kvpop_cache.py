@@ -173,6 +173,7 @@ def test_visible_equals_stable_sort_reference(recurrent):
     """KVpopRule.visible (no sort when at most k + 1 entries are eligible) equals the stable-sort reference on random
     states with ties."""
     from types import SimpleNamespace
+
     from sparsekv.kvpop.cache import kvpop_visible_reference
     gen = torch.Generator().manual_seed(7 + recurrent)
     for _ in range(200):

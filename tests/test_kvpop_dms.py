@@ -5,11 +5,21 @@ import torch
 from torch.testing import assert_close
 from transformers import DynamicCache
 
-from sparsekv.kvpop.dms import (DMSStudent, dms_attention, dms_mask_bias, dms_mask_bias_reference, dms_visible,
-                                eviction_ratios, gumbel_sigmoid, gumbel_sigmoid_mean, ratio_loss, ratio_schedule,
-                                target_for_budget)
-from sparsekv.hf import patch
 from sparsekv.distill import DistillStudent
+from sparsekv.hf import patch
+from sparsekv.kvpop.dms import (
+    DMSStudent,
+    dms_attention,
+    dms_mask_bias,
+    dms_mask_bias_reference,
+    dms_visible,
+    eviction_ratios,
+    gumbel_sigmoid,
+    gumbel_sigmoid_mean,
+    ratio_loss,
+    ratio_schedule,
+    target_for_budget,
+)
 from sparsekv.models import load_model
 
 

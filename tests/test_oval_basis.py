@@ -6,8 +6,17 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from sparsekv.oval.basis import (centre_page, hybrid_metric, output_metric, page_basis, page_basis_reference,
-                                 page_lse_exact, page_risks, page_score, subspace_distance)
+from sparsekv.oval.basis import (
+    centre_page,
+    hybrid_metric,
+    output_metric,
+    page_basis,
+    page_basis_reference,
+    page_lse_exact,
+    page_risks,
+    page_score,
+    subspace_distance,
+)
 
 ETAS = [0.0, 0.25, 0.5, 0.75, 1.0]
 F64 = torch.float64

@@ -7,9 +7,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsekv.quoka.select import (GQA_AGGS, QUERY_AGGS, QUERY_SELECT, UnitKeyCache, preaggregated_queries,
-                                   query_dissimilarity, quoka_decode_select, quoka_scores, quoka_scores_reference,
-                                   quoka_select, quoka_select_reference, select_queries, unit_keys)
+from sparsekv.quoka.select import (
+    GQA_AGGS,
+    QUERY_AGGS,
+    QUERY_SELECT,
+    UnitKeyCache,
+    preaggregated_queries,
+    query_dissimilarity,
+    quoka_decode_select,
+    quoka_scores,
+    quoka_scores_reference,
+    quoka_select,
+    quoka_select_reference,
+    select_queries,
+    unit_keys,
+)
 from sparsekv.select import resolve_budget, top_budget_indices, top_budget_indices_reference, top_mask
 
 # (S, T, n_q, budget): T > budget, T < budget, T == budget, n_q >= S, a single query, a fraction of the cache,
@@ -85,7 +97,7 @@ def test_ties_go_to_the_lower_index(G, mode):
     "One-hot queries and keys: every score is exact and many are equal; both implementations break ties the same way."
     g = torch.Generator().manual_seed(G)
     D = 5
-    for trial in range(4):
+    for _ in range(4):
         q = F.one_hot(torch.randint(0, D, (2, 2 * G, 9), generator=g), D).double()
         k = F.one_hot(torch.randint(0, 2, (2, 2, 30), generator=g), D).double()  # two distinct keys among 30
         for budget in (1, 7, 15, 29):

@@ -15,12 +15,20 @@ import torch.nn.functional as F
 from fastcore.basics import patch_to
 from torch import Tensor, nn
 
-from ..attention import (causal_block_mask, check_int, check_qkv, flex_attention_lse, gather_keys, in_window,
-                                is_causal, sink_window_visible)
+from sparsekv.attention import (
+    causal_block_mask,
+    check_int,
+    check_qkv,
+    flex_attention_lse,
+    gather_keys,
+    in_window,
+    is_causal,
+    sink_window_visible,
+)
 from ..cache import EvictingCache, EvictingLayer, EvictionRule
+from ..distill import DistillStudent
 from ..hf import AttentionPolicy, dense_attention, patch
 from .scorers import MLPScorer
-from ..distill import DistillStudent
 from .student import TrainedMethod
 from ..models import model_info
 

@@ -20,12 +20,20 @@ import torch.nn.functional as F
 from fastcore.basics import patch_to
 from torch import Tensor, nn
 
-from sparsekv.attention import (causal_block_mask, check_int, check_qkv, flex_attention_lse, gather_keys, in_window,
-                                is_causal, sink_window_visible)
+from sparsekv.attention import (
+    causal_block_mask,
+    check_int,
+    check_qkv,
+    flex_attention_lse,
+    gather_keys,
+    in_window,
+    is_causal,
+    sink_window_visible,
+)
 from sparsekv.cache import EvictingCache, EvictingLayer, EvictionRule
+from sparsekv.distill import DistillStudent
 from sparsekv.hf import AttentionPolicy, dense_attention, patch
 from sparsekv.kvpop.scorers import MLPScorer
-from sparsekv.distill import DistillStudent
 from sparsekv.kvpop.student import TrainedMethod
 from sparsekv.models import model_info
 
