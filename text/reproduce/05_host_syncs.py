@@ -62,10 +62,13 @@ decode = syncs[syncs.phase == "decode"]
 free = sorted(decode[decode.syncs == 0].method)
 top = (sites.groupby(["line", "op"]).agg(methods=("method", "nunique"), reads=("n", "sum"))
        .sort_values(["methods", "reads"], ascending=False).reset_index())
+reading = decode[decode.syncs > 0]
+lo, hi = reading.syncs.min(), reading.syncs.max()
+rest = (f"; {', '.join(sorted(reading.method))} read{'s' if len(reading) == 1 else ''} "
+        f"{lo if lo == hi else f'{lo} to {hi}'} value(s) per decode step ({reading.per_call_per_layer.max():.1f} "
+        f"per layer at most)" if len(reading) else "")
 summary = (f"{model_name}, {n_layers} layers, prompt {prompt_len} tokens, budget {budget}: {len(free)} of "
-           f"{len(decode)} methods decode without reading a device value on the host ({', '.join(free)}); "
-           f"the others read {decode.syncs[decode.syncs > 0].min()} to {decode.syncs.max()} values per decode "
-           f"step ({decode.per_call_per_layer.max():.1f} per layer at most).")
+           f"{len(decode)} methods decode without reading a device value on the host ({', '.join(free)}){rest}.")
 write_csv(Path(fig_dir)/"host_syncs.csv", syncs)
 write_csv(Path(fig_dir)/"host_syncs_lines.csv", sites)
 write_text(Path(out_dir)/"host_syncs.md", "\n\n".join([
