@@ -30,8 +30,8 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "flex", "triton", "torchrun", "bench")
-LIMITS = {"tests": 150, "flex": 90, "triton": 60, "torchrun": 120, "bench": 180}  # seconds per part on a GPU
+PARTS = ("tests", "syncs", "flex", "triton", "torchrun", "bench")
+LIMITS = {"tests": 150, "syncs": 60, "flex": 90, "triton": 60, "torchrun": 120, "bench": 180}  # seconds a part on a GPU
 RESULT = "GPU_CHECK_RESULT "  # the line a part's process ends its output with, then its numbers as JSON
 
 
@@ -62,6 +62,43 @@ def part_tests(dry: bool) -> dict:
     res |= {"notebooks": notebooks, "notebooks_rc": nb.returncode}
     res["ok"] = out.returncode == 0 and nb.returncode == 0 and counts.get("passed", 0) > 0
     return res
+
+
+def part_syncs(dry: bool) -> dict:
+    """Every registered method's prefill and three decode steps, and every selection method's chunked prefill, on the
+    tiny model with each call of the model under CUDA's sync debug mode "error": a call that reads a device value on
+    the host raises (the checks of the prompt before the first call may read). Dry: on the CPU, the reads of the
+    third step or of the chunks counted by the dispatcher (`sparsekv.syncs`), as the tests do."""
+    import torch
+
+    from sparsekv import methods
+    from sparsekv.models import load_model
+    from sparsekv.syncs import step_syncs
+
+    device = "cpu" if dry else "cuda"
+    model = load_model("tiny-llama", device=device)[0]
+    ids = torch.randint(3, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0)).to(device)
+    def make(name):
+        if name == "dense": return methods.make(name)
+        return methods.make(name, 64, **({"selection_layers": [0]} if name == "lessismore" else {}))
+    runs = [(n, "decode", 3) for n in methods.names()]
+    runs += [(n, "prefill", 1) for n in methods.names("selection")]
+    reads = {}
+    for name, phase, steps in runs:
+        label = f"{name} {phase}"
+        if dry:
+            reads[label] = step_syncs(make(name), model, ids, phase, steps).total
+            continue
+        hooks = [model.register_forward_pre_hook(lambda *a: torch.cuda.set_sync_debug_mode("error")),
+                 model.register_forward_hook(lambda *a: torch.cuda.set_sync_debug_mode("default"))]
+        try: step_syncs(make(name), model, ids, phase, steps); reads[label] = 0
+        except RuntimeError as e: reads[label] = str(e).splitlines()[0][:200]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            for h in hooks: h.remove()
+    reading = {k: v for k, v in reads.items() if v}
+    # DMS reads its compaction's size once a step by design (its cache is as long as its busiest head's live entries)
+    return {"steps": len(reads), "reading": reading, "ok": set(reading) <= {"dms decode"}}
 
 
 def _sync(device) -> None:
