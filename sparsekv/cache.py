@@ -13,8 +13,15 @@ from torch import Tensor
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from . import attention  # attention.content_checks: whether a check may read values back (a step may not)
-from .attention import IntArgumentError, check_int, evictable, gather_keys, is_causal, sink_window_visible
+from sparsekv.attention import (
+    IntArgumentError,
+    check_int,
+    content_checks,
+    evictable,
+    gather_keys,
+    is_causal,
+    sink_window_visible,
+)
 
 # %% auto #0
 __all__ = ['BATCH_OPS', 'EvictionRule', 'visible_count', 'SinkWindowRule', 'TopScoreRule', 'row_map', 'hooked_layer_class',
@@ -42,7 +49,7 @@ class EvictionRule:
         "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
         vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
         M = self.count(layer, next_position)
-        if M is None or attention.content_checks(): M = visible_count(self, vis, M)  # reads the device
+        if M is None or content_checks(): M = visible_count(self, vis, M)  # reads the device
         return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M]
 
 # %% ../nbs/04_cache.ipynb #3a9f9a51
@@ -230,7 +237,7 @@ def scored_entries(self, key_states: Tensor, value_states: Tensor) -> tuple[Tens
     pos = torch.arange(self.seen, self.seen + s, device=self.device).expand(*key_states.shape[:2], s)
     sc = self.rule.scores(self, key_states, value_states, pos)
     # the values only outside the per-step path (a read; see sparsekv.attention.checks)
-    if sc.shape != pos.shape or (attention.content_checks() and not torch.isfinite(sc).all()):
+    if sc.shape != pos.shape or (content_checks() and not torch.isfinite(sc).all()):
         raise ValueError(f"{type(self.rule).__name__}.scores must return finite scores of shape "
                          f"{tuple(pos.shape)}, got {tuple(sc.shape)}")
     return pos, sc
