@@ -1248,6 +1248,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                     'sparsekv/oval/experiments.py'),
                                            'sparsekv.oval.experiments.arms_fidelity': ( 'oval_experiments.html#arms_fidelity',
                                                                                         'sparsekv/oval/experiments.py'),
+                                           'sparsekv.oval.experiments.arms_grids': ( 'oval_experiments.html#arms_grids',
+                                                                                     'sparsekv/oval/experiments.py'),
                                            'sparsekv.oval.experiments.best_eta_summary': ( 'oval_experiments.html#best_eta_summary',
                                                                                            'sparsekv/oval/experiments.py'),
                                            'sparsekv.oval.experiments.choose_eta': ( 'oval_experiments.html#choose_eta',

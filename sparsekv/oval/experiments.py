@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
@@ -17,8 +19,8 @@ from torch import Tensor
 
 from .. import methods
 from ..attention import check_int
-from ..data import reasoning_problems, score_exact, token_stream
-from ..eval import attention_fidelity, kl_to_teacher, top1_agreement
+from ..data import make_task, packed_sequences, reasoning_problems, score_exact, token_stream
+from ..eval import attention_fidelity, kl_to_teacher, run_grid, top1_agreement
 from ..hf import AttentionContext, AttentionPolicy, attend_selected, chunked_prefill, dense_attention, patch
 from ..models import model_info
 from .basis import centre_page, check_eta, output_metric, page_basis, page_risks
@@ -38,9 +40,9 @@ from ..protocol import cpu_seconds
 __all__ = ['retrieval_arms', 'arm_label', 'registry_name', 'plot_eta_curve', 'this_run', 'md_table', 'reasoning_window',
            'layer_activations', 'layer_output_metric', 'arm_page_weights', 'arms_fidelity', 'choose_eta',
            'best_eta_summary', 'theory_rows', 'ArmsPolicy', 'held_back_prefill', 'decode_arms', 'arm_policy',
-           'end_of_text_ids', 'cut_at', 'task_arms', 'generation_arms', 'arm_table', 'eta_goal', 'stand_in_attention',
-           'decode_context', 'decode_policies', 'decode_latency', 'latency_table', 'paired_ratio', 'limit_macs',
-           'summary_build_latency']
+           'end_of_text_ids', 'cut_at', 'task_arms', 'generation_arms', 'arms_grids', 'arm_table', 'eta_goal',
+           'stand_in_attention', 'decode_context', 'decode_policies', 'decode_latency', 'latency_table', 'paired_ratio',
+           'limit_macs', 'summary_build_latency']
 
 # %% ../../nbs/33_oval_experiments.ipynb #94da3d84
 def retrieval_arms(etas: Sequence[float]) -> list[tuple[str, float]]:
@@ -286,6 +288,38 @@ def generation_arms(model, ids: Tensor, policies: list, n_new: int, chunk_size: 
                     "kl": kl_to_teacher(logits[a], logits[0]).item(),
                     "first_divergence": int(miss[0, 0]) if len(miss) else n_new})
     return out
+
+# %% ../../nbs/33_oval_experiments.ipynb #91db8808
+def arms_grids(model, tok, arms: list, items: list, gen_items: list, retrieval: dict, max_new_tokens: dict,
+               gen_tokens: int, n_gen: int, chunk_size: int, params: dict, seed: int, out_dir) -> tuple:
+    """This run's rows of `out_dir`'s oval_tasks grids: each task item of `items` ((task, context, depth or None,
+    sample)) and each prose prompt of `gen_items` ((context, sample < n_gen)) under each arm of `arms` ((method, eta,
+    budget fraction)) with the page-retrieval settings `retrieval`; `params`: the run's other keys (model, ...)."""
+    stop, common = end_of_text_ids(tok), {**params, "seed": seed, "chunk_size": chunk_size, **retrieval}
+    arm_of = lambda cell: (cell["method"], cell["eta"], cell["budget_fraction"])
+    policies = lambda context: [arm_policy(m, e, int(f * context), **retrieval) for m, e, f in arms]
+
+    @functools.lru_cache(maxsize=1)
+    def item_arms(task, context, depth, sample):
+        item = make_task(task, tok, context, seed=seed * 1000 + sample, **({} if depth is None else {"depth": depth}))
+        return dict(zip(arms, task_arms(model, tok, item, policies(context), max_new_tokens[task], chunk_size, stop)))
+
+    @functools.lru_cache(maxsize=1)
+    def generation(context, sample):
+        ids = packed_sequences(tok, context, "validation", n=n_gen, seed=seed)[sample:sample + 1]
+        return dict(zip(arms, generation_arms(model, ids, policies(context), gen_tokens, chunk_size)))
+
+    task_cells = [{"task": t, "context": c, "depth": d, "sample": s, "max_new_tokens": max_new_tokens[t],
+                   "method": m, "eta": e, "budget_fraction": f} for t, c, d, s in items for m, e, f in arms]
+    gen_cells = [{"context": c, "sample": s, "gen_tokens": gen_tokens, "method": m, "eta": e, "budget_fraction": f}
+                 for c, s in gen_items for m, e, f in arms]
+    tasks = run_grid(task_cells, lambda c: item_arms(c["task"], c["context"], c["depth"], c["sample"])[arm_of(c)],
+                     Path(out_dir)/"oval_tasks_grid.csv", desc="oval tasks", params=common)
+    gen = run_grid(gen_cells, lambda c: generation(c["context"], c["sample"])[arm_of(c)],
+                   Path(out_dir)/"oval_tasks_generation_grid.csv", desc="oval generation", params=common)
+    tasks, gen = this_run(tasks, task_cells, common), this_run(gen, gen_cells, common)
+    tasks.insert(1, "family", tasks.task.map(lambda t: "needle" if t == "niah_single" else "ruler"))
+    return tasks, gen
 
 # %% ../../nbs/33_oval_experiments.ipynb #4e5b07b7
 def arm_table(tasks_res: pd.DataFrame, gen_res: pd.DataFrame, ruler_tasks: Sequence[str], arms: list) -> pd.DataFrame:

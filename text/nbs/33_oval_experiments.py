@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
@@ -33,8 +35,8 @@ from torch import Tensor
 
 from sparsekv import methods
 from sparsekv.attention import check_int
-from sparsekv.data import reasoning_problems, score_exact, token_stream
-from sparsekv.eval import attention_fidelity, kl_to_teacher, top1_agreement
+from sparsekv.data import make_task, packed_sequences, reasoning_problems, score_exact, token_stream
+from sparsekv.eval import attention_fidelity, kl_to_teacher, run_grid, top1_agreement
 from sparsekv.hf import AttentionContext, AttentionPolicy, attend_selected, chunked_prefill, dense_attention, patch
 from sparsekv.models import model_info
 from sparsekv.oval.basis import centre_page, check_eta, output_metric, page_basis, page_risks
@@ -55,6 +57,8 @@ from sparsekv.protocol import cpu_seconds
 from fastcore.test import test_close, test_eq, test_fail
 
 # %%
+import tempfile
+
 from sparsekv.hf import DensePolicy
 from sparsekv.models import tiny_model
 
@@ -639,6 +643,67 @@ test_close(_gen[0]["kl"], 0.0, eps=1e-6)
 test_eq(_gen[3]["first_divergence"], 6)                     # budget over the cache: full attention
 _d = next((i for i in range(6) if _tf[1, i] != _tok[0, i]), 6)
 test_eq(_gen[1]["first_divergence"], _d)
+
+
+# %% [markdown]
+# The stage's two grids: every task item and every generation prompt under every arm, one row per
+# (item, arm), resumable. The arms of one item share one prefill and decode as one batch (the item's
+# rows are computed together, then read back one at a time). Every setting that changes a result is a
+# key of every row, so a resumed grid never reuses rows of other settings.
+
+# %%
+#| export
+def arms_grids(model, tok, arms: list, items: list, gen_items: list, retrieval: dict, max_new_tokens: dict,
+               gen_tokens: int, n_gen: int, chunk_size: int, params: dict, seed: int, out_dir) -> tuple:
+    """This run's rows of `out_dir`'s oval_tasks grids: each task item of `items` ((task, context, depth or None,
+    sample)) and each prose prompt of `gen_items` ((context, sample < n_gen)) under each arm of `arms` ((method, eta,
+    budget fraction)) with the page-retrieval settings `retrieval`; `params`: the run's other keys (model, ...)."""
+    stop, common = end_of_text_ids(tok), {**params, "seed": seed, "chunk_size": chunk_size, **retrieval}
+    arm_of = lambda cell: (cell["method"], cell["eta"], cell["budget_fraction"])
+    policies = lambda context: [arm_policy(m, e, int(f * context), **retrieval) for m, e, f in arms]
+
+    @functools.lru_cache(maxsize=1)
+    def item_arms(task, context, depth, sample):
+        item = make_task(task, tok, context, seed=seed * 1000 + sample, **({} if depth is None else {"depth": depth}))
+        return dict(zip(arms, task_arms(model, tok, item, policies(context), max_new_tokens[task], chunk_size, stop)))
+
+    @functools.lru_cache(maxsize=1)
+    def generation(context, sample):
+        ids = packed_sequences(tok, context, "validation", n=n_gen, seed=seed)[sample:sample + 1]
+        return dict(zip(arms, generation_arms(model, ids, policies(context), gen_tokens, chunk_size)))
+
+    task_cells = [{"task": t, "context": c, "depth": d, "sample": s, "max_new_tokens": max_new_tokens[t],
+                   "method": m, "eta": e, "budget_fraction": f} for t, c, d, s in items for m, e, f in arms]
+    gen_cells = [{"context": c, "sample": s, "gen_tokens": gen_tokens, "method": m, "eta": e, "budget_fraction": f}
+                 for c, s in gen_items for m, e, f in arms]
+    tasks = run_grid(task_cells, lambda c: item_arms(c["task"], c["context"], c["depth"], c["sample"])[arm_of(c)],
+                     Path(out_dir)/"oval_tasks_grid.csv", desc="oval tasks", params=common)
+    gen = run_grid(gen_cells, lambda c: generation(c["context"], c["sample"])[arm_of(c)],
+                   Path(out_dir)/"oval_tasks_generation_grid.csv", desc="oval generation", params=common)
+    tasks, gen = this_run(tasks, task_cells, common), this_run(gen, gen_cells, common)
+    tasks.insert(1, "family", tasks.task.map(lambda t: "needle" if t == "niah_single" else "ruler"))
+    return tasks, gen
+
+
+# %%
+_arms = [("full", 0.0, 1.0), ("quest", 0.0, 0.5), ("oval", 0.5, 0.5)]
+_items = [("niah_single", 400, 0.5, 0), ("niah_multikey", 600, None, 0)]
+with tempfile.TemporaryDirectory() as _dir:
+    _kw = dict(retrieval=dict(page_size=8, sink=8, recent=8), max_new_tokens={"niah_single": 3, "niah_multikey": 3},
+               gen_tokens=4, n_gen=1, chunk_size=64, params={"model": "tiny"}, seed=0, out_dir=_dir)
+    _tr, _gr = arms_grids(model, tok, _arms, _items, [(96, 0)], **_kw)
+    test_eq((len(_tr), len(_gr)), (6, 3))
+    test_eq(_tr.family.tolist(), ["needle"] * 3 + ["ruler"] * 3)
+    test_eq(_tr.method.tolist(), ["full", "quest", "oval"] * 2)
+    test_eq(_gr.agreement.iloc[0], 1.0)                      # full attention is the teacher
+    _item = make_task("niah_single", tok, 400, seed=0, depth=0.5)   # one row equals its item computed alone
+    _alone = task_arms(model, tok, _item, [arm_policy(m, e, int(f * 400), page_size=8, sink=8, recent=8)
+                                           for m, e, f in _arms], 3, 64, end_of_text_ids(tok))
+    test_eq(_tr.prediction.tolist()[:3], [a["prediction"] for a in _alone])
+    _rows = len(pd.read_csv(Path(_dir)/"oval_tasks_grid.csv"))
+    _tr2, _ = arms_grids(model, tok, _arms, _items[:1], [(96, 0)], **_kw)   # resumed: no new rows
+    test_eq((len(pd.read_csv(Path(_dir)/"oval_tasks_grid.csv")), _tr2.prediction.tolist()),
+            (_rows, _tr.prediction.tolist()[:3]))
 
 
 # %% [markdown]

@@ -38,59 +38,33 @@ threads = 1
 seed = 0
 
 # %%
-from functools import lru_cache
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from sparsekv.data import make_task, packed_sequences
-from sparsekv.eval import run_grid
+from sparsekv.data import packed_sequences
 from sparsekv.io import save_figure, use_style, write_csv, write_text
 from sparsekv.models import load_model, model_info
-from sparsekv.oval.experiments import (arm_label, arm_policy, arm_table, decode_arms, end_of_text_ids, eta_goal,
-                                       generation_arms, held_back_prefill, md_table, plot_eta_curve, retrieval_arms,
-                                       task_arms, this_run)
+from sparsekv.oval.experiments import (arm_label, arm_policy, arm_table, arms_grids, decode_arms, eta_goal,
+                                       held_back_prefill, md_table, plot_eta_curve, retrieval_arms)
 
 if threads: torch.set_num_threads(threads)
 use_style()
 torch.manual_seed(seed)
 model, tok = load_model(model_name, dtype=dtype, device=device)
-EOS = end_of_text_ids(tok)
 print(model_info(model), f"; {torch.get_num_threads()} threads on {device}")
 
 # %%
 ARMS = [("full", 0.0, 1.0)] + [(m, e, f) for f in budget_fractions for m, e in retrieval_arms(etas)]
 retrieval = dict(page_size=page_size, rank=rank, sink=sink, recent=recent, dense_layers=dense_layers,
                  spec_steps=spec_steps, tau=tau)
-arm_of = lambda cell: (cell["method"], cell["eta"], cell["budget_fraction"])
-policies = lambda context: [arm_policy(m, e, int(f * context), **retrieval) for m, e, f in ARMS]
-
-@lru_cache(maxsize=1)  # the cells of one item share one prefill and one decode pass
-def item_arms(task: str, context: int, depth, sample: int) -> dict:
-    item = make_task(task, tok, context, seed=seed * 1000 + sample, **({} if depth is None else {"depth": depth}))
-    return dict(zip(ARMS, task_arms(model, tok, item, policies(context), max_new_tokens[task], chunk_size, EOS)))
-
-@lru_cache(maxsize=1)
-def generation(context: int, sample: int) -> dict:
-    ids = packed_sequences(tok, context, "validation", n=n_gen, seed=seed)[sample:sample + 1]
-    return dict(zip(ARMS, generation_arms(model, ids, policies(context), gen_tokens, chunk_size)))
-
 ITEMS = [("niah_single", c, d, s) for c in contexts for d in needle_depths for s in range(n_samples)] + \
         [(t, c, None, s) for c in contexts for t in ruler_tasks for s in range(n_samples)]
-task_cells = [{"task": t, "context": c, "depth": d, "sample": s, "max_new_tokens": max_new_tokens[t], "method": m,
-               "eta": e, "budget_fraction": f} for t, c, d, s in ITEMS for m, e, f in ARMS]
-gen_cells = [{"context": c, "sample": s, "gen_tokens": gen_tokens, "method": m, "eta": e, "budget_fraction": f}
-             for c in gen_contexts for s in range(n_gen) for m, e, f in ARMS]
-# every setting that changes a result is a key of every row (a resumed grid never reuses rows of other settings)
-common = {"model": model_name, "dtype": dtype, "device": device, "seed": seed, "chunk_size": chunk_size, **retrieval}
-task_grid = run_grid(task_cells, lambda c: item_arms(c["task"], c["context"], c["depth"], c["sample"])[arm_of(c)],
-                     Path(out_dir)/"oval_tasks_grid.csv", desc="oval tasks", params=common)
-gen_grid = run_grid(gen_cells, lambda c: generation(c["context"], c["sample"])[arm_of(c)],
-                    Path(out_dir)/"oval_tasks_generation_grid.csv", desc="oval generation", params=common)
-tasks_res, gen_res = this_run(task_grid, task_cells, common), this_run(gen_grid, gen_cells, common)
-tasks_res.insert(1, "family", tasks_res.task.map(lambda t: "needle" if t == "niah_single" else "ruler"))
+tasks_res, gen_res = arms_grids(model, tok, ARMS, ITEMS, [(c, s) for c in gen_contexts for s in range(n_gen)],
+                                retrieval, max_new_tokens, gen_tokens, n_gen, chunk_size, seed=seed, out_dir=out_dir,
+                                params={"model": model_name, "dtype": dtype, "device": device})
 write_csv(Path(fig_dir)/"oval_tasks_items.csv", tasks_res)
 write_csv(Path(fig_dir)/"oval_tasks_generation.csv", gen_res)
 
