@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
 
 from .hf import Method, chunked_prefill
 
@@ -41,13 +42,15 @@ def _where(skip: int = 2) -> str:
 
 # %% ../nbs/45_host_syncs.ipynb #61388fae
 class HostSyncs(TorchDispatchMode):
-    "Within the block, count each operator that reads a device value on the host, by operator and code line."
+    """Within the block, count each operator that reads a device value on the host, by operator and code line, and
+    every operator dispatched (`ops`: each one is host work, a kernel launch on an accelerator)."""
     def __init__(self):
         super().__init__()
-        self.counts = Counter()
+        self.counts, self.ops = Counter(), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = str(func.overloadpacket)
+        self.ops += 1
         if is_sync(op, args, kwargs): self.counts[(op, _where())] += 1
         return func(*args, **(kwargs or {}))
 
@@ -65,14 +68,16 @@ def _in_calls(model, rec: HostSyncs):
     finally: pre.remove(), post.remove()
 
 # %% ../nbs/45_host_syncs.ipynb #43f89d1f
-def step_syncs(method: Method, model, input_ids: torch.Tensor, phase: str = "decode", steps: int = 1) -> HostSyncs:
-    """Host reads of `method` on `model` prefilling `input_ids[:, :-steps]` (`phase='prefill'`) or in the last of
-    the `steps` decode steps of the tokens after them."""
+def step_syncs(method: Method | None, model, input_ids: torch.Tensor, phase: str = "decode", steps: int = 1
+               ) -> HostSyncs:
+    """Host reads (and operators) of `method` (None: transformers' default, unpatched, its `DynamicCache`) on `model`
+    prefilling `input_ids[:, :-steps]` (`phase='prefill'`) or in the last of the `steps` decode steps after them."""
     if phase not in ("decode", "prefill"): raise ValueError(f"phase must be 'decode' or 'prefill', got {phase!r}")
     S, chunk, rec = input_ids.shape[1], getattr(method, "chunk_size", None), HostSyncs()
     if not 1 <= steps < S:
         raise ValueError(f"steps must be an int in [1, {S - 1}] (tokens after a prefill), got {steps!r}")
-    with torch.no_grad(), method.patch(model) as cache:
+    unpatched = contextlib.nullcontext(DynamicCache(config=model.config))
+    with torch.no_grad(), unpatched if method is None else method.patch(model) as cache:
         with _in_calls(model, rec) if phase == "prefill" else contextlib.nullcontext():
             if chunk: cache = chunked_prefill(model, input_ids[:, :-steps], chunk, cache=cache)[0]
             else: model(input_ids[:, :-steps], past_key_values=cache, use_cache=True)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
 
 from sparsekv.hf import Method, chunked_prefill
 
@@ -82,13 +83,15 @@ test_eq(_where(), "?")  # called from a notebook: no line of the library or of t
 # %%
 #| export
 class HostSyncs(TorchDispatchMode):
-    "Within the block, count each operator that reads a device value on the host, by operator and code line."
+    """Within the block, count each operator that reads a device value on the host, by operator and code line, and
+    every operator dispatched (`ops`: each one is host work, a kernel launch on an accelerator)."""
     def __init__(self):
         super().__init__()
-        self.counts = Counter()
+        self.counts, self.ops = Counter(), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = str(func.overloadpacket)
+        self.ops += 1
         if is_sync(op, args, kwargs): self.counts[(op, _where())] += 1
         return func(*args, **(kwargs or {}))
 
@@ -116,6 +119,7 @@ with HostSyncs() as rec:
     x.gather(0, i), torch.where(x > 0, x, 0.0), x * (x > 0), x.repeat_interleave(2)
     x.repeat_interleave(torch.full((10,), 2), output_size=20)
 assert rec.total == 0, rec.counts
+test_eq(rec.ops, 14)  # as dispatched, views and decompositions too: repeat_interleave by an int is 4 operators
 def _reads_one(t): return t.max().item()  # noqa: E704
 with HostSyncs() as rec: _reads_one(x)
 assert list(rec.counts) == [("aten._local_scalar_dense", "?")]  # a line outside the library and transformers: '?'
@@ -156,14 +160,16 @@ assert rec.total == 2 and not _lin._forward_pre_hooks and len(_lin._forward_hook
 
 # %%
 #| export
-def step_syncs(method: Method, model, input_ids: torch.Tensor, phase: str = "decode", steps: int = 1) -> HostSyncs:
-    """Host reads of `method` on `model` prefilling `input_ids[:, :-steps]` (`phase='prefill'`) or in the last of
-    the `steps` decode steps of the tokens after them."""
+def step_syncs(method: Method | None, model, input_ids: torch.Tensor, phase: str = "decode", steps: int = 1
+               ) -> HostSyncs:
+    """Host reads (and operators) of `method` (None: transformers' default, unpatched, its `DynamicCache`) on `model`
+    prefilling `input_ids[:, :-steps]` (`phase='prefill'`) or in the last of the `steps` decode steps after them."""
     if phase not in ("decode", "prefill"): raise ValueError(f"phase must be 'decode' or 'prefill', got {phase!r}")
     S, chunk, rec = input_ids.shape[1], getattr(method, "chunk_size", None), HostSyncs()
     if not 1 <= steps < S:
         raise ValueError(f"steps must be an int in [1, {S - 1}] (tokens after a prefill), got {steps!r}")
-    with torch.no_grad(), method.patch(model) as cache:
+    unpatched = contextlib.nullcontext(DynamicCache(config=model.config))
+    with torch.no_grad(), unpatched if method is None else method.patch(model) as cache:
         with _in_calls(model, rec) if phase == "prefill" else contextlib.nullcontext():
             if chunk: cache = chunked_prefill(model, input_ids[:, :-steps], chunk, cache=cache)[0]
             else: model(input_ids[:, :-steps], past_key_values=cache, use_cache=True)
@@ -211,3 +217,16 @@ assert [(op, n) for (op, _), n in rec.counts.items()] == [("aten._local_scalar_d
 rec = step_syncs(ReadsNorm(8), model, ids, steps=3)
 assert [(op, n) for (op, _), n in rec.counts.items()] == [("aten._local_scalar_dense", model.config.num_hidden_layers)]
 test_fail(lambda: step_syncs(ReadsNorm(8), model, ids, steps=300), contains="steps must be an int in [1, 299]")
+
+# %% [markdown]
+# Every operator is counted too (`ops`): a policy that adds two operators per layer (the norm and its
+# read) adds exactly two per layer to the dense step's count; transformers' own step, unpatched, is
+# the baseline the methods' counts are compared with.
+
+# %%
+L = model.config.num_hidden_layers
+dense_ops = step_syncs(methods.make("dense"), model, ids).ops
+test_eq(step_syncs(ReadsNorm(8), model, ids).ops, dense_ops + 2 * L)
+default = step_syncs(None, model, ids)
+assert default.total == 0 and default.ops > 10 * L, default.ops
+test_eq(step_syncs(None, model, ids, steps=2).ops, default.ops)   # a step's count does not depend on the step

@@ -1,7 +1,7 @@
 # %% [markdown]
-# # Host synchronizations per step, every method
+# # Host work per step, every method: synchronizations, operators and the time of a step
 #
-# > How many times each method's decode step and prefill chunk make the host wait for the device, and at which lines: what keeps a step from running at the speed of memory on an accelerator.
+# > How many times each method's decode step and prefill chunk make the host wait for the device, at which lines, how many operators a decode step dispatches, and what a decode step costs against transformers' own on a model whose step is mostly host work: what keeps a step from running at the speed of memory on an accelerator.
 
 # %% [markdown]
 # No paper figure. Each registered method runs on `model_name` (random weights suffice: the count
@@ -22,6 +22,14 @@ device = "cpu"
 prompt_len = 300
 budget = 64
 method_params = {"lessismore": {"selection_layers": [0]}}  # the tiny models have two layers
+# the host-work model: tiny-llama with these config overrides (SmolLM2's attention, a narrow residual stream)
+narrow = {"num_layers": 4, "hidden_size": 72, "intermediate_size": 144, "num_heads": 9, "num_kv_heads": 3,
+          "head_dim": 64, "vocab_size": 1024}
+narrow_len = 256         # prompt tokens before the timed decode steps
+narrow_budget = 0.125    # budget per KV head, a fraction of narrow_len
+repeats = 3              # timed decode steps per method, alternating with transformers' own
+untimed = ["dms"]         # attends through its trained student (a model of its own): operators counted, not timed
+seed = 0
 
 # %%
 from pathlib import Path
@@ -31,7 +39,8 @@ import torch
 
 from sparsekv import methods
 from sparsekv.io import write_csv, write_text
-from sparsekv.models import load_model
+from sparsekv.models import load_model, model_info
+from sparsekv.protocol import SpeedBench
 from sparsekv.syncs import step_syncs
 
 model, tok = load_model(model_name, device=device)
@@ -71,9 +80,64 @@ summary = (f"{model_name}, {n_layers} layers, prompt {prompt_len} tokens, budget
            f"{len(decode)} methods decode without reading a device value on the host ({', '.join(free)}){rest}.")
 write_csv(Path(fig_dir)/"host_syncs.csv", syncs)
 write_csv(Path(fig_dir)/"host_syncs_lines.csv", sites)
+print(summary)
+top
+
+# %% [markdown]
+# ## Host work of a decode step
+#
+# A model whose step is mostly per-layer host work, as a small model's is on an accelerator:
+# SmolLM2's attention (9 query and 3 KV heads of dimension 64) on a residual stream of width 72 with
+# random weights, so the weights' arithmetic is small beside the operators each layer dispatches. Per
+# method at a budget of `narrow_budget` of a `narrow_len`-token context, one thread: the operators a
+# steady decode step dispatches per layer (`step_syncs(...).ops`, the second step after the prefill)
+# against transformers' own unpatched step, and the wall time of a decode step
+# (`SpeedBench.decode_rows`: a cache filled as a prefill fills it, steps alternating with transformers'
+# default on the same context) as the median over steps of the method's time over the default's.
+
+# %%
+torch.set_num_threads(1)
+hw_model, _ = load_model("tiny-llama", device=device, **narrow)
+hw_layers = hw_model.config.num_hidden_layers
+hw_ids = torch.randint(3, hw_model.config.vocab_size, (1, narrow_len + 2),
+                       generator=torch.Generator().manual_seed(seed)).to(device)
+bench = SpeedBench(hw_model, hw_ids, narrow_budget, [1], repeats, seed, device)
+kv = bench.synthetic_kv(narrow_len)
+default_ops = step_syncs(None, hw_model, hw_ids, steps=2).ops / hw_layers
+work = []
+timed_names = [n for n in methods.names() if n not in untimed]
+for name in methods.names():
+    m = bench.make(name, narrow_len)
+    ops = step_syncs(m, hw_model, hw_ids, steps=2).ops / hw_layers
+    row = dict(method=name, family=m.family, ops_per_layer=ops, ops_vs_default=ops / default_ops)
+    if name in timed_names:
+        steps = pd.DataFrame(bench.decode_rows(name, narrow_len, kv)).pivot_table(index="step", columns="who",
+                                                                                  values="wall_seconds")
+        row |= dict(step_ms=1e3 * steps[name].median(), default_ms=1e3 * steps["default"].median(),
+                    step_vs_default=(steps[name] / steps["default"]).median())
+    work.append(row)
+work = pd.DataFrame(work)
+print(model_info(hw_model), f"; transformers' own step: {default_ops:.0f} operators per layer")
+work
+
+# %%
+# the control: sparsekv's dense path dispatches about what transformers' own does
+assert work.set_index("method").ops_vs_default["dense"] < 1.5
+assert len(work) == len(methods.names()) and (work.set_index("method").step_ms[timed_names] > 0).all()
+
+# %%
+family = work.groupby("family")[["ops_vs_default", "step_vs_default"]].max()
+goal = (f"Host work on {model_info(hw_model)}, context {narrow_len}, budget {narrow_budget:g} of it, 1 thread, "
+        f"{repeats} alternating steps: transformers' own decode step dispatches {default_ops:.0f} operators per layer "
+        f"and takes {work.default_ms.median():.1f} ms. The most per family, operators / time against it: "
+        + "; ".join(f"{f} {r.ops_vs_default:.2f}x / {r.step_vs_default:.2f}x" for f, r in family.iterrows())
+        + f" (not timed: {', '.join(untimed) or 'none'}). Goals (accelerator speed): every family's step <= 1.25x "
+        f"({'met' if (family.step_vs_default <= 1.25).all() else 'not met'}), operators <= 1.5x "
+        f"({'met' if (family.ops_vs_default <= 1.5).all() else 'not met'}).")
+write_csv(Path(fig_dir)/"host_work.csv", work)
 write_text(Path(out_dir)/"host_syncs.md", "\n\n".join([
     summary, syncs.to_markdown(index=False, floatfmt=".2f"),
     "The lines that read back, with how many methods pass through each and the reads over all of them:",
-    top.to_markdown(index=False)]) + "\n")
-print(summary)
-top
+    top.to_markdown(index=False), "## Host work of a decode step", goal,
+    work.to_markdown(index=False, floatfmt=".2f")]) + "\n")
+print(goal)
