@@ -85,14 +85,18 @@ def checks(on: bool = True):
 @contextlib.contextmanager
 def hot_path():
     "Mark the block as a per-step path (a decode step, a prefill chunk): content checks skip it unless `checks`."
+    if torch.compiler.is_compiling():  # a compiled step runs no content check (see `content_checks`): nothing to mark
+        yield
+        return
     _IN_STEP.set(_IN_STEP.get() + 1)  # a count, not a saved value: open blocks may close in any order (hooks)
     try: yield
     finally: _IN_STEP.set(_IN_STEP.get() - 1)
 
 # %% ../nbs/00_attention.ipynb #95ec0ae6
 def content_checks() -> bool:
-    "Whether checks of tensor contents run here: always outside the per-step path, inside it only under `checks`."
-    return _CHECKS.get() or not _IN_STEP.get()
+    """Whether checks of tensor contents run here: always outside the per-step path, inside it only under `checks`;
+    never while `torch.compile` traces (a check reads a value back, which would split the graph)."""
+    return not torch.compiler.is_compiling() and (_CHECKS.get() or not _IN_STEP.get())
 
 # %% ../nbs/00_attention.ipynb #b310bb9e
 def require_finite(name: str, x: Tensor | None, neg_inf: bool = False) -> None:

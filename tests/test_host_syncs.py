@@ -1,6 +1,7 @@
 """No host syncs in the hot paths: every registered method decodes a token, and every selection method prefills its
 chunks, without an operator that reads a device value back on the host (`sparsekv.syncs`), on the tiny models; and
-the functions of those paths hold no read that the operator count cannot see (`.tolist()`, `.numpy()`, `.cpu()`)."""
+the functions of those paths hold no read that the operator count cannot see (`.tolist()`, `.numpy()`, `.cpu()`).
+Every method's steady decode step traces as one graph for `torch.compile` (`fullgraph=True` compiles it)."""
 import importlib
 import inspect
 import re
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from sparsekv import methods
-from sparsekv.syncs import step_syncs
+from sparsekv.syncs import step_graph_breaks, step_syncs
 
 # the quick profile of the host_syncs stage: a prompt of 300 tokens, a budget of 64 keys per head (each selection
 # and retrieval method drops keys, each eviction method evicts)
@@ -56,6 +57,15 @@ def test_a_decode_step_reads_nothing_back(tiny_model, name):
     reads = {f"decode step {steps}": where(step_syncs(make(name), tiny_model, prompt(tiny_model), "decode", steps))
              for steps in (1, 3)}
     assert reads == {step: allowed(name) for step in reads}, reads
+
+
+@pytest.mark.parametrize("name", DECODE)
+def test_a_decode_step_is_one_graph(tiny_model, name):
+    "The third decode step after the prefill (the first ones build per-layer state: unit keys, page summaries)."
+    breaks = step_graph_breaks(make(name), tiny_model, prompt(tiny_model), steps=3)
+    if name == "dms":  # its one read (the compaction's size, see `allowed`) splits the step, and nothing else
+        assert breaks and all("item()" in b and "sparsekv/kvpop/dms.py" in b for b in breaks), breaks
+    else: assert breaks == [], breaks
 
 
 @pytest.mark.parametrize("name", SELECTION)

@@ -252,13 +252,9 @@ def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
     P = T // m
     if pages.dtype != torch.long or pages.dim() != 3 or pages.shape[:2] != (B, H):
         raise ValueError(f"pages must be int64 [B, H, n_p] = [{B}, {H}, n_p], got {pages.dtype} {tuple(pages.shape)}")
-    n = pages.shape[-1]
-    out = x.new_empty(B, H, n * m + T - P * m, d)
     body = x[:, :, :P * m].unflatten(2, (P, m))                               # [B, H, P, m, d] view of the cache
-    for b in range(B):
-        for h in range(H): torch.index_select(body[b, h], 0, pages[b, h], out=out[b, h, :n * m].view(n, m, d))
-    out[:, :, n * m:] = x[:, :, P * m:]
-    return out
+    rows = torch.arange(B, device=x.device)[:, None, None], torch.arange(H, device=x.device)[None, :, None]
+    return torch.cat([body[(*rows, pages)].flatten(2, 3), x[:, :, P * m:]], dim=2)   # one copy of the blocks
 
 # %% ../../nbs/32_oval_pages.ipynb #ddef7517
 def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int, scale: float | None = None,

@@ -34,7 +34,8 @@ def accumulation_dtype(x: Tensor) -> torch.dtype:
 # %% ../../nbs/20_quoka_select.ipynb #fb8fc220
 def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
     "x / max(|x|, EPS) along the last dim (each query or key), in the accumulation dtype; written into `out` if given."
-    return F.normalize(x.to(accumulation_dtype(x)), dim=-1, eps=EPS, out=out)
+    u = F.normalize(x.to(accumulation_dtype(x)), dim=-1, eps=EPS)
+    return u if out is None else out.copy_(u)  # a copy, not out=: `out` may be a strided slice of a buffer
 
 # %% ../../nbs/20_quoka_select.ipynb #087a33c4
 def query_dissimilarity(q_chunk: Tensor) -> Tensor:

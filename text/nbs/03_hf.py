@@ -270,9 +270,14 @@ test_eq(_METER.get(), None)
 
 # %%
 #| export
+def _meter() -> AttendedBudget | None:
+    "The active `measure_attended` budget, or None (always while `torch.compile` traces: a compiled step measures nothing)."
+    return None if torch.compiler.is_compiling() else _METER.get()
+
+
 def record_attended(counts: Tensor):
     "Add `counts` [B,Hq,Sq] (KV entries attended per query and head) to the active `measure_attended` budget, if any."
-    if (budget := _METER.get()) is not None: budget.add(counts, *_WHERE.get())
+    if (budget := _meter()) is not None: budget.add(counts, *_WHERE.get())
 
 
 # %%
@@ -288,7 +293,7 @@ test_eq([(r["phase"], r["layer"], r["max"]) for r in _m.per_head()], [("decode",
 #| export
 def record_stored(keys: Tensor, values: Tensor, phase: str, layer: int):
     "Add one layer's cached `keys`, `values` at a call to the active `measure_attended` budget, if any."
-    if (budget := _METER.get()) is not None: budget.add_stored(keys, values, phase, layer)
+    if (budget := _meter()) is not None: budget.add_stored(keys, values, phase, layer)
 
 
 # %%
@@ -336,7 +341,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     elif sk < sq: raise ValueError(f"a causal call needs at least as many keys as queries, got Sk={sk} < Sq={sq}")
     elif sq == sk: is_causal = sq > 1
     elif sq > 1: mask = causal_mask(sq, sk, q.device)
-    if _METER.get() is not None: record_attended(attended_counts(mask, q.shape[0], q.shape[1], sq, sk))
+    if _meter() is not None: record_attended(attended_counts(mask, q.shape[0], q.shape[1], sq, sk))
     if sq == 1 and mask is None and G > 1:  # a decode query: its group of G heads as G queries of one KV head
         B, Hkv, D = k.shape[0], k.shape[1], v.shape[-1]
         out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, q.shape[-1]), k, v, dropout_p=dropout, scale=scale)
@@ -932,9 +937,11 @@ def _sparsekv_attention(module, query, key, value, attention_mask, dropout=0.0, 
                            "sparsekv.hf.patch(model, policy)")
     state = stack[-1]
     ctx = _context(module, query, key, attention_mask, state, scaling, dropout)
-    token = _WHERE.set((ctx.kind, ctx.layer_idx))  # measure_attended records per phase and layer
+    # measure_attended records per phase and layer
+    token = _WHERE.set((ctx.kind, ctx.layer_idx)) if _meter() is not None else None
     try: out = state.policy(query, key, value, ctx)
-    finally: _WHERE.reset(token)
+    finally:
+        if token is not None: _WHERE.reset(token)
     record_stored(key, value, ctx.kind, ctx.layer_idx)  # before an eviction: the most this call held
     if out.shape != query.shape[:3] + value.shape[-1:]:
         raise ValueError(f"{type(state.policy).__name__} returned shape {tuple(out.shape)}, expected [B,Hq,Sq,D] = "

@@ -137,7 +137,8 @@ test_eq([accumulation_dtype(torch.zeros(1, dtype=t)) for t in _dtypes], [torch.f
 #| export
 def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
     "x / max(|x|, EPS) along the last dim (each query or key), in the accumulation dtype; written into `out` if given."
-    return F.normalize(x.to(accumulation_dtype(x)), dim=-1, eps=EPS, out=out)
+    u = F.normalize(x.to(accumulation_dtype(x)), dim=-1, eps=EPS)
+    return u if out is None else out.copy_(u)  # a copy, not out=: `out` may be a strided slice of a buffer
 
 
 # %%

@@ -258,10 +258,10 @@ test_fail(lambda: MeanScores(256, scores="max"), contains="scores must be one of
 def sample_query_positions(S: int, n_q: int, seed: int | torch.Generator = 0) -> Tensor:
     "min(n_q, S) chunk positions drawn uniformly without replacement (all S if n_q >= S), ascending, int64 on the CPU."
     check_int(n_q, "n_q", 1)
-    if isinstance(seed, torch.Generator): gen = seed
-    elif isinstance(seed, int) and not isinstance(seed, bool): gen = torch.Generator().manual_seed(seed)
-    else: raise TypeError(f"seed must be an int or a CPU torch.Generator, got {type(seed).__name__}")
-    if n_q >= S: return torch.arange(S)
+    if not isinstance(seed, torch.Generator) and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"seed must be an int or a CPU torch.Generator, got {type(seed).__name__}")
+    if n_q >= S: return torch.arange(S)  # (no generator built: a decode step draws nothing)
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     return torch.randperm(S, generator=gen)[:n_q].sort().values
 
 

@@ -459,8 +459,8 @@ smol
 # The packed store keeps its rows in float32 (or float64), the dtype the scores are computed in.
 #
 # The pages that `top_pages` keeps are blocks of $m$ consecutive rows of the cache, so
-# `gather_pages` copies whole `[m, d]` blocks with one `index_select` per KV head (on the
-# cache's `[P, m, d]` view) and appends the trailing partial page; `page_attention` runs SDPA
+# `gather_pages` copies whole `[m, d]` blocks, all KV heads in one indexing operation (on the
+# cache's `[B, H, P, m, d]` view), and appends the trailing partial page; `page_attention` runs SDPA
 # of the decode query over them. The kept keys come in the order of `page_tokens`, and since
 # a decode query is the last position and sees every kept key, the output is exact attention
 # over the selected tokens.
@@ -633,13 +633,9 @@ def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
     P = T // m
     if pages.dtype != torch.long or pages.dim() != 3 or pages.shape[:2] != (B, H):
         raise ValueError(f"pages must be int64 [B, H, n_p] = [{B}, {H}, n_p], got {pages.dtype} {tuple(pages.shape)}")
-    n = pages.shape[-1]
-    out = x.new_empty(B, H, n * m + T - P * m, d)
     body = x[:, :, :P * m].unflatten(2, (P, m))                               # [B, H, P, m, d] view of the cache
-    for b in range(B):
-        for h in range(H): torch.index_select(body[b, h], 0, pages[b, h], out=out[b, h, :n * m].view(n, m, d))
-    out[:, :, n * m:] = x[:, :, P * m:]
-    return out
+    rows = torch.arange(B, device=x.device)[:, None, None], torch.arange(H, device=x.device)[None, :, None]
+    return torch.cat([body[(*rows, pages)].flatten(2, 3), x[:, :, P * m:]], dim=2)   # one copy of the blocks
 
 
 # %%
@@ -652,6 +648,7 @@ for T in (100, 96, 37):
     ids = top_pages(w[..., :T // 8], 40, 8, 4, 8, T)
     test_eq(page_tokens(ids, 8, T), select_pages(w[..., :T // 8], 40, 8, 4, 8, T))
     test_eq(gather_pages(k, ids, 8), gather_keys(k, page_tokens(ids, 8, T)))
+test_eq(gather_pages(K[:, :, :0], ids[..., :0], 8).shape, (*K.shape[:2], 0, K.shape[-1]))   # no pages, no partial page
 test_fail(lambda: gather_pages(K, ids.int(), 8), contains="pages must be int64")
 
 

@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -160,23 +161,36 @@ assert rec.total == 2 and not _lin._forward_pre_hooks and len(_lin._forward_hook
 
 # %%
 #| export
+@contextlib.contextmanager
+def _after_prefill(method: Method | None, model, input_ids: torch.Tensor, steps: int, record: HostSyncs | None = None):
+    """Within the block, `method` (None: transformers' default, unpatched, its `DynamicCache`) patched on `model`, its
+    cache holding the prefill of `input_ids[:, :-steps]` (recorded by `record`); yields step(p): the decode call at p."""
+    S, chunk = input_ids.shape[1], getattr(method, "chunk_size", None)
+    if not 1 <= steps < S:
+        raise ValueError(f"steps must be an int in [1, {S - 1}] (tokens after a prefill), got {steps!r}")
+    unpatched = contextlib.nullcontext(DynamicCache(config=model.config))
+    with torch.no_grad(), unpatched if method is None else method.patch(model) as cache:
+        with _in_calls(model, record) if record is not None else contextlib.nullcontext():
+            if chunk: cache = chunked_prefill(model, input_ids[:, :-steps], chunk, cache=cache)[0]
+            else: model(input_ids[:, :-steps], past_key_values=cache, use_cache=True)
+
+        def step(p: int):
+            pos = torch.full((input_ids.shape[0], 1), p, device=input_ids.device)
+            return model(input_ids[:, p:p + 1], past_key_values=cache, position_ids=pos, use_cache=True).logits
+        yield step
+
+
+# %%
+#| export
 def step_syncs(method: Method | None, model, input_ids: torch.Tensor, phase: str = "decode", steps: int = 1
                ) -> HostSyncs:
     """Host reads (and operators) of `method` (None: transformers' default, unpatched, its `DynamicCache`) on `model`
     prefilling `input_ids[:, :-steps]` (`phase='prefill'`) or in the last of the `steps` decode steps after them."""
     if phase not in ("decode", "prefill"): raise ValueError(f"phase must be 'decode' or 'prefill', got {phase!r}")
-    S, chunk, rec = input_ids.shape[1], getattr(method, "chunk_size", None), HostSyncs()
-    if not 1 <= steps < S:
-        raise ValueError(f"steps must be an int in [1, {S - 1}] (tokens after a prefill), got {steps!r}")
-    unpatched = contextlib.nullcontext(DynamicCache(config=model.config))
-    with torch.no_grad(), unpatched if method is None else method.patch(model) as cache:
-        with _in_calls(model, rec) if phase == "prefill" else contextlib.nullcontext():
-            if chunk: cache = chunked_prefill(model, input_ids[:, :-steps], chunk, cache=cache)[0]
-            else: model(input_ids[:, :-steps], past_key_values=cache, use_cache=True)
+    S, rec = input_ids.shape[1], HostSyncs()
+    with _after_prefill(method, model, input_ids, steps, rec if phase == "prefill" else None) as step:
         for p in range(S - steps, S) if phase == "decode" else ():
-            pos = torch.full((input_ids.shape[0], 1), p, device=input_ids.device)
-            with rec if p == S - 1 else contextlib.nullcontext():
-                model(input_ids[:, p:p + 1], past_key_values=cache, position_ids=pos, use_cache=True)
+            with rec if p == S - 1 else contextlib.nullcontext(): step(p)
     return rec
 
 
@@ -230,3 +244,51 @@ test_eq(step_syncs(ReadsNorm(8), model, ids).ops, dense_ops + 2 * L)
 default = step_syncs(None, model, ids)
 assert default.total == 0 and default.ops > 10 * L, default.ops
 test_eq(step_syncs(None, model, ids, steps=2).ops, default.ops)   # a step's count does not depend on the step
+
+
+# %% [markdown]
+# ## Compiling a step
+#
+# A step that reads nothing back and keeps no Python state it cannot trace is one graph for
+# `torch.compile`, which then fuses its operators (inductor) or replays it (CUDA graphs):
+# `step_graph_breaks` asks TorchDynamo (`torch._dynamo.explain`, tracing only, nothing is compiled)
+# where it would split the last of `steps` decode steps, as `step_syncs` runs them. Content checks
+# and `measure_attended` stand aside while a step is traced (see `content_checks`). The first steps
+# after the prefill build per-layer state (unit keys, page summaries) and are not asked.
+
+# %%
+#| export
+def step_graph_breaks(method: Method | None, model, input_ids: torch.Tensor, steps: int = 3) -> list[str]:
+    """Where `torch.compile` would split the last of `steps` decode steps of `method` (None: transformers' default)
+    on `model` after the prefill of `input_ids[:, :-steps]`: one line per graph break (reason, code line); []: one
+    graph, so `fullgraph=True` compiles it. A break is listed once however often it recurs."""
+    S, log = input_ids.shape[1], logging.getLogger("torch._dynamo")
+    level = log.level
+    with _after_prefill(method, model, input_ids, steps) as step:
+        for p in range(S - steps, S - 1): step(p)
+        log.setLevel(logging.ERROR)  # each break is also logged as a warning with its whole stack
+        try: found = torch._dynamo.explain(step)(S - 1)  # (forgets its traced graphs when done)
+        finally: log.setLevel(level)
+    return list(dict.fromkeys(f"{str(b.reason).strip().splitlines()[0]} at {_frame(b.user_stack)}"
+                              for b in found.break_reasons))
+
+
+def _frame(stack) -> str:
+    "The innermost frame of `stack` in sparsekv (else transformers), as 'sparsekv/hf.py:393', or '?'."
+    for f in reversed(stack or []):
+        parts = Path(f.filename).parts
+        for top in ("sparsekv", "transformers"):
+            if top in parts: return f"{Path(*parts[parts.index(top):]).as_posix()}:{f.lineno}"
+    return "?"
+
+
+# %% [markdown]
+# Checked on the tiny model: transformers' own step and sparsekv's dense step trace as one graph; a
+# method that reads a value back per layer (`ReadsNorm` above) is split where its policy is called.
+
+# %%
+test_eq(step_graph_breaks(None, model, ids), [])
+test_eq(step_graph_breaks(methods.make("dense"), model, ids), [])
+_breaks = step_graph_breaks(ReadsNorm(8), model, ids)
+assert any("item()" in b and "sparsekv/hf.py" in b for b in _breaks), _breaks
+test_fail(lambda: step_graph_breaks(None, model, ids, steps=0), contains="steps must be an int")
