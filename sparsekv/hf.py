@@ -115,7 +115,7 @@ def measure_attended():
 
 # %% ../nbs/03_hf.ipynb #b71545de
 def _meter() -> AttendedBudget | None:
-    "The active `measure_attended` budget, or None (always while `torch.compile` traces: a compiled step measures nothing)."
+    "The active `measure_attended` budget, or None (always while `torch.compile` traces: compiled steps measure none)."
     return None if torch.compiler.is_compiling() else _METER.get()
 
 

@@ -70,9 +70,10 @@ def _in_calls(model, rec: HostSyncs):
 
 # %% ../nbs/45_host_syncs.ipynb #43f89d1f
 @contextlib.contextmanager
-def _after_prefill(method: Method | None, model, input_ids: torch.Tensor, steps: int, record: HostSyncs | None = None):
+def _after_prefill(method: Method | None, model, input_ids: torch.Tensor, steps: int, record: HostSyncs | None = None
+                   ):
     """Within the block, `method` (None: transformers' default, unpatched, its `DynamicCache`) patched on `model`, its
-    cache holding the prefill of `input_ids[:, :-steps]` (recorded by `record`); yields step(p): the decode call at p."""
+    cache holding the prefill of `input_ids[:, :-steps]` (recorded by `record`); yields step(p), a decode call at p."""
     S, chunk = input_ids.shape[1], getattr(method, "chunk_size", None)
     if not 1 <= steps < S:
         raise ValueError(f"steps must be an int in [1, {S - 1}] (tokens after a prefill), got {steps!r}")

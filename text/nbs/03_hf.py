@@ -271,7 +271,7 @@ test_eq(_METER.get(), None)
 # %%
 #| export
 def _meter() -> AttendedBudget | None:
-    "The active `measure_attended` budget, or None (always while `torch.compile` traces: a compiled step measures nothing)."
+    "The active `measure_attended` budget, or None (always while `torch.compile` traces: compiled steps measure none)."
     return None if torch.compiler.is_compiling() else _METER.get()
 
 

@@ -162,9 +162,10 @@ assert rec.total == 2 and not _lin._forward_pre_hooks and len(_lin._forward_hook
 # %%
 #| export
 @contextlib.contextmanager
-def _after_prefill(method: Method | None, model, input_ids: torch.Tensor, steps: int, record: HostSyncs | None = None):
+def _after_prefill(method: Method | None, model, input_ids: torch.Tensor, steps: int, record: HostSyncs | None = None
+                   ):
     """Within the block, `method` (None: transformers' default, unpatched, its `DynamicCache`) patched on `model`, its
-    cache holding the prefill of `input_ids[:, :-steps]` (recorded by `record`); yields step(p): the decode call at p."""
+    cache holding the prefill of `input_ids[:, :-steps]` (recorded by `record`); yields step(p), a decode call at p."""
     S, chunk = input_ids.shape[1], getattr(method, "chunk_size", None)
     if not 1 <= steps < S:
         raise ValueError(f"steps must be an int in [1, {S - 1}] (tokens after a prefill), got {steps!r}")
