@@ -20,12 +20,12 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_bloc
 
 # %% auto #0
 __all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'checks', 'hot_path', 'content_checks', 'require_finite',
-           'require_data', 'IntArgumentError', 'check_int', 'gather_keys', 'and_masks', 'or_masks', 'not_mask',
-           'is_causal', 'in_sinks', 'in_window', 'sink_window_visible', 'evictable', 'causal_mask', 'check_mask',
-           'softmax_scale', 'attention_scores', 'attention_reference', 'attention_chunked', 'merge_attention',
-           'position_mask_mod', 'causal_mask_mod', 'mask_mod_from_bool', 'bias_score_mod', 'block_mask_from_bool',
-           'causal_block_mask', 'compiled_flex_attention', 'flex_attention_lse', 'sdpa_attention_lse',
-           'masked_attention']
+           'require_data', 'IntArgumentError', 'check_int', 'shape_count', 'gather_keys', 'and_masks', 'or_masks',
+           'not_mask', 'is_causal', 'in_sinks', 'in_window', 'sink_window_visible', 'evictable', 'causal_mask',
+           'check_mask', 'softmax_scale', 'attention_scores', 'attention_reference', 'attention_chunked',
+           'merge_attention', 'position_mask_mod', 'causal_mask_mod', 'mask_mod_from_bool', 'bias_score_mod',
+           'block_mask_from_bool', 'causal_block_mask', 'compiled_flex_attention', 'flex_attention_lse',
+           'sdpa_attention_lse', 'masked_attention']
 
 # %% ../nbs/00_attention.ipynb #0329d669
 def masked_logsumexp(s: Tensor, dim: int = -1) -> Tensor:
@@ -124,10 +124,17 @@ class IntArgumentError(ValueError, TypeError):
 # %% ../nbs/00_attention.ipynb #e9ec313d
 def check_int(x, name: str, lo: int = 0, hi: int | None = None) -> int:
     "`x` as an `int` if it is an integer (not a bool) in [`lo`, `hi`]; else raise naming `name` and the range."
-    msg = f"{name} must be " + (f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]") + f", got {x!r}"
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral): raise IntArgumentError(msg)
-    if x < lo or (hi is not None and x > hi): raise ValueError(msg)
+    # traced by torch.compile, x may be a symbol (a length): checked when the same step ran eagerly, kept symbolic
+    if torch.compiler.is_compiling(): return x
+    msg = lambda: f"{name} must be " + (f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]") + f", got {x!r}"  # noqa: E731
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral): raise IntArgumentError(msg())
+    if x < lo or (hi is not None and x > hi): raise ValueError(msg())
     return int(x)
+
+# %% ../nbs/00_attention.ipynb #72ca72b8
+def shape_count(n: int) -> Tensor:
+    "The count n (an int >= 0) as the shape [0, n] of an empty meta tensor: read it back as `.shape[1]`."
+    return torch.empty(0, check_int(n, "n"), device="meta")
 
 # %% ../nbs/00_attention.ipynb #4ced4a4f
 def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
@@ -202,6 +209,7 @@ def check_mask(mask: Tensor, shape: tuple, device) -> Tensor:
 def softmax_scale(scale: float | None, D: int) -> float:
     "The score scale: `scale`, or 1/sqrt(D) when None."
     if scale is None: return 1.0 / math.sqrt(D)
+    if torch.compiler.is_compiling(): return scale  # traced as a symbol: checked when the same step ran eagerly
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number or None (for 1/sqrt(D)), got {scale!r}")
     return float(scale)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -18,7 +19,7 @@ from transformers import DynamicCache
 from .hf import Method, chunked_prefill
 
 # %% auto #0
-__all__ = ['SYNC_OPS', 'is_sync', 'HostSyncs', 'step_syncs', 'step_graph_breaks']
+__all__ = ['SYNC_OPS', 'is_sync', 'HostSyncs', 'step_syncs', 'step_graph_breaks', 'decode_seconds']
 
 # %% ../nbs/45_host_syncs.ipynb #17645a00
 SYNC_OPS = frozenset({"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique2",
@@ -123,3 +124,35 @@ def _frame(stack) -> str:
         for top in ("sparsekv", "transformers"):
             if top in parts: return f"{Path(*parts[parts.index(top):]).as_posix()}:{f.lineno}"
     return "?"
+
+# %% ../nbs/45_host_syncs.ipynb #5d17a454
+def decode_seconds(method: Method | None, model, input_ids: torch.Tensor, steps: int, backend: str | None = None
+                   ) -> dict:
+    """Wall seconds of each of the last `steps` decode steps of `method` (None: transformers' default) on `model` after
+    the prefill of the tokens before them and two eager steps, and their logits [n, V]; `backend`: the `torch.compile`
+    backend that compiles the step (None: eager), its first call (`compile_seconds`) apart. A compiled step that
+    compiles again (`recompiled`: what it guards on changes every step), or that cannot be compiled as one graph
+    (`error`: TorchDynamo's reason), ends the run there."""
+    S = input_ids.shape[1]
+    if not isinstance(steps, int) or not 2 <= steps < S - 2:
+        raise ValueError(f"steps must be an int in [2, {S - 3}] (a compiled first step and timed ones), got {steps!r}")
+    times, logits, recompiled, error = [], [], False, None
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731 (graphs compiled so far)
+    with _after_prefill(method, model, input_ids, steps + 2) as step:
+        step(S - steps - 2), step(S - steps - 1)
+        if backend is not None: torch._dynamo.reset()  # a fresh compilation (steps of other runs share its code)
+        run = step if backend is None else torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+        sync = torch.cuda.synchronize if input_ids.is_cuda else lambda: None  # a GPU step has ended when it syncs
+        for i, p in enumerate(range(S - steps, S)):
+            sync()
+            before, t0 = graphs(), time.perf_counter()
+            try: logits.append(run(p)[0, -1])
+            except torch._dynamo.exc.TorchDynamoException as e:
+                error = str(e).strip().splitlines()[0]
+                break
+            sync()
+            times.append(time.perf_counter() - t0)
+            if i and graphs() > before: recompiled = True; break  # noqa: E702
+    compile_seconds = times.pop(0) if backend is not None and times else None
+    return {"step_seconds": times, "compile_seconds": compile_seconds, "recompiled": recompiled, "error": error,
+            "logits": torch.stack(logits) if logits else None}

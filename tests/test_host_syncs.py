@@ -1,7 +1,8 @@
 """No host syncs in the hot paths: every registered method decodes a token, and every selection method prefills its
 chunks, without an operator that reads a device value back on the host (`sparsekv.syncs`), on the tiny models; and
 the functions of those paths hold no read that the operator count cannot see (`.tolist()`, `.numpy()`, `.cpu()`).
-Every method's steady decode step traces as one graph for `torch.compile` (`fullgraph=True` compiles it)."""
+Every method's steady decode step traces as one graph for `torch.compile` (`fullgraph=True` compiles it), and is
+compiled once for every length: its compiled steps give the eager logits."""
 import importlib
 import inspect
 import re
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from sparsekv import methods
-from sparsekv.syncs import step_graph_breaks, step_syncs
+from sparsekv.models import load_model
+from sparsekv.syncs import decode_seconds, step_graph_breaks, step_syncs
 
 # the quick profile of the host_syncs stage: a prompt of 300 tokens, a budget of 64 keys per head (each selection
 # and retrieval method drops keys, each eviction method evicts)
@@ -66,6 +68,23 @@ def test_a_decode_step_is_one_graph(tiny_model, name):
     if name == "dms":  # its one read (the compaction's size, see `allowed`) splits the step, and nothing else
         assert breaks and all("item()" in b and "sparsekv/kvpop/dms.py" in b for b in breaks), breaks
     else: assert breaks == [], breaks
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("tiny-llama")[0]
+
+
+@pytest.mark.parametrize("name", DECODE)
+def test_decode_steps_compile_once(llama, name):
+    "Five steps compiled with fullgraph and dynamic shapes (TorchDynamo's tracing, run as traced): no recompilation."
+    ids = prompt(llama)[:, :200]
+    eager, traced = decode_seconds(make(name), llama, ids, 6), decode_seconds(make(name), llama, ids, 6, "eager")
+    if name == "dms":  # the compaction's size is read back (see `allowed`): no one graph
+        assert traced["error"] and "data-dependent" in traced["error"], traced["error"]
+        return
+    assert (traced["error"], traced["recompiled"], len(traced["step_seconds"])) == (None, False, 5)
+    torch.testing.assert_close(traced["logits"], eager["logits"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", SELECTION)

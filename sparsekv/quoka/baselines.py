@@ -12,7 +12,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from ..attention import check_int, content_checks, softmax_scale
+from ..attention import check_int, content_checks, shape_count, softmax_scale
 from ..cache import follow_batch_ops
 from ..hf import AttentionContext
 from ..models import model_info
@@ -274,6 +274,14 @@ class KeyMoments:
     def __init__(self):
         self.xx = self.x = None  # [B,Hkv,D,D] sum of k k^T, [B,Hkv,D] sum of k
         self.length = 0
+
+    @property
+    def length(self) -> int:
+        "Keys added so far (kept as a shape, `shape_count`: a compiled step serves every length)."
+        return self._length.shape[1]
+
+    @length.setter
+    def length(self, n: int): self._length = shape_count(n)
 
     def apply_rows(self, fn):
         "Apply the batch-row map `fn` (beam search's reorder etc., `sparsekv.cache.row_map`) to the moments."

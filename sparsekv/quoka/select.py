@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention import check_int, check_qkv, content_checks, require_data, require_finite
+from ..attention import check_int, check_qkv, content_checks, require_data, require_finite, shape_count
 from ..select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %% auto #0
@@ -158,6 +158,14 @@ class UnitKeyCache:
 
     def __init__(self):
         self.buffer, self.length = None, 0
+
+    @property
+    def length(self) -> int:
+        "Keys whose unit keys are cached (kept as a shape, `shape_count`: a compiled step serves every length)."
+        return self._length.shape[1]
+
+    @length.setter
+    def length(self, n: int): self._length = shape_count(n)
 
     def crop(self, n: int):
         "Forget the unit keys from position n on (the KV cache was cropped or a new sequence starts)."

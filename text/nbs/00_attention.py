@@ -366,9 +366,11 @@ assert issubclass(IntArgumentError, ValueError) and issubclass(IntArgumentError,
 #| export
 def check_int(x, name: str, lo: int = 0, hi: int | None = None) -> int:
     "`x` as an `int` if it is an integer (not a bool) in [`lo`, `hi`]; else raise naming `name` and the range."
-    msg = f"{name} must be " + (f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]") + f", got {x!r}"
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral): raise IntArgumentError(msg)
-    if x < lo or (hi is not None and x > hi): raise ValueError(msg)
+    # traced by torch.compile, x may be a symbol (a length): checked when the same step ran eagerly, kept symbolic
+    if torch.compiler.is_compiling(): return x
+    msg = lambda: f"{name} must be " + (f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]") + f", got {x!r}"  # noqa: E731
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral): raise IntArgumentError(msg())
+    if x < lo or (hi is not None and x > hi): raise ValueError(msg())
     return int(x)
 
 
@@ -388,6 +390,25 @@ for bad in (-1, 13):  # an integer out of range is a ValueError only
     try: check_int(bad, "n", 0, 12)
     except ValueError as e: assert not isinstance(e, TypeError)
     else: raise AssertionError("check_int accepted an out-of-range int")
+
+
+# %% [markdown]
+# A count that changes at every decode step (the keys a layer has seen) is best kept as a *shape*:
+# `torch.compile` traces a shape as a symbol, so a step compiled once serves every length, while an
+# `int` attribute is traced as a constant and the step is compiled again each time it changes.
+# `shape_count` keeps such a count in the shape of an empty tensor on the `meta` device (no data).
+
+# %%
+#| export
+def shape_count(n: int) -> Tensor:
+    "The count n (an int >= 0) as the shape [0, n] of an empty meta tensor: read it back as `.shape[1]`."
+    return torch.empty(0, check_int(n, "n"), device="meta")
+
+
+# %%
+test_eq([shape_count(n).shape[1] for n in (0, 7)], [0, 7])
+test_eq(shape_count(5).untyped_storage().nbytes(), 0)
+test_fail(lambda: shape_count(-1), contains="n must be an int >= 0")
 
 
 # %% [markdown]
@@ -610,6 +631,7 @@ test_fail(lambda: check_mask(torch.ones(4, 9), (2, 3, 4, 9), "cpu"), contains="t
 def softmax_scale(scale: float | None, D: int) -> float:
     "The score scale: `scale`, or 1/sqrt(D) when None."
     if scale is None: return 1.0 / math.sqrt(D)
+    if torch.compiler.is_compiling(): return scale  # traced as a symbol: checked when the same step ran eagerly
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number or None (for 1/sqrt(D)), got {scale!r}")
     return float(scale)

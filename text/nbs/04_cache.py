@@ -836,18 +836,24 @@ class GrowingLayer(DynamicLayer):
 
     def __init__(self, min_capacity: int = 256):
         self.min_capacity = check_int(min_capacity, "min_capacity", 1)
-        self._k = self._v = None
-        self._n = 0  # entries filled
+        self._k = self._v = self._filled = None
         super().__init__()
+
+    # the entries filled: the length of the filled view of the key buffer. A shape is traced by torch.compile as a
+    # symbol; an int attribute would be a constant, compiled again for at every step
+    @property
+    def _n(self) -> int: return 0 if self._filled is None else self._filled.shape[-2]
+
+    @_n.setter
+    def _n(self, n: int): self._filled = None if self._k is None else self._k[:, :, :n]
 
     # keys/values are the filled part of the buffers; transformers assigns them (offload, the batch operations of the
     # base class): an assigned tensor becomes the buffer, full to its length
     @property
-    def keys(self) -> Tensor | None: return None if self._k is None else self._k[:, :, :self._n]
+    def keys(self) -> Tensor | None: return self._filled
 
     @keys.setter
-    def keys(self, x: Tensor | None):
-        self._k, self._n = x, 0 if x is None else x.shape[-2]
+    def keys(self, x: Tensor | None): self._k = self._filled = x
 
     @property
     def values(self) -> Tensor | None: return None if self._v is None else self._v[:, :, :self._n]
@@ -892,9 +898,10 @@ def _buffers(self, need: int, key_states: Tensor, value_states: Tensor) -> None:
     "Fresh buffers of at least `need` entries (twice the old capacity) for the new states' rows, the filled copied."
     cap = max(need, 2 * self.capacity, self.min_capacity)
     k, v = (x.new_empty(*x.shape[:2], cap, x.shape[3]) for x in (key_states, value_states))
-    if self._n:
-        k[:, :, :self._n], v[:, :, :self._n] = self.keys, self.values
+    n = self._n
+    if n: k[:, :, :n], v[:, :, :n] = self.keys, self.values
     self._k, self._v = k, v
+    self._n = n  # the filled view, now of the new buffer
 
 
 # %%

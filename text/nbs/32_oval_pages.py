@@ -34,7 +34,7 @@ import torch
 from fastcore.basics import patch_to
 from torch import Tensor
 
-from sparsekv.attention import check_int, content_checks
+from sparsekv.attention import check_int, content_checks, shape_count
 from sparsekv.cache import follow_batch_ops
 from sparsekv.eval import attention_fidelity
 from sparsekv.hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
@@ -803,15 +803,16 @@ def track(self, q: Tensor, k: Tensor, ctx) -> Tensor | None:
     if layer is not None and layer not in self.followed:
         self.followed.add(layer)
         follow_batch_ops(layer, id(self), lambda fn, i=i: self.apply_rows(i, fn))
-    first, last_T, last_layer = self.seen.get(i, (None, 0, None))
+    first, last_T, last_layer = self.seen.get(i, (None, shape_count(0), None))  # last_T: a shape (compiled once)
     # a new sequence: a cache that did not grow, or another cache object (known on the host); without a cache layer
     # to follow, a different first key (read back)
     if layer is None: new = first is None or not torch.equal(first, k[:, :, :1])
     else: new = last_layer is None or last_layer() is not layer
-    if new or last_T >= T:
+    if new or last_T.shape[1] >= T:
         self.summaries.pop(i, None)
         self.history[i] = []
-    self.seen[i] = (k[:, :, :1].clone() if layer is None else None, T, None if layer is None else weakref.ref(layer))
+    self.seen[i] = (k[:, :, :1].clone() if layer is None else None, shape_count(T),
+                    None if layer is None else weakref.ref(layer))
     hist = self.history[i]
     hist.append(q[:, :, -1])
     del hist[: -self.spec_steps - 1]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -76,7 +77,7 @@ def _where(skip: int = 2) -> str:
 
 
 # %%
-from fastcore.test import test_eq, test_fail
+from fastcore.test import test_close, test_eq, test_fail
 
 test_eq(_where(), "?")  # called from a notebook: no line of the library or of transformers on the stack
 
@@ -293,3 +294,59 @@ test_eq(step_graph_breaks(methods.make("dense"), model, ids), [])
 _breaks = step_graph_breaks(ReadsNorm(8), model, ids)
 assert any("item()" in b and "sparsekv/hf.py" in b for b in _breaks), _breaks
 test_fail(lambda: step_graph_breaks(None, model, ids, steps=0), contains="steps must be an int")
+
+
+# %% [markdown]
+# `decode_seconds` times decode steps eagerly or compiled. The step is compiled with
+# `fullgraph=True` (a break would raise) and dynamic shapes (the cache grows by one entry a step),
+# after two eager steps that build each layer's state; the first compiled call, the compilation, is
+# timed apart. (It resets TorchDynamo first, so it forgets what was compiled before.) Its logits come back with the times, so that compiled and eager steps can be compared.
+
+# %%
+#| export
+def decode_seconds(method: Method | None, model, input_ids: torch.Tensor, steps: int, backend: str | None = None
+                   ) -> dict:
+    """Wall seconds of each of the last `steps` decode steps of `method` (None: transformers' default) on `model` after
+    the prefill of the tokens before them and two eager steps, and their logits [n, V]; `backend`: the `torch.compile`
+    backend that compiles the step (None: eager), its first call (`compile_seconds`) apart. A compiled step that
+    compiles again (`recompiled`: what it guards on changes every step), or that cannot be compiled as one graph
+    (`error`: TorchDynamo's reason), ends the run there."""
+    S = input_ids.shape[1]
+    if not isinstance(steps, int) or not 2 <= steps < S - 2:
+        raise ValueError(f"steps must be an int in [2, {S - 3}] (a compiled first step and timed ones), got {steps!r}")
+    times, logits, recompiled, error = [], [], False, None
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731 (graphs compiled so far)
+    with _after_prefill(method, model, input_ids, steps + 2) as step:
+        step(S - steps - 2), step(S - steps - 1)
+        if backend is not None: torch._dynamo.reset()  # a fresh compilation (steps of other runs share its code)
+        run = step if backend is None else torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+        sync = torch.cuda.synchronize if input_ids.is_cuda else lambda: None  # a GPU step has ended when it syncs
+        for i, p in enumerate(range(S - steps, S)):
+            sync()
+            before, t0 = graphs(), time.perf_counter()
+            try: logits.append(run(p)[0, -1])
+            except torch._dynamo.exc.TorchDynamoException as e:
+                error = str(e).strip().splitlines()[0]
+                break
+            sync()
+            times.append(time.perf_counter() - t0)
+            if i and graphs() > before: recompiled = True; break  # noqa: E702
+    compile_seconds = times.pop(0) if backend is not None and times else None
+    return {"step_seconds": times, "compile_seconds": compile_seconds, "recompiled": recompiled, "error": error,
+            "logits": torch.stack(logits) if logits else None}
+
+
+# %% [markdown]
+# Checked on the tiny model with the `eager` backend (TorchDynamo traces the step as one graph and
+# runs it as it is: the check of a compiled step without code generation): the compiled steps'
+# logits equal the eager ones for dense attention and for one method of each family.
+
+# %%
+for _name in ("dense", "tova", "quoka", "oval"):
+    _m = methods.make(_name) if _name == "dense" else methods.make(_name, 64)
+    _eager, _traced = decode_seconds(_m, model, ids, 4), decode_seconds(_m, model, ids, 4, backend="eager")
+    _n = len(_traced["logits"])  # all 4 steps, or up to the one that compiled again
+    test_eq((len(_eager["step_seconds"]), len(_traced["step_seconds"]), _eager["compile_seconds"]), (4, _n - 1, None))
+    assert _n == 4 or _traced["recompiled"] and _n >= 2, (_name, _n)
+    test_close(_traced["logits"], _eager["logits"][:_n], eps=1e-5)
+test_fail(lambda: decode_seconds(None, model, ids, 1), contains="steps must be an int in [2, 297]")
