@@ -10,7 +10,9 @@
 # (`sparsekv.syncs.SYNC_OPS`, boolean-mask indexing) in the prefill of a `prompt_len`-token prompt
 # and in the decode step after it, with the line of the library (or of transformers) that issued each.
 # Counted on the CPU, these are exactly the points where a GPU stream would stall; dense attention
-# through transformers reads none.
+# through transformers reads none. `graph_breaks`: where TorchDynamo would split the steady decode step
+# (the third after the prefill) for `torch.compile` (`sparsekv.syncs.step_graph_breaks`; 0: one graph,
+# `fullgraph=True` compiles it).
 
 # %%
 #| parameters
@@ -29,6 +31,9 @@ narrow_len = 256         # prompt tokens before the timed decode steps
 narrow_budget = 0.125    # budget per KV head, a fraction of narrow_len
 repeats = 3              # timed decode steps per method, alternating with transformers' own
 untimed = ["dms"]         # attends through its trained student (a model of its own): operators counted, not timed
+compile_methods = ["dense", "tova", "quoka", "oval"]  # timed compiled too (None: transformers' own step)
+compile_backend = "eager"  # torch.compile's backend: "inductor" generates code; "eager" only traces (a smoke test)
+compile_steps = 5        # compiled decode steps timed per method, after the one that compiles
 seed = 0
 
 # %%
@@ -41,7 +46,7 @@ from sparsekv import methods
 from sparsekv.io import write_csv, write_text
 from sparsekv.models import load_model, model_info
 from sparsekv.protocol import SpeedBench
-from sparsekv.syncs import step_syncs
+from sparsekv.syncs import decode_seconds, step_graph_breaks, step_syncs
 
 model, tok = load_model(model_name, device=device)
 n_layers = model.config.num_hidden_layers
@@ -55,8 +60,9 @@ for name in methods.names():
     for phase in ("prefill", "decode"):
         rec = step_syncs(m, model, ids, phase)
         calls = -(-(prompt_len - 1) // chunk) if phase == "prefill" and chunk else 1
+        breaks = len(step_graph_breaks(m, model, ids)) if phase == "decode" else None
         rows.append(dict(method=name, family=m.family, phase=phase, calls=calls, syncs=rec.total,
-                         per_call_per_layer=rec.total / calls / n_layers))
+                         per_call_per_layer=rec.total / calls / n_layers, graph_breaks=breaks))
         sites += [dict(method=name, phase=phase, line=where, op=op, n=n) for (op, where), n in rec.counts.items()]
 syncs, sites = pd.DataFrame(rows), pd.DataFrame(sites, columns=["method", "phase", "line", "op", "n"])
 syncs
@@ -76,8 +82,13 @@ lo, hi = reading.syncs.min(), reading.syncs.max()
 rest = (f"; {', '.join(sorted(reading.method))} read{'s' if len(reading) == 1 else ''} "
         f"{lo if lo == hi else f'{lo} to {hi}'} value(s) per decode step ({reading.per_call_per_layer.max():.1f} "
         f"per layer at most)" if len(reading) else "")
+one_graph = sorted(decode[decode.graph_breaks == 0].method)
 summary = (f"{model_name}, {n_layers} layers, prompt {prompt_len} tokens, budget {budget}: {len(free)} of "
-           f"{len(decode)} methods decode without reading a device value on the host ({', '.join(free)}){rest}.")
+           f"{len(decode)} methods decode without reading a device value on the host ({', '.join(free)}){rest}. "
+           f"The steady decode step (the third) of {len(one_graph)} of {len(decode)} methods traces as one graph for "
+           f"torch.compile (fullgraph); split: "
+           + (", ".join(f"{r.method} ({r.graph_breaks:.0f} breaks)" for r in decode[decode.graph_breaks > 0]
+                        .itertuples()) or "none") + ".")
 write_csv(Path(fig_dir)/"host_syncs.csv", syncs)
 write_csv(Path(fig_dir)/"host_syncs_lines.csv", sites)
 print(summary)
@@ -125,6 +136,38 @@ work
 assert work.set_index("method").ops_vs_default["dense"] < 1.5
 assert len(work) == len(methods.names()) and (work.set_index("method").step_ms[timed_names] > 0).all()
 
+# %% [markdown]
+# ### Compiled
+#
+# The steps of transformers' own decode and of `compile_methods`, eager and compiled
+# (`sparsekv.syncs.decode_seconds`: `torch.compile` of the whole step with `fullgraph=True` and dynamic
+# shapes, by `compile_backend`, after two eager steps), one run after the other on the same context:
+# the median step, the compilation time, and the largest difference of the logits from eager. A step
+# compiled again (`recompiled`) or not compilable as one graph (`error`) would end its run early and
+# show here; every method but DMS compiles once for every length (`tests/test_host_syncs.py`).
+
+# %%
+compiled = []
+for name in [None, *compile_methods]:
+    m = None if name is None else bench.make(name, narrow_len)
+    eager = decode_seconds(m, hw_model, hw_ids[:, :narrow_len + 2 + compile_steps], compile_steps + 1)
+    comp = decode_seconds(m, hw_model, hw_ids[:, :narrow_len + 2 + compile_steps], compile_steps + 1,
+                          backend=compile_backend)
+    compiled.append(dict(method=name or "transformers", backend=compile_backend,
+                         eager_ms=1e3 * pd.Series(eager["step_seconds"]).median(),
+                         compiled_ms=1e3 * pd.Series(comp["step_seconds"]).median(),
+                         compile_s=comp["compile_seconds"], compiled_steps=len(comp["step_seconds"]),
+                         recompiled=comp["recompiled"], error=comp["error"],
+                         max_logit_diff=(comp["logits"] - eager["logits"][:len(comp["logits"])]).abs().max().item()
+                         ))
+compiled = pd.DataFrame(compiled)
+compiled["speedup"] = compiled.eager_ms / compiled.compiled_ms
+compiled["vs_transformers_eager"] = compiled.compiled_ms / compiled.eager_ms[0]
+compiled
+
+# %%
+assert (compiled.max_logit_diff < 1e-3).all(), compiled   # the compiled steps compute what the eager ones do
+
 # %%
 family = work.groupby("family")[["ops_vs_default", "step_vs_default"]].max()
 goal = (f"Host work on {model_info(hw_model)}, context {narrow_len}, budget {narrow_budget:g} of it, 1 thread, "
@@ -135,9 +178,15 @@ goal = (f"Host work on {model_info(hw_model)}, context {narrow_len}, budget {nar
         f"({'met' if (family.step_vs_default <= 1.25).all() else 'not met'}), operators <= 1.5x "
         f"({'met' if (family.ops_vs_default <= 1.5).all() else 'not met'}).")
 write_csv(Path(fig_dir)/"host_work.csv", work)
+write_csv(Path(fig_dir)/"host_work_compiled.csv", compiled)
+best = compiled.set_index("method")
+goal += (f" Compiled ({compile_backend}, fullgraph, {compile_steps} steps after the compiling one): "
+         + "; ".join(f"{n} {r.eager_ms:.1f} -> {r.compiled_ms:.1f} ms ({r.speedup:.2f}x, compiled in "
+                     f"{r.compile_s:.0f} s)" for n, r in best.iterrows()) + ".")
 write_text(Path(out_dir)/"host_syncs.md", "\n\n".join([
     summary, syncs.to_markdown(index=False, floatfmt=".2f"),
     "The lines that read back, with how many methods pass through each and the reads over all of them:",
     top.to_markdown(index=False), "## Host work of a decode step", goal,
-    work.to_markdown(index=False, floatfmt=".2f")]) + "\n")
+    work.to_markdown(index=False, floatfmt=".2f"), "Compiled and eager decode steps:",
+    compiled.to_markdown(index=False, floatfmt=".3g")]) + "\n")
 print(goal)
