@@ -34,13 +34,18 @@ def is_sync(op: str, args: tuple, kwargs: dict | None = None) -> bool:
     return any(t is not None and t.dtype == torch.bool for t in indices)
 
 # %% ../nbs/45_host_syncs.ipynb #85d6f685
-def _where(skip: int = 2) -> str:
-    "The innermost line of sparsekv (else transformers) on the call stack, as 'sparsekv/cache.py:167', or '?'."
-    for f in reversed(traceback.extract_stack()[:-skip]):
+def _frame(stack) -> str:
+    "The innermost frame of `stack` (frame summaries) in sparsekv or transformers, as 'sparsekv/cache.py:167', or '?'."
+    for f in reversed(stack or []):
+        parts = Path(f.filename).parts
         for top in ("sparsekv", "transformers"):
-            parts = Path(f.filename).parts
             if top in parts: return f"{Path(*parts[parts.index(top):]).as_posix()}:{f.lineno}"
     return "?"
+
+
+def _where(skip: int = 2) -> str:
+    "The innermost line of sparsekv or transformers on the call stack (`_frame`), the `skip` innermost frames left out."
+    return _frame(traceback.extract_stack()[:-skip])
 
 # %% ../nbs/45_host_syncs.ipynb #61388fae
 class HostSyncs(TorchDispatchMode):
@@ -117,13 +122,6 @@ def step_graph_breaks(method: Method | None, model, input_ids: torch.Tensor, ste
                               for b in found.break_reasons))
 
 
-def _frame(stack) -> str:
-    "The innermost frame of `stack` in sparsekv (else transformers), as 'sparsekv/hf.py:393', or '?'."
-    for f in reversed(stack or []):
-        parts = Path(f.filename).parts
-        for top in ("sparsekv", "transformers"):
-            if top in parts: return f"{Path(*parts[parts.index(top):]).as_posix()}:{f.lineno}"
-    return "?"
 
 # %% ../nbs/45_host_syncs.ipynb #5d17a454
 def decode_seconds(method: Method | None, model, input_ids: torch.Tensor, steps: int, backend: str | None = None

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from sparsekv import methods
-from sparsekv.models import load_model
 from sparsekv.syncs import decode_seconds, step_graph_breaks, step_syncs
 
 # the quick profile of the host_syncs stage: a prompt of 300 tokens, a budget of 64 keys per head (each selection
@@ -70,16 +69,12 @@ def test_a_decode_step_is_one_graph(tiny_model, name):
     else: assert breaks == [], breaks
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return load_model("tiny-llama")[0]
-
-
 @pytest.mark.parametrize("name", DECODE)
-def test_decode_steps_compile_once(llama, name):
+def test_decode_steps_compile_once(tiny_llama, name):
     "Five steps compiled with fullgraph and dynamic shapes (TorchDynamo's tracing, run as traced): no recompilation."
-    ids = prompt(llama)[:, :200]
-    eager, traced = decode_seconds(make(name), llama, ids, 6), decode_seconds(make(name), llama, ids, 6, "eager")
+    ids = prompt(tiny_llama)[:, :200]
+    eager = decode_seconds(make(name), tiny_llama, ids, 6)
+    traced = decode_seconds(make(name), tiny_llama, ids, 6, "eager")
     if name == "dms":  # the compaction's size is read back (see `allowed`): no one graph
         assert traced["error"] and "data-dependent" in traced["error"], traced["error"]
         return

@@ -67,13 +67,18 @@ assert is_sync("aten.repeat_interleave", (_r,)) and not is_sync("aten.repeat_int
 
 # %%
 #| export
-def _where(skip: int = 2) -> str:
-    "The innermost line of sparsekv (else transformers) on the call stack, as 'sparsekv/cache.py:167', or '?'."
-    for f in reversed(traceback.extract_stack()[:-skip]):
+def _frame(stack) -> str:
+    "The innermost frame of `stack` (frame summaries) in sparsekv or transformers, as 'sparsekv/cache.py:167', or '?'."
+    for f in reversed(stack or []):
+        parts = Path(f.filename).parts
         for top in ("sparsekv", "transformers"):
-            parts = Path(f.filename).parts
             if top in parts: return f"{Path(*parts[parts.index(top):]).as_posix()}:{f.lineno}"
     return "?"
+
+
+def _where(skip: int = 2) -> str:
+    "The innermost line of sparsekv or transformers on the call stack (`_frame`), the `skip` innermost frames left out."
+    return _frame(traceback.extract_stack()[:-skip])
 
 
 # %%
@@ -274,14 +279,6 @@ def step_graph_breaks(method: Method | None, model, input_ids: torch.Tensor, ste
     return list(dict.fromkeys(f"{str(b.reason).strip().splitlines()[0]} at {_frame(b.user_stack)}"
                               for b in found.break_reasons))
 
-
-def _frame(stack) -> str:
-    "The innermost frame of `stack` in sparsekv (else transformers), as 'sparsekv/hf.py:393', or '?'."
-    for f in reversed(stack or []):
-        parts = Path(f.filename).parts
-        for top in ("sparsekv", "transformers"):
-            if top in parts: return f"{Path(*parts[parts.index(top):]).as_posix()}:{f.lineno}"
-    return "?"
 
 
 # %% [markdown]
