@@ -19,6 +19,7 @@ import random
 import re
 import string
 import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +32,10 @@ from .io import atomic_path, cache_dir
 __all__ = ['BIBLE_MODULE', 'SPLITS', 'REASONING_TASKS', 'DEPTH_TOLERANCE', 'PASSKEY_PHRASINGS', 'SYNTHETIC_TASKS', 'DEPTH_TASKS',
            'bible_source_path', 'read_bible_constants', 'clean_verse', 'prose_text', 'prose_clauses', 'data_cache_dir',
            'tokenizer_fingerprint', 'encode', 'prose_tokens', 'token_stream', 'packed_positions', 'packed_sequences',
-           'reasoning_problems', 'extract_final_answer', 'score_reasoning', 'count_tokens', 'haystack_clauses',
-           'insertion_points', 'weave', 'niah_multikey', 'niah_single', 'variable_tracking', 'prose_words',
-           'common_words', 'passkey', 'induction_copy', 'kv_retrieval', 'score_exact', 'make_task']
+           'stdlib_sources', 'code_windows', 'reasoning_problems', 'extract_final_answer', 'score_reasoning',
+           'count_tokens', 'haystack_clauses', 'insertion_points', 'weave', 'niah_multikey', 'niah_single',
+           'variable_tracking', 'prose_words', 'common_words', 'passkey', 'induction_copy', 'kv_retrieval',
+           'score_exact', 'make_task']
 
 # %% ../nbs/02_data.ipynb #061fc52f
 BIBLE_MODULE = "plain_text_readers_bible"  # the reader's edition: no verse numbers, no notes
@@ -183,6 +185,32 @@ def packed_sequences(tokenizer, seq_len: int, split: str = "train", val_fraction
     "Token ids `[n, seq_len]` of packed windows of the prose stream (see `packed_positions`)."
     stream = token_stream(tokenizer)
     return stream[packed_positions(len(stream), seq_len, split, val_fraction, n, seed)]
+
+# %% ../nbs/02_data.ipynb #8b38e1d2
+def stdlib_sources(max_bytes: int = 100_000) -> list[Path]:
+    "The standard library's top-level modules (`lib/python3.x/*.py`) of at most `max_bytes` bytes, sorted."
+    check_int(max_bytes, "max_bytes", 1)
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in lib.glob("*.py") if p.stat().st_size <= max_bytes)
+
+# %% ../nbs/02_data.ipynb #1e5cbcbc
+def code_windows(tokenizer, seq_len: int, n: int, seed: int = 0, max_bytes: int = 100_000
+                 ) -> tuple[torch.Tensor, dict]:
+    """Token ids `[n, seq_len]`, the first `seq_len` tokens of `n` modules of `stdlib_sources(max_bytes)` visited in
+    an order drawn from `seed` (those shorter are skipped), and their source: python version, files, sha256."""
+    check_int(seq_len, "seq_len", 1), check_int(n, "n", 1)
+    files = stdlib_sources(max_bytes)
+    rows, names, digest = [], [], hashlib.sha256()
+    for path in random.Random(seed).sample(files, len(files)):
+        data = path.read_bytes()
+        ids = encode(tokenizer, [data.decode("utf-8")])[0]
+        if len(ids) < seq_len: continue
+        rows.append(ids[:seq_len]), names.append(path.name), digest.update(data)
+        if len(rows) == n: break
+    if len(rows) < n:
+        raise ValueError(f"n={n} windows of seq_len={seq_len} tokens asked; only {len(rows)} standard-library "
+                         f"modules of at most {max_bytes} bytes have that many tokens")
+    return torch.tensor(rows), dict(python=sys.version.split()[0], files=names, sha256=digest.hexdigest())
 
 # %% ../nbs/02_data.ipynb #33636974
 REASONING_TASKS = ("gsm_symbolic", "basic_arithmetic", "chain_sum")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
 import re
 import subprocess
@@ -55,10 +56,10 @@ __all__ = ['TRAIN_PAPER_REL', 'DISTILL_BASELINES', 'DISTILL_MODES', 'DISTILL_FIG
            'own_pass_priorities', 'final_query_retention', 'activation_recall', 'interval_verdict', 'versus_baseline',
            'ahead_status', 'pair_summary', 'head_recall', 'retention_heatmaps', 'recall_boxes', 'dms_eviction_figure',
            'readout_figure', 'loss_figure', 'compare_figure', 'batched_cell', 'TrainRun', 'agreement_kl',
-           'compare_tables', 'student_pairs', 'verdict_table', 'paper_vs_ours', 'every_token_goal', 'DistillRun',
-           'mean_value', 'paired_windows', 'pair_verdicts', 'versus_rows', 'adaptation_rows', 'GreedyDecoder',
-           'synthetic_dense_cache', 'filled_kvpop_decoder', 'fast_forward', 'step_peak_bytes', 'DecodeBench',
-           'decode_tables', 'decode_figure', 'memory_growth', 'decode_claims']
+           'compare_tables', 'student_pairs', 'domain_table', 'verdict_table', 'paper_vs_ours', 'every_token_goal',
+           'DistillRun', 'mean_value', 'paired_windows', 'pair_verdicts', 'versus_rows', 'adaptation_rows',
+           'GreedyDecoder', 'synthetic_dense_cache', 'filled_kvpop_decoder', 'fast_forward', 'step_peak_bytes',
+           'DecodeBench', 'decode_tables', 'decode_figure', 'memory_growth', 'decode_claims']
 
 # %% ../../nbs/19b_kvpop_experiments.ipynb #06319026
 @torch.no_grad()
@@ -591,32 +592,43 @@ def eval_logits(self, name: str, cr: float, ids: Tensor) -> Tensor:
 
 # %% ../../nbs/19b_kvpop_experiments.ipynb #55ecce97
 @patch_to(TrainRun)
-def eval_cell(self, c: dict) -> dict:
-    "Agreement and KL with the dense model of held-out window `c['item']` under `c['method']` at `c['compression']`."
-    i, cache = c["item"], self.teacher_cache
-    if i not in cache: cache.clear(); cache[i] = self.logits(self.val_ids[i:i + 1])
-    t = cache[i]
+def eval_cell(self, c: dict, ids: Tensor | None = None, pool: str = "eval") -> dict:
+    """Agreement and KL with the dense model of window `c['item']` of `ids` (default: the held-out windows; `pool`
+    names them) under `c['method']` at `c['compression']`."""
+    ids, key, cache = self.val_ids if ids is None else ids, (pool, c["item"]), self.teacher_cache
+    w = ids[c["item"]:c["item"] + 1]
+    if key not in cache: cache.clear(); cache[key] = self.logits(w)
+    t = cache[key]
     if c["method"] == "dense": return agreement_kl(t, t)
-    return agreement_kl(self.eval_logits(c["method"], c["compression"], self.val_ids[i:i + 1]), t)
+    return agreement_kl(self.eval_logits(c["method"], c["compression"], w), t)
 
 # %% ../../nbs/19b_kvpop_experiments.ipynb #67d622db
 @patch_to(TrainRun)
-def evaluate(self, eval_methods: list[str]) -> pd.DataFrame:
-    """Rows (item, method, compression, agreement, kl) of the held-out grid: `eval_methods`, the students and the
-    oracle at every compression, the dense model's rows repeated at each."""
+def evaluate(self, eval_methods: list[str], ids: Tensor | None = None, pool: str = "eval",
+             source: dict | None = None, hours: float | None = None) -> pd.DataFrame:
+    """Rows (item, method, compression, agreement, kl) of the grid of `pool` (windows `ids`, default the held-out
+    ones): `eval_methods`, the students and the oracle at every compression, the dense model's rows repeated at each;
+    only windows every method finished when `hours` stopped the run (`attrs['pending']`: cells left)."""
+    ids = self.val_ids if ids is None else ids
     methods = [*eval_methods, *self.kvpop_methods, "oracle"]
-    cells = [dict(item=i, method=m, compression=cr) for i in range(len(self.val_ids)) for cr in self.compressions
+    cells = [dict(item=i, method=m, compression=cr) for i in range(len(ids)) for cr in self.compressions
              for m in (["dense"] if cr == self.compressions[0] else []) + methods]
     names, shipped = [self.shipped_name(sc, cr) for sc, cr in self.trained], self.ship or not self.train
     students = ", ".join(f"{n} of {shipped_checkpoints()[n]['commit'][:10]}" if shipped else f"{n} trained in this run"
                          for n in names)
-    grid = run_grid(cells, self.eval_cell, self.out_dir / "kvpop_train_eval_grid.csv", desc="held-out windows",
-                    params=dict(model=self.model_name, S=self.S, sink=self.sink, window=self.window, chosen=self.chosen,
-                                eviction_chunk=self.eviction_chunk, n_val_train=self.n_val_train,
-                                scorers_from=f"trained, {self.steps} steps" if self.train else "shipped",
-                                students=students))
+    params = dict(model=self.model_name, S=self.S, sink=self.sink, window=self.window, chosen=self.chosen,
+                  eviction_chunk=self.eviction_chunk, n_val_train=self.n_val_train,
+                  scorers_from=f"trained, {self.steps} steps" if self.train else "shipped", students=students)
+    if source is not None: params |= {"source": json.dumps(source, sort_keys=True)}
+    grid = run_grid(cells, lambda c: self.eval_cell(c, ids, pool), self.out_dir / f"kvpop_train_{pool}_grid.csv",
+                    desc=f"{pool} windows", params=params, time_limit=None if hours is None else 3600 * hours)
+    pending = grid.attrs["pending"]
+    grid = grid.reindex(columns=[*grid.columns, *(c for c in ("agreement", "kl") if c not in grid)])   # none done
+    grid = grid[grid.groupby("item").method.transform("size") == len(cells) // len(ids)]   # whole windows only
     dense_rows = grid[grid.method == "dense"]
-    return pd.concat([grid[grid.method != "dense"]] + [dense_rows.assign(compression=cr) for cr in self.compressions])
+    out = pd.concat([grid[grid.method != "dense"]] + [dense_rows.assign(compression=cr) for cr in self.compressions])
+    out.attrs["pending"] = pending
+    return out
 
 # %% ../../nbs/19b_kvpop_experiments.ipynb #9e83fa1a
 def compare_tables(results: pd.DataFrame, baselines: list[str]) -> dict[str, pd.DataFrame]:
@@ -629,6 +641,18 @@ def student_pairs(results: pd.DataFrame, baselines: list[str], students: list[st
     "`versus_baseline` rows of each student against each baseline alone, on agreement and KL."
     pairs = pd.concat([versus_baseline(results, b, m) for b in baselines for m in ("agreement", "kl")])
     return pairs[pairs.method.isin(students)]
+
+# %% ../../nbs/19b_kvpop_experiments.ipynb #4aa6032b
+def domain_table(pools: dict[str, pd.DataFrame], methods: list[str]) -> pd.DataFrame:
+    "Per (compression, method) of `methods`: mean agreement, mean KL and windows `n` in each pool, as `<col> <pool>`."
+    cols = {}
+    for pool, r in pools.items():
+        g = r[r.method.isin(methods)].groupby(["compression", "method"])
+        cols |= {f"agreement {pool}": g.agreement.mean(), f"kl {pool}": g.kl.mean(), f"n {pool}": g.item.nunique()}
+    order = pd.MultiIndex.from_product([sorted({cr for r in pools.values() for cr in r.compression}), methods],
+                                       names=["compression", "method"])
+    out = pd.DataFrame(cols).reindex(order)
+    return out.astype({c: "Int64" for c in out if c.startswith("n ")})
 
 # %% ../../nbs/19b_kvpop_experiments.ipynb #61b1237c
 def verdict_table(pairs: pd.DataFrame, index: list[str]) -> pd.DataFrame:

@@ -38,6 +38,7 @@ import random
 import re
 import string
 import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -435,6 +436,72 @@ val = packed_sequences(tok, 2048, "validation")
 print(f"validation: {tuple(val.shape)} windows of the last 5%; train: {tuple(packed_sequences(tok, 2048).shape)}")
 test_eq(val[-1].tolist(), stream[packed_positions(len(stream), 2048, "validation")[-1]].tolist())
 print(tok.decode(val[0, :40].tolist()))
+
+
+# %% [markdown]
+# ## Source code: windows out of the prose domain
+#
+# The KVpop scorers are trained on prose; to see whether a learned policy holds outside its training domain we
+# need text of another kind that every installation has offline. The Python standard library is such text:
+# `stdlib_sources` lists the interpreter's own modules, `lib/python3.x/*.py` (the `test` package and the other
+# packages are folders, so not listed), keeping files of at most `max_bytes` (100 KB: modules, not generated
+# tables). `code_windows` walks them in an order drawn from `seed` and takes the first `seq_len` tokens of each
+# module that has that many, one window per module, until it has `n`; with the windows it returns where they came
+# from (the interpreter's version, the files, the sha256 of their bytes), so a grid built on them can tell a
+# different interpreter's windows from its own.
+
+# %%
+#| export
+def stdlib_sources(max_bytes: int = 100_000) -> list[Path]:
+    "The standard library's top-level modules (`lib/python3.x/*.py`) of at most `max_bytes` bytes, sorted."
+    check_int(max_bytes, "max_bytes", 1)
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in lib.glob("*.py") if p.stat().st_size <= max_bytes)
+
+
+# %%
+mods = stdlib_sources()
+print(f"{len(mods)} modules under {mods[0].parent}, e.g. {[p.name for p in mods[:4]]}")
+test_eq(all(p.stat().st_size <= 100_000 and p.parent.name.startswith("python3") for p in mods), True)
+test_eq(mods, sorted(mods))
+test_eq(len(stdlib_sources(10_000)) < len(mods), True)
+test_fail(lambda: stdlib_sources(0), contains="max_bytes")
+
+
+# %%
+#| export
+def code_windows(tokenizer, seq_len: int, n: int, seed: int = 0, max_bytes: int = 100_000
+                 ) -> tuple[torch.Tensor, dict]:
+    """Token ids `[n, seq_len]`, the first `seq_len` tokens of `n` modules of `stdlib_sources(max_bytes)` visited in
+    an order drawn from `seed` (those shorter are skipped), and their source: python version, files, sha256."""
+    check_int(seq_len, "seq_len", 1), check_int(n, "n", 1)
+    files = stdlib_sources(max_bytes)
+    rows, names, digest = [], [], hashlib.sha256()
+    for path in random.Random(seed).sample(files, len(files)):
+        data = path.read_bytes()
+        ids = encode(tokenizer, [data.decode("utf-8")])[0]
+        if len(ids) < seq_len: continue
+        rows.append(ids[:seq_len]), names.append(path.name), digest.update(data)
+        if len(rows) == n: break
+    if len(rows) < n:
+        raise ValueError(f"n={n} windows of seq_len={seq_len} tokens asked; only {len(rows)} standard-library "
+                         f"modules of at most {max_bytes} bytes have that many tokens")
+    return torch.tensor(rows), dict(python=sys.version.split()[0], files=names, sha256=digest.hexdigest())
+
+
+# %%
+code, src = code_windows(tok, 512, 4, seed=0)
+print(f"{tuple(code.shape)} from python {src['python']}: {src['files']}")
+lib = mods[0].parent
+for row, name in zip(code, src["files"]):  # each window is the start of its module, encoded alone
+    test_eq(row.tolist(), encode(tok, [(lib / name).read_text(encoding="utf-8")])[0][:512])
+test_eq(len(set(src["files"])), 4)
+again, src2 = code_windows(tok, 512, 4, seed=0)
+test_eq((again.equal(code), src2), (True, src))
+test_eq(code_windows(tok, 512, 4, seed=1)[1]["files"] != src["files"], True)
+test_fail(lambda: code_windows(tok, 512, 10_000), contains="only")
+test_fail(lambda: code_windows(tok, 0, 4), contains="seq_len")
+print(tok.decode(code[0, :40].tolist()))
 
 # %% [markdown]
 # ## Reasoning problems

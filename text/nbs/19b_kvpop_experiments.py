@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
 import re
 import subprocess
@@ -54,7 +55,6 @@ from sparsekv.stats import compare, paired_ci
 
 # %%
 #| hide
-import json
 import tempfile
 from types import SimpleNamespace
 
@@ -1217,13 +1217,15 @@ assert_close(run.eval_logits("streaming_llm", 0.75, _ids), _steps[:, -48:].float
 # %%
 #| export
 @patch_to(TrainRun)
-def eval_cell(self, c: dict) -> dict:
-    "Agreement and KL with the dense model of held-out window `c['item']` under `c['method']` at `c['compression']`."
-    i, cache = c["item"], self.teacher_cache
-    if i not in cache: cache.clear(); cache[i] = self.logits(self.val_ids[i:i + 1])
-    t = cache[i]
+def eval_cell(self, c: dict, ids: Tensor | None = None, pool: str = "eval") -> dict:
+    """Agreement and KL with the dense model of window `c['item']` of `ids` (default: the held-out windows; `pool`
+    names them) under `c['method']` at `c['compression']`."""
+    ids, key, cache = self.val_ids if ids is None else ids, (pool, c["item"]), self.teacher_cache
+    w = ids[c["item"]:c["item"] + 1]
+    if key not in cache: cache.clear(); cache[key] = self.logits(w)
+    t = cache[key]
     if c["method"] == "dense": return agreement_kl(t, t)
-    return agreement_kl(self.eval_logits(c["method"], c["compression"], self.val_ids[i:i + 1]), t)
+    return agreement_kl(self.eval_logits(c["method"], c["compression"], w), t)
 
 
 # %%
@@ -1231,27 +1233,45 @@ _c = dict(item=0, compression=0.75)
 test_eq(run.eval_cell({**_c, "method": "dense"})["agreement"], 1.0)
 test_eq(run.eval_cell({**_c, "method": "kvpop_mlp"}), agreement_kl(run.eval_logits("kvpop_mlp", 0.75, _ids),
                                                                   run.logits(_ids)))
+_other = torch.randint(0, model.config.vocab_size, (1, run.S), generator=torch.Generator().manual_seed(5))
+test_eq(run.eval_cell({**_c, "method": "tova:all"}, _other, "other"),   # another pool's window, its own teacher
+        agreement_kl(run.eval_logits("tova:all", 0.75, _other), run.logits(_other)))
 
+
+# %% [markdown]
+# `evaluate` runs one pool of windows through every method: the held-out prose by default, or other `ids` (the
+# out-of-domain code windows) into their own grid `kvpop_train_<pool>_grid.csv`, with `source` (where the windows
+# come from) among the grid's keys. With `hours`, no window starts after that long: the rows returned are the
+# windows every method finished, and a rerun continues the grid.
 
 # %%
 #| export
 @patch_to(TrainRun)
-def evaluate(self, eval_methods: list[str]) -> pd.DataFrame:
-    """Rows (item, method, compression, agreement, kl) of the held-out grid: `eval_methods`, the students and the
-    oracle at every compression, the dense model's rows repeated at each."""
+def evaluate(self, eval_methods: list[str], ids: Tensor | None = None, pool: str = "eval",
+             source: dict | None = None, hours: float | None = None) -> pd.DataFrame:
+    """Rows (item, method, compression, agreement, kl) of the grid of `pool` (windows `ids`, default the held-out
+    ones): `eval_methods`, the students and the oracle at every compression, the dense model's rows repeated at each;
+    only windows every method finished when `hours` stopped the run (`attrs['pending']`: cells left)."""
+    ids = self.val_ids if ids is None else ids
     methods = [*eval_methods, *self.kvpop_methods, "oracle"]
-    cells = [dict(item=i, method=m, compression=cr) for i in range(len(self.val_ids)) for cr in self.compressions
+    cells = [dict(item=i, method=m, compression=cr) for i in range(len(ids)) for cr in self.compressions
              for m in (["dense"] if cr == self.compressions[0] else []) + methods]
     names, shipped = [self.shipped_name(sc, cr) for sc, cr in self.trained], self.ship or not self.train
     students = ", ".join(f"{n} of {shipped_checkpoints()[n]['commit'][:10]}" if shipped else f"{n} trained in this run"
                          for n in names)
-    grid = run_grid(cells, self.eval_cell, self.out_dir / "kvpop_train_eval_grid.csv", desc="held-out windows",
-                    params=dict(model=self.model_name, S=self.S, sink=self.sink, window=self.window, chosen=self.chosen,
-                                eviction_chunk=self.eviction_chunk, n_val_train=self.n_val_train,
-                                scorers_from=f"trained, {self.steps} steps" if self.train else "shipped",
-                                students=students))
+    params = dict(model=self.model_name, S=self.S, sink=self.sink, window=self.window, chosen=self.chosen,
+                  eviction_chunk=self.eviction_chunk, n_val_train=self.n_val_train,
+                  scorers_from=f"trained, {self.steps} steps" if self.train else "shipped", students=students)
+    if source is not None: params |= {"source": json.dumps(source, sort_keys=True)}
+    grid = run_grid(cells, lambda c: self.eval_cell(c, ids, pool), self.out_dir / f"kvpop_train_{pool}_grid.csv",
+                    desc=f"{pool} windows", params=params, time_limit=None if hours is None else 3600 * hours)
+    pending = grid.attrs["pending"]
+    grid = grid.reindex(columns=[*grid.columns, *(c for c in ("agreement", "kl") if c not in grid)])   # none done
+    grid = grid[grid.groupby("item").method.transform("size") == len(cells) // len(ids)]   # whole windows only
     dense_rows = grid[grid.method == "dense"]
-    return pd.concat([grid[grid.method != "dense"]] + [dense_rows.assign(compression=cr) for cr in self.compressions])
+    out = pd.concat([grid[grid.method != "dense"]] + [dense_rows.assign(compression=cr) for cr in self.compressions])
+    out.attrs["pending"] = pending
+    return out
 
 
 # %%
@@ -1259,6 +1279,15 @@ results = run.evaluate(["streaming_llm", "tova:all"])
 test_eq(len(results), 2 * 2 * (1 + 2 + 1 + 1))   # windows x compressions x (dense, baselines, student, oracle)
 test_eq(sorted(results[results.method == "dense"].compression.unique()), [0.75, 0.875])
 assert (results.agreement.between(0, 1)).all()
+test_eq(results.attrs["pending"], 0)
+_code = torch.randint(0, model.config.vocab_size, (3, run.S), generator=torch.Generator().manual_seed(6))
+_part = run.evaluate(["streaming_llm"], _code, "code_check", {"python": "x"}, hours=0)   # a time box before any cell
+_arms = 1 + len(run.kvpop_methods) + 1   # the baseline, the students, the oracle
+test_eq((len(_part), _part.attrs["pending"]), (0, 3 * (1 + 2 * _arms)))
+_all = run.evaluate(["streaming_llm"], _code, "code_check", {"python": "x"})
+test_eq((len(_all), _all.attrs["pending"], sorted(_all.item.unique())), (3 * 2 * (1 + _arms), 0, [0, 1, 2]))
+test_eq(_all.set_index(["item", "method", "compression"]).loc[(2, "streaming_llm", 0.75), "agreement"],
+        run.eval_cell(dict(item=2, method="streaming_llm", compression=0.75), _code[:], "fresh")["agreement"])
 
 
 # %% [markdown]
@@ -1292,6 +1321,35 @@ def student_pairs(results: pd.DataFrame, baselines: list[str], students: list[st
 _pairs = student_pairs(results, ["streaming_llm", "tova:all"], ["kvpop_mlp"])
 test_eq(len(_pairs), 2 * 2 * 2)   # baselines x metrics x compressions
 test_eq(set(_pairs.method), {"kvpop_mlp"})
+
+
+# %% [markdown]
+# In and out of the training domain: each method's mean agreement and KL per compression in each pool of windows,
+# side by side, with the windows each mean is over (the pools are different texts, so they are compared as means,
+# not paired).
+
+# %%
+#| export
+def domain_table(pools: dict[str, pd.DataFrame], methods: list[str]) -> pd.DataFrame:
+    "Per (compression, method) of `methods`: mean agreement, mean KL and windows `n` in each pool, as `<col> <pool>`."
+    cols = {}
+    for pool, r in pools.items():
+        g = r[r.method.isin(methods)].groupby(["compression", "method"])
+        cols |= {f"agreement {pool}": g.agreement.mean(), f"kl {pool}": g.kl.mean(), f"n {pool}": g.item.nunique()}
+    order = pd.MultiIndex.from_product([sorted({cr for r in pools.values() for cr in r.compression}), methods],
+                                       names=["compression", "method"])
+    out = pd.DataFrame(cols).reindex(order)
+    return out.astype({c: "Int64" for c in out if c.startswith("n ")})
+
+
+# %%
+_dom = domain_table({"prose": results, "code": _all}, ["streaming_llm", "kvpop_mlp"])
+test_eq(list(_dom.columns), [f"{c} {p}" for p in ("prose", "code") for c in ("agreement", "kl", "n")])
+_r = _all[(_all.method == "kvpop_mlp") & (_all.compression == 0.875)]
+test_close(_dom.loc[(0.875, "kvpop_mlp"), "agreement code"], _r.agreement.mean())
+test_eq(_dom.loc[(0.875, "kvpop_mlp"), "n code"], 3)
+test_eq(_dom.loc[(0.75, "kvpop_mlp"), "n prose"], len(run.val_ids))
+test_eq(domain_table({"prose": results, "code": _part}, ["kvpop_mlp"])["n code"].isna().all(), True)  # none done
 
 
 # %%
