@@ -131,16 +131,14 @@ for m in runs:
 #
 # <!-- include: reproduce/runs/verdicts.md -->
 #
-# **What changed with the model.** The second model, Qwen2.5-Coder-0.5B (24 layers, 7 query heads per KV head
-# where SmolLM2 has 3, a 32k context), solves the needle cells the accuracy claims are decided on. QuoKA's premise
-# (queries far from the chunk's mean query attend to more keys) and the query choice built on it are refuted on
-# both models, more clearly on the larger one: those refutations are not SmolLM2's doing. Most other differences
-# are a ceiling (the last column): with 6.25% of the keys QuoKA answers every item on Qwen, so it loses nothing to
-# dense there (§4.5 confirmed), and its ablations and SampleAttention answer every item too: on this cell those
-# comparisons are ties, not refutations, and a smaller budget is what would separate them. Quest, which fails on
-# SmolLM2, answers nearly every item on Qwen, so OVAL's lead over it becomes a tie. OVAL's output-aware basis
-# goes from behind key PCA to tied with it where $G$ is more anisotropic: still no gain at this scale. The KVpop
-# rows need scorers trained for this model.
+# **What changed with the model.** Qwen2.5-Coder-0.5B (24 layers, 7 query heads per KV head where SmolLM2 has 3, a
+# 32k context) solves the needle cells the accuracy claims are decided on. QuoKA's premise and the query choice
+# built on it are refuted on both models: not SmolLM2's doing. Most other differences are a ceiling (the last
+# column): with 6.25% of the keys QuoKA answers every Qwen item, so it loses nothing to dense (§4.5 confirmed), and
+# its ablations and SampleAttention answer every item too: ties, not refutations, that a smaller budget would
+# separate. Quest, which fails on SmolLM2, answers nearly every Qwen item, so OVAL's lead over it becomes a tie;
+# OVAL's output-aware basis goes from behind key PCA to tied with it where $G$ is more anisotropic. The KVpop rows
+# fill in as Qwen's scorers and the runs on source code land.
 
 # %% [markdown]
 # ## More
