@@ -25,8 +25,8 @@ from sparsekv.attention import (
 
 # %% auto #0
 __all__ = ['BATCH_OPS', 'EvictionRule', 'visible_count', 'SinkWindowRule', 'TopScoreRule', 'row_map', 'hooked_layer_class',
-           'follow_batch_ops', 'query_count', 'tokens_to_lose', 'EvictingLayer', 'EvictingCache', 'SinkWindowCache',
-           'GrowingLayer', 'GrowingCache']
+           'follow_batch_ops', 'query_count', 'tokens_to_lose', 'EvictingLayer', 'OptInCompile', 'EvictingCache',
+           'SinkWindowCache', 'GrowingLayer', 'GrowingCache']
 
 # %% ../nbs/04_cache.ipynb #40ccaa34
 class EvictionRule:
@@ -170,6 +170,7 @@ def tokens_to_lose(tokens_to_remove: int, seen: int) -> int:
 # %% ../nbs/04_cache.ipynb #29ea6130
 class EvictingLayer(DynamicLayer):
     "A cache layer keeping per KV head the entries its `EvictionRule` still shows, with their positions and scores."
+    is_compileable = True  # its decode step compiles as one graph (see `OptInCompile`)
 
     def __init__(self, rule: EvictionRule, layer_idx: int):
         super().__init__()
@@ -313,7 +314,18 @@ def batch_select_indices(self, indices: Tensor) -> None:
     self.apply_rows(row_map("batch_select_indices", indices))
 
 # %% ../nbs/04_cache.ipynb #e590c8d5
-class EvictingCache(Cache):
+class OptInCompile:
+    "Mixin of our caches: `is_compileable` (transformers compiles the decode steps) only when `compiled_decode`."
+    compiled_decode = False  # set to compile the decode steps (see `Method.generate`)
+    layers_compile = True  # False where the cache's own step reads a device value on the host
+
+    @property
+    def is_compileable(self) -> bool:
+        return self.compiled_decode and self.layers_compile and all(
+            getattr(lay, "is_compileable", False) for lay in self.layers)
+
+# %% ../nbs/04_cache.ipynb #42d4b4d5
+class EvictingCache(OptInCompile, Cache):
     "A `transformers` cache of `EvictingLayer`s (made as layers are used) sharing one `EvictionRule`; use in `patch`."
 
     def __init__(self, rule: EvictionRule):
@@ -340,6 +352,7 @@ class SinkWindowCache(EvictingCache):
 # %% ../nbs/04_cache.ipynb #a9220b49
 class GrowingLayer(DynamicLayer):
     "A `DynamicLayer` that writes new entries in place into buffers whose capacity doubles when full; returns views."
+    is_compileable = True  # its decode step compiles as one graph (see `OptInCompile`)
 
     def __init__(self, min_capacity: int = 256):
         self.min_capacity = check_int(min_capacity, "min_capacity", 1)
@@ -440,7 +453,7 @@ def batch_select_indices(self, indices: Tensor) -> None:  # noqa: F811
     self._rows(row_map("batch_select_indices", indices))
 
 # %% ../nbs/04_cache.ipynb #0e44eb8f
-class GrowingCache(DynamicCache):
+class GrowingCache(OptInCompile, DynamicCache):
     "`DynamicCache` whose full-attention layers are `GrowingLayer`s (sliding-window layers stay transformers' own)."
 
     def __init__(self, config=None, min_capacity: int = 256):

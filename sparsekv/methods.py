@@ -118,6 +118,11 @@ class HandoffCache(GrowingCache):
                 self.layers[i].absorb(layer.keys, layer.values)
         self.handed_over = True
 
+    @property
+    def is_compileable(self) -> bool:
+        "Whether both the growing layers and `then`'s are (`OptInCompile`): the steps after the hand-over are then's."
+        return super().is_compileable and self.then.is_compileable
+
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         # transformers asks before the layers run: the sizes are then the evicting layers'
         if not self.handed_over and query_count(query_length) == 1 and self.get_seq_length(): self.hand_over()

@@ -82,6 +82,25 @@ def test_decode_steps_compile_once(tiny_llama, name):
     torch.testing.assert_close(traced["logits"], eager["logits"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", DECODE)
+def test_generate_compiles_the_decode_steps(tiny_llama, name):
+    """`Method.generate(compile=...)`: transformers' generate compiles the decode steps (TorchDynamo, run as traced)
+    and gives the eager tokens. A few graphs, not one per step: the first decode step (it builds per-layer state:
+    page summaries), the steady step, and a buffer's growth or a page boundary compile their own."""
+    ids = prompt(tiny_llama)[:, :200]
+    eager = make(name).generate(tiny_llama, ids, max_new_tokens=7, do_sample=False)
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
+    if name == "dms":  # its decode step reads the compaction's size back (see `allowed`): refused, not run eagerly
+        with pytest.raises(ValueError, match="compile: the decode step of dms does not compile"):
+            make(name).generate(tiny_llama, ids, max_new_tokens=7, do_sample=False, compile="eager")
+        return
+    compiled = make(name).generate(tiny_llama, ids, max_new_tokens=7, do_sample=False, compile="eager")
+    assert torch.equal(compiled, eager)
+    assert 1 <= stats["unique_graphs"] - before <= 3, stats["unique_graphs"] - before
+
+
 @pytest.mark.parametrize("name", SELECTION)
 def test_a_prefill_chunk_reads_nothing_back(tiny_model, name):
     m = make(name)

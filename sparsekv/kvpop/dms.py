@@ -256,6 +256,7 @@ class DMSLayer(EvictingLayer):
 # %% ../../nbs/18_kvpop_dms.ipynb #842e3dc7
 class DMSCache(EvictingCache):
     "Bounded DMS cache (inside `patch(model, student.policy())`): each head keeps its live entries, padded alike."
+    layers_compile = False  # its compaction reads the live counts back (no compiled decode, see `OptInCompile`)
 
     def __init__(self, decisions: DMSDecisions, window: int, sink: int = 0):
         super().__init__(DMSRule(decisions, window, sink))

@@ -292,6 +292,7 @@ class PageRetrievalPolicy(SelectionPolicy):
 
     def attend(self, q, k, v, ctx):
         "Decode: page_attention over kept pages (attend_selected under a mask or for several queries); else dense."
+        self.follow(ctx)
         if self.padding(ctx) is not None: return super().attend(q, k, v, ctx)  # the chosen keys of select_rows
         pages = self.page_ids(q, k, v, ctx)
         if pages is None: return dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout)
@@ -317,13 +318,21 @@ def metric(self, ctx) -> Tensor | None:
 
 # %% ../../nbs/32_oval_pages.ipynb #a726cb2e
 @patch_to(PageRetrievalPolicy)
+def follow(self, ctx) -> None:
+    """Follow the batch operations (beam search: `apply_rows`) of the call's cache layer, from the first call that
+    sees it (the prefill: a compiled decode step could not hook a layer, see `follow_batch_ops`)."""
+    layer = ctx.cache_layer
+    if layer is not None and layer not in self.followed:
+        self.followed.add(layer)
+        follow_batch_ops(layer, id(self), lambda fn, i=ctx.layer_idx: self.apply_rows(i, fn))
+
+
+@patch_to(PageRetrievalPolicy)
 def track(self, q: Tensor, k: Tensor, ctx) -> Tensor | None:
     "Record decode query [B, Hq, d]; return the one of spec_steps calls ago (or None); a new sequence resets."
     i, T = ctx.layer_idx, k.shape[2]
     layer = ctx.cache_layer
-    if layer is not None and layer not in self.followed:
-        self.followed.add(layer)
-        follow_batch_ops(layer, id(self), lambda fn, i=i: self.apply_rows(i, fn))
+    self.follow(ctx)
     first, last_T, last_layer = self.seen.get(i, (None, shape_count(0), None))  # last_T: a shape (compiled once)
     # a new sequence: a cache that did not grow, or another cache object (known on the host); without a cache layer
     # to follow, a different first key (read back)
@@ -425,10 +434,7 @@ def select_rows(self, q, k, v, ctx, real: Tensor) -> Tensor | None:
     start at its first real token); the chosen keys [B, Hkv, T], or None when every row keeps all its keys."""
     B, Hkv = k.shape[:2]
     if len(self.rows.get(ctx.layer_idx, ())) != B: self.rows[ctx.layer_idx] = [self.row_policy() for _ in range(B)]
-    layer = ctx.cache_layer
-    if layer is not None and layer not in self.followed:  # beam search moves the row policies with their rows
-        self.followed.add(layer)
-        follow_batch_ops(layer, id(self), lambda fn, i=ctx.layer_idx: self.apply_rows(i, fn))
+    self.follow(ctx)  # beam search moves the row policies with their rows
     chosen, dropped = real[:, None].expand(B, Hkv, -1).clone(), False
     for b, row in enumerate(self.rows[ctx.layer_idx]):
         keys = real[b].nonzero()[:, 0]

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from fastcore.basics import patch_to
 from torch import Tensor, nn
-from transformers import AttentionInterface, Cache, PreTrainedModel
+from transformers import AttentionInterface, Cache, CompileConfig, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from sparsekv.attention import causal_mask, check_int, check_qkv, content_checks, gather_keys, hot_path
@@ -1007,6 +1007,7 @@ def _record_call(state: _Patch):
 
 def _open_step(state: _Patch) -> None:
     "Enter the per-step path (no content checks, see `checks`) until the forward hook of the call closes it."
+    if torch.compiler.is_compiling(): return  # a compiled step runs no content check: nothing to open (`hot_path`)
     step = hot_path()
     step.__enter__()
     state.steps.append(step)
@@ -1015,7 +1016,7 @@ def _open_step(state: _Patch) -> None:
 def _end_call(state: _Patch):
     "Forward hook (called also when the call raises) closing the per-step path its pre-hook opened."
     def hook(module, args, output):
-        if state.steps: state.steps.pop().__exit__(None, None, None)
+        if state.steps and not torch.compiler.is_compiling(): state.steps.pop().__exit__(None, None, None)
     return hook
 
 
@@ -1824,15 +1825,31 @@ test_eq(repr(Method(8)), "Method(budget=8)")
 
 # %%
 #| export
+def decode_compile_config(backend: str = "inductor") -> CompileConfig:
+    """The `compile_config` with which `generate` compiles our caches' decode steps: as one graph (`fullgraph`),
+    once for every length (`dynamic`), by `backend`, on any device (transformers' own flag; on a GPU too: the
+    shapes change every step, so no CUDA-graph capture)."""
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"compile must be True or a torch.compile backend's name, got {backend!r}")
+    config = CompileConfig(fullgraph=True, dynamic=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    return config
+
+
 @patch_to(Method)
 def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None = None,
-             **kwargs) -> Tensor:
+             compile: bool | str = False, **kwargs) -> Tensor:
     """Prefill (in chunks of `chunk_size` if set), decode by `model.generate(**kwargs)` under the method: token ids;
-    `attention_mask`: left padding, as generate takes it."""
+    `attention_mask`: left padding, as generate takes it; `compile`: compile the decode steps (True: by inductor, or
+    a `torch.compile` backend's name; see `decode_compile_config`)."""
     check_input_ids(model, input_ids)
     if "past_key_values" in kwargs:
         raise ValueError("past_key_values: Method.generate makes a fresh cache for each call; to continue a cache "
                          "of your own, call model.generate inside `with method.patch(model):`")
+    if compile is not False and "compile_config" in kwargs:
+        raise ValueError("compile and compile_config: pass one (compile=True builds `decode_compile_config()`)")
+    if compile is not False:
+        kwargs["compile_config"] = decode_compile_config("inductor" if compile is True else compile)
     S, pads = input_ids.shape[1], left_padding(attention_mask, input_ids)
     if pads is not None and bool((pads == S).any()):
         raise ValueError("attention_mask must mark at least one token (1) in every row")
@@ -1843,11 +1860,19 @@ def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Te
             raise ValueError(f"attention_mask: {self.name or type(self).__name__} evicts from a cache that takes "
                              "unpadded batches only (padding would shift its rows); generate each prompt alone "
                              "or batch prompts of equal length")
+        active_patch(model).causal_only = pads is None  # known here once: no mask needs reading in any step
+        if "compile_config" in kwargs:
+            for c in (cache, getattr(cache, "then", None)):
+                if c is not None: c.compiled_decode = True
+            if not getattr(cache, "is_compileable", False):
+                raise ValueError(f"compile: the decode step of {self.name or type(self).__name__} does not compile "
+                                 f"as one graph (its {type(cache).__name__} is not compileable); generate without "
+                                 "compiling")
         # a prefill with some token (rows of one token have none before the last)
         if self.chunk_size and S > 1 and (pads is None or bool((pads < S - 1).any())):
             # generate feeds the last token
             cache = chunked_prefill(model, input_ids[:, :-1], self.chunk_size, cache=cache,
-                                    attention_mask=attention_mask[:, :-1])[0]
+                                    attention_mask=None if pads is None else attention_mask[:, :-1])[0]
             # generate repeats each row of input_ids for beams or return sequences, not a cache passed to it
             cfg = kwargs.get("generation_config") or model.generation_config
             expand = max(kwargs.get("num_beams", cfg.num_beams) or 1,
@@ -1860,6 +1885,10 @@ def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Te
 with torch.no_grad(): plain = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
 test_eq(Method(8).generate(model, ids, **gen), plain)
 test_eq(Method.registry["_chunked_dense"](8).generate(model, ids, **gen), plain)
+test_eq(Method(8).generate(model, ids, compile="eager", **gen), plain)  # decode steps compiled (no code generated)
+test_fail(lambda: Method(8).generate(model, ids, compile="", **gen), contains="compile must be True or")
+test_fail(lambda: Method(8).generate(model, ids, compile=True, compile_config=decode_compile_config(), **gen),
+          contains="pass one")
 
 # %% [markdown]
 # A padded batch gives each row the tokens it gets alone, in one call or in chunks; a cache of one's own, an

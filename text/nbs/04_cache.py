@@ -398,6 +398,7 @@ test_fail(lambda: tokens_to_lose(2, 4), contains="tokens_to_remove must be an in
 #| export
 class EvictingLayer(DynamicLayer):
     "A cache layer keeping per KV head the entries its `EvictionRule` still shows, with their positions and scores."
+    is_compileable = True  # its decode step compiles as one graph (see `OptInCompile`)
 
     def __init__(self, rule: EvictionRule, layer_idx: int):
         super().__init__()
@@ -763,9 +764,31 @@ assert_close(_rows2.scores, _rows2.keys[..., 0])
 # %% [markdown]
 # Layers appear as they are used, all sharing the rule; an update reaches its layer (which refuses it outside `patch`):
 
+# %% [markdown]
+# **Compiled decoding, when asked.** `transformers`' `generate` compiles the decode steps of a cache whose
+# `is_compileable` is true (on a GPU on its own, elsewhere when its `compile_config` says so). Our caches change
+# shape every step (a growing buffer's filled view, a budget of entries chosen anew), so their steps compile with
+# dynamic shapes, as one graph for every length (`sparsekv.syncs`), and only when asked: `OptInCompile` makes a
+# cache compileable when its `compiled_decode` is set (`Method.generate(compile=...)` sets it) and every layer's
+# step compiles (the layer classes' `is_compileable`; `layers_compile` is False for a cache whose own step reads a
+# device value).
+
 # %%
 #| export
-class EvictingCache(Cache):
+class OptInCompile:
+    "Mixin of our caches: `is_compileable` (transformers compiles the decode steps) only when `compiled_decode`."
+    compiled_decode = False  # set to compile the decode steps (see `Method.generate`)
+    layers_compile = True  # False where the cache's own step reads a device value on the host
+
+    @property
+    def is_compileable(self) -> bool:
+        return self.compiled_decode and self.layers_compile and all(
+            getattr(lay, "is_compileable", False) for lay in self.layers)
+
+
+# %%
+#| export
+class EvictingCache(OptInCompile, Cache):
     "A `transformers` cache of `EvictingLayer`s (made as layers are used) sharing one `EvictionRule`; use in `patch`."
 
     def __init__(self, rule: EvictionRule):
@@ -792,6 +815,11 @@ test_eq(_cache.update(k7, 2 * k7, 1), (k7, 2 * k7))
 test_eq([lay.seen for lay in _cache.layers], [0, 7, 0])
 test_fail(lambda: _cache.update(k7, k7, 0), contains="only inside sparsekv.hf.patch")
 test_fail(lambda: EvictingCache("sink-window"), contains="rule must be an EvictionRule, got str")
+test_eq(_cache.is_compileable, False)  # not unless asked
+_cache.compiled_decode = True
+test_eq(_cache.is_compileable, True)
+_cache.layers.append(DynamicLayer())  # a layer of transformers' own: its steps are not declared compileable
+test_eq(_cache.is_compileable, False)
 
 
 # %%
@@ -833,6 +861,7 @@ test_eq((type(_swc.rule), _swc.rule.sink, _swc.rule.window, _swc.layer(0).rule i
 #| export
 class GrowingLayer(DynamicLayer):
     "A `DynamicLayer` that writes new entries in place into buffers whose capacity doubles when full; returns views."
+    is_compileable = True  # its decode step compiles as one graph (see `OptInCompile`)
 
     def __init__(self, min_capacity: int = 256):
         self.min_capacity = check_int(min_capacity, "min_capacity", 1)
@@ -1050,7 +1079,7 @@ test_eq((grow.get_seq_length(), grow.keys.shape[2]), (0, 0))
 
 # %%
 #| export
-class GrowingCache(DynamicCache):
+class GrowingCache(OptInCompile, DynamicCache):
     "`DynamicCache` whose full-attention layers are `GrowingLayer`s (sliding-window layers stay transformers' own)."
 
     def __init__(self, config=None, min_capacity: int = 256):

@@ -668,6 +668,7 @@ test_eq(_stand_in.calls, [5, 7])
 #| export
 class DMSCache(EvictingCache):
     "Bounded DMS cache (inside `patch(model, student.policy())`): each head keeps its live entries, padded alike."
+    layers_compile = False  # its compaction reads the live counts back (no compiled decode, see `OptInCompile`)
 
     def __init__(self, decisions: DMSDecisions, window: int, sink: int = 0):
         super().__init__(DMSRule(decisions, window, sink))
