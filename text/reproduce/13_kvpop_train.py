@@ -125,8 +125,8 @@ code_pairs = kx.student_pairs(code, eval_methods, run.kvpop_methods) if code.ite
 code_versus = kx.verdict_table(code_pairs, ["budget", "method", "baseline"]) if len(code_pairs) else None
 write_csv(Path(fig_dir) / "kvpop_train_domain.csv", domain.reset_index())
 write_csv(Path(fig_dir) / "kvpop_train_code_pairs.csv", code_pairs)
-code_done = (f"{code.item.nunique()} of {n_code} code windows ({', '.join(code_source['files'])}) of Python "
-             f"{code_source['python']}")
+done_files = [code_source["files"][i] for i in sorted(code.item.unique())]
+code_done = f"{len(done_files)} of {n_code} code windows ({', '.join(done_files)}) of Python {code_source['python']}"
 print(code_done)
 domain
 
