@@ -1862,7 +1862,8 @@ def generate(self, model: PreTrainedModel, input_ids: Tensor, attention_mask: Te
                              "or batch prompts of equal length")
         active_patch(model).causal_only = pads is None  # known here once: no mask needs reading in any step
         if "compile_config" in kwargs:
-            if cache is not None: cache.compiled_decode = True
+            for c in (cache, getattr(cache, "then", None)):
+                if c is not None: c.compiled_decode = True
             if not getattr(cache, "is_compileable", False):
                 raise ValueError(f"compile: the decode step of {self.name or type(self).__name__} does not compile "
                                  f"as one graph (its {type(cache).__name__} is not compileable); generate without "

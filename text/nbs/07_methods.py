@@ -270,8 +270,8 @@ class HandoffCache(GrowingCache):
 
     @property
     def is_compileable(self) -> bool:
-        "Whether its layers are (`OptInCompile`) and `then`'s will be: the layers after the hand-over are then's."
-        return super().is_compileable and self.then.layers_compile
+        "Whether both the growing layers and `then`'s are (`OptInCompile`): the steps after the hand-over are then's."
+        return super().is_compileable and self.then.is_compileable
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         # transformers asks before the layers run: the sizes are then the evicting layers'
