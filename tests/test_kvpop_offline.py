@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from sparsekv import methods
+from sparsekv.data import packed_sequences
 from sparsekv.distill import DistillConfig
-from sparsekv.hf import patch
+from sparsekv.hf import measure_attended, patch
 from sparsekv.kvpop.cache import random_scorers
 from sparsekv.kvpop.offline import ActivationStore, cache_activations, cached_eval, train_offline, window_activations
 from sparsekv.kvpop.student import KVpopStudent, shipped_checkpoints
-from sparsekv.models import load_model
+from sparsekv.models import SMOLLM2_NAME, load_model
 
 
 def _ids(model, B: int, S: int, seed: int = 0) -> torch.Tensor:
@@ -89,8 +90,17 @@ def test_training_lowers_the_held_out_loss_and_raises_recall(tmp_path):
     assert after["retention_recall"] > before["retention_recall"] + 0.05, (before, after)
 
 
-@pytest.mark.parametrize("name", sorted(shipped_checkpoints()))
-def test_shipped_scorers_load_by_name_on_smollm2(name):
+def shipped(name: str):
+    "Shipped scorer `name` as a test parameter: slow unless its model is SmolLM2 (the second model's parts are big)."
+    bundled = shipped_checkpoints()[name]["model"] == SMOLLM2_NAME
+    return pytest.param(name, id=name, marks=() if bundled else pytest.mark.slow)
+
+
+SHIPPED = [shipped(n) for n in sorted(shipped_checkpoints())]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_scorers_load_by_name(name):
     "Each shipped checkpoint loads with one call and its manifest describes the weights it ships."
     manifest = shipped_checkpoints()[name]
     model, _ = load_model(manifest["model"])
@@ -102,6 +112,22 @@ def test_shipped_scorers_load_by_name_on_smollm2(name):
     assert any(p.abs().sum() > 0 for n, p in st.named_parameters() if "out" in n or "score" in n)  # trained, not zero
     with pytest.raises(ValueError, match="was trained with sink=4, window=64"):
         methods.make(manifest["method"], budget=manifest["budget"], window=32, checkpoint=name)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_scorers_keep_exactly_their_budget_on_a_real_window(name):
+    "After a held-out prose window longer than the budget, every decode query of every layer and head sees the budget."
+    manifest = shipped_checkpoints()[name]
+    model, tok = load_model(manifest["model"])
+    budget = manifest["budget"]
+    ids = packed_sequences(tok, budget + 2 * manifest["window"], "validation", n=1)
+    m = methods.make(manifest["method"], budget=budget, checkpoint=name)
+    with measure_attended() as meter: m.generate(model, ids, max_new_tokens=3)
+    decode = [r for r in meter.per_head() if r["phase"] == "decode"]
+    assert len(decode) == model.config.num_hidden_layers * model.config.num_attention_heads
+    assert {(r["mean"], r["max"]) for r in decode} == {(budget, budget)}, name
+    # the cache at its peak: the budget, or one more where the step's own entry is held until after attention
+    assert meter.stored("decode")["entries"] in (budget, budget + 1)
 
 
 def test_some_scorers_are_shipped():

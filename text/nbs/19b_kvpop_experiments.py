@@ -1628,8 +1628,8 @@ assert _g["measured"].startswith(_done + "; 0 of 4 pairs ahead")
 #| export
 @patch_to(TrainRun)
 def manifests(self, agreement_table: pd.DataFrame) -> list[dict]:
-    "The manifest of each student with its validation metrics; the shipped ones' as shipped when not trained."
-    if not self.train: return list(shipped_checkpoints().values())
+    "The manifest of each student with its validation metrics; when not trained, this run's shipped ones as shipped."
+    if not self.train: return [shipped_checkpoints()[self.shipped_name(sc, cr)] for sc, cr in self.trained]
     out = []
     for sc, cr in self.trained:
         agree = agreement_table.set_index(["method", "budget"]).loc[(f"kvpop_{sc}", cr)]
