@@ -47,10 +47,15 @@ class EvictionRule:
 
     def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
         "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
-        vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
         M = self.count(layer, next_position)
+        if M is not None and not content_checks() and (idx := self.next_keep(layer, M)) is not None: return idx
+        vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
         if M is None or content_checks(): M = visible_count(self, vis, M)  # reads the device
         return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M]
+
+    def next_keep(self, layer: "EvictingLayer", M: int) -> Tensor | None:
+        "`keep` for the layer's next position, whose `count` M is known, without `visible` (None: no shortcut)."
+        return None
 
 # %% ../nbs/04_cache.ipynb #3a9f9a51
 def visible_count(rule: EvictionRule, vis: Tensor, claimed: int | None = None) -> int:
@@ -77,6 +82,12 @@ class SinkWindowRule(EvictionRule):
         "min(p, s + w - 1) for the layer's next position p (sinks and window never leave); None for another position."
         if next_position != getattr(layer, "seen", None) or getattr(layer, "looked_ahead", True): return None
         return min(next_position, self.sink + self.window - 1)
+
+    def next_keep(self, layer, M):
+        "In position order the first min(s, seen) entries are the sinks and the last M - min(s, seen) the window."
+        n, s = layer.positions.shape[-1], min(self.sink, layer.seen)
+        ar = torch.arange(M, device=layer.positions.device)
+        return (ar + (ar >= s) * (n - M)).expand(*layer.positions.shape[:2], M)
 
 # %% ../nbs/04_cache.ipynb #97670fe4
 class TopScoreRule(SinkWindowRule):
@@ -106,6 +117,27 @@ class TopScoreRule(SinkWindowRule):
         "The sink-window count plus min(k, |E(p)|), E(p) = {t : s <= t <= p - w} (see above)."
         base = super().count(layer, next_position)
         return None if base is None else base + min(self.k, max(0, next_position - self.window - self.sink + 1))
+
+    def eligible_span(self, layer, p: int) -> tuple[int, int]:
+        """For a query position p >= seen - 1 of the layer: the entries [i0, i1) eligible at p (E(p)), in every head:
+        in position order the sinks come before them and the window (positions after p - w) after."""
+        i0 = min(self.sink, layer.seen)
+        return i0, max(i0, layer.positions.shape[-1] - (layer.seen - 1 - min(p - self.window, layer.seen - 1)))
+
+    def worst_eligible(self, layer, p: int) -> Tensor | None | bool:
+        """For a query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the
+        worst of k + 1 (lowest score, ties -> the later), or False if more are eligible (after a prefill chunk)."""
+        i0, i1 = self.eligible_span(layer, p)
+        if i1 - i0 <= self.k: return None
+        if i1 - i0 > self.k + 1: return False
+        return i1 - 1 - layer.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
+
+    def next_keep(self, layer, M):
+        "Between decode steps at most one entry leaves: the worst of the k + 1 eligible (no sort)."
+        n, worst = layer.positions.shape[-1], self.worst_eligible(layer, layer.seen)
+        if worst is False or n - (worst is not None) != M: return None
+        ar = torch.arange(M, device=layer.positions.device)
+        return ar.expand(*layer.positions.shape[:2], M) if worst is None else ar + (ar >= worst)
 
 # %% ../nbs/04_cache.ipynb #d2ae2e46
 BATCH_OPS = ("reorder_cache", "batch_repeat_interleave", "batch_select_indices")

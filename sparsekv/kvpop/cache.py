@@ -260,17 +260,6 @@ def apply_rows(self, fn) -> None:
     ro = getattr(self, "kvpop_readout", None)
     if ro is not None: ro.state, ro.queue = type(ro.state)(*map(fn, ro.state)), fn(ro.queue)
 
-# %% ../../nbs/15_kvpop_cache.ipynb #3960429d
-@patch_to(KVpopLayer)
-def worst_eligible(self, p: int):
-    """For query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the
-    worst of k + 1 (lowest priority, ties -> the later), or False if more are eligible (after a prefill chunk)."""
-    rule = self.rule
-    i0, i1 = rule.eligible_span(self, p)
-    if i1 - i0 <= rule.k: return None
-    if i1 - i0 > rule.k + 1: return False
-    return i1 - 1 - self.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
-
 # %% ../../nbs/15_kvpop_cache.ipynb #34fbca34
 @patch_to(KVpopLayer)
 def evict(self, next_position: int | None = None) -> None:
@@ -278,7 +267,7 @@ def evict(self, next_position: int | None = None) -> None:
     if not self.is_initialized: return
     p = self.seen if next_position is None else next_position
     self.looked_ahead = self.looked_ahead or p > self.seen  # then `KVpopRule.count` no longer holds
-    worst = self.worst_eligible(p) if p == self.seen else False
+    worst = self.rule.worst_eligible(self, p) if p == self.seen else False
     if worst is None: return self.rule.check_masked(self)
     if worst is False: idx = self.rule.keep(self, p)
     else:
@@ -304,7 +293,7 @@ class KVpopPolicy(DensePolicy):
         if not isinstance(layer, EvictingLayer) or not isinstance(layer.rule, KVpopRule):
             return super().decode(q, k, v, ctx)
         layer.kvpop_masked = True
-        worst = layer.worst_eligible(layer.seen - 1) if isinstance(layer, KVpopLayer) else False
+        worst = layer.rule.worst_eligible(layer, layer.seen - 1) if isinstance(layer, KVpopLayer) else False
         if worst is False: mask = layer.rule.visible(layer, ctx.query_positions)
         elif worst is None: mask = None
         else: mask = ~torch.zeros_like(layer.positions, dtype=torch.bool).scatter(-1, worst, True)[:, :, None]

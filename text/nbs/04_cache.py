@@ -112,10 +112,15 @@ class EvictionRule:
 
     def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
         "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
-        vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
         M = self.count(layer, next_position)
+        if M is not None and not content_checks() and (idx := self.next_keep(layer, M)) is not None: return idx
+        vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
         if M is None or content_checks(): M = visible_count(self, vis, M)  # reads the device
         return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M]
+
+    def next_keep(self, layer: "EvictingLayer", M: int) -> Tensor | None:
+        "`keep` for the layer's next position, whose `count` M is known, without `visible` (None: no shortcut)."
+        return None
 
 
 # %%
@@ -161,6 +166,12 @@ class SinkWindowRule(EvictionRule):
         "min(p, s + w - 1) for the layer's next position p (sinks and window never leave); None for another position."
         if next_position != getattr(layer, "seen", None) or getattr(layer, "looked_ahead", True): return None
         return min(next_position, self.sink + self.window - 1)
+
+    def next_keep(self, layer, M):
+        "In position order the first min(s, seen) entries are the sinks and the last M - min(s, seen) the window."
+        n, s = layer.positions.shape[-1], min(self.sink, layer.seen)
+        ar = torch.arange(M, device=layer.positions.device)
+        return (ar + (ar >= s) * (n - M)).expand(*layer.positions.shape[:2], M)
 
 
 # %%
@@ -223,6 +234,27 @@ class TopScoreRule(SinkWindowRule):
         "The sink-window count plus min(k, |E(p)|), E(p) = {t : s <= t <= p - w} (see above)."
         base = super().count(layer, next_position)
         return None if base is None else base + min(self.k, max(0, next_position - self.window - self.sink + 1))
+
+    def eligible_span(self, layer, p: int) -> tuple[int, int]:
+        """For a query position p >= seen - 1 of the layer: the entries [i0, i1) eligible at p (E(p)), in every head:
+        in position order the sinks come before them and the window (positions after p - w) after."""
+        i0 = min(self.sink, layer.seen)
+        return i0, max(i0, layer.positions.shape[-1] - (layer.seen - 1 - min(p - self.window, layer.seen - 1)))
+
+    def worst_eligible(self, layer, p: int) -> Tensor | None | bool:
+        """For a query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the
+        worst of k + 1 (lowest score, ties -> the later), or False if more are eligible (after a prefill chunk)."""
+        i0, i1 = self.eligible_span(layer, p)
+        if i1 - i0 <= self.k: return None
+        if i1 - i0 > self.k + 1: return False
+        return i1 - 1 - layer.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
+
+    def next_keep(self, layer, M):
+        "Between decode steps at most one entry leaves: the worst of the k + 1 eligible (no sort)."
+        n, worst = layer.positions.shape[-1], self.worst_eligible(layer, layer.seen)
+        if worst is False or n - (worst is not None) != M: return None
+        ar = torch.arange(M, device=layer.positions.device)
+        return ar.expand(*layer.positions.shape[:2], M) if worst is None else ar + (ar >= worst)
 
 
 # %%
@@ -613,7 +645,10 @@ test_fail(lambda: lay.update(k7, k7), contains="only inside sparsekv.hf.patch")
 # The counts the rules state agree with the device's, after prefill chunks of every size and decode steps, for
 # sink-window and top-score rules (random scores with ties, and -inf scores, which only the per-step path lets
 # through): each `keep` below reads the count and checks the claim (outside the per-step path). Inside it, eviction
-# reads nothing back; an eviction past the next position makes the count unknown (then read):
+# reads nothing back, and a step needs no `visible` mask and no sort: `next_keep` knows the kept entries' places in
+# position order (sink-window), or evicts the worst of the $k + 1$ eligible entries when one leaves (top-score; a
+# prefill chunk that evicts more takes the sort). It keeps what `visible` keeps, checked at every step below. An
+# eviction past the next position makes the count unknown (then read):
 
 # %%
 from sparsekv.attention import hot_path
@@ -623,6 +658,7 @@ _g = torch.Generator().manual_seed(0)
 for _rule in (SinkWindowRule(2, 3), SinkWindowRule(0, 1), TopScoreRule(1, 2, 3), TopScoreRule(0, 4, 2),
               TopScoreRule(2, 1, 5, score_fn=lambda i, k, v, p: k[..., 0].round()),
               TopScoreRule(1, 2, 2, score_fn=lambda i, k, v, p: torch.where(k[..., 0] > 0, float("-inf"), 0.0))):
+    _shortcuts = 0
     for _chunks in ([1] * 12, [5, 1, 1, 4, 1, 1, 1], [12], [3, 3, 3, 1, 1, 1]):
         _l, _seen_counts = EvictingLayer(_rule, 0), []
         for _c in _chunks:
@@ -630,6 +666,9 @@ for _rule in (SinkWindowRule(2, 3), SinkWindowRule(0, 1), TopScoreRule(1, 2, 3),
             with hot_path():  # as in a step: -inf scores are not refused there
                 _l.update(torch.randn(2, 3, _c, 4, generator=_g), torch.randn(2, 3, _c, 4, generator=_g))
             _seen_counts.append(_rule.count(_l, _l.seen))
+            if (_quick := _rule.next_keep(_l, _seen_counts[-1])) is not None:  # the step's shortcut: what visible keeps
+                test_eq(_quick, _rule.keep(_l, _l.seen))
+                _shortcuts += 1
             _l.evict()  # keep() checks the claimed count against the device's
         assert None not in _seen_counts
         _l.arm()
@@ -637,6 +676,7 @@ for _rule in (SinkWindowRule(2, 3), SinkWindowRule(0, 1), TopScoreRule(1, 2, 3),
             _l.update(torch.randn(2, 3, 1, 4, generator=_g), torch.randn(2, 3, 1, 4, generator=_g))
             _l.evict()
         test_eq(_rec.total, 0)
+    assert _shortcuts >= 12, (_rule, _shortcuts)  # at least the steps after a single-token prefill
 _l.evict(_l.seen + 3)
 assert _l.looked_ahead and _rule.count(_l, _l.seen) is None
 

@@ -270,7 +270,7 @@ test_eq(vis(2, 5)[0].int().tolist(), [1, 1, 0, 1, 0, 1, 1, 1])
 # %% [markdown]
 # `visible` ranks the eligible entries of every query by one stable sort (ties to the earlier entry), whatever
 # their number: a branch on how many are eligible would have to read that number back from the device. (At decode
-# the layer avoids the sort altogether: see `worst_eligible` below.) An eligible entry whose priority is $-\infty$
+# the layer avoids the sort altogether: see `TopScoreRule.worst_eligible` below.) An eligible entry whose priority is $-\infty$
 # still ranks above the entries that are not eligible, so each head keeps $\min(k, |E|)$ of them whatever the
 # priorities; for finite ones this is the reference exactly.
 #
@@ -566,23 +566,10 @@ lay.apply_rows(lambda x: x.flip(0))  # swap the two rows
 for a, b in zip((lay.keys, lay.scores, ro.state.C, ro.state.m, ro.queue), before): test_eq(a, b.flip(0))
 assert not torch.equal(before[2][0], before[2][1])  # the rows differ: the swap is visible
 
-
 # %% [markdown]
 # With $s = 2$, $w = 3$, $k = 4$ and nothing evicted, the last query of 9 tokens has 4 eligible
-# entries (None), of 10 tokens 5 (the worst is the one entry `visible` hides), of 11 tokens 6 (False):
-
-# %%
-#| export
-@patch_to(KVpopLayer)
-def worst_eligible(self, p: int):
-    """For query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the
-    worst of k + 1 (lowest priority, ties -> the later), or False if more are eligible (after a prefill chunk)."""
-    rule = self.rule
-    i0, i1 = rule.eligible_span(self, p)
-    if i1 - i0 <= rule.k: return None
-    if i1 - i0 > rule.k + 1: return False
-    return i1 - 1 - self.scores[:, :, i0:i1].flip(-1).argmin(-1, keepdim=True)
-
+# entries (None), of 10 tokens 5 (the worst is the one entry `visible` hides), of 11 tokens 6 (False): the rule's
+# `TopScoreRule.worst_eligible`, whose eligible span is KVpop's (pending entries are not eligible yet):
 
 # %%
 torch.manual_seed(4)
@@ -591,7 +578,7 @@ for p in rand_rule.kvpop.scorers.parameters(): nn.init.normal_(p, std=0.5)
 kx, vx = torch.randn(1, 2, 11, 4), torch.randn(1, 2, 11, 4)
 for n, want in ((9, None), (10, "index"), (11, False)):
     lay = KVpopLayer(rand_rule, 0); lay.arm(); lay.update(kx[:, :, :n], vx[:, :, :n])
-    worst = lay.worst_eligible(n - 1)
+    worst = rand_rule.worst_eligible(lay, n - 1)
     if want != "index": test_eq(worst, want); continue
     hidden = ~rand_rule.visible(lay, torch.tensor([n - 1]))[:, :, 0]
     test_eq(hidden, torch.zeros_like(hidden).scatter(-1, worst, True))
@@ -609,7 +596,7 @@ def evict(self, next_position: int | None = None) -> None:
     if not self.is_initialized: return
     p = self.seen if next_position is None else next_position
     self.looked_ahead = self.looked_ahead or p > self.seen  # then `KVpopRule.count` no longer holds
-    worst = self.worst_eligible(p) if p == self.seen else False
+    worst = self.rule.worst_eligible(self, p) if p == self.seen else False
     if worst is None: return self.rule.check_masked(self)
     if worst is False: idx = self.rule.keep(self, p)
     else:
@@ -664,7 +651,7 @@ class KVpopPolicy(DensePolicy):
         if not isinstance(layer, EvictingLayer) or not isinstance(layer.rule, KVpopRule):
             return super().decode(q, k, v, ctx)
         layer.kvpop_masked = True
-        worst = layer.worst_eligible(layer.seen - 1) if isinstance(layer, KVpopLayer) else False
+        worst = layer.rule.worst_eligible(layer, layer.seen - 1) if isinstance(layer, KVpopLayer) else False
         if worst is False: mask = layer.rule.visible(layer, ctx.query_positions)
         elif worst is None: mask = None
         else: mask = ~torch.zeros_like(layer.positions, dtype=torch.bool).scatter(-1, worst, True)[:, :, None]
