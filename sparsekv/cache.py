@@ -32,6 +32,7 @@ __all__ = ['BATCH_OPS', 'EvictionRule', 'visible_count', 'SinkWindowRule', 'TopS
 class EvictionRule:
     "Which cached entries each query sees, hence which a KV head keeps; the base rule keeps everything (dense)."
     observes_attention = False  # True: scores come from the attention entries receive, not from the entries alone
+    ring = False  # True: a decode token overwrites the oldest non-sink entry in place (see `EvictingLayer.rings`)
 
     def scores(self, layer: "EvictingLayer", keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
         "Scores `[B,Hkv,S]` (float32) of new entries at insertion; zeros by default."
@@ -48,7 +49,8 @@ class EvictionRule:
     def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
         "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
         M = self.count(layer, next_position)
-        if M is not None and not content_checks() and (idx := self.next_keep(layer, M)) is not None: return idx
+        quick = M is not None and getattr(layer, "ordered", True) and not content_checks()
+        if quick and (idx := self.next_keep(layer, M)) is not None: return idx
         vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
         if M is None or content_checks(): M = visible_count(self, vis, M)  # reads the device
         return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M]
@@ -71,6 +73,7 @@ def visible_count(rule: EvictionRule, vis: Tensor, claimed: int | None = None) -
 # %% ../nbs/04_cache.ipynb #ed5a431a
 class SinkWindowRule(EvictionRule):
     "StreamingLLM: query `p` sees the first `sink` positions and the `window` most recent ones (itself included)."
+    ring = True
 
     def __init__(self, sink: int, window: int):
         self.sink, self.window = check_int(sink, "sink"), check_int(window, "window", 1)
@@ -92,6 +95,7 @@ class SinkWindowRule(EvictionRule):
 # %% ../nbs/04_cache.ipynb #97670fe4
 class TopScoreRule(SinkWindowRule):
     "Sinks, a window, and the `k` best-scored entries among those that left the window (ties: the earlier)."
+    ring = False
 
     def __init__(self, sink: int, window: int, k: int, score_fn=None):
         super().__init__(sink, window)
@@ -210,6 +214,7 @@ class EvictingLayer(DynamicLayer):
         self.positions = self.scores = None
         # looked_ahead: an eviction for a position past the next one (the rule's `count` no longer holds)
         self.seen, self.armed, self.looked_ahead = 0, False, False
+        self.ordered = True  # entries in position order (False once a ring write took the oldest one's place)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -248,14 +253,34 @@ def _apply(self, fn) -> None:
 @patch_to(EvictingLayer)
 def reset(self) -> None:
     self._apply(lambda x: x[:, :, :0])
-    self.seen, self.looked_ahead = 0, False
+    self.seen, self.looked_ahead, self.ordered = 0, False, True
+
+# %% ../nbs/04_cache.ipynb #9e7f6880
+@patch_to(EvictingLayer)
+def rings(self, q: int) -> bool:
+    "Whether a call of `q` new tokens overwrites the oldest non-sink entry in place (a full sink-window layer)."
+    r = self.rule
+    return (q == 1 and r.ring and self.is_initialized and not self.looked_ahead
+            and self.positions.shape[-1] == r.sink + r.window)
+
+# %% ../nbs/04_cache.ipynb #f664d934
+@patch_to(EvictingLayer)
+def overwrite_oldest(self, keys: Tensor, values: Tensor, positions: Tensor, scores: Tensor) -> None:
+    "Write one new entry per head in place of the oldest entry after the sinks (found on the device, no read)."
+    slot = self.positions[:, :, self.rule.sink:].argmin(-1, keepdim=True) + self.rule.sink  # [B,H,1]
+    for x, new in zip((self.keys, self.values, self.positions, self.scores), (keys, values, positions, scores)):
+        x.scatter_(2, slot.view(*slot.shape, *[1] * (x.ndim - 3)).expand(new.shape), new.to(x.dtype))
+    self.ordered = False
 
 # %% ../nbs/04_cache.ipynb #a71ec9dc
 @patch_to(EvictingLayer)
 def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-    "(kept entries + `query_length` new tokens, offset) so that the model's causal mask shows every kept entry."
-    n = self.positions.shape[-1] if self.is_initialized else 0
-    return n + query_count(query_length), self.seen - n
+    """(kept entries + `query_length` new tokens, offset) so that the model's causal mask shows every kept entry (a
+    ring write replaces an entry: the kept entries alone; a chunk drops the ring's stale entry first)."""
+    n, q = self.positions.shape[-1] if self.is_initialized else 0, query_count(query_length)
+    if self.rings(q): return n, self.seen - n + 1
+    n -= self.rings(1)  # see `update`
+    return n + q, self.seen - n
 
 # %% ../nbs/04_cache.ipynb #f63de917
 @patch_to(EvictingLayer)
@@ -281,22 +306,34 @@ def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> t
     "Append the new entries (positions: the next ones seen) with their scores; return all entries' keys and values."
     pos, sc = self.scored_entries(key_states, value_states)
     s = key_states.shape[2]
-    self.keys = torch.cat([self.keys, key_states], dim=-2)
-    self.values = torch.cat([self.values, value_states], dim=-2)
-    self.positions = torch.cat([self.positions, pos], dim=-1)
-    self.scores = torch.cat([self.scores, sc.to(self.scores.dtype)], dim=-1)
+    if self.rings(s): self.overwrite_oldest(key_states, value_states, pos, sc)
+    else:
+        if self.rings(1): self.compact(self.seen)  # a chunk after ring writes: the stale entry goes first
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.positions = torch.cat([self.positions, pos], dim=-1)
+        self.scores = torch.cat([self.scores, sc.to(self.scores.dtype)], dim=-1)
     self.seen += s
     return self.keys, self.values
 
 # %% ../nbs/04_cache.ipynb #55dce922
 @patch_to(EvictingLayer)
 def evict(self, next_position: int | None = None) -> None:
-    "Keep only the entries the rule shows to `next_position` (default: the next token)."
+    "Keep only the entries the rule shows to `next_position` (default: the next token; a full ring keeps one more)."
     if not self.is_initialized: return
     p = self.seen if next_position is None else next_position
     self.looked_ahead = self.looked_ahead or p > self.seen
+    if p == self.seen and self.rings(1): return  # the one entry p no longer sees is the next token's slot
+    self.compact(p)
+
+
+@patch_to(EvictingLayer)
+def compact(self, p: int) -> None:
+    "Keep exactly the entries the rule shows to position `p`, in position order."
     idx = self.rule.keep(self, p)
-    if idx.shape[-1] == self.positions.shape[-1]: return
+    if not self.ordered:  # after ring writes: back in position order
+        idx, self.ordered = idx.gather(-1, self.positions.gather(-1, idx).argsort(-1)), True
+    elif idx.shape[-1] == self.positions.shape[-1]: return
     self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
     self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
 

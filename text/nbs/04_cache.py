@@ -75,8 +75,9 @@ from torch.testing import assert_close
 # position sees. So attention-based rules (H2O, TOVA) can update the entries' scores from the
 # current attention (a policy reaches the layer via `ctx.cache_layer`) before the eviction that uses
 # them; learned rules (KVpop) score entries at insertion with `scores(layer, keys, values, positions)`.
-# Between steps the layer holds what the next query will see, minus that query itself; during a
-# prefill chunk of $C$ tokens it briefly holds up to $C$ more entries.
+# Between steps the layer holds what the next query will see, minus that query itself (a full sink-window layer:
+# plus the one entry the next token overwrites, see `rings`); during a prefill chunk of $C$ tokens it briefly holds
+# up to $C$ more entries.
 #
 # Since only the dispatcher evicts, an evicting cache works only inside `patch`; `update` refuses
 # to run otherwise, rather than silently keeping everything. A forward pass interrupted by an
@@ -97,6 +98,7 @@ from torch.testing import assert_close
 class EvictionRule:
     "Which cached entries each query sees, hence which a KV head keeps; the base rule keeps everything (dense)."
     observes_attention = False  # True: scores come from the attention entries receive, not from the entries alone
+    ring = False  # True: a decode token overwrites the oldest non-sink entry in place (see `EvictingLayer.rings`)
 
     def scores(self, layer: "EvictingLayer", keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
         "Scores `[B,Hkv,S]` (float32) of new entries at insertion; zeros by default."
@@ -113,7 +115,8 @@ class EvictionRule:
     def keep(self, layer: "EvictingLayer", next_position: int) -> Tensor:
         "Increasing indices `[B,Hkv,M]` of the entries visible to `next_position` (the same number in every head)."
         M = self.count(layer, next_position)
-        if M is not None and not content_checks() and (idx := self.next_keep(layer, M)) is not None: return idx
+        quick = M is not None and getattr(layer, "ordered", True) and not content_checks()
+        if quick and (idx := self.next_keep(layer, M)) is not None: return idx
         vis = self.visible(layer, torch.tensor([next_position], device=layer.positions.device))[:, :, 0]
         if M is None or content_checks(): M = visible_count(self, vis, M)  # reads the device
         return torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M]
@@ -155,6 +158,7 @@ test_fail(lambda: visible_count(_dense, torch.ones(1, 2, 3, dtype=torch.bool), 2
 #| export
 class SinkWindowRule(EvictionRule):
     "StreamingLLM: query `p` sees the first `sink` positions and the `window` most recent ones (itself included)."
+    ring = True
 
     def __init__(self, sink: int, window: int):
         self.sink, self.window = check_int(sink, "sink"), check_int(window, "window", 1)
@@ -209,6 +213,7 @@ test_fail(lambda: SinkWindowRule(2, 0), contains="window")
 #| export
 class TopScoreRule(SinkWindowRule):
     "Sinks, a window, and the `k` best-scored entries among those that left the window (ties: the earlier)."
+    ring = False
 
     def __init__(self, sink: int, window: int, k: int, score_fn=None):
         super().__init__(sink, window)
@@ -438,6 +443,7 @@ class EvictingLayer(DynamicLayer):
         self.positions = self.scores = None
         # looked_ahead: an eviction for a position past the next one (the rule's `count` no longer holds)
         self.seen, self.armed, self.looked_ahead = 0, False, False
+        self.ordered = True  # entries in position order (False once a ring write took the oldest one's place)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -512,12 +518,59 @@ test_eq((_fresh.keys.shape[2], _fresh.scores.shape[2]), (4, 4))
 @patch_to(EvictingLayer)
 def reset(self) -> None:
     self._apply(lambda x: x[:, :, :0])
-    self.seen, self.looked_ahead = 0, False
+    self.seen, self.looked_ahead, self.ordered = 0, False, True
 
 
 # %%
 _fresh.reset()
 test_eq((_fresh.seen, _fresh.keys.shape[2], _fresh.positions.shape[2]), (0, 0, 0))
+
+
+# %% [markdown]
+# **A ring for the sink-window rule.** When a sink-window layer holds $s + w$ entries (the sinks and the $w$ latest
+# positions), the next token's query no longer sees exactly one of them, the oldest non-sink entry, and sees
+# everything else. So at decode the new entry can take that entry's place in the buffers, in place: no append, no
+# compaction, the same shapes every step (what a captured decode needs), and nothing to evict after attention
+# (`evict` leaves the one stale entry for the next token to overwrite). The entries are then no longer in position
+# order (`ordered`), which `visible` does not need; a prefill chunk after ring writes drops the stale entry first
+# (its peak stays $s + w - 1 + C$) and its eviction puts the entries back in position order.
+# `rings(q)` says, on the host, whether a call of `q` tokens writes in place:
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def rings(self, q: int) -> bool:
+    "Whether a call of `q` new tokens overwrites the oldest non-sink entry in place (a full sink-window layer)."
+    r = self.rule
+    return (q == 1 and r.ring and self.is_initialized and not self.looked_ahead
+            and self.positions.shape[-1] == r.sink + r.window)
+
+
+# %%
+#| export
+@patch_to(EvictingLayer)
+def overwrite_oldest(self, keys: Tensor, values: Tensor, positions: Tensor, scores: Tensor) -> None:
+    "Write one new entry per head in place of the oldest entry after the sinks (found on the device, no read)."
+    slot = self.positions[:, :, self.rule.sink:].argmin(-1, keepdim=True) + self.rule.sink  # [B,H,1]
+    for x, new in zip((self.keys, self.values, self.positions, self.scores), (keys, values, positions, scores)):
+        x.scatter_(2, slot.view(*slot.shape, *[1] * (x.ndim - 3)).expand(new.shape), new.to(x.dtype))
+    self.ordered = False
+
+
+# %%
+_ring = EvictingLayer(SinkWindowRule(1, 2), 0)
+_ring.lazy_initialization(torch.randn(1, 2, 1, 2), torch.randn(1, 2, 1, 2))
+_ring.seen, _ring.positions = 3, torch.tensor([[[0, 1, 2], [0, 1, 2]]])
+_ring.keys = _ring.values = torch.zeros(1, 2, 3, 2)
+_ring.scores = torch.zeros(1, 2, 3)
+test_eq((_ring.rings(1), _ring.rings(2)), (True, False))
+_ring.overwrite_oldest(torch.ones(1, 2, 1, 2), torch.ones(1, 2, 1, 2), torch.full((1, 2, 1), 3), torch.zeros(1, 2, 1))
+test_eq((_ring.positions[0, 0].tolist(), _ring.keys[0, 0, :, 0].tolist(), _ring.ordered), ([0, 3, 2], [0, 1, 0], False))
+_ring.positions = torch.tensor([[[0, 2, 3], [0, 3, 2]]])  # heads may hold their slots in different orders
+_ring.overwrite_oldest(torch.ones(1, 2, 1, 2), torch.ones(1, 2, 1, 2), torch.full((1, 2, 1), 4), torch.zeros(1, 2, 1))
+test_eq(_ring.positions[0].tolist(), [[0, 4, 3], [0, 3, 4]])
+test_eq((EvictingLayer(TopScoreRule(1, 2, 1), 0).rings(1), EvictingLayer(SinkWindowRule(1, 2), 0).rings(1)),
+        (False, False))
 
 
 # %% [markdown]
@@ -528,9 +581,12 @@ test_eq((_fresh.seen, _fresh.keys.shape[2], _fresh.positions.shape[2]), (0, 0, 0
 #| export
 @patch_to(EvictingLayer)
 def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-    "(kept entries + `query_length` new tokens, offset) so that the model's causal mask shows every kept entry."
-    n = self.positions.shape[-1] if self.is_initialized else 0
-    return n + query_count(query_length), self.seen - n
+    """(kept entries + `query_length` new tokens, offset) so that the model's causal mask shows every kept entry (a
+    ring write replaces an entry: the kept entries alone; a chunk drops the ring's stale entry first)."""
+    n, q = self.positions.shape[-1] if self.is_initialized else 0, query_count(query_length)
+    if self.rings(q): return n, self.seen - n + 1
+    n -= self.rings(1)  # see `update`
+    return n + q, self.seen - n
 
 
 # %%
@@ -590,10 +646,13 @@ def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> t
     "Append the new entries (positions: the next ones seen) with their scores; return all entries' keys and values."
     pos, sc = self.scored_entries(key_states, value_states)
     s = key_states.shape[2]
-    self.keys = torch.cat([self.keys, key_states], dim=-2)
-    self.values = torch.cat([self.values, value_states], dim=-2)
-    self.positions = torch.cat([self.positions, pos], dim=-1)
-    self.scores = torch.cat([self.scores, sc.to(self.scores.dtype)], dim=-1)
+    if self.rings(s): self.overwrite_oldest(key_states, value_states, pos, sc)
+    else:
+        if self.rings(1): self.compact(self.seen)  # a chunk after ring writes: the stale entry goes first
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.positions = torch.cat([self.positions, pos], dim=-1)
+        self.scores = torch.cat([self.scores, sc.to(self.scores.dtype)], dim=-1)
     self.seen += s
     return self.keys, self.values
 
@@ -619,12 +678,21 @@ test_eq((_lay.positions[0, 1].tolist(), _lay.scores[0, 1].tolist(), _lay.seen),
 #| export
 @patch_to(EvictingLayer)
 def evict(self, next_position: int | None = None) -> None:
-    "Keep only the entries the rule shows to `next_position` (default: the next token)."
+    "Keep only the entries the rule shows to `next_position` (default: the next token; a full ring keeps one more)."
     if not self.is_initialized: return
     p = self.seen if next_position is None else next_position
     self.looked_ahead = self.looked_ahead or p > self.seen
+    if p == self.seen and self.rings(1): return  # the one entry p no longer sees is the next token's slot
+    self.compact(p)
+
+
+@patch_to(EvictingLayer)
+def compact(self, p: int) -> None:
+    "Keep exactly the entries the rule shows to position `p`, in position order."
     idx = self.rule.keep(self, p)
-    if idx.shape[-1] == self.positions.shape[-1]: return
+    if not self.ordered:  # after ring writes: back in position order
+        idx, self.ordered = idx.gather(-1, self.positions.gather(-1, idx).argsort(-1)), True
+    elif idx.shape[-1] == self.positions.shape[-1]: return
     self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
     self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
 
@@ -666,7 +734,8 @@ for _rule in (SinkWindowRule(2, 3), SinkWindowRule(0, 1), TopScoreRule(1, 2, 3),
             with hot_path():  # as in a step: -inf scores are not refused there
                 _l.update(torch.randn(2, 3, _c, 4, generator=_g), torch.randn(2, 3, _c, 4, generator=_g))
             _seen_counts.append(_rule.count(_l, _l.seen))
-            if (_quick := _rule.next_keep(_l, _seen_counts[-1])) is not None:  # the step's shortcut: what visible keeps
+            _quick = _rule.next_keep(_l, _seen_counts[-1]) if _l.ordered else None  # (a ring is out of order)
+            if _quick is not None:  # the step's shortcut: what visible keeps
                 test_eq(_quick, _rule.keep(_l, _l.seen))
                 _shortcuts += 1
             _l.evict()  # keep() checks the claimed count against the device's
@@ -676,9 +745,31 @@ for _rule in (SinkWindowRule(2, 3), SinkWindowRule(0, 1), TopScoreRule(1, 2, 3),
             _l.update(torch.randn(2, 3, 1, 4, generator=_g), torch.randn(2, 3, 1, 4, generator=_g))
             _l.evict()
         test_eq(_rec.total, 0)
-    assert _shortcuts >= 12, (_rule, _shortcuts)  # at least the steps after a single-token prefill
+    assert _shortcuts >= (4 if _rule.ring else 12), (_rule, _shortcuts)  # a ring writes in place once full
 _l.evict(_l.seen + 3)
 assert _l.looked_ahead and _rule.count(_l, _l.seen) is None
+
+# %% [markdown]
+# Decoding token by token, a sink-window layer holds after each step the sinks and the latest $w$ positions (the
+# oldest of them stale, overwritten by the next token), in the same buffers from its first ring write on; its mask
+# sizes cover the entries alone; a prefill chunk after it evicts back to position order:
+
+# %%
+_r, _ks = EvictingLayer(SinkWindowRule(2, 3), 0), torch.randn(1, 2, 13, 4)
+for _t in range(10):
+    _r.arm()
+    _r.update(_ks[:, :, _t:_t + 1], -_ks[:, :, _t:_t + 1])
+    _r.evict()
+    test_eq(sorted(_r.positions[0, 1].tolist()), sorted({*range(min(2, _t + 1)), *range(2, _t + 1)[-3:]}))
+    test_eq((_r.keys, _r.values), (gather_keys(_ks, _r.positions), -gather_keys(_ks, _r.positions)))
+    if _t == 4: _buffer = _r.keys.data_ptr()
+    if _t > 4: test_eq(_r.keys.data_ptr(), _buffer)
+test_eq((_r.ordered, _r.get_mask_sizes(1), _r.get_mask_sizes(2)), (False, (5, 6), (6, 6)))
+_r.arm()
+test_eq(_r.update(_ks[:, :, 10:13], -_ks[:, :, 10:13])[0].shape[2], 2 + 2 + 3)  # stale entry dropped: s + w - 1 + 3
+_r.evict()
+test_eq((_r.positions[0].tolist(), _r.ordered), ([[0, 1, 11, 12]] * 2, True))
+test_eq(_r.keys, gather_keys(_ks, _r.positions))
 
 
 # %% [markdown]
