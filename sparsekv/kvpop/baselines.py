@@ -61,9 +61,10 @@ def streaming_llm_rule(sink: int, window: int, k: int) -> SinkWindowRule:
 # %% ../../nbs/16_kvpop_baselines.ipynb #f35a5713
 def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     "Softmax probabilities [B,Hq,Sq,N] of q [B,Hq,Sq,D] over k [B,Hkv,N,D]; `mask` boolean (True = attend) or None."
-    G = q.shape[1] // k.shape[1]
-    logits = (q @ k.repeat_interleave(G, 1).transpose(-1, -2)).float() * scale
-    if mask is not None: logits = logits.masked_fill(~heads_mask(mask, q.shape[1]), float("-inf"))
+    (B, Hq, Sq, D), H = q.shape, k.shape[1]
+    # a KV head's G query heads as G * Sq queries of it: no copy of the keys per query head
+    logits = (q.reshape(B, H, Hq // H * Sq, D) @ k.transpose(-1, -2)).view(B, Hq, Sq, -1).float() * scale
+    if mask is not None: logits = logits.masked_fill(~heads_mask(mask, Hq), float("-inf"))
     return torch.softmax(logits, -1)
 
 # %% ../../nbs/16_kvpop_baselines.ipynb #5444bc2a
@@ -82,7 +83,9 @@ class AttentionScorePolicy(DensePolicy):
         layer = ctx.cache_layer
         if isinstance(layer, EvictingLayer) and isinstance(layer.rule, AttentionScoreRule):
             check_qkv(q, k, v)
-            probs = attention_probs(q, k, ctx.full_mask(), ctx.scale)
+            # a decode query without a mask sees every kept entry (see `EvictionRule.keep`)
+            mask = None if q.shape[2] == 1 and ctx.mask is None else ctx.full_mask()
+            probs = attention_probs(q, k, mask, ctx.scale)
             layer.rule.observe(layer, reduce_heads(probs, k.shape[1], layer.rule.heads))
         return super().attend(q, k, v, ctx)
 

@@ -148,9 +148,10 @@ test_eq((type(_sl), _sl.sink, _sl.window), (SinkWindowRule, 2, 3 + 4))
 #| export
 def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     "Softmax probabilities [B,Hq,Sq,N] of q [B,Hq,Sq,D] over k [B,Hkv,N,D]; `mask` boolean (True = attend) or None."
-    G = q.shape[1] // k.shape[1]
-    logits = (q @ k.repeat_interleave(G, 1).transpose(-1, -2)).float() * scale
-    if mask is not None: logits = logits.masked_fill(~heads_mask(mask, q.shape[1]), float("-inf"))
+    (B, Hq, Sq, D), H = q.shape, k.shape[1]
+    # a KV head's G query heads as G * Sq queries of it: no copy of the keys per query head
+    logits = (q.reshape(B, H, Hq // H * Sq, D) @ k.transpose(-1, -2)).view(B, Hq, Sq, -1).float() * scale
+    if mask is not None: logits = logits.masked_fill(~heads_mask(mask, Hq), float("-inf"))
     return torch.softmax(logits, -1)
 
 
@@ -161,6 +162,8 @@ m[..., 0] = True
 ref = torch.stack([torch.softmax((q[0, h] @ k[0, h // 2].T * 0.3).masked_fill(~m[0, h // 2], -torch.inf), -1)
                    for h in range(4)])[None]
 assert_close(attention_probs(q, k, m, 0.3), ref)
+assert_close(attention_probs(q[:, :, -1:], k, None, 0.3), torch.softmax(ref.new_tensor(
+    [[(q[0, h, -1] @ k[0, h // 2].T * 0.3).tolist()] for h in range(4)]), -1)[None])
 
 
 # %%
@@ -189,7 +192,9 @@ class AttentionScorePolicy(DensePolicy):
         layer = ctx.cache_layer
         if isinstance(layer, EvictingLayer) and isinstance(layer.rule, AttentionScoreRule):
             check_qkv(q, k, v)
-            probs = attention_probs(q, k, ctx.full_mask(), ctx.scale)
+            # a decode query without a mask sees every kept entry (see `EvictionRule.keep`)
+            mask = None if q.shape[2] == 1 and ctx.mask is None else ctx.full_mask()
+            probs = attention_probs(q, k, mask, ctx.scale)
             layer.rule.observe(layer, reduce_heads(probs, k.shape[1], layer.rule.heads))
         return super().attend(q, k, v, ctx)
 
