@@ -122,11 +122,17 @@ class TopScoreRule(SinkWindowRule):
         base = super().count(layer, next_position)
         return None if base is None else base + min(self.k, max(0, next_position - self.window - self.sink + 1))
 
+    def pending_from(self, layer) -> int:
+        "The first position whose score is not known yet (never eligible meanwhile): here every entry is scored."
+        return layer.seen
+
     def eligible_span(self, layer, p: int) -> tuple[int, int]:
         """For a query position p >= seen - 1 of the layer: the entries [i0, i1) eligible at p (E(p)), in every head:
-        in position order the sinks come before them and the window (positions after p - w) after."""
+        in position order the sinks come before them, the window and the pending entries (positions after
+        min(p - w, pending_from - 1)) after."""
         i0 = min(self.sink, layer.seen)
-        return i0, max(i0, layer.positions.shape[-1] - (layer.seen - 1 - min(p - self.window, layer.seen - 1)))
+        last = min(p - self.window, self.pending_from(layer) - 1)  # the last eligible position
+        return i0, max(i0, layer.positions.shape[-1] - (layer.seen - 1 - last))
 
     def worst_eligible(self, layer, p: int) -> Tensor | None | bool:
         """For a query position p >= seen - 1: None if at most k entries are eligible, else the index [B,H,1] of the

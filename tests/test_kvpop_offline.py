@@ -126,8 +126,8 @@ def test_shipped_scorers_keep_exactly_their_budget_on_a_real_window(name):
     decode = [r for r in meter.per_head() if r["phase"] == "decode"]
     assert len(decode) == model.config.num_hidden_layers * model.config.num_attention_heads
     assert {(r["mean"], r["max"]) for r in decode} == {(budget, budget)}, name
-    # the cache at its peak: the budget, or one more where the step's own entry is held until after attention
-    assert meter.stored("decode")["entries"] in (budget, budget + 1)
+    # the cache at its peak: the budget, one more for a recurrent scorer (its pending token waits for its score)
+    assert meter.stored("decode")["entries"] == budget + (manifest["method"] == "kvpop_mlstm")
 
 
 def test_some_scorers_are_shipped():

@@ -121,29 +121,25 @@ def kvpop_visible_reference(positions: Tensor, scores: Tensor, query_positions: 
     top = torch.zeros_like(eligible).scatter(-1, best, True) & eligible
     return (t <= p) & ((t < sink) | (p - t < window) | pending) | top
 
+# %% ../../nbs/15_kvpop_cache.ipynb #ad5307c2
+@patch_to(KVpopRule)
+def pending_from(self, layer) -> int:
+    "The first position not scored yet: a recurrent scorer reads tokens `delay` late (`TopScoreRule.eligible_span`)."
+    return layer.kvpop_readout.pending_from if self.recurrent else layer.seen
+
 # %% ../../nbs/15_kvpop_cache.ipynb #a13b8cab
 @patch_to(KVpopRule)
 def visible(self, layer, query_positions):
     "Sinks, window, pending (unread) and the k best eligible entries (one stable sort: ties to the earlier)."
     t, p = layer.positions[:, :, None, :], query_positions[:, None]
     # scored later: never eligible yet, kept meanwhile
-    pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)
+    pending = t >= self.pending_from(layer)
     base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
     eligible = evictable(self.sink, self.window)(p, t) & ~pending
     # an eligible -inf still ranks above the entries that are not eligible (so `count` holds)
     s = layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min)[:, :, None, :].expand(eligible.shape)
     best = s.masked_fill(~eligible, float("-inf")).argsort(dim=-1, descending=True, stable=True)[..., :self.k]
     return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
-
-# %% ../../nbs/15_kvpop_cache.ipynb #ad5307c2
-@patch_to(KVpopRule)
-def eligible_span(self, layer, p: int) -> tuple[int, int]:
-    """For a query position p >= seen - 1 of the layer: the entries [i0, i1) eligible at p, in every head (the sinks
-    before them; the window and the pending entries, all positions after min(p - w, pending_from - 1), after)."""
-    n = layer.positions.shape[-1]
-    pending_from = layer.kvpop_readout.pending_from if self.recurrent else layer.seen
-    i0 = min(self.sink, layer.seen)
-    return i0, max(i0, n - (layer.seen - 1 - min(p - self.window, pending_from - 1)))
 
 # %% ../../nbs/15_kvpop_cache.ipynb #8ce1eaa0
 @patch_to(KVpopRule)

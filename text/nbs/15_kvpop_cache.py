@@ -270,8 +270,8 @@ test_eq(vis(2, 5)[0].int().tolist(), [1, 1, 0, 1, 0, 1, 1, 1])
 # %% [markdown]
 # `visible` ranks the eligible entries of every query by one stable sort (ties to the earlier entry), whatever
 # their number: a branch on how many are eligible would have to read that number back from the device. (At decode
-# the layer avoids the sort altogether: see `TopScoreRule.worst_eligible` below.) An eligible entry whose priority is $-\infty$
-# still ranks above the entries that are not eligible, so each head keeps $\min(k, |E|)$ of them whatever the
+# the layer avoids the sort altogether: see `TopScoreRule.worst_eligible`.) An eligible entry whose priority is
+# $-\infty$ still ranks above the entries that are not eligible, so each head keeps $\min(k, |E|)$ of them whatever the
 # priorities; for finite ones this is the reference exactly.
 #
 # `visible` against the reference on random layer states, with many tied priorities (integers),
@@ -280,11 +280,19 @@ test_eq(vis(2, 5)[0].int().tolist(), [1, 1, 0, 1, 0, 1, 1, 1])
 # %%
 #| export
 @patch_to(KVpopRule)
+def pending_from(self, layer) -> int:
+    "The first position not scored yet: a recurrent scorer reads tokens `delay` late (`TopScoreRule.eligible_span`)."
+    return layer.kvpop_readout.pending_from if self.recurrent else layer.seen
+
+
+# %%
+#| export
+@patch_to(KVpopRule)
 def visible(self, layer, query_positions):
     "Sinks, window, pending (unread) and the k best eligible entries (one stable sort: ties to the earlier)."
     t, p = layer.positions[:, :, None, :], query_positions[:, None]
     # scored later: never eligible yet, kept meanwhile
-    pending = t >= (layer.kvpop_readout.pending_from if self.recurrent else layer.seen)
+    pending = t >= self.pending_from(layer)
     base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
     eligible = evictable(self.sink, self.window)(p, t) & ~pending
     # an eligible -inf still ranks above the entries that are not eligible (so `count` holds)
@@ -311,23 +319,12 @@ for trial in range(300):
 # %% [markdown]
 # `keep` (the indices that survive an eviction) is `EvictionRule.keep` with the rule's `count`: at the layer's
 # next position every head holds the sinks first, then the entries eligible now, then the window and pending
-# entries (`eligible_span`), and keeps all but the eligible ones beyond the $k$ best, a number the host knows.
+# entries (`TopScoreRule.eligible_span`, with KVpop's `pending_from`), and keeps all but the eligible ones beyond
+# the $k$ best, a number the host knows.
 #
 # Against the reference on decode states and after chunks (sinks, survivors, the window, tied integer priorities):
 # the count is the reference's, and `keep` (which outside the per-step path also reads the count and checks the
 # claim) returns the reference's entries; for another position than the next the count is unknown (read):
-
-# %%
-#| export
-@patch_to(KVpopRule)
-def eligible_span(self, layer, p: int) -> tuple[int, int]:
-    """For a query position p >= seen - 1 of the layer: the entries [i0, i1) eligible at p, in every head (the sinks
-    before them; the window and the pending entries, all positions after min(p - w, pending_from - 1), after)."""
-    n = layer.positions.shape[-1]
-    pending_from = layer.kvpop_readout.pending_from if self.recurrent else layer.seen
-    i0 = min(self.sink, layer.seen)
-    return i0, max(i0, n - (layer.seen - 1 - min(p - self.window, pending_from - 1)))
-
 
 # %%
 #| export
