@@ -178,7 +178,8 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: Tensor |
     check_qkv(q, k, v)
     _check_indices(idx, k)
     sq, sk = q.shape[2], k.shape[2]
-    if mask is None: sel = idx[:, :, None, :] <= torch.arange(sk - sq, sk, device=idx.device)[:, None]
+    if mask is None and sq == 1: sel = None  # one query, the last position: it sees every cached key
+    elif mask is None: sel = idx[:, :, None, :] <= torch.arange(sk - sq, sk, device=idx.device)[:, None]
     else:
         if mask.dtype != torch.bool or mask.ndim != 4 or mask.shape[1] not in (1, k.shape[1]):
             raise ValueError(f"mask must be boolean [B,1 or Hkv,Sq,Sk], got {mask.dtype} {tuple(mask.shape)}")

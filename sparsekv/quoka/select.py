@@ -29,7 +29,11 @@ EPS = 1e-12  # norms are clamped to at least EPS, as in F.normalize: a zero vect
 # %% ../../nbs/20_quoka_select.ipynb #d4d82221
 def accumulation_dtype(x: Tensor) -> torch.dtype:
     "float32 for half/bfloat16/float32 inputs, float64 for float64: the dtype scores are computed in."
-    return torch.promote_types(x.dtype, torch.float32)
+    return _ACCUMULATION.get(x.dtype) or torch.promote_types(x.dtype, torch.float32)
+
+
+_ACCUMULATION = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+                 torch.float64: torch.float64}  # the common cases without a call into the dispatcher
 
 # %% ../../nbs/20_quoka_select.ipynb #fb8fc220
 def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
@@ -208,7 +212,9 @@ def _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_
     "`quoka_scores` of arguments already checked (`check_quoka_options`, `check_chunk`)."
     G = q_chunk.shape[1] // k_cache.shape[1]
     k_unit = unit_keys(k_cache) if k_unit is None else check_unit_keys(k_unit, k_cache)
-    rows = unit_vectors(kept_queries(q_chunk, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)))
+    B, Hq, S, D = q_chunk.shape
+    rows = unit_vectors(q_chunk.view(B, Hq // G, G, S, D) if n_q >= S else  # every query kept (decode): no gather
+                        kept_queries(q_chunk, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)))
     if gqa_agg == "mean": s = rows.mean(2) @ k_unit.mT           # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
     else: s = rows @ k_unit.mT.unsqueeze(2)                      # [B,Hkv,G,n,T]: each head
     s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries

@@ -465,7 +465,8 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: Tensor |
     check_qkv(q, k, v)
     _check_indices(idx, k)
     sq, sk = q.shape[2], k.shape[2]
-    if mask is None: sel = idx[:, :, None, :] <= torch.arange(sk - sq, sk, device=idx.device)[:, None]
+    if mask is None and sq == 1: sel = None  # one query, the last position: it sees every cached key
+    elif mask is None: sel = idx[:, :, None, :] <= torch.arange(sk - sq, sk, device=idx.device)[:, None]
     else:
         if mask.dtype != torch.bool or mask.ndim != 4 or mask.shape[1] not in (1, k.shape[1]):
             raise ValueError(f"mask must be boolean [B,1 or Hkv,Sq,Sk], got {mask.dtype} {tuple(mask.shape)}")
@@ -485,6 +486,8 @@ pad = torch.rand(2, 1, 4, 11) > 0.3  # an explicit (e.g. padding) mask is gather
 assert_close(attend_selected(q, k, v, idx, pad), _reference(q, k, v, heads_mask(sel & pad, 6)))
 full = torch.arange(11).expand(2, 2, 11)
 assert_close(attend_selected(q, k, v, full), dense_attention(q, k, v))  # selecting everything is dense
+q1 = q[:, :, -1:]  # one decode query at the last position: every selected key is visible, no mask is built
+assert_close(attend_selected(q1, k, v, earlier), _reference(q1, k, v, heads_mask(sel, 6) & (torch.arange(11) < 7)))
 test_fail(lambda: attend_selected(q, k, v, torch.zeros(2, 2, 2, dtype=torch.long)), contains="must not repeat")
 test_fail(lambda: attend_selected(q, k, v, idx + 11), contains="must lie in")
 

@@ -122,12 +122,17 @@ assert_close(F.normalize(torch.tensor([1e-13, 0.0], dtype=torch.float64), dim=0,
 #| export
 def accumulation_dtype(x: Tensor) -> torch.dtype:
     "float32 for half/bfloat16/float32 inputs, float64 for float64: the dtype scores are computed in."
-    return torch.promote_types(x.dtype, torch.float32)
+    return _ACCUMULATION.get(x.dtype) or torch.promote_types(x.dtype, torch.float32)
 
+
+_ACCUMULATION = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+                 torch.float64: torch.float64}  # the common cases without a call into the dispatcher
 
 # %%
 _dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 test_eq([accumulation_dtype(torch.zeros(1, dtype=t)) for t in _dtypes], [torch.float32] * 3 + [torch.float64])
+for t in _dtypes + (torch.int64, torch.uint8):  # the table is promote_types' answer
+    test_eq(accumulation_dtype(torch.zeros(1, dtype=t)), torch.promote_types(t, torch.float32))
 
 
 # %% [markdown]
@@ -664,7 +669,9 @@ def _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_
     "`quoka_scores` of arguments already checked (`check_quoka_options`, `check_chunk`)."
     G = q_chunk.shape[1] // k_cache.shape[1]
     k_unit = unit_keys(k_cache) if k_unit is None else check_unit_keys(k_unit, k_cache)
-    rows = unit_vectors(kept_queries(q_chunk, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)))
+    B, Hq, S, D = q_chunk.shape
+    rows = unit_vectors(q_chunk.view(B, Hq // G, G, S, D) if n_q >= S else  # every query kept (decode): no gather
+                        kept_queries(q_chunk, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)))
     if gqa_agg == "mean": s = rows.mean(2) @ k_unit.mT           # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
     else: s = rows @ k_unit.mT.unsqueeze(2)                      # [B,Hkv,G,n,T]: each head
     s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries

@@ -634,8 +634,8 @@ def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
     if pages.dtype != torch.long or pages.dim() != 3 or pages.shape[:2] != (B, H):
         raise ValueError(f"pages must be int64 [B, H, n_p] = [{B}, {H}, n_p], got {pages.dtype} {tuple(pages.shape)}")
     body = x[:, :, :P * m].unflatten(2, (P, m))                               # [B, H, P, m, d] view of the cache
-    rows = torch.arange(B, device=x.device)[:, None, None], torch.arange(H, device=x.device)[None, :, None]
-    return torch.cat([body[(*rows, pages)].flatten(2, 3), x[:, :, P * m:]], dim=2)   # one copy of the blocks
+    blocks = body.gather(2, pages[..., None, None].expand(-1, -1, -1, m, d))  # one copy of the chosen blocks
+    return torch.cat([blocks.flatten(2, 3), x[:, :, P * m:]], dim=2)
 
 
 # %%
