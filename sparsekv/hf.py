@@ -360,7 +360,6 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
     B, hkv, sk = key.shape[:3]
     sq, idx = query.shape[2], module.layer_idx
     if seen is None: seen = sk - sq  # no cache: the keys are this call's own
-    query_positions = torch.arange(seen, seen + sq, device=key.device)
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             raise TypeError(f"{ATTN_NAME} attention needs a boolean mask, got {attention_mask.dtype}")
@@ -368,20 +367,23 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
             raise ValueError(f"the model's mask covers {attention_mask.shape[-1]} keys but layer {idx} returned {sk}: "
                              "all layers of a cache must hold the same number of entries")
     layer = cache.layers[idx] if cache is not None and idx < len(cache.layers) else None
+    evicting = isinstance(layer, EvictingLayer)
+    # a plain cache's keys sit at consecutive positions ending with the queries': one arange serves both
+    positions = torch.arange(seen if evicting else seen + sq - sk, seen + sq, device=key.device)
+    query_positions = positions if evicting else positions[sk - sq:]
     # one query after earlier tokens decodes, even when an evicting cache keeps only itself (no device sync)
-    kind = state.kind or ("decode" if sq == 1 and (sk > 1 or isinstance(layer, EvictingLayer) and layer.seen > 1)
-                          else "prefill")
+    kind = state.kind or ("decode" if sq == 1 and (sk > 1 or evicting and layer.seen > 1) else "prefill")
     mask = attention_mask
     # known on the host: no padding, and this layer's mask is causal (`AttentionContext.real_keys` reads nothing)
     causal_only = state.causal_only and mask is not None and _plain_causal(module)
-    if isinstance(layer, EvictingLayer):
+    if evicting:
         if mask is not None and not causal_only and not (mask == causal_mask(sq, sk, key.device)).all():
             raise ValueError("evicting caches support unpadded batches of full-attention layers only: the model's "
                              "mask hides keys (padding?); generate each prompt alone or batch prompts of equal length")
         key_positions = layer.positions
         # a decode query sees every kept entry by construction (see `EvictionRule.keep`)
         mask = layer.rule.visible(layer, query_positions) if sq > 1 else None
-    else: key_positions = (torch.arange(sk, device=key.device) + (seen + sq - sk)).expand(B, hkv, sk)
+    else: key_positions = positions.expand(B, hkv, sk)
     chunk_index = state.chunk_index if state.chunk_index is not None else (0 if kind == "prefill" else None)
     return AttentionContext(layer_idx=idx, kind=kind, query_positions=query_positions, key_positions=key_positions,
                             mask=mask, scale=scaling if scaling is not None else key.shape[-1] ** -0.5, module=module,
