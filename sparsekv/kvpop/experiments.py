@@ -694,7 +694,8 @@ def every_token_pairs(self, names: list[str], results: pd.DataFrame, every: pd.D
     windows = {cr: every[every.compression == cr].groupby("item").method.count() for cr in self.compressions}
     windows = {cr: n[n == len(names)].index for cr, n in windows.items()}
     done = ", ".join(f"CR {cr:.1%}: {len(w)} of {len(self.val_ids)} windows" for cr, w in windows.items())
-    ready = {cr: w for cr, w in windows.items() if len(w) >= 2}  # an interval needs two windows
+    ready = {cr: w[w.isin(results.item)] for cr, w in windows.items()}  # and whole in `results` (a time box stops it)
+    ready = {cr: w for cr, w in ready.items() if len(w) >= 2}  # an interval needs two windows
     if not ready: return pd.DataFrame(), windows, done
     both = pd.concat([results, every])
     on_them = pd.concat([both[(both.compression == cr) & both.item.isin(w)] for cr, w in ready.items()])

@@ -1437,7 +1437,8 @@ def every_token_pairs(self, names: list[str], results: pd.DataFrame, every: pd.D
     windows = {cr: every[every.compression == cr].groupby("item").method.count() for cr in self.compressions}
     windows = {cr: n[n == len(names)].index for cr, n in windows.items()}
     done = ", ".join(f"CR {cr:.1%}: {len(w)} of {len(self.val_ids)} windows" for cr, w in windows.items())
-    ready = {cr: w for cr, w in windows.items() if len(w) >= 2}  # an interval needs two windows
+    ready = {cr: w[w.isin(results.item)] for cr, w in windows.items()}  # and whole in `results` (a time box stops it)
+    ready = {cr: w for cr, w in ready.items() if len(w) >= 2}  # an interval needs two windows
     if not ready: return pd.DataFrame(), windows, done
     both = pd.concat([results, every])
     on_them = pd.concat([both[(both.compression == cr) & both.item.isin(w)] for cr, w in ready.items()])
@@ -1450,6 +1451,9 @@ _ep, _ew, _done = run.every_token_pairs(["tova:all"], results, _every)
 test_eq(_done, "CR 75.0%: 2 of 2 windows, CR 87.5%: 2 of 2 windows")
 test_eq(sorted(set(zip(_ep.method, _ep.baseline))), [("kvpop_mlp", "tova:all@1"), ("tova:all", "tova:all@1")])
 test_eq(len(run.every_token_pairs(["tova:all"], results, _every[_every.item == 0])[0]), 0)   # one window: no pair
+# windows the every-token run finished beyond those `results` holds whole are left out of the pairs
+_more = pd.concat([_every, _every.assign(item=_every.item + len(run.val_ids))])
+pd.testing.assert_frame_equal(run.every_token_pairs(["tova:all"], results, _more)[0], _ep)
 
 
 # %% [markdown]
