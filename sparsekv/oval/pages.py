@@ -17,8 +17,17 @@ from torch import Tensor
 from ..attention import check_int, content_checks, shape_count
 from ..cache import follow_batch_ops
 from ..eval import attention_fidelity
-from ..hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
+from sparsekv.hf import (
+    DensePolicy,
+    SelectionPolicy,
+    _meter,
+    attend_selected,
+    attended_counts,
+    dense_attention,
+    record_attended,
+)
 from .basis import output_metric
+from .kernel import paged_decode
 
 # the string API of the summaries, importable from here too
 from sparsekv.oval.summaries import (  # noqa: F401
@@ -35,9 +44,9 @@ from sparsekv.oval.summaries import (  # noqa: F401
 from ..select import top_budget_indices
 
 # %% auto #0
-__all__ = ['GQA_POLICIES', 'aggregate_gqa', 'always_kept', 'top_pages', 'page_tokens', 'select_pages_reference', 'select_pages',
-           'summary_scalars', 'storage_table', 'retrieval_quality', 'CapturePolicy', 'PackedPages', 'gather_pages',
-           'page_attention', 'PageRetrievalPolicy']
+__all__ = ['GQA_POLICIES', 'PAGE_BACKENDS', 'aggregate_gqa', 'always_kept', 'top_pages', 'page_tokens', 'select_pages_reference',
+           'select_pages', 'summary_scalars', 'storage_table', 'retrieval_quality', 'CapturePolicy', 'PackedPages',
+           'gather_pages', 'page_attention', 'PageRetrievalPolicy']
 
 # %% ../../nbs/32_oval_pages.ipynb #a82ad631
 GQA_POLICIES = ("avgSM", "max")
@@ -257,11 +266,22 @@ def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
     return torch.cat([blocks.flatten(2, 3), x[:, :, P * m:]], dim=2)
 
 # %% ../../nbs/32_oval_pages.ipynb #ddef7517
+PAGE_BACKENDS = ("torch", "triton")
+
+
 def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int, scale: float | None = None,
-                   dropout: float = 0.0) -> Tensor:
-    "Decode attention [B, Hq, 1, d] of q over complete pages `pages` [B, Hkv, n_p] of k, v and the partial page."
+                   dropout: float = 0.0, backend: str = "torch") -> Tensor:
+    """Decode attention [B, Hq, 1, d] of q over complete pages `pages` [B, Hkv, n_p] of k, v and the partial page;
+    `backend`: 'torch' (gather, then dense attention) or 'triton' (`paged_decode`: the pages read in place)."""
     if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"q must be one decode query [B, Hq, 1, d], got {getattr(q, 'shape', type(q).__name__)}")
+    if backend not in PAGE_BACKENDS: raise ValueError(f"backend must be one of {PAGE_BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        if dropout: raise ValueError(f"backend='triton' attends without dropout, got dropout={dropout!r}")
+        if _meter() is not None:  # the keys it reads: every chosen page and the partial page
+            record_attended(attended_counts(None, q.shape[0], q.shape[1], 1,
+                                            pages.shape[2] * page_size + k.shape[2] % page_size))
+        return paged_decode(q, k, v, pages, page_size, scale)
     ks, vs = gather_pages(k, pages, page_size), gather_pages(v, pages, page_size)
     return dense_attention(q, ks, vs, None, scale, dropout)  # one query: every gathered entry, measured
 
@@ -270,7 +290,7 @@ class PageRetrievalPolicy(SelectionPolicy):
     "Page retrieval: dense prefill; decode over sink, recent and top pages within token_budget per KV head (`method`)."
     def __init__(self, method: str | PageSummary, token_budget: int, page_size: int = 32, sink: int = 32,
                  recent: int = 32, rank: int = 8, eta: float = 0.5, policy: str = "avgSM", dense_layers: int = 1,
-                 spec_steps: int = 0, tau: float = 0.9):
+                 spec_steps: int = 0, tau: float = 0.9, backend: str = "torch"):
         self.spec = make_summary(method, check_int(rank, "rank", 1), eta)   # unbuilt; pages are summarized per layer
         if policy not in GQA_POLICIES: raise ValueError(f"policy must be one of {GQA_POLICIES}, got {policy!r}")
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau):
@@ -280,6 +300,8 @@ class PageRetrievalPolicy(SelectionPolicy):
         self.sink, self.recent = check_int(sink, "sink", 0), check_int(recent, "recent", 0)
         self.policy, self.dense_layers = policy, check_int(dense_layers, "dense_layers", 0)
         self.spec_steps, self.tau = check_int(spec_steps, "spec_steps", 0), float(tau)
+        if backend not in PAGE_BACKENDS: raise ValueError(f"backend must be one of {PAGE_BACKENDS}, got {backend!r}")
+        self.backend = backend  # of page_attention
         self.summaries, self.metrics, self.history, self.seen = {}, {}, {}, {}
         # cache layers whose batch operations (beam search) move this policy's per-row state
         self.followed = weakref.WeakSet()
@@ -297,7 +319,7 @@ class PageRetrievalPolicy(SelectionPolicy):
         pages = self.page_ids(q, k, v, ctx)
         if pages is None: return dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout)
         if ctx.mask is None and q.shape[2] == 1:
-            return page_attention(q, k, v, pages, self.page_size, ctx.scale, ctx.dropout)
+            return page_attention(q, k, v, pages, self.page_size, ctx.scale, ctx.dropout, self.backend)
         return attend_selected(q, k, v, page_tokens(pages, self.page_size, k.shape[2]), ctx.mask, ctx.scale,
                                ctx.dropout)
 

@@ -416,9 +416,9 @@ class PageRetrieval(Method):
     family, summary, small_params = "retrieval", None, {"page_size": 4, "sink": 4, "recent": 4, "rank": 2}
 
     def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
-                 rank: int = 8):
+                 rank: int = 8, *, backend: str = "torch"):
         super().__init__(budget)
-        self.page_size, self.rank = page_size, rank
+        self.page_size, self.rank, self.backend = page_size, rank, backend
         self.sink = min(32, self.budget // 4) if sink is None else sink
         self.recent = min(32, self.budget // 4) if recent is None else recent
         self.policy()
@@ -427,7 +427,7 @@ class PageRetrieval(Method):
 
     def options(self) -> dict:
         "Keyword arguments of `PageRetrievalPolicy` besides the summary and the budget."
-        return dict(page_size=self.page_size, sink=self.sink, recent=self.recent, rank=self.rank)
+        return dict(page_size=self.page_size, sink=self.sink, recent=self.recent, rank=self.rank, backend=self.backend)
 
     def policy(self) -> SelectionPolicy:
         "A fresh `PageRetrievalPolicy` of `summary` with this method's budget and options."
@@ -816,9 +816,9 @@ class OVAL(PageRetrieval):
     name, summary, cost_knob = "oval", "oval", "rank"
 
     def __init__(self, budget: int, page_size: int = 32, sink: int | None = None, recent: int | None = None,
-                 rank: int = 8, eta: float = 0.5):
+                 rank: int = 8, eta: float = 0.5, *, backend: str = "torch"):
         self.eta = eta
-        super().__init__(budget, page_size, sink, recent, rank)
+        super().__init__(budget, page_size, sink, recent, rank, backend=backend)
 
     def options(self): return dict(super().options(), eta=self.eta)
 
@@ -827,6 +827,7 @@ class OVAL(PageRetrieval):
 
 # %%
 test_eq((OVAL(256).page_cost(shape), OVAL(256, eta=0.25).options()["eta"]), (KeyPCA(256).page_cost(shape), 0.25))
+test_eq((OVAL(256).options()["backend"], OVAL(256, backend="triton").policy().backend), ("torch", "triton"))
 
 
 # ## Oracle

@@ -37,8 +37,17 @@ from torch import Tensor
 from sparsekv.attention import check_int, content_checks, shape_count
 from sparsekv.cache import follow_batch_ops
 from sparsekv.eval import attention_fidelity
-from sparsekv.hf import DensePolicy, SelectionPolicy, attend_selected, dense_attention
+from sparsekv.hf import (
+    DensePolicy,
+    SelectionPolicy,
+    _meter,
+    attend_selected,
+    attended_counts,
+    dense_attention,
+    record_attended,
+)
 from sparsekv.oval.basis import output_metric
+from sparsekv.oval.kernel import paged_decode
 
 # the string API of the summaries, importable from here too
 from sparsekv.oval.summaries import (  # noqa: F401
@@ -56,11 +65,13 @@ from sparsekv.select import top_budget_indices
 
 # %%
 #| hide
+import os
+
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
 # %%
-from sparsekv.hf import AttentionContext
+from sparsekv.hf import AttentionContext, measure_attended
 from sparsekv.oval.summaries import OVALSummary
 
 
@@ -651,18 +662,28 @@ for T in (100, 96, 37):
 test_eq(gather_pages(K[:, :, :0], ids[..., :0], 8).shape, (*K.shape[:2], 0, K.shape[-1]))   # no pages, no partial page
 test_fail(lambda: gather_pages(K, ids.int(), 8), contains="pages must be int64")
 
-
 # %% [markdown]
 # `page_attention` equals exact attention over those tokens, `attend_selected` (a masked softmax over the gathered
 # keys):
 
 # %%
 #| export
+PAGE_BACKENDS = ("torch", "triton")
+
+
 def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int, scale: float | None = None,
-                   dropout: float = 0.0) -> Tensor:
-    "Decode attention [B, Hq, 1, d] of q over complete pages `pages` [B, Hkv, n_p] of k, v and the partial page."
+                   dropout: float = 0.0, backend: str = "torch") -> Tensor:
+    """Decode attention [B, Hq, 1, d] of q over complete pages `pages` [B, Hkv, n_p] of k, v and the partial page;
+    `backend`: 'torch' (gather, then dense attention) or 'triton' (`paged_decode`: the pages read in place)."""
     if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"q must be one decode query [B, Hq, 1, d], got {getattr(q, 'shape', type(q).__name__)}")
+    if backend not in PAGE_BACKENDS: raise ValueError(f"backend must be one of {PAGE_BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        if dropout: raise ValueError(f"backend='triton' attends without dropout, got dropout={dropout!r}")
+        if _meter() is not None:  # the keys it reads: every chosen page and the partial page
+            record_attended(attended_counts(None, q.shape[0], q.shape[1], 1,
+                                            pages.shape[2] * page_size + k.shape[2] % page_size))
+        return paged_decode(q, k, v, pages, page_size, scale)
     ks, vs = gather_pages(k, pages, page_size), gather_pages(v, pages, page_size)
     return dense_attention(q, ks, vs, None, scale, dropout)  # one query: every gathered entry, measured
 
@@ -674,6 +695,23 @@ for T in (100, 96, 37):
     qq = q.unsqueeze(2)
     assert_close(page_attention(qq, k, v, ids, 8, 0.2), attend_selected(qq, k, v, page_tokens(ids, 8, T), scale=0.2))
 test_fail(lambda: page_attention(q, k, v, ids, 8), contains="one decode query")
+
+# %% [markdown]
+# With `backend="triton"` the chosen pages are read where they lie by the kernel of
+# [the paged decode notebook](31b_oval_kernel.ipynb) (here under Triton's interpreter): the
+# same attention, and under `measure_attended` the same count of attended keys.
+
+# %%
+if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel is built
+for T in (100, 96, 37):
+    k, v = K[:, :, :T], V[:, :, :T]
+    ids, qq = top_pages(w[..., :T // 8], 40, 8, 4, 8, T), q.unsqueeze(2)
+    with measure_attended() as eager: want = page_attention(qq, k, v, ids, 8, 0.2)
+    with measure_attended() as fused: got = page_attention(qq, k, v, ids, 8, 0.2, backend="triton")
+    assert_close(got, want, atol=1e-5, rtol=1e-5)
+    test_eq(fused.per_head(), eager.per_head())
+test_fail(lambda: page_attention(qq, k, v, ids, 8, backend="cuda"), contains="backend must be one of")
+test_fail(lambda: page_attention(qq, k, v, ids, 8, dropout=0.1, backend="triton"), contains="without dropout")
 
 
 # %% [markdown]
@@ -710,7 +748,7 @@ class PageRetrievalPolicy(SelectionPolicy):
     "Page retrieval: dense prefill; decode over sink, recent and top pages within token_budget per KV head (`method`)."
     def __init__(self, method: str | PageSummary, token_budget: int, page_size: int = 32, sink: int = 32,
                  recent: int = 32, rank: int = 8, eta: float = 0.5, policy: str = "avgSM", dense_layers: int = 1,
-                 spec_steps: int = 0, tau: float = 0.9):
+                 spec_steps: int = 0, tau: float = 0.9, backend: str = "torch"):
         self.spec = make_summary(method, check_int(rank, "rank", 1), eta)   # unbuilt; pages are summarized per layer
         if policy not in GQA_POLICIES: raise ValueError(f"policy must be one of {GQA_POLICIES}, got {policy!r}")
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau):
@@ -720,6 +758,8 @@ class PageRetrievalPolicy(SelectionPolicy):
         self.sink, self.recent = check_int(sink, "sink", 0), check_int(recent, "recent", 0)
         self.policy, self.dense_layers = policy, check_int(dense_layers, "dense_layers", 0)
         self.spec_steps, self.tau = check_int(spec_steps, "spec_steps", 0), float(tau)
+        if backend not in PAGE_BACKENDS: raise ValueError(f"backend must be one of {PAGE_BACKENDS}, got {backend!r}")
+        self.backend = backend  # of page_attention
         self.summaries, self.metrics, self.history, self.seen = {}, {}, {}, {}
         # cache layers whose batch operations (beam search) move this policy's per-row state
         self.followed = weakref.WeakSet()
@@ -737,7 +777,7 @@ class PageRetrievalPolicy(SelectionPolicy):
         pages = self.page_ids(q, k, v, ctx)
         if pages is None: return dense_attention(q, k, v, ctx.mask, ctx.scale, ctx.dropout)
         if ctx.mask is None and q.shape[2] == 1:
-            return page_attention(q, k, v, pages, self.page_size, ctx.scale, ctx.dropout)
+            return page_attention(q, k, v, pages, self.page_size, ctx.scale, ctx.dropout, self.backend)
         return attend_selected(q, k, v, page_tokens(pages, self.page_size, k.shape[2]), ctx.mask, ctx.scale,
                                ctx.dropout)
 
@@ -1108,6 +1148,22 @@ with torch.no_grad():
                 test_eq(out[b, 40 - row.shape[1]:], tiny.generate(row, attention_mask=torch.ones_like(row), **gen)[0])
         test_eq((pol.last[1, :, 13:17].all().item(), pol.last[1, :, :13].any().item()), (True, False))
         assert (pol.last.sum(-1) < pmask.sum(-1)[:, None] + 4).all()  # both rows select (4 tokens decoded so far)
+
+# %% [markdown]
+# The kernel in the policy: generation with `backend="triton"` (under the interpreter here)
+# chooses the same tokens as the eager backend, its logits equal at every step.
+
+# %%
+with torch.no_grad():
+    for mt in METHODS:
+        runs = {}
+        for backend in PAGE_BACKENDS:
+            with patch(tiny, PageRetrievalPolicy(mt, **opts, backend=backend)):
+                runs[backend] = tiny.generate(ids, attention_mask=torch.ones_like(ids), output_logits=True,
+                                              return_dict_in_generate=True, **gen)
+        test_eq(runs["triton"].sequences, runs["torch"].sequences)
+        assert_close(torch.stack(runs["triton"].logits), torch.stack(runs["torch"].logits), atol=1e-4, rtol=1e-4)
+test_fail(lambda: PageRetrievalPolicy("oval", 16, backend="cuda"), contains="backend must be one of")
 
 
 # %% [markdown]
