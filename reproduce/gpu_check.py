@@ -8,6 +8,8 @@ Each part runs in its own process under its own time limit, so one failure or ha
 - tests:    the gpu-marked tests (and, on CUDA, the gpu cells of the notebooks);
 - flex:     compiled FlexAttention for the KVpop target and mask, forward and backward, against the dense path;
 - triton:   the Triton cutoff kernel (Alg. 2) against the torch backend at 64k tokens;
+- paged:    the Triton paged decode kernel of the retrieval family against the eager gather-then-attend path and dense
+            decode attention, at SmolLM2-135M's and Qwen3-4B's attention shapes, 32k tokens, pages of 32, budget 1/16;
 - torchrun: a few bf16 distillation steps under `torchrun` (FSDP2 with two or more processes);
 - bench:    prefill and per-token decode time of dense, KVpop, QuoKA and OVAL at 32k tokens on the largest model at
             hand, ratios against dense from the same run.
@@ -30,8 +32,9 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "syncs", "flex", "triton", "torchrun", "bench")
-LIMITS = {"tests": 150, "syncs": 60, "flex": 90, "triton": 60, "torchrun": 120, "bench": 180}  # seconds a part on a GPU
+PARTS = ("tests", "syncs", "flex", "triton", "paged", "torchrun", "bench")
+LIMITS = {"tests": 150, "syncs": 60, "flex": 90, "triton": 60, "paged": 60, "torchrun": 120,  # seconds a part on a GPU
+          "bench": 180}
 RESULT = "GPU_CHECK_RESULT "  # the line a part's process ends its output with, then its numbers as JSON
 
 
@@ -179,6 +182,34 @@ def part_triton(dry: bool) -> dict:
     return res
 
 
+def part_paged(dry: bool) -> dict:
+    """The paged decode kernel against the eager page attention (max abs difference) and both against dense decode
+    attention over the whole cache (times, ratios); bf16 on a GPU. Dry: interpreted, 512 tokens, float32, no times."""
+    import torch
+
+    from sparsekv.hf import dense_attention
+    from sparsekv.oval.pages import page_attention
+
+    device, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
+    T, m = (512, 8) if dry else (32768, 32)
+    res, ok, gen = {"T": T, "page_size": m, "budget": T // 16, "device": device}, True, torch.Generator().manual_seed(0)
+    for shape, (Hq, Hkv, D) in {"smollm2-135m": (9, 3, 64), "qwen3-4b": (32, 8, 128)}.items():
+        q, k, v = (torch.randn(1, h, s, D, generator=gen).to(device, dtype) for h, s in ((Hq, 1), (Hkv, T), (Hkv, T)))
+        pages = torch.randperm(T // m, generator=gen)[:T // 16 // m].sort().values.expand(1, Hkv, -1).to(device)
+        eager = lambda: page_attention(q, k, v, pages, m)  # noqa: E731
+        fused = lambda: page_attention(q, k, v, pages, m, backend="triton")  # noqa: E731
+        r = {"max_abs_diff": float((fused().float() - eager().float()).abs().max())}
+        ok = ok and r["max_abs_diff"] < (1e-5 if dry else 2e-2)
+        if not dry:
+            times = {n: _seconds(f, device, repeats=20) for n, f in
+                     (("dense", lambda: dense_attention(q, k, v)), ("eager", eager), ("triton", fused))}
+            r |= {f"{n}_us": 1e6 * t for n, t in times.items()}
+            r |= {f"{n}_over_triton": times[n] / times["triton"] for n in ("eager", "dense")}
+        res[shape] = r
+    res["ok"] = bool(ok)
+    return res
+
+
 def part_torchrun(dry: bool) -> dict:
     """A few distillation steps of KVpop-MLP under torchrun: bf16 autocast on CUDA, FSDP2 when there are two or more
     processes (one per GPU; dry: two gloo processes on the CPU with a tiny model)."""
@@ -283,7 +314,7 @@ def part_bench(dry: bool) -> dict:
 def run_part(name: str, dry: bool, limit: float) -> dict:
     "Run part `name` in its own process under `limit` seconds: its numbers, status and time."
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if dry and name == "triton": env["TRITON_INTERPRET"] = "1"
+    if dry and name in ("triton", "paged"): env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, __file__, "--part", name] + (["--dry"] if dry else [])
     start = time.perf_counter()
     try: run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=limit)
