@@ -61,9 +61,9 @@ def top_budget_indices_reference(scores: Tensor, n: int) -> Tensor:
 def _order_keys(scores: Tensor) -> Tensor:
     "Distinct int64 keys [..., T] ordered as (score, lower index first), for scores of at most 32 bits."
     T = scores.shape[-1]
-    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, the score it equals
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)    # negative floats: the larger magnitude ranks lower
-    return (bits << 32) | (T - 1 - torch.arange(T, device=scores.device))
+    bits = scores.float().view(torch.int32).long()  # a float's bits: sign, then magnitude (ordered as an integer)
+    bits = torch.where(bits < 0, -(1 << 31) - bits, bits)  # a negative float -> -(its magnitude); -0.0 -> 0, as 0.0
+    return torch.add(torch.arange(T - 1, -1, -1, device=scores.device), bits, alpha=1 << 32)  # then the index, reversed
 
 # %% ../nbs/05_select.ipynb #502c7f3a
 def top_budget_indices(scores: Tensor, n: int) -> Tensor:

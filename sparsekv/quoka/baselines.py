@@ -32,10 +32,11 @@ def grouped_products(q: Tensor, k: Tensor) -> Tensor:
     "Dot products [B,Hkv,G,S,T] of each query q [B,Hq,S,D] with each key k [B,Hkv,T,D] of its head (no key copy)."
     B, Hq, S, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
-    acc = accumulation_dtype(q)
-    # head hG+g is row block g of KV head h
-    s = q.to(acc).reshape(B, Hkv, Hq // Hkv * S, D) @ k.to(acc).transpose(-1, -2)
-    return s.view(B, Hkv, Hq // Hkv, S, T)
+    acc, G = accumulation_dtype(q), Hq // Hkv
+    q, k = q.to(acc).reshape(B * Hkv, G * S, D), k.to(acc)  # head hG+g is row block g of KV head h
+    if B == 1 or k.stride(0) == Hkv * k.stride(1):  # rows and KV heads merge in a view (a cache slice): one bmm
+        return torch.bmm(q, k.view(B * Hkv, T, D).mT).view(B, Hkv, G, S, T)
+    return (q.view(B, Hkv, G * S, D) @ k.mT).view(B, Hkv, G, S, T)
 
 # %% ../../nbs/21_quoka_baselines.ipynb #5a89b48c
 def _reference_scores(q_chunk: Tensor, k_cache: Tensor, per_query, positions=None, reduce: str = "mean") -> Tensor:

@@ -153,9 +153,9 @@ test_eq(top_budget_indices_reference(torch.tensor([[2.0, 1, 2, 2], [5, 4, 3, 6]]
 def _order_keys(scores: Tensor) -> Tensor:
     "Distinct int64 keys [..., T] ordered as (score, lower index first), for scores of at most 32 bits."
     T = scores.shape[-1]
-    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, the score it equals
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)    # negative floats: the larger magnitude ranks lower
-    return (bits << 32) | (T - 1 - torch.arange(T, device=scores.device))
+    bits = scores.float().view(torch.int32).long()  # a float's bits: sign, then magnitude (ordered as an integer)
+    bits = torch.where(bits < 0, -(1 << 31) - bits, bits)  # a negative float -> -(its magnitude); -0.0 -> 0, as 0.0
+    return torch.add(torch.arange(T - 1, -1, -1, device=scores.device), bits, alpha=1 << 32)  # then the index, reversed
 
 
 # %%
@@ -187,7 +187,7 @@ for shape in [(3, 17), (2, 4, 9), (1, 1, 1)]:
     inf = rand.clone()
     inf[..., ::3] = -math.inf
     inf[..., 0] = math.inf
-    for s in (rand, few, inf):
+    for s in (rand, few, few.float(), inf):
         for n in sorted({0, 1, shape[-1] // 2, shape[-1]}):
             got = top_budget_indices(s, n)
             test_eq(got, top_budget_indices_reference(s, n))

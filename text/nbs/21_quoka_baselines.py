@@ -76,10 +76,11 @@ def grouped_products(q: Tensor, k: Tensor) -> Tensor:
     "Dot products [B,Hkv,G,S,T] of each query q [B,Hq,S,D] with each key k [B,Hkv,T,D] of its head (no key copy)."
     B, Hq, S, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
-    acc = accumulation_dtype(q)
-    # head hG+g is row block g of KV head h
-    s = q.to(acc).reshape(B, Hkv, Hq // Hkv * S, D) @ k.to(acc).transpose(-1, -2)
-    return s.view(B, Hkv, Hq // Hkv, S, T)
+    acc, G = accumulation_dtype(q), Hq // Hkv
+    q, k = q.to(acc).reshape(B * Hkv, G * S, D), k.to(acc)  # head hG+g is row block g of KV head h
+    if B == 1 or k.stride(0) == Hkv * k.stride(1):  # rows and KV heads merge in a view (a cache slice): one bmm
+        return torch.bmm(q, k.view(B * Hkv, T, D).mT).view(B, Hkv, G, S, T)
+    return (q.view(B, Hkv, G * S, D) @ k.mT).view(B, Hkv, G, S, T)
 
 
 # %%
@@ -87,6 +88,9 @@ q, k = torch.randn(2, 6, 3, 4, dtype=torch.float64), torch.randn(2, 2, 5, 4, dty
 gp = grouped_products(q, k)
 test_eq(gp.shape, (2, 2, 3, 3, 5))
 for h in range(6): assert_close(gp[:, h // 3, h % 3], q[:, h] @ k[:, h // 3].transpose(-1, -2))   # hG+g reads h
+# keys whose rows and heads do not merge in a view (heads outermost in memory): the same products
+k_heads_first = k.transpose(0, 1).contiguous().transpose(0, 1)
+assert_close(grouped_products(q, k_heads_first), gp)
 
 
 # %% [markdown]
