@@ -650,8 +650,6 @@ def gather_pages(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
 
 
 # %%
-from sparsekv.attention import gather_keys
-
 K, V, G = _random_cache(T=100)
 w = aggregate_gqa(score_pages("oval", build_summaries("oval", K, V, 8, rank=3, G=G), q), 2)
 for T in (100, 96, 37):
