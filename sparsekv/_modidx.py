@@ -2031,6 +2031,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'sparsekv/quoka/select.py'),
                                        'sparsekv.quoka.select.check_unit_keys': ( 'quoka_select.html#check_unit_keys',
                                                                                   'sparsekv/quoka/select.py'),
+                                       'sparsekv.quoka.select.head_products': ( 'quoka_select.html#head_products',
+                                                                                'sparsekv/quoka/select.py'),
                                        'sparsekv.quoka.select.kept_positions': ( 'quoka_select.html#kept_positions',
                                                                                  'sparsekv/quoka/select.py'),
                                        'sparsekv.quoka.select.kept_queries': ('quoka_select.html#kept_queries', 'sparsekv/quoka/select.py'),

@@ -17,7 +17,7 @@ from ..cache import follow_batch_ops
 from ..hf import AttentionContext
 from ..models import model_info
 from .policy import BaselinePolicy, BaselineSelection, EarlierKeysPolicy, SelectionMethod
-from .select import accumulation_dtype, check_chunk, check_k_cache
+from .select import accumulation_dtype, check_chunk, check_k_cache, head_products
 from ..select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference, top_mask
 
 # %% auto #0
@@ -31,12 +31,10 @@ __all__ = ['MEAN_SCORES', 'grouped_products', 'mean_score_select', 'mean_score_s
 def grouped_products(q: Tensor, k: Tensor) -> Tensor:
     "Dot products [B,Hkv,G,S,T] of each query q [B,Hq,S,D] with each key k [B,Hkv,T,D] of its head (no key copy)."
     B, Hq, S, D = q.shape
-    Hkv, T = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     acc, G = accumulation_dtype(q), Hq // Hkv
-    q, k = q.to(acc).reshape(B * Hkv, G * S, D), k.to(acc)  # head hG+g is row block g of KV head h
-    if B == 1 or k.stride(0) == Hkv * k.stride(1):  # rows and KV heads merge in a view (a cache slice): one bmm
-        return torch.bmm(q, k.view(B * Hkv, T, D).mT).view(B, Hkv, G, S, T)
-    return (q.view(B, Hkv, G * S, D) @ k.mT).view(B, Hkv, G, S, T)
+    # head hG+g is row block g of KV head h
+    return head_products(q.to(acc).view(B, Hkv, G, S, D), k.to(acc))
 
 # %% ../../nbs/21_quoka_baselines.ipynb #5a89b48c
 def _reference_scores(q_chunk: Tensor, k_cache: Tensor, per_query, positions=None, reduce: str = "mean") -> Tensor:

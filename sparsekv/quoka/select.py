@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..attention import check_int, check_qkv, content_checks, require_data, require_finite, shape_count
 from ..select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %% auto #0
-__all__ = ['QUERY_SELECT', 'QUERY_AGGS', 'QUERY_RANKS', 'GQA_AGGS', 'EPS', 'accumulation_dtype', 'unit_vectors',
+__all__ = ['QUERY_SELECT', 'QUERY_AGGS', 'QUERY_RANKS', 'GQA_AGGS', 'EPS', 'accumulation_dtype', 'unit_vectors', 'head_products',
            'query_dissimilarity', 'query_ranking', 'kept_positions', 'select_queries', 'kept_queries', 'unit_queries',
            'preaggregated_queries', 'check_quoka_options', 'check_chunk', 'unit_keys', 'check_unit_keys',
            'check_k_cache', 'UnitKeyCache', 'quoka_scores', 'quoka_select', 'quoka_scores_reference',
@@ -38,8 +37,19 @@ _ACCUMULATION = {torch.float16: torch.float32, torch.bfloat16: torch.float32, to
 # %% ../../nbs/20_quoka_select.ipynb #fb8fc220
 def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
     "x / max(|x|, EPS) along the last dim (each query or key), in the accumulation dtype; written into `out` if given."
-    u = F.normalize(x.to(accumulation_dtype(x)), dim=-1, eps=EPS)
-    return u if out is None else out.copy_(u)  # a copy, not out=: `out` may be a strided slice of a buffer
+    x = x.to(accumulation_dtype(x))
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(EPS)  # as F.normalize, one operator fewer
+    # a copy, not out=: `out` may be a strided slice of a buffer, which a compiled step cannot write through out=
+    return x / norm if out is None else out.copy_(x / norm)
+
+# %% ../../nbs/20_quoka_select.ipynb #13f5dd15
+def head_products(a: Tensor, b: Tensor) -> Tensor:
+    "Products [B,H,...,T] of rows a [B,H,...,D] with the rows b [B,H,T,D] of their head b[:, h]."
+    B, H, D, T = *a.shape[:2], a.shape[-1], b.shape[2]
+    if B == 1 or b.stride(0) == H * b.stride(1):  # the keys' rows and heads merge in a view: one bmm, no key copy
+        out = torch.bmm(a.reshape(B * H, -1, D), b.view(B * H, T, D).mT)
+    else: out = a.reshape(B, H, -1, D) @ b.mT
+    return out.view(*a.shape[:-1], T)
 
 # %% ../../nbs/20_quoka_select.ipynb #087a33c4
 def query_dissimilarity(q_chunk: Tensor) -> Tensor:
@@ -215,7 +225,7 @@ def _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_
     B, Hq, S, D = q_chunk.shape
     rows = unit_vectors(q_chunk.view(B, Hq // G, G, S, D) if n_q >= S else  # every query kept (decode): no gather
                         kept_queries(q_chunk, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)))
-    if gqa_agg == "mean": s = rows.mean(2) @ k_unit.mT           # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
+    if gqa_agg == "mean": s = head_products(rows.mean(2), k_unit)  # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
     else: s = rows @ k_unit.mT.unsqueeze(2)                      # [B,Hkv,G,n,T]: each head
     s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries
     return s if gqa_agg == "mean" else s.amax(2)                                       # then the largest head

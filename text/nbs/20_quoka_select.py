@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from sparsekv.attention import check_int, check_qkv, content_checks, require_data, require_finite, shape_count
@@ -21,6 +20,7 @@ from sparsekv.select import all_key_indices, resolve_budget, top_budget_indices,
 #| hide
 import math
 
+import torch.nn.functional as F
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
@@ -142,8 +142,10 @@ for t in _dtypes + (torch.int64, torch.uint8):  # the table is promote_types' an
 #| export
 def unit_vectors(x: Tensor, out: Tensor | None = None) -> Tensor:
     "x / max(|x|, EPS) along the last dim (each query or key), in the accumulation dtype; written into `out` if given."
-    u = F.normalize(x.to(accumulation_dtype(x)), dim=-1, eps=EPS)
-    return u if out is None else out.copy_(u)  # a copy, not out=: `out` may be a strided slice of a buffer
+    x = x.to(accumulation_dtype(x))
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(EPS)  # as F.normalize, one operator fewer
+    # a copy, not out=: `out` may be a strided slice of a buffer, which a compiled step cannot write through out=
+    return x / norm if out is None else out.copy_(x / norm)
 
 
 # %%
@@ -153,6 +155,38 @@ test_eq(unit_vectors(_x.bfloat16()).dtype, torch.float32)
 _out = torch.empty(2, 2)
 unit_vectors(_x, out=_out)
 test_eq(_out, unit_vectors(_x))
+_r = torch.randn(3, 5, 8, dtype=torch.float64)
+test_eq(unit_vectors(_r), F.normalize(_r, dim=-1, eps=EPS))          # F.normalize's values, bit for bit
+_buf = torch.zeros(3, 9, 8, dtype=torch.float64)
+unit_vectors(_r, out=_buf[:, 2:7])                                  # into a strided slice: only it changes
+test_eq((_buf[:, 2:7], _buf[:, :2].abs().sum().item(), _buf[:, 7:].abs().sum().item()), (unit_vectors(_r), 0, 0))
+
+
+# %% [markdown]
+# The products of queries (or their group mean) with the keys of their KV head run as one
+# batched matrix product when the batch rows and heads of both merge in a view, as those of a
+# cache slice do (a 4-D `@` adds its own expands and reshapes: host work at every step).
+
+# %%
+#| export
+def head_products(a: Tensor, b: Tensor) -> Tensor:
+    "Products [B,H,...,T] of rows a [B,H,...,D] with the rows b [B,H,T,D] of their head b[:, h]."
+    B, H, D, T = *a.shape[:2], a.shape[-1], b.shape[2]
+    if B == 1 or b.stride(0) == H * b.stride(1):  # the keys' rows and heads merge in a view: one bmm, no key copy
+        out = torch.bmm(a.reshape(B * H, -1, D), b.view(B * H, T, D).mT)
+    else: out = a.reshape(B, H, -1, D) @ b.mT
+    return out.view(*a.shape[:-1], T)
+
+
+# %%
+_a, _b = torch.randn(2, 3, 4, 5, dtype=torch.float64), torch.randn(2, 3, 7, 5, dtype=torch.float64)
+assert_close(head_products(_a, _b), _a @ _b.mT)
+_wide = torch.randn(2, 3, 12, 5, dtype=torch.float64)[:, :, :7]           # a cache slice: merges, one bmm
+assert_close(head_products(_a, _wide), _a @ _wide.mT)
+_apart = _b.transpose(0, 1).contiguous().transpose(0, 1)                  # heads outermost: the 4-D product
+assert_close(head_products(_a, _apart), _a @ _b.mT)
+_a5 = torch.randn(2, 3, 2, 4, 5, dtype=torch.float64)                    # rows [B,H,G,S,D]: the same per head
+for keys in (_b, _apart): assert_close(head_products(_a5, keys), _a5 @ _b.mT.unsqueeze(2))
 
 
 # %% [markdown]
@@ -672,7 +706,7 @@ def _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_
     B, Hq, S, D = q_chunk.shape
     rows = unit_vectors(q_chunk.view(B, Hq // G, G, S, D) if n_q >= S else  # every query kept (decode): no gather
                         kept_queries(q_chunk, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)))
-    if gqa_agg == "mean": s = rows.mean(2) @ k_unit.mT           # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
+    if gqa_agg == "mean": s = head_products(rows.mean(2), k_unit)  # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
     else: s = rows @ k_unit.mT.unsqueeze(2)                      # [B,Hkv,G,n,T]: each head
     s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries
     return s if gqa_agg == "mean" else s.amax(2)                                       # then the largest head

@@ -22,7 +22,7 @@ from sparsekv.cache import follow_batch_ops
 from sparsekv.hf import AttentionContext
 from sparsekv.models import model_info
 from sparsekv.quoka.policy import BaselinePolicy, BaselineSelection, EarlierKeysPolicy, SelectionMethod
-from sparsekv.quoka.select import accumulation_dtype, check_chunk, check_k_cache
+from sparsekv.quoka.select import accumulation_dtype, check_chunk, check_k_cache, head_products
 from sparsekv.select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference, top_mask
 
 # %%
@@ -75,12 +75,10 @@ from sparsekv.quoka.policy import QuokaPolicy
 def grouped_products(q: Tensor, k: Tensor) -> Tensor:
     "Dot products [B,Hkv,G,S,T] of each query q [B,Hq,S,D] with each key k [B,Hkv,T,D] of its head (no key copy)."
     B, Hq, S, D = q.shape
-    Hkv, T = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     acc, G = accumulation_dtype(q), Hq // Hkv
-    q, k = q.to(acc).reshape(B * Hkv, G * S, D), k.to(acc)  # head hG+g is row block g of KV head h
-    if B == 1 or k.stride(0) == Hkv * k.stride(1):  # rows and KV heads merge in a view (a cache slice): one bmm
-        return torch.bmm(q, k.view(B * Hkv, T, D).mT).view(B, Hkv, G, S, T)
-    return (q.view(B, Hkv, G * S, D) @ k.mT).view(B, Hkv, G, S, T)
+    # head hG+g is row block g of KV head h
+    return head_products(q.to(acc).view(B, Hkv, G, S, D), k.to(acc))
 
 
 # %%
