@@ -802,7 +802,7 @@ def manifests(self, agreement_table: pd.DataFrame) -> list[dict]:
     out = []
     for sc, cr in self.trained:
         agree = agreement_table.set_index(["method", "budget"]).loc[(f"kvpop_{sc}", cr)]
-        validation = dict(windows=len(self.val_ids), agreement=float(agree["mean"]), se=float(agree["se"]))
+        validation = dict(windows=int(agree["n"]), agreement=float(agree["mean"]), se=float(agree["se"]))  # averaged
         if self.ship: out.append({**shipped_checkpoints()[self.shipped_name(sc, cr)], "validation": validation})
         else: out.append(dict(name=self.shipped_name(sc, cr), **self.training_settings(sc, cr),
                               mean_log_gamma=mean_log_gamma(self.trained[(sc, cr)]), commit=git_commit(),

@@ -1637,7 +1637,7 @@ def manifests(self, agreement_table: pd.DataFrame) -> list[dict]:
     out = []
     for sc, cr in self.trained:
         agree = agreement_table.set_index(["method", "budget"]).loc[(f"kvpop_{sc}", cr)]
-        validation = dict(windows=len(self.val_ids), agreement=float(agree["mean"]), se=float(agree["se"]))
+        validation = dict(windows=int(agree["n"]), agreement=float(agree["mean"]), se=float(agree["se"]))  # averaged
         if self.ship: out.append({**shipped_checkpoints()[self.shipped_name(sc, cr)], "validation": validation})
         else: out.append(dict(name=self.shipped_name(sc, cr), **self.training_settings(sc, cr),
                               mean_log_gamma=mean_log_gamma(self.trained[(sc, cr)]), commit=git_commit(),
@@ -1651,6 +1651,9 @@ def manifests(self, agreement_table: pd.DataFrame) -> list[dict]:
 _man = run.manifests(_tables["agreement"])
 test_eq([m["name"] for m in _man], ["tiny-llama-cr75-mlp", "tiny-llama-cr88-mlp"])
 test_eq(_man[0]["validation"]["windows"], 2)
+# the windows its agreement averages, not those planned: a time-boxed evaluation may hold fewer whole
+_fewer = _tables["agreement"].assign(n=1)
+test_eq(run.manifests(_fewer)[0]["validation"]["windows"], 1)
 _mine = results[(results.method == "kvpop_mlp") & (results.compression == 0.875)]
 assert_close(_man[1]["validation"]["agreement"], _mine.agreement.mean())
 _train_dir.cleanup()
