@@ -18,8 +18,8 @@ from ..attention import check_int, require_data
 # %% auto #0
 __all__ = ['CUTOFF_BACKENDS', 'LogDecay', 'check_log_gamma', 'static_priority', 'effective_score', 'check_priority',
            'check_budget', 'priority_rank', 'rank_reference', 'eligible_count', 'cutoff_reference',
-           'topk_cutoff_reference', 'Fenwick', 'cutoff_python', 'cutoff_torch', 'triton_interpreted', 'cutoff_triton',
-           'topk_cutoff', 'bench_cutoff']
+           'topk_cutoff_reference', 'Fenwick', 'cutoff_python', 'cutoff_torch', 'triton_interpreted',
+           'require_triton_device', 'cutoff_triton', 'topk_cutoff', 'bench_cutoff']
 
 # %% ../../nbs/11_kvpop_cutoff.ipynb #f58955d8
 class LogDecay(nn.Module):
@@ -273,12 +273,17 @@ def triton_interpreted() -> bool:
     "Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1, read when a kernel is built)."
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
+
+def require_triton_device(x: Tensor) -> None:
+    "Raise ValueError unless a Triton kernel can run on `x`'s device: CUDA, or any device under the interpreter."
+    if not x.is_cuda and not triton_interpreted():
+        raise ValueError(f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
+                         f"to run on {x.device.type}; use backend='torch' there")
+
 # %% ../../nbs/11_kvpop_cutoff.ipynb #af6aa79e
 def cutoff_triton(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
     "Cutoffs [B,H,S] by the Triton kernel of Alg. 2 (a program per (batch, head)) on CUDA, or with TRITON_INTERPRET=1."
-    if not rank.is_cuda and not triton_interpreted():
-        raise ValueError(f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
-                         f"to run on {rank.device.type}; use backend='torch' there")
+    require_triton_device(rank)
     B, H, S = rank.shape
     if S >= 2**31: raise ValueError(f"backend='triton' counts in int32: S must be < 2**31, got {S}")
     n = max(S - sink, 0)

@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from ..attention import check_int, content_checks, softmax_scale
-from ..kvpop.cutoff import triton_interpreted
+from ..kvpop.cutoff import require_triton_device
 
 # %% auto #0
-__all__ = ['paged_decode_reference', 'default_splits', 'triton_next_pow2', 'paged_decode']
+__all__ = ['paged_decode_reference', 'default_splits', 'paged_decode']
 
 # %% ../../nbs/31b_oval_kernel.ipynb #7ab4414d
 def paged_decode_reference(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int,
@@ -101,17 +101,10 @@ def _check_paged(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int)
         raise ValueError(f"no key to attend: no page chosen and T={T} fills its pages")
     if content_checks() and pages.numel() and not 0 <= int(pages.min()) <= int(pages.max()) < T // m:
         raise ValueError(f"pages must be indices of complete pages, in [0, {T // m}), got values outside it")
-    if not (q.is_cuda or triton_interpreted()):
-        raise ValueError(f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
-                         f"to run on {q.device.type}; use backend='torch' there")
+    require_triton_device(q)
     return q.shape[1] // Hkv
 
 # %% ../../nbs/31b_oval_kernel.ipynb #68a2f37a
-def triton_next_pow2(n: int) -> int:
-    "The smallest power of two >= n (>= 1): a Triton block size."
-    return 1 << max(n - 1, 0).bit_length()
-
-# %% ../../nbs/31b_oval_kernel.ipynb #73255b5d
 def paged_decode(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int, scale: float | None = None,
                  splits: int | None = None) -> Tensor:
     """Decode attention [B, Hq, 1, D] of q over the complete pages `pages` [B, Hkv, n] of k, v [B, Hkv, T, D] and the
@@ -119,12 +112,13 @@ def paged_decode(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int,
     G, (B, Hkv, T, D), n = _check_paged(q, k, v, pages, page_size), k.shape, pages.shape[2]
     parts = default_splits(B * Hkv, n + 1, q.device) if splits is None else check_int(splits, "splits", 1)
     per = math.ceil((n + 1) / parts)
-    BG, BD = triton_next_pow2(G), triton_next_pow2(D)
+    from triton import next_power_of_2 as pow2  # block sizes (Triton, optional, is imported on first use)
+    BG, BD = pow2(G), pow2(D)
     o = torch.empty(B * Hkv, parts, BG, BD, dtype=torch.float32, device=q.device)
     lse = torch.empty(B * Hkv, parts, BG, dtype=torch.float32, device=q.device)
     _paged_decode_kernel()[(B * Hkv, parts)](
         q, k, v, pages, o, lse, q.stride(0), q.stride(1), q.stride(3), *k.stride(), *v.stride(), *pages.stride(),
         Hkv, G, n, per, T, page_size,
-        softmax_scale(scale, D), BLOCK_G=BG, BLOCK_M=triton_next_pow2(page_size), BLOCK_D=BD, D=D)
+        softmax_scale(scale, D), BLOCK_G=BG, BLOCK_M=pow2(page_size), BLOCK_D=BD, D=D)
     out = o[..., :G, :D] if parts == 1 else (lse[..., :G].softmax(1)[..., None] * o[..., :G, :D]).sum(1, keepdim=True)
     return out.reshape(B, Hkv * G, 1, D).to(q.dtype)

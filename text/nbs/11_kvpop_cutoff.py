@@ -729,11 +729,20 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def require_triton_device(x: Tensor) -> None:
+    "Raise ValueError unless a Triton kernel can run on `x`'s device: CUDA, or any device under the interpreter."
+    if not x.is_cuda and not triton_interpreted():
+        raise ValueError(f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
+                         f"to run on {x.device.type}; use backend='torch' there")
+
+
 # %%
 _was = os.environ.get("TRITON_INTERPRET")
 for _v, _want in (("1", True), ("on", True), ("TRUE", True), ("0", False), ("", False)):
     os.environ["TRITON_INTERPRET"] = _v
     test_eq(triton_interpreted(), _want)
+    if _want: require_triton_device(torch.zeros(1))  # the interpreter runs on the CPU
+    else: test_fail(lambda: require_triton_device(torch.zeros(1)), contains="needs CUDA tensors, or TRITON_INTERPRET=1")
 if _was is None: del os.environ["TRITON_INTERPRET"]
 else: os.environ["TRITON_INTERPRET"] = _was
 
@@ -747,9 +756,7 @@ else: os.environ["TRITON_INTERPRET"] = _was
 #| export
 def cutoff_triton(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
     "Cutoffs [B,H,S] by the Triton kernel of Alg. 2 (a program per (batch, head)) on CUDA, or with TRITON_INTERPRET=1."
-    if not rank.is_cuda and not triton_interpreted():
-        raise ValueError(f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
-                         f"to run on {rank.device.type}; use backend='torch' there")
+    require_triton_device(rank)
     B, H, S = rank.shape
     if S >= 2**31: raise ValueError(f"backend='triton' counts in int32: S must be < 2**31, got {S}")
     n = max(S - sink, 0)

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from sparsekv.attention import check_int, content_checks, softmax_scale
-from sparsekv.kvpop.cutoff import triton_interpreted
+from sparsekv.kvpop.cutoff import require_triton_device
 
 # %%
 #| hide
@@ -214,9 +214,7 @@ def _check_paged(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int)
         raise ValueError(f"no key to attend: no page chosen and T={T} fills its pages")
     if content_checks() and pages.numel() and not 0 <= int(pages.min()) <= int(pages.max()) < T // m:
         raise ValueError(f"pages must be indices of complete pages, in [0, {T // m}), got values outside it")
-    if not (q.is_cuda or triton_interpreted()):
-        raise ValueError(f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
-                         f"to run on {q.device.type}; use backend='torch' there")
+    require_triton_device(q)
     return q.shape[1] // Hkv
 
 
@@ -234,17 +232,6 @@ test_fail(lambda: _check_paged(_q, _k[:, :, :8], _k[:, :, :8], _p[..., :0], 4), 
 
 # %%
 #| export
-def triton_next_pow2(n: int) -> int:
-    "The smallest power of two >= n (>= 1): a Triton block size."
-    return 1 << max(n - 1, 0).bit_length()
-
-
-# %%
-test_eq([triton_next_pow2(n) for n in (1, 2, 3, 7, 8, 9, 64)], [1, 2, 4, 8, 8, 16, 64])
-
-
-# %%
-#| export
 def paged_decode(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int, scale: float | None = None,
                  splits: int | None = None) -> Tensor:
     """Decode attention [B, Hq, 1, D] of q over the complete pages `pages` [B, Hkv, n] of k, v [B, Hkv, T, D] and the
@@ -252,13 +239,14 @@ def paged_decode(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: int,
     G, (B, Hkv, T, D), n = _check_paged(q, k, v, pages, page_size), k.shape, pages.shape[2]
     parts = default_splits(B * Hkv, n + 1, q.device) if splits is None else check_int(splits, "splits", 1)
     per = math.ceil((n + 1) / parts)
-    BG, BD = triton_next_pow2(G), triton_next_pow2(D)
+    from triton import next_power_of_2 as pow2  # block sizes (Triton, optional, is imported on first use)
+    BG, BD = pow2(G), pow2(D)
     o = torch.empty(B * Hkv, parts, BG, BD, dtype=torch.float32, device=q.device)
     lse = torch.empty(B * Hkv, parts, BG, dtype=torch.float32, device=q.device)
     _paged_decode_kernel()[(B * Hkv, parts)](
         q, k, v, pages, o, lse, q.stride(0), q.stride(1), q.stride(3), *k.stride(), *v.stride(), *pages.stride(),
         Hkv, G, n, per, T, page_size,
-        softmax_scale(scale, D), BLOCK_G=BG, BLOCK_M=triton_next_pow2(page_size), BLOCK_D=BD, D=D)
+        softmax_scale(scale, D), BLOCK_G=BG, BLOCK_M=pow2(page_size), BLOCK_D=BD, D=D)
     out = o[..., :G, :D] if parts == 1 else (lse[..., :G].softmax(1)[..., None] * o[..., :G, :D]).sum(1, keepdim=True)
     return out.reshape(B, Hkv * G, 1, D).to(q.dtype)
 
