@@ -43,7 +43,8 @@ def check_kv(k: Tensor, v: Tensor, num_kv_heads: int | None = None, head_dim: in
 def scorer_input(k: Tensor, v: Tensor) -> Tensor:
     "Detached headwise scorer input x = [k; v] along the last dim (Eq. 35)."
     check_kv(k, v)
-    return torch.cat([k.detach(), v.detach()], dim=-1)
+    x = torch.cat([k, v], dim=-1)
+    return x.detach() if x.requires_grad else x  # at inference: no detach to run
 
 # %% ../../nbs/14_kvpop_scorers.ipynb #315882fc
 class HeadwiseLinear(nn.Module):
@@ -60,8 +61,11 @@ class HeadwiseLinear(nn.Module):
         if x.dim() < 3 or x.shape[-3] != self.num_heads or x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"x must be [..., H={self.num_heads}, S, {self.weight.shape[1]}], got shape "
                              f"{tuple(x.shape)}")
-        y = x @ self.weight  # weight broadcasts over leading dims: einsum's bmm without its reshapes
-        return y if self.bias is None else y + self.bias[:, None, :]
+        lead = x.shape[:-3]
+        flat = x.dim() > 3 and lead.numel() == 1  # one batch row (a decode step): one bmm over the heads as they lie
+        y = torch.bmm(x.view(x.shape[-3:]), self.weight) if flat else x @ self.weight  # else broadcast over lead
+        if self.bias is not None: y = y + self.bias[:, None, :]
+        return y.view(*lead, *y.shape[-3:]) if flat else y
 
     def extra_repr(self) -> str:
         H, i, o = self.weight.shape

@@ -87,7 +87,8 @@ with hot_path():  # a step: the shapes only, unless checks() is on
 def scorer_input(k: Tensor, v: Tensor) -> Tensor:
     "Detached headwise scorer input x = [k; v] along the last dim (Eq. 35)."
     check_kv(k, v)
-    return torch.cat([k.detach(), v.detach()], dim=-1)
+    x = torch.cat([k, v], dim=-1)
+    return x.detach() if x.requires_grad else x  # at inference: no detach to run
 
 
 # %%
@@ -127,8 +128,11 @@ class HeadwiseLinear(nn.Module):
         if x.dim() < 3 or x.shape[-3] != self.num_heads or x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"x must be [..., H={self.num_heads}, S, {self.weight.shape[1]}], got shape "
                              f"{tuple(x.shape)}")
-        y = x @ self.weight  # weight broadcasts over leading dims: einsum's bmm without its reshapes
-        return y if self.bias is None else y + self.bias[:, None, :]
+        lead = x.shape[:-3]
+        flat = x.dim() > 3 and lead.numel() == 1  # one batch row (a decode step): one bmm over the heads as they lie
+        y = torch.bmm(x.view(x.shape[-3:]), self.weight) if flat else x @ self.weight  # else broadcast over lead
+        if self.bias is not None: y = y + self.bias[:, None, :]
+        return y.view(*lead, *y.shape[-3:]) if flat else y
 
     def extra_repr(self) -> str:
         H, i, o = self.weight.shape
@@ -157,6 +161,9 @@ lin = HeadwiseLinear(3, 8, 5)
 with torch.no_grad(): lin.weight.normal_(); lin.bias.normal_()
 x = torch.randn(2, 3, 7, 8)
 assert_close(lin(x), headwise_linear_reference(x, lin.weight, lin.bias))
+for one in (x[:1], x[0], x[:1, None], x[:1, :, :1]):  # a single row takes the bmm path: the same values, bit for bit
+    assert torch.equal(lin(one), one @ lin.weight + lin.bias[:, None, :])
+test_eq(lin(x.unsqueeze(1)).shape, (2, 1, 3, 7, 5))
 test_fail(lambda: lin(x[:, :, 4]), contains="must be")
 test_fail(lambda: HeadwiseLinear(0, 8, 5), contains="num_heads")
 

@@ -600,14 +600,12 @@ def evict(self, next_position: int | None = None) -> None:
         self.rule.check_masked(self)
         ar = torch.arange(self.positions.shape[-1] - 1, device=self.device)
         idx = ar + (ar >= worst)
-    (B, H, m), cap = idx.shape, self._buffers[0].shape[2]
+    m, cap = idx.shape[-1], self._buffers[0].shape[2]
     if m == self.positions.shape[-1]: return
-    # flat row of each kept entry
-    rows = (idx + torch.arange(B * H, device=idx.device).view(B, H, 1) * cap).flatten()
-    for b in self._buffers:
-        flat = b.view(B * H * cap, -1)
-        b[:, :, :m] = flat.index_select(0, rows).view(B, H, m, *b.shape[3:])
-    self._view(m)
+    wide = idx[..., None].expand(-1, -1, -1, self.keys.shape[-1])  # the keys' and values' index
+    # the kept entries to the front of each buffer (gathered first: no overlap); the views are the new entries
+    self.keys, self.values, self.positions, self.scores = (
+        b.narrow(2, 0, m).copy_(b.gather(2, wide if b.dim() == 4 else idx)) for b in self._buffers)
     if cap > self.rule.budget + 1 >= m: self._seat(m, self.rule.budget + 1)  # give back what a prefill chunk needed
 
 
