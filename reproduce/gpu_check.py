@@ -10,6 +10,8 @@ Each part runs in its own process under its own time limit, so one failure or ha
 - triton:   the Triton cutoff kernel (Alg. 2) against the torch backend at 64k tokens;
 - paged:    the Triton paged decode kernel of the retrieval family against the eager gather-then-attend path and dense
             decode attention, at SmolLM2-135M's and Qwen3-4B's attention shapes, 32k tokens, pages of 32, budget 1/16;
+- quoka:    QuoKA's fused key-scoring kernel against the eager scores over cached unit keys, at the same two shapes,
+            32k keys, a chunk of 128 queries, N_Q = 16 (scores and the whole selection, budget 1/16);
 - torchrun: a few bf16 distillation steps under `torchrun` (FSDP2 with two or more processes);
 - bench:    prefill and per-token decode time of dense, KVpop, QuoKA and OVAL at 32k tokens on the largest model at
             hand, ratios against dense from the same run.
@@ -32,9 +34,9 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "syncs", "flex", "triton", "paged", "torchrun", "bench")
-LIMITS = {"tests": 150, "syncs": 60, "flex": 90, "triton": 60, "paged": 60, "torchrun": 120,  # seconds a part on a GPU
-          "bench": 180}
+PARTS = ("tests", "syncs", "flex", "triton", "paged", "quoka", "torchrun", "bench")
+LIMITS = {"tests": 150, "syncs": 60, "flex": 90, "triton": 60, "paged": 60, "quoka": 60,  # seconds a part on a GPU
+          "torchrun": 120, "bench": 180}
 RESULT = "GPU_CHECK_RESULT "  # the line a part's process ends its output with, then its numbers as JSON
 
 
@@ -210,6 +212,36 @@ def part_paged(dry: bool) -> dict:
     return res
 
 
+def part_quoka(dry: bool) -> dict:
+    """QuoKA's key scores by the fused kernel against the eager path (unit keys already cached, as the policy keeps
+    them): max abs difference of the scores, and times of the scores and of the selection (budget 1/16) both ways; bf16
+    on a GPU. Dry: interpreted, 512 keys, a chunk of 16, float32, no times."""
+    import torch
+
+    from sparsekv.quoka.select import quoka_scores, quoka_select, unit_keys
+
+    device, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
+    T, S, n_q = (512, 16, 4) if dry else (32768, 128, 16)
+    res, ok, gen = {"T": T, "chunk": S, "n_q": n_q, "device": device}, True, torch.Generator().manual_seed(0)
+    for shape, (Hq, Hkv, D) in {"smollm2-135m": (9, 3, 64), "qwen3-4b": (32, 8, 128)}.items():
+        q, k = (torch.randn(1, h, s, D, generator=gen).to(device, dtype) for h, s in ((Hq, S), (Hkv, T)))
+        k_unit = unit_keys(k)
+        runs = {"eager": lambda: quoka_scores(q, k, n_q, k_unit=k_unit),  # noqa: E731
+                "triton": lambda: quoka_scores(q, k, n_q, backend="triton"),
+                "eager_select": lambda: quoka_select(q, k, n_q, T // 16, k_unit=k_unit),
+                "triton_select": lambda: quoka_select(q, k, n_q, T // 16, backend="triton")}
+        r = {"max_abs_diff": float((runs["triton"]() - runs["eager"]()).abs().max())}
+        ok = ok and r["max_abs_diff"] < 1e-4
+        if not dry:
+            times = {n: _seconds(f, device, repeats=20) for n, f in runs.items()}
+            r |= {f"{n}_us": 1e6 * t for n, t in times.items()}
+            r |= {"eager_over_triton": times["eager"] / times["triton"],
+                  "select_eager_over_triton": times["eager_select"] / times["triton_select"]}
+        res[shape] = r
+    res["ok"] = bool(ok)
+    return res
+
+
 def part_torchrun(dry: bool) -> dict:
     """A few distillation steps of KVpop-MLP under torchrun: bf16 autocast on CUDA, FSDP2 when there are two or more
     processes (one per GPU; dry: two gloo processes on the CPU with a tiny model)."""
@@ -314,7 +346,7 @@ def part_bench(dry: bool) -> dict:
 def run_part(name: str, dry: bool, limit: float) -> dict:
     "Run part `name` in its own process under `limit` seconds: its numbers, status and time."
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if dry and name in ("triton", "paged"): env["TRITON_INTERPRET"] = "1"
+    if dry and name in ("triton", "paged", "quoka"): env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, __file__, "--part", name] + (["--dry"] if dry else [])
     start = time.perf_counter()
     try: run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=limit)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from sparsekv.attention import check_int, check_qkv, content_checks, require_data, require_finite, shape_count
+from sparsekv.quoka.kernel import key_scores
 from sparsekv.select import all_key_indices, resolve_budget, top_budget_indices, top_budget_indices_reference
 
 # %%
@@ -110,6 +111,7 @@ QUERY_SELECT = ("group", "head")
 QUERY_AGGS = ("max", "mean")
 QUERY_RANKS = ("dissimilar", "similar", "random")
 GQA_AGGS = ("mean", "max")
+BACKENDS = ("torch", "triton")
 EPS = 1e-12  # norms are clamped to at least EPS, as in F.normalize: a zero vector has cosine 0 with everything
 
 # %%
@@ -499,6 +501,12 @@ def check_quoka_options(n_q: int, query_select: str, query_agg: str, query_rank:
     if query_agg not in QUERY_AGGS: raise ValueError(f"query_agg must be one of {QUERY_AGGS}, got {query_agg!r}")
 
 
+def check_backend(backend: str) -> str:
+    "Validate the key-scoring backend: 'torch' (unit keys, then products) or 'triton' (`sparsekv.quoka.kernel`)."
+    if backend not in BACKENDS: raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
 # %%
 check_quoka_options(16, "group", "max")
 for n_q in (0, 2.0, "4"): test_fail(lambda: check_quoka_options(n_q, "group", "max"), contains="n_q")
@@ -506,6 +514,8 @@ test_fail(lambda: check_quoka_options(4, "token", "max"), contains="query_select
 test_fail(lambda: check_quoka_options(4, "group", "sum"), contains="query_agg")
 test_fail(lambda: check_quoka_options(4, "group", "max", "far"), contains="query_rank")
 test_fail(lambda: check_quoka_options(4, "group", "max", gqa_agg="sum"), contains="gqa_agg")
+test_eq(check_backend("triton"), "triton")
+test_fail(lambda: check_backend("cuda"), contains="backend must be one of ('torch', 'triton')")
 
 
 # %% [markdown]
@@ -690,22 +700,29 @@ test_eq(cache.update(kb), unit_keys(kb))
 #| export
 def quoka_scores(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, query_select: str = "group", query_agg: str = "max",
                  k_unit: Tensor | None = None, query_rank: str = "dissimilar",
-                 generator: torch.Generator | None = None, gqa_agg: str = "mean") -> Tensor:
+                 generator: torch.Generator | None = None, gqa_agg: str = "mean", backend: str = "torch") -> Tensor:
     """QuoKA's score of every cached key, [B,Hkv,T] float32 (float64 for float64 input): max over kept queries of q̄·k̂
     (§3.1–3.3, Alg. 1); `k_unit`: the unit keys if already at hand; `query_rank`, `generator`: see `select_queries`;
-    `gqa_agg='max'` (an ablation): the max over the group's heads of each head's score, not pre-aggregated."""
+    `gqa_agg='max'` (an ablation): the max over the group's heads of each head's score, not pre-aggregated;
+    `backend='triton'`: the keys scored where they lie by one fused kernel (`sparsekv.quoka.kernel`, no `k_unit`)."""
     check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     check_chunk(q_chunk, k_cache)
-    return _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank, generator, gqa_agg)
+    return _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank, generator, gqa_agg,
+                         check_backend(backend))
 
 
-def _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank, generator, gqa_agg) -> Tensor:
-    "`quoka_scores` of arguments already checked (`check_quoka_options`, `check_chunk`)."
+def _quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank, generator, gqa_agg,
+                  backend="torch") -> Tensor:
+    "`quoka_scores` of arguments already checked (`check_quoka_options`, `check_chunk`, `check_backend`)."
     G = q_chunk.shape[1] // k_cache.shape[1]
-    k_unit = unit_keys(k_cache) if k_unit is None else check_unit_keys(k_unit, k_cache)
     B, Hq, S, D = q_chunk.shape
     rows = unit_vectors(q_chunk.view(B, Hq // G, G, S, D) if n_q >= S else  # every query kept (decode): no gather
                         kept_queries(q_chunk, kept_positions(q_chunk, n_q, G, query_select, query_rank, generator)))
+    if backend == "triton":  # one group of pre-aggregated rows, or G groups of each head's rows
+        if k_unit is not None: raise ValueError("backend='triton' reads the keys themselves: pass no k_unit")
+        return key_scores(rows.mean(2) if gqa_agg == "mean" else rows.flatten(2, 3), k_cache,
+                          1 if gqa_agg == "mean" else G, query_agg, EPS)
+    k_unit = unit_keys(k_cache) if k_unit is None else check_unit_keys(k_unit, k_cache)
     if gqa_agg == "mean": s = head_products(rows.mean(2), k_unit)  # [B,Hkv,n,T]: the pre-aggregated Q̄ (§3.3)
     else: s = rows @ k_unit.mT.unsqueeze(2)                      # [B,Hkv,G,n,T]: each head
     s = s.amax(-2) if query_agg == "max" else s.mean(-2)                               # over the kept queries
@@ -842,20 +859,20 @@ assert_close(qh[i_far] @ k_star, Mh @ k_star + rho[i_far])
 def quoka_select(q_chunk: Tensor, k_cache: Tensor, n_q: int = 16, budget: int | float = 1024,
                  query_select: str = "group", query_agg: str = "max", k_unit: Tensor | None = None,
                  query_rank: str = "dissimilar", generator: torch.Generator | None = None,
-                 gqa_agg: str = "mean") -> Tensor:
+                 gqa_agg: str = "mean", backend: str = "torch") -> Tensor:
     """Alg. 1: indices [B,Hkv,min(B_SA,T)] (int64, ascending, ties to the lower index) of the cached keys
     k_cache [B,Hkv,T,D] that the chunk q_chunk [B,Hq,S,D] (post-RoPE) attends to; all keys if T <= B_SA.
     `budget`: B_SA as an int, or a float fraction of T; `n_q`: N_Q queries kept per chunk;
     `k_unit`: `unit_keys(k_cache)` if at hand (e.g. from a `UnitKeyCache`); `query_rank`: 'dissimilar' (the paper),
     or the ablations 'similar' and 'random' (drawn from `generator`); `gqa_agg`: 'mean' over the heads of a group
-    (the paper, pre-aggregated) or the ablation 'max'."""
+    (the paper, pre-aggregated) or the ablation 'max'; `backend`: 'torch' or 'triton' (see `quoka_scores`)."""
     check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
     check_chunk(q_chunk, k_cache)
     B, Hkv, T, _ = k_cache.shape
     n = resolve_budget(budget, T)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)  # T <= B_SA: nothing to select
     return top_budget_indices(_quoka_scores(q_chunk, k_cache, n_q, query_select, query_agg, k_unit, query_rank,
-                                            generator, gqa_agg), n)
+                                            generator, gqa_agg, check_backend(backend)), n)
 
 
 # %%
@@ -1020,6 +1037,38 @@ for G in (1, 2, 4):
 # all tied: the first B_SA
 test_eq(quoka_select(torch.ones(1, 1, 4, 3), torch.ones(1, 1, 9, 3), 2, 5), torch.arange(5).view(1, 1, 5))
 
+# %% [markdown]
+# The fused kernel (`backend='triton'`, [the kernel notebook](20b_quoka_kernel.ipynb)) reads the
+# raw keys and divides by their norms after the products: the same scores up to float32
+# rounding for every option, and a selection whose keys score as the reference's up to that
+# rounding (two keys within it of each other at the budget's cut may trade places). It
+# computes in float32 and takes no unit keys.
+
+# %%
+import os
+
+if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel first runs
+for G in (1, 3):
+    for S, T, n_q in [(16, 40, 4), (1, 40, 4), (8, 70, 2)]:
+        q, k = _qk(G, S, T, seed=G + S + T, dtype=torch.float32)
+        for mode in QUERY_SELECT:
+            for agg in QUERY_AGGS:
+                for gqa in GQA_AGGS:
+                    want = quoka_scores_reference(q, k, n_q, mode, agg, gqa_agg=gqa)
+                    fused = quoka_scores(q, k, n_q, mode, agg, gqa_agg=gqa, backend="triton")
+                    assert_close(fused, want.float(), rtol=1e-5, atol=1e-5)
+                    idx = quoka_select(q, k, n_q, 10, mode, agg, gqa_agg=gqa, backend="triton")
+                    ref = quoka_select_reference(q, k, n_q, 10, mode, agg, gqa_agg=gqa)
+                    # the keys kept score as the reference's up to rounding (a near-tie at the cut may swap two)
+                    assert_close(want.gather(-1, idx).sort(-1).values, want.gather(-1, ref).sort(-1).values,
+                                 rtol=0, atol=1e-5)
+                    assert (idx == ref).float().mean() > 0.9
+q, k = _qk(3, 8, 20)
+test_fail(lambda: quoka_select(q, k, 4, 8, backend="triton"), contains="k must be a float16, bfloat16 or float32")
+test_fail(lambda: quoka_select(q.float(), k.float(), 4, 8, k_unit=unit_keys(k.float()), backend="triton"),
+          contains="pass no k_unit")
+test_fail(lambda: quoka_select(q, k, 4, 8, backend="cuda"), contains="backend must be one of")
+
 
 # %% [markdown]
 # ## Generation mode (§4.4)
@@ -1033,12 +1082,12 @@ test_eq(quoka_select(torch.ones(1, 1, 4, 3), torch.ones(1, 1, 9, 3), 2, 5), torc
 # %%
 #| export
 def quoka_decode_select(q: Tensor, k_cache: Tensor, budget: int | float = 1024, k_unit: Tensor | None = None,
-                        gqa_agg: str = "mean") -> Tensor:
+                        gqa_agg: str = "mean", backend: str = "torch") -> Tensor:
     "Generation (§4.4): indices [B,Hkv,min(B_SA,T)] for one query per head q [B,Hq,1,D], no subselection, same scoring."
     if isinstance(q, Tensor) and q.dim() == 4 and q.shape[2] != 1:
         raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got shape {tuple(q.shape)}; use "
                          "quoka_select for a chunk")
-    return quoka_select(q, k_cache, 1, budget, k_unit=k_unit, gqa_agg=gqa_agg)
+    return quoka_select(q, k_cache, 1, budget, k_unit=k_unit, gqa_agg=gqa_agg, backend=backend)
 
 
 # %%

@@ -34,7 +34,14 @@ from sparsekv.hf import (
     patch,
     queries_per_call,
 )
-from sparsekv.quoka.select import UnitKeyCache, check_quoka_options, quoka_decode_select, quoka_scores, quoka_select
+from sparsekv.quoka.select import (
+    UnitKeyCache,
+    check_backend,
+    check_quoka_options,
+    quoka_decode_select,
+    quoka_scores,
+    quoka_select,
+)
 from sparsekv.select import all_key_indices, anchored_top_indices, resolve_budget
 
 # %%
@@ -241,13 +248,15 @@ class QuokaPolicy(EarlierKeysPolicy):
     """QuoKA (Alg. 2): each prefill chunk attends to the `budget` (B_SA) earlier keys Alg. 1 selects per KV head plus
     its own keys; decode likewise (§4.4) unless `decode=False`. `query_rank`: 'dissimilar' (the paper) or the
     ablations 'similar' and 'random' (a generator seeded with `seed`), see `select_queries`; `gqa_agg`: 'mean' over a
-    group's heads (the paper) or the ablation 'max', see `quoka_scores`."""
+    group's heads (the paper) or the ablation 'max', see `quoka_scores`; `backend='triton'`: the keys scored in place
+    by the fused kernel (no unit keys cached), see `quoka_scores`."""
 
     def __init__(self, n_q: int = 16, budget: int | float = 1024, query_select: str = "group", query_agg: str = "max",
                  sinks: int = 0, recent: int = 0, decode: bool = True, cache_unit_keys: bool = True,
-                 query_rank: str = "dissimilar", seed: int = 0, gqa_agg: str = "mean"):
+                 query_rank: str = "dissimilar", seed: int = 0, gqa_agg: str = "mean", backend: str = "torch"):
         check_quoka_options(n_q, query_select, query_agg, query_rank, gqa_agg)
         self.query_rank, self.seed, self.gqa_agg = query_rank, check_int(seed, "seed"), gqa_agg
+        self.backend = check_backend(backend)
         self.generator = torch.Generator().manual_seed(seed) if query_rank == "random" else None
         super().__init__(decode)
         if not isinstance(cache_unit_keys, bool):
@@ -264,7 +273,8 @@ class QuokaPolicy(EarlierKeysPolicy):
     def __repr__(self):
         return (f"QuokaPolicy(n_q={self.n_q}, budget={self.budget}, query_select={self.query_select!r}, "
                 f"query_agg={self.query_agg!r}, query_rank={self.query_rank!r}, gqa_agg={self.gqa_agg!r}, "
-                f"sinks={self.sinks}, recent={self.recent}, decode={self.decode_sparse})")
+                f"sinks={self.sinks}, recent={self.recent}, decode={self.decode_sparse}"
+                + (f", backend={self.backend!r})" if self.backend != "torch" else ")"))
 
 
 # %%
@@ -291,9 +301,9 @@ def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill",
     to (Alg. 1; §4.4 for `kind='decode'`); `k_unit`: their unit keys if at hand."""
     if kind not in ("prefill", "decode"): raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
     if not (self.sinks or self.recent):
-        if kind == "decode": return quoka_decode_select(q, k_earlier, self.budget, k_unit, self.gqa_agg)
+        if kind == "decode": return quoka_decode_select(q, k_earlier, self.budget, k_unit, self.gqa_agg, self.backend)
         return quoka_select(q, k_earlier, self.n_q, self.budget, self.query_select, self.query_agg, k_unit,
-                            self.query_rank, self.generator, self.gqa_agg)
+                            self.query_rank, self.generator, self.gqa_agg, self.backend)
     if kind == "decode" and q.shape[2] != 1:
         raise ValueError(f"q must hold one query per head [B,Hq,1,D] at decode, got {tuple(q.shape)}")
     B, Hkv, T, _ = k_earlier.shape
@@ -301,7 +311,7 @@ def earlier_indices(self, q: Tensor, k_earlier: Tensor, kind: str = "prefill",
     n_q = 1 if kind == "decode" else self.n_q
     # validates shapes even when n == T
     s = quoka_scores(q, k_earlier, n_q, self.query_select, self.query_agg, k_unit, self.query_rank, self.generator,
-                     self.gqa_agg)
+                     self.gqa_agg, self.backend)
     if n == T: return all_key_indices(B, Hkv, T, k_earlier.device)
     return anchored_top_indices(s, n, self.sinks, self.recent)
 
@@ -328,9 +338,9 @@ test_fail(lambda: QuokaPolicy().earlier_indices(q, k, "verify"), contains="kind 
 #| export
 @patch_to(QuokaPolicy)
 def unit_keys(self, k_earlier: Tensor, ctx: AttentionContext) -> Tensor | None:
-    "Unit keys of k_earlier from this layer's `UnitKeyCache` (None: no cache, or `cache_unit_keys=False`)."
+    "Unit keys of k_earlier from this layer's `UnitKeyCache` (None: no cache, `cache_unit_keys=False` or the kernel)."
     layer = ctx.cache_layer
-    if not self.cache_unit_keys or layer is None: return None
+    if not self.cache_unit_keys or layer is None or self.backend == "triton": return None
     if layer not in self.unit_caches:
         self.unit_caches[layer] = UnitKeyCache()
         # beam search moves the layer's rows: move the unit keys with them
@@ -740,15 +750,16 @@ class Quoka(SelectionMethod):
 
     def __init__(self, budget: int | float, chunk_size: int = 128, decode: bool = True, n_q: int = 16,
                  query_select: str = "group", query_agg: str = "max", sinks: int = 0, recent: int = 0,
-                 query_rank: str = "dissimilar", seed: int = 0, gqa_agg: str = "mean"):
+                 query_rank: str = "dissimilar", seed: int = 0, gqa_agg: str = "mean", *, backend: str = "torch"):
         super().__init__(budget, chunk_size, decode)
         self.n_q, self.query_select, self.query_agg, self.gqa_agg = n_q, query_select, query_agg, gqa_agg
-        self.sinks, self.recent, self.query_rank, self.seed = sinks, recent, query_rank, seed
+        self.sinks, self.recent, self.query_rank, self.seed, self.backend = sinks, recent, query_rank, seed, backend
         self.policy()
 
     def policy(self) -> QuokaPolicy:
         return QuokaPolicy(self.n_q, self.budget, self.query_select, self.query_agg, self.sinks, self.recent,
-                           self.decode, query_rank=self.query_rank, seed=self.seed, gqa_agg=self.gqa_agg)
+                           self.decode, query_rank=self.query_rank, seed=self.seed, gqa_agg=self.gqa_agg,
+                           backend=self.backend)
 
     def key_cost(self, shape, S):
         """min(N_Q, S) pre-aggregated unit queries (§3.3) times each unit key: min(N_Q, S) D (G times that with
