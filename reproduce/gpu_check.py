@@ -13,8 +13,11 @@ Each part runs in its own process under its own time limit, so one failure or ha
 - quoka:    QuoKA's fused key-scoring kernel against the eager scores over cached unit keys, at the same two shapes,
             32k keys, a chunk of 128 queries, N_Q = 16 (scores and the whole selection, budget 1/16);
 - torchrun: a few bf16 distillation steps under `torchrun` (FSDP2 with two or more processes);
-- bench:    prefill and per-token decode time of dense, KVpop, QuoKA and OVAL at 32k tokens on the largest model at
-            hand, ratios against dense from the same run.
+- bench:    prefill and per-token decode time of dense, KVpop, QuoKA and OVAL (QuoKA and OVAL also with their Triton
+            kernels) at 32k tokens on the largest model at hand, ratios against dense from the same run, and dense
+            chunked prefill at QuoKA's chunk size (QuoKA's time-to-first-token baseline);
+- compiled: per-token decode of transformers' static cache with its compiled step (CUDA graphs) against sparsekv dense
+            compiled and eager, on the same model at 32k.
 
 The report goes to `--out` as gpu_check.json and gpu_check.md; each part's numbers are printed as it ends. Without CUDA
 and without --dry it says so in one line and exits 0.
@@ -34,9 +37,9 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "syncs", "flex", "triton", "paged", "quoka", "torchrun", "bench")
+PARTS = ("tests", "syncs", "flex", "triton", "paged", "quoka", "torchrun", "bench", "compiled")
 LIMITS = {"tests": 150, "syncs": 60, "flex": 90, "triton": 60, "paged": 60, "quoka": 60,  # seconds a part on a GPU
-          "torchrun": 120, "bench": 180}
+          "torchrun": 120, "bench": 180, "compiled": 180}
 RESULT = "GPU_CHECK_RESULT "  # the line a part's process ends its output with, then its numbers as JSON
 
 
@@ -291,38 +294,52 @@ def _bench_model(dry: bool):
     return "smollm2-135m-shape (random weights)", load_model("tiny-llama", "bfloat16", "cuda", **SMOLLM2_SHAPE)[0]
 
 
+def _clocked(generate, steps: int, device) -> list[float]:
+    "Seconds from the call to each new token's logits (generate asks for them once per token, after its step)."
+    start, ticks = time.perf_counter(), []
+
+    def tick(input_ids, scores):
+        _sync(device)
+        ticks.append(time.perf_counter() - start)
+        return scores
+    generate(max_new_tokens=1 + steps, min_new_tokens=1 + steps, logits_processor=[tick], do_sample=False,
+             pad_token_id=0)
+    return ticks
+
+
+def _timed(generate, steps: int, device) -> dict:
+    "Time to first token and the median per-token decode of one generate call."
+    ticks = _clocked(generate, steps, device)
+    per_token = sorted(b - a for a, b in zip(ticks, ticks[1:]))  # one by one: no noisy prefill time subtracted
+    return {"prefill_s": ticks[0], "decode_ms": 1e3 * per_token[len(per_token) // 2]}
+
+
 def part_bench(dry: bool) -> dict:
-    "Prefill (time to first token) and per-token decode of dense, KVpop, QuoKA and OVAL on one prompt; ratios to dense."
+    """Prefill (time to first token) and per-token decode of dense, KVpop, QuoKA and OVAL (the last two also with
+    their Triton kernels) on one prompt, ratios to dense; and dense chunked prefill at QuoKA's chunk size (its time to
+    first token's baseline)."""
     import torch
 
     from sparsekv import methods
+    from sparsekv.hf import DensePolicy, chunked_prefill
 
     device = "cpu" if dry else "cuda"
     S, steps, budget = (512, 8, 64) if dry else (32768, 64, 2048)
     name, model = _bench_model(dry)
     ids = torch.randint(3, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(0)).to(device)
     res = {"model": name, "context": S, "decode_steps": steps, "budget": budget, "device": device, "methods": {}}
-    gen = dict(do_sample=False, pad_token_id=0)
-
-    def clocked(generate) -> list[float]:
-        "Seconds from the call to each new token's logits (generate asks for them once per token, after its step)."
-        start, ticks = time.perf_counter(), []
-
-        def tick(input_ids, scores):
-            _sync(device)
-            ticks.append(time.perf_counter() - start)
-            return scores
-        generate(max_new_tokens=1 + steps, min_new_tokens=1 + steps, logits_processor=[tick], **gen)
-        return ticks
-
-    methods.make("dense").generate(model, ids, max_new_tokens=2, **gen)  # warm-up at full length: kernels, allocator
+    methods.make("dense").generate(model, ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
     runs = {"dense": partial(methods.make("dense").generate, model, ids),
             "hf_sdpa": partial(model.generate, ids),  # the unpatched model: tells our overhead from transformers'
-            **{m: partial(methods.make(m, budget).generate, model, ids) for m in ("kvpop_mlp", "quoka", "oval")}}
-    for label, generate in runs.items():
-        ticks = clocked(generate)
-        per_token = sorted(b - a for a, b in zip(ticks, ticks[1:]))  # one by one: no noisy prefill time subtracted
-        res["methods"][label] = {"prefill_s": ticks[0], "decode_ms": 1e3 * per_token[len(per_token) // 2]}
+            **{m: partial(methods.make(m, budget).generate, model, ids) for m in ("kvpop_mlp", "quoka", "oval")},
+            **{f"{m}_triton": partial(methods.make(m, budget, backend="triton").generate, model, ids)
+               for m in ("quoka", "oval")}}
+    for label, generate in runs.items(): res["methods"][label] = _timed(generate, steps, device)
+    chunk = methods.make("quoka", budget).chunk_size
+    with torch.no_grad():
+        res["dense_chunked_prefill_s"] = _seconds(lambda: chunked_prefill(model, ids[:, :-1], chunk, DensePolicy()),
+                                                  device, repeats=1)
+    res["quoka_chunk_size"] = chunk
     prof, calls = torch.profiler.profile(), []
 
     def decode_only(input_ids, scores):  # from the first new token's logits to the fifth's: 4 decode steps
@@ -331,12 +348,44 @@ def part_bench(dry: bool) -> dict:
         if len(calls) == 5: prof.stop()
         return scores
     # where a dense decode step's time goes (host or device), for the speed work
-    runs["dense"](max_new_tokens=5, min_new_tokens=5, logits_processor=[decode_only], **gen)
+    runs["dense"](max_new_tokens=5, min_new_tokens=5, logits_processor=[decode_only], do_sample=False, pad_token_id=0)
     res["dense_profile_top_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     dense = res["methods"]["dense"]
-    for r in res["methods"].values():
+    for label, r in res["methods"].items():
         r["prefill_speedup"] = dense["prefill_s"] / r["prefill_s"]
         r["decode_speedup"] = dense["decode_ms"] / r["decode_ms"]
+        if label.startswith("quoka"): r["prefill_over_dense_chunked"] = r["prefill_s"] / res["dense_chunked_prefill_s"]
+    res["ok"] = True
+    return res
+
+
+def part_compiled(dry: bool) -> dict:
+    """Per-token decode compiled: transformers' static cache with its compiled step (CUDA graphs by inductor's
+    'reduce-overhead' on a GPU), against sparsekv dense with `compile=True` (inductor, dynamic shapes, fullgraph) and
+    eager, on the bench's model and prompt. Dry: the eager backend, a 2-layer model, no graphs."""
+    import torch
+    from transformers import CompileConfig
+
+    from sparsekv import methods
+
+    device = "cpu" if dry else "cuda"
+    S, steps = (256, 6) if dry else (32768, 32)
+    name, model = _bench_model(dry)
+    ids = torch.randint(3, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(0)).to(device)
+    static = CompileConfig(fullgraph=True, backend="eager" if dry else "inductor",
+                           mode=None if dry else "reduce-overhead")
+    static._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    backend = "eager" if dry else True
+    runs = {"hf_static_compiled": partial(model.generate, ids, cache_implementation="static", compile_config=static),
+            "dense": partial(methods.make("dense").generate, model, ids),
+            "dense_compiled": partial(methods.make("dense").generate, model, ids, compile=backend)}
+    res = {"model": name, "context": S, "decode_steps": steps, "device": device, "methods": {}}
+    for label, generate in runs.items():
+        start = time.perf_counter()
+        _clocked(generate, 2, device)  # compiles (the steps after the first)
+        res["methods"][label] = {"first_call_s": time.perf_counter() - start, **_timed(generate, steps, device)}
+    ref = res["methods"]["hf_static_compiled"]["decode_ms"]
+    for r in res["methods"].values(): r["decode_over_hf_static_compiled"] = r["decode_ms"] / ref
     res["ok"] = True
     return res
 
@@ -346,7 +395,7 @@ def part_bench(dry: bool) -> dict:
 def run_part(name: str, dry: bool, limit: float) -> dict:
     "Run part `name` in its own process under `limit` seconds: its numbers, status and time."
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if dry and name in ("triton", "paged", "quoka"): env["TRITON_INTERPRET"] = "1"
+    if dry and name in ("triton", "paged", "quoka", "bench"): env["TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, __file__, "--part", name] + (["--dry"] if dry else [])
     start = time.perf_counter()
     try: run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=limit)
