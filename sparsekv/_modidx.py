@@ -601,6 +601,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                   'sparsekv/kvpop/cutoff.py'),
                                        'sparsekv.kvpop.cutoff.eligible_count': ( 'kvpop_cutoff.html#eligible_count',
                                                                                  'sparsekv/kvpop/cutoff.py'),
+                                       'sparsekv.kvpop.cutoff.prefix_kth': ('kvpop_cutoff.html#prefix_kth', 'sparsekv/kvpop/cutoff.py'),
                                        'sparsekv.kvpop.cutoff.priority_rank': ( 'kvpop_cutoff.html#priority_rank',
                                                                                 'sparsekv/kvpop/cutoff.py'),
                                        'sparsekv.kvpop.cutoff.rank_reference': ( 'kvpop_cutoff.html#rank_reference',

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..attention import check_int, evictable, is_causal
 from ..cache import EvictingCache, EvictingLayer, SinkWindowRule, TopScoreRule
 from ..hf import DensePolicy, MaskPolicy, dense_attention
-from .cutoff import LogDecay, check_budget, topk_cutoff
+from .cutoff import LogDecay, check_budget, prefix_kth, topk_cutoff
 from .mask import kvpop_mask
 from .scorers import MLPScorer, MLSTMScorer, mlstm_chunkwise_immediate, mlstm_readout, mlstm_step
 
@@ -130,16 +130,24 @@ def pending_from(self, layer) -> int:
 # %% ../../nbs/15_kvpop_cache.ipynb #a13b8cab
 @patch_to(KVpopRule)
 def visible(self, layer, query_positions):
-    "Sinks, window, pending (unread) and the k best eligible entries (one stable sort: ties to the earlier)."
+    "Sinks, window, pending (unread) and the k best eligible entries (ranked once, ties to the earlier; a cutoff each)."
     t, p = layer.positions[:, :, None, :], query_positions[:, None]
-    # scored later: never eligible yet, kept meanwhile
-    pending = t >= self.pending_from(layer)
-    base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
-    eligible = evictable(self.sink, self.window)(p, t) & ~pending
-    # an eligible -inf still ranks above the entries that are not eligible (so `count` holds)
-    s = layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min)[:, :, None, :].expand(eligible.shape)
-    best = s.masked_fill(~eligible, float("-inf")).argsort(dim=-1, descending=True, stable=True)[..., :self.k]
-    return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
+    (B, H, N), k = layer.positions.shape, self.k
+    if N <= k: return is_causal(p, t)  # at most k entries: every eligible one is among the k best
+    cand = (layer.positions >= self.sink) & (layer.positions < self.pending_from(layer))  # neither sink nor pending
+    # the candidates by priority (an eligible -inf above the rest, so `count` holds), then the others in entry order
+    key = torch.where(cand, layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min), float("-inf"))
+    order = key.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=order.device).expand_as(order))
+    # [B,H,Sq]: how many entries lie at t <= p - w, the first ones (a layer keeps its entries in position order)
+    m = torch.searchsorted(layer.positions.contiguous(), (query_positions - self.window).expand(B, H, -1).contiguous(),
+                           right=True)
+    tau = prefix_kth(rank.view(B * H, N), m.clamp(min=k).view(B * H, -1), k).view(m.shape)
+    tau = torch.where(m >= k, tau, N)  # fewer than k entries there: every eligible one
+    # hidden: the eligible entries (E(p), Eq. 4: out of the window, candidates) beyond the cutoff; a long prompt's
+    # [B,H,Sq,N] mask is the cost here, so each comparison over it runs once (sinks and pending rank -1: never hidden)
+    beyond = torch.where(cand, rank, -1)[:, :, None, :] > tau[..., None]
+    return is_causal(p, t) & ~((t <= p - self.window) & beyond)
 
 # %% ../../nbs/15_kvpop_cache.ipynb #8ce1eaa0
 @patch_to(KVpopRule)

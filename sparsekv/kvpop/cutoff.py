@@ -18,7 +18,7 @@ from ..attention import check_int, require_data
 # %% auto #0
 __all__ = ['CUTOFF_BACKENDS', 'LogDecay', 'check_log_gamma', 'static_priority', 'effective_score', 'check_priority',
            'check_budget', 'priority_rank', 'rank_reference', 'eligible_count', 'cutoff_reference',
-           'topk_cutoff_reference', 'Fenwick', 'cutoff_python', 'cutoff_torch', 'triton_interpreted',
+           'topk_cutoff_reference', 'Fenwick', 'cutoff_python', 'prefix_kth', 'cutoff_torch', 'triton_interpreted',
            'require_triton_device', 'cutoff_triton', 'topk_cutoff', 'bench_cutoff']
 
 # %% ../../nbs/11_kvpop_cutoff.ipynb #f58955d8
@@ -201,19 +201,14 @@ def cutoff_python(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
     return cutoff.to(rank.device)
 
 # %% ../../nbs/11_kvpop_cutoff.ipynb #45e825b6
-def cutoff_torch(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
-    "Cutoffs [B,H,S]: the k-th smallest rank of each prefix E(q), for all queries at once by a wavelet matrix of ranks."
-    B, H, S = rank.shape
-    n = max(S - sink, 0)
-    cutoff = torch.full((B * H, S), S, dtype=torch.int64, device=rank.device)
-    first = sink + window + k - 1  # the first query with |E(q)| >= k; before it, cutoff = S
-    if n == 0 or first >= S: return cutoff.reshape(B, H, S)
-    m = eligible_count(S, sink, window, rank.device)[first:]  # E(q) = the first m[q] eligible tokens in time order
-    r = rank[..., sink:].reshape(B * H, n)  # this bit's order of the ranks (entry order at first)
-    a, b = torch.zeros_like(cutoff[:, first:]), m.expand(B * H, -1)  # the tokens in play: positions [a, b) of r
+def prefix_kth(r: Tensor, m: Tensor, k: int) -> Tensor:
+    """The k-th smallest of r[i, :m[i, j]] for every i, j, int64 [R, Q], by a wavelet matrix: r [R, n] holds a
+    permutation of 0..n-1 in each row; m [R, Q] (or [Q], shared by the rows) prefix lengths in [k, n]."""
+    R, n = r.shape
+    a, b = torch.zeros(R, m.shape[-1], dtype=torch.int64, device=r.device), m.expand(R, -1)  # in play: [a, b) of r
     rest, tau = torch.full_like(a, k), torch.zeros_like(a)
-    u = torch.arange(n, device=rank.device)
-    zeros = torch.zeros(B * H, n + 1, dtype=torch.int64, device=rank.device)  # Z(i): zeros among the first i
+    u = torch.arange(n, device=r.device)
+    zeros = torch.zeros(R, n + 1, dtype=torch.int64, device=r.device)  # Z(i): zeros among the first i
     for level in range(max(n - 1, 1).bit_length() - 1, -1, -1):
         bit = (r >> level) & 1
         torch.cumsum(1 - bit, -1, out=zeros[:, 1:])
@@ -224,7 +219,18 @@ def cutoff_torch(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
         a, b = torch.where(one, N + a - za, za), torch.where(one, N + b - zb, zb)
         if level:  # the next bit's order: a stable partition, zeros first
             r = torch.empty_like(r).scatter_(-1, torch.where(bit == 0, zeros[:, :-1], N + u - zeros[:, :-1]), r)
-    cutoff[:, first:] = tau
+    return tau
+
+
+def cutoff_torch(rank: Tensor, k: int, sink: int, window: int) -> Tensor:
+    "Cutoffs [B,H,S]: the k-th smallest rank of each prefix E(q), for all queries at once by a wavelet matrix of ranks."
+    B, H, S = rank.shape
+    n = max(S - sink, 0)
+    cutoff = torch.full((B * H, S), S, dtype=torch.int64, device=rank.device)
+    first = sink + window + k - 1  # the first query with |E(q)| >= k; before it, cutoff = S
+    if n == 0 or first >= S: return cutoff.reshape(B, H, S)
+    m = eligible_count(S, sink, window, rank.device)[first:]  # E(q) = the first m[q] eligible tokens in time order
+    cutoff[:, first:] = prefix_kth(rank[..., sink:].reshape(B * H, n), m, k)
     return cutoff.reshape(B, H, S)
 
 # %% ../../nbs/11_kvpop_cutoff.ipynb #3562e261

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from sparsekv.attention import check_int, evictable, is_causal
 from sparsekv.cache import EvictingCache, EvictingLayer, SinkWindowRule, TopScoreRule
 from sparsekv.hf import DensePolicy, MaskPolicy, dense_attention
-from sparsekv.kvpop.cutoff import LogDecay, check_budget, topk_cutoff
+from sparsekv.kvpop.cutoff import LogDecay, check_budget, prefix_kth, topk_cutoff
 from sparsekv.kvpop.mask import kvpop_mask
 from sparsekv.kvpop.scorers import MLPScorer, MLSTMScorer, mlstm_chunkwise_immediate, mlstm_readout, mlstm_step
 
@@ -268,14 +268,20 @@ test_eq(vis(2, 5)[0].int().tolist(), [1, 1, 0, 1, 0, 1, 1, 1])
 
 
 # %% [markdown]
-# `visible` ranks the eligible entries of every query by one stable sort (ties to the earlier entry), whatever
-# their number: a branch on how many are eligible would have to read that number back from the device. (At decode
-# the layer avoids the sort altogether: see `TopScoreRule.worst_eligible`.) An eligible entry whose priority is
-# $-\infty$ still ranks above the entries that are not eligible, so each head keeps $\min(k, |E|)$ of them whatever the
-# priorities; for finite ones this is the reference exactly.
+# `visible` does not sort each query's eligible entries (the reference's $[B, H, S_q, N]$ sort, $O(S_q N \log N)$:
+# seconds for a long prompt read in one call). It ranks the entries once, as training's Alg. 2 ranks tokens: the
+# candidates (neither sinks nor pending) by descending priority, ties to the earlier entry, then the others. In
+# position order a query $p$'s eligible entries are the candidates among the first $m(p)$ entries (those at
+# $t \le p - w$), so its $k$ best are the eligible entries whose rank is at most $\tau_p$, the $k$-th smallest rank
+# among those first $m(p)$ (`prefix_kth`, the wavelet matrix of `cutoff_torch`, all queries at once): when fewer
+# than $k$ of them are candidates, $\tau_p$ is a non-candidate's rank and every eligible entry is kept. No branch
+# reads a count back from the device. (At decode the layer needs no ranking at all: see
+# `TopScoreRule.worst_eligible`.) An eligible entry whose priority is $-\infty$ still ranks above the entries that
+# are not eligible, so each head keeps $\min(k, |E|)$ of them whatever the priorities; for finite ones this is the
+# reference exactly.
 #
 # `visible` against the reference on random layer states, with many tied priorities (integers),
-# with and without pending entries, for single queries and chunks of queries:
+# with and without pending entries, for single queries, chunks of queries and a whole prompt:
 
 # %%
 #| export
@@ -289,16 +295,24 @@ def pending_from(self, layer) -> int:
 #| export
 @patch_to(KVpopRule)
 def visible(self, layer, query_positions):
-    "Sinks, window, pending (unread) and the k best eligible entries (one stable sort: ties to the earlier)."
+    "Sinks, window, pending (unread) and the k best eligible entries (ranked once, ties to the earlier; a cutoff each)."
     t, p = layer.positions[:, :, None, :], query_positions[:, None]
-    # scored later: never eligible yet, kept meanwhile
-    pending = t >= self.pending_from(layer)
-    base = SinkWindowRule.visible(self, layer, query_positions) | (is_causal(p, t) & pending)
-    eligible = evictable(self.sink, self.window)(p, t) & ~pending
-    # an eligible -inf still ranks above the entries that are not eligible (so `count` holds)
-    s = layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min)[:, :, None, :].expand(eligible.shape)
-    best = s.masked_fill(~eligible, float("-inf")).argsort(dim=-1, descending=True, stable=True)[..., :self.k]
-    return base | (torch.zeros_like(eligible).scatter(-1, best, True) & eligible)
+    (B, H, N), k = layer.positions.shape, self.k
+    if N <= k: return is_causal(p, t)  # at most k entries: every eligible one is among the k best
+    cand = (layer.positions >= self.sink) & (layer.positions < self.pending_from(layer))  # neither sink nor pending
+    # the candidates by priority (an eligible -inf above the rest, so `count` holds), then the others in entry order
+    key = torch.where(cand, layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min), float("-inf"))
+    order = key.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=order.device).expand_as(order))
+    # [B,H,Sq]: how many entries lie at t <= p - w, the first ones (a layer keeps its entries in position order)
+    m = torch.searchsorted(layer.positions.contiguous(), (query_positions - self.window).expand(B, H, -1).contiguous(),
+                           right=True)
+    tau = prefix_kth(rank.view(B * H, N), m.clamp(min=k).view(B * H, -1), k).view(m.shape)
+    tau = torch.where(m >= k, tau, N)  # fewer than k entries there: every eligible one
+    # hidden: the eligible entries (E(p), Eq. 4: out of the window, candidates) beyond the cutoff; a long prompt's
+    # [B,H,Sq,N] mask is the cost here, so each comparison over it runs once (sinks and pending rank -1: never hidden)
+    beyond = torch.where(cand, rank, -1)[:, :, None, :] > tau[..., None]
+    return is_causal(p, t) & ~((t <= p - self.window) & beyond)
 
 
 # %%
@@ -314,6 +328,13 @@ for trial in range(300):
     layer = SimpleNamespace(positions=pos, scores=sco, seen=seen, kvpop_readout=SimpleNamespace(pending_from=pend))
     for qp in (torch.tensor([seen]), torch.arange(seen - 3, seen + 1)):
         test_eq(rule.visible(layer, qp), kvpop_visible_reference(pos, sco, qp, s_, w_, k_, pend))
+# a whole prompt at once, every query; and -inf priorities, which rank above the entries that are not eligible: the
+# reference with them raised to the lowest float
+pos, sco = torch.arange(40).expand(1, 2, 40), torch.randint(0, 4, (1, 2, 40), generator=gen).float()
+sco[0, 0, 3:33] = float("-inf")  # head 0: fewer finite eligible entries than k for most queries
+rule, layer = KVpopRule(KVpopScorers.mlp(1, 1, 2), 3, 4, 6), SimpleNamespace(positions=pos, scores=sco, seen=40)
+test_eq(rule.visible(layer, torch.arange(40)),
+        kvpop_visible_reference(pos, sco.clamp_min(torch.finfo(sco.dtype).min), torch.arange(40), 3, 4, 6, 40))
 
 
 # %% [markdown]
