@@ -9,8 +9,8 @@ import torch
 from fastcore.basics import patch_to
 from torch import Tensor, nn
 
-from ..attention import check_int, evictable, is_causal
-from ..cache import EvictingCache, EvictingLayer, SinkWindowRule, TopScoreRule
+from ..attention import check_int, is_causal
+from ..cache import EvictingCache, EvictingLayer, TopScoreRule
 from ..hf import DensePolicy, MaskPolicy, dense_attention
 from .cutoff import LogDecay, check_budget, prefix_kth, topk_cutoff
 from .mask import kvpop_mask

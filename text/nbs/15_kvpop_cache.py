@@ -14,8 +14,8 @@ import torch
 from fastcore.basics import patch_to
 from torch import Tensor, nn
 
-from sparsekv.attention import check_int, evictable, is_causal
-from sparsekv.cache import EvictingCache, EvictingLayer, SinkWindowRule, TopScoreRule
+from sparsekv.attention import check_int, is_causal
+from sparsekv.cache import EvictingCache, EvictingLayer, TopScoreRule
 from sparsekv.hf import DensePolicy, MaskPolicy, dense_attention
 from sparsekv.kvpop.cutoff import LogDecay, check_budget, prefix_kth, topk_cutoff
 from sparsekv.kvpop.mask import kvpop_mask
