@@ -368,6 +368,11 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
                              "all layers of a cache must hold the same number of entries")
     layer = cache.layers[idx] if cache is not None and idx < len(cache.layers) else None
     evicting = isinstance(layer, EvictingLayer)
+    if not evicting and sk > seen + sq:  # slots not written yet would be read as keys at the wrong positions
+        raise ValueError(f"layer {idx}'s cache returned {sk} key slots for {seen + sq} tokens: a preallocated cache "
+                         "(transformers' StaticCache, cache_implementation='static') is not supported under "
+                         "sparsekv.hf.patch; use a dynamic cache or the method's own (Method.generate, with "
+                         "compile=True for a compiled decode)")
     # a plain cache's keys sit at consecutive positions ending with the queries': one arange serves both
     positions = torch.arange(seen if evicting else seen + sq - sk, seen + sq, device=key.device)
     query_positions = positions if evicting else positions[sk - sq:]

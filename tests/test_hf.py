@@ -198,6 +198,9 @@ def test_generate_with_dense_policy(tiny_model):
         am[1, :3] = 0
         plain = _greedy(tiny_model, batch, attention_mask=am)
         with patch(tiny_model, DensePolicy()): assert torch.equal(_greedy(tiny_model, batch, attention_mask=am), plain)
+        # transformers' StaticCache returns unwritten slots as keys: refused (they would be read at wrong positions)
+        with patch(tiny_model, DensePolicy()), pytest.raises(ValueError, match="key slots for 10 tokens"):
+            _greedy(tiny_model, ids, cache_implementation="static")
 
 
 def test_mask_and_selection_policies_match_reference(tiny_model):

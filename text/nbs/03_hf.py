@@ -893,6 +893,11 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
                              "all layers of a cache must hold the same number of entries")
     layer = cache.layers[idx] if cache is not None and idx < len(cache.layers) else None
     evicting = isinstance(layer, EvictingLayer)
+    if not evicting and sk > seen + sq:  # slots not written yet would be read as keys at the wrong positions
+        raise ValueError(f"layer {idx}'s cache returned {sk} key slots for {seen + sq} tokens: a preallocated cache "
+                         "(transformers' StaticCache, cache_implementation='static') is not supported under "
+                         "sparsekv.hf.patch; use a dynamic cache or the method's own (Method.generate, with "
+                         "compile=True for a compiled decode)")
     # a plain cache's keys sit at consecutive positions ending with the queries': one arange serves both
     positions = torch.arange(seen if evicting else seen + sq - sk, seen + sq, device=key.device)
     query_positions = positions if evicting else positions[sk - sq:]
@@ -1420,8 +1425,8 @@ with torch.no_grad():
 test_eq(cont, plain)
 
 # %% [markdown]
-# A cache holding the whole prompt, or reused for a new prompt, is refused with what to do; so are token
-# ids outside the vocabulary:
+# A cache holding the whole prompt, or reused for a new prompt, is refused with what to do, and so is a
+# preallocated cache that returns unwritten slots as keys; so are token ids outside the vocabulary:
 
 # %%
 full_cache, _ = chunked_prefill(model, prompt, 4)
@@ -1431,6 +1436,9 @@ with patch(model, DensePolicy()):
               contains="prefill all but the last prompt token")
     test_fail(lambda: model.generate(prompt[:, :5], attention_mask=ones[:, :5], past_key_values=full_cache, **gen),
               contains="pass a fresh cache")
+    # transformers' StaticCache returns every preallocated slot as a key: refused, not attended at wrong positions
+    test_fail(lambda: model.generate(prompt, attention_mask=ones, cache_implementation="static", **gen),
+              contains="preallocated cache (transformers' StaticCache")
 for bad_id in (-1, 259):
     bad = ids.clone()
     bad[1, 3] = bad_id
