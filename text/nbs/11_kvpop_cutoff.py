@@ -639,7 +639,6 @@ for n in (1, 2, 7, 33):
         test_eq(prefix_kth(r, shuffled, k), torch.stack([torch.stack([row[:j].sort().values[k - 1] for j in lens])
                                                            for row, lens in zip(r, shuffled)]))
 
-
 # %%
 # the step it rests on, by brute force: after a stable partition by one bit, the zeros and the ones of every
 # range [a, b) sit at [Z(a), Z(b)) and [N + a - Z(a), N + b - Z(b)), in their old order
