@@ -20,12 +20,12 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_bloc
 
 # %% auto #0
 __all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'checks', 'hot_path', 'content_checks', 'require_finite',
-           'require_data', 'IntArgumentError', 'check_int', 'shape_count', 'gather_keys', 'and_masks', 'or_masks',
-           'not_mask', 'is_causal', 'in_sinks', 'in_window', 'sink_window_visible', 'evictable', 'causal_mask',
-           'check_mask', 'softmax_scale', 'attention_scores', 'attention_reference', 'attention_chunked',
-           'merge_attention', 'position_mask_mod', 'causal_mask_mod', 'mask_mod_from_bool', 'bias_score_mod',
-           'block_mask_from_bool', 'causal_block_mask', 'compiled_flex_attention', 'flex_attention_lse',
-           'sdpa_attention_lse', 'masked_attention']
+           'require_data', 'IntArgumentError', 'check_int', 'shape_count', 'gather_index', 'gather_keys', 'gather_kv',
+           'and_masks', 'or_masks', 'not_mask', 'is_causal', 'in_sinks', 'in_window', 'sink_window_visible',
+           'evictable', 'causal_mask', 'check_mask', 'softmax_scale', 'attention_scores', 'attention_reference',
+           'attention_chunked', 'merge_attention', 'position_mask_mod', 'causal_mask_mod', 'mask_mod_from_bool',
+           'bias_score_mod', 'block_mask_from_bool', 'causal_block_mask', 'compiled_flex_attention',
+           'flex_attention_lse', 'sdpa_attention_lse', 'masked_attention']
 
 # %% ../nbs/00_attention.ipynb #0329d669
 def masked_logsumexp(s: Tensor, dim: int = -1) -> Tensor:
@@ -137,9 +137,20 @@ def shape_count(n: int) -> Tensor:
     return torch.empty(0, check_int(n, "n"), device="meta")
 
 # %% ../nbs/00_attention.ipynb #4ced4a4f
+def gather_index(idx: Tensor, D: int) -> Tensor:
+    "Per-KV-head entry indices `idx` `[B,Hkv,n]` as the index `[B,Hkv,n,D]` that gathers entries of width D."
+    return idx[..., None].expand(-1, -1, -1, D)
+
+
 def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
     "The entries `idx` `[B,Hkv,n]` of `x` `[B,Hkv,S,D]` along the sequence, per KV head."
-    return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+    return x.gather(2, gather_index(idx, x.shape[-1]))
+
+# %% ../nbs/00_attention.ipynb #191e64d7
+def gather_kv(k: Tensor, v: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    "`gather_keys` of keys and values at once: one expanded index serves both when their head dims agree."
+    i = gather_index(idx, k.shape[-1])
+    return k.gather(2, i), v.gather(2, i if v.shape[-1] == k.shape[-1] else gather_index(idx, v.shape[-1]))
 
 # %% ../nbs/00_attention.ipynb #9120c1a6
 def and_masks(*preds):

@@ -18,7 +18,7 @@ from sparsekv.attention import (
     check_int,
     content_checks,
     evictable,
-    gather_keys,
+    gather_kv,
     is_causal,
     sink_window_visible,
 )
@@ -340,7 +340,7 @@ def compact(self, p: int) -> None:
     if not self.ordered:  # after ring writes: back in position order
         idx, self.ordered = idx.gather(-1, self.positions.gather(-1, idx).argsort(-1)), True
     elif idx.shape[-1] == self.positions.shape[-1]: return
-    self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
+    self.keys, self.values = gather_kv(self.keys, self.values, idx)
     self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
 
 # %% ../nbs/04_cache.ipynb #981be54b

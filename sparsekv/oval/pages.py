@@ -14,7 +14,7 @@ import torch
 from fastcore.basics import patch_to
 from torch import Tensor
 
-from ..attention import check_int, content_checks, gather_keys, shape_count
+from ..attention import check_int, content_checks, gather_kv, shape_count
 from ..cache import follow_batch_ops
 from ..eval import attention_fidelity
 from sparsekv.hf import (
@@ -283,7 +283,7 @@ def page_attention(q: Tensor, k: Tensor, v: Tensor, pages: Tensor, page_size: in
                                             pages.shape[2] * page_size + k.shape[2] % page_size))
         return paged_decode(q, k, v, pages, page_size, scale)
     tokens = page_tokens(pages, page_size, k.shape[2])  # gathered per token: fewer operators than gather_pages twice
-    return dense_attention(q, gather_keys(k, tokens), gather_keys(v, tokens), None, scale, dropout)  # measured
+    return dense_attention(q, *gather_kv(k, v, tokens), None, scale, dropout)  # measured
 
 # %% ../../nbs/32_oval_pages.ipynb #3219b7a8
 class PageRetrievalPolicy(SelectionPolicy):

@@ -417,14 +417,32 @@ test_fail(lambda: shape_count(-1), contains="n must be an int >= 0")
 
 # %%
 #| export
+def gather_index(idx: Tensor, D: int) -> Tensor:
+    "Per-KV-head entry indices `idx` `[B,Hkv,n]` as the index `[B,Hkv,n,D]` that gathers entries of width D."
+    return idx[..., None].expand(-1, -1, -1, D)
+
+
 def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
     "The entries `idx` `[B,Hkv,n]` of `x` `[B,Hkv,S,D]` along the sequence, per KV head."
-    return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+    return x.gather(2, gather_index(idx, x.shape[-1]))
 
 
 # %%
 x, idx = torch.randn(2, 3, 7, 4), torch.randint(0, 7, (2, 3, 5))
 test_eq(gather_keys(x, idx), torch.stack([torch.stack([x[b, h, idx[b, h]] for h in range(3)]) for b in range(2)]))
+
+
+# %%
+#| export
+def gather_kv(k: Tensor, v: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    "`gather_keys` of keys and values at once: one expanded index serves both when their head dims agree."
+    i = gather_index(idx, k.shape[-1])
+    return k.gather(2, i), v.gather(2, i if v.shape[-1] == k.shape[-1] else gather_index(idx, v.shape[-1]))
+
+
+# %%
+for v in (torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 6)):  # value heads as wide as the keys', and wider
+    test_eq(gather_kv(x, v, idx), (gather_keys(x, idx), gather_keys(v, idx)))
 
 
 # %% [markdown]

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, Cache, CompileConfig, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sparsekv.attention import causal_mask, check_int, check_qkv, content_checks, gather_keys, hot_path
+from sparsekv.attention import causal_mask, check_int, check_qkv, content_checks, gather_kv, hot_path
 from sparsekv.cache import EvictingCache, EvictingLayer, GrowingCache
 
 # %%
@@ -471,7 +471,7 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, mask: Tensor |
         if mask.dtype != torch.bool or mask.ndim != 4 or mask.shape[1] not in (1, k.shape[1]):
             raise ValueError(f"mask must be boolean [B,1 or Hkv,Sq,Sk], got {mask.dtype} {tuple(mask.shape)}")
         sel = mask.expand(idx.shape[0], k.shape[1], sq, sk).gather(3, idx[:, :, None, :].expand(-1, -1, sq, -1))
-    return dense_attention(q, gather_keys(k, idx), gather_keys(v, idx), sel, scale, dropout)
+    return dense_attention(q, *gather_kv(k, v, idx), sel, scale, dropout)
 
 
 # %%
@@ -804,6 +804,8 @@ class _Patch:
         self.policy, self.kind, self.chunk_index, self.calls = policy, None, None, {}
         # causal_only: the model is called without padding (chunked_prefill's unpadded loop); steps: open hot paths
         self.causal_only, self.steps = False, []
+        # the positions of the last plain-cache call: every layer of a step has the same, built once a step
+        self.positions = (None, None)
 
 
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> stack of _Patch
@@ -811,7 +813,7 @@ _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention mo
 # %%
 _st = _Patch(_DecodeMarker())
 test_eq((type(_st.policy), _st.kind, _st.chunk_index, _st.calls), (_DecodeMarker, None, None, {}))
-test_eq((_st.causal_only, _st.steps), (False, []))
+test_eq((_st.causal_only, _st.steps, _st.positions), (False, [], (None, None)))
 test_eq(len(_ACTIVE), 0)                                                   # nothing patched yet
 
 
@@ -879,6 +881,27 @@ assert not _plain_causal(SimpleNamespace(layer_idx=0, config=SimpleNamespace(sli
 
 # %%
 #| export
+def _plain_positions(state: _Patch, seen: int, B: int, hkv: int, sk: int, sq: int, device) -> tuple[Tensor, Tensor]:
+    """Query positions [Sq] and key positions [B,Hkv,Sk] of a plain cache's call: its keys sit at consecutive
+    positions ending with the queries' (one arange serves both); the same for every layer of a step, so built once."""
+    key = (seen, B, hkv, sk, sq, device)
+    if torch.compiler.is_compiling() or state.positions[0] != key:  # traced: lengths are symbols, nothing to keep
+        pos = torch.arange(seen + sq - sk, seen + sq, device=device)
+        state.positions = (key, (pos[sk - sq:], pos.expand(B, hkv, sk)))
+    return state.positions[1]
+
+
+# %%
+_stp = _Patch(DensePolicy())
+_qp, _kp = _plain_positions(_stp, 5, 2, 3, 6, 1, "cpu")
+test_eq((_qp, _kp), (torch.tensor([5]), torch.arange(6).expand(2, 3, 6)))
+assert _plain_positions(_stp, 5, 2, 3, 6, 1, "cpu")[1] is _kp              # the next layer of the step: kept
+test_eq(_plain_positions(_stp, 6, 2, 3, 7, 1, "cpu")[0], torch.tensor([6]))  # the next step: built anew
+test_eq(_plain_positions(_stp, 0, 1, 3, 4, 4, "cpu")[1], torch.arange(4).expand(1, 3, 4))  # a prefill
+
+
+# %%
+#| export
 def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout) -> AttentionContext:
     "Build the policy's context for one call of `module`."
     cache, seen = state.calls.pop(module, (None, None))
@@ -898,9 +921,8 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
                          "(transformers' StaticCache, cache_implementation='static') is not supported under "
                          "sparsekv.hf.patch; use a dynamic cache or the method's own (Method.generate, with "
                          "compile=True for a compiled decode)")
-    # a plain cache's keys sit at consecutive positions ending with the queries': one arange serves both
-    positions = torch.arange(seen if evicting else seen + sq - sk, seen + sq, device=key.device)
-    query_positions = positions if evicting else positions[sk - sq:]
+    if evicting: query_positions = torch.arange(seen, seen + sq, device=key.device)
+    else: query_positions, key_positions = _plain_positions(state, seen, B, hkv, sk, sq, key.device)
     # one query after earlier tokens decodes, even when an evicting cache keeps only itself (no device sync)
     kind = state.kind or ("decode" if sq == 1 and (sk > 1 or evicting and layer.seen > 1) else "prefill")
     mask = attention_mask
@@ -913,7 +935,6 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
         key_positions = layer.positions
         # a decode query sees every kept entry by construction (see `EvictionRule.keep`)
         mask = layer.rule.visible(layer, query_positions) if sq > 1 else None
-    else: key_positions = positions.expand(B, hkv, sk)
     chunk_index = state.chunk_index if state.chunk_index is not None else (0 if kind == "prefill" else None)
     return AttentionContext(layer_idx=idx, kind=kind, query_positions=query_positions, key_positions=key_positions,
                             mask=mask, scale=scaling if scaling is not None else key.shape[-1] ** -0.5, module=module,

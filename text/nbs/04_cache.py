@@ -23,7 +23,7 @@ from sparsekv.attention import (
     check_int,
     content_checks,
     evictable,
-    gather_keys,
+    gather_kv,
     is_causal,
     sink_window_visible,
 )
@@ -699,7 +699,7 @@ def compact(self, p: int) -> None:
     if not self.ordered:  # after ring writes: back in position order
         idx, self.ordered = idx.gather(-1, self.positions.gather(-1, idx).argsort(-1)), True
     elif idx.shape[-1] == self.positions.shape[-1]: return
-    self.keys, self.values = gather_keys(self.keys, idx), gather_keys(self.values, idx)
+    self.keys, self.values = gather_kv(self.keys, self.values, idx)
     self.positions, self.scores = self.positions.gather(2, idx), self.scores.gather(2, idx)
 
 
@@ -725,7 +725,7 @@ test_fail(lambda: lay.update(k7, k7), contains="only inside sparsekv.hf.patch")
 # eviction past the next position makes the count unknown (then read):
 
 # %%
-from sparsekv.attention import hot_path
+from sparsekv.attention import gather_keys, hot_path
 from sparsekv.syncs import HostSyncs
 
 _g = torch.Generator().manual_seed(0)

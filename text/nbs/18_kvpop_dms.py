@@ -25,7 +25,7 @@ from sparsekv.attention import (
     check_int,
     check_qkv,
     flex_attention_lse,
-    gather_keys,
+    gather_kv,
     in_window,
     is_causal,
     sink_window_visible,
@@ -715,7 +715,7 @@ def compact(self, next_position: int) -> None:
         if M == vis.shape[-1]: continue
         # live first, then padding
         idx = torch.argsort((~vis).to(torch.uint8), dim=-1, stable=True)[..., :M].sort(-1).values
-        l.keys, l.values = gather_keys(l.keys, idx), gather_keys(l.values, idx)
+        l.keys, l.values = gather_kv(l.keys, l.values, idx)
         l.positions, l.scores = l.positions.gather(2, idx), l.scores.gather(2, idx)
 
 
