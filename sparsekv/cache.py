@@ -18,6 +18,7 @@ from sparsekv.attention import (
     check_int,
     content_checks,
     evictable,
+    gather_index,
     gather_kv,
     is_causal,
     sink_window_visible,
@@ -274,8 +275,10 @@ def rings(self, q: int) -> bool:
 def overwrite_oldest(self, keys: Tensor, values: Tensor, positions: Tensor, scores: Tensor) -> None:
     "Write one new entry per head in place of the oldest entry after the sinks (found on the device, no read)."
     slot = self.positions[:, :, self.rule.sink:].argmin(-1, keepdim=True) + self.rule.sink  # [B,H,1]
+    wide = {}  # the index of entries of each width: keys and values of one head dim share theirs
     for x, new in zip((self.keys, self.values, self.positions, self.scores), (keys, values, positions, scores)):
-        x.scatter_(2, slot.view(*slot.shape, *[1] * (x.ndim - 3)).expand(new.shape), new.to(x.dtype))
+        if x.ndim == 4 and x.shape[-1] not in wide: wide[x.shape[-1]] = gather_index(slot, x.shape[-1])
+        x.scatter_(2, slot if x.ndim == 3 else wide[x.shape[-1]], new.to(x.dtype))
     self.ordered = False
 
 # %% ../nbs/04_cache.ipynb #a71ec9dc

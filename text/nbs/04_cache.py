@@ -23,6 +23,7 @@ from sparsekv.attention import (
     check_int,
     content_checks,
     evictable,
+    gather_index,
     gather_kv,
     is_causal,
     sink_window_visible,
@@ -558,8 +559,10 @@ def rings(self, q: int) -> bool:
 def overwrite_oldest(self, keys: Tensor, values: Tensor, positions: Tensor, scores: Tensor) -> None:
     "Write one new entry per head in place of the oldest entry after the sinks (found on the device, no read)."
     slot = self.positions[:, :, self.rule.sink:].argmin(-1, keepdim=True) + self.rule.sink  # [B,H,1]
+    wide = {}  # the index of entries of each width: keys and values of one head dim share theirs
     for x, new in zip((self.keys, self.values, self.positions, self.scores), (keys, values, positions, scores)):
-        x.scatter_(2, slot.view(*slot.shape, *[1] * (x.ndim - 3)).expand(new.shape), new.to(x.dtype))
+        if x.ndim == 4 and x.shape[-1] not in wide: wide[x.shape[-1]] = gather_index(slot, x.shape[-1])
+        x.scatter_(2, slot if x.ndim == 3 else wide[x.shape[-1]], new.to(x.dtype))
     self.ordered = False
 
 
@@ -575,6 +578,11 @@ test_eq((_ring.positions[0, 0].tolist(), _ring.keys[0, 0, :, 0].tolist(), _ring.
 _ring.positions = torch.tensor([[[0, 2, 3], [0, 3, 2]]])  # heads may hold their slots in different orders
 _ring.overwrite_oldest(torch.ones(1, 2, 1, 2), torch.ones(1, 2, 1, 2), torch.full((1, 2, 1), 4), torch.zeros(1, 2, 1))
 test_eq(_ring.positions[0].tolist(), [[0, 4, 3], [0, 3, 4]])
+_ring.values = torch.zeros(1, 2, 3, 3)  # values wider than the keys: each gets its own index
+_ring.overwrite_oldest(torch.ones(1, 2, 1, 2), torch.full((1, 2, 1, 3), 2.0), torch.full((1, 2, 1), 5),
+                       torch.zeros(1, 2, 1))
+test_eq((_ring.positions[0].tolist(), _ring.values[0, :, :, 2].tolist()),
+        ([[0, 4, 5], [0, 5, 4]], [[0, 0, 2], [0, 2, 0]]))
 test_eq((EvictingLayer(TopScoreRule(1, 2, 1), 0).rings(1), EvictingLayer(SinkWindowRule(1, 2), 0).rings(1)),
         (False, False))
 
