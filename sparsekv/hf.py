@@ -24,10 +24,11 @@ from .cache import EvictingCache, EvictingLayer, GrowingCache
 
 # %% auto #0
 __all__ = ['ATTN_NAME', 'METHOD_FAMILIES', 'PHASES', 'heads_mask', 'AttendedBudget', 'measure_attended', 'record_attended',
-           'record_stored', 'attended_counts', 'dense_attention', 'add_chunk_keys', 'attend_selected', 'chosen_indices',
-           'attend_chosen', 'AttentionContext', 'AttentionPolicy', 'DensePolicy', 'MaskPolicy', 'SelectionPolicy',
-           'attention_modules', 'patch', 'active_patch', 'check_input_ids', 'left_padding', 'chunked_prefill', 'Method',
-           'decode_compile_config', 'ModelShape', 'ScoringCost', 'queries_per_call', 'scoring_cost']
+           'measuring', 'record_stored', 'attended_counts', 'dense_attention', 'add_chunk_keys', 'attend_selected',
+           'chosen_indices', 'attend_chosen', 'AttentionContext', 'AttentionPolicy', 'DensePolicy', 'MaskPolicy',
+           'SelectionPolicy', 'attention_modules', 'patch', 'active_patch', 'check_input_ids', 'left_padding',
+           'chunked_prefill', 'Method', 'decode_compile_config', 'ModelShape', 'ScoringCost', 'queries_per_call',
+           'scoring_cost']
 
 # %% ../nbs/03_hf.ipynb #145809aa
 def heads_mask(mask: Tensor, n_heads: int) -> Tensor:
@@ -122,6 +123,11 @@ def _meter() -> AttendedBudget | None:
 def record_attended(counts: Tensor):
     "Add `counts` [B,Hq,Sq] (KV entries attended per query and head) to the active `measure_attended` budget, if any."
     if (budget := _meter()) is not None: budget.add(counts, *_WHERE.get())
+
+
+def measuring() -> bool:
+    "Whether a `measure_attended` budget is active (a policy's fast path that records no counts steps aside)."
+    return _meter() is not None
 
 # %% ../nbs/03_hf.ipynb #62e0ae91
 def record_stored(keys: Tensor, values: Tensor, phase: str, layer: int):
@@ -265,6 +271,8 @@ def row_context(self, b: int, n_keys: int, n_queries: int) -> AttentionContext:
 # %% ../nbs/03_hf.ipynb #a2f87d05
 class AttentionPolicy:
     "Base class of attention policies: the output `[B,Hq,Sq,D]` of each attention call; dense unless overridden."
+    # True: the policy masks an evicting cache's prefill chunks itself (`ctx.mask` is then None; see `_context`)
+    masks_chunks = False
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         return self.decode(q, k, v, ctx) if ctx.kind == "decode" else self.prefill(q, k, v, ctx)
@@ -397,8 +405,10 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
             raise ValueError("evicting caches support unpadded batches of full-attention layers only: the model's "
                              "mask hides keys (padding?); generate each prompt alone or batch prompts of equal length")
         key_positions = layer.positions
-        # a decode query sees every kept entry by construction (see `EvictionRule.keep`)
-        mask = layer.rule.visible(layer, query_positions) if sq > 1 else None
+        # a decode query sees every kept entry by construction (see `EvictionRule.keep`); a chunk's mask, unless the
+        # policy builds its own (FlexAttention needs none as a tensor)
+        own = getattr(state.policy, "masks_chunks", False)
+        mask = layer.rule.visible(layer, query_positions) if sq > 1 and not own else None
     chunk_index = state.chunk_index if state.chunk_index is not None else (0 if kind == "prefill" else None)
     return AttentionContext(layer_idx=idx, kind=kind, query_positions=query_positions, key_positions=key_positions,
                             mask=mask, scale=scaling if scaling is not None else key.shape[-1] ** -0.5, module=module,

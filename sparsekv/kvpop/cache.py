@@ -8,17 +8,18 @@ from __future__ import annotations
 import torch
 from fastcore.basics import patch_to
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from ..attention import check_int, is_causal
+from ..attention import check_int, flex_attention_lse, is_causal
 from ..cache import EvictingCache, EvictingLayer, TopScoreRule
-from ..hf import DensePolicy, MaskPolicy, dense_attention
+from ..hf import DensePolicy, MaskPolicy, dense_attention, measuring
 from .cutoff import LogDecay, check_budget, prefix_kth, topk_cutoff
 from .mask import kvpop_mask
 from .scorers import MLPScorer, MLSTMScorer, mlstm_chunkwise_immediate, mlstm_readout, mlstm_step
 
 # %% auto #0
-__all__ = ['KVpopScorers', 'KVpopRule', 'kvpop_visible_reference', 'DelayedReadout', 'KVpopLayer', 'KVpopPolicy', 'KVpopCache',
-           'KVpopMaskPolicy', 'random_scorers', 'cache_storages', 'cache_nbytes']
+__all__ = ['PREFILL_BACKENDS', 'KVpopScorers', 'KVpopRule', 'kvpop_visible_reference', 'DelayedReadout', 'KVpopLayer',
+           'KVpopPolicy', 'KVpopCache', 'KVpopMaskPolicy', 'random_scorers', 'cache_storages', 'cache_nbytes']
 
 # %% ../../nbs/15_kvpop_cache.ipynb #6278fcbe
 class KVpopScorers(nn.Module):
@@ -129,11 +130,11 @@ def pending_from(self, layer) -> int:
 
 # %% ../../nbs/15_kvpop_cache.ipynb #a13b8cab
 @patch_to(KVpopRule)
-def visible(self, layer, query_positions):
-    "Sinks, window, pending (unread) and the k best eligible entries (ranked once, ties to the earlier; a cutoff each)."
-    t, p = layer.positions[:, :, None, :], query_positions[:, None]
+def cutoffs(self, layer, query_positions) -> tuple[Tensor, Tensor] | None:
+    """What `visible` hides by: (rank [B,H,N] of each candidate entry, -1 for sinks and pending entries, and the cutoff
+    [B,H,Sq] of each query: an entry out of its window whose rank exceeds the cutoff is hidden); None: N <= k."""
     (B, H, N), k = layer.positions.shape, self.k
-    if N <= k: return is_causal(p, t)  # at most k entries: every eligible one is among the k best
+    if N <= k: return None  # at most k entries: every eligible one is among the k best
     cand = (layer.positions >= self.sink) & (layer.positions < self.pending_from(layer))  # neither sink nor pending
     # the candidates by priority (an eligible -inf above the rest, so `count` holds), then the others in entry order
     key = torch.where(cand, layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min), float("-inf"))
@@ -143,11 +144,35 @@ def visible(self, layer, query_positions):
     m = torch.searchsorted(layer.positions.contiguous(), (query_positions - self.window).expand(B, H, -1).contiguous(),
                            right=True)
     tau = prefix_kth(rank.view(B * H, N), m.clamp(min=k).view(B * H, -1), k).view(m.shape)
-    tau = torch.where(m >= k, tau, N)  # fewer than k entries there: every eligible one
+    return torch.where(cand, rank, -1), torch.where(m >= k, tau, N)  # fewer than k there: every eligible one
+
+
+@patch_to(KVpopRule)
+def visible(self, layer, query_positions):
+    "Sinks, window, pending (unread) and the k best eligible entries (ranked once, ties to the earlier; a cutoff each)."
+    t, p = layer.positions[:, :, None, :], query_positions[:, None]
+    cut = self.cutoffs(layer, query_positions)
+    if cut is None: return is_causal(p, t)
+    rank, tau = cut
     # hidden: the eligible entries (E(p), Eq. 4: out of the window, candidates) beyond the cutoff; a long prompt's
     # [B,H,Sq,N] mask is the cost here, so each comparison over it runs once (sinks and pending rank -1: never hidden)
-    beyond = torch.where(cand, rank, -1)[:, :, None, :] > tau[..., None]
-    return is_causal(p, t) & ~((t <= p - self.window) & beyond)
+    return is_causal(p, t) & ~((t <= p - self.window) & (rank[:, :, None, :] > tau[..., None]))
+
+# %% ../../nbs/15_kvpop_cache.ipynb #3f772b54
+@patch_to(KVpopRule)
+def block_mask(self, layer, query_positions: Tensor, groups: int = 1) -> BlockMask:
+    """FlexAttention BlockMask of `visible` for B x (H*groups) query heads (query head h reads KV head h // groups);
+    built compiled on a GPU (no `[Sq, N]` tensor), by a vmap elsewhere."""
+    pos, (B, H, N), w = layer.positions, layer.positions.shape, self.window
+    qpos, cut = query_positions, self.cutoffs(layer, query_positions)
+
+    def causal(b, h, q_idx, kv_idx): return pos[b, h // groups, kv_idx] <= qpos[q_idx]
+
+    def kvpop(b, h, q_idx, kv_idx):
+        t, p, hk = pos[b, h // groups, kv_idx], qpos[q_idx], h // groups
+        return (t <= p) & ~((t <= p - w) & (cut[0][b, hk, kv_idx] > cut[1][b, hk, q_idx]))
+    return create_block_mask(causal if cut is None else kvpop, B, H * groups, qpos.shape[0], N, device=pos.device,
+                             _compile=pos.is_cuda)
 
 # %% ../../nbs/15_kvpop_cache.ipynb #8ce1eaa0
 @patch_to(KVpopRule)
@@ -287,8 +312,18 @@ def evict(self, next_position: int | None = None) -> None:
     if cap > self.rule.budget + 1 >= m: self._seat(m, self.rule.budget + 1)  # give back what a prefill chunk needed
 
 # %% ../../nbs/15_kvpop_cache.ipynb #2a1e315d
+PREFILL_BACKENDS = ("auto", "mask", "flex")
+
+
 class KVpopPolicy(DensePolicy):
-    "Exact attention over what a `KVpopRule` shows each query, decode included (needed by recurrent scorers)."
+    """Exact attention over what a `KVpopRule` shows each query, decode included (needed by recurrent scorers);
+    a prompt chunk under the rule's mask (`backend='mask'`) or FlexAttention's block mask ('flex'; 'auto': on CUDA)."""
+    masks_chunks = True  # the dispatcher leaves a chunk's mask to `prefill`
+
+    def __init__(self, backend: str = "auto"):
+        if backend not in PREFILL_BACKENDS:
+            raise ValueError(f"backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
+        self.backend = backend
 
     def decode(self, q, k, v, ctx):
         layer = ctx.cache_layer
@@ -302,9 +337,17 @@ class KVpopPolicy(DensePolicy):
         return dense_attention(q, k, v, mask, ctx.scale, ctx.dropout)
 
     def prefill(self, q, k, v, ctx):
-        # the dispatcher masks chunks itself
-        if isinstance(ctx.cache_layer, EvictingLayer): ctx.cache_layer.kvpop_masked = True
-        return super().prefill(q, k, v, ctx)
+        layer = ctx.cache_layer
+        if not isinstance(layer, EvictingLayer): return super().prefill(q, k, v, ctx)
+        layer.kvpop_masked = True
+        if q.shape[2] == 1: return super().prefill(q, k, v, ctx)  # one query sees every kept entry
+        flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
+        # FlexAttention has no dropout and records no attended counts: the mask then
+        if flex and isinstance(layer.rule, KVpopRule) and not ctx.dropout and not measuring():
+            G = q.shape[1] // k.shape[1]
+            return flex_attention_lse(q, k, v, layer.rule.block_mask(layer, ctx.query_positions, G), scale=ctx.scale,
+                                      enable_gqa=G > 1)[0]
+        return dense_attention(q, k, v, layer.rule.visible(layer, ctx.query_positions), ctx.scale, ctx.dropout)
 
 # %% ../../nbs/15_kvpop_cache.ipynb #e5880f44
 class KVpopCache(EvictingCache):

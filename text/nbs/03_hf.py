@@ -280,9 +280,16 @@ def record_attended(counts: Tensor):
     if (budget := _meter()) is not None: budget.add(counts, *_WHERE.get())
 
 
+def measuring() -> bool:
+    "Whether a `measure_attended` budget is active (a policy's fast path that records no counts steps aside)."
+    return _meter() is not None
+
+
 # %%
 record_attended(torch.ones(1, 2, 3, dtype=torch.long))                         # no active budget: nothing happens
+assert not measuring()
 with measure_attended() as _m:
+    assert measuring()
     _t = _WHERE.set(("decode", 3))
     record_attended(torch.full((1, 2, 1), 7))
     _WHERE.reset(_t)
@@ -672,6 +679,8 @@ test_eq(_r.key_positions, torch.arange(4).expand(1, 2, 4))
 #| export
 class AttentionPolicy:
     "Base class of attention policies: the output `[B,Hq,Sq,D]` of each attention call; dense unless overridden."
+    # True: the policy masks an evicting cache's prefill chunks itself (`ctx.mask` is then None; see `_context`)
+    masks_chunks = False
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         return self.decode(q, k, v, ctx) if ctx.kind == "decode" else self.prefill(q, k, v, ctx)
@@ -933,8 +942,10 @@ def _context(module, query, key, attention_mask, state: _Patch, scaling, dropout
             raise ValueError("evicting caches support unpadded batches of full-attention layers only: the model's "
                              "mask hides keys (padding?); generate each prompt alone or batch prompts of equal length")
         key_positions = layer.positions
-        # a decode query sees every kept entry by construction (see `EvictionRule.keep`)
-        mask = layer.rule.visible(layer, query_positions) if sq > 1 else None
+        # a decode query sees every kept entry by construction (see `EvictionRule.keep`); a chunk's mask, unless the
+        # policy builds its own (FlexAttention needs none as a tensor)
+        own = getattr(state.policy, "masks_chunks", False)
+        mask = layer.rule.visible(layer, query_positions) if sq > 1 and not own else None
     chunk_index = state.chunk_index if state.chunk_index is not None else (0 if kind == "prefill" else None)
     return AttentionContext(layer_idx=idx, kind=kind, query_positions=query_positions, key_positions=key_positions,
                             mask=mask, scale=scaling if scaling is not None else key.shape[-1] ** -0.5, module=module,

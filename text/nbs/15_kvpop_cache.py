@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 from fastcore.basics import patch_to
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from sparsekv.attention import check_int, is_causal
+from sparsekv.attention import check_int, flex_attention_lse, is_causal
 from sparsekv.cache import EvictingCache, EvictingLayer, TopScoreRule
-from sparsekv.hf import DensePolicy, MaskPolicy, dense_attention
+from sparsekv.hf import DensePolicy, MaskPolicy, dense_attention, measuring
 from sparsekv.kvpop.cutoff import LogDecay, check_budget, prefix_kth, topk_cutoff
 from sparsekv.kvpop.mask import kvpop_mask
 from sparsekv.kvpop.scorers import MLPScorer, MLSTMScorer, mlstm_chunkwise_immediate, mlstm_readout, mlstm_step
@@ -26,6 +27,7 @@ from sparsekv.kvpop.scorers import MLPScorer, MLSTMScorer, mlstm_chunkwise_immed
 from types import SimpleNamespace
 
 from fastcore.test import test_eq, test_fail
+from torch.nn.attention.flex_attention import create_mask
 from torch.testing import assert_close
 
 from sparsekv.hf import chunked_prefill, patch
@@ -294,11 +296,11 @@ def pending_from(self, layer) -> int:
 # %%
 #| export
 @patch_to(KVpopRule)
-def visible(self, layer, query_positions):
-    "Sinks, window, pending (unread) and the k best eligible entries (ranked once, ties to the earlier; a cutoff each)."
-    t, p = layer.positions[:, :, None, :], query_positions[:, None]
+def cutoffs(self, layer, query_positions) -> tuple[Tensor, Tensor] | None:
+    """What `visible` hides by: (rank [B,H,N] of each candidate entry, -1 for sinks and pending entries, and the cutoff
+    [B,H,Sq] of each query: an entry out of its window whose rank exceeds the cutoff is hidden); None: N <= k."""
     (B, H, N), k = layer.positions.shape, self.k
-    if N <= k: return is_causal(p, t)  # at most k entries: every eligible one is among the k best
+    if N <= k: return None  # at most k entries: every eligible one is among the k best
     cand = (layer.positions >= self.sink) & (layer.positions < self.pending_from(layer))  # neither sink nor pending
     # the candidates by priority (an eligible -inf above the rest, so `count` holds), then the others in entry order
     key = torch.where(cand, layer.scores.clamp_min(torch.finfo(layer.scores.dtype).min), float("-inf"))
@@ -308,11 +310,19 @@ def visible(self, layer, query_positions):
     m = torch.searchsorted(layer.positions.contiguous(), (query_positions - self.window).expand(B, H, -1).contiguous(),
                            right=True)
     tau = prefix_kth(rank.view(B * H, N), m.clamp(min=k).view(B * H, -1), k).view(m.shape)
-    tau = torch.where(m >= k, tau, N)  # fewer than k entries there: every eligible one
+    return torch.where(cand, rank, -1), torch.where(m >= k, tau, N)  # fewer than k there: every eligible one
+
+
+@patch_to(KVpopRule)
+def visible(self, layer, query_positions):
+    "Sinks, window, pending (unread) and the k best eligible entries (ranked once, ties to the earlier; a cutoff each)."
+    t, p = layer.positions[:, :, None, :], query_positions[:, None]
+    cut = self.cutoffs(layer, query_positions)
+    if cut is None: return is_causal(p, t)
+    rank, tau = cut
     # hidden: the eligible entries (E(p), Eq. 4: out of the window, candidates) beyond the cutoff; a long prompt's
     # [B,H,Sq,N] mask is the cost here, so each comparison over it runs once (sinks and pending rank -1: never hidden)
-    beyond = torch.where(cand, rank, -1)[:, :, None, :] > tau[..., None]
-    return is_causal(p, t) & ~((t <= p - self.window) & beyond)
+    return is_causal(p, t) & ~((t <= p - self.window) & (rank[:, :, None, :] > tau[..., None]))
 
 
 # %%
@@ -335,6 +345,42 @@ sco[0, 0, 3:33] = float("-inf")  # head 0: fewer finite eligible entries than k 
 rule, layer = KVpopRule(KVpopScorers.mlp(1, 1, 2), 3, 4, 6), SimpleNamespace(positions=pos, scores=sco, seen=40)
 test_eq(rule.visible(layer, torch.arange(40)),
         kvpop_visible_reference(pos, sco.clamp_min(torch.finfo(sco.dtype).min), torch.arange(40), 3, 4, 6, 40))
+
+
+# %% [markdown]
+# A long prompt read at once makes that `[B,H,Sq,N]` mask the cost (32k tokens: a billion entries per head), and
+# dense attention under it reads every key. FlexAttention takes the same rule as a `mask_mod` that reads the ranks
+# `[B,H,N]` and cutoffs `[B,H,Sq]` where it needs them, and skips the blocks the rule hides.
+
+# %%
+#| export
+@patch_to(KVpopRule)
+def block_mask(self, layer, query_positions: Tensor, groups: int = 1) -> BlockMask:
+    """FlexAttention BlockMask of `visible` for B x (H*groups) query heads (query head h reads KV head h // groups);
+    built compiled on a GPU (no `[Sq, N]` tensor), by a vmap elsewhere."""
+    pos, (B, H, N), w = layer.positions, layer.positions.shape, self.window
+    qpos, cut = query_positions, self.cutoffs(layer, query_positions)
+
+    def causal(b, h, q_idx, kv_idx): return pos[b, h // groups, kv_idx] <= qpos[q_idx]
+
+    def kvpop(b, h, q_idx, kv_idx):
+        t, p, hk = pos[b, h // groups, kv_idx], qpos[q_idx], h // groups
+        return (t <= p) & ~((t <= p - w) & (cut[0][b, hk, kv_idx] > cut[1][b, hk, q_idx]))
+    return create_block_mask(causal if cut is None else kvpop, B, H * groups, qpos.shape[0], N, device=pos.device,
+                             _compile=pos.is_cuda)
+
+
+# %%
+for trial in range(40):
+    s_, w_, k_ = (int(x) for x in torch.randint(1, 6, (3,), generator=gen))
+    seen = int(torch.randint(s_ + w_, s_ + w_ + 3 * k_, (1,), generator=gen))
+    pos = torch.stack([torch.randperm(seen, generator=gen)[:s_ + w_ + k_].sort().values for _ in range(2)])[None]
+    sco = torch.randint(0, 3, pos.shape, generator=gen).float()
+    rule = KVpopRule(KVpopScorers.mlp(1, 1, 2), s_, w_, k_)
+    layer = SimpleNamespace(positions=pos, scores=sco, seen=seen)
+    qp, G = torch.arange(seen - 4, seen + 1), 1 + trial % 3
+    bm = rule.block_mask(layer, qp, G)
+    test_eq(create_mask(bm.mask_mod, 1, 2 * G, 5, pos.shape[-1]), rule.visible(layer, qp).repeat_interleave(G, 1))
 
 
 # %% [markdown]
@@ -641,15 +687,14 @@ for chunks in ([1] * 22, [7, 1, 1, 12, 1]):
         test_eq(fast_l.positions.shape[-1], min(fast_l.seen, rand_rule.budget - 1))
     test_eq(fast_l._buffers[0].shape[2], rand_rule.budget + 1)
 
-
 # %% [markdown]
 # Beam search is supported: the batch operations `generate` uses (`reorder_cache`,
 # `batch_repeat_interleave`, `batch_select_indices`) move a recurrent scorer's state and queue
 # with the entries (`apply_rows`), so decoding on equals a cache fed the moved rows from the
 # start (tests/test_kvpop_cache.py).
 #
-# `KVpopPolicy` runs exact attention over what the rule shows each query. The dispatcher masks
-# prefill chunks with `visible`; at decode the layer may hold one eligible entry more than the query
+# `KVpopPolicy` runs exact attention over what the rule shows each query. It masks prefill chunks
+# itself (`masks_chunks`), with `visible` or, on a GPU, FlexAttention's `block_mask`; at decode the layer may hold one eligible entry more than the query
 # sees (the worst of $k + 1$), which the policy masks with the index from `worst_eligible` (or with
 # the full `visible` mask after a prefill chunk). It also marks the layer as masked: with recurrent
 # scorers `keep` refuses to evict after a decode step that no `KVpopPolicy` masked.
@@ -659,8 +704,18 @@ for chunks in ([1] * 22, [7, 1, 1, 12, 1]):
 
 # %%
 #| export
+PREFILL_BACKENDS = ("auto", "mask", "flex")
+
+
 class KVpopPolicy(DensePolicy):
-    "Exact attention over what a `KVpopRule` shows each query, decode included (needed by recurrent scorers)."
+    """Exact attention over what a `KVpopRule` shows each query, decode included (needed by recurrent scorers);
+    a prompt chunk under the rule's mask (`backend='mask'`) or FlexAttention's block mask ('flex'; 'auto': on CUDA)."""
+    masks_chunks = True  # the dispatcher leaves a chunk's mask to `prefill`
+
+    def __init__(self, backend: str = "auto"):
+        if backend not in PREFILL_BACKENDS:
+            raise ValueError(f"backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
+        self.backend = backend
 
     def decode(self, q, k, v, ctx):
         layer = ctx.cache_layer
@@ -674,9 +729,17 @@ class KVpopPolicy(DensePolicy):
         return dense_attention(q, k, v, mask, ctx.scale, ctx.dropout)
 
     def prefill(self, q, k, v, ctx):
-        # the dispatcher masks chunks itself
-        if isinstance(ctx.cache_layer, EvictingLayer): ctx.cache_layer.kvpop_masked = True
-        return super().prefill(q, k, v, ctx)
+        layer = ctx.cache_layer
+        if not isinstance(layer, EvictingLayer): return super().prefill(q, k, v, ctx)
+        layer.kvpop_masked = True
+        if q.shape[2] == 1: return super().prefill(q, k, v, ctx)  # one query sees every kept entry
+        flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
+        # FlexAttention has no dropout and records no attended counts: the mask then
+        if flex and isinstance(layer.rule, KVpopRule) and not ctx.dropout and not measuring():
+            G = q.shape[1] // k.shape[1]
+            return flex_attention_lse(q, k, v, layer.rule.block_mask(layer, ctx.query_positions, G), scale=ctx.scale,
+                                      enable_gqa=G > 1)[0]
+        return dense_attention(q, k, v, layer.rule.visible(layer, ctx.query_positions), ctx.scale, ctx.dropout)
 
 
 # %%
@@ -809,6 +872,18 @@ assert_close(last, want[:, 12])
 with torch.no_grad(), patch(model, DensePolicy()): nxt = model(ids[:, 13:14], past_key_values=cache).logits
 assert_close(nxt[:, 0], want[:, 13])
 
+# %% [markdown]
+# `KVpopPolicy` gives the same chunks and a whole prompt read at once the same logits with the rule's mask and with
+# FlexAttention's block mask (eager here; compiled on a GPU, where it is the default):
+
+# %%
+for backend in PREFILL_BACKENDS:
+    _, last = chunked_prefill(model, ids[:, :13], 5, KVpopPolicy(backend), KVpopCache(scorers, s, w, kk))
+    assert_close(last, want[:, 12])
+    with torch.no_grad(), patch(model, KVpopPolicy(backend)):
+        assert_close(model(ids, past_key_values=KVpopCache(scorers, s, w, kk)).logits, want)
+test_fail(lambda: KVpopPolicy("sdpa"), contains="backend must be one of ('auto', 'mask', 'flex'), got 'sdpa'")
+
 # %%
 prompt = ids[:1, :8]
 with torch.no_grad(), patch(model, DensePolicy()):
@@ -857,9 +932,9 @@ assert (dense - want).abs().max() > 1e-3
 # Chunked prefill (chunks read out their tokens in order, prune once) and `generate`:
 
 # %%
-cache = KVpopCache(ms, s, w, kk)
-_, last = chunked_prefill(model, ids[:, :13], 5, KVpopPolicy(), cache)
-assert_close(last, want[:, 12])
+for backend in PREFILL_BACKENDS:
+    _, last = chunked_prefill(model, ids[:, :13], 5, KVpopPolicy(backend), KVpopCache(ms, s, w, kk))
+    assert_close(last, want[:, 12])
 with torch.no_grad(), patch(model, KVpopPolicy()):
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=KVpopCache(ms, s, w, kk),
                          max_new_tokens=10, do_sample=False)
