@@ -189,6 +189,43 @@ def test_visible_equals_stable_sort_reference(recurrent):
             assert torch.equal(rule.visible(layer, qp), kvpop_visible_reference(pos, sco, qp, s, w, k, pend))
 
 
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_block_mask_is_visible(recurrent):
+    "The FlexAttention mask_mod of KVpopRule.block_mask, materialized, is `visible` repeated over each KV head's group."
+    from types import SimpleNamespace
+
+    from torch.nn.attention.flex_attention import create_mask
+    gen = torch.Generator().manual_seed(11 + recurrent)
+    for trial in range(40):
+        s, w, k = (int(x) for x in torch.randint(1, 7, (3,), generator=gen))
+        seen = int(torch.randint(s + w, s + w + 4 * k, (1,), generator=gen))
+        n = min(seen, s + w + k + int(torch.randint(0, 3, (1,), generator=gen)))
+        pos = torch.stack([torch.randperm(seen, generator=gen)[:n].sort().values for _ in range(6)]).view(2, 3, n)
+        sco = torch.randint(0, 3, pos.shape, generator=gen).float()
+        sco[0, 1, : n // 2] = float("-inf")  # eligible -inf priorities rank above the rest
+        rule = KVpopRule(KVpopScorers.mlstm(1, 1, 2, w) if recurrent else KVpopScorers.mlp(1, 1, 2), s, w, k)
+        pend = seen - int(torch.randint(0, w + 1, (1,), generator=gen)) if recurrent else seen
+        layer = SimpleNamespace(positions=pos, scores=sco, seen=seen, kvpop_readout=SimpleNamespace(pending_from=pend))
+        G = 1 + trial % 3
+        for qp in (torch.tensor([seen]), torch.arange(max(seen - 5, 0), seen + 1)):
+            got = create_mask(rule.block_mask(layer, qp, G).mask_mod, 2, 3 * G, len(qp), n)
+            assert torch.equal(got, rule.visible(layer, qp).repeat_interleave(G, 1))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "mlstm", "mlstm0"])
+def test_flex_prefill_equals_the_mask(tiny_llama64_gqa_mha, kind):
+    "KVpopPolicy's FlexAttention prefill gives the teacher-forced mask's logits, in chunks and for a whole prompt."
+    model = tiny_llama64_gqa_mha
+    s, w, k = 2, 3, 4
+    scorers, ids = make_scorers(model, kind, 3, w), ids_of(model, 2, 20, seed=4)
+    with torch.no_grad(), patch(model, KVpopMaskPolicy(scorers, s, w, k)): want = model(ids).logits
+    _, last = chunked_prefill(model, ids[:, :17], 6, KVpopPolicy("flex"), KVpopCache(scorers, s, w, k))
+    assert_close(last, want[:, 16])
+    with torch.no_grad(), patch(model, KVpopPolicy("flex")):
+        assert_close(model(ids, past_key_values=KVpopCache(scorers, s, w, k)).logits, want)
+    with pytest.raises(ValueError, match="backend must be one of"): KVpopPolicy("triton")
+
+
 @pytest.mark.parametrize("kind", ["mlp", "mlstm", "mlstm0"])
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_buffered_layers_equal_plain_layers(tiny_llama64_gqa_mha, kind, budget):
