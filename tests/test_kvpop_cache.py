@@ -168,23 +168,30 @@ def test_bad_arguments():
         sc.priority(2, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, dtype=torch.long))
 
 
-@pytest.mark.parametrize("recurrent", [False, True])
-def test_visible_equals_stable_sort_reference(recurrent):
-    """KVpopRule.visible (no sort when at most k + 1 entries are eligible) equals the stable-sort reference on random
-    states with ties."""
+def random_layer_states(recurrent: bool, seed: int, n: int):
+    """n random KVpop layer states (2 rows, 3 heads, tied priorities, recurrent ones with pending entries):
+    (rule, layer, first pending position, s, w, k) each."""
     from types import SimpleNamespace
-
-    from sparsekv.kvpop.cache import kvpop_visible_reference
-    gen = torch.Generator().manual_seed(7 + recurrent)
-    for _ in range(200):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
         s, w, k = (int(x) for x in torch.randint(1, 7, (3,), generator=gen))
         seen = int(torch.randint(s + w, s + w + 4 * k, (1,), generator=gen))
-        n = min(seen, s + w + k + int(torch.randint(0, 3, (1,), generator=gen)))
-        pos = torch.stack([torch.randperm(seen, generator=gen)[:n].sort().values for _ in range(6)]).view(2, 3, n)
+        m = min(seen, s + w + k + int(torch.randint(0, 3, (1,), generator=gen)))
+        pos = torch.stack([torch.randperm(seen, generator=gen)[:m].sort().values for _ in range(6)]).view(2, 3, m)
         sco = torch.randint(0, 3, pos.shape, generator=gen).float()
         rule = KVpopRule(KVpopScorers.mlstm(1, 1, 2, w) if recurrent else KVpopScorers.mlp(1, 1, 2), s, w, k)
         pend = seen - int(torch.randint(0, w + 1, (1,), generator=gen)) if recurrent else seen
         layer = SimpleNamespace(positions=pos, scores=sco, seen=seen, kvpop_readout=SimpleNamespace(pending_from=pend))
+        yield rule, layer, pend, s, w, k
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_visible_equals_stable_sort_reference(recurrent):
+    """KVpopRule.visible (no sort when at most k + 1 entries are eligible) equals the stable-sort reference on random
+    states with ties."""
+    from sparsekv.kvpop.cache import kvpop_visible_reference
+    for rule, layer, pend, s, w, k in random_layer_states(recurrent, 7 + recurrent, 200):
+        seen, pos, sco = layer.seen, layer.positions, layer.scores
         for qp in (torch.tensor([seen]), torch.tensor([seen - 1]), torch.arange(max(seen - 5, 0), seen + 1)):
             assert torch.equal(rule.visible(layer, qp), kvpop_visible_reference(pos, sco, qp, s, w, k, pend))
 
@@ -192,22 +199,12 @@ def test_visible_equals_stable_sort_reference(recurrent):
 @pytest.mark.parametrize("recurrent", [False, True])
 def test_block_mask_is_visible(recurrent):
     "The FlexAttention mask_mod of KVpopRule.block_mask, materialized, is `visible` repeated over each KV head's group."
-    from types import SimpleNamespace
-
     from torch.nn.attention.flex_attention import create_mask
-    gen = torch.Generator().manual_seed(11 + recurrent)
-    for trial in range(40):
-        s, w, k = (int(x) for x in torch.randint(1, 7, (3,), generator=gen))
-        seen = int(torch.randint(s + w, s + w + 4 * k, (1,), generator=gen))
-        n = min(seen, s + w + k + int(torch.randint(0, 3, (1,), generator=gen)))
-        pos = torch.stack([torch.randperm(seen, generator=gen)[:n].sort().values for _ in range(6)]).view(2, 3, n)
-        sco = torch.randint(0, 3, pos.shape, generator=gen).float()
-        sco[0, 1, : n // 2] = float("-inf")  # eligible -inf priorities rank above the rest
-        rule = KVpopRule(KVpopScorers.mlstm(1, 1, 2, w) if recurrent else KVpopScorers.mlp(1, 1, 2), s, w, k)
-        pend = seen - int(torch.randint(0, w + 1, (1,), generator=gen)) if recurrent else seen
-        layer = SimpleNamespace(positions=pos, scores=sco, seen=seen, kvpop_readout=SimpleNamespace(pending_from=pend))
+    for trial, (rule, layer, *_) in enumerate(random_layer_states(recurrent, 11 + recurrent, 40)):
+        n = layer.positions.shape[-1]
+        layer.scores[0, 1, : n // 2] = float("-inf")  # eligible -inf priorities rank above the rest
         G = 1 + trial % 3
-        for qp in (torch.tensor([seen]), torch.arange(max(seen - 5, 0), seen + 1)):
+        for qp in (torch.tensor([layer.seen]), torch.arange(max(layer.seen - 5, 0), layer.seen + 1)):
             got = create_mask(rule.block_mask(layer, qp, G).mask_mod, 2, 3 * G, len(qp), n)
             assert torch.equal(got, rule.visible(layer, qp).repeat_interleave(G, 1))
 
