@@ -146,8 +146,9 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
-    assert err.strip().splitlines()[-1].startswith("sparsekv-reproduce: interrupted"), err[-2000:]
-    # no traceback of the runner (the kernel may log its own interruption)
+    # the runner's last word (the kernel, dying beside it, may log its own interruption after it, on a busy machine)
+    assert any(line.startswith("sparsekv-reproduce: interrupted") for line in err.splitlines()), err[-2000:]
+    # no traceback of the runner
     assert "reproduce.py" not in err, err[-2000:]
     kernel, t0 = int(pid_file.read_text()), time.time()
     while os.path.exists(f"/proc/{kernel}") and time.time() - t0 < 30: time.sleep(0.2)
