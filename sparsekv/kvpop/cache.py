@@ -169,8 +169,9 @@ def block_mask(self, layer, query_positions: Tensor, groups: int = 1) -> BlockMa
     def causal(b, h, q_idx, kv_idx): return pos[b, h // groups, kv_idx] <= qpos[q_idx]
 
     def kvpop(b, h, q_idx, kv_idx):
-        t, p, hk = pos[b, h // groups, kv_idx], qpos[q_idx], h // groups
-        return (t <= p) & ~((t <= p - w) & (cut[0][b, hk, kv_idx] > cut[1][b, hk, q_idx]))
+        hk = h // groups
+        hidden = (pos[b, hk, kv_idx] <= qpos[q_idx] - w) & (cut[0][b, hk, kv_idx] > cut[1][b, hk, q_idx])
+        return causal(b, h, q_idx, kv_idx) & ~hidden
     return create_block_mask(causal if cut is None else kvpop, B, H * groups, qpos.shape[0], N, device=pos.device,
                              _compile=pos.is_cuda)
 

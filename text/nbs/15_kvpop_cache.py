@@ -364,8 +364,9 @@ def block_mask(self, layer, query_positions: Tensor, groups: int = 1) -> BlockMa
     def causal(b, h, q_idx, kv_idx): return pos[b, h // groups, kv_idx] <= qpos[q_idx]
 
     def kvpop(b, h, q_idx, kv_idx):
-        t, p, hk = pos[b, h // groups, kv_idx], qpos[q_idx], h // groups
-        return (t <= p) & ~((t <= p - w) & (cut[0][b, hk, kv_idx] > cut[1][b, hk, q_idx]))
+        hk = h // groups
+        hidden = (pos[b, hk, kv_idx] <= qpos[q_idx] - w) & (cut[0][b, hk, kv_idx] > cut[1][b, hk, q_idx])
+        return causal(b, h, q_idx, kv_idx) & ~hidden
     return create_block_mask(causal if cut is None else kvpop, B, H * groups, qpos.shape[0], N, device=pos.device,
                              _compile=pos.is_cuda)
 
@@ -694,8 +695,9 @@ for chunks in ([1] * 22, [7, 1, 1, 12, 1]):
 # start (tests/test_kvpop_cache.py).
 #
 # `KVpopPolicy` runs exact attention over what the rule shows each query. It masks prefill chunks
-# itself (`masks_chunks`), with `visible` or, on a GPU, FlexAttention's `block_mask`; at decode the layer may hold one eligible entry more than the query
-# sees (the worst of $k + 1$), which the policy masks with the index from `worst_eligible` (or with
+# itself (`masks_chunks`), with `visible` or, on a GPU, FlexAttention's `block_mask`; at decode the
+# layer may hold one eligible entry more than the query sees (the worst of $k + 1$), which the
+# policy masks with the index from `worst_eligible` (or with
 # the full `visible` mask after a prefill chunk). It also marks the layer as masked: with recurrent
 # scorers `keep` refuses to evict after a decode step that no `KVpopPolicy` masked.
 #
