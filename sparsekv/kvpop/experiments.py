@@ -704,9 +704,11 @@ def every_token_pairs(self, names: list[str], results: pd.DataFrame, every: pd.D
 
 # %% ../../nbs/19b_kvpop_experiments.ipynb #8e720838
 @patch_to(TrainRun)
-def window_recall_rows(self, queries: int) -> pd.DataFrame:
-    "Rows (window, compression, method, teacher, recall) of `activation_recall` on every held-out window."
-    store = cache_activations(self.model, self.val_ids, self.out / f"val_activations_S{self.S}_w{self.window}",
+def window_recall_rows(self, queries: int, ids: Tensor | None = None, pool: str = "val") -> pd.DataFrame:
+    """Rows (window, compression, method, teacher, recall) of `activation_recall` on every window of `ids` (default
+    the held-out ones), whose activations are cached under `pool`."""
+    ids = self.val_ids if ids is None else ids
+    store = cache_activations(self.model, ids, self.out / f"{pool}_activations_S{self.S}_w{self.window}",
                               window=self.window)
 
     def window_recall(i: int) -> list[dict]:
@@ -715,7 +717,7 @@ def window_recall_rows(self, queries: int) -> pd.DataFrame:
                                for m in ["streaming_llm", *self.kvpop_methods]}
         return [dict(window=i, compression=cr, **row) for cr in self.compressions for row in activation_recall(
             batch, students(cr), self.sink, self.window, self.ks[cr], queries)]
-    return pd.DataFrame([row for i in range(len(self.val_ids)) for row in window_recall(i)])
+    return pd.DataFrame([row for i in range(len(ids)) for row in window_recall(i)])
 
 # %% ../../nbs/19b_kvpop_experiments.ipynb #ba6c07e8
 def paper_vs_ours(paper_rel: dict, ours: dict, methods: list[str], compressions: list[float]) -> pd.DataFrame:

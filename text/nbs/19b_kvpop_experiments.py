@@ -1465,9 +1465,11 @@ pd.testing.assert_frame_equal(run.every_token_pairs(["tova:all"], results, _more
 # %%
 #| export
 @patch_to(TrainRun)
-def window_recall_rows(self, queries: int) -> pd.DataFrame:
-    "Rows (window, compression, method, teacher, recall) of `activation_recall` on every held-out window."
-    store = cache_activations(self.model, self.val_ids, self.out / f"val_activations_S{self.S}_w{self.window}",
+def window_recall_rows(self, queries: int, ids: Tensor | None = None, pool: str = "val") -> pd.DataFrame:
+    """Rows (window, compression, method, teacher, recall) of `activation_recall` on every window of `ids` (default
+    the held-out ones), whose activations are cached under `pool`."""
+    ids = self.val_ids if ids is None else ids
+    store = cache_activations(self.model, ids, self.out / f"{pool}_activations_S{self.S}_w{self.window}",
                               window=self.window)
 
     def window_recall(i: int) -> list[dict]:
@@ -1476,13 +1478,15 @@ def window_recall_rows(self, queries: int) -> pd.DataFrame:
                                for m in ["streaming_llm", *self.kvpop_methods]}
         return [dict(window=i, compression=cr, **row) for cr in self.compressions for row in activation_recall(
             batch, students(cr), self.sink, self.window, self.ks[cr], queries)]
-    return pd.DataFrame([row for i in range(len(self.val_ids)) for row in window_recall(i)])
+    return pd.DataFrame([row for i in range(len(ids)) for row in window_recall(i)])
 
 
 # %%
 _recall = run.window_recall_rows(8)
 test_eq(len(_recall), 2 * 2 * 3)   # windows x compressions x (StreamingLLM, the student's two teachers)
 assert _recall.recall.between(0, 1).all()
+_recall_one = run.window_recall_rows(8, run.val_ids[1:], "one")   # another pool: its own activations, same numbers
+test_eq(_recall_one.recall.tolist(), _recall[_recall.window == 1].recall.tolist())
 
 
 # %% [markdown]
