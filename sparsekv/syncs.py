@@ -186,13 +186,13 @@ def decode_seconds(method: Method | None, model, input_ids: torch.Tensor, steps:
                    ) -> dict:
     """Wall seconds of each of the last `steps` decode steps of `method` (None: transformers' default) on `model` after
     the prefill of the tokens before them and two eager steps, and their logits [n, V]; `backend`: the `torch.compile`
-    backend that compiles the step (None: eager), its first call (`compile_seconds`) apart. A compiled step that
-    compiles again (`recompiled`: what it guards on changes every step), or that cannot be compiled as one graph
-    (`error`: TorchDynamo's reason), ends the run there."""
+    backend that compiles the step (None: eager), its first call (`compile_seconds`) apart. Positions whose compiled
+    step compiled again (`recompiled`: a buffer's growth, a page boundary) are listed and left out of the times; the
+    third ends the run, as does a step that cannot be compiled as one graph (`error`: TorchDynamo's reason)."""
     S = input_ids.shape[1]
     if not isinstance(steps, int) or not 2 <= steps < S - 2:
         raise ValueError(f"steps must be an int in [2, {S - 3}] (a compiled first step and timed ones), got {steps!r}")
-    times, logits, recompiled, error = [], [], False, None
+    times, logits, recompiled, error, compile_seconds = [], [], [], None, None
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731 (graphs compiled so far)
     with _after_prefill(method, model, input_ids, steps + 2) as step:
         step(S - steps - 2), step(S - steps - 1)
@@ -207,8 +207,11 @@ def decode_seconds(method: Method | None, model, input_ids: torch.Tensor, steps:
                 error = str(e).strip().splitlines()[0]
                 break
             sync()
-            times.append(time.perf_counter() - t0)
-            if i and graphs() > before: recompiled = True; break  # noqa: E702
-    compile_seconds = times.pop(0) if backend is not None and times else None
+            seconds = time.perf_counter() - t0
+            if graphs() == before: times.append(seconds)
+            elif not i: compile_seconds = seconds
+            else:
+                recompiled.append(p)
+                if len(recompiled) == 3: break
     return {"step_seconds": times, "compile_seconds": compile_seconds, "recompiled": recompiled, "error": error,
             "logits": torch.stack(logits) if logits else None}
