@@ -2,6 +2,7 @@
 
 d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_url': '', 'lib_path': 'sparsekv'},
   'syms': { 'sparsekv.attention': { 'sparsekv.attention.IntArgumentError': ('attention.html#intargumenterror', 'sparsekv/attention.py'),
+                                    'sparsekv.attention._rows': ('attention.html#_rows', 'sparsekv/attention.py'),
                                     'sparsekv.attention.and_masks': ('attention.html#and_masks', 'sparsekv/attention.py'),
                                     'sparsekv.attention.attention_chunked': ('attention.html#attention_chunked', 'sparsekv/attention.py'),
                                     'sparsekv.attention.attention_reference': ( 'attention.html#attention_reference',
@@ -39,6 +40,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'sparsekv.attention.repeat_kv': ('attention.html#repeat_kv', 'sparsekv/attention.py'),
                                     'sparsekv.attention.require_data': ('attention.html#require_data', 'sparsekv/attention.py'),
                                     'sparsekv.attention.require_finite': ('attention.html#require_finite', 'sparsekv/attention.py'),
+                                    'sparsekv.attention.row_table': ('attention.html#row_table', 'sparsekv/attention.py'),
                                     'sparsekv.attention.sdpa_attention_lse': ('attention.html#sdpa_attention_lse', 'sparsekv/attention.py'),
                                     'sparsekv.attention.shape_count': ('attention.html#shape_count', 'sparsekv/attention.py'),
                                     'sparsekv.attention.sink_window_visible': ( 'attention.html#sink_window_visible',

@@ -20,12 +20,12 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_bloc
 
 # %% auto #0
 __all__ = ['BACKENDS', 'masked_logsumexp', 'repeat_kv', 'check_qkv', 'checks', 'hot_path', 'content_checks', 'require_finite',
-           'require_data', 'IntArgumentError', 'check_int', 'shape_count', 'gather_index', 'gather_keys', 'gather_kv',
-           'and_masks', 'or_masks', 'not_mask', 'is_causal', 'in_sinks', 'in_window', 'sink_window_visible',
-           'evictable', 'causal_mask', 'check_mask', 'softmax_scale', 'attention_scores', 'attention_reference',
-           'attention_chunked', 'merge_attention', 'position_mask_mod', 'causal_mask_mod', 'mask_mod_from_bool',
-           'bias_score_mod', 'block_mask_from_bool', 'causal_block_mask', 'compiled_flex_attention',
-           'flex_attention_lse', 'sdpa_attention_lse', 'masked_attention']
+           'require_data', 'IntArgumentError', 'check_int', 'shape_count', 'gather_index', 'row_table', 'gather_keys',
+           'gather_kv', 'and_masks', 'or_masks', 'not_mask', 'is_causal', 'in_sinks', 'in_window',
+           'sink_window_visible', 'evictable', 'causal_mask', 'check_mask', 'softmax_scale', 'attention_scores',
+           'attention_reference', 'attention_chunked', 'merge_attention', 'position_mask_mod', 'causal_mask_mod',
+           'mask_mod_from_bool', 'bias_score_mod', 'block_mask_from_bool', 'causal_block_mask',
+           'compiled_flex_attention', 'flex_attention_lse', 'sdpa_attention_lse', 'masked_attention']
 
 # %% ../nbs/00_attention.ipynb #0329d669
 def masked_logsumexp(s: Tensor, dim: int = -1) -> Tensor:
@@ -142,13 +142,37 @@ def gather_index(idx: Tensor, D: int) -> Tensor:
     return idx[..., None].expand(-1, -1, -1, D)
 
 
+def row_table(x: Tensor) -> tuple[Tensor, int] | None:
+    """`x` `[B,H,S,D]` as a table `[R,D]` of the D-wide rows of its memory and the rows from one head's first
+    entry to the next's, where eager CPU code gains by taking rows (None elsewhere: use `gather`)."""
+    B, H, S, D = x.shape
+    sb, sh, ss, sd = x.stride()
+    sh = sb // H if H == 1 and B > 1 else sh  # a lone head's stride is free: the batch's steps over it
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    if (D > 1 and sd != 1) or (S > 1 and ss != D) or sh % D or (B > 1 and sb != H * sh) or x.numel() == 0:
+        return None
+    return x.as_strided((((B * H) - 1) * sh // D + S, D), (D, 1)), sh // D
+
+
+def _rows(idx: Tensor, step: int) -> Tensor:
+    "Per-head indices `idx` `[B,H,n]` as row numbers of a `row_table` whose heads start `step` rows apart."
+    B, H, _ = idx.shape
+    return idx + torch.arange(B * H, device=idx.device).view(B, H, 1) * step
+
+
 def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
     "The entries `idx` `[B,Hkv,n]` of `x` `[B,Hkv,S,D]` along the sequence, per KV head."
-    return x.gather(2, gather_index(idx, x.shape[-1]))
+    if (t := row_table(x)) is None: return x.gather(2, gather_index(idx, x.shape[-1]))
+    return F.embedding(_rows(idx, t[1]), t[0])
 
 # %% ../nbs/00_attention.ipynb #191e64d7
 def gather_kv(k: Tensor, v: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
-    "`gather_keys` of keys and values at once: one expanded index serves both when their head dims agree."
+    "`gather_keys` of keys and values at once: one index serves both when their layouts agree."
+    tk, tv = row_table(k), row_table(v)
+    if tk is not None and tv is not None and tk[1] == tv[1]:
+        rows = _rows(idx, tk[1])
+        return F.embedding(rows, tk[0]), F.embedding(rows, tv[0])
     i = gather_index(idx, k.shape[-1])
     return k.gather(2, i), v.gather(2, i if v.shape[-1] == k.shape[-1] else gather_index(idx, v.shape[-1]))
 

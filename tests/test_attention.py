@@ -255,3 +255,46 @@ def test_attention_reference_more_queries_than_keys():
     with pytest.raises(ValueError, match=r"more queries \(Sq=6\) than keys \(Sk=3\)"): attention_reference(q, k, v)
     out, lse = attention_reference(q, k, v, torch.ones(6, 3, dtype=torch.bool))
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def _gather_loops(x, idx):
+    "The entries idx [B,H,n] of x [B,H,S,D] by loops: the reference `gather_keys` and `gather_kv` are checked against."
+    return torch.stack([torch.stack([x[b, h, idx[b, h]] for h in range(x.shape[1])]) for b in range(x.shape[0])])
+
+
+# layouts of [B,H,S,D] a cache hands to attention: whole, a capacity buffer's prefix, batch rows or heads of a larger
+# tensor, heads and sequence transposed, lone heads and entries, expanded over batch and heads (stride 0)
+LAYOUTS = {
+    "contiguous": lambda b: b[:, :, :9].contiguous(),
+    "buffer prefix": lambda b: b[:, :, :9],
+    "last batch row": lambda b: b[1:, :, :9],
+    "two of three heads": lambda b: b[:, :2, :9],
+    "middle head": lambda b: b[:, 1:2, :9],
+    "sequence-major": lambda b: b.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :9],  # memory [B,S,H,D]
+    "one entry": lambda b: b[:, :, :1],
+    "expanded": lambda b: b[:1, :1, :9].expand(2, 3, 9, -1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gather_keys_and_kv_equal_loops(layout, dtype):
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(2, 3, 16, 8, generator=g).to(dtype)
+    k, v = LAYOUTS[layout](buf), LAYOUTS[layout](torch.randn(2, 3, 16, 8, generator=g).to(dtype))
+    idx = torch.randint(0, k.shape[2], (*k.shape[:2], 6), generator=g)
+    assert torch.equal(A.gather_keys(k, idx), _gather_loops(k, idx))
+    assert A.gather_keys(k, idx)._base is None  # a tensor of its own, as gather's: compiled steps see one kind
+    for vv in (v, torch.randn(*v.shape[:3], 5, generator=g).to(dtype)):  # a value head as wide, narrower
+        gk, gv = A.gather_kv(k, vv, idx)
+        assert torch.equal(gk, _gather_loops(k, idx)) and torch.equal(gv, _gather_loops(vv, idx))
+
+
+def test_row_table_only_where_rows_are_whole():
+    buf = torch.randn(2, 3, 16, 8)
+    table, step = A.row_table(buf[:, :, :9])
+    assert step == 16 and table.shape == (5 * 16 + 9, 8) and table.data_ptr() == buf.data_ptr()  # a view, no copy
+    assert A.row_table(buf.transpose(2, 3)) is None  # entries are not rows of memory
+    assert A.row_table(buf[:, :2]) is None  # the batch's step is not a whole number of these heads
+    assert A.row_table(buf.clone().requires_grad_()) is None  # differentiated: gather's backward
+    with torch.no_grad(): assert A.row_table(buf.clone().requires_grad_()) is not None

@@ -10,7 +10,7 @@ from fastcore.basics import patch_to
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from ..attention import check_int, flex_attention_lse, is_causal
+from ..attention import check_int, flex_attention_lse, gather_kv, is_causal
 from ..cache import EvictingCache, EvictingLayer, TopScoreRule
 from ..hf import DensePolicy, MaskPolicy, dense_attention, measuring
 from .cutoff import LogDecay, check_budget, prefix_kth, topk_cutoff
@@ -306,10 +306,10 @@ def evict(self, next_position: int | None = None) -> None:
         idx = ar + (ar >= worst)
     m, cap = idx.shape[-1], self._buffers[0].shape[2]
     if m == self.positions.shape[-1]: return
-    wide = idx[..., None].expand(-1, -1, -1, self.keys.shape[-1])  # the keys' and values' index
+    kept = (*gather_kv(*self._buffers[:2], idx), *(b.gather(2, idx) for b in self._buffers[2:]))
     # the kept entries to the front of each buffer (gathered first: no overlap); the views are the new entries
     self.keys, self.values, self.positions, self.scores = (
-        b.narrow(2, 0, m).copy_(b.gather(2, wide if b.dim() == 4 else idx)) for b in self._buffers)
+        b.narrow(2, 0, m).copy_(x) for b, x in zip(self._buffers, kept))
     if cap > self.rule.budget + 1 >= m: self._seat(m, self.rule.budget + 1)  # give back what a prefill chunk needed
 
 # %% ../../nbs/15_kvpop_cache.ipynb #2a1e315d
