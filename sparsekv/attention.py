@@ -147,7 +147,7 @@ def row_table(x: Tensor) -> tuple[Tensor, int] | None:
     entry to the next's, where eager CPU code gains by taking rows (None elsewhere: use `gather`)."""
     B, H, S, D = x.shape
     sb, sh, ss, sd = x.stride()
-    sh = sb // H if H == 1 and B > 1 else sh  # a lone head's stride is free: the batch's steps over it
+    if H == 1 and B > 1: sh = sb  # a lone head's stride is free: the next head is the next batch row's
     if x.device.type != "cpu" or torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
         return None
     if (D > 1 and sd != 1) or (S > 1 and ss != D) or sh % D or (B > 1 and sb != H * sh) or x.numel() == 0:

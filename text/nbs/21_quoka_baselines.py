@@ -519,8 +519,8 @@ test_fail(lambda: SparQ(256, r=64).check_model(load_model("tiny-llama")[0]), con
 # way a $D \times D$ eigenproblem per head and call. Decode keeps it current too, rather than freezing
 # the prompt's basis: a basis that has not seen the newest keys represents them worst, and they are
 # the keys decode attends to most, so a frozen basis would weaken the baseline the longer it
-# generates. The eigenproblem per layer and step is therefore Loki's main decode cost here. (2) The basis is that of the **uncentered**
-# second moment $K^\top K$ by default: the top-$r$ eigenvectors of $K^\top K$ minimize the mean
+# generates. The eigenproblem per layer and step is therefore Loki's main decode cost here.
+# (2) The basis is that of the **uncentered** second moment $K^\top K$ by default: the top-$r$ eigenvectors of $K^\top K$ minimize the mean
 # squared error $\lVert k - P_r P_r^\top k \rVert^2$ of the raw keys, which is what enters the
 # dot products; `center=True` uses the covariance (classical PCA) instead. (3) Keys are
 # post-RoPE (what the attention function receives); Loki studies both pre- and post-rotary
