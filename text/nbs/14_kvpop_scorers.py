@@ -385,11 +385,12 @@ test_eq((st.m.max().item(), st.m.dtype), (-math.inf, torch.float64))  # no token
 #| export
 def mlstm_step(state: MLSTMState, k: Tensor, v: Tensor, log_i: Tensor, log_f: Tensor) -> MLSTMState:
     "One stabilized mLSTM update with key feature k [B,H,dk], value v [B,H,dv], log-gates [B,H] (Eq. 38-39)."
-    m = torch.maximum(log_f + state.m, log_i)
-    decay, write = torch.exp(log_f + state.m - m), torch.exp(log_i - m)
-    C = decay[..., None, None] * state.C + write[..., None, None] * (k[..., :, None] * v[..., None, :])
-    n = decay[..., None] * state.n + write[..., None] * k
-    return MLSTMState(C, n, m)
+    kept = log_f + state.m  # the log weight of the old state
+    m = torch.maximum(kept, log_i)
+    decay, write = torch.exp(kept - m), torch.exp(log_i - m)
+    wk = write[..., None] * k  # the new key, weighted: C gains wk v^T, n gains wk
+    C = torch.addcmul(decay[..., None, None] * state.C, wk[..., :, None], v[..., None, :])
+    return MLSTMState(C, torch.addcmul(wk, decay[..., None], state.n), m)
 
 
 # %%
@@ -411,7 +412,10 @@ def mlstm_readout(state: MLSTMState, q: Tensor, normalizer: str = "ratio", eps: 
     "Readout h = q C / (q z) of a stabilized state for features q [B,H,dk] or [B,H,n,dk] (Eq. 41): [B,H,(n,)dv]."
     one = q.dim() == 3
     q = (q[:, :, None] if one else q) * q.shape[-1] ** -0.5
-    num, qn = q @ state.C, q @ state.n[..., None]  # [B,H,n,dv], [B,H,n,1]
+    (B, H, n, dk), dv = q.shape, state.C.shape[-1]
+    flat = q.reshape(B * H, n, dk)  # one batched product per state matrix over the heads: [B,H,n,dv], [B,H,n,1]
+    num = torch.bmm(flat, state.C.reshape(B * H, dk, dv)).view(B, H, n, dv)
+    qn = torch.bmm(flat, state.n.reshape(B * H, dk, 1)).view(B, H, n, 1)
     den = (qn.abs() if check_normalizer(normalizer) == "ratio"
            else torch.maximum(qn.abs(), torch.exp(-state.m)[..., None, None]))
     h = num / (den + eps)
