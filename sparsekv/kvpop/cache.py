@@ -222,15 +222,17 @@ def _recurrent_scores(self, layer, keys, values, positions):
         raw = scorer.score_head(h[:, :, first:])
     ro.queue = queue[:, :, R:]
     read = torch.arange(ro.pending_from, ro.pending_from + R, device=keys.device)
-    # pending: never ranked before it is read
-    new = torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)
-    if R:
+    if not R: new = torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)  # pending: never ranked
+    else:  # before it is read; the scores of cached entries change in place (buffers)
         prio = self.kvpop.decayed(layer.layer_idx, raw, read.expand(*positions.shape[:2], -1))
-        old = layer.positions[..., None] == read  # [B,H,N,R]: cached entries read now
-        # in place (buffers)
-        layer.scores.copy_(torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores))
-        fresh = positions[..., None] == read
-        new = torch.where(fresh.any(-1), (fresh * prio[:, :, None]).sum(-1), new)
+        if R == 1:  # a decode step reads one token: an entry is it or not
+            layer.scores.copy_(torch.where(layer.positions == read, prio, layer.scores))
+            new = torch.where(positions == read, prio, 0.0)
+        else:
+            old = layer.positions[..., None] == read  # [B,H,N,R]: cached entries read now
+            layer.scores.copy_(torch.where(old.any(-1), (old * prio[:, :, None]).sum(-1), layer.scores))
+            fresh = positions[..., None] == read
+            new = torch.where(fresh.any(-1), (fresh * prio[:, :, None]).sum(-1), 0.0)
     ro.pending_from = max(start + S - self.delay, 0)
     return new
 
