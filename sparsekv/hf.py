@@ -148,14 +148,17 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     G = check_qkv(q, k, v)
     sq, sk = q.shape[2], k.shape[2]
     is_causal = False
-    if mask is not None: mask = heads_mask(mask, q.shape[1])
+    # a decode query: its group of G heads as G queries of one KV head, which a mask per KV head serves as it is
+    grouped = sq == 1 and G > 1 and (mask is None or mask.ndim == 4 and mask.shape[1] in (1, k.shape[1]))
+    if mask is not None: mask = heads_mask(mask, k.shape[1] if grouped else q.shape[1])
     elif sk < sq: raise ValueError(f"a causal call needs at least as many keys as queries, got Sk={sk} < Sq={sq}")
     elif sq == sk: is_causal = sq > 1
     elif sq > 1: mask = causal_mask(sq, sk, q.device)
     if _meter() is not None: record_attended(attended_counts(mask, q.shape[0], q.shape[1], sq, sk))
-    if sq == 1 and mask is None and G > 1:  # a decode query: its group of G heads as G queries of one KV head
+    if grouped:
         B, Hkv, D = k.shape[0], k.shape[1], v.shape[-1]
-        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, q.shape[-1]), k, v, dropout_p=dropout, scale=scale)
+        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, q.shape[-1]), k, v, attn_mask=mask,
+                                             dropout_p=dropout, scale=scale)
         return out.reshape(B, Hkv * G, 1, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                           scale=scale, enable_gqa=G > 1)

@@ -344,14 +344,17 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     G = check_qkv(q, k, v)
     sq, sk = q.shape[2], k.shape[2]
     is_causal = False
-    if mask is not None: mask = heads_mask(mask, q.shape[1])
+    # a decode query: its group of G heads as G queries of one KV head, which a mask per KV head serves as it is
+    grouped = sq == 1 and G > 1 and (mask is None or mask.ndim == 4 and mask.shape[1] in (1, k.shape[1]))
+    if mask is not None: mask = heads_mask(mask, k.shape[1] if grouped else q.shape[1])
     elif sk < sq: raise ValueError(f"a causal call needs at least as many keys as queries, got Sk={sk} < Sq={sq}")
     elif sq == sk: is_causal = sq > 1
     elif sq > 1: mask = causal_mask(sq, sk, q.device)
     if _meter() is not None: record_attended(attended_counts(mask, q.shape[0], q.shape[1], sq, sk))
-    if sq == 1 and mask is None and G > 1:  # a decode query: its group of G heads as G queries of one KV head
+    if grouped:
         B, Hkv, D = k.shape[0], k.shape[1], v.shape[-1]
-        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, q.shape[-1]), k, v, dropout_p=dropout, scale=scale)
+        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G, q.shape[-1]), k, v, attn_mask=mask,
+                                             dropout_p=dropout, scale=scale)
         return out.reshape(B, Hkv * G, 1, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                           scale=scale, enable_gqa=G > 1)
@@ -368,6 +371,12 @@ q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 
 assert_close(dense_attention(q, k, v, m), _reference(q, k, v, heads_mask(m, 4)))
 test_eq(dense_attention(q, k, v, m)[0, 2:4, 2].abs().max().item(), 0.0)  # fully masked row -> 0, never NaN
 test_fail(lambda: dense_attention(q, k, v, m.float()), contains="boolean")
+for h in (1, 2, 4):  # a decode query's mask: one for all heads, per KV head (grouped queries), per query head
+    m1 = torch.rand(2, h, 1, 8) > 0.4
+    m1[1, 0, 0] = False  # a fully masked row
+    q1 = torch.randn(2, 4, 1, 16)
+    assert_close(dense_attention(q1, k, v, m1), _reference(q1, k, v, heads_mask(m1, 4)))
+    test_eq(dense_attention(q1, k, v, m1)[1, :4 // h].abs().max().item(), 0.0)
 test_fail(lambda: dense_attention(torch.randn(2, 3, 3, 16), k, v), contains="must be a multiple of the KV heads")
 
 
