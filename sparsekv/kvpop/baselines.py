@@ -61,9 +61,9 @@ def streaming_llm_rule(sink: int, window: int, k: int) -> SinkWindowRule:
 # %% ../../nbs/16_kvpop_baselines.ipynb #f35a5713
 def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     "Softmax probabilities [B,Hq,Sq,N] of q [B,Hq,Sq,D] over k [B,Hkv,N,D]; `mask` boolean (True = attend) or None."
-    (B, Hq, Sq, D), H = q.shape, k.shape[1]
-    # a KV head's G query heads as G * Sq queries of it: no copy of the keys per query head
-    logits = (q.reshape(B, H, Hq // H * Sq, D) @ k.transpose(-1, -2)).view(B, Hq, Sq, -1).float() * scale
+    (B, Hq, Sq, D), (H, N) = q.shape, k.shape[1:3]
+    # a KV head's G query heads as G * Sq queries of it: one bmm over the KV heads, no copy of the keys per query head
+    logits = torch.bmm(q.reshape(B * H, Hq // H * Sq, D), k.reshape(B * H, N, D).mT).view(B, Hq, Sq, N).float() * scale
     if mask is not None: logits = logits.masked_fill(~heads_mask(mask, Hq), float("-inf"))
     return torch.softmax(logits, -1)
 

@@ -148,9 +148,9 @@ test_eq((type(_sl), _sl.sink, _sl.window), (SinkWindowRule, 2, 3 + 4))
 #| export
 def attention_probs(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     "Softmax probabilities [B,Hq,Sq,N] of q [B,Hq,Sq,D] over k [B,Hkv,N,D]; `mask` boolean (True = attend) or None."
-    (B, Hq, Sq, D), H = q.shape, k.shape[1]
-    # a KV head's G query heads as G * Sq queries of it: no copy of the keys per query head
-    logits = (q.reshape(B, H, Hq // H * Sq, D) @ k.transpose(-1, -2)).view(B, Hq, Sq, -1).float() * scale
+    (B, Hq, Sq, D), (H, N) = q.shape, k.shape[1:3]
+    # a KV head's G query heads as G * Sq queries of it: one bmm over the KV heads, no copy of the keys per query head
+    logits = torch.bmm(q.reshape(B * H, Hq // H * Sq, D), k.reshape(B * H, N, D).mT).view(B, Hq, Sq, N).float() * scale
     if mask is not None: logits = logits.masked_fill(~heads_mask(mask, Hq), float("-inf"))
     return torch.softmax(logits, -1)
 
@@ -164,6 +164,10 @@ ref = torch.stack([torch.softmax((q[0, h] @ k[0, h // 2].T * 0.3).masked_fill(~m
 assert_close(attention_probs(q, k, m, 0.3), ref)
 assert_close(attention_probs(q[:, :, -1:], k, None, 0.3), torch.softmax(ref.new_tensor(
     [[(q[0, h, -1] @ k[0, h // 2].T * 0.3).tolist()] for h in range(4)]), -1)[None])
+q2, k2 = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 8, 5).mT  # two batch rows, keys not contiguous
+test_eq(k2.is_contiguous(), False)
+assert_close(attention_probs(q2, k2, None, 0.3), torch.stack([torch.stack(
+    [torch.softmax(q2[b, h] @ k2[b, h // 2].T * 0.3, -1) for h in range(4)]) for b in range(2)]))
 
 
 # %%
