@@ -115,7 +115,8 @@ def sample_attention_select(q_chunk: Tensor, k_cache: Tensor, budget: int | floa
     # drawn even when every key is kept, so a Generator advances per chunk
     pos = sample_query_positions(q_chunk.shape[2], n_q, seed)
     if n == T: return all_key_indices(B, Hkv, T, k_cache.device)
-    p = (c * grouped_products(q_chunk[:, :, pos.to(q_chunk.device)], k_cache)).softmax(-1)
+    sampled = q_chunk if len(pos) == q_chunk.shape[2] else q_chunk[:, :, pos.to(q_chunk.device)]  # all: as they are
+    p = (c * grouped_products(sampled, k_cache)).softmax(-1)
     return top_budget_indices(p.sum((2, 3)), n)
 
 # %% ../../nbs/21_quoka_baselines.ipynb #1977529d

@@ -446,7 +446,9 @@ def row_table(x: Tensor) -> tuple[Tensor, int] | None:
 def _rows(idx: Tensor, step: int) -> Tensor:
     "Per-head indices `idx` `[B,H,n]` as row numbers of a `row_table` whose heads start `step` rows apart."
     B, H, _ = idx.shape
-    return idx + torch.arange(B * H, device=idx.device).view(B, H, 1) * step
+    # each head's first row, by a stepped arange (heads expanded over one memory, step 0, all start at row 0)
+    first = torch.arange(0, B * H * step, step, device=idx.device) if step else idx.new_zeros(B * H)
+    return idx + first.view(B, H, 1)
 
 
 def gather_keys(x: Tensor, idx: Tensor) -> Tensor:
